@@ -1,0 +1,83 @@
+"""The `dapo` command line: one entry point per service, the bootstrap and the local one-command run.
+
+The command line is the composition root: it is the one place that names every service package, and it
+imports each lazily so that `dapo reward` never loads torch or vLLM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import os
+import sys
+
+from services.config import ConfigError, load_settings
+
+# command -> (module, function, help). Each function takes the loaded Settings.
+COMMANDS = {
+    "run": ("services.launcher", "main", "run the whole system locally (embedded Redis, all services)"),
+    "bootstrap": ("services.bootstrap", "main", "build the embedded tiny model (cached)"),
+    "learner": ("learner.service", "main", "run the learner service"),
+    "generator": ("generator.service", "main", "run a generator service (vLLM)"),
+    "reward": ("reward.service", "main", "run a reward worker service"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dapo", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, (_, _, help_text) in COMMANDS.items():
+        cmd = sub.add_parser(name, help=help_text)
+        cmd.add_argument(
+            "--config", "-c", default=None,
+            help="preset name in configs/ or a YAML path (default: $DAPO_CONFIG or tiny-cpu)",
+        )
+        cmd.add_argument(
+            "--set", "-s", action="append", default=[], metavar="KEY=VALUE",
+            help="override a field, e.g. learner.total_steps=20 (repeatable; YAML value syntax)",
+        )
+        if name == "run":
+            cmd.add_argument("--generators", type=int, default=1, help="generator processes")
+            cmd.add_argument("--reward-workers", type=int, default=1, help="reward worker processes")
+            cmd.add_argument("--no-display", action="store_true", help="plain log lines instead of the live view")
+    return parser
+
+
+def parse_overrides(pairs: list[str]) -> dict:
+    import yaml
+
+    overrides: dict = {}
+    for pair in pairs:
+        if "=" not in pair:
+            raise ConfigError(f"--set expects KEY=VALUE, got {pair!r}")
+        key, value = pair.split("=", 1)
+        node = overrides
+        *parents, leaf = key.strip().split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = yaml.safe_load(value)
+    return overrides
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=os.environ.get("DAPO_LOG_LEVEL", "INFO"),
+        format=f"%(asctime)s {args.command} %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        settings = load_settings(args.config, **parse_overrides(args.set))
+    except ConfigError as err:
+        print(f"dapo: {err}", file=sys.stderr)
+        return 2
+    module, function, _ = COMMANDS[args.command]
+    entry = getattr(importlib.import_module(module), function)
+    if args.command == "run":
+        return entry(settings, generators=args.generators, reward_workers=args.reward_workers,
+                     display=not args.no_display) or 0
+    return entry(settings) or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

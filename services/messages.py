@@ -1,0 +1,153 @@
+"""The message contracts between services: one pydantic model per message, one wire codec.
+
+Wire format: msgpack of the model dump, with token ids packed as little-endian int32 bytes and logprobs as
+float32 bytes (`to_wire` / `from_wire`). That is about 8 bytes per sampled token instead of ~25 as JSON;
+`benchmarks/streams.py` measures it. Over HTTP the same models travel as plain JSON lists.
+
+Every message carries `schema_version`; a consumer rejects any other version to the dead stream.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+import msgpack
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, SerializationInfo, field_serializer, field_validator
+
+SCHEMA_VERSION = 1
+
+
+def _wire(info: SerializationInfo) -> bool:
+    return bool(info.context and info.context.get("wire"))
+
+
+def _unpack(value: Any, dtype: str) -> Any:
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return np.frombuffer(value, dtype=dtype).tolist()
+    return value
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    schema_version: Literal[1] = SCHEMA_VERSION
+
+
+class SamplingParams(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    n: int = Field(16, ge=1, le=1024)
+    temperature: float = Field(1.0, ge=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    max_tokens: int = Field(20480, ge=1)
+    seed: int | None = None
+
+
+class PromptTask(Message):
+    """One prompt to sample a group for. `task_id` is unique per request (a refill gets a new one)."""
+
+    task_id: str = Field(default_factory=lambda: uuid.uuid4().hex)
+    prompt_id: str
+    prompt: str = Field(description="The prompt text, template already applied.")
+    prompt_token_ids: list[int] | None = Field(None, description="Pre-tokenized prompt (preferred by engines).")
+    ground_truth: str
+    sampling: SamplingParams = SamplingParams()
+    split: Literal["train", "eval"] = "train"
+    min_version: int = Field(0, ge=0, description="Sample with a policy at least this new.")
+    created_at: float = Field(default_factory=time.time)
+
+    @field_serializer("prompt_token_ids")
+    def _pack_prompt(self, v: list[int] | None, info: SerializationInfo) -> Any:
+        return np.asarray(v, dtype="<i4").tobytes() if (v is not None and _wire(info)) else v
+
+    @field_validator("prompt_token_ids", mode="before")
+    @classmethod
+    def _unpack_prompt(cls, v: Any) -> Any:
+        return _unpack(v, "<i4")
+
+
+class Sample(BaseModel):
+    """One sampled response: its tokens and the behaviour policy's logprob of each sampled token."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    token_ids: list[int]
+    logprobs: list[float]
+    text: str
+    finish_reason: Literal["stop", "length", "abort"]
+
+    @field_serializer("token_ids")
+    def _pack_ids(self, v: list[int], info: SerializationInfo) -> Any:
+        return np.asarray(v, dtype="<i4").tobytes() if _wire(info) else v
+
+    @field_serializer("logprobs")
+    def _pack_logprobs(self, v: list[float], info: SerializationInfo) -> Any:
+        return np.asarray(v, dtype="<f4").tobytes() if _wire(info) else v
+
+    @field_validator("token_ids", mode="before")
+    @classmethod
+    def _unpack_ids(cls, v: Any) -> Any:
+        return _unpack(v, "<i4")
+
+    @field_validator("logprobs", mode="before")
+    @classmethod
+    def _unpack_logprobs(cls, v: Any) -> Any:
+        return _unpack(v, "<f4")
+
+
+class RolloutGroup(Message):
+    """All n responses to one task, sampled with one policy version."""
+
+    task: PromptTask
+    policy_version: int = Field(ge=0)
+    generator_id: str
+    samples: list[Sample]
+    generated_at: float = Field(default_factory=time.time)
+
+
+class Score(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    reward: float = Field(description="Rule reward (+1 / -1) plus overlong shaping.")
+    correct: bool
+    overlong: bool = Field(description="Truncated at max_tokens (finish_reason == length).")
+    extracted: str | None = Field(None, description="The answer the verifier read, if any.")
+    rule: str = Field(description="Which rule decided: answer_line, boxed, math_verify, none, timeout, error.")
+    detail: str = ""
+
+
+class ScoredGroup(Message):
+    """A rollout group with one score per sample, in sample order."""
+
+    rollout: RolloutGroup
+    scores: list[Score]
+    reward_worker_id: str = ""
+
+
+class WeightsAnnouncement(BaseModel):
+    """Published by the learner on `dapo:{run}:weights` (pub/sub) and in `dapo:{run}:weights:latest`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    version: int = Field(ge=0)
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+    size: int = Field(ge=0)
+    url: str = Field(description="Where to GET the safetensors file (bearer token required).")
+    published_at: float = Field(default_factory=time.time)
+
+
+def to_wire(message: BaseModel) -> bytes:
+    """Compact bytes for a Redis stream entry."""
+    return msgpack.packb(message.model_dump(context={"wire": True}), use_bin_type=True)
+
+
+def from_wire(model: type[BaseModel], payload: bytes) -> BaseModel:
+    """Parse bytes written by `to_wire`; raises ValueError (msgpack) or ValidationError (schema)."""
+    try:
+        data = msgpack.unpackb(payload, raw=False)
+    except Exception as err:  # msgpack raises several unrelated exception types
+        raise ValueError(f"payload is not msgpack: {err}") from err
+    return model.model_validate(data)

@@ -1,0 +1,58 @@
+"""Every Prometheus metric the services export, in one place (the Grafana dashboard is tested against it).
+
+Each service is its own process, so the default registry holds exactly what that service updates; metrics
+of the other services stay at zero there and are harmless.
+"""
+
+from prometheus_client import Counter, Gauge, Histogram
+
+# Streams (services/streams.py); label `stream` is prompts | rollouts | scored | dead.
+STREAM_DEPTH = Gauge("dapo_stream_depth", "Entries in the stream (undelivered + pending).", ["stream"])
+STREAM_PENDING = Gauge("dapo_stream_pending", "Delivered but not yet acknowledged entries.", ["stream"])
+STREAM_PRODUCED = Counter("dapo_stream_produced_total", "Messages written to the stream.", ["stream"])
+STREAM_ACKED = Counter("dapo_stream_acked_total", "Messages acknowledged.", ["stream"])
+STREAM_REDELIVERIES = Counter("dapo_stream_redeliveries_total", "Messages reclaimed from a silent consumer.", ["stream"])
+STREAM_DEAD = Counter("dapo_stream_dead_letters_total", "Messages moved to the dead stream.", ["stream", "reason"])
+STREAM_BACKPRESSURE = Counter(
+    "dapo_stream_backpressure_seconds_total", "Seconds producers waited above high water.", ["stream"]
+)
+
+# Generator.
+GEN_TOKENS = Counter("dapo_generator_tokens_total", "Response tokens generated.")
+GEN_TASKS = Counter("dapo_generator_tasks_total", "Prompt tasks turned into rollout groups.", ["split"])
+GEN_BATCH_FILL = Gauge("dapo_generator_batch_fill", "Tasks in the last engine batch over tasks_per_batch.")
+GEN_VERSION = Gauge("dapo_generator_policy_version", "Policy version the generator serves.")
+GEN_RELOAD_SECONDS = Histogram("dapo_generator_reload_seconds", "Weight sync: pull, verify and reload.")
+GEN_RELOAD_FAILURES = Counter("dapo_generator_reload_failures_total", "Refused or failed weight syncs.", ["reason"])
+GEN_QUEUE_WAIT = Histogram(
+    "dapo_generator_queue_wait_seconds", "Time a task waited in the prompts stream.",
+    buckets=(0.01, 0.05, 0.1, 0.5, 1, 2, 5, 10, 30, 60, 300),
+)
+GEN_TOKENS_PER_SECOND = Gauge("dapo_generator_tokens_per_second", "Throughput of the last engine batch.")
+
+# Reward.
+REWARD_VERIFICATIONS = Counter("dapo_reward_verifications_total", "Responses verified.", ["rule", "correct"])
+REWARD_TIMEOUTS = Counter("dapo_reward_timeouts_total", "Verifications stopped at the time limit.")
+REWARD_ERRORS = Counter("dapo_reward_errors_total", "Verifications that crashed.")
+REWARD_SECONDS = Histogram("dapo_reward_verify_seconds", "Wall time of one group's verification.")
+REWARD_ACCURACY = Gauge("dapo_reward_accuracy", "Share of correct responses in the last scored group.")
+
+# Learner.
+LEARNER_STEP = Gauge("dapo_learner_step", "Training steps completed.")
+LEARNER_VERSION = Gauge("dapo_learner_policy_version", "Latest published policy version.")
+LEARNER_REWARD = Gauge("dapo_learner_reward", "Mean reward of the step's groups.", ["view"])  # all | trained
+LEARNER_ACCURACY = Gauge("dapo_learner_accuracy", "Share of correct responses.", ["split"])  # train | eval
+LEARNER_INFORMATIVE = Gauge("dapo_learner_informative_ratio", "Informative groups over groups scored.")
+LEARNER_REFILLS = Counter("dapo_learner_refills_total", "Refill rounds requested by dynamic sampling.")
+LEARNER_REFILL_LIMIT = Counter("dapo_learner_refill_limit_hits_total", "Steps that hit the refill limit.")
+LEARNER_STALE = Counter("dapo_learner_stale_dropped_total", "Groups dropped as older than max_staleness.")
+LEARNER_UNINFORMATIVE = Counter("dapo_learner_uninformative_dropped_total", "Groups dropped with no reward spread.")
+LEARNER_STALENESS = Gauge("dapo_learner_staleness", "Mean policy lag of the groups trained on.")
+LEARNER_ENTROPY = Gauge("dapo_learner_entropy", "Mean token entropy of the policy on the batch.")
+LEARNER_RESPONSE_LENGTH = Gauge("dapo_learner_response_length", "Mean response length (tokens).")
+LEARNER_CLIP_FRACTION = Gauge("dapo_learner_clip_fraction", "Tokens whose ratio was clipped.", ["side"])  # low|high
+LEARNER_KL = Gauge("dapo_learner_approx_kl", "Approximate KL from behaviour to current policy.")
+LEARNER_LR = Gauge("dapo_learner_lr", "Learning rate.")
+LEARNER_STEP_SECONDS = Gauge("dapo_learner_step_seconds", "Wall time of the last step.")
+LEARNER_TOKENS_PER_SECOND = Gauge("dapo_learner_tokens_per_second", "Trained tokens per second in the last step.")
+LEARNER_GRAD_NORM = Gauge("dapo_learner_grad_norm", "Gradient norm before clipping.")

@@ -1,0 +1,295 @@
+"""Reliable Redis streams: at-least-once delivery with acknowledgement, reclaim, dead letters and back-pressure.
+
+One consumer group per stage reads each stream (`prompts` -> generator, `rollouts` -> reward, `scored` ->
+learner). The life of a message:
+
+1. `produce` waits while the stream holds `high_water` entries (back-pressure; nothing is ever trimmed).
+2. `consume` first reclaims entries another consumer has held longer than the visibility timeout (it died),
+   then reads new ones. An entry delivered more than `max_deliveries` times, or whose payload does not parse
+   (bad msgpack, schema, unknown version), goes to the `dead` stream with the reason and the original bytes.
+3. `forward` writes the result downstream and acknowledges the input in one Lua script, and only if this
+   consumer still owns the input: a slow consumer whose message was reclaimed cannot write a second result.
+   Acknowledged entries are deleted, so the stream length is exactly the backlog.
+
+Every Redis call retries with exponential backoff (tenacity) while the server is unreachable, so a Redis
+restart (with AOF) pauses consumers instead of killing them.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+import redis
+from pydantic import BaseModel
+from tenacity import retry, retry_if_exception_type, stop_after_delay, wait_exponential
+
+from services import metrics
+from services.config import Settings, StreamsConfig
+from services.messages import from_wire, to_wire
+
+log = logging.getLogger(__name__)
+
+M = TypeVar("M", bound=BaseModel)
+
+# The stage (consumer group) that reads each stream.
+CONSUMER_GROUPS = {"prompts": "generator", "rollouts": "reward", "scored": "learner"}
+RELEASED = "released"  # pseudo-consumer that holds entries handed back by a shutting-down consumer
+FIELD = b"data"
+
+retry_redis = retry(
+    retry=retry_if_exception_type((redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError)),
+    wait=wait_exponential(multiplier=0.1, max=5),
+    stop=stop_after_delay(300),
+    reraise=True,
+    before_sleep=lambda state: log.warning("Redis unreachable (%s), retrying", state.outcome.exception()),
+)
+
+# KEYS: input stream, output stream. ARGV: group, entry id, consumer, payload.
+# Write downstream and ack only while `consumer` still owns the entry (else it was reclaimed: drop the result).
+_FORWARD = """
+local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[2], ARGV[2], 1)
+if #p == 0 or p[1][2] ~= ARGV[3] then return 0 end
+redis.call('XADD', KEYS[2], '*', 'data', ARGV[4])
+redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
+redis.call('XDEL', KEYS[1], ARGV[2])
+return 1
+"""
+
+# KEYS: input stream. ARGV: group, entry id, consumer. Ack (and delete) if this consumer still owns it.
+_ACK = """
+local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[2], ARGV[2], 1)
+if #p == 0 or p[1][2] ~= ARGV[3] then return 0 end
+redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
+redis.call('XDEL', KEYS[1], ARGV[2])
+return 1
+"""
+
+
+class BackPressureTimeout(RuntimeError):
+    """The stream stayed above its high-water mark longer than `produce_timeout_s`."""
+
+
+@dataclass
+class Delivery(Generic[M]):
+    id: str
+    message: M
+    deliveries: int
+    consumer: str
+
+
+class Stream(Generic[M]):
+    def __init__(self, streams: "Streams", name: str, model: type[M]):
+        self.streams = streams
+        self.redis = streams.redis
+        self.cfg: StreamsConfig = streams.cfg
+        self.name = name
+        self.key = streams.key(name)
+        self.group = CONSUMER_GROUPS.get(name, name)
+        self.model = model
+        self._forward = self.redis.register_script(_FORWARD)
+        self._ack = self.redis.register_script(_ACK)
+        self._group_ready = False
+        self._metrics_at = 0.0
+
+    # -- producing -------------------------------------------------------------------------------------
+    @retry_redis
+    def _ensure_group(self) -> None:
+        if self._group_ready:
+            return
+        try:
+            self.redis.xgroup_create(self.key, self.group, id="0", mkstream=True)
+        except redis.ResponseError as err:
+            if "BUSYGROUP" not in str(err):
+                raise
+        self._group_ready = True
+
+    def produce(self, message: M, timeout: float | None = None) -> str:
+        """Append a message; wait while the stream is at its high-water mark (never trims unread entries)."""
+        self._ensure_group()
+        payload = to_wire(message)
+        timeout = self.cfg.produce_timeout_s if timeout is None else timeout
+        waited, delay = 0.0, 0.01
+        while self._depth() >= self.cfg.high_water:
+            if waited >= timeout:
+                raise BackPressureTimeout(
+                    f"stream {self.key} stayed at {self.cfg.high_water}+ entries for {timeout:.0f}s"
+                )
+            time.sleep(delay)
+            waited += delay
+            metrics.STREAM_BACKPRESSURE.labels(self.name).inc(delay)
+            delay = min(delay * 2, 0.5)
+        entry_id = self._xadd(payload)
+        metrics.STREAM_PRODUCED.labels(self.name).inc()
+        return entry_id
+
+    def room(self) -> int:
+        """How many messages can be produced now without waiting."""
+        return max(0, self.cfg.high_water - self._depth())
+
+    @retry_redis
+    def _xadd(self, payload: bytes) -> str:
+        return self.redis.xadd(self.key, {FIELD: payload}).decode()
+
+    @retry_redis
+    def _depth(self) -> int:
+        return int(self.redis.xlen(self.key))
+
+    # -- consuming -------------------------------------------------------------------------------------
+    def consume(self, consumer: str, count: int = 1, block_ms: int | None = None) -> list[Delivery[M]]:
+        """Up to `count` deliveries: reclaimed stale entries first, then new ones (blocking up to block_ms)."""
+        self._ensure_group()
+        raw = self._reclaim(consumer, count)
+        if len(raw) < count:
+            block = self.cfg.block_ms if block_ms is None else block_ms
+            raw += self._read_new(consumer, count - len(raw), block if not raw else None)
+        self._refresh_metrics()
+        return self._admit(consumer, raw)
+
+    def recover(self, consumer: str, count: int = 1000) -> list[Delivery[M]]:
+        """Entries this consumer name was given before a restart and never acknowledged."""
+        self._ensure_group()
+        reply = self._call(self.redis.xreadgroup, self.group, consumer, {self.key: "0"}, count=count)
+        return self._admit(consumer, _entries(reply))
+
+    @retry_redis
+    def _reclaim(self, consumer: str, count: int) -> list[tuple[bytes, dict]]:
+        min_idle = int(self.cfg.visibility_timeout_s * 1000)
+        reply = self.redis.xautoclaim(self.key, self.group, consumer, min_idle, "0-0", count=count)
+        claimed = [(eid, fields) for eid, fields in reply[1] if fields]  # deleted entries come back empty
+        if claimed:
+            metrics.STREAM_REDELIVERIES.labels(self.name).inc(len(claimed))
+            log.info("%s reclaimed %d entries from %s", consumer, len(claimed), self.key)
+        return claimed
+
+    def _read_new(self, consumer: str, count: int, block: int | None) -> list[tuple[bytes, dict]]:
+        reply = self._call(self.redis.xreadgroup, self.group, consumer, {self.key: ">"}, count=count, block=block)
+        return _entries(reply)
+
+    @retry_redis
+    def _call(self, fn, *args, **kwargs):
+        return fn(*args, **kwargs)
+
+    def _admit(self, consumer: str, raw: list[tuple[bytes, dict]]) -> list[Delivery[M]]:
+        if not raw:
+            return []
+        counts = self._delivery_counts(consumer, [eid for eid, _ in raw])
+        out: list[Delivery[M]] = []
+        for eid, fields in raw:
+            entry_id = eid.decode()
+            deliveries = counts.get(entry_id, 1)
+            payload = fields.get(FIELD, b"")
+            if deliveries > self.cfg.max_deliveries:
+                self.dead(entry_id, payload, f"delivered {deliveries} times (max {self.cfg.max_deliveries})", deliveries)
+                continue
+            try:
+                message = from_wire(self.model, payload)
+            except ValueError as err:  # msgpack or pydantic ValidationError (schema, unknown version)
+                self.dead(entry_id, payload, f"unparseable {self.model.__name__}: {err}"[:2000], deliveries)
+                continue
+            out.append(Delivery(entry_id, message, deliveries, consumer))
+        return out
+
+    @retry_redis
+    def _delivery_counts(self, consumer: str, ids: list[bytes]) -> dict[str, int]:
+        pipe = self.redis.pipeline(transaction=False)
+        for eid in ids:
+            pipe.xpending_range(self.key, self.group, min=eid, max=eid, count=1)
+        counts = {}
+        for rows in pipe.execute():
+            for row in rows:
+                counts[row["message_id"].decode()] = int(row["times_delivered"])
+        return counts
+
+    # -- finishing -------------------------------------------------------------------------------------
+    @retry_redis
+    def forward(self, delivery: Delivery[M], downstream: "Stream", result: BaseModel) -> bool:
+        """Write `result` to `downstream` and ack `delivery` atomically, if we still own it."""
+        downstream._ensure_group()
+        done = self._forward(
+            keys=[self.key, downstream.key],
+            args=[self.group, delivery.id, delivery.consumer, to_wire(result)],
+        )
+        if done:
+            metrics.STREAM_ACKED.labels(self.name).inc()
+            metrics.STREAM_PRODUCED.labels(downstream.name).inc()
+        else:
+            log.warning("%s no longer owns %s on %s: result dropped", delivery.consumer, delivery.id, self.key)
+        return bool(done)
+
+    @retry_redis
+    def ack(self, delivery: Delivery[M]) -> bool:
+        """Acknowledge (and delete) a delivery this consumer still owns."""
+        done = self._ack(keys=[self.key], args=[self.group, delivery.id, delivery.consumer])
+        if done:
+            metrics.STREAM_ACKED.labels(self.name).inc()
+        return bool(done)
+
+    @retry_redis
+    def release(self, delivery: Delivery[M]) -> None:
+        """Hand a delivery back (graceful shutdown): any consumer reclaims it on its next read."""
+        idle = int(self.cfg.visibility_timeout_s * 1000) + 1
+        self.redis.xclaim(self.key, self.group, RELEASED, 0, [delivery.id], idle=idle, justid=True)
+
+    @retry_redis
+    def dead(self, entry_id: str, payload: bytes, reason: str, deliveries: int = 0) -> None:
+        """Move an entry to the dead stream with the reason and its original bytes, and ack it here."""
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.xadd(
+            self.streams.key("dead"),
+            {b"stream": self.name, b"entry_id": entry_id, b"reason": reason, b"deliveries": deliveries, FIELD: payload},
+        )
+        pipe.xack(self.key, self.group, entry_id)
+        pipe.xdel(self.key, entry_id)
+        pipe.execute()
+        label = reason.split(" ", 1)[0].rstrip(":")
+        metrics.STREAM_DEAD.labels(self.name, label).inc()
+        log.error("dead letter from %s (%s): %s", self.key, entry_id, reason[:300])
+
+    # -- observing -------------------------------------------------------------------------------------
+    @retry_redis
+    def pending(self) -> int:
+        self._ensure_group()
+        return int(self.redis.xpending(self.key, self.group)["pending"])
+
+    def _refresh_metrics(self) -> None:
+        now = time.monotonic()
+        if now - self._metrics_at < 1.0:
+            return
+        self._metrics_at = now
+        metrics.STREAM_DEPTH.labels(self.name).set(self._depth())
+        metrics.STREAM_PENDING.labels(self.name).set(self.pending())
+
+
+def _entries(reply) -> list[tuple[bytes, dict]]:
+    """Flatten an XREADGROUP reply (a list in RESP2, a dict in RESP3) for one stream."""
+    if not reply:
+        return []
+    streams = reply.values() if isinstance(reply, dict) else [entries for _, entries in reply]
+    return [(eid, fields) for entries in streams for eid, fields in entries if fields]
+
+
+class Streams:
+    """The run's streams and keys, all under the prefix `dapo:{run}:`."""
+
+    def __init__(self, client: redis.Redis, settings: Settings):
+        self.redis = client
+        self.cfg = settings.streams
+        self.prefix = f"dapo:{settings.redis.run}:"
+
+    def key(self, *parts: str) -> str:
+        return self.prefix + ":".join(parts)
+
+    def stream(self, name: str, model: type[M]) -> Stream[M]:
+        return Stream(self, name, model)
+
+    @retry_redis
+    def dead_letters(self, count: int = 100) -> list[dict]:
+        """The most recent dead letters, newest first, decoded for inspection."""
+        rows = self.redis.xrevrange(self.key("dead"), count=count)
+        return [
+            {"id": eid.decode(), **{k.decode(): (v if k == FIELD else v.decode(errors="replace")) for k, v in f.items()}}
+            for eid, f in rows
+        ]

@@ -1,0 +1,42 @@
+"""Shared fixtures: a real embedded redis-server per test, and settings pointing at it."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+
+import pytest
+
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from services.config import load_settings  # noqa: E402
+from services.redis_local import EmbeddedRedis  # noqa: E402
+
+
+@pytest.fixture
+def short_tmp():
+    """A short temporary folder (unix socket paths must stay under ~100 bytes)."""
+    path = tempfile.mkdtemp(prefix="dapo-")
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def redis_server(short_tmp):
+    server = EmbeddedRedis(os.path.join(short_tmp, "redis"), aof=True).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def settings(redis_server, short_tmp):
+    """Test settings: the tiny preset, the embedded Redis, short timeouts."""
+    return load_settings(
+        "tiny-cpu",
+        run_dir=os.path.join(short_tmp, "run"),
+        redis={"url": redis_server.url, "run": "test"},
+        streams={"visibility_timeout_s": 1.0, "block_ms": 100, "high_water": 64, "max_deliveries": 3},
+    )

@@ -1,0 +1,210 @@
+"""Reliable streams against a real (embedded) redis-server."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import msgpack
+import pytest
+
+from services.messages import PromptTask, RolloutGroup, Sample, to_wire
+from services.redis_local import EmbeddedRedis, connect
+from services.streams import BackPressureTimeout, Streams
+
+
+def task(i: int) -> PromptTask:
+    return PromptTask(task_id=f"t{i}", prompt_id=f"p{i}", prompt=f"{i}+1=?", ground_truth=str(i + 1))
+
+
+def group_for(t: PromptTask) -> RolloutGroup:
+    sample = Sample(token_ids=[1, 2, 3], logprobs=[-0.1, -0.2, -0.3], text="Answer: 1", finish_reason="stop")
+    return RolloutGroup(task=t, policy_version=0, generator_id="g", samples=[sample])
+
+
+@pytest.fixture
+def streams(settings):
+    return Streams(connect(settings), settings)
+
+
+def test_produce_consume_forward_ack(streams):
+    prompts, rollouts = streams.stream("prompts", PromptTask), streams.stream("rollouts", RolloutGroup)
+    for i in range(3):
+        prompts.produce(task(i))
+    got = prompts.consume("c1", count=10)
+    assert [d.message.task_id for d in got] == ["t0", "t1", "t2"]
+    assert all(d.deliveries == 1 for d in got)
+    assert prompts.pending() == 3
+    for d in got:
+        assert prompts.forward(d, rollouts, group_for(d.message))
+    assert prompts.pending() == 0 and prompts.room() == prompts.cfg.high_water  # acked entries are deleted
+    out = rollouts.consume("r1", count=10)
+    assert [d.message.task.task_id for d in out] == ["t0", "t1", "t2"]
+    assert out[0].message.samples[0].logprobs == pytest.approx([-0.1, -0.2, -0.3])
+
+
+def test_poison_messages_go_to_dead_and_consumer_keeps_going(streams):
+    prompts = streams.stream("prompts", PromptTask)
+    prompts.produce(task(0))  # creates the group
+    streams.redis.xadd(prompts.key, {b"data": b"\xff\x00 not msgpack"})
+    bad_version = task(1).model_dump()
+    bad_version["schema_version"] = 99
+    streams.redis.xadd(prompts.key, {b"data": msgpack.packb(bad_version)})
+    streams.redis.xadd(prompts.key, {b"other": b"no data field"})
+    prompts.produce(task(2))
+    got = prompts.consume("c1", count=10)
+    assert [d.message.task_id for d in got] == ["t0", "t2"]
+    dead = streams.dead_letters()
+    assert len(dead) == 3
+    reasons = " | ".join(d["reason"] for d in dead)
+    assert "not msgpack" in reasons and "schema_version" in reasons
+    assert dead[-1]["data"] == b"\xff\x00 not msgpack"  # the original payload is kept
+    assert all(d["stream"] == "prompts" for d in dead)
+    assert prompts.pending() == 2  # dead letters were acknowledged on the source stream
+
+
+def test_message_delivered_too_often_goes_to_dead(streams):
+    prompts = streams.stream("prompts", PromptTask)
+    prompts.produce(task(0))
+    for attempt in range(prompts.cfg.max_deliveries):
+        got = prompts.consume(f"crashy{attempt}", count=1, block_ms=10)
+        assert len(got) == 1 and got[0].deliveries == attempt + 1
+        time.sleep(prompts.cfg.visibility_timeout_s + 0.1)  # consumer "dies" holding it
+    assert prompts.consume("last", count=1, block_ms=10) == []
+    (dead,) = streams.dead_letters()
+    assert "delivered 4 times" in dead["reason"]
+
+
+def test_backpressure_waits_then_fails_clearly(streams):
+    prompts = streams.stream("prompts", PromptTask)
+    for i in range(prompts.cfg.high_water):
+        prompts.produce(task(i))
+    with pytest.raises(BackPressureTimeout, match="stayed at 64"):
+        prompts.produce(task(999), timeout=0.3)
+    assert prompts.room() == 0
+
+    def drain_one():
+        time.sleep(0.3)
+        (d,) = prompts.consume("c", count=1)
+        prompts.ack(d)
+
+    threading.Thread(target=drain_one).start()
+    start = time.monotonic()
+    prompts.produce(task(1000), timeout=10)  # waits for the consumer, then goes through
+    assert time.monotonic() - start >= 0.25
+    assert streams.redis.xlen(prompts.key) == prompts.cfg.high_water  # nothing was trimmed
+
+
+def test_reclaimed_message_cannot_be_forwarded_twice(streams):
+    prompts, rollouts = streams.stream("prompts", PromptTask), streams.stream("rollouts", RolloutGroup)
+    prompts.produce(task(0))
+    (slow,) = prompts.consume("slow", count=1)
+    time.sleep(prompts.cfg.visibility_timeout_s + 0.1)
+    (fast,) = prompts.consume("fast", count=1)
+    assert fast.deliveries == 2
+    assert prompts.forward(fast, rollouts, group_for(fast.message))
+    assert not prompts.forward(slow, rollouts, group_for(slow.message))  # late result dropped
+    assert streams.redis.xlen(rollouts.key) == 1
+
+
+def test_release_hands_message_back_at_once(streams):
+    prompts = streams.stream("prompts", PromptTask)
+    prompts.produce(task(0))
+    (d,) = prompts.consume("leaving", count=1)
+    prompts.release(d)
+    (again,) = prompts.consume("other", count=1, block_ms=10)
+    assert again.message.task_id == "t0"
+
+
+def test_recover_returns_own_pending_after_restart(streams):
+    prompts = streams.stream("prompts", PromptTask)
+    prompts.produce(task(0))
+    prompts.consume("learner-0", count=1)
+    (d,) = prompts.recover("learner-0")
+    assert d.message.task_id == "t0"
+    assert prompts.recover("someone-else") == []
+
+
+CONSUMER_SCRIPT = textwrap.dedent(
+    """
+    import sys, time
+    from services.config import load_settings
+    from services.messages import PromptTask
+    from services.redis_local import connect
+    from services.streams import Streams
+    settings = load_settings("tiny-cpu", redis={"url": sys.argv[1], "run": "test"})
+    prompts = Streams(connect(settings), settings).stream("prompts", PromptTask)
+    got = prompts.consume("doomed", count=1, block_ms=5000)
+    print("claimed", got[0].message.task_id, flush=True)
+    time.sleep(600)  # holds the message until SIGKILL
+    """
+)
+
+
+def test_sigkilled_consumer_work_is_completed_once_by_another(streams, settings):
+    prompts, rollouts = streams.stream("prompts", PromptTask), streams.stream("rollouts", RolloutGroup)
+    prompts.produce(task(7))
+    proc = subprocess.Popen(
+        [sys.executable, "-c", CONSUMER_SCRIPT, settings.redis.url], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert proc.stdout.readline().strip() == "claimed t7"
+        assert prompts.consume("survivor", count=1, block_ms=10) == []  # still held by the live consumer
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        deadline = time.monotonic() + 10
+        got = []
+        while not got and time.monotonic() < deadline:
+            got = prompts.consume("survivor", count=1, block_ms=200)
+        assert got and got[0].message.task_id == "t7" and got[0].deliveries == 2
+        assert prompts.forward(got[0], rollouts, group_for(got[0].message))
+    finally:
+        proc.kill()
+    assert [d.message.task.task_id for d in rollouts.consume("r", count=10)] == ["t7"]
+    assert prompts.pending() == 0
+
+
+def test_redis_restart_mid_consumption_loses_nothing(redis_server, settings):
+    """Kill redis-server (SIGKILL) while a consumer works; restart it from its AOF; everything arrives once."""
+    streams = Streams(connect(settings), settings)
+    prompts, rollouts = streams.stream("prompts", PromptTask), streams.stream("rollouts", RolloutGroup)
+    total = 40
+    for i in range(total):
+        prompts.produce(task(i))
+    forwarded: list[str] = []
+    errors: list[BaseException] = []
+
+    def worker():
+        try:
+            own = Streams(connect(settings), settings)
+            src, dst = own.stream("prompts", PromptTask), own.stream("rollouts", RolloutGroup)
+            while len(forwarded) < total:
+                for d in src.consume("worker", count=2, block_ms=100):
+                    time.sleep(0.02)
+                    if src.forward(d, dst, group_for(d.message)):
+                        forwarded.append(d.message.task_id)
+        except BaseException as err:  # surfaced to the test below
+            errors.append(err)
+
+    thread = threading.Thread(target=worker, daemon=True)
+    thread.start()
+    while len(forwarded) < 10:
+        time.sleep(0.01)
+    redis_server.stop(kill=True)
+    time.sleep(0.5)  # the worker now retries with backoff
+    restarted = EmbeddedRedis(redis_server.data_dir, aof=True).start()
+    thread.join(timeout=60)
+    restarted.stop()
+    assert not errors, errors
+    assert sorted(forwarded) == sorted(f"t{i}" for i in range(total))
+    restarted.start()
+    try:
+        out = [d.message.task.task_id for d in rollouts.consume("check", count=1000, block_ms=10)]
+    finally:
+        restarted.stop()
+    assert sorted(out) == sorted(forwarded)  # exactly once downstream
