@@ -57,23 +57,43 @@ class TinyModelConfig(Section):
     num_kv_heads: int = Field(2, description="Key/value heads (grouped-query attention).")
     intermediate_size: int = Field(512, description="MLP width.")
     max_position: int = Field(512, description="Context length of the tiny model.")
-    warmup_steps: int = Field(1500, description="Supervised warm-up optimizer steps.")
+    warmup_steps: int = Field(1500, description="Supervised warm-up optimizer steps at most (LR schedule length).")
     warmup_batch: int = Field(64, description="Warm-up batch size (sequences).")
     warmup_lr: float = Field(3e-3, description="Warm-up peak learning rate.")
+    warmup_target_accuracy: float = Field(
+        0.25, description="Stop the warm-up once sampled (T=1) accuracy on unseen problems reaches this."
+    )
+    warmup_eval_every: int = Field(50, description="Check the warm-up accuracy every K steps.")
+    warmup_eval_problems: int = Field(256, description="Held-back train-split problems for that check.")
+    threads: int = Field(2, description="Torch threads while building (part of the cache key: numerics).")
     seed: int = Field(0, description="Seed of the tokenizer, weights and warm-up data.")
     cache_dir: str | None = Field(None, description="Where built models are cached (default ~/.cache/dapo).")
 
 
 class DataConfig(Section):
-    train: str = Field("synthetic", description="`synthetic`, a JSONL file {problem, answer}, or a verl parquet.")
-    eval: str = Field("synthetic", description="Held-out set: `synthetic`, `aime2024`, a JSONL or parquet path.")
+    train: str = Field(
+        "synthetic-train",
+        description="synthetic-train, dapo17k, gsm8k, a JSONL file {problem, answer} or a verl parquet path.",
+    )
+    eval: str = Field(
+        "synthetic-eval", description="Held-out set: synthetic-eval, aime2024, aime2025, math500, gsm8k or a path."
+    )
     eval_size: int = Field(256, description="Held-out problems used per evaluation (0 = all).")
+    dedupe: bool = Field(True, description="Drop repeated problem texts (first row kept; conflicts are logged).")
     synthetic_operands: int = Field(3, description="Synthetic task: operands per expression (difficulty).")
-    synthetic_max_value: int = Field(9, description="Synthetic task: largest operand.")
-    synthetic_train_size: int = Field(20000, description="Synthetic task: training problems.")
-    synthetic_eval_size: int = Field(1000, description="Synthetic task: held-out problems (never in train).")
+    synthetic_max_value: int = Field(9, description="Synthetic task: largest operand (operands are 0..max).")
+    synthetic_ops: str = Field("+-*", description="Synthetic task: operators used, a subset of '+-*'.")
+    synthetic_eval_fraction: float = Field(
+        0.1, description="Synthetic task: share of all problems held out (by text hash, so never in train)."
+    )
+    synthetic_train_size: int = Field(8000, description="Synthetic task: training problems (distinct).")
+    synthetic_eval_size: int = Field(500, description="Synthetic task: held-out problems (never in train).")
     prompt_template: Literal["auto", "dapo", "raw"] = Field(
         "auto", description="auto = DAPO instruction in the chat template if the tokenizer has one, else raw."
+    )
+    raw_template: str = Field(
+        "Solve. Last line: Answer: N\n{problem}\n",
+        description="The raw template: a short DAPO-like instruction, used without a chat template.",
     )
     seed: int = Field(0, description="Data order seed.")
 
@@ -194,18 +214,36 @@ def resolve_preset(preset: str | os.PathLike | None) -> Path:
     path = Path(preset)
     if path.suffix not in (".yaml", ".yml"):
         path = CONFIG_DIR / f"{preset}.yaml"
+    path = path.resolve()
     if not path.is_file():
-        known = ", ".join(sorted(p.stem for p in CONFIG_DIR.glob("*.yaml")))
+        known = ", ".join(sorted(str(p.relative_to(CONFIG_DIR).with_suffix("")) for p in CONFIG_DIR.rglob("*.yaml")))
         raise ConfigError(f"config {preset!r} not found (looked for {path}; presets: {known})")
     return path
 
 
-def load_settings(preset: str | os.PathLike | None = None, **overrides: Any) -> Settings:
-    """Load a preset (name or YAML path), apply `DAPO_` environment overrides, then keyword overrides."""
+def read_preset(preset: str | os.PathLike | None, _seen: tuple[Path, ...] = ()) -> tuple[Path, dict]:
+    """The YAML mapping of a preset, merged over the preset it names in `base:` (ablations extend a recipe)."""
     path = resolve_preset(preset)
-    data = yaml.safe_load(path.read_text()) or {}
+    if path in _seen:
+        raise ConfigError(f"{path}: `base:` chain loops back to itself")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{path}: not valid YAML: {err}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: top level must be a mapping")
+    base = data.pop("base", None)
+    if base is None:
+        return path, data
+    base_ref = base if Path(base).suffix not in (".yaml", ".yml") else path.parent / base
+    _, merged = read_preset(base_ref, _seen + (path,))
+    _deep_update(merged, data)
+    return path, merged
+
+
+def load_settings(preset: str | os.PathLike | None = None, **overrides: Any) -> Settings:
+    """Load a preset (name or YAML path), apply `DAPO_` environment overrides, then keyword overrides."""
+    path, data = read_preset(preset)
     _deep_update(data, overrides)
     try:
         return Settings(**data)

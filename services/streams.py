@@ -58,6 +58,12 @@ redis.call('XDEL', KEYS[1], ARGV[2])
 return 1
 """
 
+# KEYS: stream. ARGV: high water, payload. Append unless the stream is full (one round trip).
+_PRODUCE = """
+if redis.call('XLEN', KEYS[1]) >= tonumber(ARGV[1]) then return false end
+return redis.call('XADD', KEYS[1], '*', 'data', ARGV[2])
+"""
+
 # KEYS: input stream. ARGV: group, entry id, consumer. Ack (and delete) if this consumer still owns it.
 _ACK = """
 local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[2], ARGV[2], 1)
@@ -91,8 +97,10 @@ class Stream(Generic[M]):
         self.model = model
         self._forward = self.redis.register_script(_FORWARD)
         self._ack = self.redis.register_script(_ACK)
+        self._produce = self.redis.register_script(_PRODUCE)
         self._group_ready = False
         self._metrics_at = 0.0
+        self._reclaimed_at = float("-inf")
 
     # -- producing -------------------------------------------------------------------------------------
     @retry_redis
@@ -112,7 +120,7 @@ class Stream(Generic[M]):
         payload = to_wire(message)
         timeout = self.cfg.produce_timeout_s if timeout is None else timeout
         waited, delay = 0.0, 0.01
-        while self._depth() >= self.cfg.high_water:
+        while (entry_id := self._xadd(payload)) is None:
             if waited >= timeout:
                 raise BackPressureTimeout(
                     f"stream {self.key} stayed at {self.cfg.high_water}+ entries for {timeout:.0f}s"
@@ -121,7 +129,6 @@ class Stream(Generic[M]):
             waited += delay
             metrics.STREAM_BACKPRESSURE.labels(self.name).inc(delay)
             delay = min(delay * 2, 0.5)
-        entry_id = self._xadd(payload)
         metrics.STREAM_PRODUCED.labels(self.name).inc()
         return entry_id
 
@@ -130,8 +137,10 @@ class Stream(Generic[M]):
         return max(0, self.cfg.high_water - self._depth())
 
     @retry_redis
-    def _xadd(self, payload: bytes) -> str:
-        return self.redis.xadd(self.key, {FIELD: payload}).decode()
+    def _xadd(self, payload: bytes) -> str | None:
+        """XADD below high water; None when the stream is full."""
+        entry_id = self._produce(keys=[self.key], args=[self.cfg.high_water, payload])
+        return entry_id.decode() if entry_id else None
 
     @retry_redis
     def _depth(self) -> int:
@@ -141,18 +150,24 @@ class Stream(Generic[M]):
     def consume(self, consumer: str, count: int = 1, block_ms: int | None = None) -> list[Delivery[M]]:
         """Up to `count` deliveries: reclaimed stale entries first, then new ones (blocking up to block_ms)."""
         self._ensure_group()
-        raw = self._reclaim(consumer, count)
-        if len(raw) < count:
+        # Reclaiming scans the pending list: do it a few times per visibility timeout, not on every read.
+        now = time.monotonic()
+        reclaimed = []
+        if now - self._reclaimed_at >= min(1.0, self.cfg.visibility_timeout_s / 4):
+            self._reclaimed_at = now
+            reclaimed = self._reclaim(consumer, count)
+        fresh = []
+        if len(reclaimed) < count:
             block = self.cfg.block_ms if block_ms is None else block_ms
-            raw += self._read_new(consumer, count - len(raw), block if not raw else None)
+            fresh = self._read_new(consumer, count - len(reclaimed), block if not reclaimed else None)
         self._refresh_metrics()
-        return self._admit(consumer, raw)
+        return self._admit(consumer, reclaimed, known_counts=False) + self._admit(consumer, fresh, known_counts=True)
 
     def recover(self, consumer: str, count: int = 1000) -> list[Delivery[M]]:
         """Entries this consumer name was given before a restart and never acknowledged."""
         self._ensure_group()
         reply = self._call(self.redis.xreadgroup, self.group, consumer, {self.key: "0"}, count=count)
-        return self._admit(consumer, _entries(reply))
+        return self._admit(consumer, _entries(reply), known_counts=False)
 
     @retry_redis
     def _reclaim(self, consumer: str, count: int) -> list[tuple[bytes, dict]]:
@@ -172,10 +187,14 @@ class Stream(Generic[M]):
     def _call(self, fn, *args, **kwargs):
         return fn(*args, **kwargs)
 
-    def _admit(self, consumer: str, raw: list[tuple[bytes, dict]]) -> list[Delivery[M]]:
+    def _admit(self, consumer: str, raw: list[tuple[bytes, dict]], known_counts: bool) -> list[Delivery[M]]:
+        """Parse deliveries; dead-letter the unparseable and the too often delivered.
+
+        `known_counts`: entries read as new (`>`) are on their first delivery; others need a lookup.
+        """
         if not raw:
             return []
-        counts = self._delivery_counts(consumer, [eid for eid, _ in raw])
+        counts = {} if known_counts else self._delivery_counts([eid for eid, _ in raw])
         out: list[Delivery[M]] = []
         for eid, fields in raw:
             entry_id = eid.decode()
@@ -193,7 +212,7 @@ class Stream(Generic[M]):
         return out
 
     @retry_redis
-    def _delivery_counts(self, consumer: str, ids: list[bytes]) -> dict[str, int]:
+    def _delivery_counts(self, ids: list[bytes]) -> dict[str, int]:
         pipe = self.redis.pipeline(transaction=False)
         for eid in ids:
             pipe.xpending_range(self.key, self.group, min=eid, max=eid, count=1)
@@ -232,6 +251,7 @@ class Stream(Generic[M]):
         """Hand a delivery back (graceful shutdown): any consumer reclaims it on its next read."""
         idle = int(self.cfg.visibility_timeout_s * 1000) + 1
         self.redis.xclaim(self.key, self.group, RELEASED, 0, [delivery.id], idle=idle, justid=True)
+        self._reclaimed_at = float("-inf")  # our own next read takes it back at once
 
     @retry_redis
     def dead(self, entry_id: str, payload: bytes, reason: str, deliveries: int = 0) -> None:

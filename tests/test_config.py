@@ -1,0 +1,77 @@
+"""The configuration tree: presets, environment overrides, unknown keys."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.config import CONFIG_DIR, ConfigError, Settings, dump_settings, load_settings
+
+
+@pytest.mark.parametrize("preset", sorted(str(p.relative_to(CONFIG_DIR).with_suffix("")) for p in CONFIG_DIR.rglob("*.yaml")))
+def test_every_preset_loads(preset):
+    settings = load_settings(preset)
+    assert isinstance(settings, Settings)
+    assert Settings(**load_settings(preset).model_dump()) == settings  # the dump is a valid config again
+
+
+def test_paper_recipe_values():
+    s = load_settings("dapo-qwen2.5-32b")
+    assert s.model.name_or_path == "Qwen/Qwen2.5-32B"
+    assert (s.learner.lr, s.learner.warmup_steps, s.learner.weight_decay, s.learner.grad_clip) == (1e-6, 10, 0.1, 1.0)
+    assert (s.learner.prompts_per_step, s.sampling.n, s.learner.mini_batches) == (512, 16, 16)
+    assert (s.learner.clip_low, s.learner.clip_high) == (0.2, 0.28)
+    assert s.sampling.max_tokens == 20480 and s.reward.overlong_buffer == 4096
+    assert s.sampling.temperature == 1.0 and s.eval_sampling.top_p == 0.7 and s.eval_sampling.n == 32
+    assert s.learner.kl_coef == 0.0 and s.learner.entropy_coef == 0.0
+    assert s.learner.loss_agg == "token" and s.learner.dynamic_sampling
+
+
+def test_ablation_rows_are_cumulative_configs():
+    grpo = load_settings("ablations/1-grpo")
+    assert grpo.learner.clip_high == 0.2 and grpo.learner.loss_agg == "sample"
+    assert not grpo.learner.dynamic_sampling and not grpo.reward.soft_overlong and not grpo.learner.overlong_filter
+    assert grpo.learner.lr == 1e-6  # inherited from the recipe
+    full = load_settings("ablations/6-dynamic-sampling")
+    assert full.learner.clip_high == 0.28 and full.learner.loss_agg == "token" and full.learner.dynamic_sampling
+    assert full.reward.soft_overlong and full.learner.overlong_filter
+
+
+def test_environment_overrides_nested_fields(monkeypatch):
+    monkeypatch.setenv("DAPO_LEARNER__CLIP_HIGH", "0.3")
+    monkeypatch.setenv("DAPO_REDIS__URL", "redis://example:6379/0")
+    monkeypatch.setenv("DAPO_TOKEN", "s3cret")
+    s = load_settings("tiny-cpu")
+    assert s.learner.clip_high == 0.3
+    assert s.redis.url == "redis://example:6379/0"
+    assert s.token == "s3cret"
+    assert s.learner.prompts_per_step == load_settings("tiny-cpu", learner={}).learner.prompts_per_step
+
+
+def test_environment_beats_yaml(monkeypatch):
+    assert load_settings("tiny-cpu").sampling.n == 8
+    monkeypatch.setenv("DAPO_SAMPLING__N", "4")
+    assert load_settings("tiny-cpu").sampling.n == 4
+
+
+def test_unknown_key_names_the_key_and_the_file(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("learner:\n  clip_hihg: 0.3\n")
+    with pytest.raises(ConfigError) as err:
+        load_settings(bad)
+    assert "learner.clip_hihg" in str(err.value) and "unknown key" in str(err.value) and str(bad) in str(err.value)
+
+
+def test_bad_value_and_missing_preset_are_clear(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("learner:\n  loss_agg: average\n")
+    with pytest.raises(ConfigError, match="learner.loss_agg"):
+        load_settings(bad)
+    with pytest.raises(ConfigError, match="not found.*presets: .*tiny-cpu"):
+        load_settings("no-such-preset")
+
+
+def test_dump_round_trips(tmp_path):
+    s = load_settings("dapo-qwen2.5-math-1.5b")
+    path = tmp_path / "resolved.yaml"
+    path.write_text(dump_settings(s))
+    assert load_settings(path) == s
