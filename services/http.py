@@ -12,6 +12,8 @@ from fastapi.responses import JSONResponse, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from services import metrics as _metrics  # noqa: F401  (registers every dapo_* metric)
+
 log = logging.getLogger(__name__)
 
 _bearer = HTTPBearer(auto_error=False)

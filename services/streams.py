@@ -313,3 +313,11 @@ class Streams:
             {"id": eid.decode(), **{k.decode(): (v if k == FIELD else v.decode(errors="replace")) for k, v in f.items()}}
             for eid, f in rows
         ]
+
+
+def consumer_name(kind: str) -> str:
+    """A unique consumer name: $DAPO_WORKER_ID (set by the launcher or a pod name), else kind-host-pid."""
+    import os
+    import socket
+
+    return os.environ.get("DAPO_WORKER_ID") or f"{kind}-{socket.gethostname()}-{os.getpid()}"

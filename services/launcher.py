@@ -1,0 +1,217 @@
+"""`dapo run`: the whole system on one machine, as separate processes with the deployment entry points.
+
+It builds the embedded model if missing, starts an embedded redis-server, then one learner, N generators and
+M reward workers (`python -m services.cli <service>`), shows a live view of the learner's metrics.jsonl,
+restarts a crashed generator or reward worker, stops everything cleanly on Ctrl-C, and at the end writes
+plots and a summary table into the run folder.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from rich.console import Console
+from rich.live import Live
+from rich.table import Table
+
+from services.config import Settings, dump_settings
+from services.redis_local import EmbeddedRedis, embedded_dir
+
+log = logging.getLogger(__name__)
+console = Console()
+
+RESTART_LIMIT = 5  # crashes of one worker before the run gives up on it
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class Child:
+    """One service process and how to start it again."""
+
+    name: str
+    command: list[str]
+    env: dict[str, str]
+    log_path: Path
+    restartable: bool
+    process: subprocess.Popen | None = None
+    restarts: int = 0
+    started_at: float = field(default_factory=time.monotonic)
+
+    def start(self) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log_file = open(self.log_path, "ab")
+        # A new session: Ctrl-C reaches only the launcher, which then stops children in order.
+        self.process = subprocess.Popen(
+            self.command, env=self.env, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        log_file.close()
+        self.started_at = time.monotonic()
+
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def stop(self, timeout: float = 30.0) -> None:
+        if not self.alive():
+            return
+        self.process.send_signal(signal.SIGTERM)
+        try:
+            self.process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+
+
+def service_children(settings: Settings, config_path: Path, redis_url: str, generators: int, reward_workers: int,
+                     learner_port: int) -> list[Child]:
+    run_dir = Path(settings.run_dir)
+    base_env = {
+        **os.environ,
+        "DAPO_REDIS__URL": redis_url,
+        "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", str(settings.generator.kv_cache_gib)),
+        "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
+    python = [sys.executable, "-m", "services.cli"]
+
+    def child(name: str, service: str, restartable: bool, **env: str) -> Child:
+        return Child(name, python + [service, "--config", str(config_path)], {**base_env, **env},
+                     run_dir / "logs" / f"{name}.log", restartable)
+
+    children = [child("learner", "learner", False, DAPO_LEARNER__PORT=str(learner_port),
+                      DAPO_LEARNER__HOST="127.0.0.1", DAPO_LEARNER__PUBLIC_URL=f"http://127.0.0.1:{learner_port}")]
+    children += [child(f"reward-{i}", "reward", True, DAPO_REWARD__PORT=str(free_port()),
+                       DAPO_REWARD__HOST="127.0.0.1", DAPO_WORKER_ID=f"reward-{i}") for i in range(reward_workers)]
+    children += [child(f"generator-{i}", "generator", True, DAPO_GENERATOR__PORT=str(free_port()),
+                       DAPO_GENERATOR__HOST="127.0.0.1", DAPO_WORKER_ID=f"generator-{i}") for i in range(generators)]
+    return children
+
+
+def read_metrics(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue  # a line being written right now
+    return rows
+
+
+def _fmt(value, spec: str = ".3f") -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def status_table(rows: list[dict], children: list[Child], total_steps: int) -> Table:
+    last = rows[-1] if rows else {}
+    evals = [r for r in rows if r.get("eval_accuracy") is not None]
+    table = Table(title="dapo run", show_header=True, expand=False)
+    for column in ("step", "held-out acc", "reward (all/trained)", "refills", "staleness", "tokens/s", "services"):
+        table.add_column(column)
+    alive = sum(c.alive() for c in children)
+    table.add_row(
+        f"{last.get('step', 0)}/{total_steps}",
+        f"{_fmt(evals[0]['eval_accuracy'])} -> {_fmt(evals[-1]['eval_accuracy'])}" if evals else "-",
+        f"{_fmt(last.get('reward_all'))} / {_fmt(last.get('reward_trained'))}",
+        _fmt(last.get("refills"), "d") if isinstance(last.get("refills"), int) else _fmt(last.get("refills"), ".0f"),
+        _fmt(last.get("staleness"), ".2f"),
+        _fmt(last.get("tokens_per_second"), ".0f"),
+        f"{alive}/{len(children)} up",
+    )
+    return table
+
+
+def supervise(children: list[Child], metrics_path: Path, total_steps: int, display: bool) -> int:
+    """Run until the learner exits; restart crashed workers. Returns the learner's exit code."""
+    learner = children[0]
+    last_printed = -1
+    live = Live(status_table([], children, total_steps), console=console, refresh_per_second=2) if display else None
+    if live:
+        live.start()
+    try:
+        while learner.alive():
+            time.sleep(1.0)
+            for child in children[1:]:
+                if child.alive() or child.process is None:
+                    continue
+                if child.restarts >= RESTART_LIMIT:
+                    continue
+                child.restarts += 1
+                log.warning("%s exited with %s; restart %d", child.name, child.process.returncode, child.restarts)
+                child.start()
+            rows = read_metrics(metrics_path)
+            if live:
+                live.update(status_table(rows, children, total_steps))
+            elif rows and rows[-1].get("step", -1) != last_printed:
+                last_printed = rows[-1].get("step", -1)
+                console.print(status_table(rows, children, total_steps))
+    finally:
+        if live:
+            live.stop()
+    return learner.process.returncode if learner.process else 1
+
+
+def main(settings: Settings, generators: int = 1, reward_workers: int = 1, display: bool = True) -> int:
+    from services.bootstrap import ensure_model  # builds the tiny model when it is missing
+    from services.report import write_report
+
+    run_dir = Path(settings.run_dir).resolve()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    settings.run_dir = str(run_dir)
+    console.print(f"[bold]dapo run[/] -> {run_dir}")
+    ensure_model(settings)
+
+    redis_server = None
+    redis_url = settings.redis.url
+    if not redis_url:
+        redis_server = EmbeddedRedis(embedded_dir(settings), aof=settings.redis.embedded_aof).start()
+        redis_url = redis_server.url
+    config_path = run_dir / "launch-config.yaml"
+    config_path.write_text(dump_settings(settings))
+
+    children = service_children(settings, config_path, redis_url, generators, reward_workers, free_port())
+    interrupted = False
+
+    def on_signal(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, on_signal)
+    code = 1
+    try:
+        for child in children:
+            child.start()
+        console.print(f"started {len(children)} services; logs in {run_dir / 'logs'}")
+        code = supervise(children, run_dir / "metrics.jsonl", settings.learner.total_steps, display)
+    except KeyboardInterrupt:
+        interrupted = True
+        console.print("[yellow]stopping...[/]")
+    finally:
+        for child in children:  # the learner first: it checkpoints on SIGTERM
+            child.stop()
+        if redis_server:
+            redis_server.stop()
+        signal.signal(signal.SIGTERM, previous)
+
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    if rows:
+        summary = write_report(rows, run_dir)
+        console.print(summary)
+    if interrupted:
+        return 130
+    if code != 0:
+        console.print(f"[red]learner exited with code {code}; see {run_dir / 'logs' / 'learner.log'}[/]")
+    return code

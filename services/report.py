@@ -1,0 +1,80 @@
+"""End-of-run report: PNG plots and a summary table from the learner's metrics.jsonl."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from rich.table import Table
+
+# plot file -> (title, [(metrics.jsonl key, label)])
+PLOTS = {
+    "reward.png": ("Reward", [("reward_all", "all groups"), ("reward_trained", "trained groups")]),
+    "eval_accuracy.png": ("Held-out accuracy", [("eval_accuracy", "held-out")]),
+    "response_length.png": ("Response length (tokens)", [("response_length", "mean")]),
+    "entropy.png": ("Policy entropy", [("entropy", "mean token entropy")]),
+    "clip_fractions.png": ("Clip fractions", [("clip_frac_low", "low (1-eps_low)"), ("clip_frac_high", "high (1+eps_high)")]),
+}
+
+
+def series(rows: list[dict], key: str) -> tuple[list[float], list[float]]:
+    points = [(r["step"], r[key]) for r in rows if r.get(key) is not None and "step" in r]
+    return [p[0] for p in points], [p[1] for p in points]
+
+
+def write_plots(rows: list[dict], out_dir: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    for filename, (title, keys) in PLOTS.items():
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        for key, label in keys:
+            xs, ys = series(rows, key)
+            if xs:
+                ax.plot(xs, ys, marker="o" if len(xs) < 30 else None, label=label)
+        ax.set_title(title)
+        ax.set_xlabel("training step")
+        ax.grid(alpha=0.3)
+        if len(keys) > 1:
+            ax.legend()
+        fig.tight_layout()
+        path = out_dir / filename
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        written.append(path)
+    return written
+
+
+def summary(rows: list[dict]) -> dict:
+    evals = [r for r in rows if r.get("eval_accuracy") is not None]
+    trained = [r for r in rows if r.get("step", 0) > 0]
+    mean = lambda key: (sum(r[key] for r in trained if r.get(key) is not None) /  # noqa: E731
+                        max(1, sum(1 for r in trained if r.get(key) is not None)))
+    return {
+        "steps": max((r.get("step", 0) for r in rows), default=0),
+        "eval_accuracy_first": evals[0]["eval_accuracy"] if evals else None,
+        "eval_accuracy_last": evals[-1]["eval_accuracy"] if evals else None,
+        "eval_accuracy_best": max((r["eval_accuracy"] for r in evals), default=None),
+        "reward_all_last": trained[-1].get("reward_all") if trained else None,
+        "mean_refills": mean("refills") if trained else None,
+        "mean_informative_ratio": mean("informative_ratio") if trained else None,
+        "mean_step_seconds": mean("step_seconds") if trained else None,
+        "wall_seconds": (rows[-1].get("time", 0) - rows[0].get("time", 0)) if len(rows) > 1 else 0.0,
+    }
+
+
+def write_report(rows: list[dict], run_dir: Path) -> Table:
+    import json
+
+    write_plots(rows, run_dir / "plots")
+    result = summary(rows)
+    (run_dir / "summary.json").write_text(json.dumps(result, indent=2))
+    table = Table(title=f"summary: {run_dir}")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    for key, value in result.items():
+        table.add_row(key, "-" if value is None else (f"{value:.4g}" if isinstance(value, float) else str(value)))
+    return table

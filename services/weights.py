@@ -1,0 +1,447 @@
+"""The weight-sync protocol: the learner publishes versions as safetensors, generators pull them over HTTP.
+
+Learner side (`WeightPublisher`, `weights_router`):
+    publish(state_dict, version) writes `{run_dir}/weights/v{version}/model.safetensors` atomically (temp file,
+    fsync, rename), records its sha256 next to it, keeps the last `learner.keep_versions` versions, then SETs
+    `dapo:{run}:weights:latest` to the announcement (JSON) and PUBLISHes it on the channel `dapo:{run}:weights`.
+    The router serves `GET /v1/weights/latest` (the announcement) and `GET /v1/weights/{version}` (the bytes,
+    header `X-Weights-Sha256`), both behind the shared bearer token.
+
+Generator side (`latest_announcement`, `AnnouncementWatcher`, `pull_weights`, `check_schema`):
+    learn of versions from pub/sub plus the latest key (late joiners, missed messages), stream the file into a
+    temporary folder while hashing it, refuse a checksum mismatch, then rename the folder into place. Before
+    handing the folder to the engine, `check_schema` compares tensor names and shapes with the model's own
+    checkpoint, read from the safetensors headers only (no tensor is loaded).
+
+Weights travel as safetensors, never pickle. Tied weights: safetensors refuses two names for one storage, so
+an alias of an already written tensor is skipped (the first name in state_dict order is kept: for HF models the
+input embedding, and `lm_head.weight` is dropped, exactly what `save_pretrained` writes and what vLLM's loader
+expects for `tie_word_embeddings` models, whose `load_weights` ignores `lm_head.weight`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import struct
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Callable, Iterator
+
+import httpx
+import torch
+from fastapi import APIRouter, Depends, HTTPException
+from fastapi.responses import StreamingResponse
+from safetensors.torch import save_file
+
+from services.messages import WeightsAnnouncement
+
+log = logging.getLogger(__name__)
+
+WEIGHTS_FILE = "model.safetensors"
+ANNOUNCEMENT_FILE = "announcement.json"
+CHUNK = 1 << 20
+
+
+class WeightsError(RuntimeError):
+    """A weight sync that was refused. `reason` is a short label (metrics), the message says why."""
+
+    def __init__(self, reason: str, message: str):
+        super().__init__(message)
+        self.reason = reason
+
+
+# -- pure helpers -------------------------------------------------------------------------------------------
+def shareable_state_dict(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Detached, contiguous CPU tensors that safetensors accepts.
+
+    An exact alias (same storage, offset, shape and strides as a tensor already kept) is dropped: tied weights.
+    A tensor that only overlaps another one (a view of a fused parameter) is cloned, so both names survive.
+    """
+    kept: dict[str, torch.Tensor] = {}
+    seen: dict[tuple, str] = {}
+    storages: set[int] = set()
+    for name, tensor in state_dict.items():
+        tensor = tensor.detach()
+        storage = tensor.untyped_storage().data_ptr()
+        identity = (storage, tensor.storage_offset(), tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype)
+        if identity in seen:
+            log.debug("skipping %s: tied to %s", name, seen[identity])
+            continue
+        seen[identity] = name
+        shared = storage in storages
+        storages.add(storage)
+        if tensor.device.type != "cpu":
+            tensor = tensor.to("cpu")  # a fresh copy: shares nothing
+        elif shared:
+            tensor = tensor.clone(memory_format=torch.contiguous_format)
+        kept[name] = tensor.contiguous()
+    return kept
+
+
+def sha256_file(path: str | os.PathLike) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while chunk := handle.read(CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def read_schema(path: str | os.PathLike) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """{tensor name: (dtype, shape)} from a safetensors header, without reading any tensor.
+
+    Raises WeightsError("format") if the file is not a well-formed safetensors file.
+    """
+    path = Path(path)
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as handle:
+            (header_len,) = struct.unpack("<Q", handle.read(8))
+            if header_len > min(size - 8, 100 * 1024 * 1024):
+                raise ValueError(f"header length {header_len} exceeds the file")
+            header = json.loads(handle.read(header_len))
+        schema, end = {}, 0
+        for name, info in header.items():
+            if name == "__metadata__":
+                continue
+            start, stop = info["data_offsets"]
+            end = max(end, stop)
+            schema[name] = (str(info["dtype"]), tuple(int(d) for d in info["shape"]))
+        if 8 + header_len + end != size:
+            raise ValueError(f"data ends at {8 + header_len + end} but the file has {size} bytes")
+    except (OSError, ValueError, KeyError, TypeError, struct.error) as err:
+        raise WeightsError("format", f"{path.name} is not a valid safetensors file: {err}") from err
+    return schema
+
+
+def model_schema(model_dir: str | os.PathLike) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """The checkpoint schema of a model folder (all its *.safetensors shards)."""
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise WeightsError("format", f"no *.safetensors in {model_dir}")
+    schema: dict[str, tuple[str, tuple[int, ...]]] = {}
+    for file in files:
+        schema.update(read_schema(file))
+    return schema
+
+
+def tied_aliases(model_dir: str | os.PathLike) -> set[str]:
+    """Names a tied-embedding checkpoint may carry in addition to the model's own (vLLM skips them)."""
+    config_path = Path(model_dir) / "config.json"
+    if not config_path.is_file():
+        return set()
+    config = json.loads(config_path.read_text())
+    text_config = config.get("text_config", config)
+    return {"lm_head.weight"} if text_config.get("tie_word_embeddings", config.get("tie_word_embeddings")) else set()
+
+
+def check_schema(
+    candidate: dict[str, tuple[str, tuple[int, ...]]],
+    expected: dict[str, tuple[str, tuple[int, ...]]],
+    optional: set[str] = frozenset(),
+) -> None:
+    """Refuse weights whose tensor names or shapes differ from the model's (dtype may differ: it is cast).
+
+    A missing tensor would leave an old one in place (a silently mixed policy); an unknown or misshapen one
+    would crash the engine mid-reload. Both raise WeightsError("shape") with the first few differences.
+    """
+    problems = []
+    missing = sorted(set(expected) - set(candidate))
+    unknown = sorted(set(candidate) - set(expected) - set(optional))
+    if missing:
+        problems.append(f"missing {len(missing)} tensors (e.g. {', '.join(missing[:3])})")
+    if unknown:
+        problems.append(f"{len(unknown)} unknown tensors (e.g. {', '.join(unknown[:3])})")
+    misshapen = [
+        f"{name} {list(candidate[name][1])} != {list(shape)}"
+        for name, (_, shape) in expected.items()
+        if name in candidate and candidate[name][1] != shape
+    ]
+    if misshapen:
+        problems.append(f"{len(misshapen)} shape mismatches (e.g. {'; '.join(misshapen[:3])})")
+    if problems:
+        raise WeightsError("shape", "weights do not fit the model: " + ", ".join(problems))
+
+
+def channel(streams_or_prefix) -> str:
+    """The pub/sub channel `dapo:{run}:weights`."""
+    return _prefix(streams_or_prefix) + "weights"
+
+
+def latest_key(streams_or_prefix) -> str:
+    return _prefix(streams_or_prefix) + "weights:latest"
+
+
+def _prefix(streams_or_prefix) -> str:
+    prefix = streams_or_prefix if isinstance(streams_or_prefix, str) else streams_or_prefix.prefix
+    return prefix if prefix.endswith(":") else prefix + ":"
+
+
+def _version_of(folder: Path) -> int | None:
+    name = folder.name
+    return int(name[1:]) if name.startswith("v") and name[1:].isdigit() else None
+
+
+# -- learner side -------------------------------------------------------------------------------------------
+class WeightPublisher:
+    """Writes weight versions under `{run_dir}/weights/` and announces them on Redis."""
+
+    def __init__(self, settings, redis_client, base_url: str):
+        self.dir = Path(settings.run_dir) / "weights"
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.keep = max(1, int(settings.learner.keep_versions))
+        self.redis = redis_client
+        self.prefix = f"dapo:{settings.redis.run}:"
+        self.base_url = base_url.rstrip("/")
+        self._lock = threading.Lock()
+
+    def publish(self, state_dict: dict[str, torch.Tensor], version: int) -> WeightsAnnouncement:
+        """Write, hash, prune, then announce (SET latest + PUBLISH). Returns the announcement."""
+        tensors = shareable_state_dict(state_dict)
+        folder = self.dir / f"v{version}"
+        with self._lock:
+            folder.mkdir(parents=True, exist_ok=True)
+            final = folder / WEIGHTS_FILE
+            tmp = folder / f".{WEIGHTS_FILE}.{os.getpid()}.tmp"
+            save_file(tensors, str(tmp), metadata={"format": "pt", "version": str(version)})
+            with open(tmp, "rb") as handle:
+                os.fsync(handle.fileno())
+            digest = sha256_file(tmp)
+            os.replace(tmp, final)  # readers see the old file or the new one, never a partial one
+            announcement = WeightsAnnouncement(
+                version=version, sha256=digest, size=final.stat().st_size, url=f"{self.base_url}/v1/weights/{version}"
+            )
+            _write_atomic(folder / ANNOUNCEMENT_FILE, announcement.model_dump_json())
+            self._prune(keep_also=version)
+        payload = announcement.model_dump_json()
+        self.redis.set(latest_key(self.prefix), payload)
+        self.redis.publish(channel(self.prefix), payload)
+        log.info("published weights v%d (%.1f MB, sha256 %s)", version, announcement.size / 1e6, digest[:12])
+        return announcement
+
+    def versions(self) -> list[int]:
+        """Published versions on disk, oldest first."""
+        found = [
+            v for p in self.dir.iterdir()
+            if p.is_dir() and (v := _version_of(p)) is not None and (p / ANNOUNCEMENT_FILE).is_file()
+        ]
+        return sorted(found)
+
+    def announcement(self, version: int) -> WeightsAnnouncement | None:
+        path = self.dir / f"v{version}" / ANNOUNCEMENT_FILE
+        try:
+            return WeightsAnnouncement.model_validate_json(path.read_text())
+        except (OSError, ValueError):
+            return None
+
+    def latest(self) -> WeightsAnnouncement | None:
+        versions = self.versions()
+        return self.announcement(versions[-1]) if versions else None
+
+    def open_version(self, version: int) -> tuple[WeightsAnnouncement, "os.FileIO"] | None:
+        """The announcement and an open handle on the file (an open handle survives a concurrent prune)."""
+        with self._lock:
+            announcement = self.announcement(version)
+            if announcement is None:
+                return None
+            try:
+                return announcement, open(self.dir / f"v{version}" / WEIGHTS_FILE, "rb", buffering=0)
+            except OSError:
+                return None
+
+    def _prune(self, keep_also: int) -> None:
+        versions = sorted(v for p in self.dir.iterdir() if p.is_dir() and (v := _version_of(p)) is not None)
+        keep = set(versions[-self.keep:]) | {keep_also}
+        for version in versions:
+            if version not in keep:
+                shutil.rmtree(self.dir / f"v{version}", ignore_errors=True)
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def weights_router(publisher: WeightPublisher, require_token: Callable) -> APIRouter:
+    """`GET /v1/weights/latest` and `GET /v1/weights/{version}`, both behind the bearer token."""
+    router = APIRouter(prefix="/v1/weights", tags=["weights"], dependencies=[Depends(require_token)])
+
+    @router.get("/latest", response_model=WeightsAnnouncement)
+    def latest() -> WeightsAnnouncement:
+        announcement = publisher.latest()
+        if announcement is None:
+            raise HTTPException(404, "no weights published yet")
+        return announcement
+
+    @router.get("/{version}")
+    def download(version: int):
+        opened = publisher.open_version(version)
+        if opened is None:
+            raise HTTPException(404, f"weights version {version} is unknown or was pruned")
+        announcement, handle = opened
+
+        def chunks() -> Iterator[bytes]:
+            try:
+                while chunk := handle.read(CHUNK):
+                    yield chunk
+            finally:
+                handle.close()
+
+        headers = {
+            "Content-Length": str(announcement.size),
+            "X-Weights-Sha256": announcement.sha256,
+            "X-Weights-Version": str(announcement.version),
+            "Content-Disposition": f'attachment; filename="{WEIGHTS_FILE}"',
+        }
+        return StreamingResponse(chunks(), media_type="application/octet-stream", headers=headers)
+
+    return router
+
+
+# -- generator side -----------------------------------------------------------------------------------------
+def latest_announcement(redis_client, streams_or_prefix) -> WeightsAnnouncement | None:
+    """The announcement in `dapo:{run}:weights:latest`, or None if nothing was published (or it is garbled)."""
+    raw = redis_client.get(latest_key(streams_or_prefix))
+    if not raw:
+        return None
+    try:
+        return WeightsAnnouncement.model_validate_json(raw)
+    except ValueError:
+        log.error("ignoring a malformed weights announcement: %r", raw[:200])
+        return None
+
+
+def pull_weights(
+    announcement: WeightsAnnouncement, token: str, dest_dir: str | os.PathLike, timeout: float = 60.0
+) -> Path:
+    """Download the announced file into `dest_dir/v{version}/` and return that folder.
+
+    The bytes stream into a temporary folder and are hashed on the way; the folder is renamed into place only
+    if the sha256 and size match the announcement and the file is well-formed safetensors. Raises WeightsError
+    with reason unauthorized (401/403), not_found (404), http (other status), unreachable (connection),
+    checksum (sha256/size mismatch) or format; nothing is left behind on failure.
+    """
+    dest_dir = Path(dest_dir)
+    dest_dir.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".pull-v{announcement.version}-", dir=dest_dir))
+    started = time.perf_counter()
+    try:
+        digest, size = hashlib.sha256(), 0
+        headers = {"Authorization": f"Bearer {token}"}
+        try:
+            with httpx.stream("GET", announcement.url, headers=headers, timeout=timeout) as response:
+                if response.status_code in (401, 403):
+                    raise WeightsError(
+                        "unauthorized", f"weights server refused the token ({response.status_code}) for {announcement.url}"
+                    )
+                if response.status_code == 404:
+                    raise WeightsError("not_found", f"weights v{announcement.version} not found at {announcement.url}")
+                if response.status_code != 200:
+                    raise WeightsError("http", f"GET {announcement.url} answered {response.status_code}")
+                with open(tmp / WEIGHTS_FILE, "wb") as out:
+                    for chunk in response.iter_bytes(CHUNK):
+                        size += len(chunk)
+                        if size > announcement.size:
+                            raise WeightsError(
+                                "checksum", f"weights v{announcement.version}: more than the announced {announcement.size} bytes"
+                            )
+                        digest.update(chunk)
+                        out.write(chunk)
+        except httpx.HTTPError as err:
+            raise WeightsError("unreachable", f"GET {announcement.url} failed: {type(err).__name__}: {err}") from err
+        if size != announcement.size or digest.hexdigest() != announcement.sha256:
+            raise WeightsError(
+                "checksum",
+                f"weights v{announcement.version}: sha256 {digest.hexdigest()[:16]}... ({size} bytes) does not match "
+                f"the announced {announcement.sha256[:16]}... ({announcement.size} bytes)",
+            )
+        read_schema(tmp / WEIGHTS_FILE)  # well-formed before anyone looks at it
+        _write_atomic(tmp / ANNOUNCEMENT_FILE, announcement.model_dump_json())
+        final = dest_dir / f"v{announcement.version}"
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    log.info(
+        "pulled weights v%d (%.1f MB) in %.2fs", announcement.version, size / 1e6, time.perf_counter() - started
+    )
+    return final
+
+
+class AnnouncementWatcher:
+    """Tracks the newest announced version: pub/sub for promptness, the latest key at start and every poll_s.
+
+    A background thread keeps `newest` up to date; `wait_newer(version, timeout)` blocks until something newer
+    than `version` is known. Pub/sub messages can be lost (reconnects), the key poll makes that harmless.
+    """
+
+    def __init__(self, redis_client, streams_or_prefix, poll_s: float = 5.0):
+        self.redis = redis_client
+        self.prefix = _prefix(streams_or_prefix)
+        self.poll_s = poll_s
+        self.newest: WeightsAnnouncement | None = None
+        self._changed = threading.Condition()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> "AnnouncementWatcher":
+        self.offer(latest_announcement(self.redis, self.prefix))
+        self._thread = threading.Thread(target=self._run, name="weights-watcher", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+
+    def offer(self, announcement: WeightsAnnouncement | None) -> None:
+        if announcement is None:
+            return
+        with self._changed:
+            if self.newest is None or announcement.version > self.newest.version:
+                self.newest = announcement
+                self._changed.notify_all()
+
+    def wait_newer(self, version: int, timeout: float) -> WeightsAnnouncement | None:
+        with self._changed:
+            self._changed.wait_for(lambda: self.newest is not None and self.newest.version > version, timeout)
+            return self.newest if self.newest is not None and self.newest.version > version else None
+
+    def _run(self) -> None:
+        next_poll = time.monotonic() + self.poll_s
+        pubsub = None
+        while not self._stop.is_set():
+            try:
+                if pubsub is None:
+                    pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
+                    pubsub.subscribe(channel(self.prefix))
+                    self.offer(latest_announcement(self.redis, self.prefix))  # anything missed while away
+                message = pubsub.get_message(timeout=min(1.0, self.poll_s))
+                if message and message.get("type") == "message":
+                    try:
+                        self.offer(WeightsAnnouncement.model_validate_json(message["data"]))
+                    except ValueError:
+                        log.error("ignoring a malformed weights announcement on %s", channel(self.prefix))
+                if time.monotonic() >= next_poll:
+                    next_poll = time.monotonic() + self.poll_s
+                    self.offer(latest_announcement(self.redis, self.prefix))
+            except Exception as err:  # Redis restart or network: resubscribe after a pause
+                log.warning("weights watcher: %s; resubscribing", err)
+                if pubsub is not None:
+                    try:
+                        pubsub.close()
+                    except Exception:
+                        pass
+                pubsub = None
+                self._stop.wait(1.0)
+        if pubsub is not None:
+            pubsub.close()
