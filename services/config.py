@@ -115,13 +115,23 @@ class EvalSamplingConfig(Section):
 class GeneratorConfig(Section):
     host: str = Field("0.0.0.0", description="HTTP bind address.")
     port: int = Field(8001, description="HTTP port (metrics, weight sync).")
-    tasks_per_batch: int = Field(8, description="Prompt tasks submitted to the engine together.")
+    tasks_per_batch: int = Field(8, description="Prompt tasks in the engine at once (continuous batching).")
     kv_cache_gib: float = Field(1.0, description="vLLM CPU KV cache (VLLM_CPU_KVCACHE_SPACE), GiB.")
     gpu_memory_utilization: float = Field(0.85, description="vLLM GPU memory share (GPU only).")
     tensor_parallel_size: int = Field(1, description="vLLM tensor parallelism (GPU only).")
     max_model_len: int | None = Field(None, description="vLLM context; default prompt room + sampling.max_tokens.")
+    max_prompt_tokens: int = Field(2048, description="Prompt room in the default max_model_len (paper: 2048).")
     enforce_eager: bool = Field(True, description="Skip graph capture (faster start, needed on CPU).")
     seed: int = Field(0, description="Engine seed.")
+    logprobs_mode: Literal["raw_logprobs", "processed_logprobs"] = Field(
+        "raw_logprobs", description="Behaviour logprobs: raw model softmax (before temperature/top_p) or processed."
+    )
+    id: str | None = Field(None, description="Consumer name in the prompts group (default: hostname-pid).")
+    weights_dir: str | None = Field(None, description="Where pulled weight versions go (default run_dir/generators/ID).")
+    sync_poll_s: float = Field(5.0, description="Fallback poll of the weights:latest key (pub/sub is the fast path).")
+    pull_timeout_s: float = Field(300.0, description="HTTP timeout of one weights download.")
+    min_version_wait_s: float = Field(30.0, description="Wait this long for a task's min_version, then hand it back.")
+    shutdown_grace_s: float = Field(30.0, description="SIGTERM: finish in-flight tasks this long, then release them.")
 
 
 class RewardConfig(Section):
@@ -169,8 +179,13 @@ class LearnerConfig(Section):
     oversample_max: float = Field(4.0, description="Upper bound of the prompt over-sampling factor.")
     # Bookkeeping.
     micro_batch_tokens: int = Field(32768, description="Tokens per forward pass (gradient accumulation unit).")
+    gradient_checkpointing: bool = Field(
+        False, description="Recompute activations in backward: memory for long responses (paper's verl recipe: on)."
+    )
     keep_versions: int = Field(3, description="Published weight versions kept on disk.")
     checkpoint_every: int = Field(10, description="Checkpoint every K steps (0 = only at the end).")
+    keep_checkpoints: int = Field(2, description="Checkpoints kept on disk (the newest; older ones are pruned).")
+    resume: bool = Field(True, description="Resume from run_dir/checkpoints/latest when it exists.")
     eval_every: int = Field(5, description="Evaluate every K steps (0 = never).")
     seed: int = Field(0, description="Torch seed.")
 

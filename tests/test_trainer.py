@@ -1,0 +1,362 @@
+"""The trainer on a tiny randomly initialised Qwen2 (built here, no hub): update direction, the loss against the
+hand formula, checkpoints, micro-batching, padding."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+
+import pytest
+import torch
+
+from learner.trainer import Trainer
+from services.config import load_settings
+from services.messages import PromptTask, RolloutGroup, Sample, Score, ScoredGroup
+
+VOCAB = 32
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory):
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+    path = tmp_path_factory.mktemp("tiny-qwen2")
+    config = Qwen2Config(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=True, pad_token_id=0,
+        eos_token_id=1, bos_token_id=None,
+    )
+    torch.manual_seed(0)
+    Qwen2ForCausalLM(config).save_pretrained(path)
+    vocab = {"<pad>": 0, "<eos>": 1, **{f"t{i}": i for i in range(2, VOCAB)}}
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(WordLevel(vocab, unk_token="<pad>")))
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def make_settings(tmp_path, **learner):
+    base = {"lr": 1e-2, "warmup_steps": 0, "weight_decay": 0.0, "mini_batches": 1, "epochs": 1, "seed": 0,
+            "micro_batch_tokens": 4096, "tis_cap": 2.0}
+    base.update(learner)
+    return load_settings("tiny-cpu", run_dir=str(tmp_path / "run"), learner=base)
+
+
+def make_groups(n_groups=3, size=4, seed=0, rewards=None, overlong=None):
+    """Random prompts and responses of unequal lengths; behaviour logprobs filled in later."""
+    rng = random.Random(seed)
+    groups = []
+    for g in range(n_groups):
+        prompt = [rng.randrange(2, VOCAB) for _ in range(rng.randint(2, 6))]
+        task = PromptTask(prompt_id=f"p{g}", prompt="x", prompt_token_ids=prompt, ground_truth="1")
+        samples, scores = [], []
+        for i in range(size):
+            tokens = [rng.randrange(2, VOCAB) for _ in range(rng.randint(1, 9))]
+            samples.append(Sample(token_ids=tokens, logprobs=[0.0] * len(tokens), text="", finish_reason="stop"))
+            reward = rewards[i] if rewards else (1.0 if i % 2 == 0 else -1.0)
+            long = bool(overlong and overlong[i])
+            scores.append(Score(reward=reward, correct=reward > 0, overlong=long, rule="answer_line"))
+        rollout = RolloutGroup(task=task, policy_version=0, generator_id="test", samples=samples)
+        groups.append(ScoredGroup(rollout=rollout, scores=scores))
+    return groups
+
+
+def with_behaviour(groups, logprobs, offsets=None):
+    """Copies of the groups whose samples carry these behaviour logprobs (minus optional per-token offsets)."""
+    out = []
+    for g, group in enumerate(groups):
+        samples = []
+        for i, sample in enumerate(group.rollout.samples):
+            values = [lp - (offsets[g][i][t] if offsets else 0.0) for t, lp in enumerate(logprobs[g][i])]
+            samples.append(sample.model_copy(update={"logprobs": values}))
+        out.append(group.model_copy(update={"rollout": group.rollout.model_copy(update={"samples": samples})}))
+    return out
+
+
+def random_offsets(groups, seed=1, scale=1.0):
+    rng = random.Random(seed)
+    return [[[rng.uniform(-scale, scale) for _ in s.token_ids] for s in g.rollout.samples] for g in groups]
+
+
+def sequence_logprob(trainer, groups):
+    return [[sum(tokens) for tokens in group] for group in trainer.logprobs(groups)]
+
+
+# -- padding and logprobs ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("temperature", [1.0, 0.6])
+def test_logprobs_match_unpadded_forward(model_path, tmp_path, temperature):
+    # The policy is the one the generator samples from: softmax(logits / T).
+    settings = load_settings("tiny-cpu", run_dir=str(tmp_path), sampling={"temperature": temperature},
+                             learner={"micro_batch_tokens": 30})
+    trainer = Trainer(settings, model_path)
+    groups = make_groups()
+    batched = trainer.logprobs(groups)
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    with torch.no_grad():
+        for g, group in enumerate(groups):
+            prompt = group.rollout.task.prompt_token_ids
+            for i, sample in enumerate(group.rollout.samples):
+                ids = torch.tensor([prompt + sample.token_ids])
+                logits = (model(input_ids=ids).logits[0] / temperature).log_softmax(-1)
+                # Logits at position t predict token t + 1.
+                expected = [logits[len(prompt) - 1 + t, tok].item() for t, tok in enumerate(sample.token_ids)]
+                assert batched[g][i] == pytest.approx(expected, abs=1e-5)
+
+
+# -- the update --------------------------------------------------------------------------------------------------
+def test_train_step_raises_positive_and_lowers_negative_responses(model_path, tmp_path):
+    trainer = Trainer(make_settings(tmp_path, lr=3e-3, mini_batches=2), model_path)
+    groups = make_groups(n_groups=4, size=4)
+    groups = with_behaviour(groups, trainer.logprobs(groups))  # on-policy
+    before = sequence_logprob(trainer, groups)
+    metrics = trainer.train_step(groups)
+    after = sequence_logprob(trainer, groups)
+    assert trainer.version == 1 and metrics["updates"] == 2
+    for g, group in enumerate(groups):
+        for i, score in enumerate(group.scores):
+            moved = after[g][i] - before[g][i]
+            assert moved > 0 if score.reward > 0 else moved < 0, (g, i, moved)
+    for key in ("loss", "clip_frac_low", "clip_frac_high", "entropy", "approx_kl", "grad_norm", "lr", "tokens",
+                "tokens_per_second", "response_length_mean", "step_seconds", "tis_mean"):
+        assert math.isfinite(metrics[key]), key
+    assert 0 < metrics["entropy"] <= math.log(VOCAB) + 1e-6
+    assert metrics["tis_mean"] == pytest.approx(1.0, abs=1e-5)  # behaviour == learner
+    lengths = [len(s.token_ids) for g in groups for s in g.rollout.samples]
+    assert metrics["tokens"] == sum(lengths)
+    assert metrics["response_length_mean"] == pytest.approx(sum(lengths) / len(lengths))
+    # The second mini-batch was trained after the first update: the policy moved, the ratio left 1.
+    assert metrics["approx_kl"] > 0
+
+
+@pytest.mark.parametrize("loss_agg, mini_batches", [("token", 1), ("sample", 1), ("token", 2)])
+def test_loss_with_identical_old_and_new_params_is_the_hand_formula(model_path, tmp_path, loss_agg, mini_batches):
+    # One mini-batch: pi_old is the training forward itself. Two (one group each), lr 0: pi_old comes from the
+    # separate no-grad pass and the parameters never move, so the ratio is 1 in both updates.
+    settings = make_settings(tmp_path, loss_agg=loss_agg, overlong_filter=True, tis_cap=1.5, micro_batch_tokens=24,
+                             mini_batches=mini_batches, lr=0.0 if mini_batches > 1 else 1e-2)
+    trainer = Trainer(settings, model_path)
+    groups = make_groups(n_groups=2, size=4, rewards=[1.0, -1.0, -1.0, -1.0], overlong=[False, False, False, True])
+    current = trainer.logprobs(groups)
+    offsets = random_offsets(groups)
+    groups = with_behaviour(groups, current, offsets)
+    metrics = trainer.train_step(groups)
+
+    # Ratio 1 (pi_old = current params): loss = -sum_t w_t A_i / N, w_t = min(pi_old / mu, 1.5) = min(e^offset, 1.5).
+    # Rewards (1, -1, -1, -1): A = (1.5, -0.5, -0.5, -0.5) (sample std 1); the 4th response is overlong: filtered.
+    advantages = [1.5, -0.5, -0.5, -0.5]
+    token_terms, sample_means, weights = [[], []], [[], []], []
+    for g in range(2):
+        for i in range(3):
+            w = [min(math.exp(o), 1.5) for o in offsets[g][i]]
+            weights += w
+            terms = [-advantages[i] * wt for wt in w]
+            token_terms[g] += terms
+            sample_means[g].append(sum(terms) / len(terms))
+    terms = token_terms if loss_agg == "token" else sample_means
+    if mini_batches == 1:
+        expected = sum(terms[0] + terms[1]) / len(terms[0] + terms[1])
+    else:  # the mean of the two updates' losses, each normalised by its own mini-batch
+        expected = (sum(terms[0]) / len(terms[0]) + sum(terms[1]) / len(terms[1])) / 2
+    assert metrics["loss"] == pytest.approx(expected, rel=1e-5, abs=1e-6)
+    assert metrics["updates"] == mini_batches
+    assert metrics["tis_mean"] == pytest.approx(sum(weights) / len(weights), rel=1e-5)
+    assert metrics["tis_capped_frac"] == pytest.approx(sum(w >= 1.5 - 1e-6 for w in weights) / len(weights))
+    assert metrics["clip_frac_low"] == metrics["clip_frac_high"] == 0.0
+    assert metrics["tokens"] == len(weights)
+    assert metrics["approx_kl"] == pytest.approx(  # k3 of KL(behaviour || current), behaviour = current - offset
+        sum(math.exp(o) - 1 - o for g in range(2) for i in range(3) for o in offsets[g][i]) / len(weights), rel=1e-4)
+
+
+@pytest.mark.parametrize("loss_agg", ["token", "sample"])
+def test_micro_batching_gives_the_gradient_of_the_whole_mini_batch(model_path, tmp_path, loss_agg):
+    groups = make_groups(n_groups=3, size=4, seed=3)
+    whole = Trainer(make_settings(tmp_path, loss_agg=loss_agg, micro_batch_tokens=100_000), model_path)
+    groups = with_behaviour(groups, whole.logprobs(groups), random_offsets(groups, seed=2, scale=0.5))
+    loss_whole, grads_whole = whole.loss_gradients(groups)
+    # A budget of 1 token: every response is its own micro-batch (12 forward/backward passes).
+    split = Trainer(make_settings(tmp_path, loss_agg=loss_agg, micro_batch_tokens=1), model_path)
+    assert len(split._pack(list(range(12)), split._prepare(groups).responses)) == 12
+    loss_split, grads_split = split.loss_gradients(groups)
+    assert loss_split == pytest.approx(loss_whole, rel=1e-5)
+    assert grads_whole.keys() == grads_split.keys() and len(grads_whole) > 10
+    for name, grad in grads_whole.items():
+        assert torch.allclose(grads_split[name], grad, rtol=1e-4, atol=1e-7), name
+    assert any(g.abs().max() > 1e-4 for g in grads_whole.values())
+
+
+def test_warmup_is_counted_in_train_steps(model_path, tmp_path):
+    # Three mini-batch updates per step, all at the step's rate; the rate rises once per step.
+    trainer = Trainer(make_settings(tmp_path, lr=1e-3, warmup_steps=3, mini_batches=3), model_path)
+    groups = make_groups(n_groups=3, size=2)
+    groups = with_behaviour(groups, trainer.logprobs(groups))
+    steps = [trainer.train_step(groups) for _ in range(4)]
+    assert [m["lr"] for m in steps] == pytest.approx([1e-3 / 3, 2e-3 / 3, 1e-3, 1e-3])
+    assert [m["updates"] for m in steps] == [3, 3, 3, 3] and trainer.version == 4
+
+
+def test_kl_penalty_and_entropy_bonus(model_path, tmp_path):
+    groups = make_groups(n_groups=2, size=4, seed=7)
+    plain = Trainer(make_settings(tmp_path), model_path)
+    groups = with_behaviour(groups, plain.logprobs(groups))
+    loss_plain, grads_plain = plain.loss_gradients(groups)
+    entropy = plain.train_step(groups)["entropy"]  # mean token entropy at the starting parameters
+
+    # The reference is the starting policy: at step 0 the k3 penalty and its gradient are exactly 0.
+    with_kl = Trainer(make_settings(tmp_path, kl_coef=0.5), model_path)
+    loss_kl, grads_kl = with_kl.loss_gradients(groups)
+    assert loss_kl == pytest.approx(loss_plain, abs=1e-7)
+    assert all(torch.allclose(grads_kl[n], g, atol=1e-7) for n, g in grads_plain.items())
+    with_kl.train_step(groups)
+    moved_plain, _ = plain.loss_gradients(groups)
+    moved_kl, _ = with_kl.loss_gradients(groups)
+    assert moved_kl > moved_plain  # both took the same first step; now the penalty is positive
+
+    # Entropy bonus, token level: loss - coef * mean entropy; it changes the gradient.
+    with_h = Trainer(make_settings(tmp_path, entropy_coef=0.1), model_path)
+    loss_h, grads_h = with_h.loss_gradients(groups)
+    assert loss_h == pytest.approx(loss_plain - 0.1 * entropy, rel=1e-5)
+    assert not torch.allclose(grads_h["model.norm.weight"], grads_plain["model.norm.weight"])
+
+
+# -- publishing and checkpoints ----------------------------------------------------------------------------------
+def test_state_dict_for_publish(model_path, tmp_path):
+    trainer = Trainer(make_settings(tmp_path), model_path)
+    state = trainer.state_dict_for_publish()
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    params = dict(model.named_parameters())
+    assert "model.embed_tokens.weight" in state and "lm_head.weight" not in state  # tied alias dropped
+    assert set(state) == set(params)
+    for name, tensor in state.items():
+        assert tensor.device.type == "cpu" and tensor.is_contiguous() and tensor.dtype == torch.float32
+        assert torch.equal(tensor, params[name].detach())
+        assert tensor.data_ptr() != params[name].data_ptr()  # a copy: training on cannot change it
+
+
+def _optimizer_state(trainer):
+    return {k: {n: v.clone() if torch.is_tensor(v) else v for n, v in s.items()}
+            for k, s in trainer.optimizer.state_dict()["state"].items()}
+
+
+def test_checkpoint_round_trip(model_path, tmp_path):
+    settings = make_settings(tmp_path, mini_batches=2, warmup_steps=3)
+    groups = make_groups(n_groups=2, size=4, seed=5)
+    first = Trainer(settings, model_path)
+    groups = with_behaviour(groups, first.logprobs(groups), random_offsets(groups, seed=4, scale=0.3))
+    first.train_step(groups)
+    checkpoint = tmp_path / "ckpt" / "step-1"
+    first.save_checkpoint(checkpoint, {"step": 1, "carry": ["task-a"]})
+    at_save = first.state_dict_for_publish()
+    first.save_checkpoint(checkpoint, {"step": 1, "carry": ["task-a"]})  # overwriting is atomic too
+    assert sorted(p.name for p in checkpoint.parent.iterdir()) == ["step-1"]  # no tmp / old left behind
+    model_files = {p.name for p in (checkpoint / "model").iterdir()}
+    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= model_files
+    assert json.loads((checkpoint / "model" / "config.json").read_text())["dtype"] == "float32"
+
+    second = Trainer(settings, model_path)
+    assert second.version == 0
+    extra = second.load_checkpoint(checkpoint)
+    assert extra == {"step": 1, "carry": ["task-a"]} and second.version == 1
+    a, b = first.state_dict_for_publish(), second.state_dict_for_publish()
+    assert all(torch.equal(a[name], b[name]) for name in a)
+    state_a, state_b = _optimizer_state(first), _optimizer_state(second)
+    assert state_a.keys() == state_b.keys() and state_a
+    for key in state_a:
+        for name, value in state_a[key].items():
+            assert torch.equal(value, state_b[key][name]) if torch.is_tensor(value) else value == state_b[key][name]
+    assert second.scheduler.get_last_lr() == first.scheduler.get_last_lr()
+
+    # Both continue identically (same weights, moments, schedule and shuffling).
+    m1, m2 = first.train_step(groups), second.train_step(groups)
+    assert m1["lr"] == m2["lr"] and m1["loss"] == pytest.approx(m2["loss"], abs=1e-7)
+    a, b = first.state_dict_for_publish(), second.state_dict_for_publish()
+    assert all(torch.allclose(a[name], b[name], atol=1e-7) for name in a)
+
+    # And the HF copy is a loadable model with the same weights.
+    from transformers import AutoModelForCausalLM
+
+    exported = dict(AutoModelForCausalLM.from_pretrained(checkpoint / "model").named_parameters())
+    assert exported.keys() == at_save.keys()
+    assert all(torch.equal(exported[name], tensor) for name, tensor in at_save.items())
+
+
+def test_bad_groups_are_refused(model_path, tmp_path):
+    trainer = Trainer(make_settings(tmp_path), model_path)
+    group = make_groups(n_groups=1)[0]
+    no_prompt = group.model_copy(update={"rollout": group.rollout.model_copy(
+        update={"task": group.rollout.task.model_copy(update={"prompt_token_ids": None})})})
+    with pytest.raises(ValueError, match="prompt_token_ids"):
+        trainer.train_step([no_prompt])
+    sample = group.rollout.samples[0].model_copy(update={"logprobs": [0.0]})
+    short = group.model_copy(update={"rollout": group.rollout.model_copy(
+        update={"samples": [sample] + group.rollout.samples[1:]})})
+    if len(group.rollout.samples[0].token_ids) != 1:
+        with pytest.raises(ValueError, match="behaviour logprobs"):
+            trainer.train_step([short])
+    with pytest.raises(ValueError):
+        trainer.train_step([])
+    assert trainer.version == 0
+
+
+def test_interrupted_overwrite_is_recovered(model_path, tmp_path):
+    trainer = Trainer(make_settings(tmp_path), model_path)
+    checkpoint = tmp_path / "latest"
+    trainer.save_checkpoint(checkpoint, {"step": 0})
+    # A crash after `latest` was moved to `latest.old` and before `latest.tmp` took its place.
+    checkpoint.rename(tmp_path / "latest.old")
+    assert trainer.load_checkpoint(checkpoint) == {"step": 0}
+    with pytest.raises(FileNotFoundError):
+        trainer.load_checkpoint(tmp_path / "missing")
+
+
+WORKER = """
+import sys, torch
+sys.path[:0] = [{tests!r}, {repo!r}]
+from pathlib import Path
+from test_trainer import make_groups, make_settings, random_offsets, with_behaviour
+from learner.trainer import Trainer
+
+trainer = Trainer(make_settings(Path({tmp!r}), micro_batch_tokens=40, mini_batches=2), Path({model!r}))
+groups = make_groups(n_groups=3, size=4, seed=3)
+groups = with_behaviour(groups, trainer.logprobs(groups), random_offsets(groups, seed=2, scale=0.5))
+loss, grads = trainer.loss_gradients(groups)
+metrics = trainer.train_step(groups)
+trainer.save_checkpoint(Path({tmp!r}) / ("ckpt-%d" % trainer.accelerator.num_processes), {{"ok": True}})
+if trainer.accelerator.is_main_process:
+    torch.save({{"loss": loss, "grads": grads, "metrics": metrics, "world": trainer.accelerator.num_processes}},
+               Path({tmp!r}) / ("result-%d.pt" % trainer.accelerator.num_processes))
+"""
+
+
+@pytest.mark.slow
+def test_two_process_ddp_matches_one_process(model_path, tmp_path):
+    """torchrun, 2 CPU processes (gloo): sharding, lockstep micro-batches and the world-size scaling give the
+    single-process gradient and metrics."""
+    import os
+    import socket
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    tests = Path(__file__).resolve().parent
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER.format(tests=str(tests), repo=str(tests.parent), tmp=str(tmp_path), model=str(model_path)))
+    env = dict(os.environ, OMP_NUM_THREADS="1", ACCELERATE_USE_CPU="true")
+    alone = subprocess.run([sys.executable, str(script)], env=env, timeout=300, capture_output=True, text=True)
+    assert alone.returncode == 0, alone.stderr[-3000:]
+    with socket.socket() as probe:  # a free port for the rendezvous
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port)]
+    done = subprocess.run(torchrun + [str(script)], env=env, timeout=300, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    one = torch.load(tmp_path / "result-1.pt", weights_only=False)
+    two = torch.load(tmp_path / "result-2.pt", weights_only=False)
+    assert two["world"] == 2
+    assert two["loss"] == pytest.approx(one["loss"], rel=1e-5)
+    for name, grad in one["grads"].items():
+        assert torch.allclose(two["grads"][name], grad, rtol=1e-4, atol=1e-7), name
+    for key in ("loss", "clip_frac_low", "clip_frac_high", "entropy", "approx_kl", "grad_norm", "tokens", "tis_mean"):
+        assert two["metrics"][key] == pytest.approx(one["metrics"][key], rel=1e-4, abs=1e-7), key
+    assert (tmp_path / "ckpt-2" / "trainer_state.json").is_file()
