@@ -212,19 +212,32 @@ def tiny_alphabet(settings: Settings) -> str:
 
 
 def build_tokenizer(alphabet: str):
-    """A char-level tokenizer: the special tokens, then one token per character (others map to <unk>).
+    """A char-level tokenizer: the special tokens, then one token per character of `alphabet`.
 
-    Saved with tokenizer_class PreTrainedTokenizerFast: left to guess, transformers would load it as the
-    model type's own tokenizer class (Qwen2Tokenizer), which rebuilds a byte-level BPE and drops spaces and
-    newlines.
+    Built with `tokenizers` as a byte-level BPE without merges, i.e. the pipeline of Qwen2's own tokenizer
+    restricted to single characters. That matters: transformers 5 loads any tokenizer of a `qwen2` model as
+    Qwen2Tokenizer (whatever tokenizer_config.json says), rebuilding it from vocab and merges with
+    byte-level pre-tokenization; a vocabulary of raw characters would then silently lose spaces and
+    newlines. With byte-level symbols (space = "Ġ", newline = "Ċ") every loader, Qwen2Tokenizer,
+    PreTrainedTokenizerFast or vLLM's, encodes and decodes the same way.
     """
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {token: i for i, token in enumerate([*SPECIAL_TOKENS, *alphabet])}
-    core = Tokenizer(models.WordLevel(vocab, unk_token=UNK))
-    core.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
-    core.decoder = decoders.Fuse()
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    symbols = []
+    for ch in alphabet:
+        if len(ch.encode()) != 1:
+            raise ValueError(f"tiny tokenizer alphabet must be ASCII, got {ch!r}")
+        symbols.append(byte_level.pre_tokenize_str(ch)[0][0])
+    vocab = {token: i for i, token in enumerate([*SPECIAL_TOKENS, *symbols])}
+    core = Tokenizer(
+        models.BPE(vocab=vocab, merges=[], unk_token=None, continuing_subword_prefix="", end_of_word_suffix="",
+                   fuse_unk=False, byte_fallback=False)
+    )
+    core.normalizer = normalizers.NFC()
+    core.pre_tokenizer = byte_level
+    core.decoder = decoders.ByteLevel()
     core.add_special_tokens(list(SPECIAL_TOKENS))
     return PreTrainedTokenizerFast(
         tokenizer_object=core,
@@ -232,7 +245,6 @@ def build_tokenizer(alphabet: str):
         unk_token=UNK,
         eos_token=EOS,
         clean_up_tokenization_spaces=False,
-        model_max_length=None,
     )
 
 
@@ -402,7 +414,7 @@ def warm_up(model, tokenizer, settings: Settings, *, progress: bool = True) -> W
 
     t = settings.tiny
     task = tiny_task(settings)
-    pool = task.problems("train", task.space_size, seed=t.seed)  # every train-split problem, seeded order
+    pool = task.problems("train", None, seed=t.seed)  # every train-split problem, seeded order
     validation, training = pool[: t.warmup_eval_problems], pool[t.warmup_eval_problems :]
     if not training:
         raise ValueError("the synthetic train split is too small for the warm-up; raise synthetic_max_value")
@@ -436,7 +448,7 @@ def warm_up(model, tokenizer, settings: Settings, *, progress: bool = True) -> W
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             optimizer.step()
             result.steps = step + 1
-            result.final_loss = float(loss)
+            result.final_loss = loss.item()
             bar.update(job, advance=1, loss=result.final_loss)
             if result.steps % t.warmup_eval_every == 0 or result.steps == t.warmup_steps:
                 acc = sampled_accuracy(model, tokenizer, task, validation, settings, seed=t.seed + result.steps)
@@ -446,6 +458,7 @@ def warm_up(model, tokenizer, settings: Settings, *, progress: bool = True) -> W
                      "seconds": round(time.perf_counter() - started, 1)}
                 )
                 bar.update(job, acc=acc)
+                log.info("warm-up step %d: %s", result.steps, result.history[-1])
                 if acc >= t.warmup_target_accuracy:
                     result.reached_target = True
                     break
@@ -498,6 +511,7 @@ def build_tiny_model(settings: Settings, folder: Path, *, progress: bool = True)
         "warmup": asdict(result),
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
                      "tokenizers": tokenizers.__version__},
+        "built": {"pid": os.getpid(), "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())},
     }
     (folder / BUILD_INFO).write_text(json.dumps(info, indent=2) + "\n")
     log.info("built tiny model in %s: %s", folder, info["warmup"])
@@ -531,8 +545,9 @@ def measure_with_vllm(
     started = time.perf_counter()
     llm = LLM(model=str(path), dtype="float32", max_model_len=256, enforce_eager=True, seed=settings.tiny.seed)
     load_seconds = time.perf_counter() - started
-    params = SamplingParams(n=samples, temperature=1.0, top_p=1.0, max_tokens=max_tokens, logprobs=0,
-                            seed=settings.tiny.seed)
+    # No per-request seed: vLLM 0.32 on CPU crashes ("CPU Generator does not use offset") when a seeded
+    # request's prefill is chunked; the engine seed already makes the run reproducible.
+    params = SamplingParams(n=samples, temperature=1.0, top_p=1.0, max_tokens=max_tokens, logprobs=0)
     llm.generate(prompts[:8], params, use_tqdm=False)  # first call pays one-off setup costs
     started = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)

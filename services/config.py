@@ -57,15 +57,17 @@ class TinyModelConfig(Section):
     num_kv_heads: int = Field(2, description="Key/value heads (grouped-query attention).")
     intermediate_size: int = Field(512, description="MLP width.")
     max_position: int = Field(512, description="Context length of the tiny model.")
-    warmup_steps: int = Field(1500, description="Supervised warm-up optimizer steps at most (LR schedule length).")
+    warmup_steps: int = Field(1000, description="Supervised warm-up optimizer steps at most (LR schedule length).")
     warmup_batch: int = Field(64, description="Warm-up batch size (sequences).")
     warmup_lr: float = Field(3e-3, description="Warm-up peak learning rate.")
     warmup_target_accuracy: float = Field(
         0.25, description="Stop the warm-up once sampled (T=1) accuracy on unseen problems reaches this."
     )
-    warmup_eval_every: int = Field(50, description="Check the warm-up accuracy every K steps.")
+    warmup_eval_every: int = Field(25, description="Check the warm-up accuracy every K steps.")
     warmup_eval_problems: int = Field(256, description="Held-back train-split problems for that check.")
-    threads: int = Field(2, description="Torch threads while building (part of the cache key: numerics).")
+    threads: int = Field(
+        1, description="Torch threads while building (1: robust on a shared CPU; part of the cache key: numerics)."
+    )
     seed: int = Field(0, description="Seed of the tokenizer, weights and warm-up data.")
     cache_dir: str | None = Field(None, description="Where built models are cached (default ~/.cache/dapo).")
 

@@ -204,8 +204,9 @@ class SyntheticTask:
             seen.add(text)
             yield text
 
-    def problems(self, split: Literal["train", "eval"], size: int, seed: int = 0) -> list[Problem]:
-        """`size` distinct problems of one split (fewer, with a warning, if the split holds fewer)."""
+    def problems(self, split: Literal["train", "eval"], size: int | None, seed: int = 0) -> list[Problem]:
+        """`size` distinct problems of one split in a seeded order (None = all; fewer, with a warning, if the
+        split holds fewer)."""
         rng = random.Random(f"{seed}:{split}")
         chosen = []
         for text in self._candidates(rng):
@@ -213,9 +214,9 @@ class SyntheticTask:
                 continue
             digest = hashlib.sha256(text.encode()).hexdigest()[:12]
             chosen.append(Problem(id=f"arith-{digest}", problem=text, answer=self.answer(text)))
-            if len(chosen) >= size:
+            if size is not None and len(chosen) >= size:
                 break
-        if len(chosen) < size:
+        if size is not None and len(chosen) < size:
             log.warning("synthetic %s split holds only %d problems (%d asked)", split, len(chosen), size)
         return chosen
 

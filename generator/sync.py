@@ -1,0 +1,69 @@
+"""The generator's half of weight sync: pull an announced version and check it fits the model, off the hot path.
+
+`prepare` runs in a background thread while the engine keeps generating with the old weights; the worker
+swaps the engine to the returned folder only between batches (services/weights.py has the protocol).
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import time
+from pathlib import Path
+
+from services.config import Settings
+from services.messages import WeightsAnnouncement
+from services.weights import (
+    WEIGHTS_FILE,
+    AnnouncementWatcher,
+    WeightsError,
+    check_schema,
+    latest_announcement,
+    model_schema,
+    pull_weights,
+    read_schema,
+    tied_aliases,
+)
+
+log = logging.getLogger(__name__)
+
+
+class WeightSync:
+    """Pulls announced versions into this generator's own folder and validates them against the model."""
+
+    def __init__(self, settings: Settings, model_dir: str | Path, redis_client, generator_id: str):
+        self.settings = settings
+        self.token = settings.token
+        self.timeout = settings.generator.pull_timeout_s
+        self.dir = Path(settings.generator.weights_dir or Path(settings.run_dir) / "generators" / generator_id)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        # What the engine was built for: read from the model folder's own checkpoint before any reload.
+        self.expected = model_schema(model_dir)
+        self.optional = tied_aliases(model_dir)
+        self.redis = redis_client
+        self.prefix = f"dapo:{settings.redis.run}:"
+        self.watcher = AnnouncementWatcher(redis_client, self.prefix, poll_s=settings.generator.sync_poll_s)
+
+    def latest(self) -> WeightsAnnouncement | None:
+        """Read the latest key now (and tell the watcher)."""
+        announcement = latest_announcement(self.redis, self.prefix)
+        self.watcher.offer(announcement)
+        return announcement
+
+    def prepare(self, announcement: WeightsAnnouncement) -> tuple[Path, float]:
+        """Pull, verify the checksum (in pull_weights) and the names/shapes; (folder, seconds). WeightsError if refused."""
+        started = time.perf_counter()
+        folder = pull_weights(announcement, self.token, self.dir, timeout=self.timeout)
+        try:
+            check_schema(read_schema(folder / WEIGHTS_FILE), self.expected, self.optional)
+        except WeightsError:
+            shutil.rmtree(folder, ignore_errors=True)
+            raise
+        return folder, time.perf_counter() - started
+
+    def prune(self, keep: set[Path]) -> None:
+        """Drop pulled versions except `keep` (the served one, the one being loaded)."""
+        keep = {p.resolve() for p in keep if p is not None}
+        for path in self.dir.iterdir():
+            if path.is_dir() and path.resolve() not in keep and not path.name.startswith(".pull"):
+                shutil.rmtree(path, ignore_errors=True)

@@ -1,0 +1,457 @@
+"""The rollout worker: prompt tasks in, one RolloutGroup per task out, stamped with the policy version used.
+
+The loop keeps up to `generator.tasks_per_batch` tasks inside the engine (continuous batching: a finished
+group is written at once and its slot refilled), reads the prompts stream through the `generator` consumer
+group, and writes each group with `forward` (write downstream + ack atomically, only while it still owns the
+task), so a task is acknowledged after its group is written and never twice.
+
+Weight versions. A newer announced version is pulled and verified in a background thread while the engine
+keeps generating. Once it is ready the worker stops admitting tasks, lets the in-flight ones finish (the drain),
+reloads the engine in place and resumes: every group is sampled by exactly one policy version. A refused or
+failed sync leaves the old version serving. A task whose `min_version` is above the served version waits
+(claimed) for that version up to `generator.min_version_wait_s`, then is handed back.
+
+Ownership. A task in the engine longer than the stream's visibility timeout would be reclaimed by another
+consumer; a heartbeat thread re-claims this worker's own entries (only those it still owns) every third of
+the timeout. If the process dies, the heartbeat stops and another generator reclaims the work.
+
+Shutdown (`stop()`, on SIGTERM): stop admitting, hand back waiting tasks, finish in-flight ones for up to
+`generator.shutdown_grace_s`, then abort and hand back the rest. The engine dying mid-batch: in-flight tasks
+are handed back and the engine is recreated from the last good weights.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from services import metrics
+from services.config import Settings
+from services.messages import PromptTask, RolloutGroup, WeightsAnnouncement, to_wire
+from services.streams import Delivery, Streams
+from services.weights import WeightsError
+
+from generator.engine import EngineFailure, VllmEngine
+from generator.sync import WeightSync
+
+log = logging.getLogger(__name__)
+
+# KEYS: stream. ARGV: group, consumer, ids... Reset the idle time of the entries this consumer still owns
+# (XCLAIM JUSTID does not count as a delivery), so a long generation is not reclaimed from a live worker.
+_HEARTBEAT = """
+local n = 0
+for i = 3, #ARGV do
+  local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1)
+  if #p > 0 and p[1][2] == ARGV[2] then
+    redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[i], 'JUSTID')
+    n = n + 1
+  end
+end
+return n
+"""
+
+TRANSIENT = {"unreachable", "http", "not_found"}  # a late joiner retries these before taking work
+RETRY_FAILED_SYNC_S = 30.0  # a refused version is not retried automatically before this (POST /sync forces it)
+
+
+@dataclass
+class InFlight:
+    delivery: Delivery[PromptTask]
+    admitted_at: float
+
+
+@dataclass
+class SyncOutcome:
+    version: int
+    previous: int
+    changed: bool
+    seconds: float = 0.0
+    error: str | None = None
+    reason: str | None = None
+
+
+@dataclass
+class _Ready:
+    announcement: WeightsAnnouncement
+    folder: Path
+    prepare_seconds: float
+
+
+@dataclass
+class _Rates:
+    """Rolling tokens/s and tasks/s over the last `window` seconds."""
+
+    window: float = 10.0
+    events: deque = field(default_factory=deque)
+
+    def add(self, tokens: int, now: float) -> tuple[float, float]:
+        self.events.append((now, tokens))
+        while self.events and self.events[0][0] < now - self.window:
+            self.events.popleft()
+        span = max(now - self.events[0][0], 1.0) if self.events else self.window
+        return sum(t for _, t in self.events) / span, len(self.events) / span
+
+
+def entry_time(entry_id: str) -> float:
+    """The wall time a stream entry was written (its id is `<ms>-<seq>`)."""
+    return int(entry_id.split("-", 1)[0]) / 1000.0
+
+
+class RolloutWorker:
+    def __init__(self, settings: Settings, engine: VllmEngine, streams: Streams, sync: WeightSync, generator_id: str):
+        self.settings = settings
+        self.cfg = settings.generator
+        self.engine = engine
+        self.streams = streams
+        self.prompts = streams.stream("prompts", PromptTask)
+        self.rollouts = streams.stream("rollouts", RolloutGroup)
+        self.sync = sync
+        self.id = generator_id
+        self.version = 0
+        self.version_sha: str | None = None  # None = the model folder's own weights
+        self.version_since = time.time()
+        self.weights_folder: Path | None = None  # last good version, what a restarted engine loads
+        self.inflight: dict[str, InFlight] = {}
+        self.deferred: dict[str, tuple[Delivery[PromptTask], float]] = {}  # waiting for min_version
+        self.groups_written = 0
+        self.restarts = 0
+        self.ready = False
+        self.status = "starting"
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._deadline = float("inf")
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="weights-pull")
+        self._pull: concurrent.futures.Future | None = None
+        self._pull_target: WeightsAnnouncement | None = None
+        self._ready_weights: _Ready | None = None
+        self._failed: dict[tuple[int, str], float] = {}
+        self._waiters: list[tuple[int, concurrent.futures.Future]] = []
+        self._sync_now = threading.Event()
+        self._rates = _Rates()
+        self._last_empty_read = 0.0
+        self._heartbeat = streams.redis.register_script(_HEARTBEAT)
+        self._heartbeat_thread: threading.Thread | None = None
+        self._owned: tuple[str, ...] = ()
+        self._finished = threading.Event()
+
+    # -- control (any thread) -----------------------------------------------------------------------------
+    def stop(self, hard: bool = False) -> None:
+        """Graceful: finish in-flight tasks for up to shutdown_grace_s. Hard (or a second call): hand back now."""
+        with self._lock:
+            now = time.monotonic()
+            if hard or self._stop.is_set():
+                self._deadline = now
+            else:
+                self._deadline = now + self.cfg.shutdown_grace_s
+            self._stop.set()
+
+    def request_sync(self) -> concurrent.futures.Future:
+        """Pull and load the latest announced version now; the future resolves to a SyncOutcome."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        with self._lock:
+            self._waiters.append((-1, future))  # -1: the worker fills in the version wanted
+        self._sync_now.set()
+        return future
+
+    def readiness(self) -> tuple[bool, str]:
+        return (self.ready and not self._stop.is_set(), self.status)
+
+    def describe(self) -> dict:
+        newest = self.sync.watcher.newest
+        return {
+            "generator_id": self.id,
+            "version": self.version,
+            "sha256": self.version_sha,
+            "since": self.version_since,
+            "announced": newest.version if newest else None,
+            "inflight_tasks": len(self.inflight),
+            "waiting_tasks": len(self.deferred),
+            "groups_written": self.groups_written,
+            "engine_restarts": self.restarts,
+            "status": self.status,
+        }
+
+    # -- the loop (one thread: the engine's) --------------------------------------------------------------
+    def run(self) -> None:
+        self.sync.watcher.start()
+        self._heartbeat_thread = threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True)
+        self._heartbeat_thread.start()
+        try:
+            self._join_late()
+            self._recover_own()
+            metrics.GEN_VERSION.set(self.version)
+            self.ready = not self._stop.is_set()
+            self.status = "serving"
+            while True:
+                now = time.monotonic()
+                if self._stop.is_set():
+                    self._release_deferred("shutdown")
+                    if not self.inflight or now >= self._deadline:
+                        break
+                self._advance_sync(now)
+                if self._admitting():
+                    self._admit(now)
+                self._expire_deferred(now)
+                self._owned = (*self.inflight, *self.deferred)  # before a step that may block (the first one compiles)
+                if self.engine.has_unfinished():
+                    self._step()
+                elif self._stop.is_set() or self._ready_weights is not None or self._pull is not None:
+                    time.sleep(0.01)  # nothing to read: waiting for a drain, a pull or the shutdown
+                self._owned = (*self.inflight, *self.deferred)
+        finally:
+            self.ready = False
+            self.status = "stopped"
+            self._hand_back_all("shutdown")
+            self._owned = ()
+            self._finished.set()
+            self.sync.watcher.stop()
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._resolve_waiters(failure=("worker stopped", "stopped"))
+            log.info("generator %s stopped after %d groups", self.id, self.groups_written)
+
+    def _join_late(self) -> None:
+        """Serve the latest announced version before taking any work (the model folder's weights if none)."""
+        while not self._stop.is_set():
+            announcement = self.sync.latest()
+            if announcement is None:
+                return
+            self.status = f"loading weights v{announcement.version}"
+            try:
+                folder, prepare_seconds = self.sync.prepare(announcement)
+                self._apply(_Ready(announcement, folder, prepare_seconds))
+                if self.version_sha != announcement.sha256:  # the engine refused it (already counted)
+                    log.error("announced weights v%d failed to load; serving v%d", announcement.version, self.version)
+                return
+            except WeightsError as err:
+                metrics.GEN_RELOAD_FAILURES.labels(err.reason).inc()
+                if err.reason not in TRANSIENT:
+                    log.error("announced weights v%d refused: %s; serving v%d", announcement.version, err, self.version)
+                    self._failed[(announcement.version, announcement.sha256)] = time.monotonic() + RETRY_FAILED_SYNC_S
+                    return
+                log.error("cannot load announced weights v%d yet: %s", announcement.version, err)
+            self._stop.wait(5.0)
+
+    def _recover_own(self) -> None:
+        """Tasks this consumer name held before a restart (same id) are ours: serve them first."""
+        now = time.monotonic()
+        for delivery in self.prompts.recover(self.id, count=4 * self.cfg.tasks_per_batch):
+            if len(self.inflight) < self.cfg.tasks_per_batch and delivery.message.min_version <= self.version:
+                self._submit(delivery, now)
+            else:
+                self._hand_back([delivery], "restart")
+
+    def _admitting(self) -> bool:
+        return not self._stop.is_set() and self._ready_weights is None
+
+    def _admit(self, now: float) -> None:
+        room = self.cfg.tasks_per_batch - len(self.inflight) - len(self.deferred)
+        if room <= 0:
+            return
+        busy = bool(self.inflight)
+        if busy and now - self._last_empty_read < 0.02:
+            return  # the stream was empty a moment ago: let the engine work
+        deliveries = self.prompts.consume(self.id, count=room, block_ms=1 if busy or self.deferred else None)
+        if not deliveries:
+            self._last_empty_read = now
+        for delivery in deliveries:
+            if delivery.id in self.inflight or delivery.id in self.deferred:
+                continue  # our own entry, re-read by the reclaim scan: it is already being served
+            task = delivery.message
+            metrics.GEN_QUEUE_WAIT.observe(max(0.0, time.time() - entry_time(delivery.id)))
+            if task.min_version > self.version:
+                self.deferred[delivery.id] = (delivery, now)
+                self._sync_now.set()  # look for the version now rather than at the next poll
+                continue
+            self._submit(delivery, now)
+        metrics.GEN_BATCH_FILL.set(len(self.inflight) / self.cfg.tasks_per_batch)
+
+    def _submit(self, delivery: Delivery[PromptTask], now: float) -> None:
+        task = delivery.message
+        try:
+            prompt_ids = self.engine.prompt_ids(task.prompt, task.prompt_token_ids)
+            self.engine.submit(delivery.id, prompt_ids, task.sampling)
+        except ValueError as err:  # no room for a response: this task can never be served
+            self.prompts.dead(delivery.id, to_wire(task), f"unservable: {err}", delivery.deliveries)
+            return
+        except EngineFailure as err:
+            self.inflight[delivery.id] = InFlight(delivery, now)
+            self._recover_engine(err)
+            return
+        self.inflight[delivery.id] = InFlight(delivery, now)
+
+    def _step(self) -> None:
+        try:
+            finished = self.engine.step()
+        except EngineFailure as err:
+            self._recover_engine(err)
+            return
+        now = time.monotonic()
+        for done in finished:
+            entry = self.inflight.pop(done.request_id, None)
+            if entry is None:
+                continue
+            task = entry.delivery.message
+            group = RolloutGroup(task=task, policy_version=self.version, generator_id=self.id, samples=done.samples)
+            if self.prompts.forward(entry.delivery, self.rollouts, group):
+                self.groups_written += 1
+                tokens = sum(len(s.token_ids) for s in done.samples)
+                metrics.GEN_TOKENS.inc(tokens)
+                metrics.GEN_TASKS.labels(task.split).inc()
+                tokens_per_s, tasks_per_s = self._rates.add(tokens, now)
+                metrics.GEN_TOKENS_PER_SECOND.set(tokens_per_s)
+                metrics.GEN_TASKS_PER_SECOND.set(tasks_per_s)
+        if finished:
+            metrics.GEN_BATCH_FILL.set(len(self.inflight) / self.cfg.tasks_per_batch)
+
+    def _recover_engine(self, err: Exception) -> None:
+        """The engine died: hand its tasks back, recreate it from the last good weights."""
+        log.error("engine failure (%s): handing back %d tasks and restarting", err, len(self.inflight))
+        self._hand_back(list(self.inflight), "engine_failure")
+        self.ready = False
+        self.status = "restarting engine"
+        self.engine.restart(str(self.weights_folder) if self.weights_folder else None)
+        self.restarts += 1
+        metrics.GEN_ENGINE_RESTARTS.labels("failure").inc()
+        self.ready = True
+        self.status = "serving"
+
+    # -- weight versions ---------------------------------------------------------------------------------
+    def _wanted(self, now: float) -> WeightsAnnouncement | None:
+        newest = self.sync.watcher.newest
+        if newest is None or newest.version <= self.version:
+            return None
+        if self._failed.get((newest.version, newest.sha256), 0.0) > now:
+            return None
+        return newest
+
+    def _advance_sync(self, now: float) -> None:
+        if self._sync_now.is_set():
+            self._sync_now.clear()
+            latest = self.sync.latest()
+            with self._lock:
+                waiters = [(w if w >= 0 else (latest.version if latest else -1), f) for w, f in self._waiters]
+                self._waiters = waiters
+            if latest is not None:
+                self._failed.pop((latest.version, latest.sha256), None)  # an explicit request retries
+            self._resolve_waiters()  # those already satisfied (or with nothing announced)
+        if self._pull is None and self._ready_weights is None:
+            target = self._wanted(now)
+            if target is not None:
+                self._pull_target = target
+                self._pull = self._pool.submit(self.sync.prepare, target)
+                self.status = f"pulling weights v{target.version}"
+        if self._pull is not None and self._pull.done():
+            target, pull = self._pull_target, self._pull
+            self._pull, self._pull_target = None, None
+            try:
+                folder, seconds = pull.result()
+                self._ready_weights = _Ready(target, folder, seconds)
+                self.status = f"draining for weights v{target.version}"
+            except WeightsError as err:
+                self._refuse(target, err.reason, str(err), now)
+            except Exception as err:  # unexpected (disk full...): same treatment, the old weights keep serving
+                self._refuse(target, "error", f"{type(err).__name__}: {err}", now)
+        if self._ready_weights is not None and not self.inflight:
+            self._apply(self._ready_weights)
+
+    def _refuse(self, target: WeightsAnnouncement, reason: str, message: str, now: float) -> None:
+        log.error("weights v%d refused (%s): %s; still serving v%d", target.version, reason, message, self.version)
+        metrics.GEN_RELOAD_FAILURES.labels(reason).inc()
+        self._failed[(target.version, target.sha256)] = now + RETRY_FAILED_SYNC_S
+        self.status = "serving"
+        self._resolve_waiters(failure=(message, reason))
+
+    def _apply(self, ready: _Ready) -> None:
+        """Reload the idle engine; on failure recreate it from the last good weights."""
+        self._ready_weights = None
+        previous = self.version
+        try:
+            reload_seconds = self.engine.reload(ready.folder)
+        except EngineFailure as err:
+            self._refuse(ready.announcement, "reload", str(err), time.monotonic())
+            self.engine.restart(str(self.weights_folder) if self.weights_folder else None)
+            self.restarts += 1
+            metrics.GEN_ENGINE_RESTARTS.labels("reload").inc()
+            return
+        self.version = ready.announcement.version
+        self.version_sha = ready.announcement.sha256
+        self.version_since = time.time()
+        self.weights_folder = ready.folder
+        self.sync.prune(keep={ready.folder})
+        total = ready.prepare_seconds + reload_seconds
+        metrics.GEN_VERSION.set(self.version)
+        metrics.GEN_RELOAD_SECONDS.observe(total)
+        self.status = "serving"
+        log.info(
+            "now serving weights v%d (was v%d): pull+verify %.2fs, reload %.2fs",
+            self.version, previous, ready.prepare_seconds, reload_seconds,
+        )
+        self._resolve_waiters(success=SyncOutcome(self.version, previous, True, total))
+        for entry_id, (delivery, _) in list(self.deferred.items()):
+            if delivery.message.min_version <= self.version:
+                del self.deferred[entry_id]
+                self._submit(delivery, time.monotonic())
+
+    def _resolve_waiters(self, success: SyncOutcome | None = None, failure: tuple[str, str] | None = None) -> None:
+        with self._lock:
+            keep = []
+            for wanted, future in self._waiters:
+                if future.done():
+                    continue
+                if failure is not None:
+                    future.set_result(SyncOutcome(self.version, self.version, False, error=failure[0], reason=failure[1]))
+                elif wanted >= 0 and self.version >= wanted:
+                    future.set_result(success or SyncOutcome(self.version, self.version, False))
+                elif wanted == -1 and success is None and self.sync.watcher.newest is None:
+                    future.set_result(SyncOutcome(self.version, self.version, False, error="no weights announced", reason="none"))
+                else:
+                    keep.append((wanted, future))
+            self._waiters = keep
+
+    # -- tasks waiting for a version, hand-backs, heartbeat -------------------------------------------------
+    def _expire_deferred(self, now: float) -> None:
+        for entry_id, (delivery, since) in list(self.deferred.items()):
+            if now - since > self.cfg.min_version_wait_s:
+                log.warning(
+                    "task %s wants v%d, serving v%d after %.0fs: handing it back",
+                    delivery.message.task_id, delivery.message.min_version, self.version, now - since,
+                )
+                del self.deferred[entry_id]
+                self._hand_back([delivery], "min_version")
+
+    def _release_deferred(self, why: str) -> None:
+        if self.deferred:
+            deliveries = [d for d, _ in self.deferred.values()]
+            self.deferred.clear()
+            self._hand_back(deliveries, why)
+
+    def _hand_back_all(self, why: str) -> None:
+        if self.inflight:
+            self.engine.abort(list(self.inflight))
+            self._hand_back(list(self.inflight), why)
+        self._release_deferred(why)
+
+    def _hand_back(self, items: list, why: str) -> None:
+        for item in items:
+            delivery = self.inflight.pop(item, None).delivery if isinstance(item, str) else item
+            try:
+                self.prompts.release(delivery)
+                metrics.GEN_RELEASED.labels(why).inc()
+            except Exception as err:  # Redis gone: the visibility timeout hands it back anyway
+                log.warning("could not release %s: %s", delivery.id, err)
+
+    def _heartbeat_loop(self) -> None:
+        interval = max(0.05, self.settings.streams.visibility_timeout_s / 3)
+        while not self._finished.wait(interval):
+            ids = self._owned  # a snapshot the loop thread publishes (never iterate its dicts from here)
+            if not ids:
+                continue
+            try:
+                self._heartbeat(keys=[self.prompts.key], args=[self.prompts.group, self.id, *ids])
+            except Exception as err:
+                log.warning("heartbeat failed: %s", err)

@@ -1,0 +1,439 @@
+"""Batch assembly with dynamic sampling (DAPO §3.2, the constraint of Eq. 11) as a pure state machine.
+
+No Redis, no HTTP: the learner service tells it which prompts it pushed and which scored groups arrived, asks
+it how many prompts to push, and takes batches from it. Everything here is decided from those calls alone.
+
+Vocabulary (k = max_staleness, B = prompts_per_step)
+  ready      informative groups in hand, carried surplus included, oldest policy first.
+  in flight  train prompts pushed and not scored yet.
+  ratio r    running estimate of the share of pushed prompts that come back usable (informative, fresh).
+  supply     ready + r * in_flight: the informative groups expected without pushing anything more.
+
+Rules
+  sizing     a push covers the expected deficit B - supply, times the over-sampling factor
+             clamp(1 / r, oversample_min, oversample_max): sized from the observed ratio, not a fixed multiple.
+  refills    after a step's first push, push again only once the shortfall is certain: even if every prompt in
+             flight came back informative, the step would still miss B (ready + in_flight < B). Each such push
+             is one refill round. After max_refills rounds nothing more is pushed; once the last prompt in flight
+             is back the step is at its limit: the service trains on what is in hand or stops (on_refill_limit).
+  staleness  a group whose policy is more than k versions behind the learner is dropped, on arrival and again
+             when the batch is taken (carried groups age). A group from a version ahead of the learner (a policy
+             of a lineage discarded by a resume) is dropped the same way.
+  pacing     what is pushed now is sampled with the current version V or later, and each version consumes B
+             groups, so the supply must not exceed what versions V..V+k can train on: (k + 1) * B while the step
+             at V is being collected, k * B when pushing ahead of training step V (its batch already taken).
+             With k = 0 nothing is pushed ahead: the synchronous on-policy loop (push, collect, train, publish).
+             Pacing instead of drop-and-requeue: requeued prompts with long answers would go stale again and
+             again and never be trained.
+  carry-over surplus informative groups stay in `ready` for the next step (oldest policy first, so they are
+             trained before they age out).
+  dedupe     a task id is admitted once (delivery is at least once).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Literal, Sequence
+
+from services.messages import ScoredGroup
+
+Verdict = Literal["informative", "uninformative", "stale", "duplicate"]
+Status = Literal["train", "wait", "limit"]
+
+
+def _ceil(x: float) -> int:
+    """Ceiling that ignores floating-point dust (2.0000000001 -> 2): counts of prompts from estimates."""
+    return math.ceil(x - 1e-6)
+
+
+class RefillLimitReached(RuntimeError):
+    """learner.on_refill_limit = stop, and a step could not gather B informative groups."""
+
+
+def group_rewards(group: ScoredGroup) -> list[float]:
+    return [score.reward for score in group.scores]
+
+
+def task_id_of(group: ScoredGroup) -> str:
+    return group.rollout.task.task_id
+
+
+def staleness_of(group: ScoredGroup, version: int, jumps: Sequence[tuple[int, int]] = ()) -> int:
+    """How many versions the group's policy is behind the learner (negative: ahead of it).
+
+    `jumps` are version jumps (from, to) made when a restored checkpoint of version `from` was republished as
+    `to` (see the service: versions stay monotonic across a resume). Version `to` holds the weights of `from`,
+    so a group sampled by `from` or an ancestor is `to - from` versions fresher than the raw difference says.
+    A group from inside a jump (a discarded lineage) keeps the raw difference: a sibling policy that old.
+    """
+    lag = version - group.rollout.policy_version
+    for start, end in jumps:
+        if group.rollout.policy_version <= start and end <= version:
+            lag -= end - start
+    return lag
+
+
+def is_too_stale(group: ScoredGroup, version: int, max_staleness: int, jumps: Sequence[tuple[int, int]] = ()) -> bool:
+    lag = staleness_of(group, version, jumps)
+    return lag > max_staleness or lag < 0
+
+
+class InformativeRatio:
+    """Running estimate of P(a pushed prompt yields a usable group): counts that decay with `memory` groups.
+
+    A prior of `prior` with weight `prior_weight` groups keeps the estimate away from 0 (no division by zero,
+    no runaway sizing before evidence) and is forgotten as real observations accumulate.
+    """
+
+    def __init__(self, memory: float = 256.0, prior: float = 0.5, prior_weight: float = 2.0):
+        if memory < 1 or not 0.0 < prior <= 1.0 or prior_weight <= 0:
+            raise ValueError("memory >= 1, 0 < prior <= 1 and prior_weight > 0 required")
+        self.decay = 1.0 - 1.0 / memory
+        self.prior, self.prior_weight = prior, prior_weight
+        self.usable = 0.0
+        self.seen = 0.0
+
+    def observe(self, usable: bool) -> None:
+        self.usable = self.usable * self.decay + (1.0 if usable else 0.0)
+        self.seen = self.seen * self.decay + 1.0
+
+    @property
+    def value(self) -> float:
+        return (self.usable + self.prior * self.prior_weight) / (self.seen + self.prior_weight)
+
+    def oversample(self, low: float, high: float) -> float:
+        """The over-sampling factor 1 / r, bounded to [low, high]."""
+        return min(max(1.0 / self.value, low), high)
+
+    def state(self) -> dict:
+        return {"usable": self.usable, "seen": self.seen}
+
+    def load_state(self, state: dict) -> None:
+        self.usable, self.seen = float(state["usable"]), float(state["seen"])
+
+
+class RecentIds:
+    """A set of the most recent `capacity` ids (duplicates arrive close together: redeliveries)."""
+
+    def __init__(self, capacity: int):
+        self.capacity = max(1, capacity)
+        self._ids: OrderedDict[str, None] = OrderedDict()
+
+    def add(self, task_id: str) -> None:
+        self._ids[task_id] = None
+        self._ids.move_to_end(task_id)
+        while len(self._ids) > self.capacity:
+            self._ids.popitem(last=False)
+
+    def discard(self, task_id: str) -> None:
+        self._ids.pop(task_id, None)
+
+    def __contains__(self, task_id: str) -> bool:
+        return task_id in self._ids
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+
+@dataclass
+class StepStats:
+    """What happened to the train groups that arrived during one step (before filtering)."""
+
+    scored: int = 0  # non-duplicate train groups that arrived
+    informative: int = 0
+    uninformative: int = 0
+    stale_dropped: int = 0
+    duplicates: int = 0
+    lost: int = 0  # prompts that died in the pipeline (dead letters)
+    reward_sum: float = 0.0  # over every sample of every scored group: the unfiltered reward
+    correct: int = 0
+    samples: int = 0
+
+    @property
+    def reward_all(self) -> float | None:
+        return self.reward_sum / self.samples if self.samples else None
+
+    @property
+    def accuracy_all(self) -> float | None:
+        return self.correct / self.samples if self.samples else None
+
+    @property
+    def informative_share(self) -> float | None:
+        return self.informative / self.scored if self.scored else None
+
+
+@dataclass
+class Batch:
+    """The groups one training step uses, and how they were gathered."""
+
+    groups: list[ScoredGroup]
+    target: int
+    refills: int
+    refill_limit_hit: bool
+    stats: StepStats
+    informative_ratio: float  # the running estimate when the batch was taken
+    stale_at_take: list[ScoredGroup] = field(default_factory=list)  # carried groups that aged out
+
+    @property
+    def task_ids(self) -> list[str]:
+        return [task_id_of(g) for g in self.groups]
+
+    @property
+    def short_by(self) -> int:
+        return max(0, self.target - len(self.groups))
+
+
+@dataclass(frozen=True)
+class Push:
+    count: int
+    refill: bool  # a refill round (as opposed to the step's first allocation)
+
+
+class BatchAssembler:
+    """Decides what to push, what to keep, what to drop, and when a batch is ready."""
+
+    def __init__(
+        self,
+        target: int,
+        *,
+        max_staleness: int = 0,
+        dynamic_sampling: bool = True,
+        max_refills: int = 10,
+        oversample_min: float = 1.0,
+        oversample_max: float = 4.0,
+        informative: Callable[[Sequence[float]], bool] | None = None,
+        ratio: InformativeRatio | None = None,
+        dedupe_capacity: int | None = None,
+    ):
+        if target < 1:
+            raise ValueError("prompts_per_step must be >= 1")
+        if max_staleness < 0 or max_refills < 0:
+            raise ValueError("max_staleness and max_refills must be >= 0")
+        if not 0 < oversample_min <= oversample_max:
+            raise ValueError("need 0 < oversample_min <= oversample_max")
+        if informative is None:
+            from learner.dapo import is_informative as informative
+        self.target = target
+        self.max_staleness = max_staleness
+        self.dynamic_sampling = dynamic_sampling
+        self.max_refills = max_refills
+        self.oversample_min, self.oversample_max = oversample_min, oversample_max
+        self._informative = informative
+        self.ratio = ratio or InformativeRatio(memory=max(64.0, 4.0 * target))
+        self.seen = RecentIds(dedupe_capacity or max(10_000, int(8 * target * oversample_max)))
+        self.ready: list[tuple[int, int, ScoredGroup]] = []  # (policy version, arrival, group)
+        self.in_flight: dict[str, int] = {}  # task id -> learner version when pushed
+        self.version_jumps: list[tuple[int, int]] = []  # (from, to): a restored version republished as `to`
+        self._arrivals = 0
+        self._first_push_done = False
+        self.refills = 0
+        self.stats = StepStats()
+
+    # -- what to push ---------------------------------------------------------------------------------------
+    @classmethod
+    def from_settings(cls, learner_cfg, **kwargs) -> "BatchAssembler":
+        return cls(
+            learner_cfg.prompts_per_step,
+            max_staleness=learner_cfg.max_staleness,
+            dynamic_sampling=learner_cfg.dynamic_sampling,
+            max_refills=learner_cfg.max_refills,
+            oversample_min=learner_cfg.oversample_min,
+            oversample_max=learner_cfg.oversample_max,
+            **kwargs,
+        )
+
+    def lag(self, group: ScoredGroup, version: int) -> int:
+        return staleness_of(group, version, self.version_jumps)
+
+    def too_stale(self, group: ScoredGroup, version: int) -> bool:
+        return is_too_stale(group, version, self.max_staleness, self.version_jumps)
+
+    def jumped(self, start: int, end: int) -> None:
+        """The policy of version `start` is now published as version `end` (a resume; see staleness_of)."""
+        if end > start:
+            self.version_jumps.append((start, end))
+
+    def in_hand(self, train_version: int) -> int:
+        """Groups in hand that will still be within the staleness bound when trained at `train_version`."""
+        return sum(1 for _, _, g in self.ready if not self.too_stale(g, train_version))
+
+    def supply(self, train_version: int) -> float:
+        return self.in_hand(train_version) + self.ratio.value * len(self.in_flight)
+
+    def oversample_factor(self) -> float:
+        return self.ratio.oversample(self.oversample_min, self.oversample_max)
+
+    def supply_cap(self, ahead: bool) -> float:
+        """Pacing: the most informative groups versions V..V+k can train on (k * B when pushing ahead).
+
+        Scaled by the hedge a configured oversample_min adds on top of 1 / r, so that the margin the user asked
+        for is pushed, not clipped away by the bound it was meant to protect.
+        """
+        hedge = max(1.0, self.oversample_factor() * self.ratio.value)
+        return (self.max_staleness + (0 if ahead else 1)) * self.target * hedge
+
+    def admission_room(self, version: int, ahead: bool = False) -> int:
+        """How many prompts can be pushed at learner version `version` within the staleness bound (expected)."""
+        train_version = version + 1 if ahead else version
+        return max(0, _ceil((self.supply_cap(ahead) - self.supply(train_version)) / self.ratio.value))
+
+    def shortfall_certain(self, version: int) -> bool:
+        """Even if every prompt in flight came back informative, the step at `version` would miss B."""
+        return self.in_hand(version) + len(self.in_flight) < self.target
+
+    def plan(self, version: int, ahead: bool = False) -> Push:
+        """How many train prompts to push now, the learner being at `version`.
+
+        `ahead=True`: the batch of the step training at `version` is already taken and this is the next step's
+        first allocation, pushed before training so generation overlaps it (only when max_staleness > 0).
+        """
+        if ahead and self.max_staleness == 0:
+            return Push(0, refill=False)  # synchronous: the next step's prompts wait for the new weights
+        refill = self._first_push_done
+        if refill:
+            if not self.shortfall_certain(version) or self.refills >= self.max_refills:
+                return Push(0, refill=True)
+        deficit = self.target - self.supply(version + 1 if ahead else version)
+        count = 0
+        if deficit > 0:
+            count = min(_ceil(deficit * self.oversample_factor()), self.admission_room(version, ahead))
+        self._first_push_done = True
+        if refill and count > 0:
+            self.refills += 1
+        return Push(count, refill=refill and count > 0)
+
+    def issued(self, task_ids: Iterable[str], version: int) -> None:
+        """Train prompts were pushed (pushed at learner version `version`)."""
+        for task_id in task_ids:
+            self.in_flight[task_id] = version
+
+    def lost(self, task_ids: Iterable[str]) -> int:
+        """Prompts that will never come back (dead letters); returns how many were in flight."""
+        gone = 0
+        for task_id in task_ids:
+            if self.in_flight.pop(task_id, None) is not None:
+                gone += 1
+        self.stats.lost += gone
+        return gone
+
+    def forget_in_flight(self) -> None:
+        """Forget every prompt in flight (after a restart their groups still arrive, as unexpected ones)."""
+        self.in_flight.clear()
+
+    # -- what arrives ---------------------------------------------------------------------------------------
+    def is_usable(self, group: ScoredGroup) -> bool:
+        return (not self.dynamic_sampling) or self._informative(group_rewards(group))
+
+    def admit(self, group: ScoredGroup, version: int, *, fresh: bool = True) -> Verdict:
+        """Classify an arriving train group; informative ones join `ready`.
+
+        `fresh=False` re-admits a group already counted before (the working set read back after a restart):
+        it is neither counted in the step's statistics nor observed by the ratio estimate again.
+        """
+        task_id = task_id_of(group)
+        if task_id in self.seen:
+            self.stats.duplicates += 1
+            return "duplicate"
+        self.seen.add(task_id)
+        self.in_flight.pop(task_id, None)
+        stale = self.too_stale(group, version)
+        usable = self.is_usable(group)
+        if fresh:
+            self.stats.scored += 1
+            rewards = group_rewards(group)
+            self.stats.reward_sum += sum(rewards)
+            self.stats.samples += len(rewards)
+            self.stats.correct += sum(1 for s in group.scores if s.correct)
+            self.ratio.observe(usable and not stale)
+        if stale:
+            if fresh:
+                self.stats.stale_dropped += 1
+            return "stale"
+        if not usable:
+            if fresh:
+                self.stats.uninformative += 1
+            return "uninformative"
+        if fresh:
+            self.stats.informative += 1
+        self._arrivals += 1
+        self.ready.append((group.rollout.policy_version, self._arrivals, group))
+        return "informative"
+
+    def retract(self, task_id: str) -> None:
+        """Undo the admission of a group the service could not take over (it will be delivered again)."""
+        self.ready = [entry for entry in self.ready if task_id_of(entry[2]) != task_id]
+        self.seen.discard(task_id)
+
+    # -- when to train --------------------------------------------------------------------------------------
+    def status(self, version: int) -> Status:
+        """train: B groups usable at `version` are in hand; limit: the refill limit is reached; else wait."""
+        if self.in_hand(version) >= self.target:
+            return "train"
+        if (
+            self._first_push_done
+            and self.refills >= self.max_refills
+            and self.shortfall_certain(version)
+            and not self.in_flight
+        ):
+            return "limit"
+        return "wait"
+
+    def drop_stale(self, version: int) -> list[ScoredGroup]:
+        """Remove carried groups that aged past the staleness bound."""
+        kept, dropped = [], []
+        for entry in self.ready:
+            (dropped if self.too_stale(entry[2], version) else kept).append(entry)
+        self.ready = kept
+        self.stats.stale_dropped += len(dropped)
+        return [g for _, _, g in dropped]
+
+    def take_batch(self, version: int, *, partial: bool = False) -> Batch:
+        """Take B groups (oldest policy first) and start the next step; the rest are carried.
+
+        `partial=True` takes whatever is in hand (the refill limit with on_refill_limit = train).
+        """
+        stale = self.drop_stale(version)
+        if len(self.ready) < self.target and not partial:
+            raise RuntimeError(f"take_batch: {len(self.ready)} groups in hand, {self.target} needed")
+        self.ready.sort(key=lambda entry: entry[:2])
+        taken, self.ready = self.ready[: self.target], self.ready[self.target :]
+        batch = Batch(
+            groups=[g for _, _, g in taken],
+            target=self.target,
+            refills=self.refills,
+            refill_limit_hit=len(taken) < self.target,
+            stats=self.stats,
+            informative_ratio=self.ratio.value,
+            stale_at_take=stale,
+        )
+        self.stats = StepStats()
+        self.refills = 0
+        self._first_push_done = False
+        return batch
+
+    def take_at_limit(self, version: int, on_refill_limit: Literal["train", "stop"]) -> Batch:
+        """The refill limit is reached: a short batch (train), or RefillLimitReached with the numbers (stop)."""
+        if on_refill_limit == "stop":
+            self.drop_stale(version)
+            stats = self.stats
+            raise RefillLimitReached(
+                f"only {len(self.ready)} of {self.target} informative groups after {self.refills} refill rounds "
+                f"(learner.max_refills={self.max_refills}): {stats.informative} informative of {stats.scored} "
+                f"groups scored this step, running ratio {self.ratio.value:.3f}. Raise learner.max_refills or "
+                "set learner.on_refill_limit=train to train on what is in hand."
+            )
+        return self.take_batch(version, partial=True)
+
+    @property
+    def carried_ids(self) -> list[str]:
+        return [task_id_of(g) for _, _, g in self.ready]
+
+    # -- checkpoint ---------------------------------------------------------------------------------------
+    def state(self) -> dict:
+        return {"ratio": self.ratio.state(), "version_jumps": [list(j) for j in self.version_jumps]}
+
+    def load_state(self, state: dict) -> None:
+        self.ratio.load_state(state["ratio"])
+        self.version_jumps = [(int(a), int(b)) for a, b in state.get("version_jumps", [])]

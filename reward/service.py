@@ -1,0 +1,66 @@
+"""`dapo reward`: one process running the stream worker and the HTTP API over one verifier pool."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+
+import uvicorn
+
+from services.config import Settings
+from services.redis_local import connect
+from services.streams import Streams
+
+from reward.app import create_reward_app
+from reward.sandbox import VerifierPool
+from reward.scoring import Scorer
+from reward.worker import RewardWorker
+
+log = logging.getLogger(__name__)
+
+
+def main(settings: Settings) -> int:
+    cfg = settings.reward
+    pool = VerifierPool(workers=cfg.workers, timeout_s=cfg.timeout_s, memory_mb=cfg.memory_mb).start()
+    if pool.broken:
+        log.error("reward: %s", pool.broken)
+        pool.close()
+        return 1
+    scorer = Scorer(pool, cfg)
+    worker = RewardWorker(settings, scorer, Streams(connect(settings), settings))
+    thread = threading.Thread(target=worker.run, name="reward-worker", daemon=True)
+    thread.start()
+
+    def ready() -> tuple[bool, str]:
+        if pool.broken:
+            return False, pool.broken
+        if not thread.is_alive():
+            return False, "stream worker stopped"
+        stale = time.monotonic() - worker.last_poll
+        if worker.last_poll == 0.0 or stale > max(30.0, 4 * settings.streams.block_ms / 1000):
+            return False, "stream worker has not reached Redis recently"
+        return True, f"{pool.ready_workers()}/{pool.size} verifier processes, {worker.groups_done} groups scored"
+
+    app = create_reward_app(settings, scorer, ready=ready)
+    server = uvicorn.Server(uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="warning"))
+
+    # uvicorn handles SIGTERM/SIGINT while it serves, then re-raises the signal to the handler that was there
+    # before; with the default handler that would kill us before the worker and the pool are stopped.
+    def on_signal(signum, frame) -> None:
+        log.info("reward: signal %d, stopping", signum)
+        worker.stop()
+        server.should_exit = True
+
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, on_signal)
+    log.info("reward service on %s:%d (%d verifier processes)", cfg.host, cfg.port, cfg.workers)
+    try:
+        if not worker.stopping:
+            server.run()  # returns on SIGTERM / SIGINT
+    finally:
+        worker.stop()
+        thread.join(timeout=settings.streams.block_ms / 1000 + cfg.timeout_s + 5)
+        pool.close()
+    return 0

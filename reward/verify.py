@@ -1,0 +1,473 @@
+"""The math verifier: DAPO's `Answer:` rule made robust, with math-verify for LaTeX. Pure functions, no I/O.
+
+DAPO's reward (arXiv 2503.14476, Eq. 1 of section 2.4) is a rule: +1 when the final answer equals the
+ground truth, -1 otherwise. Deciding "the final answer" and "equals" is the whole difficulty:
+
+1. Find the final answer. Candidates are `Answer:` lines (also `**Answer:**`, `Final answer:`, `The answer
+   is 7`) and `\\boxed{...}`; the one that starts last wins, so a corrected answer beats an earlier one and two
+   boxes are never read as a set. With no candidate the response has no final answer (a truncated response):
+   we never fall back to "the last number in the text", which is how unanchored extraction rewards an
+   unfinished derivation.
+2. Clean it: Unicode minus and spaces, Markdown decoration, math delimiters, `\\text{}`, a trailing period.
+3. Compare. A numeric ground truth (what DAPO-Math-17k and AIME use) is compared exactly as a rational
+   number: leading zeros, thousands separators (`1,000`, `1\\,000`, `1 000`, but never `1,5`), currency and
+   units are handled, and hedged answers (`12 or 13`) are wrong. Anything else, and numbers written as LaTeX
+   expressions (`2^{10}`), go to math-verify, which knows fractions against decimals, sets, intervals,
+   equations and symbolic equality.
+
+`verify()` has no time limit of its own: math-verify's limit uses SIGALRM, which only works in a main thread,
+so we call math-verify with it disabled. It refuses the answers that would make sympy allocate without bound
+(power towers, huge exponents), but symbolic work can still be slow (`(x+y+z)^{999}` against 1 takes minutes).
+Untrusted text at scale goes through `reward.sandbox.VerifierPool`, which enforces time and memory from outside.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import unicodedata
+from dataclasses import asdict, dataclass
+from fractions import Fraction
+
+# Rule names (the `rule` field of services.messages.Score).
+RULE_ANSWER_LINE = "answer_line"
+RULE_BOXED = "boxed"
+RULE_MATH_VERIFY = "math_verify"
+RULE_NONE = "none"
+RULE_TIMEOUT = "timeout"
+RULE_ERROR = "error"
+RULES = (RULE_ANSWER_LINE, RULE_BOXED, RULE_MATH_VERIFY, RULE_NONE, RULE_TIMEOUT, RULE_ERROR)
+
+# Only the tail of a response can hold its final answer; bounding the scan bounds the cost of huge inputs.
+MAX_SCAN_CHARS = 32_000
+# The longest MATH-500 answer has 159 characters; a much longer "answer" is a paragraph, not an answer.
+MAX_ANSWER_CHARS = 400
+
+# math-verify warns once per process that its timeouts are off; the pool enforces time, so that is expected.
+for _name in ("math_verify.parser", "math_verify.grader"):
+    logging.getLogger(_name).setLevel(logging.ERROR)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """Whether a response's final answer equals the ground truth, what was read, and which rule decided."""
+
+    correct: bool
+    extracted: str | None
+    rule: str
+    detail: str = ""
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Text normalization
+# --------------------------------------------------------------------------------------------------------
+
+_CHAR_MAP = {
+    # Minus and dash look-alikes a model (or a tokenizer round trip) produces.
+    "\u2212": "-", "\u2012": "-", "\u2013": "-", "\u2014": "-", "\ufe63": "-", "\uff0d": "-", "\u2010": "-",
+    "\u2011": "-",
+    # Spaces: no-break, thin, narrow no-break, figure, ideographic.
+    "\u00a0": " ", "\u2009": " ", "\u202f": " ", "\u2007": " ", "\u2008": " ", "\u200a": " ", "\u3000": " ",
+    # Invisible characters.
+    "\u200b": "", "\u200c": "", "\u200d": "", "\u2060": "", "\ufeff": "",
+    # Full-width punctuation from CJK-trained models.
+    "\uff1a": ":", "\uff0c": ",", "\uff0e": ".", "\u3002": ".", "\uff05": "%", "\uff04": "$",
+}
+_CHAR_MAP.update({chr(0xFF10 + d): str(d) for d in range(10)})  # full-width digits
+_CHAR_TABLE = str.maketrans(_CHAR_MAP)
+
+
+def normalize_text(text: str) -> str:
+    """Unicode look-alikes to ASCII where they change the meaning of a number; drop control characters."""
+    text = text.translate(_CHAR_TABLE)
+    if not text.isascii():
+        # Lone surrogates (valid in JSON escapes, not in UTF-8) would break every encoder downstream.
+        text = text.encode("utf-8", "ignore").decode("utf-8")
+    if not text.isprintable():
+        # Control characters other than newline and tab (binary garbage) would only confuse the regexes.
+        text = "".join(ch for ch in text if ch in "\n\t" or unicodedata.category(ch) != "Cc")
+    return text
+
+
+# --------------------------------------------------------------------------------------------------------
+# Finding the final answer
+# --------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Candidate:
+    text: str
+    rule: str  # RULE_ANSWER_LINE or RULE_BOXED
+    start: int
+
+
+# `Answer: 7`, `**Answer:** 7`, `**Answer**: 7`, `Final answer: 7`, `The answer is 7`, `ANSWER：7`. The match
+# stops at the marker, so a later marker on the same line ("Final Answer: The final answer is 5") is found too.
+_ANSWER_RE = re.compile(r"(?i)\banswer\b(?P<colon>[ \t*_]*:|[ \t]+is\b[ \t]*:?)[ \t*_]*")
+# After "answer is" (no colon) only an answer-looking start counts: "the answer is 7", not "the answer is right".
+_IS_FORM_START = re.compile(r"[-+$\\(\[{\d.*_`\"']")
+# `Answer:` counts at the start of a line (after Markdown, a list number, "The final") or after "final".
+_COLON_FORM_PREFIX = re.compile(
+    r"(?im)(?:^[\s#>*_\-\d.)]*(?:(?:the|my|our)\s+)?(?:final\s+)?[\s*_]*|final[\s*_]*)$"
+)
+_NEXT_LINE = re.compile(r"[ \t]*\n[ \t]*\n?[ \t]*([^\n]+)")
+_BOX_RE = re.compile(r"\\(?:boxed|fbox)(?![A-Za-z])(?P<space>\s*)")
+
+
+def _matching_braces(text: str) -> dict[int, int]:
+    """Position of each `{` -> position just past its closing `}` (one linear pass; unclosed ones absent)."""
+    pairs: dict[int, int] = {}
+    stack: list[int] = []
+    for i, ch in enumerate(text):
+        if ch == "{":
+            stack.append(i)
+        elif ch == "}" and stack:
+            pairs[stack.pop()] = i + 1
+    return pairs
+
+
+def _boxes(text: str) -> list[tuple[int, int, str]]:
+    """Every complete `\\boxed{...}` (or `\\boxed 7`) as (start, end, content), in order.
+
+    An unclosed box (a response cut off inside it) is not an answer; a complete box inside it still is.
+    """
+    if "\\boxed" not in text and "\\fbox" not in text:
+        return []
+    pairs = _matching_braces(text)
+    found = []
+    for m in _BOX_RE.finditer(text):
+        after = m.end()
+        if after < len(text) and text[after] == "{":
+            end = pairs.get(after)
+            if end is not None:
+                found.append((m.start(), end, text[after + 1 : end - 1]))
+        elif m.group("space"):
+            token = _BARE_BOX_TOKEN.match(text, after)
+            if token:
+                found.append((m.start(), token.end(), token.group()))
+    return found
+
+
+_BARE_BOX_TOKEN = re.compile(r"[^\s$]+")
+# What may separate boxes that together state one multi-valued answer: "$x = \boxed{2}$ and $x = \boxed{3}$".
+_BOX_JOINER = re.compile(
+    r"(?:\s|\$|,|;|\band\b|\\text\{\s*(?:and|,)?\s*\}|\\quad|\\,|\\;|\b[A-Za-z](?:_\{?\w+\}?)?\s*=)*"
+)
+
+
+def _last_box(text: str, multi_valued: bool) -> Candidate | None:
+    boxes = _boxes(text)
+    if not boxes:
+        return None
+    start, end, content = boxes[-1]
+    if multi_valued:
+        # "x = \boxed{2} and \boxed{3}" answers a question whose truth is the set {2, 3}: join boxes that are
+        # separated only by connectors. For a single-valued truth the last box alone is the answer.
+        parts = [content]
+        i = len(boxes) - 2
+        while i >= 0 and _BOX_JOINER.fullmatch(text, boxes[i][1], start):
+            start, _, content = boxes[i]
+            parts.insert(0, content)
+            i -= 1
+        content = ", ".join(parts)
+    return Candidate(content, RULE_BOXED, start)
+
+
+def _last_answer_line(text: str) -> Candidate | None:
+    markers = list(_ANSWER_RE.finditer(text))
+    for m in reversed(markers):
+        if ":" in m.group("colon"):
+            line_start = text.rfind("\n", 0, m.start()) + 1
+            if not _COLON_FORM_PREFIX.search(text, line_start, m.start()):
+                continue  # "We may check our answer: 17*44 = 748" is not a final answer
+        elif not _IS_FORM_START.match(text, m.end()):
+            continue
+        line_end = text.find("\n", m.end())
+        rest = text[m.end() : line_end if line_end >= 0 else len(text)]
+        if not rest.strip(" \t*_"):
+            # "Answer:" alone on its line: the answer is on the next non-empty line.
+            following = _NEXT_LINE.match(text, m.end())
+            if following is None:
+                continue
+            rest = following.group(1)
+        if rest.count("{") > rest.count("}"):
+            continue  # cut off inside a group ("the answer is \boxed{12"): not a complete answer
+        return Candidate(rest, RULE_ANSWER_LINE, m.start())
+    return None
+
+
+def find_final_answer(response: str, multi_valued: bool = False) -> Candidate | None:
+    """The last stated final answer: an `Answer:` line or a box, whichever starts later."""
+    text = normalize_text(response[-MAX_SCAN_CHARS:])
+    line = _last_answer_line(text)
+    box = _last_box(text, multi_valued)
+    if line is None or box is None:
+        return line or box
+    # A box inside the answer line ("Answer: $\boxed{7}$") starts later, so the box's clean content wins.
+    return box if box.start >= line.start else line
+
+
+# --------------------------------------------------------------------------------------------------------
+# Cleaning an extracted answer
+# --------------------------------------------------------------------------------------------------------
+
+_WRAPPERS = re.compile(
+    r"\\(?:text|textbf|textit|textrm|texttt|mathrm|mathbf|mathit|mbox|operatorname|boxed|fbox|displaystyle)"
+    r"\s*\{([^{}]*)\}"
+)
+_SPACING = re.compile(r"\\[,;: ]|~|\\quad|\\qquad|\\enspace|\\thinspace")
+# A Minerva-style tail: "$5$. I hope it is correct."
+_SENTENCE_END = re.compile(r"(?<=[\d$}\])a-zA-Z])\.\s+(?=[A-Z])")
+
+
+def clean_answer(text: str, unwrap: bool = True) -> str:
+    """Strip what decorates an answer without changing it: Markdown, math delimiters, a full stop, and
+    (with `unwrap`) `\\text{}`-like wrappers. math-verify gets the wrappers kept: it reads units from them."""
+    text = normalize_text(text).strip()
+    text = _SENTENCE_END.split(text, maxsplit=1)[0]
+    # Math delimiters: $...$, $$...$$, \(...\), \[...\]; a lone `$` ("Answer: $42", copied from the prompt).
+    text = re.sub(r"(?<!\\)\$", " ", text)
+    text = re.sub(r"\\[()\[\]]", " ", text)
+    text = text.replace("{,}", ",").replace("\\!", "").replace("\\left", "").replace("\\right", "")
+    text = text.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
+    text = _SPACING.sub(" ", text)
+    for _ in range(8 if unwrap else 0):  # nested wrappers unwrap inside out; 8 levels is plenty for answers
+        unwrapped = _WRAPPERS.sub(r"\1", text)
+        if unwrapped == text:
+            break
+        text = unwrapped
+    text = re.sub(r"\s+", " ", text).strip(" \t*_`#>\"'")
+    text = text.rstrip(" .;")  # "509." is 509 (but "5!" stays a factorial)
+    return text.strip(" \t*_`")
+
+
+# --------------------------------------------------------------------------------------------------------
+# Numbers
+# --------------------------------------------------------------------------------------------------------
+
+_NUMBER_RE = re.compile(
+    r"""
+    (?P<currency>\\\$|\$|€|£|¥|USD\s*)?\s*
+    (?P<sign>[-+])?\s*
+    (?P<currency2>\\\$|\$|€|£|¥)?\s*
+    (?:
+        \\frac\s*\{\s*(?P<fnum>[-+]?\d+)\s*\}\s*\{\s*(?P<fden>\d+)\s*\}   # \frac{3}{4}
+      | \\frac(?P<snum>\d)(?P<sden>\d)                                 # \frac34 (TeX shorthand)
+      | (?P<int>\d{1,3}(?:,\d{3})+(?!\d)|\d{1,3}(?:\ \d{3})+(?!\d)|\d+)?    # 1,234 | 1 234 | 0025
+        (?P<dec>\.\d+|\.(?!\d))?                                       # .5 | 5.
+        (?:\s*/\s*(?P<den>\d+))?                                       # 3/4
+    )
+    """,
+    re.VERBOSE,
+)
+_UNIT_TOKEN = re.compile(
+    r"\s*(?:\\%|%|°|\^\s*\{?\s*\\circ\s*\}?|\\circ|\\degree|\^\s*\{?\s*[23]\s*\}?|/\s*[A-Za-z]+(?![A-Za-z])"
+    r"|[A-Za-z]+(?![A-Za-z])\.?)"
+)
+# Short letter runs that are units (or ordinals), not variables: "5x" and "3i" must not read as 5 and 3.
+_SHORT_UNITS = {
+    "m", "g", "s", "h", "l", "L", "K", "J", "N", "W", "V", "A", "cm", "mm", "km", "kg", "mg", "ml", "mL", "hr",
+    "ft", "in", "yd", "mi", "lb", "oz", "Hz", "th", "st", "nd", "rd", "sq", "pm", "am", "AM", "PM",
+}
+HEDGE_WORDS = {
+    "or", "and", "nor", "either", "neither", "maybe", "perhaps", "possibly", "probably", "approximately",
+    "approx", "about", "around", "roughly", "between", "not", "nearly", "almost", "likely", "unsure", "guess",
+}
+_HEDGE_RE = re.compile(
+    r"(?i)\b(?:" + "|".join(sorted(HEDGE_WORDS)) + r")\b|\\lor\b|\\vee\b|\\pm\b|±|\\approx\b|≈|\\sim\b|\?"
+)
+
+
+def _units_only(rest: str) -> bool:
+    """True if `rest` (what follows a number) is only units: `cm`, `\\%`, `^\\circ`, `square units`."""
+    pos = 0
+    while pos < len(rest):
+        m = _UNIT_TOKEN.match(rest, pos)
+        if m is None or m.end() == pos:
+            return rest[pos:].strip() == ""
+        word = m.group().strip().rstrip(".")
+        if word.isalpha() and (word.lower() in HEDGE_WORDS or (len(word) <= 2 and word not in _SHORT_UNITS)):
+            return False
+        pos = m.end()
+    return True
+
+
+def parse_number(text: str) -> Fraction | None:
+    """The exact value of a cleaned answer that is one plain number (units allowed), else None.
+
+    `025` -> 25, `1,000` -> 1000, `1 000` -> 1000, `-3.50` -> -7/2, `\\frac{3}{4}` -> 3/4, `12 cm` -> 12,
+    `1,5` -> None (not a thousands separator: a list, or a decimal comma we refuse to guess),
+    `12 or 13` -> None.
+    """
+    if "=" in text:
+        text = text.rsplit("=", 1)[1]  # "x = 12" answers 12; chains like "2+3 = 5" end in the value
+    text = text.strip()
+    if not text or len(text) > 200:
+        return None
+    m = _NUMBER_RE.match(text)
+    if m is None:
+        return None
+    g = m.groupdict()
+    if g["currency"] and g["currency2"]:
+        return None
+    sign = -1 if g["sign"] == "-" else 1
+    if g["fnum"] is not None:
+        if int(g["fden"]) == 0:
+            return None
+        value = Fraction(int(g["fnum"]), int(g["fden"]))
+    elif g["snum"] is not None:
+        if g["sden"] == "0":
+            return None
+        value = Fraction(int(g["snum"]), int(g["sden"]))
+    else:
+        digits = (g["int"] or "").replace(",", "").replace(" ", "")
+        decimal = g["dec"] or ""
+        if not digits and len(decimal) <= 1:
+            return None  # no digit at all
+        value = Fraction((digits or "0") + (decimal if len(decimal) > 1 else ""))
+        if g["den"] is not None:
+            if decimal or int(g["den"]) == 0:
+                return None
+            value /= int(g["den"])
+    if not _units_only(text[m.end() :]):
+        return None
+    return sign * value
+
+
+def _is_integer(value: Fraction) -> bool:
+    return value.denominator == 1
+
+
+# --------------------------------------------------------------------------------------------------------
+# math-verify (LaTeX, sets, intervals, symbolic equality)
+# --------------------------------------------------------------------------------------------------------
+
+_THOUSANDS_SPACE = re.compile(r"(?<![\d.])(\d{1,3}(?: \d{3})+)(?![\d.])")
+
+
+def _for_math_verify(answer: str) -> str:
+    # `\boxed{1 000}` is 1x0 to latex2sympy: join digit groups split by spaces (from `\,`, `~`, thin space).
+    return _THOUSANDS_SPACE.sub(lambda m: m.group(1).replace(" ", ""), answer)
+
+
+# Answers sympy would try to evaluate into astronomically large numbers (`9^{9^{9}}` is 370 million digits before
+# its last step; a fuzzing run of plain verify() grew to 15 GB on one), and nesting that makes the LaTeX parser
+# crawl. No real final answer looks like this; refusing them keeps verify() usable outside the sandbox.
+_POWER_TOWER = re.compile(r"\^\s*\{[^{}]*\^|(?:\^|\*\*)\s*\(?\s*[\w.]+\s*\)?\s*(?:\^|\*\*)")
+_HUGE_EXPONENT = re.compile(r"(?:\^|\*\*)\s*\{?\s*\(?\s*-?\d{6,}|\d{5,}\s*!")
+MAX_NESTING = 10
+
+
+def _too_expensive(answer: str) -> str | None:
+    if _POWER_TOWER.search(answer):
+        return "a power tower"
+    if _HUGE_EXPONENT.search(answer):
+        return "a huge exponent or factorial"
+    depth = deepest = 0
+    for ch in answer:
+        if ch in "{([":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif ch in "})]":
+            depth = max(0, depth - 1)
+    if deepest > MAX_NESTING:
+        return f"nesting deeper than {MAX_NESTING}"
+    return None
+
+
+def _math_verify(ground_truth: str, answer: str) -> tuple[bool, str]:
+    """math-verify on an already extracted answer; its own (signal based) timeouts are off."""
+    from math_verify import parse as mv_parse
+    from math_verify import verify as mv_verify
+
+    refused = _too_expensive(answer)
+    if refused:
+        return False, f"not evaluated: {refused} (no real final answer needs one)"
+
+    gold = mv_parse("\\boxed{" + _for_math_verify(ground_truth) + "}", parsing_timeout=None)
+    pred = mv_parse("\\boxed{" + _for_math_verify(answer) + "}", parsing_timeout=None)
+    if not gold:
+        return False, "math-verify could not parse the ground truth"
+    if not pred:
+        return False, "math-verify could not parse the answer"
+    ok = mv_verify(gold, pred, timeout_seconds=None)
+    # parse() returns [value, source string]; printing the sympy value of a hostile input can be slow.
+    read = next((p for p in reversed(pred) if isinstance(p, str)), "an expression")
+    return bool(ok), f"math-verify: {read[:80]!r} {'equals' if ok else 'differs from'} the ground truth"
+
+
+# --------------------------------------------------------------------------------------------------------
+# The verdict
+# --------------------------------------------------------------------------------------------------------
+
+_TOP_LEVEL_COMMA = re.compile(r",(?![^{]*\})")
+
+
+def _is_multi_valued(clean_truth: str) -> bool:
+    """A ground truth listing several values (`2, 3`), as opposed to a tuple or interval `(1, 2]`."""
+    if not _TOP_LEVEL_COMMA.search(clean_truth) or clean_truth[:1] in "([{":
+        return False
+    return parse_number(clean_truth) is None
+
+
+def verify(response: str, ground_truth: str) -> Verdict:
+    """Decide whether `response` ends with a final answer equal to `ground_truth`.
+
+    >>> verify("... so the total is 25.\\n\\n**Answer:** 025", "25").correct
+    True
+    >>> verify("Answer: 12 or 13", "12").correct
+    False
+    """
+    truth = clean_answer(ground_truth)
+    candidate = find_final_answer(response, multi_valued=_is_multi_valued(truth))
+    if candidate is None:
+        return Verdict(False, None, RULE_NONE, "no final answer (no `Answer:` line and no \\boxed{})")
+    answer = clean_answer(candidate.text)
+    if not answer:
+        return Verdict(False, "", candidate.rule, "the final answer is empty")
+    if len(answer) > MAX_ANSWER_CHARS:
+        return Verdict(False, answer[:MAX_ANSWER_CHARS] + "...", candidate.rule, "the final answer is too long")
+    # math-verify gets the text with its \text{} wrappers: it reads units and words from them.
+    truth_latex, answer_latex = clean_answer(ground_truth, unwrap=False), clean_answer(candidate.text, unwrap=False)
+
+    truth_value = parse_number(truth)
+    if truth_value is not None:
+        return _verify_number(truth_value, truth_latex, answer, answer_latex, candidate.rule)
+
+    # Non-numeric truth (LaTeX, a set, an interval, a word): the same text first, then math-verify.
+    if _canonical_text(answer) == _canonical_text(truth):
+        return Verdict(True, answer, candidate.rule, "same text as the ground truth")
+    ok, detail = _math_verify(truth_latex, answer_latex)
+    return Verdict(ok, answer, RULE_MATH_VERIFY, detail)
+
+
+def _verify_number(truth_value: Fraction, truth_latex: str, answer: str, answer_latex: str, rule: str) -> Verdict:
+    hedge = _HEDGE_RE.search(answer)
+    if hedge:
+        return Verdict(False, answer, rule, f"hedged answer ({hedge.group()!r})")
+    value = parse_number(answer)
+    if value is None:
+        if re.search(r"\d\s*[,;]\s*\d", answer):
+            return Verdict(False, answer, rule, "several numbers (or a decimal comma) where one number is expected")
+        # A number written as an expression (`2^{10}`, `\\sqrt{16}`): math-verify evaluates it.
+        ok, detail = _math_verify(truth_latex, answer_latex)
+        return Verdict(ok, answer, RULE_MATH_VERIFY, detail)
+    if value == truth_value:
+        return Verdict(True, answer, rule, f"equals {_format(truth_value)}")
+    if _is_integer(truth_value) and "%" not in answer:
+        # An integer truth is exact: no rounding tolerance, so 2.9999999 is not 3 and 23-digit answers stay exact.
+        return Verdict(False, answer, rule, f"{_format(value)} != {_format(truth_value)}")
+    # A non-integer truth or a percentage: a rounded decimal of 1/3, or `12%` for 0.12, is math-verify's call.
+    ok, detail = _math_verify(truth_latex, answer_latex)
+    return Verdict(ok, answer, RULE_MATH_VERIFY, detail)
+
+
+def _format(value: Fraction) -> str:
+    return str(value.numerator) if value.denominator == 1 else f"{value.numerator}/{value.denominator}"
+
+
+def _canonical_text(text: str) -> str:
+    return re.sub(r"\s+", "", text).lower()

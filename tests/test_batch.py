@@ -1,0 +1,322 @@
+"""Batch assembly (learner/batch.py): sizing from the ratio, refills and their limit, carry-over, staleness, pacing."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+
+from learner.batch import (
+    BatchAssembler,
+    InformativeRatio,
+    RecentIds,
+    RefillLimitReached,
+    task_id_of,
+)
+from services.messages import PromptTask, RolloutGroup, Sample, Score, ScoredGroup
+
+_ids = itertools.count()
+
+
+def group(rewards: list[float], version: int = 0, task_id: str | None = None) -> ScoredGroup:
+    """A scored group with the given per-sample rewards, sampled with policy `version`."""
+    task = PromptTask(task_id=task_id or f"t{next(_ids)}", prompt_id="p", prompt="1+1=?", ground_truth="2")
+    samples = [Sample(token_ids=[1, 2], logprobs=[-0.5, -0.5], text="Answer: 2", finish_reason="stop") for _ in rewards]
+    scores = [Score(reward=r, correct=r > 0, overlong=False, rule="answer_line") for r in rewards]
+    return ScoredGroup(rollout=RolloutGroup(task=task, policy_version=version, generator_id="g", samples=samples),
+                       scores=scores)
+
+
+MIXED = [1.0, -1.0, -1.0, 1.0]  # informative: some right, some wrong
+ALL_WRONG = [-1.0] * 4
+ALL_RIGHT = [1.0] * 4
+
+
+def push(assembler: BatchAssembler, count: int, version: int = 0) -> list[str]:
+    ids = [f"t{next(_ids)}" for _ in range(count)]
+    assembler.issued(ids, version)
+    return ids
+
+
+def arrive(assembler: BatchAssembler, ids: list[str], rewards_for, version: int = 0, policy: int | None = None):
+    """The groups of `ids` come back scored; rewards_for(i) gives the rewards of the i-th."""
+    return [
+        assembler.admit(group(rewards_for(i), version if policy is None else policy, task_id=t), version)
+        for i, t in enumerate(ids)
+    ]
+
+
+def with_ratio(value: float, weight: float = 1e6) -> InformativeRatio:
+    """A ratio estimate that has already seen plenty of evidence for `value`."""
+    ratio = InformativeRatio(memory=1e9, prior_weight=1e-9)
+    ratio.usable, ratio.seen = value * weight, weight
+    return ratio
+
+
+# -- sizing ----------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("ratio, expected", [(0.5, 16), (0.25, 32), (0.8, 10), (1.0, 8), (0.05, 32)])
+def test_first_push_is_sized_from_the_ratio_within_the_oversample_bounds(ratio, expected):
+    a = BatchAssembler(8, max_staleness=0, oversample_min=1.0, oversample_max=4.0, ratio=with_ratio(ratio))
+    push_ = a.plan(0)
+    # ceil(B / r), bounded to [1, 4] x B: 0.05 would ask for 160 prompts; the bound keeps it at 32
+    assert push_.count == expected and not push_.refill
+
+
+def test_ratio_estimate_follows_observations_and_sizing_follows_it():
+    a = BatchAssembler(4, max_staleness=0, ratio=InformativeRatio(memory=1e9))
+    assert a.plan(0).count == 8  # prior 0.5 -> twice B
+    ids = push(a, 8)
+    arrive(a, ids, lambda i: MIXED if i % 4 == 0 else ALL_RIGHT)  # 2 of 8 informative
+    assert a.ratio.value == pytest.approx((2 + 1) / (8 + 2))  # prior 0.5 with weight 2
+    assert a.status(0) == "wait"
+    refill = a.plan(0)  # 2 in hand, nothing in flight: need 2 more at r = 0.3 -> ceil(2 / 0.3) = 7
+    assert refill.refill and refill.count == math.ceil(2 / a.ratio.value) == 7
+    assert a.refills == 1
+
+
+def test_oversample_min_hedge_is_pushed_even_in_synchronous_mode():
+    a = BatchAssembler(10, max_staleness=0, oversample_min=1.5, ratio=with_ratio(1.0))
+    assert a.plan(0).count == 15
+
+
+def test_ratio_state_round_trip_and_decay():
+    r = InformativeRatio(memory=10)
+    for usable in [True] * 50:
+        r.observe(usable)
+    high = r.value
+    for usable in [False] * 50:
+        r.observe(usable)
+    assert high > 0.9 and r.value < 0.1  # old evidence is forgotten
+    clone = InformativeRatio(memory=10)
+    clone.load_state(r.state())
+    assert clone.value == r.value
+
+
+# -- refills and their limit -----------------------------------------------------------------------------------
+def test_no_refill_while_the_prompts_in_flight_could_still_fill_the_batch():
+    a = BatchAssembler(4, max_staleness=0, ratio=with_ratio(0.5))
+    ids = push(a, a.plan(0).count)  # 8
+    arrive(a, ids[:4], lambda i: ALL_WRONG)  # 0 in hand, 4 in flight: best case still 4
+    assert a.plan(0).count == 0 and a.refills == 0
+    arrive(a, ids[4:5], lambda i: ALL_WRONG)  # now 3 in flight: 4 is out of reach -> refill at once
+    refill = a.plan(0)
+    assert refill.refill and refill.count > 0 and a.refills == 1
+
+
+def test_refills_until_the_batch_is_full_then_train():
+    a = BatchAssembler(4, max_staleness=0, max_refills=5, ratio=with_ratio(0.5, weight=4))
+    rounds = 0
+    while a.status(0) != "train":
+        ids = push(a, a.plan(0).count)
+        assert ids, "a step that is short and has nothing in flight must push"
+        arrive(a, ids, lambda i: MIXED if i == 0 else ALL_WRONG)  # one informative group per round
+        rounds += 1
+    batch = a.take_batch(0)
+    assert len(batch.groups) == 4 and batch.refills == rounds - 1 and not batch.refill_limit_hit
+    assert batch.stats.informative == 4 and batch.stats.uninformative == batch.stats.scored - 4
+
+
+def test_refill_limit_train_takes_what_is_in_hand_and_says_so():
+    a = BatchAssembler(4, max_staleness=0, max_refills=1, ratio=with_ratio(0.5))
+    ids = push(a, a.plan(0).count)
+    arrive(a, ids, lambda i: MIXED if i == 0 else ALL_WRONG)
+    ids = push(a, a.plan(0).count)
+    assert a.refills == 1
+    assert a.status(0) == "wait"  # the refill is still in flight
+    arrive(a, ids, lambda i: ALL_RIGHT)
+    assert a.plan(0).count == 0  # no refill beyond the limit
+    assert a.status(0) == "limit"
+    batch = a.take_at_limit(0, "train")
+    assert len(batch.groups) == 1 and batch.refill_limit_hit and batch.short_by == 3 and batch.refills == 1
+    assert a.status(0) == "wait" and a.refills == 0  # the next step starts afresh
+
+
+def test_refill_limit_stop_raises_a_clear_error():
+    a = BatchAssembler(4, max_staleness=0, max_refills=0, ratio=with_ratio(0.5))
+    ids = push(a, a.plan(0).count)
+    arrive(a, ids, lambda i: ALL_WRONG)
+    assert a.plan(0).count == 0 and a.status(0) == "limit"
+    with pytest.raises(RefillLimitReached, match=r"only 0 of 4 informative groups.*max_refills=0"):
+        a.take_at_limit(0, "stop")
+
+
+def test_dead_prompts_stop_counting_as_in_flight():
+    a = BatchAssembler(2, max_staleness=0, max_refills=0, ratio=with_ratio(1.0))
+    ids = push(a, a.plan(0).count)
+    arrive(a, ids[:1], lambda i: MIXED)
+    assert a.status(0) == "wait"
+    assert a.lost(ids[1:] + ["unknown"]) == 1
+    assert a.status(0) == "limit" and a.stats.lost == 1
+
+
+# -- carry-over, dedupe, order ---------------------------------------------------------------------------------
+def test_surplus_informative_groups_are_carried_to_the_next_step():
+    a = BatchAssembler(4, max_staleness=1, ratio=with_ratio(1.0))
+    ids = push(a, 6)
+    arrive(a, ids, lambda i: MIXED)
+    assert a.status(0) == "train"
+    first = a.take_batch(0)
+    assert first.task_ids == ids[:4] and a.carried_ids == ids[4:]
+    assert a.plan(1).count == 2  # only the deficit is pushed for the next step
+    second_ids = push(a, 2, version=1)
+    arrive(a, second_ids, lambda i: MIXED, version=1)
+    assert a.take_batch(1).task_ids == ids[4:] + second_ids
+
+
+def test_oldest_policy_is_trained_first():
+    a = BatchAssembler(2, max_staleness=2, ratio=with_ratio(1.0))
+    newer = a.admit(group(MIXED, version=2, task_id="new"), 2)
+    older = a.admit(group(MIXED, version=1, task_id="old"), 2)
+    a.admit(group(MIXED, version=2, task_id="new2"), 2)
+    assert newer == older == "informative"
+    assert a.take_batch(2).task_ids == ["old", "new"]
+
+
+def test_duplicates_are_admitted_once():
+    a = BatchAssembler(2, ratio=with_ratio(1.0))
+    g = group(MIXED, task_id="same")
+    assert a.admit(g, 0) == "informative"
+    assert a.admit(g, 0) == "duplicate"
+    assert len(a.ready) == 1 and a.stats.duplicates == 1 and a.stats.scored == 1
+
+
+def test_recent_ids_forget_the_oldest():
+    ids = RecentIds(2)
+    for t in "abc":
+        ids.add(t)
+    assert "a" not in ids and "b" in ids and "c" in ids and len(ids) == 2
+
+
+def test_without_dynamic_sampling_every_group_counts():
+    a = BatchAssembler(4, dynamic_sampling=False)
+    ids = push(a, 4)
+    arrive(a, ids, lambda i: ALL_WRONG)
+    assert a.status(0) == "train" and a.take_batch(0).stats.uninformative == 0
+    assert a.ratio.value > 0.5  # every group was usable
+
+
+def test_unfiltered_and_filtered_rewards_are_both_recorded():
+    a = BatchAssembler(1, ratio=with_ratio(1.0))
+    arrive(a, push(a, 3), lambda i: [ALL_RIGHT, ALL_WRONG, MIXED][i])
+    batch = a.take_batch(0)
+    assert batch.stats.reward_all == pytest.approx(0.0) and batch.stats.accuracy_all == pytest.approx(0.5)
+    assert [s.reward for g in batch.groups for s in g.scores] == MIXED
+
+
+# -- staleness -------------------------------------------------------------------------------------------------
+def test_groups_older_than_max_staleness_are_dropped_and_counted():
+    a = BatchAssembler(2, max_staleness=1, ratio=with_ratio(1.0))
+    assert a.admit(group(MIXED, version=3), 5) == "stale"  # lag 2 > 1
+    assert a.admit(group(MIXED, version=4), 5) == "informative"  # lag 1
+    assert a.admit(group(MIXED, version=6), 5) == "stale"  # ahead of the learner: another lineage
+    assert a.stats.stale_dropped == 2 and a.stats.informative == 1
+
+
+def test_carried_groups_age_out_when_the_batch_is_taken():
+    a = BatchAssembler(2, max_staleness=1, ratio=with_ratio(1.0))
+    for t in ["a", "b", "c"]:
+        a.admit(group(MIXED, version=0, task_id=t), 0)
+    a.take_batch(0)  # trains a, b; carries c (policy 0)
+    a.admit(group(MIXED, version=1, task_id="d"), 1)
+    a.admit(group(MIXED, version=1, task_id="e"), 2)
+    batch = a.take_batch(2)  # at version 2, c (lag 2) is too old
+    assert [task_id_of(g) for g in batch.stale_at_take] == ["c"]
+    assert batch.task_ids == ["d", "e"] and batch.stats.stale_dropped == 1
+
+
+def test_synchronous_mode_drops_every_carried_group_at_the_next_version():
+    a = BatchAssembler(1, max_staleness=0, ratio=with_ratio(1.0))
+    arrive(a, push(a, 2), lambda i: MIXED)
+    a.take_batch(0)
+    assert len(a.ready) == 1 and a.in_hand(1) == 0 and a.status(1) == "wait"  # one carried, unusable at v1
+    assert a.plan(1).count == 1  # so the next step pushes for all of B
+    a.admit(group(MIXED, version=1, task_id="fresh"), 1)
+    assert a.take_batch(1).task_ids == ["fresh"]  # ...but it was sampled by version 0
+
+
+# -- pacing ----------------------------------------------------------------------------------------------------
+def test_synchronous_mode_never_pushes_ahead_of_training():
+    a = BatchAssembler(4, max_staleness=0, ratio=with_ratio(0.5))
+    arrive(a, push(a, a.plan(0).count), lambda i: MIXED)
+    a.take_batch(0)
+    assert a.plan(0, ahead=True).count == 0
+    assert a.plan(1).count == 8  # after publishing: the next step's first push (the carried 4 are too old)
+
+
+def test_asynchronous_mode_pushes_the_next_step_before_training_within_the_bound():
+    a = BatchAssembler(4, max_staleness=1, ratio=with_ratio(0.5))
+    ids = push(a, a.plan(0).count)  # 8 prompts, supply 4
+    arrive(a, ids[:6], lambda i: MIXED)  # 6 in hand, 2 still in flight
+    a.take_batch(0)  # 2 carried + 2 in flight (expected 1): supply 3
+    ahead = a.plan(0, ahead=True)
+    assert not ahead.refill and ahead.count == 2  # deficit 1 at r = 0.5
+    # the bound when pushing ahead is k * B = 4 expected groups: never more, whatever the deficit says
+    assert a.supply(1) + ahead.count * a.ratio.value <= a.supply_cap(ahead=True) + a.ratio.value
+
+
+def test_pacing_caps_pushes_when_the_pipeline_already_holds_what_the_bound_allows():
+    a = BatchAssembler(4, max_staleness=1, ratio=with_ratio(0.5), oversample_max=8)
+    push(a, 16)  # supply 8 = (k + 1) * B: as many as versions V and V + 1 can train on
+    assert a.admission_room(0) == 0
+    a.plan(0)  # first allocation: nothing
+    assert a.admission_room(0, ahead=True) == 0
+    # even a certain shortfall cannot push beyond the bound: 16 in flight means the best case is already >= B
+    assert a.plan(0).count == 0 and a.refills == 0
+
+
+@pytest.mark.parametrize("staleness", [0, 1, 3])
+def test_simulated_pipeline_keeps_the_bound_with_few_drops(staleness):
+    """Generators sample each task with the newest weights when they take it; its group arrives one tick later.
+
+    Pacing keeps the pipeline short enough that few groups age out, every trained group is within the bound,
+    and the expected supply never exceeds what the bound allows by more than one prompt.
+    """
+    import random
+
+    rng = random.Random(staleness)
+    a = BatchAssembler(8, max_staleness=staleness, ratio=InformativeRatio(memory=64))
+    version, queue, generating = 0, [], []
+    trained = stale = scored = 0
+
+    def tick():
+        nonlocal generating, stale, scored
+        for task_id, sampled_by in generating:  # groups sampled last tick arrive now
+            verdict = a.admit(group(MIXED if rng.random() < 0.4 else ALL_RIGHT, sampled_by, task_id), version)
+            stale += verdict == "stale"
+            scored += 1
+        generating = [(queue.pop(0), version) for _ in range(min(len(queue), 6))]
+
+    def push_checked(ahead: bool):
+        count = a.plan(version, ahead=ahead).count
+        queue.extend(push(a, count, version))
+        train_version = version + 1 if ahead else version
+        if count:
+            assert a.supply(train_version) <= a.supply_cap(ahead) + a.ratio.value + 1e-9
+
+    for _ in range(40):  # steps
+        while a.status(version) == "wait":
+            push_checked(ahead=False)
+            tick()
+        batch = a.take_batch(version) if a.status(version) == "train" else a.take_at_limit(version, "train")
+        assert all(0 <= version - g.rollout.policy_version <= staleness for g in batch.groups)
+        trained += len(batch.groups)
+        push_checked(ahead=True)
+        tick()  # generation overlaps training
+        version += 1
+    assert trained >= 8 * 40 * 0.95
+    if staleness > 0:
+        assert stale <= 0.05 * scored, (stale, scored)
+
+
+def test_a_version_jump_at_resume_keeps_the_restored_policy_fresh():
+    """A checkpoint of v7 republished as v9 (generators had seen v8): v7 samples are on-policy at v9."""
+    a = BatchAssembler(4, max_staleness=1, ratio=with_ratio(1.0))
+    a.jumped(7, 9)
+    assert a.lag(group(MIXED, version=7), 9) == 0  # the restored policy itself
+    assert a.lag(group(MIXED, version=6), 9) == 1
+    assert a.lag(group(MIXED, version=8), 9) == 1  # the discarded sibling: its raw age
+    assert a.lag(group(MIXED, version=7), 10) == 1 and a.too_stale(group(MIXED, version=6), 10)
+    clone = BatchAssembler(4, max_staleness=1)
+    clone.load_state(a.state())  # jumps survive the next checkpoint
+    assert clone.lag(group(MIXED, version=7), 9) == 0

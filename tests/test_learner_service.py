@@ -1,0 +1,366 @@
+"""The learner service: helpers (fast), then the whole loop with a real embedded Redis, a real vLLM generator
+process and a real reward worker process on the tiny model (slow).
+
+The slow tests share one generator and one reward worker (starting vLLM costs most of a minute on CPU); each
+test runs its own learner process with its own run folder, after the streams are drained of the previous
+test's leftovers. Learner, generator and reward start exactly as deployed: `python -m services.cli <service>`
+with DAPO_ environment overrides.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import msgpack
+import pytest
+
+from learner.service import (
+    LEDGER_FILE,
+    METRICS_FILE,
+    TrainProblems,
+    data_spec,
+    public_base_url,
+    task_id_in_payload,
+    truncate_jsonl,
+)
+from services.config import load_settings
+from services.data import Problem
+from services.messages import PromptTask, RolloutGroup, Sample, Score, ScoredGroup, to_wire
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+# -- helpers (fast) --------------------------------------------------------------------------------------------
+def test_truncate_jsonl_keeps_the_checkpointed_prefix_and_drops_a_torn_line(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    lines = [json.dumps({"step": s, "x": s * 2}) + "\n" for s in range(5)]
+    path.write_text("".join(lines) + '{"step": 5, "x"')  # a SIGKILL mid-write
+    with open(path) as reader:  # a tailer keeps its handle across the cut
+        assert truncate_jsonl(path, 2) == 3
+        assert reader.read() == "".join(lines[:3])
+    assert truncate_jsonl(path, -1) == 0 and path.read_text() == ""
+    assert truncate_jsonl(tmp_path / "missing.jsonl", 3) == 0
+
+
+def test_task_ids_are_read_from_raw_payloads_of_every_stream():
+    task = PromptTask(task_id="t-1", prompt_id="p", prompt="1+1=?", ground_truth="2")
+    sample = Sample(token_ids=[1], logprobs=[-0.1], text="Answer: 2", finish_reason="stop")
+    rollout = RolloutGroup(task=task, policy_version=0, generator_id="g", samples=[sample])
+    scored = ScoredGroup(rollout=rollout, scores=[Score(reward=1.0, correct=True, overlong=False, rule="answer_line")])
+    assert task_id_in_payload("prompts", to_wire(task)) == "t-1"
+    assert task_id_in_payload("rollouts", to_wire(rollout)) == "t-1"
+    assert task_id_in_payload("scored", to_wire(scored)) == "t-1"
+    assert task_id_in_payload("held", to_wire(scored)) == "t-1"
+    assert task_id_in_payload("scored", b"\xff\x00 not msgpack") is None
+    assert task_id_in_payload("scored", msgpack.packb({"rollout": {}})) is None
+
+
+def test_train_problems_cursor_restores_the_same_stream_of_problems():
+    problems = [Problem(id=str(i), problem=f"{i}+0=?", answer=str(i)) for i in range(5)]
+    first = TrainProblems(problems, seed=3)
+    seen = [first.next().id for _ in range(7)]  # crosses an epoch boundary
+    assert sorted(seen[:5]) == sorted(p.id for p in problems)  # an epoch is a permutation
+    resumed = TrainProblems(problems, seed=3)
+    resumed.seek(first.cursor())
+    assert [resumed.next().id for _ in range(6)] == [first.next().id for _ in range(6)]
+
+
+def test_data_specs_and_public_url():
+    assert data_spec("synthetic", "train") == "synthetic-train"
+    assert data_spec("aime2024", "eval") == "aime2024"
+    s = load_settings("tiny-cpu", learner={"port": 8123})
+    assert public_base_url(s) == "http://127.0.0.1:8123"
+    s = load_settings("tiny-cpu", learner={"public_url": "http://learner:8000/"})
+    assert public_base_url(s) == "http://learner:8000"
+
+
+# -- the whole loop (slow) -------------------------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def flatten(prefix: str, tree: dict) -> dict[str, str]:
+    """{"learner": {"port": 1}} -> {"DAPO_LEARNER__PORT": "1"}"""
+    out = {}
+    for key, value in tree.items():
+        name = f"{prefix}__{key.upper()}" if prefix else f"DAPO_{key.upper()}"
+        if isinstance(value, dict):
+            out.update(flatten(name, value))
+        else:
+            out[name] = json.dumps(value) if isinstance(value, (list, bool)) else str(value)
+    return out
+
+
+class Pipeline:
+    """A Redis server, one generator and one reward worker; learners are started per test."""
+
+    RUN = "lt"
+
+    def __init__(self, root: Path):
+        from services.redis_local import EmbeddedRedis
+
+        self.root = root
+        self.redis_server = EmbeddedRedis(root / "redis", aof=True).start()
+        self.processes: list[subprocess.Popen] = []
+        self.logs = root / "logs"
+        self.logs.mkdir()
+        self.common = {
+            "redis": {"url": self.redis_server.url, "run": self.RUN},
+            "streams": {"visibility_timeout_s": 30, "block_ms": 200, "high_water": 256},
+            "token": "test-token",
+        }
+
+    @property
+    def redis(self):
+        import redis
+
+        return redis.Redis.from_url(self.redis_server.url)
+
+    def env(self, tree: dict) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("DAPO_")}
+        env.update(flatten("", self.common))
+        env.update(flatten("", tree))
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+        env["DAPO_LOG_LEVEL"] = "INFO"
+        env["PYTHONUNBUFFERED"] = "1"
+        return env
+
+    def spawn(self, service: str, tree: dict, log_name: str) -> subprocess.Popen:
+        log = open(self.logs / f"{log_name}.log", "ab")
+        process = subprocess.Popen(
+            [sys.executable, "-m", "services.cli", service, "--config", "tiny-cpu"],
+            cwd=REPO, env=self.env(tree), stdout=log, stderr=subprocess.STDOUT,
+        )
+        self.processes.append(process)
+        return process
+
+    def start_workers(self) -> None:
+        self.generator = self.spawn(
+            "generator",
+            {"run_dir": str(self.root / "generator"), "generator": {"port": free_port(), "tasks_per_batch": 16}},
+            "generator",
+        )
+        self.reward = self.spawn(
+            "reward", {"run_dir": str(self.root / "reward"), "reward": {"port": free_port(), "workers": 1}}, "reward"
+        )
+
+    def check_workers(self) -> None:
+        for name, process in (("generator", self.generator), ("reward", self.reward)):
+            if process.poll() is not None:
+                pytest.fail(f"{name} exited with {process.returncode}:\n{self.tail(name)}")
+
+    def tail(self, name: str, lines: int = 40) -> str:
+        path = self.logs / f"{name}.log"
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.exists() else ""
+
+    def drain(self, timeout: float = 120.0) -> None:
+        """Wait until no task is in the pipeline, then empty what the previous learner left behind."""
+        r = self.redis
+        key = lambda name: f"dapo:{self.RUN}:{name}"  # noqa: E731
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            self.check_workers()
+            if r.xlen(key("prompts")) == 0 and r.xlen(key("rollouts")) == 0:
+                break
+            time.sleep(0.5)
+        else:
+            pytest.fail("the previous test's tasks did not drain")
+        time.sleep(1.0)  # a group the reward worker is still writing
+        for name in ("scored", "held"):
+            if r.exists(key(name)):
+                r.xtrim(key(name), maxlen=0)
+
+    def learner(self, run_dir: Path, learner: dict, **sections) -> subprocess.Popen:
+        tree = {"run_dir": str(run_dir), "learner": {"port": free_port(), **learner}, **sections}
+        return self.spawn("learner", tree, f"learner-{run_dir.name}")
+
+    def close(self) -> None:
+        for process in self.processes:
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+        for process in self.processes:
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        self.redis_server.stop()
+
+
+@pytest.fixture(scope="module")
+def pipeline():
+    root = Path(tempfile.mkdtemp(prefix="dapo-lt-"))
+    pipe = Pipeline(root)
+    try:
+        pipe.start_workers()
+        yield pipe
+    finally:
+        pipe.close()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+# Small: B = 4 prompts of n = 4 samples, at most 48 tokens, 3 steps; a short evaluation.
+SMALL = {
+    "sampling": {"n": 4, "max_tokens": 48},
+    "eval_sampling": {"n": 2, "max_tokens": 48},
+    "data": {"eval_size": 8},
+}
+LEARNER = {"prompts_per_step": 4, "mini_batches": 1, "total_steps": 3, "eval_every": 2, "checkpoint_every": 2}
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def wait_exit(pipe: Pipeline, process: subprocess.Popen, name: str, timeout: float) -> int:
+    deadline = time.monotonic() + timeout
+    while process.poll() is None:
+        pipe.check_workers()
+        if time.monotonic() > deadline:
+            process.kill()
+            pytest.fail(f"{name} did not finish in {timeout:.0f}s:\n{pipe.tail(name)}")
+        time.sleep(0.5)
+    return process.returncode
+
+
+def run_learner(pipe: Pipeline, run_dir: Path, learner: dict, timeout: float = 240.0, **sections) -> int:
+    pipe.drain()
+    process = pipe.learner(run_dir, learner, **{**SMALL, **sections})
+    return wait_exit(pipe, process, f"learner-{run_dir.name}", timeout)
+
+
+def step_lines(records: list[dict]) -> list[dict]:
+    return [r for r in records if r["step"] > 0]
+
+
+def assert_trained_once(run_dir: Path) -> list[str]:
+    ledger = read_jsonl(run_dir / LEDGER_FILE)
+    trained = [t for line in ledger for t in line["trained"]]
+    assert len(trained) == len(set(trained)), "a group was trained twice"
+    return trained
+
+
+@pytest.mark.slow
+def test_synchronous_steps(pipeline, tmp_path):
+    run_dir = tmp_path / "sync"
+    code = run_learner(pipeline, run_dir, {**LEARNER, "max_staleness": 0})
+    assert code == 0, pipeline.tail(f"learner-{run_dir.name}")
+    records = read_jsonl(run_dir / METRICS_FILE)
+    steps = step_lines(records)
+    assert [r["step"] for r in steps] == [1, 2, 3]
+    baseline = records[0]
+    assert baseline["step"] == 0 and 0.0 <= baseline["eval_accuracy"] <= 1.0 and baseline["eval_samples"] == 16
+    for before, r in zip([baseline] + steps, steps):
+        assert r["groups_trained"] == 4 and not r["refill_limit_hit"]
+        assert r["version"] == before["version"] + 1  # one update, one published version per step
+        assert r["staleness"] == 0.0  # on-policy: every group sampled by the version it trains
+        assert r["reward_all"] is not None and r["reward_trained"] is not None and r["lr"] > 0
+        assert 0 < r["informative_ratio"] <= 1
+        for key in ("entropy", "clip_frac_low", "clip_frac_high", "response_length", "step_seconds",
+                    "tokens_per_second", "refills", "stale_dropped", "time", "accuracy_train"):
+            assert r[key] is not None, key
+    assert steps[1]["eval_accuracy"] is not None and steps[2]["eval_accuracy"] is not None  # every 2 and the end
+    assert steps[0]["eval_accuracy"] is None
+    assert len(assert_trained_once(run_dir)) == 12
+    assert (run_dir / "config.yaml").is_file()
+    assert (run_dir / "checkpoints" / "latest").read_text() == "step-3"
+    assert (run_dir / "weights" / f"v{steps[-1]['version']}" / "model.safetensors").is_file()
+
+
+@pytest.mark.slow
+def test_asynchronous_steps(pipeline, tmp_path):
+    run_dir = tmp_path / "async"
+    code = run_learner(pipeline, run_dir, {**LEARNER, "max_staleness": 1, "eval_every": 0, "total_steps": 4})
+    assert code == 0, pipeline.tail(f"learner-{run_dir.name}")
+    steps = step_lines(read_jsonl(run_dir / METRICS_FILE))
+    assert [r["step"] for r in steps] == [1, 2, 3, 4]
+    assert all(r["groups_trained"] == 4 for r in steps)
+    assert all(0.0 <= r["staleness"] <= 1.0 for r in steps)
+    assert all(r["eval_accuracy"] is None for r in steps)
+    assert len(assert_trained_once(run_dir)) == 16
+    # generation overlapped training: some groups were sampled by the previous version
+    assert any(r["staleness"] > 0 for r in steps), [r["staleness"] for r in steps]
+
+
+LIMIT = {**LEARNER, "eval_every": 0, "total_steps": 2, "max_refills": 0,
+         # at most 2 prompts per step (factor 0.5, no refill): the batch of 4 can never fill
+         "oversample_min": 0.5, "oversample_max": 0.5}
+
+
+@pytest.mark.slow
+def test_refill_limit_train_trains_on_what_is_in_hand(pipeline, tmp_path):
+    run_dir = tmp_path / "limit-train"
+    code = run_learner(pipeline, run_dir, {**LIMIT, "on_refill_limit": "train"})
+    assert code == 0, pipeline.tail(f"learner-{run_dir.name}")
+    steps = step_lines(read_jsonl(run_dir / METRICS_FILE))
+    assert [r["step"] for r in steps] == [1, 2]
+    assert all(r["refill_limit_hit"] and r["refills"] == 0 and r["groups_trained"] <= 2 for r in steps)
+    assert all(r["groups_scored"] == 2 for r in steps)
+    for before, r in zip(steps, steps[1:]):
+        assert r["version"] == before["version"] + (1 if r["groups_trained"] else 0)
+
+
+@pytest.mark.slow
+def test_refill_limit_stop_exits_with_a_clear_error(pipeline, tmp_path):
+    run_dir = tmp_path / "limit-stop"
+    code = run_learner(pipeline, run_dir, {**LIMIT, "on_refill_limit": "stop"})
+    assert code == 3
+    assert "informative groups after 0 refill rounds" in pipeline.tail(f"learner-{run_dir.name}")
+    assert step_lines(read_jsonl(run_dir / METRICS_FILE)) == []
+
+
+def held_task_ids(pipe: Pipeline) -> list[str]:
+    rows = pipe.redis.xrange(f"dapo:{Pipeline.RUN}:held")
+    return [task_id_in_payload("held", fields[b"data"]) for _, fields in rows]
+
+
+@pytest.mark.slow
+def test_resume_after_sigkill_trains_every_group_once(pipeline, tmp_path):
+    run_dir = tmp_path / "resume"
+    learner = {**LEARNER, "max_staleness": 1, "eval_every": 0, "total_steps": 5, "checkpoint_every": 2}
+    pipeline.drain()
+    first = pipeline.learner(run_dir, learner, **SMALL)
+    deadline = time.monotonic() + 240
+    # kill after step 3 is trained: the checkpoint is at step 2, so step 3 is lost and trained again
+    while not any(r["step"] == 3 for r in read_jsonl(run_dir / LEDGER_FILE)):
+        pipeline.check_workers()
+        assert first.poll() is None, pipeline.tail("learner-resume")
+        assert time.monotonic() < deadline, pipeline.tail("learner-resume")
+        time.sleep(0.2)
+    first.send_signal(signal.SIGKILL)
+    first.wait()
+    before = read_jsonl(run_dir / LEDGER_FILE)
+    trained_after_checkpoint = [t for line in before if line["step"] > 2 for t in line["trained"]]
+    checkpoint = json.loads((run_dir / "checkpoints" / "step-2" / "trainer_state.json").read_text())["extra_state"]
+    assert (run_dir / "checkpoints" / "latest").read_text() == "step-2"
+    held_at_kill = set(held_task_ids(pipeline))
+    assert set(trained_after_checkpoint) <= held_at_kill  # trained after the checkpoint: still held
+    assert not held_at_kill & set(checkpoint["consumed"])  # consumed by the checkpoint: released
+    announced_before = json.loads(pipeline.redis.get(f"dapo:{Pipeline.RUN}:weights:latest"))["version"]
+
+    second = pipeline.learner(run_dir, learner, **SMALL)  # no drain: the pipeline keeps its in-flight tasks
+    assert wait_exit(pipeline, second, "learner-resume", 240) == 0, pipeline.tail("learner-resume")
+    log = pipeline.tail("learner-resume", 400)
+    assert "resuming from" in log and "step 2" in log
+    steps = step_lines(read_jsonl(run_dir / METRICS_FILE))
+    assert [r["step"] for r in steps] == [1, 2, 3, 4, 5]  # the lost step 3 was cut and redone
+    assert steps[2]["version"] > announced_before  # versions stay monotonic: generators load the restored policy
+    trained = assert_trained_once(run_dir)
+    ledger = read_jsonl(run_dir / LEDGER_FILE)
+    consumed = set(trained) | {t for line in ledger for k in line if k.startswith(("dropped_", "stale_")) for t in line[k]}
+    held_at_end = set(held_task_ids(pipeline))
+    lost = held_at_kill - consumed - held_at_end
+    assert not lost, f"held groups neither trained, dropped nor still held: {sorted(lost)}"
+    assert set(trained_after_checkpoint) <= consumed | held_at_end

@@ -1,0 +1,126 @@
+"""The verifier pool: real child processes, a real time limit, a real memory limit, real crashes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+from reward.sandbox import VerifierPool
+
+# Comparing this with 1 makes sympy expand a polynomial of about 500,000 terms: it does not come back for minutes.
+HANG = "Answer: $(x+y+z)^{999}$"
+TIMEOUT_S = 1.5
+
+
+@pytest.fixture(scope="module")
+def pool():
+    with VerifierPool(workers=2, timeout_s=TIMEOUT_S, memory_mb=1024) as p:
+        yield p
+
+
+def test_verdicts_come_back_in_order(pool):
+    pairs = [("Answer: 5", "5"), ("\\boxed{3}", "4"), ("Answer: $\\frac{1}{3}$", "0.3333333"), ("nothing", "1")] * 5
+    verdicts = pool.verify_many(pairs)
+    assert [v.correct for v in verdicts] == [True, False, True, False] * 5
+    assert [v.rule for v in verdicts[:4]] == ["answer_line", "boxed", "math_verify", "none"]
+
+
+def test_a_hang_times_out_and_the_child_is_replaced(pool):
+    pids_before = set(pool.worker_pids())
+    replaced_before = pool.stats.replaced
+    started = time.monotonic()
+    verdict = pool.verify(HANG, "1")
+    elapsed = time.monotonic() - started
+    assert verdict.rule == "timeout" and not verdict.correct and verdict.extracted is None
+    assert "exceeded" in verdict.detail
+    assert TIMEOUT_S <= elapsed < TIMEOUT_S + 1.0
+    assert pool.stats.replaced == replaced_before + 1
+    # The pool keeps going: the next item is verified by the remaining or the new child.
+    assert pool.verify("Answer: 7", "7").correct
+    assert pool.wait_ready(30)
+    assert set(pool.worker_pids()) != pids_before
+
+
+def test_a_killed_child_gives_an_error_verdict_and_is_replaced(pool):
+    assert pool.wait_ready(30)
+    future = pool.submit(HANG, "1")
+    deadline = time.monotonic() + 5
+    busy_pid = None
+    while busy_pid is None and time.monotonic() < deadline:  # find the child working on it
+        busy_pid = next((w.pid for w in pool._workers if w.job is not None), None)
+        time.sleep(0.01)
+    assert busy_pid is not None
+    os.kill(busy_pid, signal.SIGKILL)  # what the kernel's OOM killer would do
+    verdict = future.result(timeout=10)
+    assert verdict.rule == "error" and not verdict.correct
+    assert "died" in verdict.detail and "-9" in verdict.detail
+    assert pool.verify("Answer: 8", "8").correct
+    assert pool.wait_ready(30) and busy_pid not in pool.worker_pids()
+
+
+def test_hostile_items_do_not_delay_the_others_beyond_the_limit(pool):
+    assert pool.wait_ready(30)
+    started = time.monotonic()
+    pairs = [(HANG, "1"), ("Answer: 1", "1"), ("Answer: 2", "2"), ("Answer: 3", "3")]
+    verdicts = pool.verify_many(pairs)
+    assert [v.rule for v in verdicts] == ["timeout", "answer_line", "answer_line", "answer_line"]
+    assert all(v.correct for v in verdicts[1:])
+    assert time.monotonic() - started < TIMEOUT_S + 1.5
+
+
+def test_the_memory_limit_is_set_in_every_child(pool):
+    assert pool.wait_ready(30)
+    for pid in pool.worker_pids():
+        with open(f"/proc/{pid}/limits") as f:
+            line = next(row for row in f if row.startswith("Max address space"))
+        soft, hard = line.split()[3:5]
+        assert int(soft) == int(hard) == 1024 * 1024 * 1024
+
+
+def test_a_memory_limit_too_small_to_verify_fails_items_fast_instead_of_hanging():
+    # 40 MiB cannot hold sympy: children fail at startup, the pool says so, and items get `error` verdicts.
+    with VerifierPool(workers=1, timeout_s=TIMEOUT_S, memory_mb=40) as small:
+        assert small.broken and "MemoryError" in small.broken
+        started = time.monotonic()
+        verdict = small.verify("Answer: 5", "5")
+        assert verdict.rule == "error" and not verdict.correct and "cannot start" in verdict.detail
+        assert time.monotonic() - started < 5
+
+
+def test_concurrent_callers_share_the_pool(pool):
+    results: dict[int, list] = {}
+
+    def caller(k: int) -> None:
+        results[k] = pool.verify_many([(f"Answer: {k * 10 + i}", str(k * 10 + i)) for i in range(10)])
+
+    threads = [threading.Thread(target=caller, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert sorted(results) == [0, 1, 2, 3]
+    assert all(v.correct and v.rule == "answer_line" for verdicts in results.values() for v in verdicts)
+
+
+def test_close_resolves_every_pending_future():
+    small = VerifierPool(workers=1, timeout_s=30, memory_mb=1024).start()
+    futures = [small.submit(HANG, "1"), small.submit("Answer: 1", "1")]
+    time.sleep(0.3)
+    small.close()
+    for future in futures:
+        assert future.done()
+        with pytest.raises(RuntimeError, match="closed"):
+            future.result(timeout=0)
+    with pytest.raises(RuntimeError):
+        small.submit("Answer: 1", "1")
+
+
+def test_invalid_pool_settings_are_refused():
+    with pytest.raises(ValueError):
+        VerifierPool(workers=0)
+    with pytest.raises(ValueError):
+        VerifierPool(timeout_s=0)

@@ -1,0 +1,120 @@
+"""The reward stream worker against a real (embedded) Redis: rollouts in, scored groups out, acknowledged."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import msgpack
+import pytest
+import redis
+
+from reward.sandbox import VerifierPool
+from reward.scoring import Scorer
+from reward.worker import RewardWorker
+from services.messages import PromptTask, RolloutGroup, Sample, SamplingParams, ScoredGroup
+from services.streams import Streams
+
+HANG = "Answer: $(x+y+z)^{999}$"  # sympy expands ~500k terms: only the sandbox's time limit ends it
+
+
+@pytest.fixture(scope="module")
+def pool():
+    with VerifierPool(workers=2, timeout_s=1.0, memory_mb=1024) as p:
+        yield p
+
+
+@pytest.fixture
+def streams(settings):
+    client = redis.Redis.from_url(settings.redis.url)
+    yield Streams(client, settings)
+    client.close()
+
+
+def rollout(task_id: str, truth: str, texts: list[str], max_tokens: int = 64, lengths: list[int] | None = None):
+    lengths = lengths or [5] * len(texts)
+    samples = [
+        Sample(token_ids=list(range(n)), logprobs=[-0.5] * n, text=text,
+               finish_reason="length" if n >= max_tokens else "stop")
+        for text, n in zip(texts, lengths)
+    ]
+    task = PromptTask(task_id=task_id, prompt_id=f"p-{task_id}", prompt="q", ground_truth=truth,
+                      sampling=SamplingParams(n=len(texts), max_tokens=max_tokens))
+    return RolloutGroup(task=task, policy_version=3, generator_id="gen-test", samples=samples)
+
+
+def drain(worker: RewardWorker, expected: int, timeout: float = 30.0) -> int:
+    done, deadline = 0, time.monotonic() + timeout
+    while done < expected and time.monotonic() < deadline:
+        done += worker.run_once(block_ms=100)
+    return done
+
+
+def test_rollouts_in_scored_out_and_acked(settings, streams, pool):
+    rollouts = streams.stream("rollouts", RolloutGroup)
+    groups = [
+        rollout("t1", "25", ["...\n**Answer:** 025", "Answer: 24", "\\boxed{3} no \\boxed{25}", "3+4 = 7 and"]),
+        rollout("t2", "\\frac{1}{2}", ["Answer: 0.5", "Answer: $\\frac{2}{4}$"], lengths=[60, 64]),
+        rollout("t3", "7", [HANG, "Answer: 7"]),
+    ]
+    for group in groups:
+        rollouts.produce(group)
+
+    worker = RewardWorker(settings, Scorer(pool, settings.reward), streams, consumer="reward-test")
+    assert drain(worker, 3) == 3
+
+    # Acknowledged (and deleted): nothing pending, nothing left in the rollouts stream.
+    assert rollouts.pending() == 0
+    assert streams.redis.xlen(rollouts.key) == 0
+
+    scored = {d.message.rollout.task.task_id: d.message
+              for d in streams.stream("scored", ScoredGroup).consume("learner-test", count=10, block_ms=200)}
+    assert sorted(scored) == ["t1", "t2", "t3"]
+    t1 = scored["t1"]
+    assert t1.reward_worker_id == "reward-test" and t1.rollout.policy_version == 3
+    assert [s.correct for s in t1.scores] == [True, False, True, False]
+    assert [s.rule for s in t1.scores] == ["answer_line", "answer_line", "boxed", "none"]
+    assert [s.reward for s in t1.scores] == [1.0, -1.0, 1.0, -1.0]
+    assert t1.rollout.samples[0].token_ids == list(range(5))  # the rollout travels on intact
+    # L_max is the task's own max_tokens (64), L_cache is reward.overlong_buffer (16 in tiny-cpu).
+    t2 = scored["t2"]
+    assert [s.correct for s in t2.scores] == [True, True]
+    assert t2.scores[0].reward == pytest.approx(1.0 - 12 / 16) and not t2.scores[0].overlong
+    assert t2.scores[1].reward == pytest.approx(0.0) and t2.scores[1].overlong
+    t3 = scored["t3"]
+    assert [s.rule for s in t3.scores] == ["timeout", "answer_line"]
+    assert [s.correct for s in t3.scores] == [False, True]
+
+
+def test_a_malformed_rollout_goes_to_dead(settings, streams, pool):
+    rollouts = streams.stream("rollouts", RolloutGroup)
+    rollouts.produce(rollout("good", "1", ["Answer: 1"]))
+    streams.redis.xadd(rollouts.key, {b"data": b"\xc1 not msgpack"})
+    bad_schema = rollout("bad", "1", ["Answer: 1"]).model_dump()
+    bad_schema["schema_version"] = 99
+    streams.redis.xadd(rollouts.key, {b"data": msgpack.packb(bad_schema, use_bin_type=True)})
+
+    worker = RewardWorker(settings, Scorer(pool, settings.reward), streams, consumer="reward-test")
+    assert drain(worker, 1) == 1
+    worker.run_once(block_ms=100)
+
+    dead = streams.dead_letters()
+    assert len(dead) == 2
+    assert all(d["stream"] == "rollouts" and "unparseable RolloutGroup" in d["reason"] for d in dead)
+    assert streams.redis.xlen(rollouts.key) == 0 and rollouts.pending() == 0
+    scored = streams.stream("scored", ScoredGroup).consume("learner-test", count=10, block_ms=200)
+    assert [d.message.rollout.task.task_id for d in scored] == ["good"]
+
+
+def test_run_in_a_thread_and_stop(settings, streams, pool):
+    worker = RewardWorker(settings, Scorer(pool, settings.reward), streams, consumer="reward-test")
+    thread = threading.Thread(target=worker.run, daemon=True)
+    thread.start()
+    streams.stream("rollouts", RolloutGroup).produce(rollout("bg", "2", ["Answer: 2"]))
+    deadline = time.monotonic() + 20
+    while worker.groups_done < 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert worker.groups_done == 1 and worker.last_poll > 0
+    worker.stop()
+    thread.join(timeout=5)
+    assert not thread.is_alive()
