@@ -65,8 +65,9 @@ def ensure_model(settings: Settings, *, progress: bool = True) -> Path:
     return resolve_pretrained(name)
 
 
-def main(settings: Settings, *, force: bool = False, measure: bool = False) -> Path:
-    """`dapo bootstrap`: make sure the model exists, print where and what it is; optionally measure it."""
+def main(settings: Settings, *, force: bool = False, measure: bool = False) -> int:
+    """`dapo bootstrap`: make sure the model exists, print where and what it is (the folder on stdout, the
+    summary on stderr); optionally measure it through vLLM. Returns the exit code."""
     from rich.console import Console
 
     console = Console(stderr=True)
@@ -87,7 +88,7 @@ def main(settings: Settings, *, force: bool = False, measure: bool = False) -> P
         report = measure_with_vllm(path, settings)
         console.print_json(data=report)
     print(path)
-    return path
+    return 0
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -523,9 +524,10 @@ def build_tiny_model(settings: Settings, folder: Path, *, progress: bool = True)
 
 
 def measure_with_vllm(
-    path: Path, settings: Settings, *, problems: int = 300, samples: int = 4, max_tokens: int = 64
+    path: Path, settings: Settings, *, problems: int = 300, samples: int = 4, max_tokens: int = 64, repeats: int = 2
 ) -> dict[str, Any]:
-    """Sample `samples` responses for each of `problems` held-out synthetic problems at temperature 1."""
+    """Sample `samples` responses for each of `problems` held-out synthetic problems at temperature 1, `repeats`
+    times: accuracy over every sample, tokens/s of each pass (the CPU is shared, so passes differ)."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(settings.generator.kv_cache_gib))))
     os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
     from transformers import AutoTokenizer
@@ -536,8 +538,7 @@ def measure_with_vllm(
     task = tiny_task(settings)
     held_out = load_problems("synthetic-eval", settings)[:problems]
     tokenizer = AutoTokenizer.from_pretrained(path)
-    template = settings.data.prompt_template
-    raw = settings.data.raw_template
+    template, raw = settings.data.prompt_template, settings.data.raw_template
     prompts = [
         {"prompt_token_ids": tokenizer(render_prompt(p, tokenizer, template, raw), add_special_tokens=False)["input_ids"]}
         for p in held_out
@@ -548,35 +549,42 @@ def measure_with_vllm(
     # No per-request seed: vLLM 0.32 on CPU crashes ("CPU Generator does not use offset") when a seeded
     # request's prefill is chunked; the engine seed already makes the run reproducible.
     params = SamplingParams(n=samples, temperature=1.0, top_p=1.0, max_tokens=max_tokens, logprobs=0)
-    llm.generate(prompts[:8], params, use_tqdm=False)  # first call pays one-off setup costs
-    started = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=False)
-    seconds = time.perf_counter() - started
-    completions = [(c, p) for out, p in zip(outputs, held_out) for c in out.outputs]
-    tokens = sum(len(c.token_ids) for c, _ in completions)
-    correct = sum(task.is_correct(c.text, p.answer) for c, p in completions)
+    llm.generate(prompts[:8], params, use_tqdm=False)  # the first call pays one-off setup costs
+    correct = total = tokens = 0
+    rates = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        seconds = time.perf_counter() - started
+        completions = [(c, p) for out, p in zip(outputs, held_out) for c in out.outputs]
+        generated = sum(len(c.token_ids) for c, _ in completions)
+        rates.append(round(generated / seconds))
+        tokens += generated
+        total += len(completions)
+        correct += sum(task.is_correct(c.text, p.answer) for c, p in completions)
     return {
         "model": str(path),
         "problems": len(held_out),
-        "samples_per_problem": samples,
-        "accuracy_t1": correct / len(completions),
-        "generated_tokens": tokens,
-        "mean_response_tokens": tokens / len(completions),
-        "seconds": seconds,
-        "tokens_per_s": tokens / seconds,
-        "engine_load_seconds": load_seconds,
+        "samples": total,
+        "accuracy_t1": round(correct / total, 4),
+        "mean_response_tokens": round(tokens / total, 2),
+        "tokens_per_s": rates,
+        "engine_load_seconds": round(load_seconds, 1),
+        "load_average_1min": os.getloadavg()[0],
     }
 
 
 if __name__ == "__main__":
     import argparse
 
-    from services.config import Settings, load_settings
+    from services.config import load_settings
 
     parser = argparse.ArgumentParser(description="Build (or find) the model folder and report on it.")
-    parser.add_argument("--config", default=None, help="preset name or YAML path")
+    parser.add_argument("--config", default=None, help="preset name or YAML path (default: tiny-cpu)")
     parser.add_argument("--force", action="store_true", help="rebuild the tiny model even if cached")
     parser.add_argument("--measure", action="store_true", help="measure tokens/s and accuracy through vLLM")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO)
-    main(load_settings(args.config) if args.config else Settings(), force=args.force, measure=args.measure)
+    raise SystemExit(
+        main(load_settings(args.config), force=args.force, measure=args.measure)
+    )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import multiprocessing
 import os
@@ -218,13 +219,13 @@ def test_hub_id_resolves_from_the_local_cache(small_model, tmp_path, monkeypatch
 
 
 @pytest.mark.slow
-def test_default_tiny_model_through_vllm():
+def test_default_tiny_model_through_vllm(monkeypatch):
     """The default model (built once, then cached): vLLM loads it, its tokenizer round-trips prompts, it
     samples with per-token logprobs, and its held-out accuracy at temperature 1 lies in the wide band that
     leaves RL room (measured over 300 problems x 4 samples; the documented number is in docs/tiny-model.md)."""
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))
+    monkeypatch.setenv("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine in this process: quicker to start and stop
     from transformers import AutoTokenizer
     from vllm import LLM, SamplingParams
 
@@ -254,5 +255,7 @@ def test_default_tiny_model_through_vllm():
             assert sample.text == tokenizer.decode(sample.token_ids, skip_special_tokens=True)
             correct += task.is_correct(sample.text, problem.answer)
             total += 1
+    del llm
+    gc.collect()
     accuracy = correct / total
     assert 0.10 <= accuracy <= 0.60, accuracy
