@@ -90,7 +90,9 @@ def build_groups(n_groups: int, seed: int = 0) -> list[tuple[str, list[tuple[str
             category, response, label = rng.choice(options)
             samples.append((response, label, category))
         groups.append((row["answer"], samples))
-    return groups
+    # Distinct texts, as sampled responses are (so no path gains from caching a repeated string).
+    return [(truth, [(f"Response {k}.\n{text}", label, category) for k, (text, label, category) in enumerate(samples)])
+            for truth, samples in groups]
 
 
 # ---- math-verify, called directly -------------------------------------------------------------------------
@@ -105,16 +107,6 @@ def math_verify_direct(pair: tuple[str, str]) -> bool:
 
 def _quiet() -> None:
     logging.disable(logging.WARNING)
-
-
-def timed(fn, repeats: int):
-    """Median wall time of `repeats` runs of fn() (the machine is shared: one run can be unlucky), last result."""
-    times, result = [], None
-    for _ in range(repeats):
-        start = time.perf_counter()
-        result = fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times), result
 
 
 # ---- ours -------------------------------------------------------------------------------------------------
@@ -179,24 +171,39 @@ def main() -> None:
 
     warm_groups = build_groups(4, seed=1)
     warm = [(r, t) for t, samples in warm_groups for r, _, _ in samples]
+    trivial = [("Answer: 1", "1")] * 2000
     repeats = args.repeats
     from reward import verify
 
-    [math_verify_direct(p) for p in warm]
-    mv1_s, mv_verdicts = timed(lambda: [math_verify_direct(p) for p in pairs], repeats)
-    with multiprocessing.get_context("spawn").Pool(args.workers, initializer=_quiet) as mp_pool:
+    with multiprocessing.get_context("spawn").Pool(args.workers, initializer=_quiet) as mp_pool, \
+            VerifierPool(workers=args.workers, timeout_s=5.0, memory_mb=1024) as pool:
+        [math_verify_direct(p) for p in warm]
         mp_pool.map(math_verify_direct, warm)
-        mv2_s, _ = timed(lambda: mp_pool.map(math_verify_direct, pairs, chunksize=16), repeats)
-    ours1_s, our_verdicts = timed(lambda: [verify(r, t) for r, t in pairs], repeats)
-    trivial = [("Answer: 1", "1")] * 2000
-    trivial_inline_s, _ = timed(lambda: [verify(r, t) for r, t in trivial], repeats)
-    with VerifierPool(workers=args.workers, timeout_s=5.0, memory_mb=1024) as pool:
+        [verify(r, t) for r, t in warm]
         pool.verify_many(warm)
-        pool_s, pool_verdicts = timed(lambda: pool.verify_many(pairs), repeats)
-        worker_s = statistics.median(run_worker(pool, groups, args.workers) for _ in range(repeats))
-        worker_n = len(groups) * GROUP
-        trivial_pool_s, _ = timed(lambda: pool.verify_many(trivial), repeats)
-        timeouts = sum(v.rule == "timeout" for v in pool_verdicts)
+        outputs: dict = {}
+
+        def clock(name: str, fn) -> float:
+            start = time.perf_counter()
+            outputs[name] = fn()
+            return time.perf_counter() - start
+
+        # Round robin over the paths, so that each sees the same share of whatever else loads the machine.
+        times: dict[str, list[float]] = collections.defaultdict(list)
+        for _ in range(repeats):
+            times["mv1"].append(clock("mv1", lambda: [math_verify_direct(p) for p in pairs]))
+            times["mv2"].append(clock("mv2", lambda: mp_pool.map(math_verify_direct, pairs, chunksize=16)))
+            times["ours1"].append(clock("ours1", lambda: [verify(r, t) for r, t in pairs]))
+            times["pool"].append(clock("pool", lambda: pool.verify_many(pairs)))
+            times["worker"].append(run_worker(pool, groups, args.workers))
+            times["trivial_inline"].append(clock("ti", lambda: [verify(r, t) for r, t in trivial]))
+            times["trivial_pool"].append(clock("tp", lambda: pool.verify_many(trivial)))
+    med = {name: statistics.median(values) for name, values in times.items()}
+    mv1_s, mv2_s, ours1_s, pool_s, worker_s = med["mv1"], med["mv2"], med["ours1"], med["pool"], med["worker"]
+    trivial_inline_s, trivial_pool_s = med["trivial_inline"], med["trivial_pool"]
+    mv_verdicts, our_verdicts, pool_verdicts = outputs["mv1"], outputs["ours1"], outputs["pool"]
+    worker_n = len(groups) * GROUP
+    timeouts = sum(v.rule == "timeout" for v in pool_verdicts)
     assert [v.correct for v in pool_verdicts] == [v.correct for v in our_verdicts] or timeouts, "pool != inline"
 
     n = len(cases)

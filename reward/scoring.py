@@ -33,13 +33,13 @@ class Scorer:
         self.pool = pool
         self.cfg = cfg
 
-    def submit(self, items: list[ScoreItem]) -> list[Future]:
-        """Queue items for verification (so several groups can be in flight at once)."""
-        return [self.pool.submit(item.response, item.ground_truth) for item in items]
+    def submit(self, items: list[ScoreItem]) -> Future:
+        """Queue items for verification (so several groups can be in flight at once); cancellable."""
+        return self.pool.submit_many([(item.response, item.ground_truth) for item in items])
 
-    def collect(self, items: list[ScoreItem], futures: list[Future], started: float | None = None) -> list[Score]:
+    def collect(self, items: list[ScoreItem], pending: Future, started: float | None = None) -> list[Score]:
         """Wait for the verdicts of `submit(items)` and turn them into Scores."""
-        verdicts: list[Verdict] = [f.result() for f in futures]
+        verdicts: list[Verdict] = pending.result()
         scores = [
             shape(
                 verdict,

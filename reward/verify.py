@@ -457,7 +457,7 @@ def _verify_number(truth_value: Fraction, truth_latex: str, answer: str, answer_
         return Verdict(ok, answer, RULE_MATH_VERIFY, detail)
     if value == truth_value:
         return Verdict(True, answer, rule, f"equals {_format(truth_value)}")
-    if _is_integer(truth_value) and "%" not in answer:
+    if _is_integer(truth_value) and "%" not in answer + truth_latex:
         # An integer truth is exact: no rounding tolerance, so 2.9999999 is not 3 and 23-digit answers stay exact.
         return Verdict(False, answer, rule, f"{_format(value)} != {_format(truth_value)}")
     # A non-integer truth or a percentage: a rounded decimal of 1/3, or `12%` for 0.12, is math-verify's call.

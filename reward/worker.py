@@ -32,7 +32,7 @@ class RewardWorker:
         # Two groups per verifier process keep every process busy while the previous group is forwarded.
         self.groups_per_read = max(2, 2 * settings.reward.workers)
         self.groups_done = 0
-        self.last_poll = 0.0  # monotonic time of the last successful read (for readiness)
+        self.last_poll = 0.0  # monotonic time of the last read or forward (for readiness)
         self._stop = threading.Event()
         self._recovered = False
 
@@ -73,15 +73,14 @@ class RewardWorker:
             items = group_items(delivery.message)
             in_flight.append((delivery, items, self.scorer.submit(items)))
         forwarded = 0
-        for index, (delivery, items, futures) in enumerate(in_flight):
+        for index, (delivery, items, pending) in enumerate(in_flight):
             if self._stop.is_set():
-                for rest, _, rest_futures in in_flight[index:]:
-                    for future in rest_futures:
-                        future.cancel()
+                for rest, _, rest_pending in in_flight[index:]:
+                    rest_pending.cancel()
                     self.rollouts.release(rest)
                 break
             try:
-                scores = self.scorer.collect(items, futures, started)
+                scores = self.scorer.collect(items, pending, started)
             except Exception:
                 log.exception("scoring %s failed; it will be redelivered", delivery.id)
                 continue
@@ -89,5 +88,6 @@ class RewardWorker:
             if self.rollouts.forward(delivery, self.scored, result):
                 forwarded += 1
             started = time.perf_counter()
+            self.last_poll = time.monotonic()  # alive: a long batch of slow items must not look like a stall
         self.groups_done += forwarded
         return forwarded

@@ -7,6 +7,7 @@ import logging
 from typing import Callable
 
 from fastapi import Depends, FastAPI, HTTPException, Request
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
@@ -69,8 +70,8 @@ def create_app(
             request._body = body
         return await call_next(request)
 
-    @app.exception_handler(HTTPException)
-    async def http_error(request: Request, exc: HTTPException):
+    @app.exception_handler(StarletteHTTPException)  # FastAPI's HTTPException subclasses it
+    async def http_error(request: Request, exc: StarletteHTTPException):
         return JSONResponse({"error": exc.detail}, status_code=exc.status_code, headers=exc.headers)
 
     @app.exception_handler(RequestValidationError)

@@ -70,3 +70,11 @@ def test_unhandled_error_is_json_500_without_internals():
     response = make_client().get("/boom")
     assert response.status_code == 500
     assert response.json() == {"error": "internal error: RuntimeError"}
+
+
+def test_unknown_route_and_undecodable_body_get_json_errors():
+    client = make_client()
+    assert client.get("/no/such/route").json() == {"error": "Not Found"}
+    response = client.post("/v1/echo", content=b"\xff\xfe", headers={"Authorization": "Bearer tok",
+                                                                       "Content-Type": "application/json"})
+    assert response.status_code in (400, 422) and "error" in response.json()

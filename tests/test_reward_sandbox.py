@@ -51,7 +51,7 @@ def test_a_killed_child_gives_an_error_verdict_and_is_replaced(pool):
     deadline = time.monotonic() + 5
     busy_pid = None
     while busy_pid is None and time.monotonic() < deadline:  # find the child working on it
-        busy_pid = next((w.pid for w in pool._workers if w.job is not None), None)
+        busy_pid = next((w.pid for w in pool._workers if w.jobs), None)
         time.sleep(0.01)
     assert busy_pid is not None
     os.kill(busy_pid, signal.SIGKILL)  # what the kernel's OOM killer would do
@@ -84,7 +84,8 @@ def test_the_memory_limit_is_set_in_every_child(pool):
 def test_a_memory_limit_too_small_to_verify_fails_items_fast_instead_of_hanging():
     # 40 MiB cannot hold sympy: children fail at startup, the pool says so, and items get `error` verdicts.
     with VerifierPool(workers=1, timeout_s=TIMEOUT_S, memory_mb=40) as small:
-        assert small.broken and "MemoryError" in small.broken
+        # The reason is the child's MemoryError, or its exit code when it could not even report that.
+        assert small.broken and "cannot start" in small.broken
         started = time.monotonic()
         verdict = small.verify("Answer: 5", "5")
         assert verdict.rule == "error" and not verdict.correct and "cannot start" in verdict.detail

@@ -118,3 +118,16 @@ def test_run_in_a_thread_and_stop(settings, streams, pool):
     worker.stop()
     thread.join(timeout=5)
     assert not thread.is_alive()
+
+
+def test_stop_releases_the_groups_not_yet_forwarded(settings, streams, pool):
+    worker = RewardWorker(settings, Scorer(pool, settings.reward), streams, consumer="reward-test")
+    worker.rollouts.produce(rollout("a", "1", ["Answer: 1"]))
+    worker.rollouts.produce(rollout("b", "2", ["Answer: 2"]))
+    deliveries = worker.rollouts.consume("reward-test", count=2, block_ms=100)
+    assert len(deliveries) == 2
+    worker.stop()
+    assert worker.process(deliveries) == 0  # stopping: nothing is forwarded, everything is handed back
+    again = worker.rollouts.consume("reward-other", count=2, block_ms=100)
+    assert sorted(d.message.task.task_id for d in again) == ["a", "b"]
+    assert streams.redis.xlen(streams.key("scored")) == 0

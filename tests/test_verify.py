@@ -70,6 +70,7 @@ CASES = [
     ("imaginary-not-unit", "Answer: 3i", "3", False, M, "`i` is the imaginary unit, not a unit"),
     ("percent-same-number", "Answer: 25\\%", "25", True, A, "percentage questions state the truth as 25"),
     ("percent-as-fraction", "Answer: 25%", "0.25", True, M, "25% is 0.25 when the truth is the fraction"),
+    ("percent-truth", "Answer: 0.1", "10\\%", True, M, "a percentage truth accepts the fraction too"),
     # --- boxed-only responses ---
     ("boxed-only", "so the result is \\boxed{42}", "42", True, B, "no Answer: line, a box"),
     ("boxed-dfrac", "\\boxed{\\dfrac{3}{4}}", "\\frac{3}{4}", True, B, "\\dfrac against \\frac"),
