@@ -6,7 +6,8 @@ it how many prompts to push, and takes batches from it. Everything here is decid
 Vocabulary (k = max_staleness, B = prompts_per_step)
   ready      informative groups in hand, carried surplus included, oldest policy first.
   in flight  train prompts pushed and not scored yet.
-  ratio r    running estimate of the share of pushed prompts that come back usable (informative, fresh).
+  ratio r    running estimate of the share of pushed prompts that come back usable (informative, fresh),
+             from decayed counts with a weak prior of 1/2 (the first push of a run is 2 B).
   supply     ready + r * in_flight: the informative groups expected without pushing anything more.
 
 Rules
@@ -17,12 +18,14 @@ Rules
              is one refill round. After max_refills rounds nothing more is pushed; once the last prompt in flight
              is back the step is at its limit: the service trains on what is in hand or stops (on_refill_limit).
   staleness  a group whose policy is more than k versions behind the learner is dropped, on arrival and again
-             when the batch is taken (carried groups age). A group from a version ahead of the learner (a policy
-             of a lineage discarded by a resume) is dropped the same way.
+             when the batch is taken (carried groups age). A group from a version ahead of the learner is dropped
+             the same way. Version jumps made at a resume are discounted (see `staleness_of`).
   pacing     what is pushed now is sampled with the current version V or later, and each version consumes B
              groups, so the supply must not exceed what versions V..V+k can train on: (k + 1) * B while the step
              at V is being collected, k * B when pushing ahead of training step V (its batch already taken).
-             With k = 0 nothing is pushed ahead: the synchronous on-policy loop (push, collect, train, publish).
+             With k = 0 nothing is pushed ahead, and a step trains once every prompt in flight is back: the
+             synchronous on-policy loop (push, wait for all, train, publish). A configured oversample_min
+             above 1 / r widens the bound by the same factor (the margin asked for is pushed).
              Pacing instead of drop-and-requeue: requeued prompts with long answers would go stale again and
              again and never be trained.
   carry-over surplus informative groups stay in `ready` for the next step (oldest policy first, so they are
@@ -368,8 +371,13 @@ class BatchAssembler:
 
     # -- when to train --------------------------------------------------------------------------------------
     def status(self, version: int) -> Status:
-        """train: B groups usable at `version` are in hand; limit: the refill limit is reached; else wait."""
-        if self.in_hand(version) >= self.target:
+        """train: B groups usable at `version` are in hand; limit: the refill limit is reached; else wait.
+
+        Synchronous mode (max_staleness = 0) also waits for every prompt in flight, as the paper's loop does
+        (generate, filter, train): what comes back after the update is off-policy and would be thrown away, and
+        the next step starts from a clean slate. With k > 0 the stragglers are simply the next step's groups.
+        """
+        if self.in_hand(version) >= self.target and (self.max_staleness > 0 or not self.in_flight):
             return "train"
         if (
             self._first_push_done

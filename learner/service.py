@@ -208,7 +208,8 @@ class LearnerService:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
         # The resolved settings, minus the shared secret (services read it from the environment).
-        write_atomic(self.run_dir / "config.yaml", dump_settings(self.settings.model_copy(update={"token": "<redacted>"})))
+        redacted = self.settings.model_copy(update={"token": "<redacted>"})
+        write_atomic(self.run_dir / "config.yaml", dump_settings(redacted))
         self.redis = connect(self.settings)
         self.streams = Streams(self.redis, self.settings)
         self.prompts = self.streams.stream("prompts", PromptTask)
@@ -358,7 +359,9 @@ class LearnerService:
         self.outbox.extend(tasks)
         if push.refill:
             metrics.LEARNER_REFILLS.inc()
-            log.info("refill %d: %d prompts (ratio %.3f)", self.assembler.refills, push.count, self.assembler.ratio.value)
+            log.info(
+                "refill %d: %d prompts (ratio %.3f)", self.assembler.refills, push.count, self.assembler.ratio.value
+            )
 
     def make_task(self, problem: Problem, split: str, version: int) -> PromptTask:
         text, ids = self.prompt_builder(problem)
@@ -583,7 +586,10 @@ class LearnerService:
         self.consumed_since_checkpoint = set()
         self.last_checkpoint_step = self.step
         self.prune_checkpoints(keep=name)
-        log.info("checkpoint %s (%.1fs); %d consumed groups released from held", path, time.perf_counter() - started, deleted)
+        log.info(
+            "checkpoint %s (%.1fs); %d consumed groups released from held",
+            path, time.perf_counter() - started, deleted,
+        )
         return path
 
     def prune_checkpoints(self, keep: str) -> None:
@@ -607,7 +613,9 @@ class LearnerService:
         record = {"step": 0, "version": self.trainer.version, **summary, "time": time.time()}
         self.append_jsonl(METRICS_FILE, record)
         metrics.LEARNER_ACCURACY.labels("eval").set(summary["eval_accuracy"] or 0.0)
-        log.info("baseline eval: accuracy %.3f on %d problems", summary["eval_accuracy"] or 0.0, summary["eval_problems"])
+        log.info(
+            "baseline eval: accuracy %.3f on %d problems", summary["eval_accuracy"] or 0.0, summary["eval_problems"]
+        )
 
     def evaluate(self) -> dict | None:
         """avg@n accuracy of the current version on the held-out problems, through generators and reward

@@ -320,3 +320,14 @@ def test_a_version_jump_at_resume_keeps_the_restored_policy_fresh():
     clone = BatchAssembler(4, max_staleness=1)
     clone.load_state(a.state())  # jumps survive the next checkpoint
     assert clone.lag(group(MIXED, version=7), 9) == 0
+
+
+def test_synchronous_mode_waits_for_every_prompt_in_flight_before_training():
+    for k, expected in ((0, "wait"), (1, "train")):
+        a = BatchAssembler(2, max_staleness=k, ratio=with_ratio(1.0))
+        ids = push(a, 3)
+        arrive(a, ids[:2], lambda i: MIXED)  # B in hand, one prompt still in flight
+        assert a.status(0) == expected, k
+        arrive(a, ids[2:], lambda i: MIXED)
+        assert a.status(0) == "train"
+        assert len(a.take_batch(0).groups) == 2 and len(a.ready) == 1  # the surplus is carried (k=0: to age out)

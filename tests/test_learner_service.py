@@ -359,8 +359,40 @@ def test_resume_after_sigkill_trains_every_group_once(pipeline, tmp_path):
     assert steps[2]["version"] > announced_before  # versions stay monotonic: generators load the restored policy
     trained = assert_trained_once(run_dir)
     ledger = read_jsonl(run_dir / LEDGER_FILE)
-    consumed = set(trained) | {t for line in ledger for k in line if k.startswith(("dropped_", "stale_")) for t in line[k]}
+    dropped = {t for line in ledger for k in line if k.startswith(("dropped_", "stale_")) for t in line[k]}
+    consumed = set(trained) | dropped
     held_at_end = set(held_task_ids(pipeline))
     lost = held_at_kill - consumed - held_at_end
     assert not lost, f"held groups neither trained, dropped nor still held: {sorted(lost)}"
     assert set(trained_after_checkpoint) <= consumed | held_at_end
+    # the groups of the lost step came back from `held` and were trained by the restored model
+    assert set(trained_after_checkpoint) & set(trained), "no group of the lost step was trained again"
+
+
+@pytest.mark.slow
+def test_http_while_running_and_sigterm_checkpoints_then_exits(pipeline, tmp_path):
+    import httpx
+
+    run_dir = tmp_path / "term"
+    port = free_port()
+    pipeline.drain()
+    process = pipeline.learner(run_dir, {**LEARNER, "port": port, "eval_every": 0, "total_steps": 100,
+                                         "checkpoint_every": 0}, **SMALL)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 180
+    while not read_jsonl(run_dir / LEDGER_FILE):
+        assert process.poll() is None and time.monotonic() < deadline, pipeline.tail("learner-term")
+        time.sleep(0.2)
+    assert httpx.get(f"{base}/readyz").status_code == 200
+    status = httpx.get(f"{base}/v1/status").json()
+    assert status["ready"] and status["step"] >= 1 and status["total_steps"] == 100
+    assert httpx.get(f"{base}/v1/weights/latest").status_code == 401  # the token guards the weights
+    latest = httpx.get(f"{base}/v1/weights/latest", headers={"Authorization": "Bearer test-token"}).json()
+    assert latest["version"] >= status["version"] - 1
+    assert "dapo_learner_step" in httpx.get(f"{base}/metrics").text
+    process.send_signal(signal.SIGTERM)
+    assert wait_exit(pipeline, process, "learner-term", 120) == 0, pipeline.tail("learner-term")
+    last_step = read_jsonl(run_dir / METRICS_FILE)[-1]["step"]
+    assert 1 <= last_step < 100
+    assert (run_dir / "checkpoints" / "latest").read_text() == f"step-{last_step}"  # checkpoint_every 0: SIGTERM's
+    assert "stopped by signal" in pipeline.tail("learner-term")
