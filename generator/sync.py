@@ -51,7 +51,7 @@ class WeightSync:
         return announcement
 
     def prepare(self, announcement: WeightsAnnouncement) -> tuple[Path, float]:
-        """Pull, verify the checksum (in pull_weights) and the names/shapes; (folder, seconds). WeightsError if refused."""
+        """Pull, verify the checksum (pull_weights) and the names/shapes: (folder, seconds); WeightsError if refused."""
         started = time.perf_counter()
         folder = pull_weights(announcement, self.token, self.dir, timeout=self.timeout)
         try:

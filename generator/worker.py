@@ -57,6 +57,7 @@ return n
 
 TRANSIENT = {"unreachable", "http", "not_found"}  # a late joiner retries these before taking work
 RETRY_FAILED_SYNC_S = 30.0  # a refused version is not retried automatically before this (POST /sync forces it)
+IDLE_BLOCK_MS = 100  # longest wait for new tasks while idle: bounds how late an announcement or a stop is seen
 
 
 @dataclass
@@ -255,7 +256,11 @@ class RolloutWorker:
         busy = bool(self.inflight)
         if busy and now - self._last_empty_read < 0.02:
             return  # the stream was empty a moment ago: let the engine work
-        deliveries = self.prompts.consume(self.id, count=room, block_ms=1 if busy or self.deferred else None)
+        # Idle: block briefly, so an announced version or a shutdown is seen within IDLE_BLOCK_MS.
+        block_ms = 1 if busy or self.deferred else min(self.settings.streams.block_ms, IDLE_BLOCK_MS)
+        if self._pull is not None:
+            block_ms = min(block_ms, 10)  # a version is on its way: look again soon to load it
+        deliveries = self.prompts.consume(self.id, count=room, block_ms=block_ms)
         if not deliveries:
             self._last_empty_read = now
         for delivery in deliveries:
@@ -404,11 +409,13 @@ class RolloutWorker:
                 if future.done():
                     continue
                 if failure is not None:
-                    future.set_result(SyncOutcome(self.version, self.version, False, error=failure[0], reason=failure[1]))
+                    message, reason = failure
+                    future.set_result(SyncOutcome(self.version, self.version, False, error=message, reason=reason))
                 elif wanted >= 0 and self.version >= wanted:
                     future.set_result(success or SyncOutcome(self.version, self.version, False))
                 elif wanted == -1 and success is None and self.sync.watcher.newest is None:
-                    future.set_result(SyncOutcome(self.version, self.version, False, error="no weights announced", reason="none"))
+                    version = self.version
+                    future.set_result(SyncOutcome(version, version, False, error="no weights announced", reason="none"))
                 else:
                     keep.append((wanted, future))
             self._waiters = keep

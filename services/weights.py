@@ -338,7 +338,8 @@ def pull_weights(
             with httpx.stream("GET", announcement.url, headers=headers, timeout=timeout) as response:
                 if response.status_code in (401, 403):
                     raise WeightsError(
-                        "unauthorized", f"weights server refused the token ({response.status_code}) for {announcement.url}"
+                        "unauthorized",
+                        f"weights server refused the token ({response.status_code}) for {announcement.url}",
                     )
                 if response.status_code == 404:
                     raise WeightsError("not_found", f"weights v{announcement.version} not found at {announcement.url}")
@@ -349,7 +350,8 @@ def pull_weights(
                         size += len(chunk)
                         if size > announcement.size:
                             raise WeightsError(
-                                "checksum", f"weights v{announcement.version}: more than the announced {announcement.size} bytes"
+                                "checksum",
+                                f"weights v{announcement.version}: more than the announced {announcement.size} bytes",
                             )
                         digest.update(chunk)
                         out.write(chunk)

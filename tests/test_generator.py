@@ -262,7 +262,8 @@ def test_worker_versions_sync_refusals_and_late_join(service, engine, models):
     service["holder"]["worker"] = worker
     with Running(worker):
         # version 0: the model folder's weights; one group per task, n samples, prompt text tokenized if needed
-        prompts.produce(task(None, SamplingParams(n=2, temperature=1.0, max_tokens=16), prompt="12+3=", prompt_id="text"))
+        two = SamplingParams(n=2, temperature=1.0, max_tokens=16)
+        prompts.produce(task(None, two, prompt="12+3=", prompt_id="text"))  # no token ids: the HF tokenizer
         for i in range(3):
             prompts.produce(task(ids[i], SamplingParams(n=3, temperature=1.0, max_tokens=16), prompt_id=f"p{i}"))
         groups = collect(rollouts, 4)
@@ -273,6 +274,8 @@ def test_worker_versions_sync_refusals_and_late_join(service, engine, models):
             assert all(len(s.token_ids) == len(s.logprobs) <= 16 for s in g.samples)
         base_greedy = greedy_once().samples[0]
         assert httpx.get(f"{url}/v1/weights/version").json()["version"] == 0
+        nothing = httpx.post(f"{url}/v1/weights/sync", headers=auth, timeout=60)
+        assert nothing.status_code == 404 and nothing.json()["reason"] == "none"
 
         # a new version: announced on Redis, pulled over HTTP, loaded between batches
         publisher.publish(other_state, version=1)
@@ -331,6 +334,24 @@ def test_worker_versions_sync_refusals_and_late_join(service, engine, models):
     assert group.samples[0].token_ids == base_greedy.token_ids
 
 
+def test_stop_hands_back_unfinished_tasks(service, engine):
+    """Shutdown: in-flight work past the grace period is aborted and handed back at once, not lost."""
+    settings, streams = service["settings"], service["streams"]
+    settings.generator.shutdown_grace_s = 0.2
+    prompts, rollouts = streams.stream("prompts", PromptTask), streams.stream("rollouts", RolloutGroup)
+    big = SamplingParams(n=256, temperature=1.0, max_tokens=230)
+    prompts.produce(task(prompts_of(engine)[1], big, prompt_id="big"))
+    sync = WeightSync(settings, service["base"], service["client"], "leaving")
+    worker = RolloutWorker(settings, engine, streams, sync, "leaving")
+    with Running(worker):
+        wait_for(lambda: worker.describe()["inflight_tasks"] == 1, 30, "the task in the engine")
+    assert worker.status == "stopped" and not engine.has_unfinished()
+    assert service["client"].xlen(rollouts.key) == 0
+    (again,) = prompts.consume("next", count=1, block_ms=10)  # handed back: no visibility timeout to wait for
+    assert again.message.task_id and again.deliveries == 2
+    prompts.ack(again)
+
+
 def test_sigkilled_generator_task_is_finished_once_by_another(service, engine, short_tmp):
     """A generator process is SIGKILLed mid-task: the survivor reclaims it; exactly one group arrives."""
     settings, client, streams = service["settings"], service["client"], service["streams"]
@@ -362,7 +383,8 @@ def test_sigkilled_generator_task_is_finished_once_by_another(service, engine, s
             return rows[0]["consumer"].decode() if rows else None
 
         wait_for(lambda: owner() == "doomed", 30, "the doomed generator to claim the task")
-        survivor = RolloutWorker(settings, engine, streams, WeightSync(settings, service["base"], client, "survivor"), "survivor")
+        sync = WeightSync(settings, service["base"], client, "survivor")
+        survivor = RolloutWorker(settings, engine, streams, sync, "survivor")
         with Running(survivor):
             time.sleep(2 * settings.streams.visibility_timeout_s)  # the heartbeat keeps the task with its owner
             assert owner() == "doomed" and client.xlen(rollouts.key) == 0, "task finished or stolen before the kill"
