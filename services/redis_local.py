@@ -73,7 +73,10 @@ class EmbeddedRedis:
             "--logfile", str(self.data_dir / "redis.log"),
             "--daemonize", "no",
         ]
-        self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        # Its own session: a Ctrl-C in the terminal must not stop Redis before the services that use it.
+        self.process = subprocess.Popen(
+            args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+        )
         client = redis.Redis(unix_socket_path=str(self.socket_path))
         deadline = time.monotonic() + timeout
         while True:
