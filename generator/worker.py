@@ -41,19 +41,6 @@ from generator.sync import WeightSync
 
 log = logging.getLogger(__name__)
 
-# KEYS: stream. ARGV: group, consumer, ids... Reset the idle time of the entries this consumer still owns
-# (XCLAIM JUSTID does not count as a delivery), so a long generation is not reclaimed from a live worker.
-_HEARTBEAT = """
-local n = 0
-for i = 3, #ARGV do
-  local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1)
-  if #p > 0 and p[1][2] == ARGV[2] then
-    redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[i], 'JUSTID')
-    n = n + 1
-  end
-end
-return n
-"""
 
 TRANSIENT = {"unreachable", "http", "not_found"}  # a late joiner retries these before taking work
 RETRY_FAILED_SYNC_S = 30.0  # a refused version is not retried automatically before this (POST /sync forces it)
@@ -135,7 +122,6 @@ class RolloutWorker:
         self._sync_now = threading.Event()
         self._rates = _Rates()
         self._last_empty_read = 0.0
-        self._heartbeat = streams.redis.register_script(_HEARTBEAT)
         self._heartbeat_thread: threading.Thread | None = None
         self._owned: tuple[str, ...] = ()
         self._finished = threading.Event()
@@ -459,6 +445,6 @@ class RolloutWorker:
             if not ids:
                 continue
             try:
-                self._heartbeat(keys=[self.prompts.key], args=[self.prompts.group, self.id, *ids])
+                self.prompts.touch(self.id, list(ids))
             except Exception as err:
                 log.warning("heartbeat failed: %s", err)

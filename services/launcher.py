@@ -100,6 +100,16 @@ def service_children(settings: Settings, config_path: Path, redis_url: str, gene
     return children
 
 
+def write_service_map(children: list[Child], redis_url: str, path: Path) -> None:
+    """Where each service listens (for scraping /metrics of a local run, and for tests)."""
+    ports = {
+        child.name: int(next(v for k, v in child.env.items() if k.startswith("DAPO_") and k.endswith("__PORT")))
+        for child in children
+    }
+    path.write_text(json.dumps({"redis": redis_url, "http": {n: f"http://127.0.0.1:{p}" for n, p in ports.items()}},
+                               indent=2))
+
+
 def read_metrics(path: Path) -> list[dict]:
     if not path.exists():
         return []
@@ -184,6 +194,7 @@ def main(settings: Settings, generators: int = 1, reward_workers: int = 1, displ
     config_path.write_text(dump_settings(settings))
 
     children = service_children(settings, config_path, redis_url, generators, reward_workers, free_port())
+    write_service_map(children, redis_url, run_dir / "services.json")
     interrupted = False
 
     def on_signal(signum, frame):

@@ -74,6 +74,21 @@ return 1
 """
 
 
+# KEYS: stream. ARGV: group, consumer, ids... Reset the idle time of the entries this consumer still owns
+# (XCLAIM JUSTID does not count as a delivery), so long work is not reclaimed from a live consumer.
+_TOUCH = """
+local n = 0
+for i = 3, #ARGV do
+  local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1)
+  if #p > 0 and p[1][2] == ARGV[2] then
+    redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[i], 'JUSTID')
+    n = n + 1
+  end
+end
+return n
+"""
+
+
 class BackPressureTimeout(RuntimeError):
     """The stream stayed above its high-water mark longer than `produce_timeout_s`."""
 
@@ -98,6 +113,7 @@ class Stream(Generic[M]):
         self._forward = self.redis.register_script(_FORWARD)
         self._ack = self.redis.register_script(_ACK)
         self._produce = self.redis.register_script(_PRODUCE)
+        self._touch = self.redis.register_script(_TOUCH)
         self._group_ready = False
         self._metrics_at = 0.0
         self._reclaimed_at = float("-inf")
@@ -245,6 +261,16 @@ class Stream(Generic[M]):
         if done:
             metrics.STREAM_ACKED.labels(self.name).inc()
         return bool(done)
+
+    def touch(self, consumer: str, entry_ids: list[str]) -> int:
+        """Heartbeat: reset the idle time of entries `consumer` still owns. Returns how many it owns.
+
+        Call it more often than the visibility timeout while work on those entries is under way. No retry:
+        a missed heartbeat only risks a reclaim, and forward() then drops the late duplicate.
+        """
+        if not entry_ids:
+            return 0
+        return int(self._touch(keys=[self.key], args=[self.group, consumer, *entry_ids]))
 
     @retry_redis
     def release(self, delivery: Delivery[M]) -> None:

@@ -208,3 +208,16 @@ def test_redis_restart_mid_consumption_loses_nothing(redis_server, settings):
     finally:
         restarted.stop()
     assert sorted(out) == sorted(forwarded)  # exactly once downstream
+
+
+def test_touch_keeps_long_work_from_being_reclaimed(streams):
+    prompts = streams.stream("prompts", PromptTask)
+    prompts.produce(task(0))
+    (d,) = prompts.consume("busy", count=1)
+    for _ in range(3):  # work three times longer than the visibility timeout, with heartbeats
+        time.sleep(prompts.cfg.visibility_timeout_s / 2)
+        assert prompts.touch("busy", [d.id]) == 1
+        prompts._reclaimed_at = float("-inf")
+        assert prompts.consume("thief", count=1, block_ms=10) == []
+    assert prompts.touch("thief", [d.id]) == 0  # only the owner's heartbeat counts
+    assert prompts.ack(d)

@@ -1,0 +1,87 @@
+"""`dapo run` end to end: the real services as processes, a few steps, the run folder, live /metrics."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from deploy.check_dashboard import dashboard_metric_names, live_series_names  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+STEPS = 3
+OVERRIDES = [
+    f"learner.total_steps={STEPS}", "learner.prompts_per_step=4", "learner.eval_every=2",
+    "learner.checkpoint_every=2", "sampling.n=4", "eval_sampling.n=2", "data.eval_size=16",
+]
+
+
+def metric_families(text: str) -> set[str]:
+    """Every family a /metrics page declares (labelled families with no sample yet still have # TYPE)."""
+    families = {line.split()[2] for line in text.splitlines() if line.startswith("# TYPE ")}
+    return families | live_series_names(text)
+
+
+def test_dapo_run_end_to_end(short_tmp):
+    run_dir = Path(short_tmp) / "run"
+    command = [sys.executable, "-m", "services.cli", "run", "--no-display", "-s", f"run_dir={run_dir}"]
+    for override in OVERRIDES:
+        command += ["-s", override]
+    env = {**os.environ, "DAPO_LOG_LEVEL": "WARNING"}
+    proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    scraped: dict[str, str] = {}
+    try:
+        deadline = time.monotonic() + 600
+        # While it runs: scrape every service's /metrics once the first training step is logged.
+        while proc.poll() is None and time.monotonic() < deadline:
+            metrics_file = run_dir / "metrics.jsonl"
+            services = run_dir / "services.json"
+            if not scraped and services.exists() and metrics_file.exists() and any(
+                json.loads(line).get("step", 0) >= 1 for line in metrics_file.read_text().splitlines() if line.strip()
+            ):
+                for name, url in json.loads(services.read_text())["http"].items():
+                    scraped[name] = httpx.get(f"{url}/metrics", timeout=10).text
+            time.sleep(1)
+        output = proc.communicate(timeout=max(1, deadline - time.monotonic()))[0]
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            proc.wait(timeout=60)
+    assert proc.returncode == 0, output[-3000:]
+
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    trained = [r for r in rows if r.get("step", 0) >= 1]
+    assert [r["step"] for r in trained] == list(range(1, STEPS + 1))
+    for row in trained:
+        assert row["groups_trained"] >= 1
+        assert -1.0 <= row["reward_all"] <= 1.0 and 0.0 <= row["accuracy_train"] <= 1.0
+        assert row["response_length"] > 0 and row["entropy"] >= 0 and row["lr"] > 0
+    evals = [r["eval_accuracy"] for r in rows if r.get("eval_accuracy") is not None]
+    assert len(evals) >= 2 and all(0.0 <= e <= 1.0 for e in evals)  # baseline and at least one more
+
+    for plot in ("reward", "eval_accuracy", "response_length", "entropy", "clip_fractions"):
+        png = run_dir / "plots" / f"{plot}.png"
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == STEPS and summary["eval_accuracy_first"] is not None
+    assert (run_dir / "config.yaml").exists() and (run_dir / "checkpoints" / "latest").exists()
+
+    # The Grafana dashboard only uses names that the live services really export.
+    assert set(scraped) == {"learner", "generator-0", "reward-0"}, scraped.keys()
+    exported = set().union(*(metric_families(text) for text in scraped.values()))
+    referenced = dashboard_metric_names()
+    base = {name for name in referenced if name.removesuffix("_total").removesuffix("_bucket")
+            .removesuffix("_sum").removesuffix("_count") in exported or name in exported}
+    assert base == referenced, sorted(referenced - base)
+    step_line = next(line for line in scraped["learner"].splitlines() if line.startswith("dapo_learner_step "))
+    assert float(step_line.split()[1]) >= 1  # scraped after the first step
