@@ -420,11 +420,7 @@ def warm_up(model, tokenizer, settings: Settings, *, progress: bool = True) -> W
     if not training:
         raise ValueError("the synthetic train split is too small for the warm-up; raise synthetic_max_value")
     template = settings.data.raw_template
-    examples = encode_examples(
-        tokenizer,
-        [render_prompt(p, tokenizer, "raw", template) for p in training],
-        [task.solution(p.problem) for p in training],
-    )
+    prompts = [render_prompt(p, tokenizer, "raw", template) for p in training]
     rng = random.Random(t.seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=t.warmup_lr, weight_decay=0.01, betas=(0.9, 0.98))
     result = WarmupResult(validation_problems=len(validation))
@@ -442,7 +438,14 @@ def warm_up(model, tokenizer, settings: Settings, *, progress: bool = True) -> W
         for step in range(t.warmup_steps):
             for group in optimizer.param_groups:
                 group["lr"] = _learning_rate(step, t.warmup_steps, t.warmup_lr)
-            batch = collate(rng.sample(examples, min(t.warmup_batch, len(examples))), tokenizer.pad_token_id)
+            # Fresh slips every time a problem is drawn: the model learns the slip rate, not particular slips.
+            chosen = rng.sample(range(len(training)), min(t.warmup_batch, len(training)))
+            examples = encode_examples(
+                tokenizer,
+                [prompts[i] for i in chosen],
+                [task.solution(training[i].problem, t.warmup_slip_rate, rng) for i in chosen],
+            )
+            batch = collate(examples, tokenizer.pad_token_id)
             loss = model(**batch).loss
             optimizer.zero_grad(set_to_none=True)
             loss.backward()

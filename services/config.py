@@ -63,6 +63,10 @@ class TinyModelConfig(Section):
     warmup_target_accuracy: float = Field(
         0.25, description="Stop the warm-up once sampled (T=1) accuracy on unseen problems reaches this."
     )
+    warmup_slip_rate: float = Field(
+        0.4, ge=0.0, lt=1.0,
+        description="Share of warm-up solution steps with a deliberate arithmetic slip (RL learns to avoid them).",
+    )
     warmup_eval_every: int = Field(25, description="Check the warm-up accuracy every K steps.")
     warmup_eval_problems: int = Field(256, description="Held-back train-split problems for that check.")
     threads: int = Field(

@@ -19,7 +19,7 @@ import os
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterable, Literal, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Literal, Sequence
 
 if TYPE_CHECKING:  # pragma: no cover
     from services.config import Settings
@@ -134,8 +134,11 @@ class SyntheticTask:
         return "eval" if int.from_bytes(digest[:8], "big") / 2**64 < self.eval_fraction else "train"
 
     @staticmethod
-    def solve(expression: str) -> tuple[list[str], int]:
-        """Steps in evaluation order (all `*` left to right, then `+`/`-` left to right) and the value."""
+    def solve(expression: str, slip: Callable[[int], int] | None = None) -> tuple[list[str], int]:
+        """Steps in evaluation order (all `*` left to right, then `+`/`-` left to right) and the value.
+
+        `slip` (warm-up data only) may alter each intermediate result; later steps follow from the altered value.
+        """
         tokens: list[Any] = []
         number = ""
         for ch in expression:
@@ -152,15 +155,25 @@ class SyntheticTask:
                 if tokens[i] in level:
                     a, op, b = tokens[i - 1 : i + 2]
                     value = _BINARY_OPS[op](a, b)
+                    if slip is not None:
+                        value = slip(value)
                     steps.append(f"{a}{op}{b}={value}")
                     tokens[i - 1 : i + 2] = [value]
                 else:
                     i += 2
         return steps, tokens[0]
 
-    def solution(self, problem_text: str) -> str:
-        """The worked response the warm-up teaches: steps on one line, then the DAPO answer line."""
-        steps, value = self.solve(self.expression_of(problem_text))
+    def solution(self, problem_text: str, slip_rate: float = 0.0, rng: random.Random | None = None) -> str:
+        """The worked response the warm-up teaches: steps on one line, then the DAPO answer line.
+
+        With `slip_rate`, each intermediate result is off by 1 or 2 with that probability and the rest of the
+        solution follows from it, like the arithmetic slips of human-written data: a model trained on it knows
+        the right step (its most likely one) yet slips when sampled, which reinforcement learning can fix.
+        """
+        def slip(value: int) -> int:
+            return value + rng.choice((-2, -1, 1, 2)) if rng.random() < slip_rate else value
+
+        steps, value = self.solve(self.expression_of(problem_text), slip if slip_rate > 0 else None)
         return ",".join(steps) + f"\nAnswer: {value}"
 
     def answer(self, problem_text: str) -> str:

@@ -312,3 +312,31 @@ def test_render_prompt_raw_without_chat_template():
 
 def test_config_default_raw_template_is_the_module_default():
     assert Settings().data.raw_template == RAW_TEMPLATE
+
+
+def test_warm_up_slips_are_consistent_and_at_the_requested_rate():
+    """Slipped solutions stay self-consistent (later steps use the slipped value) and land at the rate asked."""
+    import random
+
+    task = SyntheticTask()
+    rng = random.Random(0)
+    problems = task.problems("train", 2000)
+    assert all(task.solution(p.problem, 0.0, rng) == task.solution(p.problem) for p in problems[:50])
+    wrong_steps = total_steps = wrong_answers = 0
+    for p in problems:
+        text = task.solution(p.problem, 0.4, rng)
+        chain, answer_line = text.split("\n")
+        values = {}
+        for step in chain.split(","):
+            left, result = step.split("=")
+            op_at = max(i for i, ch in enumerate(left) if ch in "+-*" and i > 0 and left[i - 1].isdigit())
+            a, op, b = int(left[:op_at]), left[op_at], int(left[op_at + 1:])
+            true = {"+": a + b, "-": a - b, "*": a * b}[op]
+            total_steps += 1
+            wrong_steps += int(result) != true
+            assert abs(int(result) - true) <= 2
+            values[step] = int(result)
+        assert answer_line == f"Answer: {list(values.values())[-1]}"  # the answer follows the chain
+        wrong_answers += answer_line != f"Answer: {p.answer}"
+    assert 0.35 < wrong_steps / total_steps < 0.45
+    assert wrong_answers > 0
