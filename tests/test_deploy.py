@@ -627,7 +627,7 @@ def test_entrypoint_reads_the_token_file_and_refuses_an_empty_one(tmp_path):
 # accelerate.
 
 
-@pytest.mark.parametrize("name", ["fsdp.yaml", "deepspeed-zero3.yaml"])
+@pytest.mark.parametrize("name", ["fsdp.yaml"])
 def test_accelerate_configs_load_and_launch_options_exist(name):
     from accelerate.commands.config.config_args import ClusterConfig
     from accelerate.commands.launch import _validate_launch_command, launch_command_parser
@@ -636,10 +636,8 @@ def test_accelerate_configs_load_and_launch_options_exist(name):
     config = ClusterConfig.from_yaml_file(str(path))  # rejects unknown top-level keys
     parser = launch_command_parser()
     options = {action.dest for action in parser._actions}
-    inner = config.fsdp_config or config.deepspeed_config or {}
+    inner = config.fsdp_config or {}
     assert inner and set(inner) <= options, sorted(set(inner) - options)
     args = parser.parse_args(["--config_file", str(path), "-m", "services.cli", "learner"])
     _validate_launch_command(args)  # what `accelerate launch` does before it starts any process
     assert args.mixed_precision == "bf16" and args.num_processes == config.num_processes
-    if config.deepspeed_config:
-        assert float(config.deepspeed_config["gradient_clipping"]) == Settings().learner.grad_clip
