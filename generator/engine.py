@@ -145,9 +145,7 @@ class VllmEngine:
 
         cfg = self.settings.generator
         on_cpu = current_platform.is_cpu()
-        dtype = self.settings.model.dtype
-        if dtype == "auto":
-            dtype = "float32" if on_cpu else "bfloat16"
+        dtype = self.settings.model.resolved_dtype(on_gpu=not on_cpu)
         kwargs = dict(
             model=self.model_dir,
             tokenizer=self.model_dir,

@@ -67,13 +67,6 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 _MIXED_PRECISION = {torch.float32: "no", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
-def resolve_dtype(name: str, cuda: bool) -> torch.dtype:
-    """`model.dtype` to a torch dtype: auto = bf16 on GPU, fp32 on CPU."""
-    if name == "auto":
-        return torch.bfloat16 if cuda else torch.float32
-    return _DTYPES[name]
-
-
 class LinearWarmup:
     """LambdaLR factor: (k + 1) / warmup_steps for the first warmup_steps steps, then 1 (paper: 10 steps)."""
 
@@ -142,7 +135,7 @@ class Trainer:
         self.config = cfg = settings.learner
         self.model_path = Path(model_path)
         cuda = torch.cuda.is_available()
-        self.compute_dtype = resolve_dtype(settings.model.dtype, cuda)
+        self.compute_dtype = _DTYPES[settings.model.resolved_dtype(on_gpu=cuda)]
         self.served_dtype = self.compute_dtype
         self.accelerator = Accelerator(
             mixed_precision=_MIXED_PRECISION[self.compute_dtype], step_scheduler_with_optimizer=False

@@ -47,6 +47,12 @@ class ModelConfig(Section):
     )
     trust_remote_code: bool = Field(False, description="Passed to transformers and vLLM.")
 
+    def resolved_dtype(self, on_gpu: bool) -> str:
+        """The dtype name to compute and serve in: `auto` is bfloat16 on a GPU, float32 on a CPU."""
+        if self.dtype == "auto":
+            return "bfloat16" if on_gpu else "float32"
+        return self.dtype
+
 
 class TinyModelConfig(Section):
     """The embedded default: a small Qwen2 built and warmed up locally (no hub access needed)."""

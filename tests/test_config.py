@@ -75,3 +75,9 @@ def test_dump_round_trips(tmp_path):
     path = tmp_path / "resolved.yaml"
     path.write_text(dump_settings(s))
     assert load_settings(path) == s
+
+
+def test_auto_dtype_is_bf16_on_gpu_and_fp32_on_cpu():
+    model = load_settings("tiny-cpu", model={"dtype": "auto"}).model
+    assert model.resolved_dtype(on_gpu=True) == "bfloat16" and model.resolved_dtype(on_gpu=False) == "float32"
+    assert load_settings("dapo-qwen2.5-32b").model.resolved_dtype(on_gpu=False) == "bfloat16"  # explicit wins
