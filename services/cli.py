@@ -37,6 +37,9 @@ def build_parser() -> argparse.ArgumentParser:
             "--set", "-s", action="append", default=[], metavar="KEY=VALUE",
             help="override a field, e.g. learner.total_steps=20 (repeatable; YAML value syntax)",
         )
+        if name == "bootstrap":
+            cmd.add_argument("--force", action="store_true", help="rebuild even if a cached model exists")
+            cmd.add_argument("--measure", action="store_true", help="then measure tokens/s and accuracy through vLLM")
         if name == "run":
             cmd.add_argument("--generators", type=int, default=1, help="generator processes")
             cmd.add_argument("--reward-workers", type=int, default=1, help="reward worker processes")
@@ -76,6 +79,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "run":
         return entry(settings, generators=args.generators, reward_workers=args.reward_workers,
                      display=not args.no_display) or 0
+    if args.command == "bootstrap":
+        return entry(settings, force=args.force, measure=args.measure) or 0
     return entry(settings) or 0
 
 

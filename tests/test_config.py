@@ -81,3 +81,15 @@ def test_auto_dtype_is_bf16_on_gpu_and_fp32_on_cpu():
     model = load_settings("tiny-cpu", model={"dtype": "auto"}).model
     assert model.resolved_dtype(on_gpu=True) == "bfloat16" and model.resolved_dtype(on_gpu=False) == "float32"
     assert load_settings("dapo-qwen2.5-32b").model.resolved_dtype(on_gpu=False) == "bfloat16"  # explicit wins
+
+
+def test_cli_set_overrides_parse_yaml_values():
+    from services.cli import build_parser, parse_overrides
+
+    overrides = parse_overrides(["learner.lr=3e-4", "sampling.n=4", "redis.url=redis://r:6379/0"])
+    s = load_settings("tiny-cpu", **overrides)
+    assert (s.learner.lr, s.sampling.n, s.redis.url) == (3e-4, 4, "redis://r:6379/0")
+    with pytest.raises(ConfigError, match="KEY=VALUE"):
+        parse_overrides(["learner.lr"])
+    args = build_parser().parse_args(["bootstrap", "--force"])
+    assert args.force and not args.measure
