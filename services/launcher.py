@@ -200,7 +200,8 @@ def main(settings: Settings, generators: int = 1, reward_workers: int = 1, displ
     def on_signal(signum, frame):
         raise KeyboardInterrupt
 
-    previous = signal.signal(signal.SIGTERM, on_signal)
+    # SIGINT explicitly too: a shell that starts us in the background leaves SIGINT ignored.
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
     code = 1
     try:
         for child in children:
@@ -215,7 +216,8 @@ def main(settings: Settings, generators: int = 1, reward_workers: int = 1, displ
             child.stop()
         if redis_server:
             redis_server.stop()
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
     rows = read_metrics(run_dir / "metrics.jsonl")
     if rows:
