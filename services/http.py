@@ -44,6 +44,8 @@ def create_app(
     `app.state.require_token` is the dependency to put on every endpoint that changes state.
     `ready()` returns (is_ready, reason); /readyz answers 503 with the reason until it is ready.
     """
+    if token == "change-me":  # the preset default: fine on a laptop, never on a network
+        log.warning("%s uses the default bearer token; set DAPO_TOKEN before exposing it", name)
     app = FastAPI(title=f"dapo {name}", version="1")
     app.state.require_token = token_dependency(token)
 
