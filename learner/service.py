@@ -50,7 +50,7 @@ from services.data import Problem, load_problems, render_prompt
 from services.messages import PromptTask, SamplingParams, ScoredGroup
 from services.redis_local import connect
 from services.streams import Delivery, Streams, consumer_name, retry_redis
-from services.weights import WeightPublisher, latest_announcement, weights_router
+from services.weights import WeightPublisher, latest_announcement, weights_router, write_atomic
 
 log = logging.getLogger(__name__)
 
@@ -113,15 +113,6 @@ def truncate_jsonl(path: Path, last_step: int) -> int:
             kept += 1
     os.truncate(path, keep_bytes)
     return kept
-
-
-def write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "w") as handle:
-        handle.write(text)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
 
 
 def _mean(values: list[float]) -> float | None:

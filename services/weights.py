@@ -216,7 +216,7 @@ class WeightPublisher:
             announcement = WeightsAnnouncement(
                 version=version, sha256=digest, size=final.stat().st_size, url=f"{self.base_url}/v1/weights/{version}"
             )
-            _write_atomic(folder / ANNOUNCEMENT_FILE, announcement.model_dump_json())
+            write_atomic(folder / ANNOUNCEMENT_FILE, announcement.model_dump_json())
             self._prune(keep_also=version)
         payload = announcement.model_dump_json()
         self.redis.set(latest_key(self.prefix), payload)
@@ -262,9 +262,13 @@ class WeightPublisher:
                 shutil.rmtree(self.dir / f"v{version}", ignore_errors=True)
 
 
-def _write_atomic(path: Path, text: str) -> None:
+def write_atomic(path: Path, text: str) -> None:
+    """Replace `path` with `text` so that readers see the old content or the new, never a partial file."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text)
+    with open(tmp, "w") as handle:
+        handle.write(text)
+        handle.flush()
+        os.fsync(handle.fileno())
     os.replace(tmp, path)
 
 
@@ -364,7 +368,7 @@ def pull_weights(
                 f"the announced {announcement.sha256[:16]}... ({announcement.size} bytes)",
             )
         read_schema(tmp / WEIGHTS_FILE)  # well-formed before anyone looks at it
-        _write_atomic(tmp / ANNOUNCEMENT_FILE, announcement.model_dump_json())
+        write_atomic(tmp / ANNOUNCEMENT_FILE, announcement.model_dump_json())
         final = dest_dir / f"v{announcement.version}"
         if final.exists():
             shutil.rmtree(final)
