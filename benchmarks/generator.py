@@ -34,34 +34,14 @@ os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch  # noqa: E402
-import uvicorn  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
 from services.config import load_settings  # noqa: E402
-from services.http import create_app  # noqa: E402
+from services.http import BackgroundServer, create_app, free_port  # noqa: E402
 from services.messages import PromptTask, RolloutGroup, SamplingParams  # noqa: E402
 from services.redis_local import EmbeddedRedis, connect  # noqa: E402
 from services.streams import Streams  # noqa: E402
 from services.weights import WEIGHTS_FILE, WeightPublisher, check_schema, pull_weights, read_schema, weights_router  # noqa: E402
-
-
-class Server:
-    def __init__(self, app):
-        import socket
-
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            self.port = sock.getsockname()[1]
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        while not self.server.started:
-            time.sleep(0.01)
-        self.url = f"http://127.0.0.1:{self.port}"
-
-    def close(self):
-        self.server.should_exit = True
-        self.thread.join(timeout=10)
 
 
 def prompt_ids(settings, tokenizer, count: int) -> list[list[int]]:
@@ -117,7 +97,7 @@ def bench_sync(settings, engine, model_dir, rounds: int) -> dict:
 
     client = connect(settings)
     app = create_app("learner", token=settings.token)
-    server = Server(app)
+    server = BackgroundServer(app, "127.0.0.1", free_port()).start(wait_s=10)
     publisher = WeightPublisher(settings, client, server.url)
     app.include_router(weights_router(publisher, app.state.require_token))
     sync = WeightSync(settings, model_dir, client, "bench-sync")
@@ -142,7 +122,7 @@ def bench_sync(settings, engine, model_dir, rounds: int) -> dict:
         for key, value in zip(rows, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t4 - t0, t5 - t4)):
             rows[key].append(value)
     engine.reload(model_dir)  # back to the model folder's weights
-    server.close()
+    server.stop()
     shutil.rmtree(scratch, ignore_errors=True)
     return {"size": size, **{k: statistics.median(v) for k, v in rows.items()}}
 
@@ -156,7 +136,7 @@ def bench_live_sync(settings, engine, model_dir, rounds: int) -> dict:
     settings.redis.run = "live-sync"
     client = connect(settings)
     app = create_app("learner", token=settings.token)
-    server = Server(app)
+    server = BackgroundServer(app, "127.0.0.1", free_port()).start(wait_s=10)
     publisher = WeightPublisher(settings, client, server.url)
     app.include_router(weights_router(publisher, app.state.require_token))
     worker = RolloutWorker(settings, engine, Streams(client, settings), WeightSync(settings, model_dir, client, "live"), "live")
@@ -176,7 +156,7 @@ def bench_live_sync(settings, engine, model_dir, rounds: int) -> dict:
     worker.stop()
     thread.join()
     engine.reload(model_dir)
-    server.close()
+    server.stop()
     return {"latency": statistics.median(latencies), "max": max(latencies)}
 
 
@@ -185,7 +165,7 @@ def bench_big_protocol(settings, megabytes: int) -> dict:
     settings = settings.model_copy(deep=True)
     settings.run_dir = tempfile.mkdtemp(prefix="big-")
     app = create_app("learner", token=settings.token)
-    server = Server(app)
+    server = BackgroundServer(app, "127.0.0.1", free_port()).start(wait_s=10)
     publisher = WeightPublisher(settings, client, server.url)
     app.include_router(weights_router(publisher, app.state.require_token))
     rows = 4096
@@ -202,7 +182,7 @@ def bench_big_protocol(settings, megabytes: int) -> dict:
     t3 = time.perf_counter()
     shutil.copyfile(folder / WEIGHTS_FILE, dest / "copy.safetensors")
     t4 = time.perf_counter()
-    server.close()
+    server.stop()
     shutil.rmtree(dest, ignore_errors=True)
     shutil.rmtree(settings.run_dir, ignore_errors=True)
     return {"size": announcement.size, "publish": t1 - t0, "pull": t2 - t1, "verify": t3 - t2, "copy": t4 - t3}

@@ -12,21 +12,18 @@ there); uvicorn serves HTTP from a second thread and talks to the loop only thro
 from __future__ import annotations
 
 import logging
-import os
 import signal
-import socket
 import threading
 import time
 from typing import Callable
 
-import uvicorn
 from fastapi import Depends, FastAPI
 from fastapi.responses import JSONResponse
 
 from services.config import Settings
-from services.http import create_app
+from services.http import BackgroundServer, create_app
 from services.redis_local import connect
-from services.streams import Streams
+from services.streams import Streams, consumer_name
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +81,7 @@ def build_app(settings: Settings, get_worker: Callable[[], "object | None"]) -> 
 
 
 def generator_id(settings: Settings) -> str:
-    return settings.generator.id or os.environ.get("DAPO_WORKER_ID") or f"{socket.gethostname()}-{os.getpid()}"
+    return settings.generator.id or consumer_name("generator")
 
 
 def main(settings: Settings) -> int:
@@ -108,11 +105,7 @@ def main(settings: Settings) -> int:
     signal.signal(signal.SIGINT, on_signal)
 
     app = build_app(settings, lambda: holder["worker"])
-    server = uvicorn.Server(
-        uvicorn.Config(app, host=settings.generator.host, port=settings.generator.port, log_level="warning")
-    )
-    http_thread = threading.Thread(target=server.run, name="http", daemon=True)
-    http_thread.start()
+    http = BackgroundServer(app, settings.generator.host, settings.generator.port).start()
 
     engine = None
     try:
@@ -129,8 +122,7 @@ def main(settings: Settings) -> int:
         )
         worker.run()
     finally:
-        server.should_exit = True
-        http_thread.join(timeout=10)
+        http.stop()
         if engine is not None:
             engine.shutdown()
     return 0

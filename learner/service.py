@@ -48,6 +48,7 @@ from services import metrics
 from services.config import Settings, dump_settings
 from services.data import Problem, load_problems, render_prompt
 from services.messages import PromptTask, SamplingParams, ScoredGroup
+from services.http import BackgroundServer, create_app
 from services.redis_local import connect
 from services.streams import Delivery, Streams, consumer_name, retry_redis
 from services.weights import WeightPublisher, latest_announcement, weights_router, write_atomic
@@ -190,8 +191,7 @@ class LearnerService:
         self._dead_scanned_at = 0.0
         self.trainer = None
         self.assembler = BatchAssembler.from_settings(self.cfg)
-        self.server = None
-        self._server_thread: threading.Thread | None = None
+        self.http: BackgroundServer | None = None
 
     # -- setup -------------------------------------------------------------------------------------------------
     def connect(self) -> None:
@@ -210,8 +210,6 @@ class LearnerService:
         self.publisher = WeightPublisher(self.settings, self.redis, public_base_url(self.settings))
 
     def create_app(self):
-        from services.http import create_app
-
         app = create_app(
             "learner",
             token=self.settings.token,
@@ -227,21 +225,14 @@ class LearnerService:
         return app
 
     def start_http(self) -> None:
-        import uvicorn
-
-        config = uvicorn.Config(
-            self.create_app(), host=self.cfg.host, port=self.cfg.port, log_level="warning", lifespan="off"
-        )
-        self.server = uvicorn.Server(config)
-        self._server_thread = threading.Thread(target=self.server.run, name="learner-http", daemon=True)
-        self._server_thread.start()
+        self.http = BackgroundServer(
+            self.create_app(), self.cfg.host, self.cfg.port, name="learner-http", lifespan="off"
+        ).start()
         log.info("learner HTTP on %s:%d (weights at %s)", self.cfg.host, self.cfg.port, public_base_url(self.settings))
 
     def stop_http(self) -> None:
-        if self.server is not None:
-            self.server.should_exit = True
-        if self._server_thread is not None:
-            self._server_thread.join(timeout=10)
+        if self.http is not None:
+            self.http.stop()
 
     def load(self) -> None:
         """The model, tokenizer, trainer and data (slow: the tiny model may be built here)."""

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import hmac
 import logging
+import socket
+import threading
+import time
 from typing import Callable
 
 from fastapi import Depends, FastAPI, HTTPException, Request
@@ -102,3 +105,43 @@ def create_app(
         return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+def free_port() -> int:
+    """A TCP port on the loopback interface that was free a moment ago."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class BackgroundServer:
+    """uvicorn serving `app` from a daemon thread, so the service's own loop keeps the main thread.
+
+    uvicorn does not install signal handlers outside the main thread: the service owns SIGTERM/SIGINT.
+    """
+
+    def __init__(self, app: FastAPI, host: str, port: int, name: str = "http", **config):
+        import uvicorn
+
+        self.host, self.port = host, port
+        self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", **config))
+        self.thread = threading.Thread(target=self.server.run, name=name, daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def start(self, wait_s: float = 0.0) -> "BackgroundServer":
+        """Start serving; with `wait_s`, block until the socket listens (RuntimeError after that long)."""
+        self.thread.start()
+        deadline = time.monotonic() + wait_s
+        while wait_s and not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError(f"HTTP server on {self.host}:{self.port} did not start")
+            time.sleep(0.02)
+        return self
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self.server.should_exit = True
+        if self.thread.is_alive():
+            self.thread.join(timeout=timeout)

@@ -12,7 +12,6 @@ import json
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -24,18 +23,13 @@ from rich.live import Live
 from rich.table import Table
 
 from services.config import Settings, dump_settings
+from services.http import free_port
 from services.redis_local import EmbeddedRedis, embedded_dir
 
 log = logging.getLogger(__name__)
 console = Console()
 
 RESTART_LIMIT = 5  # crashes of one worker before the run gives up on it
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @dataclass

@@ -13,7 +13,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -34,6 +33,7 @@ from learner.service import (
 )
 from services.config import load_settings
 from services.data import Problem
+from services.http import free_port
 from services.messages import PromptTask, RolloutGroup, Sample, Score, ScoredGroup, to_wire
 
 REPO = Path(__file__).resolve().parent.parent
@@ -84,12 +84,6 @@ def test_data_specs_and_public_url():
 
 
 # -- the whole loop (slow) -------------------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def flatten(prefix: str, tree: dict) -> dict[str, str]:
     """{"learner": {"port": 1}} -> {"DAPO_LEARNER__PORT": "1"}"""
     out = {}
