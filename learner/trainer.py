@@ -68,7 +68,7 @@ _MIXED_PRECISION = {torch.float32: "no", torch.bfloat16: "bf16", torch.float16: 
 
 
 class LinearWarmup:
-    """LambdaLR factor: (k + 1) / warmup_steps for the first warmup_steps steps, then 1 (paper: 10 steps)."""
+    """LambdaLR factor: (k + 1) / warmup_steps for the first warmup_steps steps, then 1 (paper: 20 steps)."""
 
     def __init__(self, warmup_steps: int):
         self.warmup_steps = warmup_steps
@@ -88,7 +88,7 @@ class _Response:
     response_ids: list[int]
     behaviour_logprobs: Tensor  # [R] float32, mu
     advantage: float
-    in_loss: bool  # False: overlong-filtered (no token of it enters the loss)
+    filtered: bool  # overlong-filtered: no token of it enters the loss (dapo.overlong_filter_mask)
 
     @property
     def length(self) -> int:
@@ -96,7 +96,7 @@ class _Response:
 
     @property
     def loss_tokens(self) -> int:
-        return len(self.response_ids) if self.in_loss else 0
+        return 0 if self.filtered else len(self.response_ids)
 
 
 @dataclass
@@ -150,6 +150,11 @@ class Trainer:
         # Sampling temperature: the behaviour policy samples from softmax(z / T), so that is the policy whose
         # logprobs the learner must compute (T = 0, greedy, has no density: fall back to T = 1).
         self.temperature = settings.sampling.temperature if settings.sampling.temperature > 0 else 1.0
+        if settings.sampling.top_p < 1.0:
+            log.warning(
+                "sampling.top_p=%g: the generators sample from the nucleus, which the learner's logprobs do not "
+                "model, so the importance weights are biased (the paper trains at top_p 1)", settings.sampling.top_p
+            )
 
         model = AutoModelForCausalLM.from_pretrained(
             self.model_path, dtype=torch.float32, trust_remote_code=settings.model.trust_remote_code
@@ -253,7 +258,7 @@ class Trainer:
         for g, group in enumerate(groups):
             prompt = _prompt_ids(group)
             for sample in group.rollout.samples:
-                responses.append(_Response(g, prompt, list(sample.token_ids), torch.zeros(0), 0.0, True))
+                responses.append(_Response(g, prompt, list(sample.token_ids), torch.zeros(0), 0.0, False))
         values: dict[int, Tensor] = {}
         todo = [i for i, r in enumerate(responses) if r.response_ids]
         if not todo:
@@ -354,7 +359,7 @@ class Trainer:
                     response_ids=list(sample.token_ids),
                     behaviour_logprobs=torch.tensor(sample.logprobs, dtype=torch.float32),
                     advantage=advantage,
-                    in_loss=not (self.config.overlong_filter and score.overlong),
+                    filtered=self.config.overlong_filter and score.overlong,
                 ))
         return _Batch(responses, len(groups), sum(lengths) / max(len(lengths), 1))
 
@@ -400,10 +405,8 @@ class Trainer:
         """Accumulate the gradient of one mini-batch's loss; returns the loss (this rank's share)."""
         cfg = self.config
         responses = batch.responses
-        # Eq. (12): the normaliser is the whole mini-batch's (token | response) count, whatever the micro-batching
-        # - the same rule as dapo.loss_denominator, counted from lengths.
-        loss_tokens = [responses[i].loss_tokens for i in indices]
-        denominator = float(sum(loss_tokens) if cfg.loss_agg == "token" else sum(n > 0 for n in loss_tokens))
+        # Eq. (12): the normaliser is the whole mini-batch's (token | response) count, whatever the micro-batching.
+        denominator = dapo.loss_denominator([responses[i].loss_tokens for i in indices], cfg.loss_agg)
         world = self.accelerator.num_processes
         plan = self._lockstep(self._shard(indices, responses), responses)
         total = 0.0
@@ -412,9 +415,8 @@ class Trainer:
             with contextlib.nullcontext() if sync else self.accelerator.no_sync(self.model):
                 inputs = self._collate(responses, micro)
                 logp, entropy = self._forward(self.model, inputs, entropy=True, entropy_grad=bool(cfg.entropy_coef))
-                mask = inputs.response_mask * torch.tensor(
-                    [float(responses[i].in_loss) for i in micro], device=logp.device
-                ).unsqueeze(-1)
+                filtered = torch.tensor([responses[i].filtered for i in micro], device=logp.device)
+                mask = dapo.overlong_filter_mask(inputs.response_mask, filtered)
                 behaviour = self._padded([responses[i].behaviour_logprobs for i in micro], logp)
                 if batch.old_logprobs:
                     logp_old = self._padded([batch.old_logprobs[i] for i in micro], logp)
@@ -553,9 +555,8 @@ class _Stats:
     def add_tokens(self, mask, surrogate, entropy, logp, behaviour, tis, cap, first_epoch) -> None:
         s = self.sums
         s["tokens"] += float(mask.sum())
-        s["clip_low"] += float((surrogate.clipped_low * mask).sum())
-        s["clip_high"] += float((surrogate.clipped_high * mask).sum())
-        s["clip_dual"] += float((surrogate.clipped_dual * mask).sum())
+        for key, count in dapo.clip_counts(surrogate, mask).items():
+            s[key] += count
         s["entropy"] += float((entropy.detach() * mask).sum())
         s["approx_kl"] += float((dapo.kl_k3(behaviour, logp) * mask).sum())  # KL(behaviour || current)
         if first_epoch:  # the weights are constant over the step: count each token once

@@ -136,7 +136,8 @@ class GeneratorConfig(Section):
     enforce_eager: bool = Field(True, description="Skip graph capture (faster start, needed on CPU).")
     seed: int = Field(0, description="Engine seed.")
     logprobs_mode: Literal["raw_logprobs", "processed_logprobs"] = Field(
-        "raw_logprobs", description="Behaviour logprobs: raw model softmax (before temperature/top_p) or processed."
+        "processed_logprobs",
+        description="Behaviour logprobs: processed = of the distribution sampled (after temperature); raw = before.",
     )
     id: str | None = Field(None, description="Consumer name in the prompts group (default: hostname-pid).")
     weights_dir: str | None = Field(None, description="Where pulled weight versions go (default run_dir/generators/ID).")
@@ -168,16 +169,21 @@ class LearnerConfig(Section):
     epochs: int = Field(1, description="Passes over the batch per step.")
     total_steps: int = Field(1000, description="Training steps before the learner stops.")
     lr: float = Field(1e-6, description="AdamW learning rate (paper: 1e-6).")
-    warmup_steps: int = Field(10, description="Linear warm-up steps (paper: 10).")
+    warmup_steps: int = Field(20, description="Linear warm-up over this many rollout steps (paper §4.1: 20).")
     weight_decay: float = Field(0.1, description="AdamW weight decay (paper: 0.1).")
     grad_clip: float = Field(1.0, description="Gradient norm clip (paper: 1.0).")
     adam_betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
     # DAPO techniques, each switchable (GRPO baseline: clip_high=0.2, dynamic_sampling=false, loss_agg=sample).
     clip_low: float = Field(0.2, description="epsilon_low of clip-higher (paper: 0.2).")
     clip_high: float = Field(0.28, description="epsilon_high of clip-higher (paper: 0.28; GRPO: 0.2).")
-    dual_clip: float | None = Field(None, description="Dual-clip bound c for negative advantages (off by default).")
+    dual_clip: float | None = Field(
+        None, description="Dual-clip bound c for negative advantages (paper: not used; verl: always 3.0)."
+    )
     loss_agg: Literal["token", "sample"] = Field("token", description="token = DAPO token-level loss (Eq. 12).")
-    dynamic_sampling: bool = Field(True, description="Keep only groups with reward spread (Eq. 11 constraint).")
+    dynamic_sampling: bool = Field(True, description="Keep only groups with some but not all correct (Eq. 11).")
+    filter_metric: Literal["acc", "reward"] = Field(
+        "acc", description="What dynamic sampling needs spread in: acc = correctness (paper, Eq. 11) or reward."
+    )
     overlong_filter: bool = Field(False, description="Mask truncated responses out of the loss.")
     kl_coef: float = Field(0.0, description="KL penalty to the reference (paper: 0, removed).")
     entropy_coef: float = Field(0.0, description="Entropy bonus (paper: 0).")

@@ -14,6 +14,7 @@ from learner.batch import (
     RefillLimitReached,
     task_id_of,
 )
+from services.config import load_settings
 from services.messages import PromptTask, RolloutGroup, Sample, Score, ScoredGroup
 
 _ids = itertools.count()
@@ -186,6 +187,28 @@ def test_recent_ids_forget_the_oldest():
     for t in "abc":
         ids.add(t)
     assert "a" not in ids and "b" in ids and "c" in ids and len(ids) == 2
+
+
+def _all_correct_with_one_overlong() -> ScoredGroup:
+    g = group([1.0] * 4)
+    g.scores[-1] = g.scores[-1].model_copy(update={"reward": 1.0 - 12 / 4096, "overlong": True})
+    return g
+
+
+def test_dynamic_sampling_filters_on_accuracy_by_default():
+    # All correct, one response penalised by the soft overlong buffer: reward spread, no accuracy spread.
+    a = BatchAssembler(4)
+    assert a.filter_metric == "acc"
+    assert a.admit(_all_correct_with_one_overlong(), 0) == "uninformative"
+    assert a.admit(group(MIXED), 0) == "informative"
+    reward = BatchAssembler(4, filter_metric="reward")
+    assert reward.admit(_all_correct_with_one_overlong(), 0) == "informative"
+
+
+def test_filter_metric_comes_from_the_config():
+    settings = load_settings("tiny-cpu", learner={"filter_metric": "reward"})
+    assert BatchAssembler.from_settings(settings.learner).filter_metric == "reward"
+    assert BatchAssembler.from_settings(load_settings("tiny-cpu").learner).filter_metric == "acc"
 
 
 def test_without_dynamic_sampling_every_group_counts():

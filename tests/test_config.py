@@ -17,13 +17,15 @@ def test_every_preset_loads(preset):
 def test_paper_recipe_values():
     s = load_settings("dapo-qwen2.5-32b")
     assert s.model.name_or_path == "Qwen/Qwen2.5-32B"
-    assert (s.learner.lr, s.learner.warmup_steps, s.learner.weight_decay, s.learner.grad_clip) == (1e-6, 10, 0.1, 1.0)
+    assert (s.learner.lr, s.learner.warmup_steps, s.learner.weight_decay, s.learner.grad_clip) == (1e-6, 20, 0.1, 1.0)
     assert (s.learner.prompts_per_step, s.sampling.n, s.learner.mini_batches) == (512, 16, 16)
     assert (s.learner.clip_low, s.learner.clip_high) == (0.2, 0.28)
     assert s.sampling.max_tokens == 20480 and s.reward.overlong_buffer == 4096
     assert s.sampling.temperature == 1.0 and s.eval_sampling.top_p == 0.7 and s.eval_sampling.n == 32
     assert s.learner.kl_coef == 0.0 and s.learner.entropy_coef == 0.0
-    assert s.learner.loss_agg == "token" and s.learner.dynamic_sampling
+    assert s.learner.loss_agg == "token" and s.learner.dynamic_sampling and s.learner.filter_metric == "acc"
+    assert s.learner.dual_clip == 3.0  # verl's clip_ratio_c
+    assert s.generator.logprobs_mode == "processed_logprobs"  # mu of the distribution actually sampled
 
 
 def test_ablation_rows_are_cumulative_configs():
@@ -34,6 +36,25 @@ def test_ablation_rows_are_cumulative_configs():
     full = load_settings("ablations/6-dynamic-sampling")
     assert full.learner.clip_high == 0.28 and full.learner.loss_agg == "token" and full.learner.dynamic_sampling
     assert full.reward.soft_overlong and full.learner.overlong_filter
+    # The full row is the main recipe but for the overlong filter kept from row 2 (its comment says why).
+    main = load_settings("dapo-qwen2.5-32b")
+    differing = {
+        f"{section}.{key}"
+        for section in ("learner", "reward", "sampling", "data", "model", "generator")
+        for key, value in getattr(full, section).model_dump().items()
+        if getattr(main, section).model_dump()[key] != value
+    }
+    assert differing == {"learner.overlong_filter"}
+
+
+def test_every_preset_has_its_own_run_folder_and_redis_prefix():
+    """Two presets sharing a run folder would resume each other's checkpoint (resume is on by default)."""
+    presets = sorted(str(p.relative_to(CONFIG_DIR).with_suffix("")) for p in CONFIG_DIR.rglob("*.yaml"))
+    loaded = {name: load_settings(name) for name in presets}
+    run_dirs = [s.run_dir for s in loaded.values()]
+    prefixes = [s.redis.run for s in loaded.values()]
+    assert len(set(run_dirs)) == len(presets), run_dirs
+    assert len(set(prefixes)) == len(presets), prefixes
 
 
 def test_environment_overrides_nested_fields(monkeypatch):

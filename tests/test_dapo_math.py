@@ -33,11 +33,30 @@ def test_group_advantages_of_degenerate_groups_are_zero():
 
 
 @pytest.mark.parametrize(
-    "rewards, informative",
+    "values, informative",
     [([1, 1, 1, 1], False), ([-1, -1, -1], False), ([1], False), ([1, -1, -1], True), ([-1, -1, -0.25], True)],
 )
-def test_is_informative_means_reward_spread(rewards, informative):
-    assert dapo.is_informative(rewards) is informative
+def test_is_informative_means_spread(values, informative):
+    assert dapo.is_informative(values) is informative
+
+
+def test_filter_on_accuracy_drops_an_all_correct_group_that_a_reward_filter_keeps():
+    # 16 correct answers, one ran 12 tokens into a 4,096-token overlong buffer (Eq. 13: penalty 12 / 4096).
+    rewards = [1.0] * 15 + [1.0 - 12 / 4096]
+    correct = [True] * 16
+    # The reward filter keeps it, and the advantages turn the tiny penalty into a full-scale push against a
+    # correct answer: -3.75 for the long one, +0.25 for the 15 others.
+    assert dapo.is_informative(dapo.filter_values(correct, rewards, "reward"))
+    advantages = dapo.group_advantages(rewards, eps=0.0)
+    assert advantages[-1].item() == pytest.approx(-3.75, abs=1e-6)
+    assert advantages[:-1] == pytest.approx([0.25] * 15, abs=1e-6)
+    # Eq. 11 (accuracy): 0 < #correct < G fails, the group is dropped. Same for all wrong with one long.
+    assert not dapo.is_informative(dapo.filter_values(correct, rewards, "acc"))
+    wrong = [-1.0] * 15 + [-1.0 - 12 / 4096]
+    assert not dapo.is_informative(dapo.filter_values([False] * 16, wrong, "acc"))
+    assert dapo.is_informative(dapo.filter_values([True] + [False] * 15, [1.0] + wrong[1:], "acc"))
+    with pytest.raises(ValueError):
+        dapo.filter_values(correct, rewards, "spread")
 
 
 # -- clip-higher (Eq. 10) and dual clip --------------------------------------------------------------------------
@@ -101,14 +120,13 @@ def test_huge_ratios_stay_finite():
     assert torch.isfinite(out.loss).all() and torch.isfinite(logp.grad).all()
 
 
-def test_clip_fractions():
-    logp = torch.log(torch.tensor([[0.5, 1.5, 1.0], [0.5, 1.5, 9.0]]))
+def test_clip_counts():
+    logp = torch.log(torch.tensor([[0.5, 1.5, 4.0], [0.5, 1.5, 9.0]]))
     adv = torch.tensor([[-1.0], [1.0]])
-    out = dapo.clipped_surrogate(logp, torch.zeros_like(logp), adv, 0.2, 0.28)
+    out = dapo.clipped_surrogate(logp, torch.zeros_like(logp), adv, 0.2, 0.28, dual_clip=3.0)
     mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
-    low, high = dapo.clip_fractions(out, mask)
-    assert low.item() == pytest.approx(1 / 5)  # row 0, r = 0.5
-    assert high.item() == pytest.approx(1 / 5)  # row 1, r = 1.5 (r = 9 is padding)
+    # row 0: r = 0.5 clipped low, r = 4 > c held by the dual clip; row 1: r = 1.5 clipped high, r = 9 is padding.
+    assert dapo.clip_counts(out, mask) == {"clip_low": 1.0, "clip_high": 1.0, "clip_dual": 1.0}
 
 
 # -- truncated importance weight ---------------------------------------------------------------------------------
@@ -153,7 +171,7 @@ def test_token_level_weighs_every_token_equally():
 
 @pytest.mark.parametrize("mode, whole", [("token", 2.5), ("sample", 3.0)])
 def test_micro_batches_sum_to_the_mini_batch_loss(mode, whole):
-    denominator = dapo.loss_denominator(MASK, mode)
+    denominator = dapo.loss_denominator(MASK.sum(dim=-1), mode)
     parts = [dapo.aggregate_loss(TOKEN_LOSS[i : i + 1], MASK[i : i + 1], mode, denominator) for i in range(2)]
     assert sum(p.item() for p in parts) == pytest.approx(whole)
     # Normalising each micro-batch by its own count is wrong: token level would give 4/1 + 6/3.
@@ -166,8 +184,8 @@ def test_overlong_filter_masks_truncated_responses():
     filtered = dapo.overlong_filter_mask(MASK, torch.tensor([False, True]))
     assert torch.equal(filtered, torch.tensor([[1.0, 0.0, 0.0], [0.0, 0.0, 0.0]]))
     # The filtered response leaves both normalisers: 1 token, 1 response.
-    assert dapo.loss_denominator(filtered, "token").item() == 1
-    assert dapo.loss_denominator(filtered, "sample").item() == 1
+    assert dapo.loss_denominator(filtered.sum(dim=-1), "token") == 1
+    assert dapo.loss_denominator([1, 0], "sample") == 1
     assert dapo.aggregate_loss(TOKEN_LOSS, filtered, "token").item() == pytest.approx(4.0)
     assert dapo.aggregate_loss(TOKEN_LOSS, filtered, "sample").item() == pytest.approx(4.0)
 
@@ -219,11 +237,6 @@ def test_kl_penalty_and_entropy_bonus_are_off_at_zero():
         dapo.token_loss(logp, logp, torch.tensor(1.0), kl_coef=0.1)
     with pytest.raises(ValueError):
         dapo.token_loss(logp, logp, torch.tensor(1.0), entropy_coef=0.1)
-
-
-def test_masked_mean():
-    assert dapo.masked_mean(TOKEN_LOSS, MASK).item() == pytest.approx(2.5)
-    assert dapo.masked_mean(TOKEN_LOSS, torch.zeros_like(MASK)).item() == 0.0
 
 
 # -- the GRPO baseline is a config of the same functions ---------------------------------------------------------
