@@ -192,6 +192,7 @@ class LearnerService:
         self.trainer = None
         self.assembler = BatchAssembler.from_settings(self.cfg)
         self.http: BackgroundServer | None = None
+        self.train_started = time.monotonic()
 
     # -- setup -------------------------------------------------------------------------------------------------
     def connect(self) -> None:
@@ -262,7 +263,8 @@ class LearnerService:
         try:
             if not resumed and self.step == 0 and self.cfg.eval_every > 0:
                 self.baseline_eval()
-            while self.step < self.cfg.total_steps and not self.stopping.is_set():
+            self.train_started = time.monotonic()
+            while not self.finished() and not self.stopping.is_set():
                 if not self.run_step():
                     break
         except RefillLimitReached as err:
@@ -541,7 +543,13 @@ class LearnerService:
 
     def checkpoint_due(self) -> bool:
         every = self.cfg.checkpoint_every
-        return self.step >= self.cfg.total_steps or (every > 0 and self.step % every == 0)
+        return self.finished() or (every > 0 and self.step % every == 0)
+
+    def finished(self) -> bool:
+        """total_steps reached, or learner.time_limit_minutes of training spent by this process."""
+        limit = self.cfg.time_limit_minutes
+        over_time = limit > 0 and time.monotonic() - self.train_started >= 60.0 * limit
+        return self.step >= self.cfg.total_steps or over_time
 
     def checkpoint_if_new(self) -> None:
         if self.trainer is not None and self.last_checkpoint_step != self.step:
@@ -586,7 +594,7 @@ class LearnerService:
     # -- evaluation --------------------------------------------------------------------------------------------
     def eval_due(self) -> bool:
         every = self.cfg.eval_every
-        return every > 0 and (self.step % every == 0 or self.step >= self.cfg.total_steps)
+        return every > 0 and (self.step % every == 0 or self.finished())
 
     def baseline_eval(self) -> None:
         summary = self.evaluate()

@@ -168,6 +168,9 @@ class LearnerConfig(Section):
     mini_batches: int = Field(16, description="Gradient updates per rollout step (mini-batches of the batch).")
     epochs: int = Field(1, description="Passes over the batch per step.")
     total_steps: int = Field(1000, description="Training steps before the learner stops.")
+    time_limit_minutes: float = Field(
+        0.0, ge=0.0, description="Also stop after this many minutes of training in this process (0 = no limit)."
+    )
     lr: float = Field(1e-6, description="AdamW learning rate (paper: 1e-6).")
     warmup_steps: int = Field(20, description="Linear warm-up over this many rollout steps (paper §4.1: 20).")
     weight_decay: float = Field(0.1, description="AdamW weight decay (paper: 0.1).")

@@ -74,6 +74,21 @@ def test_train_problems_cursor_restores_the_same_stream_of_problems():
     assert [resumed.next().id for _ in range(6)] == [first.next().id for _ in range(6)]
 
 
+def test_time_limit_ends_the_run_with_an_evaluation_and_a_checkpoint(tmp_path):
+    from learner.service import LearnerService
+
+    settings = load_settings("tiny-cpu", run_dir=str(tmp_path), learner={"time_limit_minutes": 0.5})
+    service = LearnerService(settings)
+    service.step = 3  # neither an evaluation nor a checkpoint step
+    service.train_started = time.monotonic()
+    assert not (service.finished() or service.eval_due() or service.checkpoint_due())
+    service.train_started -= 31
+    assert service.finished() and service.eval_due() and service.checkpoint_due()
+    unlimited = LearnerService(load_settings("tiny-cpu", run_dir=str(tmp_path)))
+    unlimited.step, unlimited.train_started = 3, 0.0
+    assert not unlimited.finished()
+
+
 def test_data_specs_and_public_url():
     assert data_spec("synthetic", "train") == "synthetic-train"
     assert data_spec("aime2024", "eval") == "aime2024"

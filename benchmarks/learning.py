@@ -1,0 +1,114 @@
+"""Learning that reproduces: the default `dapo run` over several seeds, median and worst held-out curves.
+
+    python benchmarks/learning.py --seeds 0 1 2 [--steps 60] [--preset tiny-cpu] [--set key=value ...]
+
+Each seed is one fresh `dapo run` (one at a time: they would share the cores). Reported, into
+benchmarks/README.md between the `learning` markers, and as benchmarks/results/learning.{json,png}:
+  * per seed: the held-out accuracy it started from (step 0), where it ended, its best, the mean step time, and
+    its largest fall between two evaluations after step 10 (the stability figure: goal at most 5 points);
+  * across seeds: the median and the worst accuracy against minutes of training (a step function: what each run
+    had measured by that minute), as one table and one plot.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from runs import ROOT, Curve, grid, median_and_worst, replace_section, run_seeded, spread  # noqa: E402
+
+STABILITY_GOAL = 0.05  # no seed loses more than 5 points between two evaluations after step 10
+
+
+def plot(curves: list[Curve], minutes: list[float], median: list[float], worst: list[float], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    for c in curves:
+        ax.plot(c.minutes, [100 * a for a in c.accuracy], color="grey", alpha=0.35, lw=1, marker=".")
+    ax.step(minutes, [100 * v for v in median], where="post", lw=2, label="median over seeds")
+    ax.step(minutes, [100 * v for v in worst], where="post", lw=2, ls="--", label="worst seed")
+    ax.set_xlabel("minutes of training (after the step-0 evaluation)")
+    ax.set_ylabel("held-out accuracy (%)")
+    ax.set_title(f"tiny-cpu, {len(curves)} seeds")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def report(curves: list[Curve], command: str) -> str:
+    minutes = grid(curves, points=7)
+    median, worst = median_and_worst(curves, minutes)
+    drops = [c.max_drop(after_step=10) for c in curves]
+    lines = [
+        f"`{command}`", "",
+        "| seed | start (step 0) | end | best | gain | steps | mean step (s) | largest fall after step 10 |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for c, drop in zip(curves, drops):
+        lines.append(
+            f"| {c.seed} | {100 * c.base:.1f} | {100 * c.accuracy[-1]:.1f} | {100 * max(c.accuracy):.1f} | "
+            f"{100 * (c.accuracy[-1] - c.base):+.1f} | {c.steps[-1]} | {c.step_seconds:.1f} | {100 * drop:.1f} |"
+        )
+    gains = [c.accuracy[-1] - c.base for c in curves]
+    lines += [
+        f"| **all** | {spread([c.base for c in curves])} | {spread([c.accuracy[-1] for c in curves])} | | "
+        f"{spread(gains)} | | {statistics.fmean(c.step_seconds for c in curves):.1f} | worst {100 * max(drops):.1f} |",
+        "", "Held-out accuracy (%) against minutes of training, across seeds:", "",
+        "| minute | " + " | ".join(f"{m:.1f}" for m in minutes) + " |",
+        "| --- |" + " ---: |" * len(minutes),
+        "| median | " + " | ".join(f"{100 * v:.1f}" for v in median) + " |",
+        "| worst | " + " | ".join(f"{100 * v:.1f}" for v in worst) + " |",
+        "",
+        f"Stability goal: no seed falls more than {100 * STABILITY_GOAL:.0f} points between two evaluations after "
+        f"step 10. Measured: worst fall {100 * max(drops):.1f} points "
+        f"({'met' if max(drops) <= STABILITY_GOAL else 'missed'}).",
+    ]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--steps", type=int, default=60, help="learner.total_steps of each run")
+    parser.add_argument("--preset", default="tiny-cpu")
+    parser.add_argument("--set", action="append", default=[], help="extra override for every run (key=value)")
+    parser.add_argument("--label", default="learning", help="names the run folders and the README section")
+    parser.add_argument("--out", type=Path, default=ROOT / "runs" / "bench-learning")
+    parser.add_argument("--timeout-minutes", type=float, default=60.0, help="per run")
+    args = parser.parse_args()
+
+    overrides = [f"learner.total_steps={args.steps}", *args.set]
+    curves = [
+        run_seeded(args.label, seed, args.out / f"{args.label}-seed{seed}", args.preset, overrides,
+                   args.timeout_minutes * 60)
+        for seed in args.seeds
+    ]
+    failed = [c.seed for c in curves if c.returncode != 0]
+    if failed:
+        print(f"runs for seeds {failed} did not exit 0 (see {args.out}): their curves are reported as they are")
+    results = ROOT / "benchmarks" / "results"
+    minutes = grid(curves)
+    median, worst = median_and_worst(curves, minutes)
+    plot(curves, minutes, median, worst, results / f"{args.label}.png")
+    (results / f"{args.label}.json").write_text(json.dumps([c.to_json() for c in curves], indent=1))
+    extra = "".join(f" --set {s}" for s in args.set)
+    command = (f"python benchmarks/learning.py --seeds {' '.join(map(str, args.seeds))} --steps {args.steps} "
+               f"--preset {args.preset} --label {args.label}{extra}")
+    body = report(curves, command) + f"\n\n![{args.label}](results/{args.label}.png)"
+    print(body)
+    replace_section(ROOT / "benchmarks" / "README.md", args.label, body)
+
+
+if __name__ == "__main__":
+    main()

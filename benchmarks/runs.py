@@ -1,0 +1,126 @@
+"""Shared by the learning benchmarks: run `dapo run` with a seed, read its curve, summarise over seeds.
+
+A seed moves everything chance enters through in a run: the order of the training data (`data.seed`), vLLM's
+sampling (`generator.seed`, the engine seed) and the learner's RNG (`learner.seed`: torch, the mini-batch
+shuffle). The base model (`tiny.seed`) stays fixed, so seeds differ in the RL run, not in where it starts; the
+held-out accuracy each seed starts from is reported anyway (step 0 is measured, not assumed).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+DAPO = str(Path(sys.executable).with_name("dapo"))
+
+
+@dataclass
+class Curve:
+    """One run's held-out accuracy against training steps and minutes (from its metrics.jsonl)."""
+
+    label: str
+    seed: int
+    steps: list[int]
+    minutes: list[float]  # since the step-0 record (written after the baseline evaluation)
+    accuracy: list[float]
+    step_seconds: float  # mean over training steps
+    returncode: int
+
+    @property
+    def base(self) -> float:
+        return self.accuracy[0]
+
+    def at_minute(self, minute: float) -> float:
+        """The last accuracy measured at or before `minute` (a step function: what the run had by then)."""
+        value = self.accuracy[0]
+        for m, a in zip(self.minutes, self.accuracy):
+            if m <= minute + 1e-9:
+                value = a
+        return value
+
+    def max_drop(self, after_step: int = 10) -> float:
+        """The largest fall between two consecutive evaluations taken after `after_step` (0 if none fell)."""
+        points = [(s, a) for s, a in zip(self.steps, self.accuracy) if s >= after_step]
+        return max([0.0, *(earlier - later for (_, earlier), (_, later) in zip(points, points[1:]))])
+
+    def to_json(self) -> dict:
+        return {"label": self.label, "seed": self.seed, "steps": self.steps, "minutes": self.minutes,
+                "accuracy": self.accuracy, "step_seconds": self.step_seconds, "returncode": self.returncode}
+
+
+def seed_overrides(seed: int) -> list[str]:
+    return [f"data.seed={seed}", f"generator.seed={seed}", f"learner.seed={seed}"]
+
+
+def run_seeded(label: str, seed: int, run_dir: Path, preset: str, overrides: list[str], timeout_s: float) -> Curve:
+    """One fresh `dapo run` (no resume, its own Redis prefix), waited for; its curve."""
+    shutil.rmtree(run_dir, ignore_errors=True)
+    sets = [f"run_dir={run_dir}", f"redis.run={run_dir.name}", "learner.resume=false", *seed_overrides(seed),
+            *overrides]
+    command = [DAPO, "run", "--no-display", "--config", preset]
+    for item in sets:
+        command += ["--set", item]
+    env = {**os.environ, "DAPO_LOG_LEVEL": os.environ.get("DAPO_LOG_LEVEL", "WARNING")}
+    started = time.monotonic()
+    print(f"[{label} seed {seed}] {' '.join(command)}", flush=True)
+    with open(run_dir.parent / f"{run_dir.name}.out", "w") as out:
+        proc = subprocess.run(command, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, timeout=timeout_s)
+    curve = read_curve(label, seed, run_dir / "metrics.jsonl", proc.returncode)
+    print(f"[{label} seed {seed}] exit {proc.returncode} in {time.monotonic() - started:.0f}s: "
+          f"{len(curve.steps)} evaluations, {curve.base:.3f} -> {curve.accuracy[-1]:.3f}", flush=True)
+    return curve
+
+
+def read_curve(label: str, seed: int, metrics_path: Path, returncode: int = 0) -> Curve:
+    rows = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
+    start = next(r["time"] for r in rows if r["step"] == 0)
+    evals = [r for r in rows if r.get("eval_accuracy") is not None]
+    seconds = [r["step_seconds"] for r in rows if r.get("step_seconds") is not None]
+    return Curve(
+        label=label, seed=seed,
+        steps=[r["step"] for r in evals],
+        minutes=[(r["time"] - start) / 60.0 for r in evals],
+        accuracy=[r["eval_accuracy"] for r in evals],
+        step_seconds=statistics.fmean(seconds) if seconds else 0.0,
+        returncode=returncode,
+    )
+
+
+def grid(curves: list[Curve], points: int = 60) -> list[float]:
+    """Minutes from 0 to the shortest run's last evaluation (every seed has a value at every point)."""
+    end = min(c.minutes[-1] for c in curves)
+    return [end * k / (points - 1) for k in range(points)]
+
+
+def median_and_worst(curves: list[Curve], minutes: list[float]) -> tuple[list[float], list[float]]:
+    """Across seeds at each minute: the median accuracy and the worst (lowest)."""
+    values = [[c.at_minute(m) for c in curves] for m in minutes]
+    return [statistics.median(v) for v in values], [min(v) for v in values]
+
+
+def spread(values: list[float]) -> str:
+    """mean ± sample std in points (a single value has no spread)."""
+    mean = statistics.fmean(values)
+    if len(values) < 2:
+        return f"{100 * mean:.1f}"
+    return f"{100 * mean:.1f} ± {100 * statistics.stdev(values):.1f}"
+
+
+def replace_section(readme: Path, name: str, body: str) -> None:
+    """Put `body` between `<!-- name:begin -->` and `<!-- name:end -->` in `readme` (appended if absent)."""
+    begin, end = f"<!-- {name}:begin -->", f"<!-- {name}:end -->"
+    text = readme.read_text() if readme.exists() else ""
+    block = f"{begin}\n{body.rstrip()}\n{end}"
+    if begin in text and end in text:
+        text = text[: text.index(begin)] + block + text[text.index(end) + len(end):]
+    else:
+        text = text.rstrip() + "\n\n" + block + "\n"
+    readme.write_text(text)
