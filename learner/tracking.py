@@ -134,8 +134,8 @@ class Tracking:
         if "mlflow" in self.names:
             import mlflow
 
-            mlflow.log_table({c: [r[i] for r in rows] for i, c in enumerate(SAMPLE_COLUMNS)},
-                             artifact_file=f"{SAMPLES_KEY}/step-{step}.json")
+            # log_table's JSON layout, without the pandas that log_table needs (mlflow-skinny has none)
+            mlflow.log_dict({"columns": SAMPLE_COLUMNS, "data": rows}, f"{SAMPLES_KEY}/step-{step}.json")
 
     def finish(self) -> None:
         if self.names:

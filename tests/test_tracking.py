@@ -1,5 +1,6 @@
 """Experiment tracking (learner/tracking.py) with a real Accelerator and real trackers, offline, read back from
-what they wrote: TensorBoard's event files (EventAccumulator), W&B's offline run (WANDB_MODE=offline)."""
+what they wrote: TensorBoard's event files (EventAccumulator), W&B's offline run (WANDB_MODE=offline), an MLflow
+file store."""
 
 from __future__ import annotations
 
@@ -112,3 +113,18 @@ def test_report_to_from_the_command_line_the_environment_and_its_choices(monkeyp
     monkeypatch.setenv("DAPO_LEARNER__REPORT_TO", '["neptune"]')
     with pytest.raises(ConfigError):
         load_settings("tiny-cpu")
+
+
+def test_mlflow_run_holds_the_step_metrics_the_config_and_the_samples_table(tmp_path, monkeypatch):
+    import mlflow
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", (tmp_path / "mlruns").as_uri())
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # a server needs no file store; this test does
+    settings, _ = _track(tmp_path, ["mlflow"])
+    (run,) = mlflow.search_runs(experiment_names=[settings.redis.run], output_format="list")
+    history = mlflow.MlflowClient().get_metric_history(run.info.run_id, "reward_all")
+    assert [(m.step, m.value) for m in history] == [(1, -0.5), (2, 0.25)]
+    assert run.data.params["learner.report_to"] == "['mlflow']" and "token" not in run.data.params
+    table = mlflow.artifacts.load_dict(f"{run.info.artifact_uri}/{SAMPLES_KEY}/step-2.json")
+    assert table["columns"] == ["prompt", "response", "reward", "correct"]
+    assert table["data"][0] == ["2+2=?", "Answer: 4", 1.0, True] and len(table["data"]) == 3
