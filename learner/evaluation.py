@@ -13,6 +13,8 @@ from typing import Iterable
 
 from services.messages import ScoredGroup
 
+EXAMPLE_GROUPS = 4
+
 
 @dataclass
 class EvalRound:
@@ -28,6 +30,7 @@ class EvalRound:
     samples: int = 0
     solved: int = 0  # problems with at least one correct sample (pass@n)
     policy_versions: set[int] = field(default_factory=set)
+    examples: list[ScoredGroup] = field(default_factory=list)  # the first few groups, for the trackers' table
 
     def add(self, group: ScoredGroup) -> bool:
         """Count a scored eval group of this round; False for anything else (another round, a duplicate)."""
@@ -40,6 +43,8 @@ class EvalRound:
         self.samples += len(group.scores)
         self.solved += correct > 0
         self.policy_versions.add(group.rollout.policy_version)
+        if len(self.examples) < EXAMPLE_GROUPS:
+            self.examples.append(group)
         return True
 
     def mark_lost(self, task_ids: Iterable[str]) -> int:

@@ -44,6 +44,7 @@ import msgpack
 
 from learner.batch import Batch, BatchAssembler, Push, RefillLimitReached, task_id_of
 from learner.evaluation import EvalRound
+from learner.tracking import Tracking
 from services import metrics
 from services.config import Settings, dump_settings
 from services.data import Problem, load_problems, render_prompt
@@ -190,6 +191,7 @@ class LearnerService:
         self._dead_cursor = "0-0"
         self._dead_scanned_at = 0.0
         self.trainer = None
+        self.tracking: Tracking | None = None
         self.assembler = BatchAssembler.from_settings(self.cfg)
         self.http: BackgroundServer | None = None
         self.train_started = time.monotonic()
@@ -246,6 +248,7 @@ class LearnerService:
         model_path = ensure_model(self.settings)
         self.prompt_builder = PromptBuilder(AutoTokenizer.from_pretrained(model_path), self.settings)
         self.trainer = Trainer(self.settings, model_path)
+        self.tracking = Tracking(self.trainer.accelerator, self.settings)
         data = self.settings.data
         self.train_problems = TrainProblems(load_problems(data_spec(data.train, "train"), self.settings), data.seed)
         self.eval_problems: list[Problem] = []
@@ -602,6 +605,7 @@ class LearnerService:
             return
         record = {"step": 0, "version": self.trainer.version, **summary, "time": time.time()}
         self.append_jsonl(METRICS_FILE, record)
+        self.tracking.log_step(record)
         metrics.LEARNER_ACCURACY.labels("eval").set(summary["eval_accuracy"] or 0.0)
         log.info(
             "baseline eval: accuracy %.3f on %d problems", summary["eval_accuracy"] or 0.0, summary["eval_problems"]
@@ -632,6 +636,7 @@ class LearnerService:
         self.last_eval_step = self.step
         summary = round_.summary()
         summary["eval_seconds"] = time.perf_counter() - started
+        self.tracking.log_samples(round_.examples, self.step)
         return summary
 
     # -- records -----------------------------------------------------------------------------------------------
@@ -684,6 +689,7 @@ class LearnerService:
 
     def write_step(self, record: dict, batch: Batch, drops: dict[str, list[str]]) -> None:
         self.append_jsonl(METRICS_FILE, record)
+        self.tracking.log_step(record)
         self.append_jsonl(LEDGER_FILE, {
             "step": self.step,
             "version": self.trainer.version,
@@ -749,3 +755,5 @@ def main(settings: Settings) -> int:
         return service.run()
     finally:
         service.stop_http()
+        if service.tracking is not None:
+            service.tracking.finish()

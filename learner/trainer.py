@@ -137,8 +137,11 @@ class Trainer:
         cuda = torch.cuda.is_available()
         self.compute_dtype = _DTYPES[settings.model.resolved_dtype(on_gpu=cuda)]
         self.served_dtype = self.compute_dtype
+        from learner.tracking import accelerator_kwargs
+
         self.accelerator = Accelerator(
-            mixed_precision=_MIXED_PRECISION[self.compute_dtype], step_scheduler_with_optimizer=False
+            mixed_precision=_MIXED_PRECISION[self.compute_dtype], step_scheduler_with_optimizer=False,
+            **accelerator_kwargs(settings),  # experiment trackers (learner.report_to)
         )
         if self.accelerator.distributed_type == DistributedType.DEEPSPEED:
             raise ValueError(

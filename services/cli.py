@@ -14,6 +14,7 @@ import sys
 
 from services.config import ConfigError, load_settings
 
+TRACKERS = ("wandb", "tensorboard", "mlflow")  # learner.report_to (accelerate's tracker names)
 # command -> (module, function, help). Each function takes the loaded Settings.
 COMMANDS = {
     "run": ("services.launcher", "main", "run the whole system locally (embedded Redis, all services)"),
@@ -40,6 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "bootstrap":
             cmd.add_argument("--force", action="store_true", help="rebuild even if a cached model exists")
             cmd.add_argument("--measure", action="store_true", help="then measure tokens/s and accuracy through vLLM")
+        if name in ("run", "learner"):
+            cmd.add_argument("--report-to", nargs="+", choices=TRACKERS, metavar="TRACKER",
+                             help=f"also log to experiment trackers: {', '.join(TRACKERS)} (learner.report_to)")
         if name == "run":
             cmd.add_argument("--generators", type=int, default=1, help="generator processes")
             cmd.add_argument("--reward-workers", type=int, default=1, help="reward worker processes")
@@ -63,6 +67,20 @@ def parse_overrides(pairs: list[str]) -> dict:
     return overrides
 
 
+def settings_from_args(args: argparse.Namespace):
+    """--config, then --set, then flags that name a field; a tracker that is not installed fails here, before
+    any service starts, with one line."""
+    from learner.tracking import check_installed
+
+    overrides = parse_overrides(args.set)
+    if getattr(args, "report_to", None):
+        overrides.setdefault("learner", {})["report_to"] = args.report_to
+    settings = load_settings(args.config, **overrides)
+    if args.command in ("run", "learner"):
+        check_installed(settings.learner.report_to)
+    return settings
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(
@@ -70,8 +88,8 @@ def main(argv: list[str] | None = None) -> int:
         format=f"%(asctime)s {args.command} %(levelname)s %(name)s: %(message)s",
     )
     try:
-        settings = load_settings(args.config, **parse_overrides(args.set))
-    except ConfigError as err:
+        settings = settings_from_args(args)
+    except ConfigError as err:  # learner.tracking.TrackerNotInstalled too
         print(f"dapo: {err}", file=sys.stderr)
         return 2
     module, function, _ = COMMANDS[args.command]

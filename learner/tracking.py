@@ -1,0 +1,142 @@
+"""Experiment tracking: the learner's per-step numbers and eval samples in Weights & Biases, TensorBoard or
+MLflow, through accelerate's trackers.
+
+metrics.jsonl and Prometheus stay the record of a run; users of verl, prime-rl and TRL look for their runs in
+a tracker, so `learner.report_to` names the trackers that get the same numbers. The Trainer builds its
+Accelerator with `accelerator_kwargs(settings)` (accelerate wants the trackers at construction), and the
+learner service logs through `Tracking`. accelerate logs on the main process only, so other ranks' calls are
+no-ops. Offline use: `WANDB_MODE=offline` (files under {run_dir}/tracking/wandb), TensorBoard event files under
+{run_dir}/tracking/<run>, MLflow wherever `MLFLOW_TRACKING_URI` points (its default, ./mlruns, otherwise).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from typing import TYPE_CHECKING, Sequence
+
+from services.config import ConfigError
+
+if TYPE_CHECKING:
+    from accelerate import Accelerator
+
+    from services.config import Settings
+    from services.messages import ScoredGroup
+
+# tracker name (accelerate's) -> the module it imports
+TRACKER_MODULES = {"wandb": "wandb", "tensorboard": "tensorboard", "mlflow": "mlflow"}
+EXTRA = "track"
+TRACKING_DIR = "tracking"
+SAMPLES_KEY = "eval/samples"
+SAMPLE_COLUMNS = ["prompt", "response", "reward", "correct"]
+SAMPLES_PER_GROUP = 2  # responses shown per prompt: a few rows per evaluation, not the whole eval set
+# metrics.jsonl fields that are not per-step numbers to plot
+NOT_LOGGED = {"step", "time", "started"}
+
+
+class TrackerNotInstalled(ConfigError):
+    """A tracker named in learner.report_to whose package is missing (a configuration error: the CLI prints
+    its one line and exits 2)."""
+
+
+def check_installed(names: Sequence[str]) -> None:
+    """One clear line naming the pip extra, instead of accelerate's error deep inside Accelerator()."""
+    missing = [name for name in names if importlib.util.find_spec(TRACKER_MODULES[name]) is None]
+    if missing:
+        raise TrackerNotInstalled(
+            f"learner.report_to: {', '.join(missing)} not installed; pip install 'dapo-services[{EXTRA}]'"
+        )
+
+
+def tracking_dir(settings: "Settings") -> Path:
+    return Path(settings.run_dir) / TRACKING_DIR
+
+
+def accelerator_kwargs(settings: "Settings") -> dict:
+    """What the Trainer passes to Accelerator(): the trackers and where they write (empty when none)."""
+    names = list(settings.learner.report_to)
+    if not names:
+        return {}
+    check_installed(names)
+    return {"log_with": names, "project_dir": str(tracking_dir(settings))}
+
+
+def flat_config(settings: "Settings") -> dict:
+    """The resolved settings as flat `section.field` hyperparameters (the token left out)."""
+    flat: dict = {}
+
+    def walk(prefix: str, node) -> None:
+        for key, value in node.items():
+            if isinstance(value, dict):
+                walk(f"{prefix}{key}.", value)
+            else:
+                flat[f"{prefix}{key}"] = value if isinstance(value, (bool, int, float, str)) else str(value)
+
+    walk("", settings.model_dump(mode="json", exclude={"token"}))
+    return flat
+
+
+def step_values(record: dict) -> dict[str, float]:
+    """The numbers of one metrics.jsonl record (flags as 0/1; missing values left out)."""
+    return {
+        key: float(value) for key, value in record.items()
+        if key not in NOT_LOGGED and isinstance(value, (bool, int, float))
+    }
+
+
+def sample_rows(groups: Sequence["ScoredGroup"]) -> list[list]:
+    """prompt, response, reward, correct for the first responses of each group."""
+    return [
+        [group.rollout.task.prompt, sample.text, score.reward, score.correct]
+        for group in groups
+        for sample, score in list(zip(group.rollout.samples, group.scores))[:SAMPLES_PER_GROUP]
+    ]
+
+
+def markdown_table(rows: list[list]) -> str:
+    """TensorBoard has no table: its text plugin renders markdown."""
+    def cell(value) -> str:
+        return str(value).replace("|", "\\|").replace("\n", "<br>")
+
+    lines = ["| " + " | ".join(SAMPLE_COLUMNS) + " |", "|" + " --- |" * len(SAMPLE_COLUMNS)]
+    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+class Tracking:
+    """The trackers of one run, started on the Trainer's Accelerator (a no-op when report_to is empty)."""
+
+    def __init__(self, accelerator: "Accelerator", settings: "Settings"):
+        self.accelerator = accelerator
+        self.names = list(settings.learner.report_to)
+        if self.names:
+            directory = tracking_dir(settings)
+            directory.mkdir(parents=True, exist_ok=True)
+            accelerator.init_trackers(
+                settings.redis.run, config=flat_config(settings),
+                init_kwargs={"wandb": {"dir": str(directory)}, "mlflow": {"run_name": settings.redis.run}},
+            )
+
+    def log_step(self, record: dict) -> None:
+        """One metrics.jsonl record, at its step."""
+        if self.names:
+            self.accelerator.log(step_values(record), step=record["step"])
+
+    def log_samples(self, groups: Sequence["ScoredGroup"], step: int) -> None:
+        """A few prompts, responses and rewards of an evaluation: a table (W&B, MLflow), text (TensorBoard)."""
+        rows = sample_rows(groups)
+        if not self.names or not rows or not self.accelerator.is_main_process:
+            return
+        if "wandb" in self.names:
+            self.accelerator.get_tracker("wandb").log_table(SAMPLES_KEY, columns=SAMPLE_COLUMNS, data=rows, step=step)
+        if "tensorboard" in self.names:
+            self.accelerator.get_tracker("tensorboard").log({SAMPLES_KEY: markdown_table(rows)}, step=step)
+        if "mlflow" in self.names:
+            import mlflow
+
+            # log_table's JSON layout, without the pandas that log_table needs (mlflow-skinny has none)
+            mlflow.log_dict({"columns": SAMPLE_COLUMNS, "data": rows}, f"{SAMPLES_KEY}/step-{step}.json")
+
+    def finish(self) -> None:
+        if self.names:
+            self.accelerator.end_training()

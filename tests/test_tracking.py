@@ -1,0 +1,130 @@
+"""Experiment tracking (learner/tracking.py) with a real Accelerator and real trackers, offline, read back from
+what they wrote: TensorBoard's event files (EventAccumulator), W&B's offline run (WANDB_MODE=offline), an MLflow
+file store."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from learner.tracking import (
+    SAMPLES_KEY, TRACKER_MODULES, TrackerNotInstalled, Tracking, accelerator_kwargs, check_installed, tracking_dir,
+)
+from services.cli import build_parser, settings_from_args
+from services.config import ConfigError, load_settings
+from services.messages import PromptTask, RolloutGroup, Sample, Score, ScoredGroup
+
+RECORDS = [
+    {"step": 1, "version": 1, "reward_all": -0.5, "eval_accuracy": None, "refill_limit_hit": False, "time": 1e9},
+    {"step": 2, "version": 2, "reward_all": 0.25, "eval_accuracy": 0.5, "refill_limit_hit": True, "time": 1e9},
+]
+
+
+def _group(prompt: str, texts: list[str], rewards: list[float]) -> ScoredGroup:
+    task = PromptTask(prompt_id=prompt, prompt=prompt, ground_truth="4")
+    samples = [Sample(token_ids=[1], logprobs=[-0.1], text=t, finish_reason="stop") for t in texts]
+    scores = [Score(reward=r, correct=r > 0, overlong=False, rule="answer_line") for r in rewards]
+    return ScoredGroup(rollout=RolloutGroup(task=task, policy_version=2, generator_id="g", samples=samples),
+                       scores=scores)
+
+
+GROUPS = [_group("2+2=?", ["Answer: 4", "Answer: 5", "Answer: 3"], [1.0, -1.0, -1.0]),
+          _group("1+3=?", ["x | y\nAnswer: 4"], [1.0])]
+
+
+def _track(tmp_path, names: list[str]) -> tuple:
+    from accelerate import Accelerator
+
+    settings = load_settings("tiny-cpu", run_dir=str(tmp_path / "run"), learner={"report_to": names})
+    accelerator = Accelerator(cpu=True, **accelerator_kwargs(settings))
+    tracking = Tracking(accelerator, settings)
+    for record in RECORDS:
+        tracking.log_step(record)
+    tracking.log_samples(GROUPS, step=2)
+    tracking.finish()
+    return settings, accelerator
+
+
+def test_tensorboard_gets_every_step_number_and_the_eval_samples_as_text(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    settings, _ = _track(tmp_path, ["tensorboard"])
+    (run,) = [p for p in tracking_dir(settings).iterdir() if p.is_dir()]
+    assert run.name == settings.redis.run
+    events = EventAccumulator(str(run), size_guidance={"tensors": 0, "scalars": 0})
+    events.Reload()
+    scalars = events.Tags()["scalars"]
+    assert {"version", "reward_all", "refill_limit_hit"} <= set(scalars)
+    assert "time" not in scalars and "eval_accuracy" in scalars  # eval_accuracy only where it was measured
+    assert [(e.step, e.value) for e in events.Scalars("reward_all")] == [(1, -0.5), (2, 0.25)]
+    assert [(e.step, e.value) for e in events.Scalars("refill_limit_hit")] == [(1, 0.0), (2, 1.0)]
+    assert [e.step for e in events.Scalars("eval_accuracy")] == [2]
+    (text,) = events.Tensors(f"{SAMPLES_KEY}/text_summary")
+    table = text.tensor_proto.string_val[0].decode()
+    assert text.step == 2
+    rows = table.splitlines()
+    assert rows[0] == "| prompt | response | reward | correct |"
+    assert len(rows) == 2 + 3  # header, rule, two responses of the first prompt, the one of the second
+    assert "| 2+2=? | Answer: 4 | 1.0 | True |" in rows
+    assert "| 1+3=? | x \\| y<br>Answer: 4 | 1.0 | True |" in rows
+
+
+def test_wandb_offline_run_holds_the_steps_and_the_samples_table(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    settings, _ = _track(tmp_path, ["wandb"])
+    (run,) = (tracking_dir(settings) / "wandb").glob("offline-run-*")
+    # The history is in W&B's binary run log (wandb 0.31 ships no reader for it): its keys and values are there.
+    (log_file,) = run.glob("run-*.wandb")
+    history = log_file.read_bytes()
+    assert all(key in history for key in (b"reward_all", b"refill_limit_hit", b"0.25", b"-0.5"))
+    (table_file,) = (run / "files" / "media" / "table" / "eval").glob("samples_2_*.table.json")
+    table = json.loads(table_file.read_text())
+    assert table["columns"] == ["prompt", "response", "reward", "correct"]
+    assert table["data"][0] == ["2+2=?", "Answer: 4", 1.0, True] and len(table["data"]) == 3
+
+
+def test_no_trackers_means_no_tracking_files(tmp_path):
+    settings, accelerator = _track(tmp_path, [])
+    assert accelerator_kwargs(settings) == {} and accelerator.trackers == []
+    assert not tracking_dir(settings).exists()
+
+
+def test_a_missing_tracker_is_one_line_naming_the_extra(monkeypatch):
+    monkeypatch.setitem(TRACKER_MODULES, "mlflow", "dapo_tracking_test_absent_module")
+    with pytest.raises(TrackerNotInstalled) as err:
+        check_installed(["tensorboard", "mlflow"])
+    assert str(err.value) == "learner.report_to: mlflow not installed; pip install 'dapo-services[track]'"
+    assert isinstance(err.value, ConfigError)  # the CLI prints it and exits 2
+
+
+def test_report_to_from_the_command_line_the_environment_and_its_choices(monkeypatch):
+    args = build_parser().parse_args(["learner", "--report-to", "tensorboard", "wandb"])
+    assert settings_from_args(args).learner.report_to == ["tensorboard", "wandb"]
+    args = build_parser().parse_args(["run", "--report-to", "tensorboard", "--set", "learner.total_steps=3"])
+    settings = settings_from_args(args)
+    assert (settings.learner.report_to, settings.learner.total_steps) == (["tensorboard"], 3)
+    assert load_settings("tiny-cpu").learner.report_to == []
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["learner", "--report-to", "neptune"])
+    monkeypatch.setenv("DAPO_LEARNER__REPORT_TO", '["tensorboard"]')
+    assert load_settings("tiny-cpu").learner.report_to == ["tensorboard"]
+    monkeypatch.setenv("DAPO_LEARNER__REPORT_TO", '["neptune"]')
+    with pytest.raises(ConfigError):
+        load_settings("tiny-cpu")
+
+
+def test_mlflow_run_holds_the_step_metrics_the_config_and_the_samples_table(tmp_path, monkeypatch):
+    import mlflow
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", (tmp_path / "mlruns").as_uri())
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # a server needs no file store; this test does
+    settings, _ = _track(tmp_path, ["mlflow"])
+    (run,) = mlflow.search_runs(experiment_names=[settings.redis.run], output_format="list")
+    history = mlflow.MlflowClient().get_metric_history(run.info.run_id, "reward_all")
+    assert [(m.step, m.value) for m in history] == [(1, -0.5), (2, 0.25)]
+    assert run.data.params["learner.report_to"] == "['mlflow']" and "token" not in run.data.params
+    table = mlflow.artifacts.load_dict(f"{run.info.artifact_uri}/{SAMPLES_KEY}/step-2.json")
+    assert table["columns"] == ["prompt", "response", "reward", "correct"]
+    assert table["data"][0] == ["2+2=?", "Answer: 4", 1.0, True] and len(table["data"]) == 3
