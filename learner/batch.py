@@ -42,7 +42,7 @@ from typing import Callable, Iterable, Literal, Sequence
 
 from services.messages import ScoredGroup
 
-Verdict = Literal["informative", "uninformative", "stale", "duplicate"]
+Admission = Literal["informative", "uninformative", "stale", "duplicate"]
 Status = Literal["train", "wait", "limit"]
 
 
@@ -329,7 +329,7 @@ class BatchAssembler:
     def is_usable(self, group: ScoredGroup) -> bool:
         return (not self.dynamic_sampling) or self._informative(group_rewards(group))
 
-    def admit(self, group: ScoredGroup, version: int, *, fresh: bool = True) -> Verdict:
+    def admit(self, group: ScoredGroup, version: int, *, fresh: bool = True) -> Admission:
         """Classify an arriving train group; informative ones join `ready`.
 
         `fresh=False` re-admits a group already counted before (the working set read back after a restart):

@@ -84,7 +84,7 @@ def test_auto_dtype_is_bf16_on_gpu_and_fp32_on_cpu():
 
 
 def test_cli_set_overrides_parse_yaml_values():
-    from services.cli import build_parser, parse_overrides
+    from cli.main import build_parser, parse_overrides
 
     overrides = parse_overrides(["learner.lr=3e-4", "sampling.n=4", "redis.url=redis://r:6379/0"])
     s = load_settings("tiny-cpu", **overrides)

@@ -31,7 +31,7 @@ from services.config import Settings, load_settings
 from services.messages import PromptTask
 from services.streams import Streams
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
 COMPOSE = ROOT / "docker-compose.yml"
 COMPOSE_GPU = DEPLOY / "compose.gpu.yml"
@@ -41,7 +41,7 @@ K8S_VERSION = "1.30"  # the oldest Kubernetes minor still widely run that has ev
 SERVICES = ("learner", "generator", "reward")
 DEFAULT_PORTS = {name: getattr(Settings(), name).port for name in SERVICES}
 # DAPO_ variables that are not Settings fields: the preset (read by load_settings), the token file (read by
-# deploy/docker-entrypoint.sh), the stream consumer name (services/streams.py), the log level (services/cli.py).
+# deploy/docker-entrypoint.sh), the stream consumer name (services/streams.py), the log level (cli/main.py).
 NON_FIELD_DAPO_VARIABLES = {"DAPO_CONFIG", "DAPO_TOKEN_FILE", "DAPO_WORKER_ID", "DAPO_LOG_LEVEL"}
 # Settings a deployment sets on top of a preset (where things live), nothing about the algorithm.
 DEPLOYMENT_KEYS = {("run_dir",), ("token",), ("redis", "url"), ("redis", "run"), ("learner", "public_url"),
@@ -638,6 +638,6 @@ def test_accelerate_configs_load_and_launch_options_exist(name):
     options = {action.dest for action in parser._actions}
     inner = config.fsdp_config or {}
     assert inner and set(inner) <= options, sorted(set(inner) - options)
-    args = parser.parse_args(["--config_file", str(path), "-m", "services.cli", "learner"])
+    args = parser.parse_args(["--config_file", str(path), "-m", "cli", "learner"])
     _validate_launch_command(args)  # what `accelerate launch` does before it starts any process
     assert args.mixed_precision == "bf16" and args.num_processes == config.num_processes

@@ -16,8 +16,8 @@ from services.config import ConfigError, load_settings
 
 # command -> (module, function, help). Each function takes the loaded Settings.
 COMMANDS = {
-    "run": ("services.launcher", "main", "run the whole system locally (embedded Redis, all services)"),
-    "bootstrap": ("services.bootstrap", "main", "build the embedded tiny model (cached)"),
+    "run": ("cli.launcher", "main", "run the whole system locally (embedded Redis, all services)"),
+    "bootstrap": ("cli.bootstrap", "main", "build the embedded tiny model (cached)"),
     "learner": ("learner.service", "main", "run the learner service"),
     "generator": ("generator.service", "main", "run a generator service (vLLM)"),
     "reward": ("reward.service", "main", "run a reward worker service"),
@@ -83,6 +83,3 @@ def main(argv: list[str] | None = None) -> int:
         return entry(settings, force=args.force, measure=args.measure) or 0
     return entry(settings) or 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())
