@@ -11,6 +11,7 @@ import importlib
 import logging
 import os
 import sys
+from importlib.metadata import version
 
 from services.config import ConfigError, load_settings
 
@@ -26,12 +27,13 @@ COMMANDS = {
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dapo", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"%(prog)s {version('dapo-services')}")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (_, _, help_text) in COMMANDS.items():
         cmd = sub.add_parser(name, help=help_text)
         cmd.add_argument(
             "--config", "-c", default=None,
-            help="preset name in configs/ or a YAML path (default: $DAPO_CONFIG or tiny-cpu)",
+            help="preset name (services/configs/) or a YAML path (default: $DAPO_CONFIG or tiny-cpu)",
         )
         cmd.add_argument(
             "--set", "-s", action="append", default=[], metavar="KEY=VALUE",
@@ -70,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
         format=f"%(asctime)s {args.command} %(levelname)s %(name)s: %(message)s",
     )
     try:
-        settings = load_settings(args.config, **parse_overrides(args.set))
+        settings = load_settings(args.config, origin="--set", **parse_overrides(args.set))
     except ConfigError as err:
         print(f"dapo: {err}", file=sys.stderr)
         return 2

@@ -589,10 +589,16 @@ def test_dockerfile_installs_the_project_with_its_extra(name):
     extra = DOCKERFILES[name]
     pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
     assert extra in pyproject["project"]["optional-dependencies"]
-    assert any(f"pip install -e '.[{extra}]'" in run[0] for run in by_cmd["RUN"])
-    # Every copied source exists and is not excluded from the build context.
+    # The image installs the wheel built from the sources (never an editable tree), dependencies first.
+    runs = [run[0] for run in by_cmd["RUN"]]
+    assert f"['optional-dependencies']['{extra}']" in runs[0] and "pip wheel" in runs[1]
+    assert not any("pip install -e" in run for run in runs)
+    installs = [i for i, run in enumerate(runs) if "pip install" in run]
+    assert [runs[i].split()[2] for i in installs] == ["-r", "--no-deps"] and "/tmp/wheels/*.whl" in runs[installs[1]]
+    # Every source copied from the build context exists and is not excluded from it.
     ignore = (DEPLOY / f"{name}.dockerignore").read_text().split()
-    for source, *_ in (value for value in by_cmd["COPY"]):
+    copies = [c.value for c in commands if c.cmd.upper() == "COPY" and not any(f.startswith("--from") for f in c.flags)]
+    for source, *_ in copies:
         assert (ROOT / source).exists(), source
         assert f"!{source}" in ignore or f"!{source}/" in ignore, f"{source} is excluded by the .dockerignore"
     (user,) = by_cmd["USER"]
