@@ -1,6 +1,6 @@
 """The ladder of the paper's Table 1 on the tiny model: each cumulative row, several seeds, a fixed time.
 
-    python benchmarks/ablation.py [--seeds 0 1] [--minutes 4] [--preset tiny-cpu] [--set key=value ...]
+    python -m benchmarks.ablation [--seeds 0 1] [--minutes 4] [--preset tiny-cpu] [--set key=value ...]
 
 The rows are `configs/ablations/*.yaml` (written for the 32B recipe). What a row changes is its DAPO switches
 (SWITCHES below); those are read from the row and laid over the tiny preset, so the tiny ladder is the paper's
@@ -16,13 +16,11 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from runs import ROOT, Curve, replace_section, run_seeded, spread  # noqa: E402
+from benchmarks.runs import ROOT, Curve, replace_section, run_seeded, spread
 
-from services.config import CONFIG_DIR, load_settings  # noqa: E402
+from services.config import CONFIG_DIR, load_settings
 
 # What the rows of Table 1 switch (README, "The DAPO techniques are switches").
 SWITCHES = (
@@ -109,7 +107,7 @@ def main() -> None:
     plot(results, out / "ablation.png")
     (out / "ablation.json").write_text(json.dumps({r: [c.to_json() for c in cs] for r, cs in results.items()}, indent=1))
     extra = "".join(f" --set {s}" for s in args.set)
-    command = (f"python benchmarks/ablation.py --seeds {' '.join(map(str, args.seeds))} --minutes {args.minutes:g} "
+    command = (f"python -m benchmarks.ablation --seeds {' '.join(map(str, args.seeds))} --minutes {args.minutes:g} "
                f"--preset {args.preset}{extra}")
     body = report(results, command, args.minutes) + "\n\n![ablation](results/ablation.png)"
     print(body)

@@ -199,7 +199,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from generator.engine import VllmEngine
-    from services.bootstrap import ensure_model
+    from cli.bootstrap import ensure_model
 
     tmp = tempfile.mkdtemp(prefix="dapo-bench-")
     redis_server = EmbeddedRedis(os.path.join(tmp, "redis")).start()

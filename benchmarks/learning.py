@@ -1,6 +1,6 @@
 """Learning that reproduces: the default `dapo run` over several seeds, median and worst held-out curves.
 
-    python benchmarks/learning.py --seeds 0 1 2 [--steps 60] [--preset tiny-cpu] [--set key=value ...]
+    python -m benchmarks.learning --seeds 0 1 2 [--steps 60] [--preset tiny-cpu] [--set key=value ...]
 
 Each seed is one fresh `dapo run` (one at a time: they would share the cores). Reported, into
 benchmarks/README.md between the `learning` markers, and as benchmarks/results/learning.{json,png}:
@@ -15,11 +15,9 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from runs import ROOT, Curve, grid, median_and_worst, replace_section, run_seeded, spread  # noqa: E402
+from benchmarks.runs import ROOT, Curve, grid, median_and_worst, replace_section, run_seeded, spread
 
 STABILITY_GOAL = 0.05  # no seed loses more than 5 points between two evaluations after step 10
 
@@ -103,7 +101,7 @@ def main() -> None:
     plot(curves, minutes, median, worst, results / f"{args.label}.png")
     (results / f"{args.label}.json").write_text(json.dumps([c.to_json() for c in curves], indent=1))
     extra = "".join(f" --set {s}" for s in args.set)
-    command = (f"python benchmarks/learning.py --seeds {' '.join(map(str, args.seeds))} --steps {args.steps} "
+    command = (f"python -m benchmarks.learning --seeds {' '.join(map(str, args.seeds))} --steps {args.steps} "
                f"--preset {args.preset} --label {args.label}{extra}")
     body = report(curves, command) + f"\n\n![{args.label}](results/{args.label}.png)"
     print(body)

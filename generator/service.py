@@ -88,7 +88,7 @@ def main(settings: Settings) -> int:
     from generator.engine import VllmEngine
     from generator.sync import WeightSync
     from generator.worker import RolloutWorker
-    from services.bootstrap import ensure_model
+    from services.models import model_dir
 
     name = generator_id(settings)
     holder: dict = {"worker": None}
@@ -109,10 +109,10 @@ def main(settings: Settings) -> int:
 
     engine = None
     try:
-        model_dir = ensure_model(settings)
+        folder = model_dir(settings)
         client = connect(settings)
-        sync = WeightSync(settings, model_dir, client, name)
-        engine = VllmEngine(model_dir, settings)
+        sync = WeightSync(settings, folder, client, name)
+        engine = VllmEngine(folder, settings)
         worker = RolloutWorker(settings, engine, Streams(client, settings), sync, name)
         holder["worker"] = worker
         if stopping.is_set():

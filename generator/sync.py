@@ -13,6 +13,7 @@ from pathlib import Path
 
 from services.config import Settings
 from services.messages import WeightsAnnouncement
+from services.streams import run_prefix
 from services.weights import (
     WEIGHTS_FILE,
     AnnouncementWatcher,
@@ -41,7 +42,7 @@ class WeightSync:
         self.expected = model_schema(model_dir)
         self.optional = tied_aliases(model_dir)
         self.redis = redis_client
-        self.prefix = f"dapo:{settings.redis.run}:"
+        self.prefix = run_prefix(settings)
         self.watcher = AnnouncementWatcher(redis_client, self.prefix, poll_s=settings.generator.sync_poll_s)
 
     def latest(self) -> WeightsAnnouncement | None:

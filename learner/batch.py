@@ -43,7 +43,7 @@ from typing import Iterable, Literal, Sequence
 from learner.dapo import FilterMetric, filter_values, is_informative
 from services.messages import ScoredGroup
 
-Verdict = Literal["informative", "uninformative", "stale", "duplicate"]
+Admission = Literal["informative", "uninformative", "stale", "duplicate"]
 Status = Literal["train", "wait", "limit"]
 
 
@@ -332,7 +332,7 @@ class BatchAssembler:
         correct = [score.correct for score in group.scores]
         return is_informative(filter_values(correct, group_rewards(group), self.filter_metric))
 
-    def admit(self, group: ScoredGroup, version: int, *, fresh: bool = True) -> Verdict:
+    def admit(self, group: ScoredGroup, version: int, *, fresh: bool = True) -> Admission:
         """Classify an arriving train group; informative ones join `ready`.
 
         `fresh=False` re-admits a group already counted before (the working set read back after a restart):

@@ -238,14 +238,14 @@ class LearnerService:
             self.http.stop()
 
     def load(self) -> None:
-        """The model, tokenizer, trainer and data (slow: the tiny model may be built here)."""
+        """The model, tokenizer, trainer and data (slow)."""
         from transformers import AutoTokenizer
 
         from learner.trainer import Trainer
-        from services.bootstrap import ensure_model
+        from services.models import model_dir
 
         self.ready_reason = "loading the model"
-        model_path = ensure_model(self.settings)
+        model_path = model_dir(self.settings)
         self.prompt_builder = PromptBuilder(AutoTokenizer.from_pretrained(model_path), self.settings)
         self.trainer = Trainer(self.settings, model_path)
         self.tracking = Tracking(self.trainer.accelerator, self.settings)

@@ -1,7 +1,7 @@
 """One configuration tree for every service.
 
 Sources, lowest to highest priority: the field defaults (the DAPO paper's values where the paper gives one),
-a YAML preset (`configs/*.yaml`), then `DAPO_` environment variables with `__` between nested keys, e.g.
+a YAML preset (`services/configs/*.yaml`, shipped in the package), then `DAPO_` environment variables with `__` between nested keys, e.g.
 `DAPO_LEARNER__CLIP_HIGH=0.3` or `DAPO_REDIS__URL=redis://redis:6379/0`.
 
 Every section forbids unknown keys, so a typo in a YAML file is an error naming the key and the file.
@@ -9,7 +9,9 @@ Every section forbids unknown keys, so a typo in a YAML file is an error naming 
 
 from __future__ import annotations
 
+import copy
 import os
+from importlib import resources
 from pathlib import Path
 from typing import Any, Literal
 
@@ -17,7 +19,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
-CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+# The presets ship inside the package (a folder: the packages install unzipped, editable or from the wheel).
+CONFIG_DIR = Path(str(resources.files("services") / "configs"))
 DEFAULT_PRESET = "tiny-cpu"
 
 
@@ -260,8 +263,8 @@ def resolve_preset(preset: str | os.PathLike | None) -> Path:
     return path
 
 
-def read_preset(preset: str | os.PathLike | None, _seen: tuple[Path, ...] = ()) -> tuple[Path, dict]:
-    """The YAML mapping of a preset, merged over the preset it names in `base:` (ablations extend a recipe)."""
+def read_preset(preset: str | os.PathLike | None, _seen: tuple[Path, ...] = ()) -> list[tuple[Path, dict]]:
+    """The YAML layers of a preset, the `base:` it extends first (ablations extend a recipe)."""
     path = resolve_preset(preset)
     if path in _seen:
         raise ConfigError(f"{path}: `base:` chain loops back to itself")
@@ -273,26 +276,61 @@ def read_preset(preset: str | os.PathLike | None, _seen: tuple[Path, ...] = ()) 
         raise ConfigError(f"{path}: top level must be a mapping")
     base = data.pop("base", None)
     if base is None:
-        return path, data
+        return [(path, data)]
     base_ref = base if Path(base).suffix not in (".yaml", ".yml") else path.parent / base
-    _, merged = read_preset(base_ref, _seen + (path,))
-    _deep_update(merged, data)
-    return path, merged
+    return read_preset(base_ref, _seen + (path,)) + [(path, data)]
 
 
-def load_settings(preset: str | os.PathLike | None = None, **overrides: Any) -> Settings:
-    """Load a preset (name or YAML path), apply `DAPO_` environment overrides, then keyword overrides."""
-    path, data = read_preset(preset)
-    _deep_update(data, overrides)
+def load_settings(preset: str | os.PathLike | None = None, *, origin: str = "override", **overrides: Any) -> Settings:
+    """Load a preset (name or YAML path), apply `DAPO_` environment overrides, then keyword overrides.
+
+    `origin` names where the keyword overrides come from (`--set` on the command line) in error messages."""
+    layers = read_preset(preset)
+    data: dict = {}
+    for _, layer in layers:
+        _deep_update(data, copy.deepcopy(layer))
     try:
-        return Settings(**data)
+        settings = Settings(**data)  # the environment beats the YAML
+        for key, value in overrides.items():
+            _override(settings, key, value, origin)
+        return settings
     except ValidationError as err:
         problems = []
         for e in err.errors():
-            key = ".".join(str(p) for p in e["loc"])
+            loc = tuple(str(p) for p in e["loc"])
             reason = "unknown key" if e["type"] == "extra_forbidden" else e["msg"]
-            problems.append(f"  {key}: {reason}")
-        raise ConfigError(f"invalid config {path}:\n" + "\n".join(problems)) from None
+            problems.append(f"  {'.'.join(loc)}: {reason} (from {_source(loc, layers, overrides, origin)})")
+        raise ConfigError("invalid config:\n" + "\n".join(problems)) from None
+
+
+def _override(settings: Settings, key: str, value: Any, origin: str) -> None:
+    """Assign one keyword override after the environment was read (so it wins), validated on assignment."""
+    if key not in Settings.model_fields:
+        raise ConfigError(f"invalid config:\n  {key}: unknown key (from {origin} {key})")
+    current = getattr(settings, key)
+    if isinstance(value, dict) and isinstance(current, BaseModel):
+        tree = current.model_dump()
+        _deep_update(tree, value)
+        value = tree
+    setattr(settings, key, value)
+
+
+def _source(loc: tuple[str, ...], layers: list[tuple[Path, dict]], overrides: dict, origin: str) -> str:
+    """Where a key came from, highest priority first: keyword overrides, environment, the preset files."""
+    if _holds(overrides, loc):
+        return f"{origin} {'.'.join(loc)}"
+    variable = "DAPO_" + "__".join(loc).upper()
+    if any(name.upper() == variable for name in os.environ):
+        return f"environment variable {variable}"
+    return next((str(path) for path, layer in reversed(layers) if _holds(layer, loc)), "the defaults")
+
+
+def _holds(tree: dict, loc: tuple[str, ...]) -> bool:
+    for part in loc:
+        if not isinstance(tree, dict) or part not in tree:
+            return False
+        tree = tree[part]
+    return True
 
 
 def _deep_update(base: dict, extra: dict) -> None:

@@ -317,13 +317,18 @@ def _entries(reply) -> list[tuple[bytes, dict]]:
     return [(eid, fields) for entries in streams for eid, fields in entries if fields]
 
 
+def run_prefix(settings: Settings) -> str:
+    """The prefix of every key of a run, `dapo:{run}:`: built here only, so runs never share a key."""
+    return f"dapo:{settings.redis.run}:"
+
+
 class Streams:
-    """The run's streams and keys, all under the prefix `dapo:{run}:`."""
+    """The run's streams and keys, all under `run_prefix`."""
 
     def __init__(self, client: redis.Redis, settings: Settings):
         self.redis = client
         self.cfg = settings.streams
-        self.prefix = f"dapo:{settings.redis.run}:"
+        self.prefix = run_prefix(settings)
 
     def key(self, *parts: str) -> str:
         return self.prefix + ":".join(parts)

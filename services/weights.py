@@ -40,6 +40,7 @@ from fastapi.responses import StreamingResponse
 from safetensors.torch import save_file
 
 from services.messages import WeightsAnnouncement
+from services.streams import run_prefix
 
 log = logging.getLogger(__name__)
 
@@ -196,7 +197,7 @@ class WeightPublisher:
         self.dir.mkdir(parents=True, exist_ok=True)
         self.keep = max(1, int(settings.learner.keep_versions))
         self.redis = redis_client
-        self.prefix = f"dapo:{settings.redis.run}:"
+        self.prefix = run_prefix(settings)
         self.base_url = base_url.rstrip("/")
         self._lock = threading.Lock()
 

@@ -1,4 +1,9 @@
-"""Shared fixtures: a real embedded redis-server per test, and settings pointing at it."""
+"""Shared fixtures (a real embedded redis-server per test, settings pointing at it) and the kind markers.
+
+Tests live by kind in `unit/` (no process, server or model: the whole folder runs in under a minute),
+`integration/` (real Redis, HTTP, child processes, torch and vLLM) and `e2e/` (the installed command running
+the system); each test gets the marker of its folder, so `-m unit` equals `pytest tests/unit`.
+"""
 
 from __future__ import annotations
 
@@ -14,6 +19,17 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from services.config import load_settings  # noqa: E402
 from services.redis_local import EmbeddedRedis  # noqa: E402
+
+KINDS = ("unit", "integration", "e2e")
+
+
+def pytest_collection_modifyitems(items):
+    """Mark every test with the kind of the folder it lives in."""
+    for item in items:
+        kind = item.path.parent.name
+        if kind not in KINDS:
+            raise pytest.UsageError(f"{item.nodeid}: tests live in tests/unit, tests/integration or tests/e2e")
+        item.add_marker(kind)
 
 
 @pytest.fixture

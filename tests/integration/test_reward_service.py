@@ -36,7 +36,7 @@ def test_dapo_reward_process(settings, short_tmp):
     }
     log_path = os.path.join(short_tmp, "reward.log")
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "services.cli", "reward", "--config", "tiny-cpu"],
+        proc = subprocess.Popen([sys.executable, "-m", "cli", "reward", "--config", "tiny-cpu"],
                                 env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
         base = f"http://127.0.0.1:{port}"

@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from services import bootstrap
-from services.bootstrap import BUILD_INFO, ModelNotAvailable, ensure_model, resolve_pretrained, tiny_model_dir
+from cli import bootstrap
+from cli.bootstrap import ensure_model
+from services.models import BUILD_INFO, ModelNotAvailable, resolve_pretrained, tiny_model_dir
 from services.config import Settings
 from services.data import SyntheticTask, load_problems, render_prompt
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 from deploy.check_dashboard import dashboard_metric_names, live_series_names  # noqa: E402
 
@@ -34,7 +34,7 @@ def metric_families(text: str) -> set[str]:
 
 def test_dapo_run_end_to_end(short_tmp):
     run_dir = Path(short_tmp) / "run"
-    command = [sys.executable, "-m", "services.cli", "run", "--no-display", "-s", f"run_dir={run_dir}"]
+    command = [sys.executable, "-m", "cli", "run", "--no-display", "-s", f"run_dir={run_dir}"]
     for override in OVERRIDES:
         command += ["-s", override]
     env = {**os.environ, "DAPO_LOG_LEVEL": "WARNING"}

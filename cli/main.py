@@ -11,14 +11,15 @@ import importlib
 import logging
 import os
 import sys
+from importlib.metadata import version
 
 from services.config import ConfigError, load_settings
 
 TRACKERS = ("wandb", "tensorboard", "mlflow")  # learner.report_to (accelerate's tracker names)
 # command -> (module, function, help). Each function takes the loaded Settings.
 COMMANDS = {
-    "run": ("services.launcher", "main", "run the whole system locally (embedded Redis, all services)"),
-    "bootstrap": ("services.bootstrap", "main", "build the embedded tiny model (cached)"),
+    "run": ("cli.launcher", "main", "run the whole system locally (embedded Redis, all services)"),
+    "bootstrap": ("cli.bootstrap", "main", "build the embedded tiny model (cached)"),
     "learner": ("learner.service", "main", "run the learner service"),
     "generator": ("generator.service", "main", "run a generator service (vLLM)"),
     "reward": ("reward.service", "main", "run a reward worker service"),
@@ -27,12 +28,13 @@ COMMANDS = {
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dapo", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"%(prog)s {version('dapo-services')}")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (_, _, help_text) in COMMANDS.items():
         cmd = sub.add_parser(name, help=help_text)
         cmd.add_argument(
             "--config", "-c", default=None,
-            help="preset name in configs/ or a YAML path (default: $DAPO_CONFIG or tiny-cpu)",
+            help="preset name (services/configs/) or a YAML path (default: $DAPO_CONFIG or tiny-cpu)",
         )
         cmd.add_argument(
             "--set", "-s", action="append", default=[], metavar="KEY=VALUE",
@@ -75,7 +77,7 @@ def settings_from_args(args: argparse.Namespace):
     overrides = parse_overrides(args.set)
     if getattr(args, "report_to", None):
         overrides.setdefault("learner", {})["report_to"] = args.report_to
-    settings = load_settings(args.config, **overrides)
+    settings = load_settings(args.config, origin="--set", **overrides)
     if args.command in ("run", "learner"):
         check_installed(settings.learner.report_to)
     return settings
@@ -101,6 +103,3 @@ def main(argv: list[str] | None = None) -> int:
         return entry(settings, force=args.force, measure=args.measure) or 0
     return entry(settings) or 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

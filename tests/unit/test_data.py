@@ -300,7 +300,7 @@ def test_render_prompt_uses_the_chat_template_when_there_is_one():
 
 
 def test_render_prompt_raw_without_chat_template():
-    from services.bootstrap import build_tokenizer
+    from cli.bootstrap import build_tokenizer
 
     tok = build_tokenizer("0123456789+-*=?,\n :ASLNaeilnorstvw.")
     assert render_prompt("3+4*5=?", tok, "auto") == "Solve. Last line: Answer: N\n3+4*5=?\n"

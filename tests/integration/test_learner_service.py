@@ -3,7 +3,7 @@ process and a real reward worker process on the tiny model (slow).
 
 The slow tests share one generator and one reward worker (starting vLLM costs most of a minute on CPU); each
 test runs its own learner process with its own run folder, after the streams are drained of the previous
-test's leftovers. Learner, generator and reward start exactly as deployed: `python -m services.cli <service>`
+test's leftovers. Learner, generator and reward start exactly as deployed: `python -m cli <service>`
 with DAPO_ environment overrides.
 """
 
@@ -36,7 +36,7 @@ from services.data import Problem
 from services.http import free_port
 from services.messages import PromptTask, RolloutGroup, Sample, Score, ScoredGroup, to_wire
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 # -- helpers (fast) --------------------------------------------------------------------------------------------
@@ -149,7 +149,7 @@ class Pipeline:
     def spawn(self, service: str, tree: dict, log_name: str) -> subprocess.Popen:
         log = open(self.logs / f"{log_name}.log", "ab")
         process = subprocess.Popen(
-            [sys.executable, "-m", "services.cli", service, "--config", "tiny-cpu"],
+            [sys.executable, "-m", "cli", service, "--config", "tiny-cpu"],
             cwd=REPO, env=self.env(tree), stdout=log, stderr=subprocess.STDOUT,
         )
         self.processes.append(process)
@@ -210,6 +210,9 @@ class Pipeline:
 
 @pytest.fixture(scope="module")
 def pipeline():
+    from cli.bootstrap import ensure_model
+
+    ensure_model(load_settings("tiny-cpu"), progress=False)  # services only look the model up; `dapo bootstrap` builds it
     root = Path(tempfile.mkdtemp(prefix="dapo-lt-"))
     pipe = Pipeline(root)
     try:

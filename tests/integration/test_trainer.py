@@ -339,7 +339,7 @@ def test_two_process_ddp_matches_one_process(model_path, tmp_path):
     import sys
     from pathlib import Path
 
-    tests = Path(__file__).resolve().parent
+    tests = Path(__file__).resolve().parent.parent
     script = tmp_path / "worker.py"
     script.write_text(WORKER.format(tests=str(tests), repo=str(tests.parent), tmp=str(tmp_path), model=str(model_path)))
     env = dict(os.environ, OMP_NUM_THREADS="1", ACCELERATE_USE_CPU="true")

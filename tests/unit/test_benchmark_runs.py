@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-import ablation  # noqa: E402
-from runs import Curve, grid, median_and_worst, read_curve, replace_section  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from benchmarks import ablation  # noqa: E402
+from benchmarks.runs import Curve, grid, median_and_worst, read_curve, replace_section  # noqa: E402
 
 
 def curve(seed: int, steps, minutes, accuracy) -> Curve:

@@ -396,7 +396,7 @@ def test_sigkilled_generator_task_is_finished_once_by_another(service, engine, s
     log_path = Path(short_tmp) / "doomed.log"
     with open(log_path, "wb") as log_file:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "services.cli", "generator", "--config", "tiny-cpu"],
+            [sys.executable, "-m", "cli", "generator", "--config", "tiny-cpu"],
             env=env, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True,
         )
     try:

@@ -1,7 +1,7 @@
 """`dapo run`: the whole system on one machine, as separate processes with the deployment entry points.
 
 It builds the embedded model if missing, starts an embedded redis-server, then one learner, N generators and
-M reward workers (`python -m services.cli <service>`), shows a live view of the learner's metrics.jsonl,
+M reward workers (`python -m cli <service>`), shows a live view of the learner's metrics.jsonl,
 restarts a crashed generator or reward worker, stops everything cleanly on Ctrl-C, and at the end writes
 plots and a summary table into the run folder.
 """
@@ -79,7 +79,7 @@ def service_children(settings: Settings, config_path: Path, redis_url: str, gene
         "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
         "TOKENIZERS_PARALLELISM": "false",
     }
-    python = [sys.executable, "-m", "services.cli"]
+    python = [sys.executable, "-m", "cli"]
 
     def child(name: str, service: str, restartable: bool, **env: str) -> Child:
         return Child(name, python + [service, "--config", str(config_path)], {**base_env, **env},
@@ -170,8 +170,8 @@ def supervise(children: list[Child], metrics_path: Path, total_steps: int, displ
 
 
 def main(settings: Settings, generators: int = 1, reward_workers: int = 1, display: bool = True) -> int:
-    from services.bootstrap import ensure_model  # builds the tiny model when it is missing
-    from services.report import write_report
+    from cli.bootstrap import ensure_model  # builds the tiny model when it is missing
+    from cli.report import write_report
 
     run_dir = Path(settings.run_dir).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)

@@ -1,24 +1,21 @@
-"""The model folder every service loads: the embedded tiny model (built here) or a real Hugging Face model.
+"""`dapo bootstrap`: build the embedded tiny model, or find a real Hugging Face model, into the model cache.
 
 `ensure_model(settings)` returns a folder that loads offline with transformers (AutoModelForCausalLM,
-AutoTokenizer) and vLLM.
+AutoTokenizer) and vLLM; services only look it up (`services.models.model_dir`).
 
 * `model.name_or_path = "tiny"`: a char-level tokenizer (built with `tokenizers`, saved as a plain
   PreTrainedTokenizerFast) and a small Qwen2 causal LM, warmed up by supervised training on synthetic
   arithmetic written in the DAPO answer format, until its sampled (temperature 1) accuracy on problems it
   never trained on reaches `tiny.warmup_target_accuracy`: good enough to produce some correct answers, far
-  enough from perfect for RL to show. Deterministic from `tiny.seed`; cached under `tiny.cache_dir` in a
-  folder named by a hash of every setting that shapes the result; built under a file lock, so services
-  starting together build it once.
-* anything else: a local folder, or a hub id resolved from the local Hugging Face cache (`HF_HUB_OFFLINE`
-  honoured); a clear error naming the model when it is not there.
+  enough from perfect for RL to show. Deterministic from `tiny.seed`; cached in `services.models.tiny_model_dir`;
+  built under a file lock, so processes starting together build it once.
+* anything else: `services.models.resolve_pretrained`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
-import hashlib
 import json
 import logging
 import math
@@ -31,6 +28,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 from services.data import SyntheticTask, render_prompt
+from services.models import (
+    BUILD_INFO,
+    BUILD_VERSION,
+    TINY_NAME,
+    resolve_pretrained,
+    tiny_cache_key,
+    tiny_model_dir,
+    tiny_task,
+)
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -39,18 +45,10 @@ if TYPE_CHECKING:  # pragma: no cover
 
 log = logging.getLogger(__name__)
 
-TINY_NAME = "tiny"
-# Bump when the build procedure changes, so stale cached folders are not reused.
-BUILD_VERSION = 1
-BUILD_INFO = "dapo_tiny.json"  # written last: its presence marks a complete folder
 PAD, UNK, EOS = "<pad>", "<unk>", "<eos>"
 SPECIAL_TOKENS = (PAD, UNK, EOS)
 # Longest response the tiny model is asked to write while it is validated (answers need ~15-35 chars).
 VALIDATION_MAX_NEW_TOKENS = 64
-
-
-class ModelNotAvailable(RuntimeError):
-    """The configured model is neither a folder nor in the local Hugging Face cache."""
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -85,90 +83,12 @@ def main(settings: Settings, *, force: bool = False, measure: bool = False) -> i
         path = resolve_pretrained(settings.model.name_or_path)
         console.print(f"[bold]model[/bold] {settings.model.name_or_path} -> {path}")
     if measure:
+        from cli.measure import measure_with_vllm
+
         report = measure_with_vllm(path, settings)
         console.print_json(data=report)
     print(path)
     return 0
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Real models.
-
-
-def _env_true(name: str) -> bool:
-    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
-
-
-def hf_cache_dir() -> Path:
-    """The hub cache, read from the environment at call time (HF_HUB_CACHE, else HF_HOME/hub)."""
-    if os.environ.get("HF_HUB_CACHE"):
-        return Path(os.environ["HF_HUB_CACHE"]).expanduser()
-    home = Path(os.environ.get("HF_HOME", "~/.cache/huggingface")).expanduser()
-    return home / "hub"
-
-
-def resolve_pretrained(name_or_path: str) -> Path:
-    """A local model folder, or the snapshot folder of a hub id (from the cache only when HF_HUB_OFFLINE=1)."""
-    path = Path(name_or_path).expanduser()
-    if path.is_dir():
-        if not (path / "config.json").is_file():
-            raise ModelNotAvailable(f"model folder {path} has no config.json, so it is not a Hugging Face model")
-        return path
-    if name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") > 1:
-        raise ModelNotAvailable(f"model folder {name_or_path!r} does not exist")
-    from huggingface_hub import snapshot_download
-
-    offline = _env_true("HF_HUB_OFFLINE") or _env_true("TRANSFORMERS_OFFLINE")
-    cache = hf_cache_dir()
-    try:
-        folder = snapshot_download(
-            name_or_path,
-            cache_dir=str(cache),
-            local_files_only=offline,
-            allow_patterns=None if offline else ["*.json", "*.safetensors", "*.txt", "*.model", "*.py", "*.jinja"],
-        )
-    except Exception as err:  # the hub raises several types; all mean "not usable here"
-        how = (
-            "it is not in the local Hugging Face cache and HF_HUB_OFFLINE is set"
-            if offline
-            else "it is not in the local Hugging Face cache and could not be downloaded"
-        )
-        raise ModelNotAvailable(
-            f"model {name_or_path!r} is not available offline: {how} (cache: {cache}). Download it on a "
-            f"connected machine (`huggingface-cli download {name_or_path}`) into that cache, or set "
-            f"model.name_or_path to a local folder. ({type(err).__name__}: {err})"
-        ) from None
-    folder = Path(folder)
-    if not (folder / "config.json").is_file():
-        raise ModelNotAvailable(f"model {name_or_path!r}: cached snapshot {folder} has no config.json")
-    return folder
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# The tiny model: cache.
-
-
-def tiny_task(settings: Settings) -> SyntheticTask:
-    return SyntheticTask.from_settings(settings)
-
-
-def tiny_cache_key(settings: Settings) -> str:
-    """Hash of every setting that shapes the built folder (where it is cached does not)."""
-    shape = {
-        "build_version": BUILD_VERSION,
-        "tiny": settings.tiny.model_dump(mode="json", exclude={"cache_dir"}),
-        "task": asdict(tiny_task(settings)),
-        "raw_template": settings.data.raw_template,
-    }
-    return hashlib.sha256(json.dumps(shape, sort_keys=True).encode()).hexdigest()[:16]
-
-
-def tiny_cache_root(settings: Settings) -> Path:
-    return Path(settings.tiny.cache_dir or os.environ.get("DAPO_CACHE_DIR") or "~/.cache/dapo").expanduser()
-
-
-def tiny_model_dir(settings: Settings) -> Path:
-    return tiny_cache_root(settings) / f"tiny-{tiny_cache_key(settings)}"
 
 
 @contextlib.contextmanager
@@ -520,74 +440,3 @@ def build_tiny_model(settings: Settings, folder: Path, *, progress: bool = True)
     (folder / BUILD_INFO).write_text(json.dumps(info, indent=2) + "\n")
     log.info("built tiny model in %s: %s", folder, info["warmup"])
     return info
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Measuring a built model through vLLM (tokens/s and held-out accuracy at temperature 1).
-
-
-def measure_with_vllm(
-    path: Path, settings: Settings, *, problems: int = 300, samples: int = 4, max_tokens: int = 64, repeats: int = 2
-) -> dict[str, Any]:
-    """Sample `samples` responses for each of `problems` held-out synthetic problems at temperature 1, `repeats`
-    times: accuracy over every sample, tokens/s of each pass (the CPU is shared, so passes differ)."""
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(settings.generator.kv_cache_gib))))
-    os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
-    from transformers import AutoTokenizer
-    from vllm import LLM, SamplingParams
-
-    from services.data import load_problems
-
-    task = tiny_task(settings)
-    held_out = load_problems("synthetic-eval", settings)[:problems]
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    template, raw = settings.data.prompt_template, settings.data.raw_template
-    prompts = [
-        {"prompt_token_ids": tokenizer(render_prompt(p, tokenizer, template, raw), add_special_tokens=False)["input_ids"]}
-        for p in held_out
-    ]
-    started = time.perf_counter()
-    llm = LLM(model=str(path), dtype="float32", max_model_len=256, enforce_eager=True, seed=settings.tiny.seed)
-    load_seconds = time.perf_counter() - started
-    # No per-request seed: vLLM 0.32 on CPU crashes ("CPU Generator does not use offset") when a seeded
-    # request's prefill is chunked; the engine seed already makes the run reproducible.
-    params = SamplingParams(n=samples, temperature=1.0, top_p=1.0, max_tokens=max_tokens, logprobs=0)
-    llm.generate(prompts[:8], params, use_tqdm=False)  # the first call pays one-off setup costs
-    correct = total = tokens = 0
-    rates = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        outputs = llm.generate(prompts, params, use_tqdm=False)
-        seconds = time.perf_counter() - started
-        completions = [(c, p) for out, p in zip(outputs, held_out) for c in out.outputs]
-        generated = sum(len(c.token_ids) for c, _ in completions)
-        rates.append(round(generated / seconds))
-        tokens += generated
-        total += len(completions)
-        correct += sum(task.is_correct(c.text, p.answer) for c, p in completions)
-    return {
-        "model": str(path),
-        "problems": len(held_out),
-        "samples": total,
-        "accuracy_t1": round(correct / total, 4),
-        "mean_response_tokens": round(tokens / total, 2),
-        "tokens_per_s": rates,
-        "engine_load_seconds": round(load_seconds, 1),
-        "load_average_1min": os.getloadavg()[0],
-    }
-
-
-if __name__ == "__main__":
-    import argparse
-
-    from services.config import load_settings
-
-    parser = argparse.ArgumentParser(description="Build (or find) the model folder and report on it.")
-    parser.add_argument("--config", default=None, help="preset name or YAML path (default: tiny-cpu)")
-    parser.add_argument("--force", action="store_true", help="rebuild the tiny model even if cached")
-    parser.add_argument("--measure", action="store_true", help="measure tokens/s and accuracy through vLLM")
-    args = parser.parse_args()
-    logging.basicConfig(level=logging.INFO)
-    raise SystemExit(
-        main(load_settings(args.config), force=args.force, measure=args.measure)
-    )

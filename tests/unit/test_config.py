@@ -105,7 +105,7 @@ def test_auto_dtype_is_bf16_on_gpu_and_fp32_on_cpu():
 
 
 def test_cli_set_overrides_parse_yaml_values():
-    from services.cli import build_parser, parse_overrides
+    from cli.main import build_parser, parse_overrides
 
     overrides = parse_overrides(["learner.lr=3e-4", "sampling.n=4", "redis.url=redis://r:6379/0"])
     s = load_settings("tiny-cpu", **overrides)
@@ -114,3 +114,37 @@ def test_cli_set_overrides_parse_yaml_values():
         parse_overrides(["learner.lr"])
     args = build_parser().parse_args(["bootstrap", "--force"])
     assert args.force and not args.measure
+
+
+def test_errors_name_where_the_bad_key_came_from(tmp_path, monkeypatch):
+    base = tmp_path / "base.yaml"
+    base.write_text("learner:\n  clip_hihg: 0.3\n")
+    child = tmp_path / "child.yaml"
+    child.write_text("base: base.yaml\nsampling:\n  n: 4\n")
+    with pytest.raises(ConfigError, match=rf"learner.clip_hihg: unknown key \(from {base}\)"):
+        load_settings(child)  # the file of the chain that holds the key, not the one named
+    with pytest.raises(ConfigError, match=r"learner.clip_hihg: unknown key \(from --set learner.clip_hihg\)"):
+        load_settings("tiny-cpu", origin="--set", learner={"clip_hihg": 0.3})
+    monkeypatch.setenv("DAPO_LEARNER__CLIP_HIHG", "0.3")
+    with pytest.raises(ConfigError, match=r"\(from environment variable DAPO_LEARNER__CLIP_HIHG\)"):
+        load_settings("tiny-cpu")
+
+
+def test_set_beats_the_environment_which_beats_the_preset(monkeypatch):
+    monkeypatch.setenv("DAPO_SAMPLING__N", "4")
+    assert load_settings("tiny-cpu").sampling.n == 4
+    assert load_settings("tiny-cpu", sampling={"n": 2}).sampling.n == 2
+    assert load_settings("tiny-cpu", sampling={"n": 2}).learner.lr == load_settings("tiny-cpu").learner.lr
+
+
+def test_dapo_version_and_a_bad_set_key_from_the_command_line(capsys):
+    from importlib.metadata import version
+
+    from cli.main import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code == 0 and capsys.readouterr().out.strip() == f"dapo {version('dapo-services')}"
+    assert main(["reward", "--set", "reward.wrokers=2"]) == 2
+    err = capsys.readouterr().err
+    assert "reward.wrokers: unknown key (from --set reward.wrokers)" in err and "Traceback" not in err

@@ -34,7 +34,7 @@ from services.config import Settings, load_settings
 from services.messages import PromptTask
 from services.streams import Streams
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
 COMPOSE = ROOT / "docker-compose.yml"
 COMPOSE_GPU = DEPLOY / "compose.gpu.yml"
@@ -46,7 +46,7 @@ PINNED_IMAGE = re.compile(r"^[^@]+:(v?\d+\.\d+\.\d+[\w.-]*)$|@sha256:[0-9a-f]{64
 SERVICES = ("learner", "generator", "reward")
 DEFAULT_PORTS = {name: getattr(Settings(), name).port for name in SERVICES}
 # DAPO_ variables that are not Settings fields: the preset (read by load_settings), the token file (read by
-# deploy/docker-entrypoint.sh), the stream consumer name (services/streams.py), the log level (services/cli.py).
+# deploy/docker-entrypoint.sh), the stream consumer name (services/streams.py), the log level (cli/main.py).
 NON_FIELD_DAPO_VARIABLES = {"DAPO_CONFIG", "DAPO_TOKEN_FILE", "DAPO_WORKER_ID", "DAPO_LOG_LEVEL"}
 # Settings a deployment sets on top of a preset (where things live), nothing about the algorithm.
 DEPLOYMENT_KEYS = {("run_dir",), ("token",), ("redis", "url"), ("redis", "run"), ("learner", "public_url"),
@@ -674,10 +674,16 @@ def test_dockerfile_installs_the_project_with_its_extra(name):
     extra = DOCKERFILES[name]
     pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
     assert extra in pyproject["project"]["optional-dependencies"]
-    assert any(f"pip install -e '.[{extra}]'" in run[0] for run in by_cmd["RUN"])
-    # Every copied source exists and is not excluded from the build context.
+    # The image installs the wheel built from the sources (never an editable tree), dependencies first.
+    runs = [run[0] for run in by_cmd["RUN"]]
+    assert f"['optional-dependencies']['{extra}']" in runs[0] and "pip wheel" in runs[1]
+    assert not any("pip install -e" in run for run in runs)
+    installs = [i for i, run in enumerate(runs) if "pip install" in run]
+    assert [runs[i].split()[2] for i in installs] == ["-r", "--no-deps"] and "/tmp/wheels/*.whl" in runs[installs[1]]
+    # Every source copied from the build context exists and is not excluded from it.
     ignore = (DEPLOY / f"{name}.dockerignore").read_text().split()
-    for source, *_ in (value for value in by_cmd["COPY"]):
+    copies = [c.value for c in commands if c.cmd.upper() == "COPY" and not any(f.startswith("--from") for f in c.flags)]
+    for source, *_ in copies:
         assert (ROOT / source).exists(), source
         assert f"!{source}" in ignore or f"!{source}/" in ignore, f"{source} is excluded by the .dockerignore"
     (user,) = by_cmd["USER"]
@@ -723,6 +729,6 @@ def test_accelerate_configs_load_and_launch_options_exist(name):
     options = {action.dest for action in parser._actions}
     inner = config.fsdp_config or {}
     assert inner and set(inner) <= options, sorted(set(inner) - options)
-    args = parser.parse_args(["--config_file", str(path), "-m", "services.cli", "learner"])
+    args = parser.parse_args(["--config_file", str(path), "-m", "cli", "learner"])
     _validate_launch_command(args)  # what `accelerate launch` does before it starts any process
     assert args.mixed_precision == "bf16" and args.num_processes == config.num_processes
