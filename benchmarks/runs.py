@@ -63,6 +63,7 @@ def seed_overrides(seed: int) -> list[str]:
 def run_seeded(label: str, seed: int, run_dir: Path, preset: str, overrides: list[str], timeout_s: float) -> Curve:
     """One fresh `dapo run` (no resume, its own Redis prefix), waited for; its curve."""
     shutil.rmtree(run_dir, ignore_errors=True)
+    run_dir.parent.mkdir(parents=True, exist_ok=True)
     sets = [f"run_dir={run_dir}", f"redis.run={run_dir.name}", "learner.resume=false", *seed_overrides(seed),
             *overrides]
     command = [DAPO, "run", "--no-display", "--config", preset]
