@@ -14,6 +14,7 @@ import sys
 from importlib.metadata import version
 
 from services.config import ConfigError, load_settings
+from services.startup import EXIT_UNAVAILABLE, Stopped, Unavailable, raise_on_signals
 
 # command -> (module, function, help). Each function takes the loaded Settings.
 COMMANDS = {
@@ -76,6 +77,18 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         print(f"dapo: {err}", file=sys.stderr)
         return 2
+    raise_on_signals()
+    try:
+        return run_command(args, settings)
+    except Unavailable as err:
+        print(f"dapo {args.command}: {' '.join(str(err).split())}", file=sys.stderr)  # one line
+        return EXIT_UNAVAILABLE
+    except Stopped as stop:
+        print(f"dapo {args.command}: stopped by {stop}", file=sys.stderr)
+        return 128 + stop.signum
+
+
+def run_command(args: argparse.Namespace, settings) -> int:
     module, function, _ = COMMANDS[args.command]
     entry = getattr(importlib.import_module(module), function)
     if args.command == "run":
@@ -84,4 +97,3 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "bootstrap":
         return entry(settings, force=args.force, measure=args.measure) or 0
     return entry(settings) or 0
-
