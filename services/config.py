@@ -35,7 +35,9 @@ class RedisConfig(Section):
     run: str = Field("default", description="Run name; every key lives under the prefix `dapo:{run}:`.")
     embedded_aof: bool = Field(False, description="Embedded Redis: enable the append-only file (durability).")
     embedded_dir: str | None = Field(None, description="Embedded Redis: data folder (default: run_dir/redis).")
-    connect_timeout_s: float = Field(10.0, gt=0, description="At startup, wait this long for Redis, then exit saying so.")
+    connect_timeout_s: float = Field(
+        10.0, gt=0, description="At startup, wait this long for Redis, then exit saying so."
+    )
 
 
 class StreamsConfig(Section):
