@@ -14,6 +14,7 @@ import sys
 from importlib.metadata import version
 
 from services.config import ConfigError, load_settings
+from services.startup import EXIT_UNAVAILABLE, Stopped, Unavailable, raise_on_signals
 
 TRACKERS = ("wandb", "tensorboard", "mlflow")  # learner.report_to (accelerate's tracker names)
 # command -> (module, function, help). Each function takes the loaded Settings.
@@ -94,6 +95,18 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:  # learner.tracking.TrackerNotInstalled too
         print(f"dapo: {err}", file=sys.stderr)
         return 2
+    raise_on_signals()
+    try:
+        return run_command(args, settings)
+    except Unavailable as err:
+        print(f"dapo {args.command}: {' '.join(str(err).split())}", file=sys.stderr)  # one line
+        return EXIT_UNAVAILABLE
+    except Stopped as stop:
+        print(f"dapo {args.command}: stopped by {stop}", file=sys.stderr)
+        return 128 + stop.signum
+
+
+def run_command(args: argparse.Namespace, settings) -> int:
     module, function, _ = COMMANDS[args.command]
     entry = getattr(importlib.import_module(module), function)
     if args.command == "run":
@@ -102,4 +115,3 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "bootstrap":
         return entry(settings, force=args.force, measure=args.measure) or 0
     return entry(settings) or 0
-

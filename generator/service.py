@@ -22,7 +22,9 @@ from fastapi.responses import JSONResponse
 
 from services.config import Settings
 from services.http import BackgroundServer, create_app
-from services.redis_local import connect
+from services.models import model_dir
+from services.redis_local import connect, wait_for_redis
+from services.startup import raise_stopped
 from services.streams import Streams, consumer_name
 
 log = logging.getLogger(__name__)
@@ -85,10 +87,14 @@ def generator_id(settings: Settings) -> str:
 
 
 def main(settings: Settings) -> int:
+    """`dapo generator`. Until the engine is up a signal stops it at once (`services.startup`); then the first one
+    lets in-flight tasks finish (generator.shutdown_grace_s), a second one stops at once."""
+    folder = model_dir(settings)  # the dependencies first: fail in a second, not after loading vLLM
+    wait_for_redis(settings)
+
     from generator.engine import VllmEngine
     from generator.sync import WeightSync
     from generator.worker import RolloutWorker
-    from services.models import model_dir
 
     name = generator_id(settings)
     holder: dict = {"worker": None}
@@ -96,27 +102,24 @@ def main(settings: Settings) -> int:
 
     def on_signal(signum, frame):
         worker = holder["worker"]
+        if worker is None:
+            raise_stopped(signum, frame)
         log.info("signal %s: %s", signum, "stopping" if not stopping.is_set() else "stopping now")
-        if worker is not None:
-            worker.stop(hard=stopping.is_set())
+        worker.stop(hard=stopping.is_set())
         stopping.set()
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
 
     app = build_app(settings, lambda: holder["worker"])
     http = BackgroundServer(app, settings.generator.host, settings.generator.port).start()
 
     engine = None
     try:
-        folder = model_dir(settings)
         client = connect(settings)
         sync = WeightSync(settings, folder, client, name)
         engine = VllmEngine(folder, settings)
         worker = RolloutWorker(settings, engine, Streams(client, settings), sync, name)
         holder["worker"] = worker
-        if stopping.is_set():
-            worker.stop(hard=True)
+        signal.signal(signal.SIGTERM, on_signal)
+        signal.signal(signal.SIGINT, on_signal)
         log.info(
             "generator %s: engine up in %.1fs, HTTP on port %d", name, engine.start_seconds, settings.generator.port
         )

@@ -50,7 +50,9 @@ from services.config import Settings, dump_settings
 from services.data import Problem, load_problems, render_prompt
 from services.messages import PromptTask, SamplingParams, ScoredGroup
 from services.http import BackgroundServer, create_app
-from services.redis_local import connect
+from services.models import model_dir
+from services.redis_local import connect, wait_for_redis
+from services.startup import raise_stopped
 from services.streams import Delivery, Streams, consumer_name, retry_redis
 from services.weights import WeightPublisher, latest_announcement, weights_router, write_atomic
 
@@ -242,7 +244,6 @@ class LearnerService:
         from transformers import AutoTokenizer
 
         from learner.trainer import Trainer
-        from services.models import model_dir
 
         self.ready_reason = "loading the model"
         model_path = model_dir(self.settings)
@@ -739,19 +740,26 @@ class LearnerService:
 
 
 def main(settings: Settings) -> int:
-    """`dapo learner`: serve weights over HTTP and train until learner.total_steps (SIGTERM: checkpoint, exit)."""
+    """`dapo learner`: serve weights over HTTP and train until learner.total_steps (SIGTERM: checkpoint, exit).
+
+    Until the model is loaded a signal stops it at once (`services.startup`); then the first one finishes the
+    step and checkpoints, a second one stops at once."""
+    model_dir(settings)  # the dependencies first: fail in a second, not after loading
+    wait_for_redis(settings)
     service = LearnerService(settings)
 
-    def request_stop(signum, _frame) -> None:
-        log.info("signal %d: finishing the current step, then checkpoint and exit", signum)
+    def request_stop(signum, frame) -> None:
+        if service.stopping.is_set():
+            raise_stopped(signum, frame)
+        log.info("signal %d: finishing the current step, then checkpoint and exit (again: now)", signum)
         service.stopping.set()
 
-    signal.signal(signal.SIGTERM, request_stop)
-    signal.signal(signal.SIGINT, request_stop)
     service.connect()
     service.start_http()
     try:
         service.load()
+        signal.signal(signal.SIGTERM, request_stop)
+        signal.signal(signal.SIGINT, request_stop)
         return service.run()
     finally:
         service.stop_http()

@@ -10,7 +10,7 @@ import time
 import uvicorn
 
 from services.config import Settings
-from services.redis_local import connect
+from services.redis_local import connect, wait_for_redis
 from services.streams import Streams
 
 from reward.app import create_reward_app
@@ -22,11 +22,23 @@ log = logging.getLogger(__name__)
 
 
 def main(settings: Settings) -> int:
+    """`dapo reward`: Redis is checked before the verifier processes start; until the HTTP server runs a signal
+    stops it at once (`services.startup`), then it stops the worker and the pool in order."""
+    wait_for_redis(settings)
     cfg = settings.reward
-    pool = VerifierPool(workers=cfg.workers, timeout_s=cfg.timeout_s, memory_mb=cfg.memory_mb).start()
+    pool = VerifierPool(workers=cfg.workers, timeout_s=cfg.timeout_s, memory_mb=cfg.memory_mb)
+    log.info("reward: starting %d verifier processes", cfg.workers)
+    try:
+        return serve(settings, pool.start())
+    finally:
+        pool.close()
+
+
+def serve(settings: Settings, pool: VerifierPool) -> int:
+    """The stream worker in a thread and the HTTP API in this one, until SIGTERM or SIGINT."""
+    cfg = settings.reward
     if pool.broken:
         log.error("reward: %s", pool.broken)
-        pool.close()
         return 1
     scorer = Scorer(pool, cfg)
     worker = RewardWorker(settings, scorer, Streams(connect(settings), settings))
@@ -62,5 +74,4 @@ def main(settings: Settings) -> int:
     finally:
         worker.stop()
         thread.join(timeout=settings.streams.block_ms / 1000 + cfg.timeout_s + 5)
-        pool.close()
     return 0

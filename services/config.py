@@ -1,10 +1,12 @@
 """One configuration tree for every service.
 
 Sources, lowest to highest priority: the field defaults (the DAPO paper's values where the paper gives one),
-a YAML preset (`services/configs/*.yaml`, shipped in the package), then `DAPO_` environment variables with `__` between nested keys, e.g.
-`DAPO_LEARNER__CLIP_HIGH=0.3` or `DAPO_REDIS__URL=redis://redis:6379/0`.
+a YAML preset (`services/configs/*.yaml`, shipped in the package), `DAPO_` environment variables with `__`
+between nested keys (e.g. `DAPO_LEARNER__CLIP_HIGH=0.3` or `DAPO_REDIS__URL=redis://redis:6379/0`), then keyword
+overrides (`--set` on the command line).
 
-Every section forbids unknown keys, so a typo in a YAML file is an error naming the key and the file.
+Every section forbids unknown keys, so a typo is an error naming the key and where it came from (the preset
+file, the environment variable or `--set`).
 """
 
 from __future__ import annotations
@@ -33,6 +35,9 @@ class RedisConfig(Section):
     run: str = Field("default", description="Run name; every key lives under the prefix `dapo:{run}:`.")
     embedded_aof: bool = Field(False, description="Embedded Redis: enable the append-only file (durability).")
     embedded_dir: str | None = Field(None, description="Embedded Redis: data folder (default: run_dir/redis).")
+    connect_timeout_s: float = Field(
+        10.0, gt=0, description="At startup, wait this long for Redis, then exit saying so."
+    )
 
 
 class StreamsConfig(Section):

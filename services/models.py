@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from services.data import SyntheticTask
+from services.startup import Unavailable
 
 if TYPE_CHECKING:  # pragma: no cover
     from services.config import Settings
@@ -26,7 +27,7 @@ BUILD_VERSION = 1
 BUILD_INFO = "dapo_tiny.json"  # written last: its presence marks a complete folder
 
 
-class ModelNotAvailable(RuntimeError):
+class ModelNotAvailable(Unavailable):
     """The configured model is neither a folder nor in the local Hugging Face cache."""
 
 
@@ -62,7 +63,8 @@ def resolve_pretrained(name_or_path: str) -> Path:
             raise ModelNotAvailable(f"model folder {path} has no config.json, so it is not a Hugging Face model")
         return path
     if name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") > 1:
-        raise ModelNotAvailable(f"model folder {name_or_path!r} does not exist")
+        raise ModelNotAvailable(f"model folder {name_or_path!r} does not exist; point model.name_or_path "
+                                "(DAPO_MODEL__NAME_OR_PATH, --set model.name_or_path=...) at a model folder or hub id")
     from huggingface_hub import snapshot_download
 
     offline = _env_true("HF_HUB_OFFLINE") or _env_true("TRANSFORMERS_OFFLINE")

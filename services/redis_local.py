@@ -7,6 +7,7 @@ launcher and the services it starts) finds the same server from the same setting
 from __future__ import annotations
 
 import atexit
+import itertools
 import logging
 import os
 import shutil
@@ -18,6 +19,7 @@ from pathlib import Path
 import redis
 
 from services.config import Settings
+from services.startup import Unavailable
 
 log = logging.getLogger(__name__)
 
@@ -113,6 +115,30 @@ class EmbeddedRedis:
 
 def embedded_dir(settings: Settings) -> Path:
     return Path(settings.redis.embedded_dir or Path(settings.run_dir) / "redis")
+
+
+def wait_for_redis(settings: Settings) -> None:
+    """Ping the configured Redis until it answers, for at most redis.connect_timeout_s (startup check)."""
+    url, timeout = settings.redis.url, settings.redis.connect_timeout_s
+    if not url:
+        return  # the embedded server: started by whoever connects first
+    deadline = time.monotonic() + timeout
+    for attempt in itertools.count():
+        client = redis.Redis.from_url(url, socket_connect_timeout=2, socket_timeout=2)
+        try:
+            client.ping()
+            return
+        except (redis.RedisError, OSError) as err:
+            if attempt == 0:
+                log.info("Redis at %s does not answer (%s); retrying for up to %g s", url, err, timeout)
+            if time.monotonic() >= deadline:
+                raise Unavailable(
+                    f"Redis at {url} did not answer within {timeout:g} s ({err}); start it, or point redis.url "
+                    "(DAPO_REDIS__URL, --set redis.url=...) at a running server"
+                ) from None
+            time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
+        finally:
+            client.close()
 
 
 def connect(settings: Settings, start_embedded: bool = True) -> redis.Redis:

@@ -39,7 +39,8 @@ def installed(tmp_path_factory) -> Path:
         else:
             source.mkdir(exist_ok=True)
             shutil.copy(ROOT / name, source / name)
-    run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", tmp / "dist", source], tmp)
+    run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", tmp / "dist", source],
+        tmp)
     (wheel,) = (tmp / "dist").glob("dapo_services-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     assert "services/configs/tiny-cpu.yaml" in names and "services/configs/ablations/1-grpo.yaml" in names

@@ -1,0 +1,114 @@
+"""Startup fails fast and clearly, and stops at once on a signal: real `dapo` processes, real signals.
+
+Each service checks the model path (learner, generator) and Redis before it loads anything heavy; an
+unreachable dependency ends it with exit code 69 and one line naming what was tried and what to do.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from services.http import free_port
+from services.startup import EXIT_UNAVAILABLE
+
+SERVICES = ["learner", "generator", "reward"]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> Path:
+    """A folder that passes the model lookup (the checks fail before anything would load it)."""
+    folder = tmp_path_factory.mktemp("model")
+    (folder / "config.json").write_text("{}")
+    return folder
+
+
+def closed_port_url() -> str:
+    return f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there
+
+
+def start(service: str, tmp: Path, *overrides: str) -> tuple[subprocess.Popen, Path]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DAPO_")}
+    env.update(PYTHONUNBUFFERED="1", DAPO_RUN_DIR=str(tmp / "run"))
+    sets = [arg for o in (f"{service}.port={free_port()}", *overrides) for arg in ("--set", o)]
+    stderr = tmp / f"{service}.err"
+    with open(stderr, "wb") as err:
+        process = subprocess.Popen([sys.executable, "-m", "cli", service, "--config", "tiny-cpu", *sets],
+                                   env=env, stdout=subprocess.DEVNULL, stderr=err)
+    return process, stderr
+
+
+def message_lines(stderr: Path) -> list[str]:
+    """What the user reads besides the timestamped log lines."""
+    return [line for line in stderr.read_text().splitlines() if not line[:4].isdigit()]
+
+
+def wait_for_text(path: Path, text: str, process: subprocess.Popen, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while text not in path.read_text():
+        assert process.poll() is None, path.read_text()
+        assert time.monotonic() < deadline, f"no {text!r} in:\n{path.read_text()}"
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("service", SERVICES)
+def test_unreachable_redis_ends_the_service_with_one_line(service, model, tmp_path):
+    url = closed_port_url()
+    started = time.monotonic()
+    process, stderr = start(service, tmp_path, f"redis.url={url}", "redis.connect_timeout_s=2",
+                            f"model.name_or_path={model}")
+    assert process.wait(timeout=60) == EXIT_UNAVAILABLE, stderr.read_text()
+    assert time.monotonic() - started < 60
+    (line,) = message_lines(stderr)
+    assert line.startswith(f"dapo {service}: Redis at {url} did not answer within 2 s") and "redis.url" in line
+    assert "Traceback" not in stderr.read_text()
+
+
+@pytest.mark.parametrize("service", ["learner", "generator"])
+def test_a_missing_model_ends_the_service_before_it_waits_for_redis(service, tmp_path):
+    missing = tmp_path / "no-such-model"
+    process, stderr = start(service, tmp_path, f"redis.url={closed_port_url()}", "redis.connect_timeout_s=25",
+                            f"model.name_or_path={missing}")
+    assert process.wait(timeout=20) == EXIT_UNAVAILABLE, stderr.read_text()  # before the 25 s Redis wait
+    (line,) = message_lines(stderr)
+    assert line.startswith(f"dapo {service}: model folder '{missing}' does not exist") and "model.name_or_path" in line
+
+
+@pytest.mark.parametrize("service, signum", [("learner", signal.SIGINT), ("generator", signal.SIGTERM),
+                                             ("reward", signal.SIGINT), ("learner", signal.SIGTERM)])
+def test_a_signal_stops_the_service_at_once_while_it_waits_for_redis(service, signum, model, tmp_path):
+    process, stderr = start(service, tmp_path, f"redis.url={closed_port_url()}", "redis.connect_timeout_s=25",
+                            f"model.name_or_path={model}")
+    wait_for_text(stderr, "retrying for up to 25 s", process)
+    sent = time.monotonic()
+    process.send_signal(signum)
+    assert process.wait(timeout=10) == 128 + signum, stderr.read_text()
+    assert time.monotonic() - sent < 3
+    assert message_lines(stderr) == [f"dapo {service}: stopped by {signal.Signals(signum).name}"]
+
+
+def test_a_signal_stops_the_reward_service_while_its_verifier_processes_start(redis_server, tmp_path):
+    process, stderr = start("reward", tmp_path, f"redis.url={redis_server.url}", "reward.workers=2")
+    wait_for_text(stderr, "starting 2 verifier processes", process)
+    deadline = time.monotonic() + 30
+    while not (children := children_of(process.pid)):
+        assert time.monotonic() < deadline and process.poll() is None, stderr.read_text()
+        time.sleep(0.02)
+    assert "reward service on" not in stderr.read_text()  # still starting
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(timeout=15) == 128 + signal.SIGTERM, stderr.read_text()
+    assert message_lines(stderr) == ["dapo reward: stopped by SIGTERM"]
+    deadline = time.monotonic() + 10
+    while any(Path(f"/proc/{pid}").exists() for pid in children):  # the verifier processes go with it
+        assert time.monotonic() < deadline, f"left behind: {children}"
+        time.sleep(0.1)
+
+
+def children_of(pid: int) -> list[int]:
+    return [int(p) for p in subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()]
