@@ -17,6 +17,12 @@ and deleting them), re-admit the rest. Groups trained after the checkpoint are r
 the restored model, so the surviving lineage trains each group once; metrics.jsonl and ledger.jsonl are cut
 back to the checkpoint's step so they describe that lineage. Task ids are deduplicated on every admission.
 
+Provenance. The learner trains only what it asked for: every task it pushes is recorded first in the hash
+`dapo:{run}:issued` (task id -> the task as sent), which lives in Redis and so survives a learner restart. A
+scored group whose task id is not there, or whose task or rollout does not match the issued task (prompt,
+token ids, sampling, n samples and n scores), goes to `dead` with the reason (`provenance: ...`). Entries are
+removed once the group is settled (dropped, evaluated, or trained and checkpointed).
+
 Versions stay monotonic across a resume: if generators were told of a version newer than the checkpoint's (a
 lineage the crash discarded), the restored policy is published as the next version after it, so that every
 generator loads it (they ignore older announcements) and staleness is still measured in versions.
@@ -48,10 +54,10 @@ from learner.tracking import Tracking
 from services import metrics
 from services.config import Settings, dump_settings
 from services.data import Problem, load_problems, render_prompt
-from services.messages import PromptTask, SamplingParams, ScoredGroup
+from services.messages import PromptTask, SamplingParams, ScoredGroup, from_wire, to_wire
 from services.http import BackgroundServer, create_app
 from services.redis_local import connect
-from services.streams import Delivery, Streams, consumer_name, retry_redis
+from services.streams import FIELD, Delivery, Streams, consumer_name
 from services.weights import WeightPublisher, latest_announcement, weights_router, write_atomic
 
 log = logging.getLogger(__name__)
@@ -61,6 +67,7 @@ LATEST = "latest"
 METRICS_FILE = "metrics.jsonl"
 LEDGER_FILE = "ledger.jsonl"
 HELD = "held"
+ISSUED = "issued"
 EXIT_REFILL_LIMIT = 3
 CONSUME_BATCH = 64
 DEAD_SCAN_SECONDS = 1.0
@@ -73,14 +80,20 @@ def data_spec(value: str, split: str) -> str:
     return f"synthetic-{split}" if value == "synthetic" else value
 
 
-def public_base_url(settings: Settings) -> str:
-    """Where generators reach the learner's weights: learner.public_url, else http://host:port (a wildcard bind
-    address is not reachable, so it becomes 127.0.0.1: the local launcher's case)."""
-    cfg = settings.learner
-    if cfg.public_url:
-        return cfg.public_url.rstrip("/")
-    host = "127.0.0.1" if cfg.host in ("0.0.0.0", "::", "") else cfg.host
-    return f"http://{host}:{cfg.port}"
+def provenance_error(group: ScoredGroup, issued: PromptTask | None) -> str | None:
+    """Why a scored group must not be trained (None if it may): the learner never issued its task id, or the
+    group's task or rollout does not match the task as issued."""
+    task, rollout = group.rollout.task, group.rollout
+    if issued is None:
+        return f"provenance: unknown task id {task.task_id!r} (not issued by this run's learner)"
+    if task != issued:
+        changed = [name for name in PromptTask.model_fields if getattr(task, name) != getattr(issued, name)]
+        return f"provenance: task {task.task_id} does not match the task as issued (differs in {', '.join(changed)})"
+    n = issued.sampling.n
+    if len(rollout.samples) != n or len(group.scores) != n:
+        return (f"provenance: task {task.task_id} asked for n={n} samples; the group has {len(rollout.samples)} "
+                f"samples and {len(group.scores)} scores")
+    return None
 
 
 def task_id_in_payload(stream: str, payload: bytes) -> str | None:
@@ -209,8 +222,9 @@ class LearnerService:
         self.prompts = self.streams.stream("prompts", PromptTask)
         self.scored = self.streams.stream("scored", ScoredGroup)
         self.held = self.streams.stream(HELD, ScoredGroup)
+        self.issued_key = self.streams.key(ISSUED)
         self.consumer = consumer_name("learner")
-        self.publisher = WeightPublisher(self.settings, self.redis, public_base_url(self.settings))
+        self.publisher = WeightPublisher(self.settings, self.redis, self.cfg.public_base_url())
 
     def create_app(self):
         app = create_app(
@@ -231,7 +245,7 @@ class LearnerService:
         self.http = BackgroundServer(
             self.create_app(), self.cfg.host, self.cfg.port, name="learner-http", lifespan="off"
         ).start()
-        log.info("learner HTTP on %s:%d (weights at %s)", self.cfg.host, self.cfg.port, public_base_url(self.settings))
+        log.info("learner HTTP on %s:%d (weights at %s)", self.cfg.host, self.cfg.port, self.cfg.public_base_url())
 
     def stop_http(self) -> None:
         if self.http is not None:
@@ -368,8 +382,20 @@ class LearnerService:
         """Produce queued tasks while the prompts stream has room (never block on back-pressure: keep reading)."""
         room = self.prompts.room() if self.outbox else 0
         while self.outbox and room > 0:
-            self.prompts.produce(self.outbox.popleft())
+            task = self.outbox.popleft()
+            self.redis.hset(self.issued_key, task.task_id, to_wire(task))  # before it can come back
+            self.prompts.produce(task)
             room -= 1
+
+    def issued_task(self, task_id: str) -> PromptTask | None:
+        raw = self.redis.hget(self.issued_key, task_id)
+        return from_wire(PromptTask, raw) if raw else None
+
+    def settle(self, task_ids) -> None:
+        """Forget issued tasks whose groups are settled (dropped, evaluated, lost, or trained and checkpointed)."""
+        task_ids = list(task_ids)
+        for i in range(0, len(task_ids), 500):
+            self.redis.hdel(self.issued_key, *task_ids[i : i + 500])
 
     def pump(self) -> None:
         """Flush the outbox, read scored groups (blocking up to block_ms), look for dead prompts."""
@@ -382,10 +408,16 @@ class LearnerService:
     def handle(self, delivery: Delivery[ScoredGroup]) -> None:
         group = delivery.message
         task_id = task_id_of(group)
+        if task_id not in self.assembler.seen:  # a duplicate of a settled group is dropped below, not checked
+            reason = provenance_error(group, self.issued_task(task_id))
+            if reason is not None:
+                self.scored.reject(delivery, reason)
+                return
         if group.rollout.task.split == "eval":
             if self.eval_round is None or not self.eval_round.add(group):
                 log.debug("ignoring eval group %s (not part of a running evaluation)", task_id)
             self.scored.ack(delivery)
+            self.settle([task_id])
             return
         verdict = self.assembler.admit(group, self.trainer.version)
         if verdict == "informative":
@@ -393,18 +425,18 @@ class LearnerService:
                 self.assembler.retract(task_id)  # reclaimed meanwhile: it comes back and is admitted then
             return
         self.scored.ack(delivery)
+        if verdict != "duplicate":
+            self.settle([task_id])
         self.step_drops[verdict].append(task_id)
         if verdict == "uninformative":
             metrics.LEARNER_UNINFORMATIVE.inc()
         elif verdict == "stale":
             metrics.LEARNER_STALE.inc()
 
-    @retry_redis
     def _last_dead_id(self) -> str:
         rows = self.redis.xrevrange(self.streams.key("dead"), count=1)
         return rows[0][0].decode() if rows else "0-0"
 
-    @retry_redis
     def scan_dead_letters(self) -> None:
         """Prompts that died in the pipeline (poison, too many deliveries) will never be scored: stop waiting."""
         self._dead_scanned_at = time.monotonic()
@@ -417,18 +449,19 @@ class LearnerService:
             if task_id is not None:
                 lost.append(task_id)
         if lost:
+            self.settle(lost)
             gone = self.assembler.lost(lost)
             eval_gone = self.eval_round.mark_lost(lost) if self.eval_round is not None else 0
             if gone or eval_gone:
                 log.warning("%d train and %d eval tasks died in the pipeline (see the dead stream)", gone, eval_gone)
 
     # -- held: the durable working set -------------------------------------------------------------------------
-    def held_entries(self, page: int = 256) -> Iterator[tuple[str, bytes]]:
+    def held_entries(self, page: int = 256) -> Iterator[tuple[str, dict]]:
         start = "-"
         while True:
-            rows = retry_redis(self.redis.xrange)(self.held.key, min=start, max="+", count=page)
+            rows = self.redis.xrange(self.held.key, min=start, max="+", count=page)
             for entry_id, fields in rows:
-                yield entry_id.decode(), fields.get(b"data", b"")
+                yield entry_id.decode(), fields
             if len(rows) < page:
                 return
             start = "(" + rows[-1][0].decode()
@@ -436,9 +469,9 @@ class LearnerService:
     def delete_held(self, task_ids: set[str]) -> int:
         if not task_ids:
             return 0
-        doomed = [eid for eid, payload in self.held_entries() if task_id_in_payload(HELD, payload) in task_ids]
+        doomed = [eid for eid, fields in self.held_entries() if task_id_in_payload(HELD, fields.get(FIELD)) in task_ids]
         for i in range(0, len(doomed), 500):
-            retry_redis(self.redis.xdel)(self.held.key, *doomed[i : i + 500])
+            self.redis.xdel(self.held.key, *doomed[i : i + 500])
         return len(doomed)
 
     def readmit_held(self, skip: set[str], counted: set[str]) -> dict[str, int]:
@@ -447,7 +480,13 @@ class LearnerService:
         outcome = {"kept": 0, "skipped": 0, "dropped": 0, "garbled": 0}
         doomed = []
         version = self.trainer.version
-        for entry_id, payload in self.held_entries():
+        for entry_id, fields in self.held_entries():
+            payload = fields.get(FIELD, b"")
+            forged = self.held.forged(fields)
+            if forged:
+                self.held.dead(entry_id, payload, forged)
+                outcome["garbled"] += 1
+                continue
             task_id = task_id_in_payload(HELD, payload)
             if task_id is None:
                 self.held.dead(entry_id, payload, "unparseable held group")
@@ -471,10 +510,9 @@ class LearnerService:
                 outcome["dropped"] += 1
                 self.step_drops[verdict].append(task_id)
         for i in range(0, len(doomed), 500):
-            retry_redis(self.redis.xdel)(self.held.key, *doomed[i : i + 500])
+            self.redis.xdel(self.held.key, *doomed[i : i + 500])
         return outcome
 
-    @retry_redis
     def claim_pending(self) -> int:
         """Take over every scored group a previous learner process was given and never settled (there is one
         learner, so whoever holds them is dead) and handle them now instead of after the visibility timeout."""
@@ -525,7 +563,7 @@ class LearnerService:
             )
 
     def ensure_monotonic_version(self) -> None:
-        announced = latest_announcement(self.redis, self.streams.prefix)
+        announced = latest_announcement(self.redis, self.streams.prefix, self.publisher.key)
         if announced is not None and announced.version > self.trainer.version:
             log.warning(
                 "generators were told of v%d (a lineage the restart discarded); the restored policy (v%d) is "
@@ -576,6 +614,7 @@ class LearnerService:
         self.trainer.save_checkpoint(path, extra)
         write_atomic(self.checkpoint_dir / LATEST, name)
         deleted = self.delete_held(self.consumed_since_checkpoint)
+        self.settle(self.consumed_since_checkpoint)
         self.consumed_since_checkpoint = set()
         self.last_checkpoint_step = self.step
         self.prune_checkpoints(keep=name)

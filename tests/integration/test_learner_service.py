@@ -27,7 +27,6 @@ from learner.service import (
     METRICS_FILE,
     TrainProblems,
     data_spec,
-    public_base_url,
     task_id_in_payload,
     truncate_jsonl,
 )
@@ -93,9 +92,9 @@ def test_data_specs_and_public_url():
     assert data_spec("synthetic", "train") == "synthetic-train"
     assert data_spec("aime2024", "eval") == "aime2024"
     s = load_settings("tiny-cpu", learner={"port": 8123})
-    assert public_base_url(s) == "http://127.0.0.1:8123"
+    assert s.learner.public_base_url() == "http://127.0.0.1:8123"
     s = load_settings("tiny-cpu", learner={"public_url": "http://learner:8000/"})
-    assert public_base_url(s) == "http://learner:8000"
+    assert s.learner.public_base_url() == "http://learner:8000"
 
 
 # -- the whole loop (slow) -------------------------------------------------------------------------------------
