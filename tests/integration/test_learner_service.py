@@ -23,8 +23,10 @@ import msgpack
 import pytest
 
 from learner.service import (
+    ISSUED,
     LEDGER_FILE,
     METRICS_FILE,
+    LearnerService,
     TrainProblems,
     data_spec,
     task_id_in_payload,
@@ -33,7 +35,7 @@ from learner.service import (
 from services.config import load_settings
 from services.data import Problem
 from services.http import free_port
-from services.messages import PromptTask, RolloutGroup, Sample, Score, ScoredGroup, to_wire
+from services.messages import PromptTask, RolloutGroup, Sample, SamplingParams, Score, ScoredGroup, to_wire
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -95,6 +97,49 @@ def test_data_specs_and_public_url():
     assert s.learner.public_base_url() == "http://127.0.0.1:8123"
     s = load_settings("tiny-cpu", learner={"public_url": "http://learner:8000/"})
     assert s.learner.public_base_url() == "http://learner:8000"
+
+
+def scored_group(task: PromptTask, correct: list[bool]) -> ScoredGroup:
+    samples = [Sample(token_ids=[1, 2], logprobs=[-0.1, -0.2], text="Answer: 2", finish_reason="stop") for _ in correct]
+    scores = [Score(reward=1.0 if c else -1.0, correct=c, overlong=False, rule="answer_line") for c in correct]
+    return ScoredGroup(rollout=RolloutGroup(task=task, policy_version=0, generator_id="g", samples=samples),
+                       scores=scores)
+
+
+def test_learner_trains_only_groups_it_issued_and_that_match(settings):
+    """Forged scored groups (unknown task id, bad HMAC, a rollout that does not fit its task) are dead-lettered
+    with the exact reason and never reach the batch; the genuine group does."""
+    service = LearnerService(settings)
+    service.connect()
+    service.trainer = type("Version", (), {"version": 0})()  # the model is not needed to admit groups
+    issued = PromptTask(task_id="train-1", prompt_id="p1", prompt="1+1=", prompt_token_ids=[5, 6], ground_truth="2",
+                        sampling=SamplingParams(n=2, max_tokens=8))
+    service.outbox.append(issued)
+    service.flush_outbox()  # recorded in `issued`, then produced
+    assert service.issued_task("train-1") == issued
+    assert service.redis.hexists(service.streams.key(ISSUED), "train-1")
+
+    scored = service.scored
+    made_up = issued.model_copy(update={"task_id": "train-made-up"})
+    scored.produce(scored_group(made_up, [True, False]))
+    other_prompt = issued.model_copy(update={"prompt_token_ids": [7, 8]})
+    scored.produce(scored_group(other_prompt, [True, False]))
+    scored.produce(scored_group(issued, [True, False, False]))  # n=3 for a task of n=2
+    genuine = to_wire(scored_group(issued, [True, False]))
+    tampered = to_wire(scored_group(issued.model_copy(update={"ground_truth": "3"}), [True, False]))
+    service.redis.xadd(scored.key, {b"data": tampered, b"sig": scored.signature(genuine)})
+    scored.produce(scored_group(issued, [True, False]))
+    service.pump()
+
+    reasons = [d["reason"] for d in reversed(service.streams.dead_letters())]
+    assert reasons == [  # the signature is checked on reading, before the learner looks at the group
+        "forged: bad HMAC signature (tampered, or written without the shared token)",
+        "provenance: unknown task id 'train-made-up' (not issued by this run's learner)",
+        "provenance: task train-1 does not match the task as issued (differs in prompt_token_ids)",
+        "provenance: task train-1 asked for n=2 samples; the group has 3 samples and 3 scores",
+    ]
+    assert [task.rollout.task for _, _, task in service.assembler.ready] == [issued]
+    assert service.redis.xlen(service.held.key) == 1 and service.redis.xlen(scored.key) == 0
 
 
 # -- the whole loop (slow) -------------------------------------------------------------------------------------
