@@ -215,7 +215,9 @@ class LearnerService:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
         # The resolved settings, minus the shared secret (services read it from the environment).
-        redacted = self.settings.model_copy(update={"token": "<redacted>"})
+        redacted = self.settings.model_copy(
+            update={"token": "<redacted>", "redis": self.settings.redis.model_copy(update={"password": None})}
+        )
         write_atomic(self.run_dir / "config.yaml", dump_settings(redacted))
         self.redis = connect(self.settings)
         self.streams = Streams(self.redis, self.settings)

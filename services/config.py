@@ -36,6 +36,9 @@ class RedisConfig(Section):
         "everysec", description="Embedded Redis appendfsync: everysec loses at most ~1 s on a machine crash, none on a kill."
     )
     embedded_dir: str | None = Field(None, description="Embedded Redis: data folder (default: run_dir/redis).")
+    password: str | None = Field(
+        None, description="Redis AUTH password (from a Secret as DAPO_REDIS__PASSWORD; a password in `url` wins)."
+    )
 
 
 class StreamsConfig(Section):

@@ -71,9 +71,10 @@ def retrying(client: redis.Redis) -> RetryingRedis:
     return RetryingRedis(connection_pool=client.connection_pool)
 
 
-def client_for(url: str) -> RetryingRedis:
-    """A retrying client for a Redis URL (`unix://:password@/path.sock` for the embedded server)."""
-    return RetryingRedis.from_url(url, health_check_interval=30)
+def client_for(url: str, password: str | None = None) -> RetryingRedis:
+    """A retrying client for a Redis URL (`unix://:password@/path.sock` for the embedded server); a password in
+    the URL beats `password`."""
+    return RetryingRedis.from_url(url, password=password, health_check_interval=30)
 
 
 def redis_server_binary() -> str:
@@ -202,7 +203,7 @@ def embedded_server(settings: Settings) -> EmbeddedRedis:
 def connect(settings: Settings, start_embedded: bool = True) -> RetryingRedis:
     """A client for the configured Redis; without a URL, the run's embedded server (started if absent)."""
     if settings.redis.url:
-        return client_for(settings.redis.url)
+        return client_for(settings.redis.url, settings.redis.password)
     server = embedded_server(settings)
     probe = redis.Redis(unix_socket_path=str(server.socket_path), password=server.password)
     try:

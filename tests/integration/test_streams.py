@@ -9,6 +9,7 @@ import sys
 import textwrap
 import threading
 import time
+from pathlib import Path
 
 import msgpack
 import pytest
@@ -278,3 +279,18 @@ def test_touch_keeps_long_work_from_being_reclaimed(streams):
         assert prompts.consume("thief", count=1, block_ms=10) == []
     assert prompts.touch("thief", [d.id]) == 0  # only the owner's heartbeat counts
     assert prompts.ack(d)
+
+
+def test_embedded_redis_requires_its_password_kept_in_an_owner_only_file(redis_server):
+    import redis
+
+    conf = redis_server.data_dir / "redis.conf"
+    assert conf.stat().st_mode & 0o077 == 0  # readable by its owner only
+    assert redis_server.password in conf.read_text()
+    cmdline = Path(f"/proc/{redis_server.process.pid}/cmdline").read_bytes().decode(errors="replace")
+    assert redis_server.password not in cmdline
+    with pytest.raises(redis.AuthenticationError):
+        redis.Redis(unix_socket_path=str(redis_server.socket_path)).ping()
+    with pytest.raises(redis.AuthenticationError):
+        redis.Redis(unix_socket_path=str(redis_server.socket_path), password="a-guess").ping()
+    assert redis.Redis.from_url(redis_server.url).ping()

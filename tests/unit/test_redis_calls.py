@@ -50,3 +50,13 @@ def test_clients_of_the_layer_retry_every_command():
     assert retrying(wrapped) is wrapped
     # the retry is on execute_command itself, which every command, script call and pubsub setup goes through
     assert RetryingRedis.execute_command is not redis.Redis.execute_command
+
+
+def test_the_configured_password_reaches_the_client_and_one_in_the_url_wins():
+    from services.config import load_settings
+    from services.redis_local import connect
+
+    client = connect(load_settings("tiny-cpu", redis={"url": "redis://redis:6379/0", "password": "from-secret"}))
+    assert client.connection_pool.connection_kwargs["password"] == "from-secret"
+    client = connect(load_settings("tiny-cpu", redis={"url": "redis://:in-url@redis:6379/0", "password": "other"}))
+    assert client.connection_pool.connection_kwargs["password"] == "in-url"
