@@ -168,8 +168,11 @@ class Pipeline:
         self.processes: list[subprocess.Popen] = []
         self.logs = root / "logs"
         self.logs.mkdir()
+        # One learner at a time, always on this port: the generator pulls from nowhere else (learner.public_url).
+        self.learner_port = free_port()
         self.common = {
             "redis": {"url": self.redis_server.url, "run": self.RUN},
+            "learner": {"public_url": f"http://127.0.0.1:{self.learner_port}"},
             "streams": {"visibility_timeout_s": 30, "block_ms": 200, "high_water": 256},
             "token": "test-token",
         }
@@ -236,7 +239,7 @@ class Pipeline:
                 r.xtrim(key(name), maxlen=0)
 
     def learner(self, run_dir: Path, learner: dict, **sections) -> subprocess.Popen:
-        tree = {"run_dir": str(run_dir), "learner": {"port": free_port(), **learner}, **sections}
+        tree = {"run_dir": str(run_dir), "learner": {"port": self.learner_port, **learner}, **sections}
         return self.spawn("learner", tree, f"learner-{run_dir.name}")
 
     def close(self) -> None:
@@ -430,9 +433,9 @@ def test_http_while_running_and_sigterm_checkpoints_then_exits(pipeline, tmp_pat
     import httpx
 
     run_dir = tmp_path / "term"
-    port = free_port()
+    port = pipeline.learner_port
     pipeline.drain()
-    process = pipeline.learner(run_dir, {**LEARNER, "port": port, "eval_every": 0, "total_steps": 100,
+    process = pipeline.learner(run_dir, {**LEARNER, "eval_every": 0, "total_steps": 100,
                                          "checkpoint_every": 0}, **SMALL)
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 180
