@@ -21,7 +21,8 @@ Provenance. The learner trains only what it asked for: every task it pushes is r
 `dapo:{run}:issued` (task id -> the task as sent), which lives in Redis and so survives a learner restart. A
 scored group whose task id is not there, or whose task or rollout does not match the issued task (prompt,
 token ids, sampling, n samples and n scores), goes to `dead` with the reason (`provenance: ...`). Entries are
-removed once the group is settled (dropped, evaluated, or trained and checkpointed).
+removed once the group is settled (dropped, evaluated, or trained and checkpointed). Task and record are
+written in one script, so after a Redis restart the tasks in flight missing from `issued` were lost with it.
 
 Versions stay monotonic across a resume: if generators were told of a version newer than the checkpoint's (a
 lineage the crash discarded), the restored policy is published as the next version after it, so that every
@@ -54,7 +55,7 @@ from learner.tracking import Tracking
 from services import metrics
 from services.config import Settings, dump_settings
 from services.data import Problem, load_problems, render_prompt
-from services.messages import PromptTask, SamplingParams, ScoredGroup, from_wire, to_wire
+from services.messages import PromptTask, SamplingParams, ScoredGroup, from_wire
 from services.http import BackgroundServer, create_app
 from services.redis_local import connect
 from services.streams import FIELD, Delivery, Streams, consumer_name
@@ -203,6 +204,7 @@ class LearnerService:
         self.eval_round: EvalRound | None = None
         self._dead_cursor = "0-0"
         self._dead_scanned_at = 0.0
+        self._redis_run_id: str | None = None
         self.trainer = None
         self.tracking: Tracking | None = None
         self.assembler = BatchAssembler.from_settings(self.cfg)
@@ -385,8 +387,7 @@ class LearnerService:
         room = self.prompts.room() if self.outbox else 0
         while self.outbox and room > 0:
             task = self.outbox.popleft()
-            self.redis.hset(self.issued_key, task.task_id, to_wire(task))  # before it can come back
-            self.prompts.produce(task)
+            self.prompts.produce(task, register=(self.issued_key, task.task_id))  # recorded as issued, atomically
             room -= 1
 
     def issued_task(self, task_id: str) -> PromptTask | None:
@@ -439,9 +440,29 @@ class LearnerService:
         rows = self.redis.xrevrange(self.streams.key("dead"), count=1)
         return rows[0][0].decode() if rows else "0-0"
 
+    def check_redis_restart(self) -> None:
+        """After a Redis restart, prompts pushed after the last write its AOF kept (a machine crash loses up to
+        a second with appendfsync everysec) will never come back: stop waiting for them. A task and its record
+        in `issued` are written atomically, so a task missing from `issued` was never pushed as far as Redis
+        knows."""
+        run_id = self.redis.info("server")["run_id"]
+        previous, self._redis_run_id = self._redis_run_id, run_id
+        if previous is None or previous == run_id:
+            return
+        waiting = list(self.assembler.in_flight)
+        if self.eval_round is not None:
+            waiting += [t for t in self.eval_round.expected if t not in self.eval_round.received]
+        queued = {task.task_id for task in self.outbox}  # not pushed yet: not in `issued` either
+        waiting = [task_id for task_id in waiting if task_id not in queued]
+        known = self.redis.hmget(self.issued_key, waiting) if waiting else []
+        gone = [task_id for task_id, raw in zip(waiting, known) if raw is None]
+        lost = self.assembler.lost(gone) + (self.eval_round.mark_lost(gone) if self.eval_round is not None else 0)
+        log.warning("Redis restarted (run id %s); %d tasks in flight were lost with it", run_id[:8], lost)
+
     def scan_dead_letters(self) -> None:
         """Prompts that died in the pipeline (poison, too many deliveries) will never be scored: stop waiting."""
         self._dead_scanned_at = time.monotonic()
+        self.check_redis_restart()
         rows = self.redis.xrange(self.streams.key("dead"), min=f"({self._dead_cursor}", max="+", count=1000)
         lost = []
         for entry_id, fields in rows:

@@ -57,9 +57,11 @@ redis.call('XDEL', KEYS[1], ARGV[2])
 return 1
 """
 
-# KEYS: stream. ARGV: high water, payload, signature. Append unless the stream is full (one round trip).
+# KEYS: stream [, register hash]. ARGV: high water, payload, signature [, register field]. Append unless the
+# stream is full (one round trip); with a register, also record the payload there, in the same atomic write.
 _PRODUCE = """
 if redis.call('XLEN', KEYS[1]) >= tonumber(ARGV[1]) then return false end
+if #KEYS > 1 then redis.call('HSET', KEYS[2], ARGV[4], ARGV[2]) end
 return redis.call('XADD', KEYS[1], '*', 'data', ARGV[2], 'sig', ARGV[3])
 """
 
@@ -153,13 +155,16 @@ class Stream(Generic[M]):
             self._ensure_group()
             return fn(*args, **kwargs)
 
-    def produce(self, message: M, timeout: float | None = None) -> str:
-        """Append a message; wait while the stream is at its high-water mark (never trims unread entries)."""
+    def produce(self, message: M, timeout: float | None = None, register: tuple[str, str] | None = None) -> str:
+        """Append a message; wait while the stream is at its high-water mark (never trims unread entries).
+
+        `register=(hash key, field)` also stores the payload in that hash, atomically with the append (so after
+        a Redis crash either both survived in the AOF or neither did)."""
         self._ensure_group()
         payload = to_wire(message)
         timeout = self.cfg.produce_timeout_s if timeout is None else timeout
         waited, delay = 0.0, 0.01
-        while (entry_id := self._xadd(payload)) is None:
+        while (entry_id := self._xadd(payload, register)) is None:
             if waited >= timeout:
                 raise BackPressureTimeout(
                     f"stream {self.key} stayed at {self.cfg.high_water}+ entries for {timeout:.0f}s"
@@ -175,9 +180,13 @@ class Stream(Generic[M]):
         """How many messages can be produced now without waiting."""
         return max(0, self.cfg.high_water - self._depth())
 
-    def _xadd(self, payload: bytes) -> str | None:
-        """XADD below high water; None when the stream is full."""
-        entry_id = self._produce(keys=[self.key], args=[self.cfg.high_water, payload, self.signature(payload)])
+    def _xadd(self, payload: bytes, register: tuple[str, str] | None = None) -> str | None:
+        """XADD below high water (and HSET into the register); None when the stream is full."""
+        keys, args = [self.key], [self.cfg.high_water, payload, self.signature(payload)]
+        if register is not None:
+            keys.append(register[0])
+            args.append(register[1])
+        entry_id = self._produce(keys=keys, args=args)
         return entry_id.decode() if entry_id else None
 
     def _depth(self) -> int:

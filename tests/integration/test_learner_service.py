@@ -142,6 +142,27 @@ def test_learner_trains_only_groups_it_issued_and_that_match(settings):
     assert service.redis.xlen(service.held.key) == 1 and service.redis.xlen(scored.key) == 0
 
 
+def test_tasks_lost_with_a_redis_crash_are_no_longer_waited_for(settings, redis_server):
+    """A machine crash can cost Redis its last second of AOF: tasks pushed then (and their `issued` records,
+    written atomically with them) are gone, and the learner stops waiting for them once it sees the restart."""
+    service = LearnerService(settings)
+    service.connect()
+    tasks = [PromptTask(task_id=f"train-{i}", prompt_id=f"p{i}", prompt="1+1=", ground_truth="2") for i in range(3)]
+    service.assembler.issued([t.task_id for t in tasks], 0)
+    service.outbox.extend(tasks[:2])
+    service.flush_outbox()
+    service.outbox.append(tasks[2])  # still queued: never pushed, must not count as lost
+    service.scan_dead_letters()  # learns the server's run id
+    (entry_id, _), _ = service.redis.xrange(service.prompts.key)  # the crash lost train-0's push:
+    service.redis.xdel(service.prompts.key, entry_id)
+    service.redis.hdel(service.issued_key, "train-0")
+    redis_server.stop(kill=True)
+    redis_server.start()
+    service.scan_dead_letters()
+    assert sorted(service.assembler.in_flight) == ["train-1", "train-2"]
+    assert service.assembler.stats.lost == 1
+
+
 # -- the whole loop (slow) -------------------------------------------------------------------------------------
 def flatten(prefix: str, tree: dict) -> dict[str, str]:
     """{"learner": {"port": 1}} -> {"DAPO_LEARNER__PORT": "1"}"""
