@@ -460,13 +460,17 @@ class LearnerService:
         log.warning("Redis restarted (run id %s); %d tasks in flight were lost with it", run_id[:8], lost)
 
     def scan_dead_letters(self) -> None:
-        """Prompts that died in the pipeline (poison, too many deliveries) will never be scored: stop waiting."""
+        """Prompts that died in the pipeline (poison, too many deliveries) will never be scored: stop waiting.
+        Groups refused as forged or for their provenance say nothing reliable about the task they name: it may be
+        a real one, whose genuine group is still to come."""
         self._dead_scanned_at = time.monotonic()
         self.check_redis_restart()
         rows = self.redis.xrange(self.streams.key("dead"), min=f"({self._dead_cursor}", max="+", count=1000)
         lost = []
         for entry_id, fields in rows:
             self._dead_cursor = entry_id.decode()
+            if fields.get(b"reason", b"").startswith((b"forged", b"provenance")):
+                continue
             stream = fields.get(b"stream", b"").decode(errors="replace")
             task_id = task_id_in_payload(stream, fields.get(b"data", b""))
             if task_id is not None:

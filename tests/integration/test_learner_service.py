@@ -115,6 +115,7 @@ def test_learner_trains_only_groups_it_issued_and_that_match(settings):
     issued = PromptTask(task_id="train-1", prompt_id="p1", prompt="1+1=", prompt_token_ids=[5, 6], ground_truth="2",
                         sampling=SamplingParams(n=2, max_tokens=8))
     service.outbox.append(issued)
+    service.assembler.issued(["train-1"], 0)
     service.flush_outbox()  # recorded in `issued`, then produced
     assert service.issued_task("train-1") == issued
     assert service.redis.hexists(service.streams.key(ISSUED), "train-1")
@@ -128,6 +129,9 @@ def test_learner_trains_only_groups_it_issued_and_that_match(settings):
     genuine = to_wire(scored_group(issued, [True, False]))
     tampered = to_wire(scored_group(issued.model_copy(update={"ground_truth": "3"}), [True, False]))
     service.redis.xadd(scored.key, {b"data": tampered, b"sig": scored.signature(genuine)})
+    service.pump()
+    # The refused groups named a real task: it is not taken for lost, its genuine group is still to come.
+    assert "train-1" in service.assembler.in_flight and service.issued_task("train-1") == issued
     scored.produce(scored_group(issued, [True, False]))
     service.pump()
 
