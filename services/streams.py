@@ -150,7 +150,8 @@ class Stream(Generic[M]):
         except redis.ResponseError as err:
             if "NOGROUP" not in str(err):
                 raise
-            log.warning("consumer group %s of %s is gone (Redis restarted without it): re-creating", self.group, self.key)
+            log.warning("consumer group %s of %s is gone (Redis restarted without it): re-creating",
+                        self.group, self.key)
             self._group_ready = False
             self._ensure_group()
             return fn(*args, **kwargs)

@@ -1,5 +1,5 @@
-"""Write the CRD schemas the deployment tests validate against: KEDA's ScaledObject and TriggerAuthentication, the Prometheus
-operator's ServiceMonitor and PrometheusRule, as strict JSON schemas, one file each.
+"""Write the CRD schemas the deployment tests validate against: KEDA's ScaledObject and TriggerAuthentication,
+the Prometheus operator's ServiceMonitor and PrometheusRule, as strict JSON schemas, one file each.
 
 Why derived, not copied: the published CRDs (their openAPIV3Schema) are not on any package registry this
 project installs from; the cloudcoil model packages on PyPI are generated from exactly those CRDs, one package

@@ -29,7 +29,15 @@ from generator.sync import WeightSync
 from generator.worker import RolloutWorker
 from services.config import load_settings
 from services.http import create_app
-from services.messages import PromptTask, RolloutGroup, SamplingParams, Score, ScoredGroup, WeightsAnnouncement, sign_announcement
+from services.messages import (
+    PromptTask,
+    RolloutGroup,
+    SamplingParams,
+    Score,
+    ScoredGroup,
+    WeightsAnnouncement,
+    sign_announcement,
+)
 from services.redis_local import connect
 from services.streams import Streams
 from services.weights import WeightPublisher, channel, latest_key, shareable_state_dict, weights_router
