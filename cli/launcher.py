@@ -30,7 +30,7 @@ from rich.table import Table
 
 from services.config import Settings, dump_settings
 from services.http import free_port
-from services.redis_local import EmbeddedRedis, embedded_server
+from services.redis_local import EmbeddedRedis, embedded_server, without_password
 
 log = logging.getLogger(__name__)
 console = Console()
@@ -112,12 +112,6 @@ def service_children(settings: Settings, config_path: Path, redis_url: str, gene
     children += [child(f"generator-{i}", "generator", DAPO_GENERATOR__PORT=str(free_port()),
                        DAPO_GENERATOR__HOST="127.0.0.1", DAPO_WORKER_ID=f"generator-{i}") for i in range(generators)]
     return children
-
-
-def without_password(url: str) -> str:
-    """A Redis URL fit for a file others may read."""
-    scheme, sep, rest = url.partition("://")
-    return f"{scheme}{sep}{rest.rpartition('@')[2]}" if "@" in rest else url
 
 
 def write_service_map(children: list[Child], redis_url: str, path: Path) -> None:

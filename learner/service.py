@@ -57,7 +57,7 @@ from services.config import Settings, dump_settings
 from services.data import Problem, load_problems, render_prompt
 from services.messages import PromptTask, SamplingParams, ScoredGroup, from_wire
 from services.http import BackgroundServer, create_app
-from services.redis_local import connect
+from services.redis_local import connect, without_password
 from services.streams import FIELD, Delivery, Streams, consumer_name
 from services.weights import WeightPublisher, latest_announcement, weights_router, write_atomic
 
@@ -216,10 +216,10 @@ class LearnerService:
         """Run folder, Redis, streams, the weight publisher (everything the HTTP app needs)."""
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
-        # The resolved settings, minus the shared secret (services read it from the environment).
-        redacted = self.settings.model_copy(
-            update={"token": "<redacted>", "redis": self.settings.redis.model_copy(update={"password": None})}
-        )
+        # The resolved settings, minus the secrets (services read them from the environment).
+        redis_cfg = self.settings.redis
+        redacted = self.settings.model_copy(update={"token": "<redacted>", "redis": redis_cfg.model_copy(update={
+            "password": None, "url": redis_cfg.url and without_password(redis_cfg.url)})})
         write_atomic(self.run_dir / "config.yaml", dump_settings(redacted))
         self.redis = connect(self.settings)
         self.streams = Streams(self.redis, self.settings)

@@ -71,6 +71,12 @@ def retrying(client: redis.Redis) -> RetryingRedis:
     return RetryingRedis(connection_pool=client.connection_pool)
 
 
+def without_password(url: str) -> str:
+    """A Redis URL fit for a file others may read (credentials dropped)."""
+    scheme, sep, rest = url.partition("://")
+    return f"{scheme}{sep}{rest.rpartition('@')[2]}" if "@" in rest else url
+
+
 def client_for(url: str, password: str | None = None) -> RetryingRedis:
     """A retrying client for a Redis URL (`unix://:password@/path.sock` for the embedded server); a password in
     the URL beats `password`."""

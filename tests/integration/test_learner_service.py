@@ -151,6 +151,8 @@ def test_tasks_lost_with_a_redis_crash_are_no_longer_waited_for(settings, redis_
     written atomically with them) are gone, and the learner stops waiting for them once it sees the restart."""
     service = LearnerService(settings)
     service.connect()
+    written = (Path(settings.run_dir) / "config.yaml").read_text()
+    assert redis_server.password in settings.redis.url and redis_server.password not in written  # no secrets
     tasks = [PromptTask(task_id=f"train-{i}", prompt_id=f"p{i}", prompt="1+1=", ground_truth="2") for i in range(3)]
     service.assembler.issued([t.task_id for t in tasks], 0)
     service.outbox.extend(tasks[:2])

@@ -1,8 +1,8 @@
-"""The local launcher's pure parts: what it writes to files others may read."""
+"""Redis URLs written to files others may read carry no password."""
 
 from __future__ import annotations
 
-from cli.launcher import without_password
+from services.redis_local import without_password
 
 
 def test_service_map_urls_carry_no_password():
