@@ -98,6 +98,7 @@ def bench_sync(settings, engine, model_dir, rounds: int) -> dict:
     client = connect(settings)
     app = create_app("learner", token=settings.token)
     server = BackgroundServer(app, "127.0.0.1", free_port()).start(wait_s=10)
+    settings.learner.public_url = server.url  # generators pull from the configured learner only
     publisher = WeightPublisher(settings, client, server.url)
     app.include_router(weights_router(publisher, app.state.require_token))
     sync = WeightSync(settings, model_dir, client, "bench-sync")
@@ -137,6 +138,7 @@ def bench_live_sync(settings, engine, model_dir, rounds: int) -> dict:
     client = connect(settings)
     app = create_app("learner", token=settings.token)
     server = BackgroundServer(app, "127.0.0.1", free_port()).start(wait_s=10)
+    settings.learner.public_url = server.url  # generators pull from the configured learner only
     publisher = WeightPublisher(settings, client, server.url)
     app.include_router(weights_router(publisher, app.state.require_token))
     worker = RolloutWorker(settings, engine, Streams(client, settings), WeightSync(settings, model_dir, client, "live"), "live")
@@ -166,6 +168,7 @@ def bench_big_protocol(settings, megabytes: int) -> dict:
     settings.run_dir = tempfile.mkdtemp(prefix="big-")
     app = create_app("learner", token=settings.token)
     server = BackgroundServer(app, "127.0.0.1", free_port()).start(wait_s=10)
+    settings.learner.public_url = server.url  # generators pull from the configured learner only
     publisher = WeightPublisher(settings, client, server.url)
     app.include_router(weights_router(publisher, app.state.require_token))
     rows = 4096

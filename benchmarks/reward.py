@@ -114,13 +114,12 @@ def _quiet() -> None:
 
 def run_worker(pool, groups, workers: int) -> float:
     """The groups through the real stream worker; returns the seconds to drain them (produce not timed)."""
-    import redis
 
     from reward.scoring import Scorer
     from reward.worker import RewardWorker
     from services.config import load_settings
     from services.messages import PromptTask, RolloutGroup, Sample, SamplingParams
-    from services.redis_local import EmbeddedRedis
+    from services.redis_local import EmbeddedRedis, client_for
     from services.streams import Streams
 
     with tempfile.TemporaryDirectory(prefix="dapo-bench-") as tmp, EmbeddedRedis(Path(tmp) / "redis") as server:
@@ -131,7 +130,7 @@ def run_worker(pool, groups, workers: int) -> float:
             reward={"workers": workers},
             streams={"high_water": 100_000},
         )
-        streams = Streams(redis.Redis.from_url(server.url), settings)
+        streams = Streams(client_for(server.url), settings)
         rollouts = streams.stream("rollouts", RolloutGroup)
         for index, (truth, samples) in enumerate(groups):
             task = PromptTask(task_id=f"g{index}", prompt_id="p", prompt="q", ground_truth=truth,

@@ -22,7 +22,7 @@ import redis
 
 from services.config import load_settings
 from services.messages import PromptTask, RolloutGroup, Sample, from_wire, to_wire
-from services.redis_local import EmbeddedRedis
+from services.redis_local import EmbeddedRedis, client_for
 from services.streams import Streams
 
 
@@ -92,8 +92,9 @@ def main() -> None:
         port = random.randrange(20000, 40000)
         server = EmbeddedRedis(tmp, aof=False, port=port).start()
         try:
-            client = redis.Redis(host="127.0.0.1", port=port)
-            settings = load_settings("tiny-cpu", redis={"url": f"redis://127.0.0.1:{port}/0", "run": "bench"})
+            url = f"redis://:{server.password}@127.0.0.1:{port}/0"
+            client = client_for(url)
+            settings = load_settings("tiny-cpu", redis={"url": url, "run": "bench"})
             streams = Streams(client, settings)
             raw, service = [], []
             for _ in range(args.rounds):  # interleaved rounds, so drift hits both paths alike

@@ -1,9 +1,14 @@
 """`dapo run`: the whole system on one machine, as separate processes with the deployment entry points.
 
-It builds the embedded model if missing, starts an embedded redis-server, then one learner, N generators and
-M reward workers (`python -m cli <service>`), shows a live view of the learner's metrics.jsonl,
-restarts a crashed generator or reward worker, stops everything cleanly on Ctrl-C, and at the end writes
-plots and a summary table into the run folder.
+It builds the embedded model if missing, starts an embedded redis-server (AOF, a password made for this run),
+then one learner, N generators and M reward workers (`python -m cli <service>`), shows a live view of the
+learner's metrics.jsonl, stops everything cleanly on Ctrl-C, and at the end writes plots and a summary table
+into the run folder.
+
+Nothing but the user (or the learner finishing) ends a run: a dead redis-server is restarted on its AOF (same
+socket, folder and password; the services' clients retry meanwhile), a learner that did not exit by itself
+(killed, crashed) is restarted and resumes from its checkpoint, a crashed worker is restarted. A process that
+keeps crashing right after its start is given up after RESTART_LIMIT tries (a bug, not bad luck).
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -24,12 +30,14 @@ from rich.table import Table
 
 from services.config import Settings, dump_settings
 from services.http import free_port
-from services.redis_local import EmbeddedRedis, embedded_dir
+from services.redis_local import EmbeddedRedis, embedded_server, without_password
 
 log = logging.getLogger(__name__)
 console = Console()
 
-RESTART_LIMIT = 5  # crashes of one worker before the run gives up on it
+RESTART_LIMIT = 5  # crashes in a row of one process (each within STABLE_SECONDS of its start) before giving up
+STABLE_SECONDS = 300.0  # a process that ran this long before dying starts a new count
+LEARNER_DONE = (0, 3)  # the learner's own exits: finished (or SIGTERM), refill limit with on_refill_limit=stop
 
 
 @dataclass
@@ -40,7 +48,6 @@ class Child:
     command: list[str]
     env: dict[str, str]
     log_path: Path
-    restartable: bool
     process: subprocess.Popen | None = None
     restarts: int = 0
     started_at: float = field(default_factory=time.monotonic)
@@ -57,6 +64,17 @@ class Child:
 
     def alive(self) -> bool:
         return self.process is not None and self.process.poll() is None
+
+    def restart(self) -> bool:
+        """Start again after a crash; False once it crashed RESTART_LIMIT times in a row soon after starting."""
+        if time.monotonic() - self.started_at >= STABLE_SECONDS:
+            self.restarts = 0
+        if self.restarts >= RESTART_LIMIT:
+            return False
+        self.restarts += 1
+        log.warning("%s exited with %s; restart %d", self.name, self.process.returncode, self.restarts)
+        self.start()
+        return True
 
     def stop(self, timeout: float = 30.0) -> None:
         if not self.alive():
@@ -75,32 +93,34 @@ def service_children(settings: Settings, config_path: Path, redis_url: str, gene
     base_env = {
         **os.environ,
         "DAPO_REDIS__URL": redis_url,
+        # Every service needs it: the learner serves there, generators send their token nowhere else.
+        "DAPO_LEARNER__PUBLIC_URL": f"http://127.0.0.1:{learner_port}",
         "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", str(settings.generator.kv_cache_gib)),
         "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
         "TOKENIZERS_PARALLELISM": "false",
     }
     python = [sys.executable, "-m", "cli"]
 
-    def child(name: str, service: str, restartable: bool, **env: str) -> Child:
+    def child(name: str, service: str, **env: str) -> Child:
         return Child(name, python + [service, "--config", str(config_path)], {**base_env, **env},
-                     run_dir / "logs" / f"{name}.log", restartable)
+                     run_dir / "logs" / f"{name}.log")
 
-    children = [child("learner", "learner", False, DAPO_LEARNER__PORT=str(learner_port),
-                      DAPO_LEARNER__HOST="127.0.0.1", DAPO_LEARNER__PUBLIC_URL=f"http://127.0.0.1:{learner_port}")]
-    children += [child(f"reward-{i}", "reward", True, DAPO_REWARD__PORT=str(free_port()),
+    children = [child("learner", "learner", DAPO_LEARNER__PORT=str(learner_port),
+                      DAPO_LEARNER__HOST="127.0.0.1")]
+    children += [child(f"reward-{i}", "reward", DAPO_REWARD__PORT=str(free_port()),
                        DAPO_REWARD__HOST="127.0.0.1", DAPO_WORKER_ID=f"reward-{i}") for i in range(reward_workers)]
-    children += [child(f"generator-{i}", "generator", True, DAPO_GENERATOR__PORT=str(free_port()),
+    children += [child(f"generator-{i}", "generator", DAPO_GENERATOR__PORT=str(free_port()),
                        DAPO_GENERATOR__HOST="127.0.0.1", DAPO_WORKER_ID=f"generator-{i}") for i in range(generators)]
     return children
 
 
 def write_service_map(children: list[Child], redis_url: str, path: Path) -> None:
-    """Where each service listens (for scraping /metrics of a local run, and for tests)."""
+    """Where each service listens (for scraping /metrics of a local run, and for tests); no password in it."""
     ports = {
         child.name: int(next(v for k, v in child.env.items() if k.startswith("DAPO_") and k.endswith("__PORT")))
         for child in children
     }
-    path.write_text(json.dumps({"redis": redis_url, "http": {n: f"http://127.0.0.1:{p}" for n, p in ports.items()}},
+    path.write_text(json.dumps({"redis": without_password(redis_url), "http": {n: f"http://127.0.0.1:{p}" for n, p in ports.items()}},
                                indent=2))
 
 
@@ -139,24 +159,31 @@ def status_table(rows: list[dict], children: list[Child], total_steps: int) -> T
     return table
 
 
-def supervise(children: list[Child], metrics_path: Path, total_steps: int, display: bool) -> int:
-    """Run until the learner exits; restart crashed workers. Returns the learner's exit code."""
+def learner_finished(learner: Child) -> bool:
+    """The learner exited by itself (done, or stopped at the refill limit), or crashed too often to go on."""
+    if learner.alive() or learner.process is None:
+        return False
+    return learner.process.returncode in LEARNER_DONE or not learner.restart()
+
+
+def supervise(children: list[Child], metrics_path: Path, total_steps: int, display: bool,
+              redis_server: EmbeddedRedis | None = None) -> int:
+    """Run until the learner exits by itself; restart a dead Redis, learner or worker. Returns the learner's exit
+    code."""
     learner = children[0]
     last_printed = -1
     live = Live(status_table([], children, total_steps), console=console, refresh_per_second=2) if display else None
     if live:
         live.start()
     try:
-        while learner.alive():
+        while not learner_finished(learner):
             time.sleep(1.0)
+            if redis_server is not None and not redis_server.alive():
+                log.warning("redis-server exited with %s; restarting it on its AOF", redis_server.process.returncode)
+                redis_server.start()
             for child in children[1:]:
-                if child.alive() or child.process is None:
-                    continue
-                if child.restarts >= RESTART_LIMIT:
-                    continue
-                child.restarts += 1
-                log.warning("%s exited with %s; restart %d", child.name, child.process.returncode, child.restarts)
-                child.start()
+                if not child.alive() and child.process is not None:
+                    child.restart()
             rows = read_metrics(metrics_path)
             if live:
                 live.update(status_table(rows, children, total_steps))
@@ -182,8 +209,9 @@ def main(settings: Settings, generators: int = 1, reward_workers: int = 1, displ
     redis_server = None
     redis_url = settings.redis.url
     if not redis_url:
-        redis_server = EmbeddedRedis(embedded_dir(settings), aof=settings.redis.embedded_aof).start()
-        redis_url = redis_server.url
+        redis_server = embedded_server(settings)
+        redis_server.password = secrets.token_hex(24)  # a new one per run, handed to the services in their environment
+        redis_url = redis_server.start().url
     config_path = run_dir / "launch-config.yaml"
     config_path.write_text(dump_settings(settings))
 
@@ -201,7 +229,7 @@ def main(settings: Settings, generators: int = 1, reward_workers: int = 1, displ
         for child in children:
             child.start()
         console.print(f"started {len(children)} services; logs in {run_dir / 'logs'}")
-        code = supervise(children, run_dir / "metrics.jsonl", settings.learner.total_steps, display)
+        code = supervise(children, run_dir / "metrics.jsonl", settings.learner.total_steps, display, redis_server)
     except KeyboardInterrupt:
         interrupted = True
         console.print("[yellow]stopping...[/]")

@@ -10,9 +10,10 @@ import logging
 import shutil
 import time
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from services.config import Settings
-from services.messages import WeightsAnnouncement
+from services.messages import WeightsAnnouncement, signing_key
 from services.streams import run_prefix
 from services.weights import (
     WEIGHTS_FILE,
@@ -43,16 +44,24 @@ class WeightSync:
         self.optional = tied_aliases(model_dir)
         self.redis = redis_client
         self.prefix = run_prefix(settings)
-        self.watcher = AnnouncementWatcher(redis_client, self.prefix, poll_s=settings.generator.sync_poll_s)
+        self.key = signing_key(settings.token)
+        # The only place this generator sends its token to: the configured learner, whatever Redis says.
+        self.learner_url = settings.learner.public_base_url()
+        self.watcher = AnnouncementWatcher(redis_client, self.prefix, self.key, poll_s=settings.generator.sync_poll_s)
 
     def latest(self) -> WeightsAnnouncement | None:
         """Read the latest key now (and tell the watcher)."""
-        announcement = latest_announcement(self.redis, self.prefix)
+        announcement = latest_announcement(self.redis, self.prefix, self.key)
         self.watcher.offer(announcement)
         return announcement
 
     def prepare(self, announcement: WeightsAnnouncement) -> tuple[Path, float]:
         """Pull, verify the checksum (pull_weights) and the names/shapes: (folder, seconds); WeightsError if refused."""
+        if not pulls_from(announcement.url, self.learner_url):
+            raise WeightsError(
+                "untrusted_url", f"weights v{announcement.version} announced at {announcement.url}, which is not under "
+                f"the configured learner URL {self.learner_url} (learner.public_url): not sending the token there",
+            )
         started = time.perf_counter()
         folder = pull_weights(announcement, self.token, self.dir, timeout=self.timeout)
         try:
@@ -68,3 +77,11 @@ class WeightSync:
         for path in self.dir.iterdir():
             if path.is_dir() and path.resolve() not in keep and not path.name.startswith(".pull"):
                 shutil.rmtree(path, ignore_errors=True)
+
+
+def pulls_from(url: str, learner_url: str) -> bool:
+    """Whether `url` is a weights endpoint of the configured learner (same scheme, host and port, path under it)."""
+    target, base = urlsplit(url), urlsplit(learner_url.rstrip("/"))
+    return (target.scheme, target.netloc) == (base.scheme, base.netloc) and target.path.startswith(
+        base.path + "/v1/weights/"
+    ) and ".." not in target.path

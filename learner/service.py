@@ -17,6 +17,13 @@ and deleting them), re-admit the rest. Groups trained after the checkpoint are r
 the restored model, so the surviving lineage trains each group once; metrics.jsonl and ledger.jsonl are cut
 back to the checkpoint's step so they describe that lineage. Task ids are deduplicated on every admission.
 
+Provenance. The learner trains only what it asked for: every task it pushes is recorded first in the hash
+`dapo:{run}:issued` (task id -> the task as sent), which lives in Redis and so survives a learner restart. A
+scored group whose task id is not there, or whose task or rollout does not match the issued task (prompt,
+token ids, sampling, n samples and n scores), goes to `dead` with the reason (`provenance: ...`). Entries are
+removed once the group is settled (dropped, evaluated, or trained and checkpointed). Task and record are
+written in one script, so after a Redis restart the tasks in flight missing from `issued` were lost with it.
+
 Versions stay monotonic across a resume: if generators were told of a version newer than the checkpoint's (a
 lineage the crash discarded), the restored policy is published as the next version after it, so that every
 generator loads it (they ignore older announcements) and staleness is still measured in versions.
@@ -48,12 +55,12 @@ from learner.tracking import Tracking
 from services import metrics
 from services.config import Settings, dump_settings
 from services.data import Problem, load_problems, render_prompt
-from services.messages import PromptTask, SamplingParams, ScoredGroup
+from services.messages import PromptTask, SamplingParams, ScoredGroup, from_wire
 from services.http import BackgroundServer, create_app
 from services.models import model_dir
-from services.redis_local import connect, wait_for_redis
+from services.redis_local import connect, wait_for_redis, without_password
 from services.startup import raise_stopped
-from services.streams import Delivery, Streams, consumer_name, retry_redis
+from services.streams import FIELD, Delivery, Streams, consumer_name
 from services.weights import WeightPublisher, latest_announcement, weights_router, write_atomic
 
 log = logging.getLogger(__name__)
@@ -63,6 +70,7 @@ LATEST = "latest"
 METRICS_FILE = "metrics.jsonl"
 LEDGER_FILE = "ledger.jsonl"
 HELD = "held"
+ISSUED = "issued"
 EXIT_REFILL_LIMIT = 3
 CONSUME_BATCH = 64
 DEAD_SCAN_SECONDS = 1.0
@@ -75,14 +83,20 @@ def data_spec(value: str, split: str) -> str:
     return f"synthetic-{split}" if value == "synthetic" else value
 
 
-def public_base_url(settings: Settings) -> str:
-    """Where generators reach the learner's weights: learner.public_url, else http://host:port (a wildcard bind
-    address is not reachable, so it becomes 127.0.0.1: the local launcher's case)."""
-    cfg = settings.learner
-    if cfg.public_url:
-        return cfg.public_url.rstrip("/")
-    host = "127.0.0.1" if cfg.host in ("0.0.0.0", "::", "") else cfg.host
-    return f"http://{host}:{cfg.port}"
+def provenance_error(group: ScoredGroup, issued: PromptTask | None) -> str | None:
+    """Why a scored group must not be trained (None if it may): the learner never issued its task id, or the
+    group's task or rollout does not match the task as issued."""
+    task, rollout = group.rollout.task, group.rollout
+    if issued is None:
+        return f"provenance: unknown task id {task.task_id!r} (not issued by this run's learner)"
+    if task != issued:
+        changed = [name for name in PromptTask.model_fields if getattr(task, name) != getattr(issued, name)]
+        return f"provenance: task {task.task_id} does not match the task as issued (differs in {', '.join(changed)})"
+    n = issued.sampling.n
+    if len(rollout.samples) != n or len(group.scores) != n:
+        return (f"provenance: task {task.task_id} asked for n={n} samples; the group has {len(rollout.samples)} "
+                f"samples and {len(group.scores)} scores")
+    return None
 
 
 def task_id_in_payload(stream: str, payload: bytes) -> str | None:
@@ -192,6 +206,7 @@ class LearnerService:
         self.eval_round: EvalRound | None = None
         self._dead_cursor = "0-0"
         self._dead_scanned_at = 0.0
+        self._redis_run_id: str | None = None
         self.trainer = None
         self.tracking: Tracking | None = None
         self.assembler = BatchAssembler.from_settings(self.cfg)
@@ -203,16 +218,19 @@ class LearnerService:
         """Run folder, Redis, streams, the weight publisher (everything the HTTP app needs)."""
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
-        # The resolved settings, minus the shared secret (services read it from the environment).
-        redacted = self.settings.model_copy(update={"token": "<redacted>"})
+        # The resolved settings, minus the secrets (services read them from the environment).
+        redis_cfg = self.settings.redis
+        redacted = self.settings.model_copy(update={"token": "<redacted>", "redis": redis_cfg.model_copy(update={
+            "password": None, "url": redis_cfg.url and without_password(redis_cfg.url)})})
         write_atomic(self.run_dir / "config.yaml", dump_settings(redacted))
         self.redis = connect(self.settings)
         self.streams = Streams(self.redis, self.settings)
         self.prompts = self.streams.stream("prompts", PromptTask)
         self.scored = self.streams.stream("scored", ScoredGroup)
         self.held = self.streams.stream(HELD, ScoredGroup)
+        self.issued_key = self.streams.key(ISSUED)
         self.consumer = consumer_name("learner")
-        self.publisher = WeightPublisher(self.settings, self.redis, public_base_url(self.settings))
+        self.publisher = WeightPublisher(self.settings, self.redis, self.cfg.public_base_url())
 
     def create_app(self):
         app = create_app(
@@ -233,7 +251,7 @@ class LearnerService:
         self.http = BackgroundServer(
             self.create_app(), self.cfg.host, self.cfg.port, name="learner-http", lifespan="off"
         ).start()
-        log.info("learner HTTP on %s:%d (weights at %s)", self.cfg.host, self.cfg.port, public_base_url(self.settings))
+        log.info("learner HTTP on %s:%d (weights at %s)", self.cfg.host, self.cfg.port, self.cfg.public_base_url())
 
     def stop_http(self) -> None:
         if self.http is not None:
@@ -369,8 +387,19 @@ class LearnerService:
         """Produce queued tasks while the prompts stream has room (never block on back-pressure: keep reading)."""
         room = self.prompts.room() if self.outbox else 0
         while self.outbox and room > 0:
-            self.prompts.produce(self.outbox.popleft())
+            task = self.outbox.popleft()
+            self.prompts.produce(task, register=(self.issued_key, task.task_id))  # recorded as issued, atomically
             room -= 1
+
+    def issued_task(self, task_id: str) -> PromptTask | None:
+        raw = self.redis.hget(self.issued_key, task_id)
+        return from_wire(PromptTask, raw) if raw else None
+
+    def settle(self, task_ids) -> None:
+        """Forget issued tasks whose groups are settled (dropped, evaluated, lost, or trained and checkpointed)."""
+        task_ids = list(task_ids)
+        for i in range(0, len(task_ids), 500):
+            self.redis.hdel(self.issued_key, *task_ids[i : i + 500])
 
     def pump(self) -> None:
         """Flush the outbox, read scored groups (blocking up to block_ms), look for dead prompts."""
@@ -383,10 +412,16 @@ class LearnerService:
     def handle(self, delivery: Delivery[ScoredGroup]) -> None:
         group = delivery.message
         task_id = task_id_of(group)
+        if task_id not in self.assembler.seen:  # a duplicate of a settled group is dropped below, not checked
+            reason = provenance_error(group, self.issued_task(task_id))
+            if reason is not None:
+                self.scored.reject(delivery, reason)
+                return
         if group.rollout.task.split == "eval":
             if self.eval_round is None or not self.eval_round.add(group):
                 log.debug("ignoring eval group %s (not part of a running evaluation)", task_id)
             self.scored.ack(delivery)
+            self.settle([task_id])
             return
         verdict = self.assembler.admit(group, self.trainer.version)
         if verdict == "informative":
@@ -394,42 +429,67 @@ class LearnerService:
                 self.assembler.retract(task_id)  # reclaimed meanwhile: it comes back and is admitted then
             return
         self.scored.ack(delivery)
+        if verdict != "duplicate":
+            self.settle([task_id])
         self.step_drops[verdict].append(task_id)
         if verdict == "uninformative":
             metrics.LEARNER_UNINFORMATIVE.inc()
         elif verdict == "stale":
             metrics.LEARNER_STALE.inc()
 
-    @retry_redis
     def _last_dead_id(self) -> str:
         rows = self.redis.xrevrange(self.streams.key("dead"), count=1)
         return rows[0][0].decode() if rows else "0-0"
 
-    @retry_redis
+    def check_redis_restart(self) -> None:
+        """After a Redis restart, prompts pushed after the last write its AOF kept (a machine crash loses up to
+        a second with appendfsync everysec) will never come back: stop waiting for them. A task and its record
+        in `issued` are written atomically, so a task missing from `issued` was never pushed as far as Redis
+        knows."""
+        run_id = self.redis.info("server")["run_id"]
+        previous, self._redis_run_id = self._redis_run_id, run_id
+        if previous is None or previous == run_id:
+            return
+        waiting = list(self.assembler.in_flight)
+        if self.eval_round is not None:
+            waiting += [t for t in self.eval_round.expected if t not in self.eval_round.received]
+        queued = {task.task_id for task in self.outbox}  # not pushed yet: not in `issued` either
+        waiting = [task_id for task_id in waiting if task_id not in queued]
+        known = self.redis.hmget(self.issued_key, waiting) if waiting else []
+        gone = [task_id for task_id, raw in zip(waiting, known) if raw is None]
+        lost = self.assembler.lost(gone) + (self.eval_round.mark_lost(gone) if self.eval_round is not None else 0)
+        log.warning("Redis restarted (run id %s); %d tasks in flight were lost with it", run_id[:8], lost)
+
     def scan_dead_letters(self) -> None:
-        """Prompts that died in the pipeline (poison, too many deliveries) will never be scored: stop waiting."""
+        """Prompts that died in the pipeline (poison, too many deliveries) will never be scored: stop waiting.
+        Groups refused as forged or for their provenance say nothing reliable about the task they name: it may be
+        a real one, whose genuine group is still to come."""
         self._dead_scanned_at = time.monotonic()
+        self.check_redis_restart()
         rows = self.redis.xrange(self.streams.key("dead"), min=f"({self._dead_cursor}", max="+", count=1000)
         lost = []
         for entry_id, fields in rows:
             self._dead_cursor = entry_id.decode()
+            if fields.get(b"reason", b"").startswith((b"forged", b"provenance")):
+                continue
             stream = fields.get(b"stream", b"").decode(errors="replace")
             task_id = task_id_in_payload(stream, fields.get(b"data", b""))
             if task_id is not None:
                 lost.append(task_id)
         if lost:
+            self.settle(lost)
             gone = self.assembler.lost(lost)
             eval_gone = self.eval_round.mark_lost(lost) if self.eval_round is not None else 0
             if gone or eval_gone:
                 log.warning("%d train and %d eval tasks died in the pipeline (see the dead stream)", gone, eval_gone)
 
     # -- held: the durable working set -------------------------------------------------------------------------
-    def held_entries(self, page: int = 256) -> Iterator[tuple[str, bytes]]:
+    def held_entries(self, page: int = 256) -> Iterator[tuple[str, dict]]:
         start = "-"
         while True:
-            rows = retry_redis(self.redis.xrange)(self.held.key, min=start, max="+", count=page)
+            rows = self.redis.xrange(self.held.key, min=start, max="+", count=page)
             for entry_id, fields in rows:
-                yield entry_id.decode(), fields.get(b"data", b"")
+                yield entry_id.decode(), fields
             if len(rows) < page:
                 return
             start = "(" + rows[-1][0].decode()
@@ -437,9 +497,9 @@ class LearnerService:
     def delete_held(self, task_ids: set[str]) -> int:
         if not task_ids:
             return 0
-        doomed = [eid for eid, payload in self.held_entries() if task_id_in_payload(HELD, payload) in task_ids]
+        doomed = [eid for eid, fields in self.held_entries() if task_id_in_payload(HELD, fields.get(FIELD)) in task_ids]
         for i in range(0, len(doomed), 500):
-            retry_redis(self.redis.xdel)(self.held.key, *doomed[i : i + 500])
+            self.redis.xdel(self.held.key, *doomed[i : i + 500])
         return len(doomed)
 
     def readmit_held(self, skip: set[str], counted: set[str]) -> dict[str, int]:
@@ -448,7 +508,13 @@ class LearnerService:
         outcome = {"kept": 0, "skipped": 0, "dropped": 0, "garbled": 0}
         doomed = []
         version = self.trainer.version
-        for entry_id, payload in self.held_entries():
+        for entry_id, fields in self.held_entries():
+            payload = fields.get(FIELD, b"")
+            forged = self.held.forged(fields)
+            if forged:
+                self.held.dead(entry_id, payload, forged)
+                outcome["garbled"] += 1
+                continue
             task_id = task_id_in_payload(HELD, payload)
             if task_id is None:
                 self.held.dead(entry_id, payload, "unparseable held group")
@@ -472,10 +538,9 @@ class LearnerService:
                 outcome["dropped"] += 1
                 self.step_drops[verdict].append(task_id)
         for i in range(0, len(doomed), 500):
-            retry_redis(self.redis.xdel)(self.held.key, *doomed[i : i + 500])
+            self.redis.xdel(self.held.key, *doomed[i : i + 500])
         return outcome
 
-    @retry_redis
     def claim_pending(self) -> int:
         """Take over every scored group a previous learner process was given and never settled (there is one
         learner, so whoever holds them is dead) and handle them now instead of after the visibility timeout."""
@@ -526,7 +591,7 @@ class LearnerService:
             )
 
     def ensure_monotonic_version(self) -> None:
-        announced = latest_announcement(self.redis, self.streams.prefix)
+        announced = latest_announcement(self.redis, self.streams.prefix, self.publisher.key)
         if announced is not None and announced.version > self.trainer.version:
             log.warning(
                 "generators were told of v%d (a lineage the restart discarded); the restored policy (v%d) is "
@@ -577,6 +642,7 @@ class LearnerService:
         self.trainer.save_checkpoint(path, extra)
         write_atomic(self.checkpoint_dir / LATEST, name)
         deleted = self.delete_held(self.consumed_since_checkpoint)
+        self.settle(self.consumed_since_checkpoint)
         self.consumed_since_checkpoint = set()
         self.last_checkpoint_step = self.step
         self.prune_checkpoints(keep=name)

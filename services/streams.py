@@ -5,14 +5,20 @@ learner). The life of a message:
 
 1. `produce` waits while the stream holds `high_water` entries (back-pressure; nothing is ever trimmed).
 2. `consume` first reclaims entries another consumer has held longer than the visibility timeout (it died),
-   then reads new ones. An entry delivered more than `max_deliveries` times, or whose payload does not parse
-   (bad msgpack, schema, unknown version), goes to the `dead` stream with the reason and the original bytes.
+   then reads new ones. An entry delivered more than `max_deliveries` times, whose signature does not check
+   out (`forged: ...`), or whose payload does not parse (bad msgpack, schema, unknown version), goes to the
+   `dead` stream with the reason and the original bytes.
 3. `forward` writes the result downstream and acknowledges the input in one Lua script, and only if this
    consumer still owns the input: a slow consumer whose message was reclaimed cannot write a second result.
    Acknowledged entries are deleted, so the stream length is exactly the backlog.
 
-Every Redis call retries with exponential backoff (tenacity) while the server is unreachable, so a Redis
-restart (with AOF) pauses consumers instead of killing them.
+Provenance: every entry carries `sig`, an HMAC-SHA256 of its payload and stream key under the key derived
+from the shared token (`services.messages.sign`), written by the producer and checked on every read, so a
+process that can reach Redis but does not know the token cannot inject or alter work.
+
+Every Redis call retries with exponential backoff while the server is unreachable (the client is a
+`services.redis_local.RetryingRedis`), so a Redis restart (with AOF) pauses consumers instead of killing them;
+a server that came back without a consumer group (NOGROUP) gets it re-created and the call is repeated.
 """
 
 from __future__ import annotations
@@ -24,11 +30,11 @@ from typing import Generic, TypeVar
 
 import redis
 from pydantic import BaseModel
-from tenacity import retry, retry_if_exception_type, stop_after_delay, wait_exponential
 
 from services import metrics
 from services.config import Settings, StreamsConfig
-from services.messages import from_wire, to_wire
+from services.messages import from_wire, sign, signing_key, to_wire, verify
+from services.redis_local import retrying
 
 log = logging.getLogger(__name__)
 
@@ -38,30 +44,25 @@ M = TypeVar("M", bound=BaseModel)
 CONSUMER_GROUPS = {"prompts": "generator", "rollouts": "reward", "scored": "learner"}
 RELEASED = "released"  # pseudo-consumer that holds entries handed back by a shutting-down consumer
 FIELD = b"data"
+SIG = b"sig"
 
-retry_redis = retry(
-    retry=retry_if_exception_type((redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError)),
-    wait=wait_exponential(multiplier=0.1, max=5),
-    stop=stop_after_delay(300),
-    reraise=True,
-    before_sleep=lambda state: log.warning("Redis unreachable (%s), retrying", state.outcome.exception()),
-)
-
-# KEYS: input stream, output stream. ARGV: group, entry id, consumer, payload.
+# KEYS: input stream, output stream. ARGV: group, entry id, consumer, payload, signature.
 # Write downstream and ack only while `consumer` still owns the entry (else it was reclaimed: drop the result).
 _FORWARD = """
 local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[2], ARGV[2], 1)
 if #p == 0 or p[1][2] ~= ARGV[3] then return 0 end
-redis.call('XADD', KEYS[2], '*', 'data', ARGV[4])
+redis.call('XADD', KEYS[2], '*', 'data', ARGV[4], 'sig', ARGV[5])
 redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
 redis.call('XDEL', KEYS[1], ARGV[2])
 return 1
 """
 
-# KEYS: stream. ARGV: high water, payload. Append unless the stream is full (one round trip).
+# KEYS: stream [, register hash]. ARGV: high water, payload, signature [, register field]. Append unless the
+# stream is full (one round trip); with a register, also record the payload there, in the same atomic write.
 _PRODUCE = """
 if redis.call('XLEN', KEYS[1]) >= tonumber(ARGV[1]) then return false end
-return redis.call('XADD', KEYS[1], '*', 'data', ARGV[2])
+if #KEYS > 1 then redis.call('HSET', KEYS[2], ARGV[4], ARGV[2]) end
+return redis.call('XADD', KEYS[1], '*', 'data', ARGV[2], 'sig', ARGV[3])
 """
 
 # KEYS: input stream. ARGV: group, entry id, consumer. Ack (and delete) if this consumer still owns it.
@@ -99,6 +100,7 @@ class Delivery(Generic[M]):
     message: M
     deliveries: int
     consumer: str
+    payload: bytes = b""  # the bytes as read, for a dead letter
 
 
 class Stream(Generic[M]):
@@ -118,8 +120,19 @@ class Stream(Generic[M]):
         self._metrics_at = 0.0
         self._reclaimed_at = float("-inf")
 
+    def signature(self, payload: bytes) -> str:
+        return sign(self.streams.hmac_key, self.key, payload)
+
+    def forged(self, fields: dict) -> str | None:
+        """Why an entry's signature does not check out (None when it does)."""
+        signature = fields.get(SIG)
+        if not signature:
+            return "forged: no signature"
+        if not verify(self.streams.hmac_key, self.key, fields.get(FIELD, b""), signature.decode(errors="replace")):
+            return "forged: bad HMAC signature (tampered, or written without the shared token)"
+        return None
+
     # -- producing -------------------------------------------------------------------------------------
-    @retry_redis
     def _ensure_group(self) -> None:
         if self._group_ready:
             return
@@ -130,13 +143,29 @@ class Stream(Generic[M]):
                 raise
         self._group_ready = True
 
-    def produce(self, message: M, timeout: float | None = None) -> str:
-        """Append a message; wait while the stream is at its high-water mark (never trims unread entries)."""
+    def _grouped(self, fn, *args, **kwargs):
+        """Run a consumer-group command; if Redis came back without the group (NOGROUP), re-create it, repeat."""
+        try:
+            return fn(*args, **kwargs)
+        except redis.ResponseError as err:
+            if "NOGROUP" not in str(err):
+                raise
+            log.warning("consumer group %s of %s is gone (Redis restarted without it): re-creating",
+                        self.group, self.key)
+            self._group_ready = False
+            self._ensure_group()
+            return fn(*args, **kwargs)
+
+    def produce(self, message: M, timeout: float | None = None, register: tuple[str, str] | None = None) -> str:
+        """Append a message; wait while the stream is at its high-water mark (never trims unread entries).
+
+        `register=(hash key, field)` also stores the payload in that hash, atomically with the append (so after
+        a Redis crash either both survived in the AOF or neither did)."""
         self._ensure_group()
         payload = to_wire(message)
         timeout = self.cfg.produce_timeout_s if timeout is None else timeout
         waited, delay = 0.0, 0.01
-        while (entry_id := self._xadd(payload)) is None:
+        while (entry_id := self._xadd(payload, register)) is None:
             if waited >= timeout:
                 raise BackPressureTimeout(
                     f"stream {self.key} stayed at {self.cfg.high_water}+ entries for {timeout:.0f}s"
@@ -152,13 +181,15 @@ class Stream(Generic[M]):
         """How many messages can be produced now without waiting."""
         return max(0, self.cfg.high_water - self._depth())
 
-    @retry_redis
-    def _xadd(self, payload: bytes) -> str | None:
-        """XADD below high water; None when the stream is full."""
-        entry_id = self._produce(keys=[self.key], args=[self.cfg.high_water, payload])
+    def _xadd(self, payload: bytes, register: tuple[str, str] | None = None) -> str | None:
+        """XADD below high water (and HSET into the register); None when the stream is full."""
+        keys, args = [self.key], [self.cfg.high_water, payload, self.signature(payload)]
+        if register is not None:
+            keys.append(register[0])
+            args.append(register[1])
+        entry_id = self._produce(keys=keys, args=args)
         return entry_id.decode() if entry_id else None
 
-    @retry_redis
     def _depth(self) -> int:
         return int(self.redis.xlen(self.key))
 
@@ -182,13 +213,12 @@ class Stream(Generic[M]):
     def recover(self, consumer: str, count: int = 1000) -> list[Delivery[M]]:
         """Entries this consumer name was given before a restart and never acknowledged."""
         self._ensure_group()
-        reply = self._call(self.redis.xreadgroup, self.group, consumer, {self.key: "0"}, count=count)
+        reply = self._grouped(self.redis.xreadgroup, self.group, consumer, {self.key: "0"}, count=count)
         return self._admit(consumer, _entries(reply), known_counts=False)
 
-    @retry_redis
     def _reclaim(self, consumer: str, count: int) -> list[tuple[bytes, dict]]:
         min_idle = int(self.cfg.visibility_timeout_s * 1000)
-        reply = self.redis.xautoclaim(self.key, self.group, consumer, min_idle, "0-0", count=count)
+        reply = self._grouped(self.redis.xautoclaim, self.key, self.group, consumer, min_idle, "0-0", count=count)
         claimed = [(eid, fields) for eid, fields in reply[1] if fields]  # deleted entries come back empty
         if claimed:
             metrics.STREAM_REDELIVERIES.labels(self.name).inc(len(claimed))
@@ -196,12 +226,8 @@ class Stream(Generic[M]):
         return claimed
 
     def _read_new(self, consumer: str, count: int, block: int | None) -> list[tuple[bytes, dict]]:
-        reply = self._call(self.redis.xreadgroup, self.group, consumer, {self.key: ">"}, count=count, block=block)
+        reply = self._grouped(self.redis.xreadgroup, self.group, consumer, {self.key: ">"}, count=count, block=block)
         return _entries(reply)
-
-    @retry_redis
-    def _call(self, fn, *args, **kwargs):
-        return fn(*args, **kwargs)
 
     def _admit(self, consumer: str, raw: list[tuple[bytes, dict]], known_counts: bool) -> list[Delivery[M]]:
         """Parse deliveries; dead-letter the unparseable and the too often delivered.
@@ -219,15 +245,18 @@ class Stream(Generic[M]):
             if deliveries > self.cfg.max_deliveries:
                 self.dead(entry_id, payload, f"delivered {deliveries} times (max {self.cfg.max_deliveries})", deliveries)
                 continue
+            forged = self.forged(fields)
+            if forged:
+                self.dead(entry_id, payload, forged, deliveries)
+                continue
             try:
                 message = from_wire(self.model, payload)
             except ValueError as err:  # msgpack or pydantic ValidationError (schema, unknown version)
                 self.dead(entry_id, payload, f"unparseable {self.model.__name__}: {err}"[:2000], deliveries)
                 continue
-            out.append(Delivery(entry_id, message, deliveries, consumer))
+            out.append(Delivery(entry_id, message, deliveries, consumer, payload))
         return out
 
-    @retry_redis
     def _delivery_counts(self, ids: list[bytes]) -> dict[str, int]:
         pipe = self.redis.pipeline(transaction=False)
         for eid in ids:
@@ -239,13 +268,14 @@ class Stream(Generic[M]):
         return counts
 
     # -- finishing -------------------------------------------------------------------------------------
-    @retry_redis
     def forward(self, delivery: Delivery[M], downstream: "Stream", result: BaseModel) -> bool:
         """Write `result` to `downstream` and ack `delivery` atomically, if we still own it."""
         downstream._ensure_group()
-        done = self._forward(
+        payload = to_wire(result)
+        done = self._grouped(
+            self._forward,
             keys=[self.key, downstream.key],
-            args=[self.group, delivery.id, delivery.consumer, to_wire(result)],
+            args=[self.group, delivery.id, delivery.consumer, payload, downstream.signature(payload)],
         )
         if done:
             metrics.STREAM_ACKED.labels(self.name).inc()
@@ -254,10 +284,9 @@ class Stream(Generic[M]):
             log.warning("%s no longer owns %s on %s: result dropped", delivery.consumer, delivery.id, self.key)
         return bool(done)
 
-    @retry_redis
     def ack(self, delivery: Delivery[M]) -> bool:
         """Acknowledge (and delete) a delivery this consumer still owns."""
-        done = self._ack(keys=[self.key], args=[self.group, delivery.id, delivery.consumer])
+        done = self._grouped(self._ack, keys=[self.key], args=[self.group, delivery.id, delivery.consumer])
         if done:
             metrics.STREAM_ACKED.labels(self.name).inc()
         return bool(done)
@@ -265,21 +294,23 @@ class Stream(Generic[M]):
     def touch(self, consumer: str, entry_ids: list[str]) -> int:
         """Heartbeat: reset the idle time of entries `consumer` still owns. Returns how many it owns.
 
-        Call it more often than the visibility timeout while work on those entries is under way. No retry:
-        a missed heartbeat only risks a reclaim, and forward() then drops the late duplicate.
+        Call it more often than the visibility timeout while work on those entries is under way. A missed
+        heartbeat only risks a reclaim, and forward() then drops the late duplicate.
         """
         if not entry_ids:
             return 0
-        return int(self._touch(keys=[self.key], args=[self.group, consumer, *entry_ids]))
+        return int(self._grouped(self._touch, keys=[self.key], args=[self.group, consumer, *entry_ids]))
 
-    @retry_redis
     def release(self, delivery: Delivery[M]) -> None:
         """Hand a delivery back (graceful shutdown): any consumer reclaims it on its next read."""
         idle = int(self.cfg.visibility_timeout_s * 1000) + 1
-        self.redis.xclaim(self.key, self.group, RELEASED, 0, [delivery.id], idle=idle, justid=True)
+        self._grouped(self.redis.xclaim, self.key, self.group, RELEASED, 0, [delivery.id], idle=idle, justid=True)
         self._reclaimed_at = float("-inf")  # our own next read takes it back at once
 
-    @retry_redis
+    def reject(self, delivery: Delivery[M], reason: str) -> None:
+        """Dead-letter a delivery that parsed but must not be used (e.g. a group the learner never asked for)."""
+        self.dead(delivery.id, delivery.payload or to_wire(delivery.message), reason, delivery.deliveries)
+
     def dead(self, entry_id: str, payload: bytes, reason: str, deliveries: int = 0) -> None:
         """Move an entry to the dead stream with the reason and its original bytes, and ack it here."""
         pipe = self.redis.pipeline(transaction=True)
@@ -295,10 +326,9 @@ class Stream(Generic[M]):
         log.error("dead letter from %s (%s): %s", self.key, entry_id, reason[:300])
 
     # -- observing -------------------------------------------------------------------------------------
-    @retry_redis
     def pending(self) -> int:
         self._ensure_group()
-        return int(self.redis.xpending(self.key, self.group)["pending"])
+        return int(self._grouped(self.redis.xpending, self.key, self.group)["pending"])
 
     def _refresh_metrics(self) -> None:
         now = time.monotonic()
@@ -326,9 +356,10 @@ class Streams:
     """The run's streams and keys, all under `run_prefix`."""
 
     def __init__(self, client: redis.Redis, settings: Settings):
-        self.redis = client
+        self.redis = retrying(client)
         self.cfg = settings.streams
         self.prefix = run_prefix(settings)
+        self.hmac_key = signing_key(settings.token)
 
     def key(self, *parts: str) -> str:
         return self.prefix + ":".join(parts)
@@ -336,7 +367,6 @@ class Streams:
     def stream(self, name: str, model: type[M]) -> Stream[M]:
         return Stream(self, name, model)
 
-    @retry_redis
     def dead_letters(self, count: int = 100) -> list[dict]:
         """The most recent dead letters, newest first, decoded for inspection."""
         rows = self.redis.xrevrange(self.key("dead"), count=count)

@@ -7,6 +7,11 @@ Learner side (`WeightPublisher`, `weights_router`):
     The router serves `GET /v1/weights/latest` (the announcement) and `GET /v1/weights/{version}` (the bytes,
     header `X-Weights-Sha256`), both behind the shared bearer token.
 
+Announcements are signed (`services.messages.sign_announcement`, HMAC under the key derived from the shared
+token); `parse_announcement` refuses an unsigned or badly signed one, so a process that can write to Redis but
+does not know the token cannot point generators (and their bearer token) at its own URL. Generators also pull
+only from the configured learner URL (generator/sync.py).
+
 Generator side (`latest_announcement`, `AnnouncementWatcher`, `pull_weights`, `check_schema`):
     learn of versions from pub/sub plus the latest key (late joiners, missed messages), stream the file into a
     temporary folder while hashing it, refuse a checksum mismatch, then rename the folder into place. Before
@@ -39,7 +44,8 @@ from fastapi import APIRouter, Depends, HTTPException
 from fastapi.responses import StreamingResponse
 from safetensors.torch import save_file
 
-from services.messages import WeightsAnnouncement
+from services.messages import WeightsAnnouncement, announcement_signed, sign_announcement, signing_key
+from services.redis_local import retrying
 from services.streams import run_prefix
 
 log = logging.getLogger(__name__)
@@ -196,8 +202,9 @@ class WeightPublisher:
         self.dir = Path(settings.run_dir) / "weights"
         self.dir.mkdir(parents=True, exist_ok=True)
         self.keep = max(1, int(settings.learner.keep_versions))
-        self.redis = redis_client
+        self.redis = retrying(redis_client)
         self.prefix = run_prefix(settings)
+        self.key = signing_key(settings.token)
         self.base_url = base_url.rstrip("/")
         self._lock = threading.Lock()
 
@@ -214,9 +221,9 @@ class WeightPublisher:
                 os.fsync(handle.fileno())
             digest = sha256_file(tmp)
             os.replace(tmp, final)  # readers see the old file or the new one, never a partial one
-            announcement = WeightsAnnouncement(
+            announcement = sign_announcement(WeightsAnnouncement(
                 version=version, sha256=digest, size=final.stat().st_size, url=f"{self.base_url}/v1/weights/{version}"
-            )
+            ), self.key)
             write_atomic(folder / ANNOUNCEMENT_FILE, announcement.model_dump_json())
             self._prune(keep_also=version)
         payload = announcement.model_dump_json()
@@ -310,16 +317,24 @@ def weights_router(publisher: WeightPublisher, require_token: Callable) -> APIRo
 
 
 # -- generator side -----------------------------------------------------------------------------------------
-def latest_announcement(redis_client, streams_or_prefix) -> WeightsAnnouncement | None:
-    """The announcement in `dapo:{run}:weights:latest`, or None if nothing was published (or it is garbled)."""
-    raw = redis_client.get(latest_key(streams_or_prefix))
-    if not raw:
-        return None
+def parse_announcement(raw: bytes | str, key: bytes) -> WeightsAnnouncement | None:
+    """An announcement read from Redis, or None (logged) if it is malformed or not signed with `key`."""
     try:
-        return WeightsAnnouncement.model_validate_json(raw)
+        announcement = WeightsAnnouncement.model_validate_json(raw)
     except ValueError:
         log.error("ignoring a malformed weights announcement: %r", raw[:200])
         return None
+    if not announcement_signed(announcement, key):
+        log.error("refusing a weights announcement with a bad signature (v%d at %s)", announcement.version,
+                  announcement.url)
+        return None
+    return announcement
+
+
+def latest_announcement(redis_client, streams_or_prefix, key: bytes) -> WeightsAnnouncement | None:
+    """The announcement in `dapo:{run}:weights:latest`; None if nothing was published, or it is garbled or forged."""
+    raw = retrying(redis_client).get(latest_key(streams_or_prefix))
+    return parse_announcement(raw, key) if raw else None
 
 
 def pull_weights(
@@ -390,9 +405,10 @@ class AnnouncementWatcher:
     than `version` is known. Pub/sub messages can be lost (reconnects), the key poll makes that harmless.
     """
 
-    def __init__(self, redis_client, streams_or_prefix, poll_s: float = 5.0):
-        self.redis = redis_client
+    def __init__(self, redis_client, streams_or_prefix, key: bytes, poll_s: float = 5.0):
+        self.redis = retrying(redis_client)
         self.prefix = _prefix(streams_or_prefix)
+        self.key = key
         self.poll_s = poll_s
         self.newest: WeightsAnnouncement | None = None
         self._changed = threading.Condition()
@@ -400,7 +416,7 @@ class AnnouncementWatcher:
         self._thread: threading.Thread | None = None
 
     def start(self) -> "AnnouncementWatcher":
-        self.offer(latest_announcement(self.redis, self.prefix))
+        self.offer(latest_announcement(self.redis, self.prefix, self.key))
         self._thread = threading.Thread(target=self._run, name="weights-watcher", daemon=True)
         self._thread.start()
         return self
@@ -431,16 +447,13 @@ class AnnouncementWatcher:
                 if pubsub is None:
                     pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
                     pubsub.subscribe(channel(self.prefix))
-                    self.offer(latest_announcement(self.redis, self.prefix))  # anything missed while away
+                    self.offer(latest_announcement(self.redis, self.prefix, self.key))  # anything missed while away
                 message = pubsub.get_message(timeout=min(1.0, self.poll_s))
                 if message and message.get("type") == "message":
-                    try:
-                        self.offer(WeightsAnnouncement.model_validate_json(message["data"]))
-                    except ValueError:
-                        log.error("ignoring a malformed weights announcement on %s", channel(self.prefix))
+                    self.offer(parse_announcement(message["data"], self.key))
                 if time.monotonic() >= next_poll:
                     next_poll = time.monotonic() + self.poll_s
-                    self.offer(latest_announcement(self.redis, self.prefix))
+                    self.offer(latest_announcement(self.redis, self.prefix, self.key))
             except Exception as err:  # Redis restart or network: resubscribe after a pause
                 log.warning("weights watcher: %s; resubscribing", err)
                 if pubsub is not None:

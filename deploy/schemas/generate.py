@@ -1,5 +1,5 @@
-"""Write the CRD schemas the deployment tests validate against: KEDA's ScaledObject and the Prometheus
-operator's ServiceMonitor and PrometheusRule, as strict JSON schemas, one file each.
+"""Write the CRD schemas the deployment tests validate against: KEDA's ScaledObject and TriggerAuthentication,
+the Prometheus operator's ServiceMonitor and PrometheusRule, as strict JSON schemas, one file each.
 
 Why derived, not copied: the published CRDs (their openAPIV3Schema) are not on any package registry this
 project installs from; the cloudcoil model packages on PyPI are generated from exactly those CRDs, one package
@@ -23,6 +23,10 @@ SOURCES = {
     "keda-scaledobject.json": (
         "cloudcoil.models.keda.v1alpha1:ScaledObject", "cloudcoil-models-keda",
         "https://github.com/kedacore/keda/blob/v2.16.1/config/crd/bases/keda.sh_scaledobjects.yaml",
+    ),
+    "keda-triggerauthentication.json": (
+        "cloudcoil.models.keda.v1alpha1:TriggerAuthentication", "cloudcoil-models-keda",
+        "https://github.com/kedacore/keda/blob/v2.16.1/config/crd/bases/keda.sh_triggerauthentications.yaml",
     ),
     "servicemonitor.json": (
         "cloudcoil.models.prometheus_operator.v1:ServiceMonitor", "cloudcoil-models-prometheus-operator",

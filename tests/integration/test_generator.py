@@ -29,7 +29,15 @@ from generator.sync import WeightSync
 from generator.worker import RolloutWorker
 from services.config import load_settings
 from services.http import create_app
-from services.messages import PromptTask, RolloutGroup, SamplingParams, Score, ScoredGroup, WeightsAnnouncement
+from services.messages import (
+    PromptTask,
+    RolloutGroup,
+    SamplingParams,
+    Score,
+    ScoredGroup,
+    WeightsAnnouncement,
+    sign_announcement,
+)
 from services.redis_local import connect
 from services.streams import Streams
 from services.weights import WeightPublisher, channel, latest_key, shareable_state_dict, weights_router
@@ -262,6 +270,7 @@ def service(settings, engine, models):
     streams = Streams(client, settings)
     learner_app = create_app("learner", token=settings.token)
     with ServerThread(learner_app) as learner:
+        settings.learner.public_url = learner.url  # the only URL the generator sends its token to
         publisher = WeightPublisher(settings, client, learner.url)
         learner_app.include_router(weights_router(publisher, learner_app.state.require_token))
         holder = {}
@@ -321,7 +330,8 @@ def test_worker_versions_sync_refusals_and_late_join(service, engine, models):
 
         # refused: a checksum that does not match the bytes served
         good = publisher.announcement(1)
-        forged = WeightsAnnouncement(version=3, sha256="ab" * 32, size=good.size, url=good.url)
+        forged = sign_announcement(WeightsAnnouncement(version=3, sha256="ab" * 32, size=good.size, url=good.url),
+                                   publisher.key)
         client.set(latest_key(publisher.prefix), forged.model_dump_json())
         client.publish(channel(publisher.prefix), forged.model_dump_json())
         answer = httpx.post(f"{url}/v1/weights/sync", headers=auth, timeout=120)

@@ -23,18 +23,19 @@ import msgpack
 import pytest
 
 from learner.service import (
+    ISSUED,
     LEDGER_FILE,
     METRICS_FILE,
+    LearnerService,
     TrainProblems,
     data_spec,
-    public_base_url,
     task_id_in_payload,
     truncate_jsonl,
 )
 from services.config import load_settings
 from services.data import Problem
 from services.http import free_port
-from services.messages import PromptTask, RolloutGroup, Sample, Score, ScoredGroup, to_wire
+from services.messages import PromptTask, RolloutGroup, Sample, SamplingParams, Score, ScoredGroup, to_wire
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -93,9 +94,79 @@ def test_data_specs_and_public_url():
     assert data_spec("synthetic", "train") == "synthetic-train"
     assert data_spec("aime2024", "eval") == "aime2024"
     s = load_settings("tiny-cpu", learner={"port": 8123})
-    assert public_base_url(s) == "http://127.0.0.1:8123"
+    assert s.learner.public_base_url() == "http://127.0.0.1:8123"
     s = load_settings("tiny-cpu", learner={"public_url": "http://learner:8000/"})
-    assert public_base_url(s) == "http://learner:8000"
+    assert s.learner.public_base_url() == "http://learner:8000"
+
+
+def scored_group(task: PromptTask, correct: list[bool]) -> ScoredGroup:
+    samples = [Sample(token_ids=[1, 2], logprobs=[-0.1, -0.2], text="Answer: 2", finish_reason="stop") for _ in correct]
+    scores = [Score(reward=1.0 if c else -1.0, correct=c, overlong=False, rule="answer_line") for c in correct]
+    return ScoredGroup(rollout=RolloutGroup(task=task, policy_version=0, generator_id="g", samples=samples),
+                       scores=scores)
+
+
+def test_learner_trains_only_groups_it_issued_and_that_match(settings):
+    """Forged scored groups (unknown task id, bad HMAC, a rollout that does not fit its task) are dead-lettered
+    with the exact reason and never reach the batch; the genuine group does."""
+    service = LearnerService(settings)
+    service.connect()
+    service.trainer = type("Version", (), {"version": 0})()  # the model is not needed to admit groups
+    issued = PromptTask(task_id="train-1", prompt_id="p1", prompt="1+1=", prompt_token_ids=[5, 6], ground_truth="2",
+                        sampling=SamplingParams(n=2, max_tokens=8))
+    service.outbox.append(issued)
+    service.assembler.issued(["train-1"], 0)
+    service.flush_outbox()  # recorded in `issued`, then produced
+    assert service.issued_task("train-1") == issued
+    assert service.redis.hexists(service.streams.key(ISSUED), "train-1")
+
+    scored = service.scored
+    made_up = issued.model_copy(update={"task_id": "train-made-up"})
+    scored.produce(scored_group(made_up, [True, False]))
+    other_prompt = issued.model_copy(update={"prompt_token_ids": [7, 8]})
+    scored.produce(scored_group(other_prompt, [True, False]))
+    scored.produce(scored_group(issued, [True, False, False]))  # n=3 for a task of n=2
+    genuine = to_wire(scored_group(issued, [True, False]))
+    tampered = to_wire(scored_group(issued.model_copy(update={"ground_truth": "3"}), [True, False]))
+    service.redis.xadd(scored.key, {b"data": tampered, b"sig": scored.signature(genuine)})
+    service.pump()
+    # The refused groups named a real task: it is not taken for lost, its genuine group is still to come.
+    assert "train-1" in service.assembler.in_flight and service.issued_task("train-1") == issued
+    scored.produce(scored_group(issued, [True, False]))
+    service.pump()
+
+    reasons = [d["reason"] for d in reversed(service.streams.dead_letters())]
+    assert reasons == [  # the signature is checked on reading, before the learner looks at the group
+        "forged: bad HMAC signature (tampered, or written without the shared token)",
+        "provenance: unknown task id 'train-made-up' (not issued by this run's learner)",
+        "provenance: task train-1 does not match the task as issued (differs in prompt_token_ids)",
+        "provenance: task train-1 asked for n=2 samples; the group has 3 samples and 3 scores",
+    ]
+    assert [task.rollout.task for _, _, task in service.assembler.ready] == [issued]
+    assert service.redis.xlen(service.held.key) == 1 and service.redis.xlen(scored.key) == 0
+
+
+def test_tasks_lost_with_a_redis_crash_are_no_longer_waited_for(settings, redis_server):
+    """A machine crash can cost Redis its last second of AOF: tasks pushed then (and their `issued` records,
+    written atomically with them) are gone, and the learner stops waiting for them once it sees the restart."""
+    service = LearnerService(settings)
+    service.connect()
+    written = (Path(settings.run_dir) / "config.yaml").read_text()
+    assert redis_server.password in settings.redis.url and redis_server.password not in written  # no secrets
+    tasks = [PromptTask(task_id=f"train-{i}", prompt_id=f"p{i}", prompt="1+1=", ground_truth="2") for i in range(3)]
+    service.assembler.issued([t.task_id for t in tasks], 0)
+    service.outbox.extend(tasks[:2])
+    service.flush_outbox()
+    service.outbox.append(tasks[2])  # still queued: never pushed, must not count as lost
+    service.scan_dead_letters()  # learns the server's run id
+    (entry_id, _), _ = service.redis.xrange(service.prompts.key)  # the crash lost train-0's push:
+    service.redis.xdel(service.prompts.key, entry_id)
+    service.redis.hdel(service.issued_key, "train-0")
+    redis_server.stop(kill=True)
+    redis_server.start()
+    service.scan_dead_letters()
+    assert sorted(service.assembler.in_flight) == ["train-1", "train-2"]
+    assert service.assembler.stats.lost == 1
 
 
 # -- the whole loop (slow) -------------------------------------------------------------------------------------
@@ -124,8 +195,11 @@ class Pipeline:
         self.processes: list[subprocess.Popen] = []
         self.logs = root / "logs"
         self.logs.mkdir()
+        # One learner at a time, always on this port: the generator pulls from nowhere else (learner.public_url).
+        self.learner_port = free_port()
         self.common = {
             "redis": {"url": self.redis_server.url, "run": self.RUN},
+            "learner": {"public_url": f"http://127.0.0.1:{self.learner_port}"},
             "streams": {"visibility_timeout_s": 30, "block_ms": 200, "high_water": 256},
             "token": "test-token",
         }
@@ -192,7 +266,7 @@ class Pipeline:
                 r.xtrim(key(name), maxlen=0)
 
     def learner(self, run_dir: Path, learner: dict, **sections) -> subprocess.Popen:
-        tree = {"run_dir": str(run_dir), "learner": {"port": free_port(), **learner}, **sections}
+        tree = {"run_dir": str(run_dir), "learner": {"port": self.learner_port, **learner}, **sections}
         return self.spawn("learner", tree, f"learner-{run_dir.name}")
 
     def close(self) -> None:
@@ -386,9 +460,9 @@ def test_http_while_running_and_sigterm_checkpoints_then_exits(pipeline, tmp_pat
     import httpx
 
     run_dir = tmp_path / "term"
-    port = free_port()
+    port = pipeline.learner_port
     pipeline.drain()
-    process = pipeline.learner(run_dir, {**LEARNER, "port": port, "eval_every": 0, "total_steps": 100,
+    process = pipeline.learner(run_dir, {**LEARNER, "eval_every": 0, "total_steps": 100,
                                          "checkpoint_every": 0}, **SMALL)
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 180

@@ -89,10 +89,12 @@ def test_rollouts_in_scored_out_and_acked(settings, streams, pool):
 def test_a_malformed_rollout_goes_to_dead(settings, streams, pool):
     rollouts = streams.stream("rollouts", RolloutGroup)
     rollouts.produce(rollout("good", "1", ["Answer: 1"]))
-    streams.redis.xadd(rollouts.key, {b"data": b"\xc1 not msgpack"})
+    garbage = b"\xc1 not msgpack"
+    streams.redis.xadd(rollouts.key, {b"data": garbage, b"sig": rollouts.signature(garbage)})  # signed garbage
     bad_schema = rollout("bad", "1", ["Answer: 1"]).model_dump()
     bad_schema["schema_version"] = 99
-    streams.redis.xadd(rollouts.key, {b"data": msgpack.packb(bad_schema, use_bin_type=True)})
+    payload = msgpack.packb(bad_schema, use_bin_type=True)
+    streams.redis.xadd(rollouts.key, {b"data": payload, b"sig": rollouts.signature(payload)})
 
     worker = RewardWorker(settings, Scorer(pool, settings.reward), streams, consumer="reward-test")
     assert drain(worker, 1) == 1

@@ -9,6 +9,7 @@ import sys
 import textwrap
 import threading
 import time
+from pathlib import Path
 
 import msgpack
 import pytest
@@ -51,10 +52,14 @@ def test_produce_consume_forward_ack(streams):
 def test_poison_messages_go_to_dead_and_consumer_keeps_going(streams):
     prompts = streams.stream("prompts", PromptTask)
     prompts.produce(task(0))  # creates the group
-    streams.redis.xadd(prompts.key, {b"data": b"\xff\x00 not msgpack"})
+
+    def signed(payload: bytes) -> dict:  # a producer with the token that writes garbage
+        return {b"data": payload, b"sig": prompts.signature(payload)}
+
+    streams.redis.xadd(prompts.key, signed(b"\xff\x00 not msgpack"))
     bad_version = task(1).model_dump()
     bad_version["schema_version"] = 99
-    streams.redis.xadd(prompts.key, {b"data": msgpack.packb(bad_version)})
+    streams.redis.xadd(prompts.key, signed(msgpack.packb(bad_version)))
     streams.redis.xadd(prompts.key, {b"other": b"no data field"})
     prompts.produce(task(2))
     got = prompts.consume("c1", count=10)
@@ -62,10 +67,63 @@ def test_poison_messages_go_to_dead_and_consumer_keeps_going(streams):
     dead = streams.dead_letters()
     assert len(dead) == 3
     reasons = " | ".join(d["reason"] for d in dead)
-    assert "not msgpack" in reasons and "schema_version" in reasons
+    assert "not msgpack" in reasons and "schema_version" in reasons and "forged: no signature" in reasons
     assert dead[-1]["data"] == b"\xff\x00 not msgpack"  # the original payload is kept
     assert all(d["stream"] == "prompts" for d in dead)
     assert prompts.pending() == 2  # dead letters were acknowledged on the source stream
+
+
+def test_forged_or_tampered_entries_go_to_dead_with_the_reason(streams, settings):
+    prompts, rollouts = streams.stream("prompts", PromptTask), streams.stream("rollouts", RolloutGroup)
+    prompts.produce(task(0))
+    good = to_wire(task(1))
+    streams.redis.xadd(prompts.key, {b"data": good})  # no signature
+    tampered = to_wire(task(1).model_copy(update={"ground_truth": "999"}))
+    streams.redis.xadd(prompts.key, {b"data": tampered, b"sig": prompts.signature(good)})  # altered after signing
+    outsider = Streams(streams.redis, settings.model_copy(update={"token": "a-guess"})).stream("prompts", PromptTask)
+    outsider.produce(task(2))  # signed, with another key
+    replayed = to_wire(group_for(task(3)))
+    streams.redis.xadd(prompts.key, {b"data": replayed, b"sig": rollouts.signature(replayed)})  # from another stream
+    prompts.produce(task(4))
+    assert [d.message.task_id for d in prompts.consume("c1", count=10)] == ["t0", "t4"]
+    reasons = [d["reason"] for d in reversed(streams.dead_letters())]
+    bad = "forged: bad HMAC signature (tampered, or written without the shared token)"
+    assert reasons == ["forged: no signature", bad, bad, bad]
+
+
+def test_retrying_client_waits_for_a_restarted_redis(redis_server, settings):
+    """Every command of the client (plain, pipeline, script) outlives a redis-server crash and restart."""
+    client = connect(settings)
+    client.set("k", "1")
+    results: dict = {}
+
+    def calls():
+        results["get"] = client.get("k")
+        pipe = client.pipeline()
+        pipe.incr("k").incr("k")
+        results["pipe"] = pipe.execute()
+        results["script"] = client.register_script("return redis.call('GET', KEYS[1])")(keys=["k"])
+
+    redis_server.stop(kill=True)
+    thread = threading.Thread(target=calls)
+    thread.start()
+    time.sleep(1.0)
+    assert thread.is_alive()  # waiting, not failed
+    redis_server.start()
+    thread.join(timeout=60)
+    assert results == {"get": b"1", "pipe": [2, 3], "script": b"3"}
+
+
+def test_a_lost_consumer_group_is_recreated(streams):
+    """A Redis that came back without the group (NOGROUP) does not stop a consumer: the group is re-created."""
+    prompts, rollouts = streams.stream("prompts", PromptTask), streams.stream("rollouts", RolloutGroup)
+    prompts.produce(task(0))
+    (d,) = prompts.consume("c", count=1)
+    streams.redis.xgroup_destroy(prompts.key, prompts.group)
+    assert not prompts.forward(d, rollouts, group_for(d.message))  # its pending entry went with the group
+    prompts.produce(task(1))
+    got = prompts.consume("c", count=10)
+    assert sorted(x.message.task_id for x in got) == ["t0", "t1"]  # the new group reads the stream from the start
 
 
 def test_message_delivered_too_often_goes_to_dead(streams):
@@ -221,3 +279,18 @@ def test_touch_keeps_long_work_from_being_reclaimed(streams):
         assert prompts.consume("thief", count=1, block_ms=10) == []
     assert prompts.touch("thief", [d.id]) == 0  # only the owner's heartbeat counts
     assert prompts.ack(d)
+
+
+def test_embedded_redis_requires_its_password_kept_in_an_owner_only_file(redis_server):
+    import redis
+
+    conf = redis_server.data_dir / "redis.conf"
+    assert conf.stat().st_mode & 0o077 == 0  # readable by its owner only
+    assert redis_server.password in conf.read_text()
+    cmdline = Path(f"/proc/{redis_server.process.pid}/cmdline").read_bytes().decode(errors="replace")
+    assert redis_server.password not in cmdline
+    with pytest.raises(redis.AuthenticationError):
+        redis.Redis(unix_socket_path=str(redis_server.socket_path)).ping()
+    with pytest.raises(redis.AuthenticationError):
+        redis.Redis(unix_socket_path=str(redis_server.socket_path), password="a-guess").ping()
+    assert redis.Redis.from_url(redis_server.url).ping()

@@ -73,7 +73,7 @@ def test_publish_pull_round_trip_with_announcement(learner, settings, short_tmp)
     assert announced.url == f"{server.url}/v1/weights/3" and announced.version == 3
 
     # announced both ways: the latest key and the channel
-    assert latest_announcement(client, Streams(client, settings)) == announced
+    assert latest_announcement(client, Streams(client, settings), publisher.key) == announced
     message = None
     for _ in range(50):
         message = pubsub.get_message(timeout=0.1)
@@ -180,7 +180,7 @@ def test_schema_check_names_and_shapes(short_tmp):
 def test_watcher_sees_pubsub_and_latest_key(learner, settings):
     publisher, _, client = learner
     publisher.publish(tiny_state_dict(), version=0)  # before the watcher starts: found via the key
-    watcher = AnnouncementWatcher(client, Streams(client, settings), poll_s=30).start()
+    watcher = AnnouncementWatcher(client, Streams(client, settings), publisher.key, poll_s=30).start()
     try:
         assert watcher.newest.version == 0
         assert watcher.wait_newer(0, timeout=0.1) is None

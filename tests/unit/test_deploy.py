@@ -46,8 +46,9 @@ PINNED_IMAGE = re.compile(r"^[^@]+:(v?\d+\.\d+\.\d+[\w.-]*)$|@sha256:[0-9a-f]{64
 SERVICES = ("learner", "generator", "reward")
 DEFAULT_PORTS = {name: getattr(Settings(), name).port for name in SERVICES}
 # DAPO_ variables that are not Settings fields: the preset (read by load_settings), the token file (read by
-# deploy/docker-entrypoint.sh), the stream consumer name (services/streams.py), the log level (cli/main.py).
-NON_FIELD_DAPO_VARIABLES = {"DAPO_CONFIG", "DAPO_TOKEN_FILE", "DAPO_WORKER_ID", "DAPO_LOG_LEVEL"}
+# deploy/docker-entrypoint.sh, as the Redis password file), the stream consumer name (services/streams.py), the log level (cli/main.py).
+NON_FIELD_DAPO_VARIABLES = {"DAPO_CONFIG", "DAPO_TOKEN_FILE", "DAPO_REDIS_PASSWORD_FILE", "DAPO_WORKER_ID",
+                            "DAPO_LOG_LEVEL"}
 # Settings a deployment sets on top of a preset (where things live), nothing about the algorithm.
 DEPLOYMENT_KEYS = {("run_dir",), ("token",), ("redis", "url"), ("redis", "run"), ("learner", "public_url"),
                    ("tiny", "cache_dir")}
@@ -177,6 +178,7 @@ def _dapo_containers(resources: list[dict]):
 
 CRD_SCHEMAS = {
     ("keda.sh/v1alpha1", "ScaledObject"): DEPLOY / "schemas" / "keda-scaledobject.json",
+    ("keda.sh/v1alpha1", "TriggerAuthentication"): DEPLOY / "schemas" / "keda-triggerauthentication.json",
     ("monitoring.coreos.com/v1", "ServiceMonitor"): DEPLOY / "schemas" / "servicemonitor.json",
     ("monitoring.coreos.com/v1", "PrometheusRule"): DEPLOY / "schemas" / "prometheusrule.json",
 }
@@ -230,10 +232,24 @@ def test_scalable_services_have_no_fixed_container_name_or_host_port(name):
 def test_redis_keeps_an_append_only_file_on_a_volume_and_is_health_checked():
     redis_service = _compose()["services"]["redis"]
     assert redis_service["image"].startswith("redis:7")
-    command = redis_service["command"]
-    assert command[command.index("--appendonly") + 1] == "yes"
+    command = " ".join(redis_service["command"])
+    assert "--appendonly yes --appendfsync everysec" in command
     assert any(v.endswith(":/data") for v in redis_service["volumes"])
-    assert "redis-cli" in redis_service["healthcheck"]["test"]
+    assert "redis-cli" in " ".join(redis_service["healthcheck"]["test"])
+
+
+def test_compose_redis_requires_the_password_every_dapo_service_gets_as_a_secret():
+    compose = _compose()
+    assert compose["secrets"]["redis_password"] == {"environment": "REDIS_PASSWORD"}
+    redis_service = compose["services"]["redis"]
+    assert redis_service["secrets"] == ["redis_password"]
+    assert '--requirepass "$$(cat /run/secrets/redis_password)"' in redis_service["command"][-1]
+    assert "REDISCLI_AUTH" in redis_service["healthcheck"]["test"][-1]  # the health check authenticates
+    for name in ("bootstrap",) + SERVICES:
+        service = compose["services"][name]
+        assert "redis_password" in service["secrets"]
+        assert service["environment"]["DAPO_REDIS_PASSWORD_FILE"] == "/run/secrets/redis_password"
+        assert "DAPO_REDIS__PASSWORD" not in service["environment"]
 
 
 def test_compose_token_is_a_secret_shared_by_every_dapo_service():
@@ -566,6 +582,45 @@ def test_keda_scales_generators_on_the_prompts_stream(tmp_path):
         assert int(port) == redis_service["spec"]["ports"][0]["port"]
 
 
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_redis_requires_a_password_and_only_dapo_pods_reach_it(overlay):
+    resources = _render(overlay)
+    secret_ref = {"name": "dapo-redis", "key": "password"}
+    (redis_container,) = _by_kind(resources, "Deployment")["redis"]["spec"]["template"]["spec"]["containers"]
+    args, env = redis_container["args"], {e["name"]: e for e in redis_container["env"]}
+    assert args[args.index("--requirepass") + 1] == "$(REDIS_PASSWORD)"
+    assert args[args.index("--appendfsync") + 1] == "everysec"
+    assert env["REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"] == secret_ref
+    assert env["REDISCLI_AUTH"]["valueFrom"]["secretKeyRef"] == secret_ref  # for the probes' redis-cli
+    for name, _, container in _dapo_containers(resources):
+        if container["args"][1] == "bootstrap":
+            continue
+        dapo_env = {e["name"]: e for e in container.get("env", [])}
+        assert dapo_env["DAPO_REDIS__PASSWORD"]["valueFrom"]["secretKeyRef"] == secret_ref, name
+    secrets = _by_kind(resources, "Secret")
+    assert ("dapo-redis" in secrets) == (overlay == "overlays/cpu-tiny")  # elsewhere created beforehand
+    policy = _by_kind(resources, "NetworkPolicy")["redis"]["spec"]
+    assert policy["podSelector"]["matchLabels"] == {"app.kubernetes.io/name": "dapo",
+                                                    "app.kubernetes.io/component": "redis"}
+    assert policy["policyTypes"] == ["Ingress"]
+    sources = [source for rule in policy["ingress"] for source in rule["from"]]
+    assert {"podSelector": {"matchLabels": {"app.kubernetes.io/name": "dapo"}}} in sources
+    keda = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "keda"}}}
+    assert sources == [sources[0]] + ([keda] if overlay == "overlays/gpu" else [])
+    for deployment in _by_kind(resources, "Deployment").values():  # every dapo pod carries the label it allows
+        assert deployment["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/name"] == "dapo"
+
+
+def test_keda_authenticates_to_redis_with_the_password():
+    resources = _render("overlays/gpu")
+    (scaled,) = _by_kind(resources, "ScaledObject").values()
+    auth = _by_kind(resources, "TriggerAuthentication")
+    for trigger in scaled["spec"]["triggers"]:
+        assert trigger["authenticationRef"]["name"] in auth
+    (spec,) = (a["spec"] for a in auth.values())
+    assert spec["secretTargetRef"] == [{"parameter": "password", "name": "dapo-redis", "key": "password"}]
+
+
 def test_crd_schemas_reject_numbers_for_strings_and_misspelt_fields():
     resources = _render("overlays/gpu")
     scaled = _by_kind(resources, "ScaledObject")["generator"]
@@ -712,6 +767,13 @@ def test_entrypoint_reads_the_token_file_and_refuses_an_empty_one(tmp_path):
     token_file.write_text("")
     result = subprocess.run(["sh", entrypoint, "true"], env=env, capture_output=True, text=True, timeout=30)
     assert result.returncode == 64 and "DAPO_TOKEN_FILE" in result.stderr
+    token_file.write_text("s3cret")
+    password_file = tmp_path / "password"
+    password_file.write_text("p4ss")
+    env["DAPO_REDIS_PASSWORD_FILE"] = str(password_file)
+    result = subprocess.run(["sh", entrypoint, "sh", "-c", 'printf %s/%s "$DAPO_TOKEN" "$DAPO_REDIS__PASSWORD"'],
+                            env=env, capture_output=True, text=True, timeout=30)
+    assert (result.returncode, result.stdout) == (0, "s3cret/p4ss")
 
 
 # ---------------------------------------------------------------------------------------------------------------

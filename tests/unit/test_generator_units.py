@@ -19,12 +19,20 @@ from generator.engine import (
     stop_token_ids,
 )
 from generator.service import sync_status_code
-from generator.sync import WeightSync
+from generator.sync import WeightSync, pulls_from
 from generator.worker import _Rates, entry_time
 from services.config import load_settings
 from services.http import create_app
+from services.messages import sign_announcement, signing_key
 from services.redis_local import connect
-from services.weights import WeightPublisher, WeightsError, weights_router
+from services.weights import (
+    WeightPublisher,
+    WeightsError,
+    latest_announcement,
+    latest_key,
+    parse_announcement,
+    weights_router,
+)
 
 
 def test_safe_decode_never_crashes_on_unknown_ids():
@@ -83,6 +91,7 @@ def learner_with_model(settings, short_tmp):
     client = connect(settings)
     app = create_app("learner", token=settings.token)
     with ServerThread(app) as server:
+        settings.learner.public_url = server.url
         publisher = WeightPublisher(settings, client, server.url)
         app.include_router(weights_router(publisher, app.state.require_token))
         yield model_dir, publisher, client
@@ -118,3 +127,39 @@ def test_prepare_accepts_fitting_weights_and_refuses_the_rest(learner_with_model
 
     sync.prune(keep={folder})
     assert sorted(p.name for p in sync.dir.iterdir()) == ["v1"]
+
+
+def test_announcements_with_a_bad_signature_or_an_unconfigured_url_are_refused(learner_with_model, settings):
+    model_dir, publisher, client = learner_with_model
+    sync = WeightSync(settings, model_dir, client, "gen-test")
+    good = publisher.publish(random_qwen2(seed=1).state_dict(), version=1)
+    assert good.signature and sync.latest() == good
+
+    elsewhere = sign_announcement(good.model_copy(update={"url": "http://collector.example:9/v1/weights/1"}),
+                                  publisher.key)  # even signed: the token goes to the configured learner only
+    with pytest.raises(WeightsError, match="not under the configured learner URL") as err:
+        sync.prepare(elsewhere)
+    assert err.value.reason == "untrusted_url"
+
+    for forged in (
+        good.model_copy(update={"signature": ""}),                                      # unsigned
+        good.model_copy(update={"version": 9}),                                         # tampered after signing
+        sign_announcement(good.model_copy(update={"version": 9}), signing_key("guess")),  # another key
+    ):
+        client.set(latest_key(publisher.prefix), forged.model_dump_json())
+        assert sync.latest() is None
+        assert latest_announcement(client, publisher.prefix, publisher.key) is None
+        assert parse_announcement(forged.model_dump_json(), publisher.key) is None
+
+
+def test_pulls_from_only_the_configured_learner():
+    base = "http://learner:8000"
+    assert pulls_from("http://learner:8000/v1/weights/3", base)
+    assert pulls_from("http://learner:8000/v1/weights/3", base + "/")
+    assert pulls_from("https://h/dapo/v1/weights/3", "https://h/dapo")
+    assert not pulls_from("http://learner:8001/v1/weights/3", base)
+    assert not pulls_from("https://learner:8000/v1/weights/3", base)
+    assert not pulls_from("http://learner:8000@evil/v1/weights/3", base)
+    assert not pulls_from("http://learner:8000/other/3", base)
+    assert not pulls_from("http://learner:8000/v1/weights/../../x", base)
+    assert not pulls_from("https://h/v1/weights/3", "https://h/dapo")
