@@ -4,6 +4,11 @@ It builds the embedded model if missing, starts an embedded redis-server, then o
 M reward workers (`python -m cli <service>`), shows a live view of the learner's metrics.jsonl,
 restarts a crashed generator or reward worker, stops everything cleanly on Ctrl-C, and at the end writes
 plots and a summary table into the run folder.
+
+Each child is the leader of its own process group (its own session), and stopping or restarting a child kills
+that whole group: a SIGKILLed generator would otherwise leave its vLLM engine core running, orphaned.
+Secrets: without a configured token the run makes a random one; children get it in their environment, and
+`launch-config.yaml` (the settings they read) is written without it, mode 0600.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -22,9 +28,10 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from services.config import Settings, dump_settings
+from services.config import DEFAULT_TOKEN, Settings, dump_settings
 from services.http import free_port
 from services.redis_local import EmbeddedRedis, embedded_dir
+from services.weights import write_atomic
 
 log = logging.getLogger(__name__)
 console = Console()
@@ -59,14 +66,31 @@ class Child:
         return self.process is not None and self.process.poll() is None
 
     def stop(self, timeout: float = 30.0) -> None:
-        if not self.alive():
+        """SIGTERM (the service finishes or hands back its work), then SIGKILL whatever is left of its group."""
+        if self.process is None:
             return
-        self.process.send_signal(signal.SIGTERM)
+        if self.alive():
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                pass
+        self.kill_group()
+
+    def kill_group(self) -> None:
+        """SIGKILL the child's process group (its pid: it leads its own session): the child and anything it
+        started, such as a vLLM engine core left behind by a SIGKILLed generator."""
         try:
-            self.process.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
             os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait()
+        except ProcessLookupError:  # the group is empty: nothing left behind
+            pass
+        self.process.wait()
+
+    def restart(self) -> None:
+        """Start again after a crash, once the crashed child's whole process group is gone."""
+        self.kill_group()
+        self.restarts += 1
+        self.start()
 
 
 def service_children(settings: Settings, config_path: Path, redis_url: str, generators: int, reward_workers: int,
@@ -74,6 +98,7 @@ def service_children(settings: Settings, config_path: Path, redis_url: str, gene
     run_dir = Path(settings.run_dir)
     base_env = {
         **os.environ,
+        "DAPO_TOKEN": settings.token,  # not in the config file
         "DAPO_REDIS__URL": redis_url,
         "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", str(settings.generator.kv_cache_gib)),
         "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
@@ -92,6 +117,13 @@ def service_children(settings: Settings, config_path: Path, redis_url: str, gene
     children += [child(f"generator-{i}", "generator", True, DAPO_GENERATOR__PORT=str(free_port()),
                        DAPO_GENERATOR__HOST="127.0.0.1", DAPO_WORKER_ID=f"generator-{i}") for i in range(generators)]
     return children
+
+
+def write_launch_config(settings: Settings, run_dir: Path) -> Path:
+    """The settings the children read, without the token (they get it in their environment), mode 0600."""
+    path = run_dir / "launch-config.yaml"
+    write_atomic(path, dump_settings(settings, exclude={"token"}), mode=0o600)
+    return path
 
 
 def write_service_map(children: list[Child], redis_url: str, path: Path) -> None:
@@ -154,9 +186,8 @@ def supervise(children: list[Child], metrics_path: Path, total_steps: int, displ
                     continue
                 if child.restarts >= RESTART_LIMIT:
                     continue
-                child.restarts += 1
-                log.warning("%s exited with %s; restart %d", child.name, child.process.returncode, child.restarts)
-                child.start()
+                log.warning("%s exited with %s; restart %d", child.name, child.process.returncode, child.restarts + 1)
+                child.restart()
             rows = read_metrics(metrics_path)
             if live:
                 live.update(status_table(rows, children, total_steps))
@@ -184,8 +215,9 @@ def main(settings: Settings, generators: int = 1, reward_workers: int = 1, displ
     if not redis_url:
         redis_server = EmbeddedRedis(embedded_dir(settings), aof=settings.redis.embedded_aof).start()
         redis_url = redis_server.url
-    config_path = run_dir / "launch-config.yaml"
-    config_path.write_text(dump_settings(settings))
+    if settings.token == DEFAULT_TOKEN:
+        settings.token = secrets.token_urlsafe(32)  # this run's own: no process or file carries the placeholder
+    config_path = write_launch_config(settings, run_dir)
 
     children = service_children(settings, config_path, redis_url, generators, reward_workers, free_port())
     write_service_map(children, redis_url, run_dir / "services.json")

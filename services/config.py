@@ -22,6 +22,7 @@ from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, Settings
 # The presets ship inside the package (a folder: the packages install unzipped, editable or from the wheel).
 CONFIG_DIR = Path(str(resources.files("services") / "configs"))
 DEFAULT_PRESET = "tiny-cpu"
+DEFAULT_TOKEN = "change-me"  # the presets' placeholder: accepted on loopback only (services.http.check_token)
 
 
 class Section(BaseModel):
@@ -225,7 +226,7 @@ class Settings(BaseSettings):
     )
 
     run_dir: str = Field("runs/default", description="Run folder: metrics.jsonl, checkpoints, weights, plots.")
-    token: str = Field("change-me", description="Shared bearer token for state-changing and weight endpoints.")
+    token: str = Field(DEFAULT_TOKEN, description="Shared bearer token for state-changing and weight endpoints.")
     max_body_mb: float = Field(64.0, description="Largest accepted HTTP request body.")
     redis: RedisConfig = RedisConfig()
     streams: StreamsConfig = StreamsConfig()
@@ -341,6 +342,6 @@ def _deep_update(base: dict, extra: dict) -> None:
             base[key] = value
 
 
-def dump_settings(settings: Settings) -> str:
-    """The resolved tree as YAML (written into the run folder)."""
-    return yaml.safe_dump(settings.model_dump(mode="json"), sort_keys=False)
+def dump_settings(settings: Settings, exclude: set[str] | None = None) -> str:
+    """The resolved tree as YAML (written into the run folder); `exclude` leaves top-level fields out (secrets)."""
+    return yaml.safe_dump(settings.model_dump(mode="json", exclude=exclude), sort_keys=False)
