@@ -1,5 +1,5 @@
 """Process hygiene without vLLM: a restarted or stopped child leaves no process of its group behind, and a
-process that imports generator.vllm_worker as a multiprocessing child dies with its parent. (The same with the
+generator's engine processes (an engine core and its worker, which imports generator.vllm_worker) die with it. (The same with the
 real engine core: tests/integration/test_generator.py.)"""
 
 from __future__ import annotations
@@ -22,19 +22,29 @@ print(grandchild.pid, flush=True)
 time.sleep(600)
 """
 
-# A parent whose multiprocessing child imports generator.vllm_worker (as vLLM's engine process does).
+# A generator-like parent, its engine core (a multiprocessing child titled `VLLM::EngineCore`) and the core's
+# worker process, which imports generator.vllm_worker (as vLLM's worker does); the parent prints both pids.
 ENGINE_LIKE = """
-import multiprocessing, sys, time
+import multiprocessing, os, sys, time
 sys.path.insert(0, {repo!r})
 
-def engine():
+def worker():
     import generator.vllm_worker  # noqa: F401
     time.sleep(600)
 
-if __name__ == "__main__":
-    child = multiprocessing.get_context("spawn").Process(target=engine)
+def engine_core(pids):
+    with open("/proc/self/comm", "w") as comm:
+        comm.write("VLLM::EngineCore")
+    child = multiprocessing.get_context("spawn").Process(target=worker)
     child.start()
-    print(child.pid, flush=True)
+    pids.put((os.getpid(), child.pid))
+    time.sleep(600)
+
+if __name__ == "__main__":
+    context = multiprocessing.get_context("spawn")
+    pids = context.Queue()
+    context.Process(target=engine_core, args=(pids,)).start()
+    print(*pids.get(), flush=True)
     time.sleep(600)
 """
 
@@ -86,17 +96,18 @@ def test_restart_and_stop_kill_the_whole_process_group(tmp_path):
         child.kill_group()
 
 
-def test_engine_process_dies_with_its_parent(tmp_path):
+def test_engine_processes_die_with_their_generator(tmp_path):
     script = tmp_path / "engine_like.py"
     script.write_text(ENGINE_LIKE.format(repo=REPO))
     child = Child("engine-like", [sys.executable, str(script)], dict(os.environ), tmp_path / "engine.log", False)
     child.start()
     try:
-        engine = read_pid(child.log_path)
-        time.sleep(3)  # let it import the module (a spawned interpreter)
-        assert alive(engine)
+        read_pid(child.log_path)
+        core, worker = map(int, child.log_path.read_text().split()[:2])
+        time.sleep(3)  # let the worker import the module (a spawned interpreter)
+        assert alive(core) and alive(worker)
         os.kill(child.process.pid, signal.SIGKILL)  # no launcher cleans up: the engine notices on its own
         child.process.wait()
-        assert wait_gone(engine, 10), "the engine process outlived its parent"
+        assert wait_gone(core, 10) and wait_gone(worker, 10), "engine processes outlived their generator"
     finally:
         child.kill_group()
