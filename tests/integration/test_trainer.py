@@ -338,7 +338,7 @@ def test_interrupted_overwrite_is_recovered(model_path, tmp_path):
 
 WORKER = """
 import sys, torch
-sys.path[:0] = [{tests!r}, {repo!r}]
+sys.path[:0] = [{here!r}, {tests!r}, {repo!r}]
 from pathlib import Path
 from test_trainer import make_groups, make_settings, random_offsets, with_behaviour
 from learner.trainer import Trainer
@@ -349,6 +349,7 @@ groups = with_behaviour(groups, trainer.logprobs(groups), random_offsets(groups,
 loss, grads = trainer.loss_gradients(groups)
 metrics = trainer.train_step(groups)
 trainer.save_checkpoint(Path({tmp!r}) / ("ckpt-%d" % trainer.accelerator.num_processes), {{"ok": True}})
+assert trainer.load_checkpoint(Path({tmp!r}) / ("ckpt-%d" % trainer.accelerator.num_processes)) == {{"ok": True}}
 if trainer.accelerator.is_main_process:
     torch.save({{"loss": loss, "grads": grads, "metrics": metrics, "world": trainer.accelerator.num_processes}},
                Path({tmp!r}) / ("result-%d.pt" % trainer.accelerator.num_processes))
@@ -367,7 +368,8 @@ def test_two_process_ddp_matches_one_process(model_path, tmp_path):
 
     tests = Path(__file__).resolve().parent.parent
     script = tmp_path / "worker.py"
-    script.write_text(WORKER.format(tests=str(tests), repo=str(tests.parent), tmp=str(tmp_path), model=str(model_path)))
+    script.write_text(WORKER.format(here=str(Path(__file__).resolve().parent), tests=str(tests), repo=str(tests.parent),
+                                    tmp=str(tmp_path), model=str(model_path)))
     env = dict(os.environ, OMP_NUM_THREADS="1", ACCELERATE_USE_CPU="true")
     alone = subprocess.run([sys.executable, str(script)], env=env, timeout=300, capture_output=True, text=True)
     assert alone.returncode == 0, alone.stderr[-3000:]
