@@ -1,6 +1,6 @@
 """Process hygiene without vLLM: a restarted or stopped child leaves no process of its group behind, and a
-generator's engine processes (an engine core and its worker, which imports generator.vllm_worker) die with it. (The same with the
-real engine core: tests/integration/test_generator.py.)"""
+generator's engine processes (an engine core and its worker, which imports generator.vllm_worker) die with it.
+(The same with the real engine: tests/integration/test_generator.py.)"""
 
 from __future__ import annotations
 
