@@ -57,7 +57,7 @@ def prompt_ids(settings, tokenizer, count: int) -> list[list[int]]:
 def bench_raw(engine, prompts, sampling: list[SamplingParams]) -> tuple[float, int]:
     from vllm.inputs import TokensPrompt
 
-    params = [engine.engine_params(s, s.max_tokens) for s in sampling]
+    params = [engine.engine_params(s) for s in sampling]
     inputs = [TokensPrompt(prompt_token_ids=p) for p in prompts]
     start = time.perf_counter()
     outputs = engine.llm.generate(inputs, params, use_tqdm=False)

@@ -9,6 +9,11 @@ Nothing but the user (or the learner finishing) ends a run: a dead redis-server 
 socket, folder and password; the services' clients retry meanwhile), a learner that did not exit by itself
 (killed, crashed) is restarted and resumes from its checkpoint, a crashed worker is restarted. A process that
 keeps crashing right after its start is given up after RESTART_LIMIT tries (a bug, not bad luck).
+
+Each child is the leader of its own process group (its own session), and stopping or restarting a child kills
+that whole group: a SIGKILLed generator would otherwise leave its vLLM engine core running, orphaned.
+Secrets: without a configured token the run makes a random one; children get it in their environment, and
+`launch-config.yaml` (the settings they read) is written without it, mode 0600.
 """
 
 from __future__ import annotations
@@ -28,9 +33,10 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from services.config import Settings, dump_settings
+from services.config import DEFAULT_TOKEN, Settings, dump_settings
 from services.http import free_port
 from services.redis_local import EmbeddedRedis, embedded_server, without_password
+from services.weights import write_atomic
 
 log = logging.getLogger(__name__)
 console = Console()
@@ -66,7 +72,9 @@ class Child:
         return self.process is not None and self.process.poll() is None
 
     def restart(self) -> bool:
-        """Start again after a crash; False once it crashed RESTART_LIMIT times in a row soon after starting."""
+        """Start again after a crash, once the crashed child's whole process group is gone; False once it crashed
+        RESTART_LIMIT times in a row soon after starting."""
+        self.kill_group()
         if time.monotonic() - self.started_at >= STABLE_SECONDS:
             self.restarts = 0
         if self.restarts >= RESTART_LIMIT:
@@ -77,14 +85,26 @@ class Child:
         return True
 
     def stop(self, timeout: float = 30.0) -> None:
-        if not self.alive():
+        """SIGTERM (the service finishes or hands back its work), then SIGKILL whatever is left of its group."""
+        if self.process is None:
             return
-        self.process.send_signal(signal.SIGTERM)
+        if self.alive():
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                pass
+        self.kill_group()
+
+    def kill_group(self) -> None:
+        """SIGKILL the child's process group (its pid: it leads its own session): the child and anything it
+        started, such as a vLLM engine core left behind by a SIGKILLed generator."""
         try:
-            self.process.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
             os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait()
+        except ProcessLookupError:  # the group is empty: nothing left behind
+            pass
+        self.process.wait()
+
 
 
 def service_children(settings: Settings, config_path: Path, redis_url: str, generators: int, reward_workers: int,
@@ -92,6 +112,7 @@ def service_children(settings: Settings, config_path: Path, redis_url: str, gene
     run_dir = Path(settings.run_dir)
     base_env = {
         **os.environ,
+        "DAPO_TOKEN": settings.token,  # not in the config file
         "DAPO_REDIS__URL": redis_url,
         # Every service needs it: the learner serves there, generators send their token nowhere else.
         "DAPO_LEARNER__PUBLIC_URL": f"http://127.0.0.1:{learner_port}",
@@ -112,6 +133,13 @@ def service_children(settings: Settings, config_path: Path, redis_url: str, gene
     children += [child(f"generator-{i}", "generator", DAPO_GENERATOR__PORT=str(free_port()),
                        DAPO_GENERATOR__HOST="127.0.0.1", DAPO_WORKER_ID=f"generator-{i}") for i in range(generators)]
     return children
+
+
+def write_launch_config(settings: Settings, run_dir: Path) -> Path:
+    """The settings the children read, without the token (they get it in their environment), mode 0600."""
+    path = run_dir / "launch-config.yaml"
+    write_atomic(path, dump_settings(settings, exclude={"token"}), mode=0o600)
+    return path
 
 
 def write_service_map(children: list[Child], redis_url: str, path: Path) -> None:
@@ -212,8 +240,9 @@ def main(settings: Settings, generators: int = 1, reward_workers: int = 1, displ
         redis_server = embedded_server(settings)
         redis_server.password = secrets.token_hex(24)  # a new one per run, handed to the services in their environment
         redis_url = redis_server.start().url
-    config_path = run_dir / "launch-config.yaml"
-    config_path.write_text(dump_settings(settings))
+    if settings.token == DEFAULT_TOKEN:
+        settings.token = secrets.token_urlsafe(32)  # this run's own: no process or file carries the placeholder
+    config_path = write_launch_config(settings, run_dir)
 
     children = service_children(settings, config_path, redis_url, generators, reward_workers, free_port())
     write_service_map(children, redis_url, run_dir / "services.json")

@@ -71,9 +71,10 @@ def parse_overrides(pairs: list[str]) -> dict:
 
 
 def settings_from_args(args: argparse.Namespace):
-    """--config, then --set, then flags that name a field; a tracker that is not installed fails here, before
-    any service starts, with one line."""
+    """--config, then --set, then flags that name a field; a tracker that is not installed, or a service bound to
+    a reachable address with the default token, fails here, before any service starts, with one line."""
     from learner.tracking import check_installed
+    from services.http import check_token
 
     overrides = parse_overrides(args.set)
     if getattr(args, "report_to", None):
@@ -81,6 +82,8 @@ def settings_from_args(args: argparse.Namespace):
     settings = load_settings(args.config, origin="--set", **overrides)
     if args.command in ("run", "learner"):
         check_installed(settings.learner.report_to)
+    if args.command in ("learner", "generator", "reward"):
+        check_token(settings.token, getattr(settings, args.command).host)
     return settings
 
 
@@ -92,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         settings = settings_from_args(args)
-    except ConfigError as err:  # learner.tracking.TrackerNotInstalled too
+    except ConfigError as err:  # learner.tracking.TrackerNotInstalled and services.http.check_token too
         print(f"dapo: {err}", file=sys.stderr)
         return 2
     raise_on_signals()

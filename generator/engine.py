@@ -18,6 +18,9 @@ arguments differ. Choices that matter for RL:
   often larger than its vocabulary), so decoding never crashes.
 * Continuous batching. Requests are added to the engine one by one (`submit`) and finished groups come out of
   `step()` as soon as all n samples of a prompt are done, so the caller can keep the engine full.
+* Tasks are checked before the engine sees them (`check_task`): vLLM does not check token ids when it runs
+  without a tokenizer, and one id outside the embedding table kills the engine (an IndexError in the engine
+  process) with every task in flight. A task that fails the check is refused with the exact reason.
 * In-place reload. `reload(folder)` runs vLLM's `reload_weights` on every worker through `collective_rpc`
   with a folder holding `model.safetensors` (tensors never travel through the RPC: they would arrive as
   lists), refreshes the CPU-packed copies vLLM's reload misses (tied lm_head: see generator/vllm_worker.py),
@@ -30,21 +33,30 @@ from __future__ import annotations
 import gc
 import json
 import logging
+import math
 import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from services.config import Settings
-from services.messages import Sample, SamplingParams
+from services.messages import PromptTask, Sample, SamplingParams
 
 log = logging.getLogger(__name__)
 
 FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "abort"}
+# A prompt text is tokenized only when it could fit: no token of a real vocabulary is longer than this (bytes).
+MAX_BYTES_PER_TOKEN = 64
+MAX_SEED = 2**63 - 1  # torch generators take 64-bit seeds; a larger one would fail inside the engine
 
 
 class EngineFailure(RuntimeError):
     """The engine raised or died; it must be restarted before further use."""
+
+
+class InvalidTask(ValueError):
+    """A task the engine must not see; the message is the exact reason."""
 
 
 # -- pure helpers -------------------------------------------------------------------------------------------
@@ -85,9 +97,41 @@ def stop_token_ids(model_dir: str | os.PathLike, tokenizer) -> list[int]:
     return sorted(ids)
 
 
-def response_budget(prompt_len: int, requested: int, max_model_len: int) -> int:
-    """Tokens a response may use: the request, capped by the context left after the prompt (0 = no room)."""
-    return max(0, min(requested, max_model_len - prompt_len))
+def check_task(task: PromptTask, encode: Callable[[str], list[int]], vocab_size: int, max_model_len: int) -> list[int]:
+    """The task's prompt token ids (its own, else `encode(task.prompt)`), or InvalidTask with the exact reason.
+
+    Everything the engine would otherwise fail on, or silently bend: token ids inside the embedding table,
+    prompt plus max_tokens within the model length (never a response cut short of the L_max the reward uses),
+    sampling parameters in range. A huge prompt text is refused by its size, before tokenizing it."""
+    sampling = task.sampling
+    if not math.isfinite(sampling.temperature) or sampling.temperature < 0:
+        raise InvalidTask(f"temperature {sampling.temperature} is not a finite number >= 0")
+    if not 0 < sampling.top_p <= 1:
+        raise InvalidTask(f"top_p {sampling.top_p} is outside (0, 1]")
+    if sampling.n < 1:
+        raise InvalidTask(f"n = {sampling.n}: at least one sample")
+    if not 1 <= sampling.max_tokens < max_model_len:
+        raise InvalidTask(f"max_tokens {sampling.max_tokens} is outside [1, max_model_len {max_model_len})")
+    if sampling.seed is not None and not 0 <= sampling.seed <= MAX_SEED:
+        raise InvalidTask(f"seed {sampling.seed} is outside [0, 2**63 - 1]")
+    room = max_model_len - sampling.max_tokens
+    if task.prompt_token_ids:
+        ids = task.prompt_token_ids
+    else:
+        size = len(task.prompt.encode())
+        if size > room * MAX_BYTES_PER_TOKEN:
+            raise InvalidTask(f"prompt text of {size} bytes cannot fit {room} tokens (max_model_len "
+                              f"{max_model_len} - max_tokens {sampling.max_tokens})")
+        ids = encode(task.prompt)
+    if not ids:
+        raise InvalidTask("empty prompt (no token ids, and the text encodes to none)")
+    if len(ids) > room:
+        raise InvalidTask(f"prompt of {len(ids)} tokens + max_tokens {sampling.max_tokens} exceeds max_model_len "
+                          f"{max_model_len}")
+    for position, token in enumerate(ids):
+        if not 0 <= token < vocab_size:
+            raise InvalidTask(f"token id {token} at position {position} is outside the vocabulary [0, {vocab_size})")
+    return list(ids)
 
 
 def default_max_model_len(settings: Settings) -> int:
@@ -201,12 +245,16 @@ class VllmEngine:
         gc.collect()
 
     # generation ----------------------------------------------------------------------------------------
-    def prompt_ids(self, prompt: str, prompt_token_ids: list[int] | None) -> list[int]:
-        if prompt_token_ids:
-            return list(prompt_token_ids)
-        return list(self.tokenizer.encode(prompt))
+    @property
+    def vocab_size(self) -> int:
+        """Rows of the model's embedding table (often more than the tokenizer knows)."""
+        return self.llm.llm_engine.model_config.get_vocab_size()
 
-    def engine_params(self, sampling: SamplingParams, max_tokens: int):
+    def check(self, task: PromptTask) -> list[int]:
+        """`check_task` against this engine: the prompt ids to submit, or InvalidTask."""
+        return check_task(task, self.tokenizer.encode, self.vocab_size, self.max_model_len)
+
+    def engine_params(self, sampling: SamplingParams):
         from vllm import SamplingParams as VllmSamplingParams
         from vllm.sampling_params import RequestOutputKind
 
@@ -214,7 +262,7 @@ class VllmEngine:
             n=sampling.n,
             temperature=sampling.temperature,
             top_p=sampling.top_p,
-            max_tokens=max_tokens,
+            max_tokens=sampling.max_tokens,
             seed=sampling.seed,
             logprobs=0,  # the sampled token's own logprob only
             detokenize=False,  # decoded by safe_decode
@@ -223,20 +271,15 @@ class VllmEngine:
         )
 
     def submit(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams) -> None:
-        """Queue one prompt (n samples). Raises ValueError if the prompt leaves no room for a response."""
+        """Queue one prompt (n samples), unchecked: callers pass ids from `check` (tests may pass poison)."""
         from vllm.inputs import TokensPrompt
 
-        budget = response_budget(len(prompt_token_ids), sampling.max_tokens, self.max_model_len)
-        if not prompt_token_ids or budget < 1:
-            raise ValueError(
-                f"prompt of {len(prompt_token_ids)} tokens leaves no room in max_model_len {self.max_model_len}"
-            )
         try:
             self.llm.llm_engine.add_request(
-                request_id, TokensPrompt(prompt_token_ids=prompt_token_ids), self.engine_params(sampling, budget)
+                request_id, TokensPrompt(prompt_token_ids=prompt_token_ids), self.engine_params(sampling)
             )
-        except ValueError:
-            raise
+        except ValueError as err:  # vLLM's own request checks: the engine is fine, the task is not
+            raise InvalidTask(f"refused by vLLM: {err}") from err
         except Exception as err:
             raise EngineFailure(f"add_request failed: {type(err).__name__}: {err}") from err
 

@@ -8,11 +8,64 @@ weight is updated but its packed copy is not: the engine would compute logits wi
 embedding, silently (measured: logprobs off by ~5 nats on the tiny model). After the reload we therefore
 repack every layer that still holds its weight (embedding and LM head; projection layers drop theirs after
 packing and were reloaded correctly). On GPU there is no packed copy and nothing to refresh.
+
+Imported in vLLM's worker process, this module also makes the engine's processes die with the generator that
+started them (`exit_with_owner`): a SIGKILLed generator would otherwise leave its `VLLM::EngineCore` running
+under PID 1, holding its memory. (Not `prctl(PR_SET_PDEATHSIG)`: it would have to be set inside the engine core,
+which runs none of our code, and it fires when the *thread* that started a process exits.)
 """
 
 from __future__ import annotations
 
+import multiprocessing
+import os
+import signal
+import threading
 import time
+
+OWNER_POLL_S = 1.0  # how soon orphaned engine processes notice and exit
+
+
+def _stat(pid: int) -> tuple[str, int]:
+    """(command name, parent pid) of a process; FileNotFoundError once it is gone."""
+    text = open(f"/proc/{pid}/stat").read()
+    return text[text.index("(") + 1 : text.rindex(")")], int(text[text.rindex(")") + 2 :].split()[1])
+
+
+def engine_chain(pid: int) -> tuple[list[int], int]:
+    """`pid` and its vLLM ancestors (process titles `VLLM::...`: the engine core, when the worker is a process
+    of its own), and the pid of the process that started them (the generator)."""
+    chain = [pid]
+    owner = _stat(pid)[1]
+    while (stat := _stat(owner))[0].startswith("VLLM::"):
+        chain.append(owner)
+        owner = stat[1]
+    return chain, owner
+
+
+def exit_with_owner(poll_s: float = OWNER_POLL_S) -> threading.Thread:
+    """A daemon thread that SIGKILLs this process and its vLLM ancestors once the generator that started them is
+    gone (the topmost engine process is re-parented)."""
+    chain, owner = engine_chain(os.getpid())
+
+    def owned() -> bool:
+        try:
+            return _stat(chain[-1])[1] == owner
+        except FileNotFoundError:
+            return False
+
+    def watch() -> None:
+        while owned():
+            time.sleep(poll_s)
+        for pid in reversed(chain):  # the engine core first, this process last
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    thread = threading.Thread(target=watch, name="exit-with-owner", daemon=True)
+    thread.start()
+    return thread
 
 
 def refresh_cpu_packed_weights(model) -> list[str]:
@@ -40,3 +93,7 @@ class WeightReloadExtension:
         if current_platform.is_cpu():
             refreshed = refresh_cpu_packed_weights(self.model_runner.get_model())
         return {"seconds": time.perf_counter() - started, "repacked": refreshed}
+
+
+if multiprocessing.parent_process() is not None:  # imported in vLLM's worker process, not in the generator
+    exit_with_owner()

@@ -16,8 +16,15 @@ consumer; a heartbeat thread re-claims this worker's own entries (only those it 
 the timeout. If the process dies, the heartbeat stops and another generator reclaims the work.
 
 Shutdown (`stop()`, on SIGTERM): stop admitting, hand back waiting tasks, finish in-flight ones for up to
-`generator.shutdown_grace_s`, then abort and hand back the rest. The engine dying mid-batch: in-flight tasks
-are handed back and the engine is recreated from the last good weights.
+`generator.shutdown_grace_s`, then abort and hand back the rest.
+
+Poison. Every task is checked before the engine sees it (`VllmEngine.check`: token ids inside the embedding
+table, prompt plus max_tokens within the model length, sampling parameters in range); a bad one goes to `dead`
+with the exact reason. If the engine still dies mid-batch, it is recreated from the last good weights and the
+worker finds the task that killed it by bisection: it keeps the in-flight tasks (it still owns them: their
+delivery counts do not grow), splits them in halves and runs each half alone, splitting again whichever half
+kills the engine, down to one task. A task that kills a fresh engine on its own goes to `dead` with the
+engine's error; the innocent are served as usual, never dead-lettered because of a neighbour.
 """
 
 from __future__ import annotations
@@ -36,7 +43,7 @@ from services.messages import PromptTask, RolloutGroup, WeightsAnnouncement, to_
 from services.streams import Delivery, Streams
 from services.weights import WeightsError
 
-from generator.engine import EngineFailure, VllmEngine
+from generator.engine import EngineFailure, InvalidTask, VllmEngine
 from generator.sync import WeightSync
 
 log = logging.getLogger(__name__)
@@ -85,6 +92,12 @@ class _Rates:
         return sum(t for _, t in self.events) / span, len(self.events) / span
 
 
+def halves(items: list) -> list[list]:
+    """Bisection step: `items` in two halves (a single item stays one batch of one)."""
+    middle = (len(items) + 1) // 2
+    return [part for part in (items[:middle], items[middle:]) if part]
+
+
 def entry_time(entry_id: str) -> float:
     """The wall time a stream entry was written (its id is `<ms>-<seq>`)."""
     return int(entry_id.split("-", 1)[0]) / 1000.0
@@ -106,6 +119,8 @@ class RolloutWorker:
         self.weights_folder: Path | None = None  # last good version, what a restarted engine loads
         self.inflight: dict[str, InFlight] = {}
         self.deferred: dict[str, tuple[Delivery[PromptTask], float]] = {}  # waiting for min_version
+        self.suspects: deque[list[Delivery[PromptTask]]] = deque()  # batches to run alone after an engine failure
+        self.isolated = False  # the engine holds one of those batches and nothing else
         self.groups_written = 0
         self.restarts = 0
         self.ready = False
@@ -158,6 +173,7 @@ class RolloutWorker:
             "announced": newest.version if newest else None,
             "inflight_tasks": len(self.inflight),
             "waiting_tasks": len(self.deferred),
+            "suspect_tasks": sum(len(batch) for batch in self.suspects),
             "groups_written": self.groups_written,
             "engine_restarts": self.restarts,
             "status": self.status,
@@ -181,15 +197,19 @@ class RolloutWorker:
                     if not self.inflight or now >= self._deadline:
                         break
                 self._advance_sync(now)
+                if not self.inflight:
+                    self.isolated = False
+                    if self.suspects and not self._stop.is_set():
+                        self._isolate_next(now)
                 if self._admitting():
                     self._admit(now)
                 self._expire_deferred(now)
-                self._owned = (*self.inflight, *self.deferred)  # before a step that may block (the first one compiles)
+                self._owned = self._owned_ids()  # before a step that may block (the first one compiles)
                 if self.engine.has_unfinished():
                     self._step()
                 elif self._stop.is_set() or self._ready_weights is not None or self._pull is not None:
                     time.sleep(0.01)  # nothing to read: waiting for a drain, a pull or the shutdown
-                self._owned = (*self.inflight, *self.deferred)
+                self._owned = self._owned_ids()
         finally:
             self.ready = False
             self.status = "stopped"
@@ -233,9 +253,17 @@ class RolloutWorker:
                 self._hand_back([delivery], "restart")
 
     def _admitting(self) -> bool:
-        return not self._stop.is_set() and self._ready_weights is None
+        isolating = self.isolated or bool(self.suspects)
+        return not self._stop.is_set() and self._ready_weights is None and not isolating
+
+    def _owned_ids(self) -> tuple[str, ...]:
+        return (*self.inflight, *self.deferred, *(d.id for batch in self.suspects for d in batch))
 
     def _admit(self, now: float) -> None:
+        for entry_id, (delivery, _) in list(self.deferred.items()):  # their version may have arrived
+            if delivery.message.min_version <= self.version:
+                del self.deferred[entry_id]
+                self._submit(delivery, now)
         room = self.cfg.tasks_per_batch - len(self.inflight) - len(self.deferred)
         if room <= 0:
             return
@@ -261,19 +289,31 @@ class RolloutWorker:
             self._submit(delivery, now)
         metrics.GEN_BATCH_FILL.set(len(self.inflight) / self.cfg.tasks_per_batch)
 
-    def _submit(self, delivery: Delivery[PromptTask], now: float) -> None:
+    def _submit(self, delivery: Delivery[PromptTask], now: float) -> bool:
+        """Check the task and hand it to the engine; False if the engine died (it was restarted)."""
         task = delivery.message
         try:
-            prompt_ids = self.engine.prompt_ids(task.prompt, task.prompt_token_ids)
+            prompt_ids = self.engine.check(task)
             self.engine.submit(delivery.id, prompt_ids, task.sampling)
-        except ValueError as err:  # no room for a response: this task can never be served
-            self.prompts.dead(delivery.id, to_wire(task), f"unservable: {err}", delivery.deliveries)
-            return
+        except InvalidTask as err:  # no engine can serve it: never retried
+            self.prompts.dead(delivery.id, to_wire(task), f"invalid task: {err}"[:2000], delivery.deliveries)
+            return True
         except EngineFailure as err:
             self.inflight[delivery.id] = InFlight(delivery, now)
             self._recover_engine(err)
-            return
+            return False
         self.inflight[delivery.id] = InFlight(delivery, now)
+        return True
+
+    def _isolate_next(self, now: float) -> None:
+        """Run the next batch of suspects alone on the engine (bisection after an engine failure)."""
+        batch = self.suspects.popleft()
+        self.isolated = True
+        for k, delivery in enumerate(batch):
+            if not self._submit(delivery, now):  # the engine died taking them: the rest stay suspects
+                if batch[k + 1:]:
+                    self.suspects.appendleft(batch[k + 1:])
+                return
 
     def _step(self) -> None:
         try:
@@ -300,9 +340,22 @@ class RolloutWorker:
             metrics.GEN_BATCH_FILL.set(len(self.inflight) / self.cfg.tasks_per_batch)
 
     def _recover_engine(self, err: Exception) -> None:
-        """The engine died: hand its tasks back, recreate it from the last good weights."""
-        log.error("engine failure (%s): handing back %d tasks and restarting", err, len(self.inflight))
-        self._hand_back(list(self.inflight), "engine_failure")
+        """The engine died: recreate it from the last good weights, and keep its tasks to find the culprit.
+
+        A task alone on the engine when it died is the culprit (dead-lettered with the engine's error); a batch
+        of several is split in halves, each to run alone (`suspects`)."""
+        batch = [entry.delivery for entry in self.inflight.values()]
+        self.inflight.clear()
+        if self.isolated and len(batch) == 1:
+            (culprit,) = batch
+            log.error("engine failure on task %s alone: %s", culprit.message.task_id, err)
+            self.prompts.dead(culprit.id, to_wire(culprit.message), f"engine failure on this task alone: {err}"[:2000],
+                              culprit.deliveries)
+        else:
+            log.error("engine failure (%s) with %d tasks in flight: restarting, then running them in halves",
+                      err, len(batch))
+            self.suspects.extendleft(reversed(halves(batch)))
+        self.isolated = False
         self.ready = False
         self.status = "restarting engine"
         self.engine.restart(str(self.weights_folder) if self.weights_folder else None)
@@ -383,10 +436,6 @@ class RolloutWorker:
             self.version, previous, ready.prepare_seconds, reload_seconds,
         )
         self._resolve_waiters(success=SyncOutcome(self.version, previous, True, total))
-        for entry_id, (delivery, _) in list(self.deferred.items()):
-            if delivery.message.min_version <= self.version:
-                del self.deferred[entry_id]
-                self._submit(delivery, time.monotonic())
 
     def _resolve_waiters(self, success: SyncOutcome | None = None, failure: tuple[str, str] | None = None) -> None:
         with self._lock:
@@ -428,6 +477,8 @@ class RolloutWorker:
             self.engine.abort(list(self.inflight))
             self._hand_back(list(self.inflight), why)
         self._release_deferred(why)
+        while self.suspects:
+            self._hand_back(self.suspects.popleft(), why)
 
     def _hand_back(self, items: list, why: str) -> None:
         for item in items:

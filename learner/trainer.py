@@ -37,14 +37,25 @@ import json
 import logging
 import math
 import os
+import random
 import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
+import numpy as np
 import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 from torch import Tensor
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 from torch.nn.utils.rnn import pad_sequence
 
 from learner import dapo
@@ -55,8 +66,14 @@ if TYPE_CHECKING:  # pragma: no cover
 
 log = logging.getLogger(__name__)
 
-CHECKPOINT_FORMAT = 1
-STATE_DIR = "state"  # accelerate.save_state: fp32 master weights, optimizer, scheduler, RNG, per rank
+CHECKPOINT_FORMAT = 2  # 1 was accelerate's save_state (pickles)
+STATE_DIR = "state"  # the exact training state, no pickle anywhere (a resume never unpickles):
+MODEL_STATE = "model.safetensors"  # fp32 master weights, full (gathered under FSDP)
+OPTIMIZER_STATE = "optimizer.safetensors"  # AdamW moments by parameter name; param groups as JSON metadata
+SCHEDULER_STATE = "scheduler.json"
+RNG_STATE = "rng-{rank}.safetensors"  # per rank: torch CPU/CUDA, numpy, python generators
+_GATHER = StateDictOptions(full_state_dict=True, cpu_offload=True)  # full tensors, on the main process
+_SCATTER = StateDictOptions(full_state_dict=True)  # every rank reads the full state and keeps its part
 MODEL_DIR = "model"  # save_pretrained in the served dtype + tokenizer: loadable by vLLM / transformers
 TRAINER_STATE = "trainer_state.json"  # version, extra_state
 TOKENIZER_FILES = (
@@ -171,7 +188,6 @@ class Trainer:
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, LinearWarmup(cfg.warmup_steps))
         self.model, self.optimizer = self.accelerator.prepare(model, optimizer)
-        self.accelerator.register_for_checkpointing(self.scheduler)
         self.reference = None
         if cfg.kl_coef:
             # A frozen copy of the starting policy, only when the KL penalty is on (paper: off). A full replica
@@ -295,7 +311,8 @@ class Trainer:
         return out
 
     def save_checkpoint(self, path: str | os.PathLike, extra_state: dict) -> None:
-        """Write `path/` atomically: `state/` (exact fp32 training state: weights, AdamW, scheduler, RNG),
+        """Write `path/` atomically: `state/` (exact fp32 training state: weights, AdamW, scheduler, RNG; safetensors
+        and JSON, never a pickle, so that resuming cannot run code planted in a checkpoint),
         `model/` (save_pretrained in the served dtype + the tokenizer) and `trainer_state.json`.
 
         Written into `path.tmp/` then renamed, so a crash never leaves a half checkpoint under `path`.
@@ -306,9 +323,9 @@ class Trainer:
         accelerator = self.accelerator
         if accelerator.is_main_process:
             shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
+            (tmp / STATE_DIR).mkdir(parents=True)
         accelerator.wait_for_everyone()
-        accelerator.save_state(str(tmp / STATE_DIR))
+        self._save_state(tmp / STATE_DIR)
         weights = self.state_dict_for_publish()
         if accelerator.is_main_process:
             model_dir = tmp / MODEL_DIR
@@ -331,9 +348,29 @@ class Trainer:
         meta = json.loads((path / TRAINER_STATE).read_text())
         if meta.get("format") != CHECKPOINT_FORMAT:
             raise ValueError(f"{path}: checkpoint format {meta.get('format')!r}, expected {CHECKPOINT_FORMAT}")
-        self.accelerator.load_state(str(path / STATE_DIR))
+        self._load_state(path / STATE_DIR)
         self.version = int(meta["version"])
         return meta["extra_state"]
+
+    def _save_state(self, folder: Path) -> None:
+        """The training state as safetensors and JSON (every rank takes part: FSDP gathers on the main process)."""
+        model_state = get_model_state_dict(self.model, options=_GATHER)
+        optimizer_state = get_optimizer_state_dict(self.model, self.optimizer.optimizer, options=_GATHER)
+        if self.accelerator.is_main_process:
+            save_file(_unaliased(model_state), folder / MODEL_STATE)
+            tensors, meta = _flatten_optimizer_state(optimizer_state)
+            save_file(tensors, folder / OPTIMIZER_STATE, metadata={"json": json.dumps(meta)})
+            (folder / SCHEDULER_STATE).write_text(json.dumps(self.scheduler.state_dict()))
+        tensors, meta = _rng_state()
+        save_file(tensors, folder / RNG_STATE.format(rank=self.accelerator.process_index),
+                  metadata={"json": json.dumps(meta)})
+
+    def _load_state(self, folder: Path) -> None:
+        set_model_state_dict(self.model, load_file(folder / MODEL_STATE), options=_SCATTER)
+        state = _unflatten_optimizer_state(*_read_tensors(folder / OPTIMIZER_STATE))
+        set_optimizer_state_dict(self.model, self.optimizer.optimizer, state, options=_SCATTER)
+        self.scheduler.load_state_dict(json.loads((folder / SCHEDULER_STATE).read_text()))
+        _set_rng_state(*_read_tensors(folder / RNG_STATE.format(rank=self.accelerator.process_index)))
 
     # -- batch preparation -------------------------------------------------------------------------------------
     def _prepare(self, groups: Sequence["ScoredGroup"]) -> _Batch:
@@ -595,6 +632,70 @@ def _complete_checkpoint(path: Path) -> Path:
     if (old / TRAINER_STATE).is_file():
         return old
     raise FileNotFoundError(f"no checkpoint at {path}")
+
+
+def _unaliased(state: dict[str, Tensor]) -> dict[str, Tensor]:
+    """Every name kept (a strict load needs them all); a tensor sharing storage with an earlier one (tied
+    weights) is cloned, as safetensors refuses shared storage."""
+    seen: set[int] = set()
+    out = {}
+    for name, tensor in state.items():
+        pointer = tensor.untyped_storage().data_ptr()
+        out[name] = tensor.clone() if pointer in seen else tensor.contiguous()
+        seen.add(pointer)
+    return out
+
+
+def _flatten_optimizer_state(state: dict) -> tuple[dict[str, Tensor], dict]:
+    """A name-keyed optimizer state dict as tensors (`{parameter}/{slot}`) and JSON (param groups, any
+    non-tensor slot)."""
+    tensors, other = {}, {}
+    for parameter, slots in state["state"].items():
+        for slot, value in slots.items():
+            if isinstance(value, Tensor):
+                tensors[f"{parameter}/{slot}"] = value.detach().cpu().contiguous()
+            else:
+                other.setdefault(parameter, {})[slot] = value
+    return tensors, {"param_groups": state["param_groups"], "other": other}
+
+
+def _unflatten_optimizer_state(tensors: dict[str, Tensor], meta: dict) -> dict:
+    state: dict[str, dict] = {}
+    for key, tensor in tensors.items():
+        parameter, slot = key.rsplit("/", 1)
+        state.setdefault(parameter, {})[slot] = tensor
+    for parameter, slots in meta["other"].items():
+        state.setdefault(parameter, {}).update(slots)
+    return {"state": state, "param_groups": meta["param_groups"]}
+
+
+def _rng_state() -> tuple[dict[str, Tensor], dict]:
+    """This process's random generators: torch (CPU, each CUDA device) and numpy as tensors, python's as JSON."""
+    tensors = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        tensors.update({f"cuda.{i}": state for i, state in enumerate(torch.cuda.get_rng_state_all())})
+    kind, keys, position, has_gauss, gauss = np.random.get_state()
+    tensors["numpy"] = torch.from_numpy(keys.astype(np.int64))
+    version, internal, python_gauss = random.getstate()
+    return tensors, {"python": [version, list(internal), python_gauss],
+                     "numpy": [kind, int(position), int(has_gauss), float(gauss)]}
+
+
+def _set_rng_state(tensors: dict[str, Tensor], meta: dict) -> None:
+    torch.set_rng_state(tensors["torch"])
+    cuda = [tensors[f"cuda.{i}"] for i in range(torch.cuda.device_count()) if f"cuda.{i}" in tensors]
+    if cuda:
+        torch.cuda.set_rng_state_all(cuda)
+    kind, position, has_gauss, gauss = meta["numpy"]
+    np.random.set_state((kind, tensors["numpy"].numpy().astype(np.uint32), position, has_gauss, gauss))
+    version, internal, python_gauss = meta["python"]
+    random.setstate((version, tuple(internal), python_gauss))
+
+
+def _read_tensors(path: Path) -> tuple[dict[str, Tensor], dict]:
+    """A safetensors file written with `metadata={"json": ...}`: its tensors and that JSON."""
+    with safe_open(path, framework="pt") as handle:
+        return {key: handle.get_tensor(key) for key in handle.keys()}, json.loads(handle.metadata()["json"])
 
 
 def _set_config_dtype(model_dir: Path, dtype: torch.dtype) -> None:

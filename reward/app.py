@@ -1,15 +1,18 @@
 """The reward service's HTTP API: `POST /v1/score` scores a batch of responses (plus /healthz /readyz /metrics).
 
-Scoring is read-only (it changes no state), so it needs no token. Limits, each answered with a clear 4xx:
-the request body (`max_body_mb`, 413), the batch size (`reward.max_batch`, 413), one response
+Scoring changes no state but spends the verifier pool the stream worker needs, so it takes the bearer token,
+and its verifications hold at most `reward.http_pool_share` of the pool's places at once (`PoolShare`): a large
+request waits its turn instead of queueing every group of the stream worker behind it. Limits, each answered
+with a clear 4xx: the request body (`max_body_mb`, 413), the batch size (`reward.max_batch`, 413), one response
 (`MAX_RESPONSE_CHARS`, 422) and one ground truth (`MAX_GROUND_TRUTH_CHARS`, 422).
 """
 
 from __future__ import annotations
 
+import threading
 from typing import Callable
 
-from fastapi import Body, FastAPI, HTTPException
+from fastapi import Body, Depends, FastAPI, HTTPException
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.concurrency import run_in_threadpool
 
@@ -48,6 +51,24 @@ class ErrorBody(BaseModel):
     error: str
 
 
+class PoolShare:
+    """Scores items with at most `places` of them in the verifier pool at once, over all requests together
+    (thread safe): the pool's other places, and its queue, stay with the stream worker."""
+
+    def __init__(self, scorer: Scorer, places: int):
+        self.scorer = scorer
+        self._places = threading.BoundedSemaphore(places)
+
+    def score(self, items: list[ScoreItem]) -> list[Score]:
+        pending = []
+        for item in items:
+            self._places.acquire()
+            future = self.scorer.submit([item])
+            future.add_done_callback(lambda _: self._places.release())
+            pending.append(future)
+        return [score for item, future in zip(items, pending) for score in self.scorer.collect([item], future)]
+
+
 def create_reward_app(
     settings: Settings, scorer: Scorer, ready: Callable[[], tuple[bool, str]] | None = None
 ) -> FastAPI:
@@ -67,14 +88,18 @@ def create_reward_app(
         max_body_bytes=int(settings.max_body_mb * 1024 * 1024),
     )
     max_batch = settings.reward.max_batch
+    share = PoolShare(scorer, settings.reward.http_pool_share)
 
     @app.post(
         "/v1/score",
         response_model=list[Score],
         tags=["reward"],
         summary="Score a batch of responses",
+        dependencies=[Depends(app.state.require_token)],
         responses={
             400: {"description": "The body is not readable (e.g. not UTF-8)."},
+            401: {"model": ErrorBody, "description": "No bearer token."},
+            403: {"model": ErrorBody, "description": "Wrong bearer token."},
             413: {"model": ErrorBody, "description": "Body or batch larger than the configured limits."},
             422: {"description": "The request does not fit the schema (a field missing, too long, wrong type)."},
         },
@@ -95,6 +120,6 @@ def create_reward_app(
             raise HTTPException(413, f"batch of {len(items)} items exceeds reward.max_batch = {max_batch}")
         batch = [ScoreItem(i.response, i.ground_truth, i.response_tokens, i.max_tokens) for i in items]
         # The pool blocks while it works: keep the event loop free for /healthz and /metrics meanwhile.
-        return await run_in_threadpool(scorer.score, batch)
+        return await run_in_threadpool(share.score, batch)
 
     return app

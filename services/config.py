@@ -24,6 +24,7 @@ from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, Settings
 # The presets ship inside the package (a folder: the packages install unzipped, editable or from the wheel).
 CONFIG_DIR = Path(str(resources.files("services") / "configs"))
 DEFAULT_PRESET = "tiny-cpu"
+DEFAULT_TOKEN = "change-me"  # the presets' placeholder: accepted on loopback only (services.http.check_token)
 
 
 class Section(BaseModel):
@@ -172,7 +173,10 @@ class RewardConfig(Section):
     overlong_buffer: int = Field(4096, description="L_cache of the soft overlong punishment (paper: 4096).")
     overlong_penalty: float = Field(1.0, description="Penalty reached at L_max (paper: 1.0).")
     soft_overlong: bool = Field(True, description="DAPO soft overlong punishment (Eq. 13) on or off.")
-    max_batch: int = Field(4096, description="Largest /v1/score batch.")
+    max_batch: int = Field(256, description="Largest /v1/score batch (a request, not the stream worker's groups).")
+    http_pool_share: int = Field(
+        1, ge=1, description="Verifier pool places /v1/score may hold at once (the rest stay with the stream worker)."
+    )
 
 
 class LearnerConfig(Section):
@@ -249,7 +253,7 @@ class Settings(BaseSettings):
     )
 
     run_dir: str = Field("runs/default", description="Run folder: metrics.jsonl, checkpoints, weights, plots.")
-    token: str = Field("change-me", description="Shared bearer token for state-changing and weight endpoints.")
+    token: str = Field(DEFAULT_TOKEN, description="Shared bearer token for state-changing and weight endpoints.")
     max_body_mb: float = Field(64.0, description="Largest accepted HTTP request body.")
     redis: RedisConfig = RedisConfig()
     streams: StreamsConfig = StreamsConfig()
@@ -365,6 +369,6 @@ def _deep_update(base: dict, extra: dict) -> None:
             base[key] = value
 
 
-def dump_settings(settings: Settings) -> str:
-    """The resolved tree as YAML (written into the run folder)."""
-    return yaml.safe_dump(settings.model_dump(mode="json"), sort_keys=False)
+def dump_settings(settings: Settings, exclude: set[str] | None = None) -> str:
+    """The resolved tree as YAML (written into the run folder); `exclude` leaves top-level fields out (secrets)."""
+    return yaml.safe_dump(settings.model_dump(mode="json", exclude=exclude), sort_keys=False)

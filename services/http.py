@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hmac
+import ipaddress
 import logging
 import socket
 import threading
@@ -17,10 +18,30 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from services import metrics as _metrics  # noqa: F401  (registers every dapo_* metric)
+from services.config import DEFAULT_TOKEN, ConfigError
 
 log = logging.getLogger(__name__)
 
 _bearer = HTTPBearer(auto_error=False)
+
+
+def is_loopback(host: str) -> bool:
+    """True for addresses only this machine can reach (`localhost`, 127.0.0.0/8, ::1)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: it may resolve to anything
+        return False
+
+
+def check_token(token: str, host: str) -> None:
+    """Refuse to serve on a reachable address with the presets' placeholder token (anyone could change state)."""
+    if token == DEFAULT_TOKEN and not is_loopback(host):
+        raise ConfigError(
+            f"refusing to listen on {host} with the default token {DEFAULT_TOKEN!r}: set DAPO_TOKEN "
+            "(or bind to 127.0.0.1)"
+        )
 
 
 def token_dependency(token: str) -> Callable:
@@ -47,8 +68,6 @@ def create_app(
     `app.state.require_token` is the dependency to put on every endpoint that changes state.
     `ready()` returns (is_ready, reason); /readyz answers 503 with the reason until it is ready.
     """
-    if token == "change-me":  # the preset default: fine on a laptop, never on a network
-        log.warning("%s uses the default bearer token; set DAPO_TOKEN before exposing it", name)
     app = FastAPI(title=f"dapo {name}", version="1")
     app.state.require_token = token_dependency(token)
 

@@ -270,10 +270,14 @@ class WeightPublisher:
                 shutil.rmtree(self.dir / f"v{version}", ignore_errors=True)
 
 
-def write_atomic(path: Path, text: str) -> None:
-    """Replace `path` with `text` so that readers see the old content or the new, never a partial file."""
+def write_atomic(path: Path, text: str, mode: int = 0o666) -> None:
+    """Replace `path` with `text` so that readers see the old content or the new, never a partial file.
+
+    `mode` (less the umask) applies from the file's creation: 0o600 for anything holding a secret, so that it is
+    never readable by others, not even for a moment."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "w") as handle:
+    tmp.unlink(missing_ok=True)  # a leftover of a crash keeps its old mode: start afresh
+    with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode), "w") as handle:
         handle.write(text)
         handle.flush()
         os.fsync(handle.fileno())

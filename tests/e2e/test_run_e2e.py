@@ -12,6 +12,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
@@ -75,6 +76,13 @@ def test_dapo_run_end_to_end(short_tmp):
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == STEPS and summary["eval_accuracy_first"] is not None
     assert (run_dir / "config.yaml").exists() and (run_dir / "checkpoints" / "latest").exists()
+
+    # Secrets: the run made its own token; the file the children read holds none and is private; no pickles.
+    launch = run_dir / "launch-config.yaml"
+    assert launch.stat().st_mode & 0o777 == 0o600 and "token" not in yaml.safe_load(launch.read_text())
+    files = [p for p in run_dir.rglob("*") if p.is_file()]
+    assert not [p for p in files if p.suffix in (".yaml", ".json", ".jsonl", ".log") and "change-me" in p.read_text()]
+    assert not [p for p in files if p.suffix in (".pkl", ".bin", ".pt")]
 
     # The Grafana dashboard only uses names that the live services really export.
     assert set(scraped) == {"learner", "generator-0", "reward-0"}, scraped.keys()

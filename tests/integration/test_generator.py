@@ -2,8 +2,9 @@
 
 Covers: behaviour logprobs against a transformers recomputation, in-place reload (changes outputs, a round trip
 restores them exactly), restart after a failed reload, the rollout worker over real Redis streams with weight
-sync over real HTTP (refusals keep the old version serving, late join), and a SIGKILLed generator process
-whose task another generator completes exactly once.
+sync over real HTTP (refusals keep the old version serving, late join), a SIGKILLed generator process
+whose task another generator completes exactly once, a task that kills the engine found by bisection, and no
+engine process left behind by a SIGKILLed generator.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from services.messages import (
     Score,
     ScoredGroup,
     WeightsAnnouncement,
+    from_wire,
     sign_announcement,
 )
 from services.redis_local import connect
@@ -437,3 +439,90 @@ def test_sigkilled_generator_task_is_finished_once_by_another(service, engine, s
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+def test_poison_task_is_found_by_bisection_and_only_it_is_dead_lettered(service, engine, monkeypatch):
+    """A task that kills the real engine (an id outside the embedding table, let past the check for this test)
+    in a batch of four: the worker bisects, dead-letters that task alone with the engine's error, and serves the
+    three others without handing any back (their delivery counts never grow). A task the check catches goes
+    to `dead` at once, with the exact reason, and kills nothing."""
+    settings, streams = service["settings"], service["streams"]
+    settings.streams.visibility_timeout_s = 30.0  # engine restarts take a while; the heartbeat keeps the tasks
+    prompts, rollouts = streams.stream("prompts", PromptTask), streams.stream("rollouts", RolloutGroup)
+    checked = engine.check
+    monkeypatch.setattr(engine, "check", lambda t: t.prompt_token_ids if t.prompt_id == "poison" else checked(t))
+    ids = prompts_of(engine)
+    vocab = engine.vocab_size
+    prompts.produce(task(ids[0], GREEDY, prompt_id="p0"))
+    prompts.produce(task(ids[1][:2] + [10**9], GREEDY, prompt_id="poison"))
+    prompts.produce(task(ids[2], GREEDY, prompt_id="p2"))
+    prompts.produce(task(ids[3], GREEDY, prompt_id="p3"))
+    prompts.produce(task([5, vocab], GREEDY, prompt_id="invalid"))
+    sync = WeightSync(settings, service["base"], service["client"], "bisector")
+    worker = RolloutWorker(settings, engine, streams, sync, "bisector")
+    released = []
+    monkeypatch.setattr(worker.prompts, "release", lambda delivery: released.append(delivery.message.prompt_id))
+    with Running(worker):
+        groups = collect(rollouts, 3, timeout=900)
+        dead = wait_for(lambda: len(streams.dead_letters()) == 2 and streams.dead_letters(), 30, "two dead letters")
+    assert sorted(g.task.prompt_id for g in groups) == ["p0", "p2", "p3"]
+    assert all(len(g.samples) == 1 and g.samples[0].token_ids for g in groups)
+    by_task = {from_wire(PromptTask, d["data"]).prompt_id: d for d in dead}
+    assert by_task["invalid"]["reason"] == (
+        f"invalid task: token id {vocab} at position 1 is outside the vocabulary [0, {vocab})"
+    )
+    assert by_task["poison"]["reason"].startswith("engine failure on this task alone: "), by_task["poison"]
+    assert by_task["poison"]["deliveries"] == "1"  # found in one delivery: no redelivery to anyone
+    assert released == [] and worker.restarts >= 2  # the innocent were kept, never handed back
+    assert prompts.pending() == 0 and service["client"].xlen(rollouts.key) == 0
+
+
+def engine_cores(group: int) -> list[int]:
+    """Pids of vLLM engine processes (`VLLM::EngineCore`) in a process group."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        comm, fields = stat[stat.index("(") + 1 : stat.rindex(")")], stat[stat.rindex(")") + 2 :].split()
+        if fields[0] != "Z" and int(fields[2]) == group and ("EngineCore" in comm or "EngineCore" in cmdline):
+            found.append(int(entry.name))
+    return found
+
+
+def test_sigkilled_generator_leaves_no_orphan_engine(service, short_tmp):
+    """kill -9 of a generator: its engine core exits by itself (it watches its parent), and the launcher's
+    restart kills the old process group; no `VLLM::EngineCore` is left behind."""
+    from cli.launcher import Child
+    from generator.service import wait_ready
+
+    settings = service["settings"]
+    port = free_port()
+    env = {
+        **os.environ,
+        "DAPO_REDIS__URL": settings.redis.url, "DAPO_REDIS__RUN": settings.redis.run,
+        "DAPO_MODEL__NAME_OR_PATH": str(service["base"]), "DAPO_RUN_DIR": os.path.join(short_tmp, "orphans"),
+        "DAPO_GENERATOR__HOST": "127.0.0.1", "DAPO_GENERATOR__PORT": str(port), "DAPO_WORKER_ID": "killed",
+        "DAPO_GENERATOR__MAX_MODEL_LEN": "256", "DAPO_TOKEN": settings.token,
+    }
+    command = [sys.executable, "-m", "cli", "generator", "--config", "tiny-cpu"]
+    child = Child("generator-0", command, env, Path(short_tmp) / "killed.log", True)
+    child.start()
+    groups = [child.process.pid]
+    try:
+        assert wait_ready(f"http://127.0.0.1:{port}", timeout=240), child.log_path.read_text()[-3000:]
+        (core,) = engine_cores(child.process.pid)
+        os.kill(child.process.pid, signal.SIGKILL)
+        child.process.wait()
+        wait_for(lambda: not engine_cores(groups[0]), 15, "the orphaned engine core to exit on its own")
+        child.restart()
+        groups.append(child.process.pid)
+        wait_for(lambda: engine_cores(groups[1]), 240, "the restarted generator's engine core")
+        child.stop(timeout=60)
+        assert not any(engine_cores(g) for g in groups)
+    finally:
+        child.kill_group()

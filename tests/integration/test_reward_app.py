@@ -1,6 +1,11 @@
-"""The reward HTTP API in process (ASGI): scoring, limits and errors, OpenAPI, and schemathesis (no 5xx)."""
+"""The reward HTTP API in process (ASGI): scoring, the token, the pool share, limits and errors, OpenAPI, and
+schemathesis (no 5xx)."""
 
 from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import Future
 
 import pytest
 import schemathesis
@@ -9,23 +14,70 @@ from hypothesis import HealthCheck, given, settings
 from schemathesis import GenerationMode
 from schemathesis.specs.openapi.checks import negative_data_rejection
 
-from reward.app import MAX_RESPONSE_CHARS, create_reward_app
+from reward.app import MAX_RESPONSE_CHARS, PoolShare, create_reward_app
 from reward.sandbox import VerifierPool
 from reward.scoring import Scorer
 from services.config import load_settings
 
+TOKEN = "reward-test-token"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+
 
 @pytest.fixture(scope="module")
 def app():
-    cfg = load_settings("tiny-cpu", reward={"max_batch": 8, "timeout_s": 2.0}, max_body_mb=0.5)
+    cfg = load_settings("tiny-cpu", reward={"max_batch": 8, "timeout_s": 2.0}, max_body_mb=0.5, token=TOKEN)
     with VerifierPool(workers=2, timeout_s=cfg.reward.timeout_s, memory_mb=cfg.reward.memory_mb) as pool:
         yield create_reward_app(cfg, Scorer(pool, cfg.reward))
 
 
 @pytest.fixture(scope="module")
 def client(app):
-    with TestClient(app) as c:
+    with TestClient(app, headers=AUTH) as c:
         yield c
+
+
+def test_scoring_takes_the_token(app):
+    with TestClient(app) as anonymous:
+        body = [{"response": "Answer: 1", "ground_truth": "1"}]
+        assert anonymous.post("/v1/score", json=body).status_code == 401
+        assert anonymous.post("/v1/score", json=body, headers={"Authorization": "Bearer nope"}).status_code == 403
+        assert anonymous.get("/healthz").status_code == 200  # the ops endpoints stay open
+
+
+def test_pool_share_bounds_the_verifications_in_the_pool():
+    """However many requests run at once, at most `places` of their items are in the pool."""
+
+    class CountingScorer:  # the Scorer's submit/collect, counting the items in the pool
+        def __init__(self):
+            self.lock, self.inside, self.most = threading.Lock(), 0, 0
+
+        def submit(self, items):
+            future = Future()
+            with self.lock:
+                self.inside += len(items)
+                self.most = max(self.most, self.inside)
+
+            def finish():
+                time.sleep(0.005)
+                with self.lock:
+                    self.inside -= len(items)
+                future.set_result(["verdict"] * len(items))
+
+            threading.Thread(target=finish).start()
+            return future
+
+        def collect(self, items, future):
+            return future.result()
+
+    scorer = CountingScorer()
+    share = PoolShare(scorer, places=2)
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(share.score(list(range(12))))) for _ in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert [len(r) for r in results] == [12, 12, 12] and scorer.most == 2
 
 
 def test_score_a_batch(client):
@@ -71,7 +123,7 @@ def test_limits_and_errors_are_clear_4xx(client):
 def test_openapi_documents_the_endpoint(client):
     spec = client.get("/openapi.json").json()
     operation = spec["paths"]["/v1/score"]["post"]
-    assert {"200", "413", "422"} <= set(operation["responses"])
+    assert {"200", "401", "403", "413", "422"} <= set(operation["responses"])
     item = spec["components"]["schemas"]["ScoreRequestItem"]
     assert item["properties"]["response"]["maxLength"] == MAX_RESPONSE_CHARS
     assert set(item["required"]) == {"response", "ground_truth"}
@@ -94,7 +146,7 @@ def test_schemathesis_finds_no_server_error(app, mode):
     @settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck))
     @given(case=strategy)
     def run(case):
-        response = case.call_and_validate(excluded_checks=[negative_data_rejection])
+        response = case.call_and_validate(headers=AUTH, excluded_checks=[negative_data_rejection])
         assert response.status_code < 500
 
     run()

@@ -51,7 +51,8 @@ def test_dapo_reward_process(settings, short_tmp):
             assert time.monotonic() < deadline, "reward service never became ready:\n" + open(log_path).read()
             time.sleep(0.2)
 
-        scores = httpx.post(f"{base}/v1/score", json=[{"response": "Answer: 1,000", "ground_truth": "1000"}]).json()
+        scores = httpx.post(f"{base}/v1/score", json=[{"response": "Answer: 1,000", "ground_truth": "1000"}],
+                            headers={"Authorization": f"Bearer {settings.token}"}).json()
         assert scores[0]["correct"] and scores[0]["rule"] == "answer_line"
 
         streams = Streams(redis.Redis.from_url(settings.redis.url), settings)

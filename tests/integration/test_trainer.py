@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import json
 import math
+import pickle
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -239,7 +241,20 @@ def _optimizer_state(trainer):
             for k, s in trainer.optimizer.state_dict()["state"].items()}
 
 
-def test_checkpoint_round_trip(model_path, tmp_path):
+def refuse_unpickling(monkeypatch):
+    """Any unpickling from here on fails the test (torch.load, pickle.load/loads and their Unpickler)."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a pickle was read")
+
+    monkeypatch.setattr(torch, "load", refuse)
+    for name in ("load", "loads", "Unpickler"):
+        monkeypatch.setattr(pickle, name, refuse)
+
+
+def test_checkpoint_round_trip(model_path, tmp_path, monkeypatch):
+    """Exact resume (weights, AdamW moments, schedule, RNG), from a checkpoint holding no pickle, read without
+    unpickling anything."""
     settings = make_settings(tmp_path, mini_batches=2, warmup_steps=3)
     groups = make_groups(n_groups=2, size=4, seed=5)
     first = Trainer(settings, model_path)
@@ -248,15 +263,23 @@ def test_checkpoint_round_trip(model_path, tmp_path):
     checkpoint = tmp_path / "ckpt" / "step-1"
     first.save_checkpoint(checkpoint, {"step": 1, "carry": ["task-a"]})
     at_save = first.state_dict_for_publish()
+    rng_at_save = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()[1]}
     first.save_checkpoint(checkpoint, {"step": 1, "carry": ["task-a"]})  # overwriting is atomic too
     assert sorted(p.name for p in checkpoint.parent.iterdir()) == ["step-1"]  # no tmp / old left behind
     model_files = {p.name for p in (checkpoint / "model").iterdir()}
     assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= model_files
     assert json.loads((checkpoint / "model" / "config.json").read_text())["dtype"] == "float32"
+    files = {p.relative_to(checkpoint).as_posix() for p in checkpoint.rglob("*") if p.is_file()}
+    assert {"state/model.safetensors", "state/optimizer.safetensors", "state/scheduler.json",
+            "state/rng-0.safetensors", "trainer_state.json"} <= files
+    assert not [f for f in files if f.endswith((".pkl", ".bin", ".pt", ".pth"))], files
 
     second = Trainer(settings, model_path)
     assert second.version == 0
-    extra = second.load_checkpoint(checkpoint)
+    torch.manual_seed(123), random.seed(123), np.random.seed(123)  # moved on: the checkpoint must restore them
+    with monkeypatch.context() as patch:
+        refuse_unpickling(patch)
+        extra = second.load_checkpoint(checkpoint)
     assert extra == {"step": 1, "carry": ["task-a"]} and second.version == 1
     a, b = first.state_dict_for_publish(), second.state_dict_for_publish()
     assert all(torch.equal(a[name], b[name]) for name in a)
@@ -266,6 +289,9 @@ def test_checkpoint_round_trip(model_path, tmp_path):
         for name, value in state_a[key].items():
             assert torch.equal(value, state_b[key][name]) if torch.is_tensor(value) else value == state_b[key][name]
     assert second.scheduler.get_last_lr() == first.scheduler.get_last_lr()
+    assert second.scheduler.state_dict() == first.scheduler.state_dict()
+    assert torch.equal(torch.get_rng_state(), rng_at_save["torch"]) and random.getstate() == rng_at_save["python"]
+    assert (np.random.get_state()[1] == rng_at_save["numpy"]).all()
 
     # Both continue identically (same weights, moments, schedule and shuffling).
     m1, m2 = first.train_step(groups), second.train_step(groups)
@@ -312,7 +338,7 @@ def test_interrupted_overwrite_is_recovered(model_path, tmp_path):
 
 WORKER = """
 import sys, torch
-sys.path[:0] = [{tests!r}, {repo!r}]
+sys.path[:0] = [{here!r}, {tests!r}, {repo!r}]
 from pathlib import Path
 from test_trainer import make_groups, make_settings, random_offsets, with_behaviour
 from learner.trainer import Trainer
@@ -323,6 +349,7 @@ groups = with_behaviour(groups, trainer.logprobs(groups), random_offsets(groups,
 loss, grads = trainer.loss_gradients(groups)
 metrics = trainer.train_step(groups)
 trainer.save_checkpoint(Path({tmp!r}) / ("ckpt-%d" % trainer.accelerator.num_processes), {{"ok": True}})
+assert trainer.load_checkpoint(Path({tmp!r}) / ("ckpt-%d" % trainer.accelerator.num_processes)) == {{"ok": True}}
 if trainer.accelerator.is_main_process:
     torch.save({{"loss": loss, "grads": grads, "metrics": metrics, "world": trainer.accelerator.num_processes}},
                Path({tmp!r}) / ("result-%d.pt" % trainer.accelerator.num_processes))
@@ -341,7 +368,8 @@ def test_two_process_ddp_matches_one_process(model_path, tmp_path):
 
     tests = Path(__file__).resolve().parent.parent
     script = tmp_path / "worker.py"
-    script.write_text(WORKER.format(tests=str(tests), repo=str(tests.parent), tmp=str(tmp_path), model=str(model_path)))
+    script.write_text(WORKER.format(here=str(Path(__file__).resolve().parent), tests=str(tests), repo=str(tests.parent),
+                                    tmp=str(tmp_path), model=str(model_path)))
     env = dict(os.environ, OMP_NUM_THREADS="1", ACCELERATE_USE_CPU="true")
     alone = subprocess.run([sys.executable, str(script)], env=env, timeout=300, capture_output=True, text=True)
     assert alone.returncode == 0, alone.stderr[-3000:]

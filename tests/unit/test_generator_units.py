@@ -1,4 +1,5 @@
-"""Generator pieces without an engine: decoding, budgets, status codes, and weight preparation over real HTTP."""
+"""Generator pieces without an engine: decoding, task checks, bisection, status codes, and weight preparation
+over real HTTP."""
 
 from __future__ import annotations
 
@@ -12,18 +13,19 @@ from servers import ServerThread
 from tiny_qwen import VOCAB_ROWS, build_model_folder, build_tokenizer, random_qwen2
 
 from generator.engine import (
+    InvalidTask,
+    check_task,
     default_max_model_len,
     map_finish_reason,
-    response_budget,
     safe_decode,
     stop_token_ids,
 )
 from generator.service import sync_status_code
 from generator.sync import WeightSync, pulls_from
-from generator.worker import _Rates, entry_time
+from generator.worker import _Rates, entry_time, halves
 from services.config import load_settings
 from services.http import create_app
-from services.messages import sign_announcement, signing_key
+from services.messages import PromptTask, SamplingParams, sign_announcement, signing_key
 from services.redis_local import connect
 from services.weights import (
     WeightPublisher,
@@ -46,13 +48,62 @@ def test_safe_decode_never_crashes_on_unknown_ids():
     assert safe_decode(tokenizer, []) == ""
 
 
-def test_finish_reasons_and_budgets():
+def test_finish_reasons():
     assert [map_finish_reason(r) for r in ("stop", "length", "abort", None, "error")] == [
         "stop", "length", "abort", "abort", "abort"
     ]
-    assert response_budget(prompt_len=10, requested=64, max_model_len=256) == 64
-    assert response_budget(prompt_len=250, requested=64, max_model_len=256) == 6
-    assert response_budget(prompt_len=300, requested=64, max_model_len=256) == 0
+
+
+def encode(text: str) -> list[int]:
+    """A stand-in tokenizer: one token per character."""
+    return [ord(c) for c in text]
+
+
+def checked(prompt: str = "12+3=", ids: list[int] | None = None, **sampling) -> list[int]:
+    params = SamplingParams.model_construct(**{**SamplingParams().model_dump(), "max_tokens": 64, **sampling})
+    task = PromptTask.model_construct(**{**PromptTask(prompt_id="p", prompt="", ground_truth="0").model_dump(),
+                                         "prompt": prompt, "prompt_token_ids": ids, "sampling": params})
+    return check_task(task, encode, vocab_size=1000, max_model_len=256)
+
+
+def test_check_task_passes_servable_tasks():
+    assert checked() == encode("12+3=")
+    assert checked(ids=[0, 5, 999]) == [0, 5, 999]  # the task's own ids win over its text
+    assert checked(ids=[7] * 192) == [7] * 192  # exactly fills max_model_len with max_tokens 64
+    assert checked(temperature=0.0, top_p=1.0, n=1024, seed=2**63 - 1) == encode("12+3=")
+
+
+@pytest.mark.parametrize(("kwargs", "reason"), [
+    (dict(ids=[5, 10**9]), "token id 1000000000 at position 1 is outside the vocabulary [0, 1000)"),
+    (dict(ids=[1000]), "token id 1000 at position 0 is outside the vocabulary [0, 1000)"),
+    (dict(ids=[-1]), "token id -1 at position 0"),
+    (dict(ids=[7] * 193), "prompt of 193 tokens + max_tokens 64 exceeds max_model_len 256"),
+    (dict(prompt="x" * 300), "prompt of 300 tokens + max_tokens 64 exceeds max_model_len 256"),
+    (dict(prompt="x" * 8 * 2**20), "prompt text of 8388608 bytes cannot fit 192 tokens"),
+    (dict(prompt=""), "empty prompt"),
+    (dict(ids=[], prompt=""), "empty prompt"),
+    (dict(max_tokens=256), "max_tokens 256 is outside [1, max_model_len 256)"),
+    (dict(max_tokens=0), "max_tokens 0 is outside"),
+    (dict(temperature=float("inf")), "temperature inf is not a finite number >= 0"),
+    (dict(temperature=float("nan")), "temperature nan"),
+    (dict(temperature=-0.5), "temperature -0.5"),
+    (dict(top_p=0.0), "top_p 0.0 is outside (0, 1]"),
+    (dict(top_p=1.5), "top_p 1.5"),
+    (dict(n=0), "n = 0"),
+    (dict(seed=2**64), "seed 18446744073709551616 is outside [0, 2**63 - 1]"),
+    (dict(seed=-1), "seed -1"),
+])
+def test_check_task_refuses_with_the_exact_reason(kwargs, reason):
+    with pytest.raises(InvalidTask) as refused:
+        checked(**kwargs)
+    assert reason in str(refused.value)
+
+
+def test_halves_bisect_down_to_one():
+    assert halves([1, 2, 3, 4, 5]) == [[1, 2, 3], [4, 5]]
+    assert halves([1, 2]) == [[1], [2]]
+    assert halves([1]) == [[1]]
+    assert halves([]) == []
 
 
 def test_max_model_len_default_is_prompt_room_plus_longest_response():

@@ -1,0 +1,113 @@
+"""Process hygiene without vLLM: a restarted or stopped child leaves no process of its group behind, and a
+generator's engine processes (an engine core and its worker, which imports generator.vllm_worker) die with it.
+(The same with the real engine: tests/integration/test_generator.py.)"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+from cli.launcher import Child
+
+REPO = str(Path(__file__).resolve().parents[2])
+
+# A parent that starts a grandchild in its own process group, prints its pid, then waits.
+SPAWNER = """
+import subprocess, sys, time
+grandchild = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+print(grandchild.pid, flush=True)
+time.sleep(600)
+"""
+
+# A generator-like parent, its engine core (a multiprocessing child titled `VLLM::EngineCore`) and the core's
+# worker process, which imports generator.vllm_worker (as vLLM's worker does); the parent prints both pids.
+ENGINE_LIKE = """
+import multiprocessing, os, sys, time
+sys.path.insert(0, {repo!r})
+
+def worker():
+    import generator.vllm_worker  # noqa: F401
+    time.sleep(600)
+
+def engine_core(pids):
+    with open("/proc/self/comm", "w") as comm:
+        comm.write("VLLM::EngineCore")
+    child = multiprocessing.get_context("spawn").Process(target=worker)
+    child.start()
+    pids.put((os.getpid(), child.pid))
+    time.sleep(600)
+
+if __name__ == "__main__":
+    context = multiprocessing.get_context("spawn")
+    pids = context.Queue()
+    context.Process(target=engine_core, args=(pids,)).start()
+    print(*pids.get(), flush=True)
+    time.sleep(600)
+"""
+
+
+def alive(pid: int) -> bool:
+    """Running (a zombie counts as gone)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def wait_gone(pid: int, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not alive(pid):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def read_pid(log_path: Path, timeout: float = 30) -> int:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        text = log_path.read_text() if log_path.exists() else ""
+        if text.strip():
+            return int(text.split()[0])
+        time.sleep(0.05)
+    raise AssertionError("no pid printed")
+
+
+def test_restart_and_stop_kill_the_whole_process_group(tmp_path):
+    child = Child("spawner", [sys.executable, "-c", SPAWNER], dict(os.environ), tmp_path / "spawner.log", True)
+    child.start()
+    try:
+        grandchild = read_pid(child.log_path)
+        assert os.getpgid(grandchild) == child.process.pid
+        os.kill(child.process.pid, signal.SIGKILL)  # the grandchild survives its parent...
+        child.process.wait()
+        time.sleep(0.2)
+        assert alive(grandchild)
+        child.log_path.write_text("")
+        child.restart()  # ...until the restart kills the old group
+        assert wait_gone(grandchild, 5) and child.restarts == 1
+        second = read_pid(child.log_path)
+        child.stop(timeout=1)  # SIGTERM ends the parent; the group kill ends its grandchild
+        assert wait_gone(second, 5) and not child.alive()
+    finally:
+        child.kill_group()
+
+
+def test_engine_processes_die_with_their_generator(tmp_path):
+    script = tmp_path / "engine_like.py"
+    script.write_text(ENGINE_LIKE.format(repo=REPO))
+    child = Child("engine-like", [sys.executable, str(script)], dict(os.environ), tmp_path / "engine.log", False)
+    child.start()
+    try:
+        read_pid(child.log_path)
+        core, worker = map(int, child.log_path.read_text().split()[:2])
+        time.sleep(3)  # let the worker import the module (a spawned interpreter)
+        assert alive(core) and alive(worker)
+        os.kill(child.process.pid, signal.SIGKILL)  # no launcher cleans up: the engine notices on its own
+        child.process.wait()
+        assert wait_gone(core, 10) and wait_gone(worker, 10), "engine processes outlived their generator"
+    finally:
+        child.kill_group()
