@@ -51,7 +51,7 @@ from services.weights_layout import (
     check_index,
     held_versions,
     shard_files,
-    write_atomic,
+    write_atomic,  # noqa: F401  (re-exported: the learner writes its small files with it)
     write_version,
 )
 

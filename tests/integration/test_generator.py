@@ -29,10 +29,11 @@ from generator.sync import WeightSync
 from generator.worker import RolloutWorker
 from services.config import load_settings
 from services.http import create_app
-from services.messages import PromptTask, RolloutGroup, SamplingParams, Score, ScoredGroup, WeightsAnnouncement
+from services.messages import PromptTask, RolloutGroup, SamplingParams, Score, ScoredGroup
 from services.redis_local import connect
 from services.streams import Streams
 from services.weights import WeightPublisher, channel, latest_key, shareable_state_dict, weights_router
+from services.weights_layout import write_version
 
 pytestmark = pytest.mark.slow
 
@@ -44,14 +45,13 @@ TEXTS = ["12+3=", "Hello", "7*8=?", "(4-1)*2="]
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    """The base model folder and a second set of weights (another seed) saved as a reloadable folder."""
+    """The base model folder and a second set of weights (another seed) published in the sharded layout."""
     root = tmp_path_factory.mktemp("models")
     base = build_model_folder(root / "base", seed=0)
     other_state = random_qwen2(seed=1).state_dict()
-    other = root / "other"
-    other.mkdir()
-    save_file(shareable_state_dict(other_state), str(other / "model.safetensors"))
-    return base, other, other_state
+    announcement = write_version(root, 1, shareable_state_dict(other_state), 256 * 1024, "http://unused")
+    assert len(announcement.files) > 3  # several shards + the index: vLLM must follow the index
+    return base, root / "v1", other_state
 
 
 @pytest.fixture(scope="module")
@@ -261,6 +261,7 @@ def service(settings, engine, models):
     client = connect(settings)
     streams = Streams(client, settings)
     learner_app = create_app("learner", token=settings.token)
+    settings.weights.shard_mb = 1  # the 2 MB model in several shards
     with ServerThread(learner_app) as learner:
         publisher = WeightPublisher(settings, client, learner.url)
         learner_app.include_router(weights_router(publisher, learner_app.state.require_token))
@@ -321,7 +322,8 @@ def test_worker_versions_sync_refusals_and_late_join(service, engine, models):
 
         # refused: a checksum that does not match the bytes served
         good = publisher.announcement(1)
-        forged = WeightsAnnouncement(version=3, sha256="ab" * 32, size=good.size, url=good.url)
+        bad_shard = good.files[0].model_copy(update={"sha256": "ab" * 32})  # one shard's checksum is wrong
+        forged = good.model_copy(update={"version": 3, "files": [bad_shard, *good.files[1:]]})
         client.set(latest_key(publisher.prefix), forged.model_dump_json())
         client.publish(channel(publisher.prefix), forged.model_dump_json())
         answer = httpx.post(f"{url}/v1/weights/sync", headers=auth, timeout=120)
