@@ -20,7 +20,8 @@ arguments differ. Choices that matter for RL:
   `step()` as soon as all n samples of a prompt are done, so the caller can keep the engine full.
 * In-place reload. `reload(folder)` runs vLLM's `reload_weights` on every worker through `collective_rpc`
   with a version folder in the Hugging Face sharded layout (vLLM's loader globs its `*.safetensors` and keeps
-  those `model.safetensors.index.json` lists; tensors never travel through the RPC: they would arrive as lists), refreshes the CPU-packed copies vLLM's reload misses (tied lm_head: see generator/vllm_worker.py),
+  those `model.safetensors.index.json` lists; tensors never travel through the RPC: they would arrive as
+  lists), refreshes the CPU-packed copies vLLM's reload misses (tied lm_head: see generator/vllm_worker.py),
   then resets the prefix cache (cached KV blocks were computed by the old weights). A failed reload leaves the
   engine dead: callers validate the file first (services.weights.check_schema) and `restart()` if it dies.
 """
