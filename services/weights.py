@@ -94,14 +94,6 @@ def shareable_state_dict(state_dict: dict[str, torch.Tensor]) -> dict[str, torch
     return kept
 
 
-def sha256_file(path: str | os.PathLike) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        while chunk := handle.read(CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def read_schema(path: str | os.PathLike) -> dict[str, tuple[str, tuple[int, ...]]]:
     """{tensor name: (dtype, shape)} from a safetensors header, without reading any tensor.
 
