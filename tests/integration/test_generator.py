@@ -27,12 +27,12 @@ from generator.engine import EngineFailure, VllmEngine
 from generator.service import build_app
 from generator.sync import WeightSync
 from generator.worker import RolloutWorker
-from services.config import load_settings
+from services.config import WeightsConfig, load_settings
 from services.http import create_app
 from services.messages import PromptTask, RolloutGroup, SamplingParams, Score, ScoredGroup
 from services.redis_local import connect
 from services.streams import Streams
-from services.weights import WeightPublisher, channel, latest_key, shareable_state_dict, weights_router
+from services.weights import WeightPublisher, WeightsError, channel, latest_key, shareable_state_dict, weights_router
 from services.weights_layout import write_version
 
 pytestmark = pytest.mark.slow
@@ -166,6 +166,41 @@ def test_reload_changes_outputs_and_round_trip_restores_them(engine, models):
     assert [s.token_ids for g in restored for s in g] == [s.token_ids for g in before for s in g]
     for got, want in zip([s for g in restored for s in g], [s for g in before for s in g]):
         assert got.logprobs == pytest.approx(want.logprobs, abs=1e-6)
+
+
+def test_shared_fs_version_loads_in_place_and_a_bad_shard_leaves_the_old_one_serving(engine, models, settings, short_tmp):
+    """shared-fs: the engine loads the learner's folder itself; a damaged shard is refused before any reload."""
+    from transformers import Qwen2ForCausalLM
+
+    base, _, other_state = models
+    settings.weights = WeightsConfig(transport="shared-fs", shared_dir=f"{short_tmp}/shared", shard_mb=1)
+    client = connect(settings)
+    publisher = WeightPublisher(settings, client, "http://learner.invalid:8000")  # no HTTP on this transport
+    sync = WeightSync(settings, base, client, "gen-shared")
+    engine.reload(base)
+    announcement = publisher.publish(other_state, version=1)
+    folder, _ = sync.prepare(sync.latest())
+    assert folder == publisher.dir / "v1" and len(announcement.files) >= 3
+    engine.reload(folder)
+    prompts = prompts_of(engine)
+    serving = engine.generate(prompts, GREEDY)
+    hf_other = Qwen2ForCausalLM(random_qwen2(seed=1).config)
+    hf_other.load_state_dict(other_state)
+    sample = serving[0][0]
+    reference = hf_logprobs(hf_other.eval(), prompts[0], sample.token_ids)
+    assert (torch.tensor(sample.logprobs) - reference).abs().max().item() < LOGPROB_TOLERANCE
+
+    damaged = publisher.publish({k: v + 1.0 for k, v in other_state.items()}, version=2)
+    shard = publisher.dir / "v2" / damaged.files[0].name
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    shard.write_bytes(bytes(data))
+    with pytest.raises(WeightsError) as err:
+        sync.prepare(damaged)
+    assert err.value.reason == "checksum"
+    again = engine.generate(prompts, GREEDY)  # the engine was never touched: v1 still serves
+    assert [s.token_ids for g in again for s in g] == [s.token_ids for g in serving for s in g]
+    engine.reload(base)
 
 
 def test_failed_reload_kills_engine_and_restart_recovers(engine, models, tmp_path):
