@@ -157,7 +157,7 @@ class WeightsConfig(Section):
     shared_dir: str | None = Field(
         None, description="shared-fs: the folder the learner and every generator mount (ReadWriteMany volume, NFS)."
     )
-    shard_mb: int = Field(1024, ge=1, description="Largest safetensors shard of a published version, MB.")
+    shard_mb: float = Field(1024, gt=0, description="Largest safetensors shard of a published version, MB.")
     pull_concurrency: int = Field(4, ge=1, description="Shards a generator downloads or checks at once.")
     hold_s: float = Field(
         3600.0, description="shared-fs: a generator's hold on the versions it serves or loads lapses this long unrenewed."

@@ -199,7 +199,7 @@ class WeightPublisher:
         self.dir.mkdir(parents=True, exist_ok=True)
         self.keep = max(1, int(settings.learner.keep_versions))
         self.hold_s = cfg.hold_s
-        self.shard_bytes = cfg.shard_mb * 1024 * 1024
+        self.shard_bytes = int(cfg.shard_mb * 1024 * 1024)
         self.redis = redis_client
         self.prefix = run_prefix(settings)
         self.base_url = base_url.rstrip("/")

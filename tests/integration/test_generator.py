@@ -173,7 +173,7 @@ def test_shared_fs_version_loads_in_place_and_a_bad_shard_leaves_the_old_one_ser
     from transformers import Qwen2ForCausalLM
 
     base, _, other_state = models
-    settings.weights = WeightsConfig(transport="shared-fs", shared_dir=f"{short_tmp}/shared", shard_mb=1)
+    settings.weights = WeightsConfig(transport="shared-fs", shared_dir=f"{short_tmp}/shared", shard_mb=0.1)
     client = connect(settings)
     publisher = WeightPublisher(settings, client, "http://learner.invalid:8000")  # no HTTP on this transport
     sync = WeightSync(settings, base, client, "gen-shared")
@@ -296,7 +296,7 @@ def service(settings, engine, models):
     client = connect(settings)
     streams = Streams(client, settings)
     learner_app = create_app("learner", token=settings.token)
-    settings.weights.shard_mb = 1  # the 2 MB model in several shards
+    settings.weights.shard_mb = 0.1  # the 0.5 MB model in several shards
     with ServerThread(learner_app) as learner:
         publisher = WeightPublisher(settings, client, learner.url)
         learner_app.include_router(weights_router(publisher, learner_app.state.require_token))
