@@ -339,9 +339,7 @@ def pull_weights(
     started = time.perf_counter()
     try:
         with httpx.Client(headers={"Authorization": f"Bearer {token}"}, timeout=timeout) as client:
-            with ThreadPoolExecutor(concurrency, thread_name_prefix="weights-pull") as pool:
-                for _ in pool.map(lambda f: _download(client, announcement, f, tmp), announcement.files):
-                    pass
+            _each(concurrency, lambda f: _download(client, announcement, f, tmp), announcement.files)
         _check_layout(tmp, announcement)
         final = dest_dir / f"v{announcement.version}"
         if final.exists():
@@ -367,13 +365,23 @@ def check_shared(announcement: WeightsAnnouncement, shared_dir: str | os.PathLik
     folder = Path(shared_dir) / f"v{announcement.version}"
     if not folder.is_dir():
         raise WeightsError("not_found", f"weights v{announcement.version} not in {shared_dir} (pruned, or another folder)")
-    with ThreadPoolExecutor(concurrency, thread_name_prefix="weights-check") as pool:
-        problems = [p for p in pool.map(lambda f: check_file(folder / f.name, f), announcement.files) if p]
+    problems = [p for p in _each(concurrency, lambda f: check_file(folder / f.name, f), announcement.files) if p]
     if problems:
         reason = "not_found" if all(p.endswith("missing") for p in problems) else "checksum"
         raise WeightsError(reason, f"weights v{announcement.version} in {folder}: " + "; ".join(problems[:3]))
     _check_layout(folder, announcement)
     return folder
+
+
+def _each(concurrency: int, function: Callable, items: list) -> list:
+    """function(item) for every item, `concurrency` at a time; at the first failure the rest is not started."""
+    with ThreadPoolExecutor(concurrency, thread_name_prefix="weights") as pool:
+        futures = [pool.submit(function, item) for item in items]
+        try:
+            return [future.result() for future in futures]
+        except BaseException:
+            pool.shutdown(wait=True, cancel_futures=True)
+            raise
 
 
 def _download(client: httpx.Client, announcement: WeightsAnnouncement, entry: WeightsFile, folder: Path) -> None:

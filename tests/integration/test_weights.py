@@ -288,3 +288,20 @@ def test_shared_fs_generators_read_the_learners_folder_and_holds_stop_the_prune(
 def test_shared_fs_needs_a_folder():
     with pytest.raises(ValueError, match="shared_dir"):
         load_settings("tiny-cpu", weights={"transport": "shared-fs"})
+
+
+def test_a_failed_file_stops_the_files_not_started_yet():
+    from services.weights import _each
+
+    started = []
+
+    def fetch(name):
+        started.append(name)
+        if name == "first":
+            raise WeightsError("checksum", "first: bad")
+        return name
+
+    with pytest.raises(WeightsError, match="first"):
+        _each(1, fetch, ["first", "second", "third"])
+    assert started == ["first"]
+    assert _each(2, str.upper, ["a", "b", "c"]) == ["A", "B", "C"]
