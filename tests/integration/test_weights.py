@@ -299,9 +299,10 @@ def test_a_failed_file_stops_the_files_not_started_yet():
         started.append(name)
         if name == "first":
             raise WeightsError("checksum", "first: bad")
+        time.sleep(0.5)  # the one that may already have started when "first" failed
         return name
 
     with pytest.raises(WeightsError, match="first"):
         _each(1, fetch, ["first", "second", "third"])
-    assert started == ["first"]
+    assert "third" not in started
     assert _each(2, str.upper, ["a", "b", "c"]) == ["A", "B", "C"]
