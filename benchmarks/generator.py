@@ -7,7 +7,7 @@
 2. Weight sync of the tiny model, each step timed: publish (learner writes safetensors + sha256 + announce),
    pull (HTTP, hashed on the way), verify (names/shapes), reload (in place, engine idle); against a plain
    copy of the same file. Then the end-to-end latency in a running worker: publish -> new version serving.
-3. The protocol alone at a larger size (no engine): publish + pull + verify of a --big-mb state dict vs copy.
+Weight sync at a size where bytes dominate (8 generators, HTTP against shared-fs): benchmarks/weights.py.
 
 Usage: python benchmarks/generator.py [--prompts 256] [--n 8] [--max-tokens 64] [--rounds 3]
 """
@@ -33,7 +33,6 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-import torch  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
 from services.config import load_settings  # noqa: E402
@@ -41,7 +40,7 @@ from services.http import BackgroundServer, create_app, free_port  # noqa: E402
 from services.messages import PromptTask, RolloutGroup, SamplingParams  # noqa: E402
 from services.redis_local import EmbeddedRedis, connect  # noqa: E402
 from services.streams import Streams  # noqa: E402
-from services.weights import WEIGHTS_FILE, WeightPublisher, check_schema, pull_weights, read_schema, weights_router  # noqa: E402
+from services.weights import WeightPublisher, check_schema, model_schema, pull_weights, weights_router  # noqa: E402
 
 
 def prompt_ids(settings, tokenizer, count: int) -> list[list[int]]:
@@ -102,7 +101,7 @@ def bench_sync(settings, engine, model_dir, rounds: int) -> dict:
     publisher = WeightPublisher(settings, client, server.url)
     app.include_router(weights_router(publisher, app.state.require_token))
     sync = WeightSync(settings, model_dir, client, "bench-sync")
-    base = load_file(str(Path(model_dir) / WEIGHTS_FILE))
+    base = load_file(str(Path(model_dir) / "model.safetensors"))
     rows = {k: [] for k in ("publish", "pull", "verify", "reload", "total", "copy")}
     size = 0
     scratch = Path(tempfile.mkdtemp(prefix="copy-"))
@@ -113,11 +112,12 @@ def bench_sync(settings, engine, model_dir, rounds: int) -> dict:
         t1 = time.perf_counter()
         folder = pull_weights(announcement, settings.token, sync.dir)
         t2 = time.perf_counter()
-        check_schema(read_schema(folder / WEIGHTS_FILE), sync.expected, sync.optional)
+        check_schema(model_schema(folder), sync.expected, sync.optional)
         t3 = time.perf_counter()
         engine.reload(folder)
         t4 = time.perf_counter()
-        shutil.copyfile(publisher.dir / f"v{version}" / WEIGHTS_FILE, scratch / WEIGHTS_FILE)
+        for entry in announcement.files:
+            shutil.copyfile(publisher.dir / f"v{version}" / entry.name, scratch / entry.name)
         t5 = time.perf_counter()
         size = announcement.size
         for key, value in zip(rows, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t4 - t0, t5 - t4)):
@@ -146,7 +146,7 @@ def bench_live_sync(settings, engine, model_dir, rounds: int) -> dict:
     thread.start()
     while not worker.ready:
         time.sleep(0.01)
-    base = load_file(str(Path(model_dir) / WEIGHTS_FILE))
+    base = load_file(str(Path(model_dir) / "model.safetensors"))
     latencies = []
     for version in range(1, rounds + 1):
         state = {k: v + 1e-3 * version for k, v in base.items()}
@@ -162,35 +162,6 @@ def bench_live_sync(settings, engine, model_dir, rounds: int) -> dict:
     return {"latency": statistics.median(latencies), "max": max(latencies)}
 
 
-def bench_big_protocol(settings, megabytes: int) -> dict:
-    client = connect(settings)
-    settings = settings.model_copy(deep=True)
-    settings.run_dir = tempfile.mkdtemp(prefix="big-")
-    app = create_app("learner", token=settings.token)
-    server = BackgroundServer(app, "127.0.0.1", free_port()).start(wait_s=10)
-    settings.learner.public_url = server.url  # generators pull from the configured learner only
-    publisher = WeightPublisher(settings, client, server.url)
-    app.include_router(weights_router(publisher, app.state.require_token))
-    rows = 4096
-    per_tensor = rows * 1024 * 4
-    state = {f"layer{i}.weight": torch.randn(rows, 1024) for i in range(max(1, megabytes * 2**20 // per_tensor))}
-    expected = {k: ("F32", tuple(v.shape)) for k, v in state.items()}
-    dest = Path(tempfile.mkdtemp(prefix="pulled-"))
-    t0 = time.perf_counter()
-    announcement = publisher.publish(state, 1)
-    t1 = time.perf_counter()
-    folder = pull_weights(announcement, settings.token, dest)
-    t2 = time.perf_counter()
-    check_schema(read_schema(folder / WEIGHTS_FILE), expected)
-    t3 = time.perf_counter()
-    shutil.copyfile(folder / WEIGHTS_FILE, dest / "copy.safetensors")
-    t4 = time.perf_counter()
-    server.stop()
-    shutil.rmtree(dest, ignore_errors=True)
-    shutil.rmtree(settings.run_dir, ignore_errors=True)
-    return {"size": announcement.size, "publish": t1 - t0, "pull": t2 - t1, "verify": t3 - t2, "copy": t4 - t3}
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prompts", type=int, default=256)
@@ -198,7 +169,6 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--sync-rounds", type=int, default=5)
-    parser.add_argument("--big-mb", type=int, default=256)
     args = parser.parse_args()
 
     from generator.engine import VllmEngine
@@ -248,13 +218,6 @@ def main() -> None:
 
     live = bench_live_sync(settings, engine, model_dir, args.sync_rounds)
     print(f"\nrunning worker, publish -> new version serving: median {1000 * live['latency']:.0f} ms, max {1000 * live['max']:.0f} ms")
-
-    big = bench_big_protocol(settings, args.big_mb)
-    print(f"\nprotocol alone, {big['size'] / 1e6:.0f} MB:")
-    print("| step | s | MB/s |\n|---|---|---|")
-    for key in ("publish", "pull", "verify", "copy"):
-        print(f"| {key} | {big[key]:.3f} | {big['size'] / 1e6 / max(big[key], 1e-9):,.0f} |")
-    print(f"| publish+pull+verify / plain copy | {(big['publish'] + big['pull'] + big['verify']) / big['copy']:.1f}x | |")
 
     engine.shutdown()
     redis_server.stop()

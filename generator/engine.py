@@ -22,7 +22,8 @@ arguments differ. Choices that matter for RL:
   without a tokenizer, and one id outside the embedding table kills the engine (an IndexError in the engine
   process) with every task in flight. A task that fails the check is refused with the exact reason.
 * In-place reload. `reload(folder)` runs vLLM's `reload_weights` on every worker through `collective_rpc`
-  with a folder holding `model.safetensors` (tensors never travel through the RPC: they would arrive as
+  with a version folder in the Hugging Face sharded layout (vLLM's loader globs its `*.safetensors` and keeps
+  those `model.safetensors.index.json` lists; tensors never travel through the RPC: they would arrive as
   lists), refreshes the CPU-packed copies vLLM's reload misses (tied lm_head: see generator/vllm_worker.py),
   then resets the prefix cache (cached KV blocks were computed by the old weights). A failed reload leaves the
   engine dead: callers validate the file first (services.weights.check_schema) and `restart()` if it dies.
@@ -316,7 +317,7 @@ class VllmEngine:
 
     # weights -------------------------------------------------------------------------------------------
     def reload(self, folder: str | os.PathLike) -> float:
-        """Load `folder/model.safetensors` into the running engine; seconds taken. Call only when idle."""
+        """Load the safetensors shards of `folder` into the running engine; seconds taken. Call only when idle."""
         if self.has_unfinished():
             raise RuntimeError("reload with requests in flight would mix two policies in one group")
         started = time.perf_counter()

@@ -1,4 +1,7 @@
-"""The generator's half of weight sync: pull an announced version and check it fits the model, off the hot path.
+"""The generator's half of weight sync: get an announced version and check it fits the model, off the hot path.
+
+Transport http pulls the shards into this generator's own folder; shared-fs checks them in `weights.shared_dir`
+and loads them from there, holding the versions it serves or loads so the learner does not prune them.
 
 `prepare` runs in a background thread while the engine keeps generating with the old weights; the worker
 swaps the engine to the returned folder only between batches (services/weights.py has the protocol).
@@ -16,22 +19,22 @@ from services.config import Settings
 from services.messages import WeightsAnnouncement, signing_key
 from services.streams import run_prefix
 from services.weights import (
-    WEIGHTS_FILE,
     AnnouncementWatcher,
     WeightsError,
     check_schema,
+    check_shared,
     latest_announcement,
     model_schema,
     pull_weights,
-    read_schema,
     tied_aliases,
 )
+from services.weights_layout import write_hold
 
 log = logging.getLogger(__name__)
 
 
 class WeightSync:
-    """Pulls announced versions into this generator's own folder and validates them against the model."""
+    """Gets announced versions (pulled into its own folder, or in the shared one) and validates them against the model."""
 
     def __init__(self, settings: Settings, model_dir: str | Path, redis_client, generator_id: str):
         self.settings = settings
@@ -39,6 +42,10 @@ class WeightSync:
         self.timeout = settings.generator.pull_timeout_s
         self.dir = Path(settings.generator.weights_dir or Path(settings.run_dir) / "generators" / generator_id)
         self.dir.mkdir(parents=True, exist_ok=True)
+        self.id = generator_id
+        self.weights = settings.weights
+        self.shared = Path(settings.weights.shared_dir) if settings.weights.transport == "shared-fs" else None
+        self._held: set[int] = set()
         # What the engine was built for: read from the model folder's own checkpoint before any reload.
         self.expected = model_schema(model_dir)
         self.optional = tied_aliases(model_dir)
@@ -56,27 +63,41 @@ class WeightSync:
         return announcement
 
     def prepare(self, announcement: WeightsAnnouncement) -> tuple[Path, float]:
-        """Pull, verify the checksum (pull_weights) and the names/shapes: (folder, seconds); WeightsError if refused."""
+        """Get and verify the files (sha256), then the names/shapes: (folder, seconds); WeightsError if refused."""
+        started = time.perf_counter()
+        if self.shared is not None:
+            self._hold(self._held | {announcement.version})  # before the check: the learner may prune meanwhile
+            folder = check_shared(announcement, self.shared, self.weights.pull_concurrency)
+            check_schema(model_schema(folder), self.expected, self.optional)
+            return folder, time.perf_counter() - started
         if not pulls_from(announcement.url, self.learner_url):
             raise WeightsError(
                 "untrusted_url", f"weights v{announcement.version} announced at {announcement.url}, which is not under "
                 f"the configured learner URL {self.learner_url} (learner.public_url): not sending the token there",
             )
-        started = time.perf_counter()
-        folder = pull_weights(announcement, self.token, self.dir, timeout=self.timeout)
+        folder = pull_weights(
+            announcement, self.token, self.dir, timeout=self.timeout, concurrency=self.weights.pull_concurrency
+        )
         try:
-            check_schema(read_schema(folder / WEIGHTS_FILE), self.expected, self.optional)
+            check_schema(model_schema(folder), self.expected, self.optional)
         except WeightsError:
             shutil.rmtree(folder, ignore_errors=True)
             raise
         return folder, time.perf_counter() - started
 
     def prune(self, keep: set[Path]) -> None:
-        """Drop pulled versions except `keep` (the served one, the one being loaded)."""
+        """Drop pulled versions (release held ones, shared-fs) except `keep` (the served one, the one being loaded)."""
+        if self.shared is not None:
+            self._hold({int(p.name[1:]) for p in keep if p is not None and p.parent == self.shared})
+            return
         keep = {p.resolve() for p in keep if p is not None}
         for path in self.dir.iterdir():
             if path.is_dir() and path.resolve() not in keep and not path.name.startswith(".pull"):
                 shutil.rmtree(path, ignore_errors=True)
+
+    def _hold(self, versions: set[int]) -> None:
+        write_hold(self.shared, self.id, versions)
+        self._held = versions
 
 
 def pulls_from(url: str, learner_url: str) -> bool:

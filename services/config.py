@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 # The presets ship inside the package (a folder: the packages install unzipped, editable or from the wheel).
@@ -164,6 +164,26 @@ class GeneratorConfig(Section):
     shutdown_grace_s: float = Field(30.0, description="SIGTERM: finish in-flight tasks this long, then release them.")
 
 
+class WeightsConfig(Section):
+    transport: Literal["http", "shared-fs"] = Field(
+        "http", description="How generators get a version: HTTP pull from the learner, or read it in weights.shared_dir."
+    )
+    shared_dir: str | None = Field(
+        None, description="shared-fs: the folder the learner and every generator mount (ReadWriteMany volume, NFS)."
+    )
+    shard_mb: float = Field(1024, gt=0, description="Largest safetensors shard of a published version, MB.")
+    pull_concurrency: int = Field(4, ge=1, description="Shards a generator downloads or checks at once.")
+    hold_s: float = Field(
+        3600.0, description="shared-fs: a generator's hold on the versions it serves or loads lapses this long unrenewed."
+    )
+
+    @model_validator(mode="after")
+    def _shared_dir_for_shared_fs(self) -> "WeightsConfig":
+        if self.transport == "shared-fs" and not self.shared_dir:
+            raise ValueError("weights.transport shared-fs needs weights.shared_dir")
+        return self
+
+
 class RewardConfig(Section):
     host: str = Field("0.0.0.0", description="HTTP bind address.")
     port: int = Field(8002, description="HTTP port (/v1/score, metrics).")
@@ -265,6 +285,7 @@ class Settings(BaseSettings):
     generator: GeneratorConfig = GeneratorConfig()
     reward: RewardConfig = RewardConfig()
     learner: LearnerConfig = LearnerConfig()
+    weights: WeightsConfig = WeightsConfig()
 
     @classmethod
     def settings_customise_sources(

@@ -133,15 +133,28 @@ class ScoredGroup(Message):
     reward_worker_id: str = ""
 
 
+class WeightsFile(BaseModel):
+    """One file of a published version (a shard or the index), with what a reader checks it against."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$", description="File name inside the version folder.")
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+    size: int = Field(ge=0)
+
+
 class WeightsAnnouncement(BaseModel):
     """Published by the learner on `dapo:{run}:weights` (pub/sub) and in `dapo:{run}:weights:latest`."""
 
     model_config = ConfigDict(extra="forbid")
 
     version: int = Field(ge=0)
-    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
-    size: int = Field(ge=0)
-    url: str = Field(description="Where to GET the safetensors file (bearer token required).")
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$", description="Digest of the file list: the version's identity.")
+    size: int = Field(ge=0, description="Bytes of all files.")
+    url: str = Field(description="HTTP base of the version: GET {url}/{file name} (bearer token required).")
+    files: list[WeightsFile] = Field(
+        min_length=1, description="The HF sharded layout: model-0000k-of-0000N.safetensors + model.safetensors.index.json."
+    )
     published_at: float = Field(default_factory=time.time)
     signature: str = Field("", description="HMAC-SHA256 of the other fields (`sign_announcement`); empty = unsigned.")
 

@@ -1,22 +1,25 @@
-"""The weight-sync protocol: the learner publishes versions as safetensors, generators pull them over HTTP.
+"""The weight-sync protocol: the learner publishes versions as sha256-checked safetensors shards, generators
+pull them over HTTP or read them in a shared folder.
 
 Learner side (`WeightPublisher`, `weights_router`):
-    publish(state_dict, version) writes `{run_dir}/weights/v{version}/model.safetensors` atomically (temp file,
-    fsync, rename), records its sha256 next to it, keeps the last `learner.keep_versions` versions, then SETs
-    `dapo:{run}:weights:latest` to the announcement (JSON) and PUBLISHes it on the channel `dapo:{run}:weights`.
-    The router serves `GET /v1/weights/latest` (the announcement) and `GET /v1/weights/{version}` (the bytes,
-    header `X-Weights-Sha256`), both behind the shared bearer token.
+    publish(state_dict, version) writes `v{version}/` in the Hugging Face sharded layout (services/weights_layout.py:
+    shards of at most `weights.shard_mb`, the index, every file's sha256) under `{run_dir}/weights` (transport
+    http) or `weights.shared_dir` (transport shared-fs), keeps the last `learner.keep_versions` versions (and those
+    a generator holds, shared-fs), then SETs `dapo:{run}:weights:latest` to the announcement (JSON) and PUBLISHes
+    it on the channel `dapo:{run}:weights`. The router serves `GET /v1/weights/latest` and `GET /v1/weights/{v}`
+    (announcements) and `GET /v1/weights/{v}/{file}` (the bytes), all behind the shared bearer token.
 
 Announcements are signed (`services.messages.sign_announcement`, HMAC under the key derived from the shared
 token); `parse_announcement` refuses an unsigned or badly signed one, so a process that can write to Redis but
 does not know the token cannot point generators (and their bearer token) at its own URL. Generators also pull
 only from the configured learner URL (generator/sync.py).
 
-Generator side (`latest_announcement`, `AnnouncementWatcher`, `pull_weights`, `check_schema`):
-    learn of versions from pub/sub plus the latest key (late joiners, missed messages), stream the file into a
-    temporary folder while hashing it, refuse a checksum mismatch, then rename the folder into place. Before
-    handing the folder to the engine, `check_schema` compares tensor names and shapes with the model's own
-    checkpoint, read from the safetensors headers only (no tensor is loaded).
+Generator side (`latest_announcement`, `AnnouncementWatcher`, `pull_weights`, `check_shared`, `check_schema`):
+    learn of versions from pub/sub plus the latest key (late joiners, missed messages). HTTP: download the files
+    `weights.pull_concurrency` at a time into a temporary folder, hashing on the way, refuse any mismatch, then
+    rename the folder into place. shared-fs: hash the files where they are (no copy). Before handing the folder
+    to the engine, `check_schema` compares tensor names and shapes with the model's own checkpoint, read from the
+    safetensors headers only (no tensor is loaded).
 
 Weights travel as safetensors, never pickle. Tied weights: safetensors refuses two names for one storage, so
 an alias of an already written tensor is skipped (the first name in state_dict order is kept: for HF models the
@@ -35,6 +38,7 @@ import struct
 import tempfile
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -42,17 +46,22 @@ import httpx
 import torch
 from fastapi import APIRouter, Depends, HTTPException
 from fastapi.responses import StreamingResponse
-from safetensors.torch import save_file
 
-from services.messages import WeightsAnnouncement, announcement_signed, sign_announcement, signing_key
+from services.messages import WeightsAnnouncement, WeightsFile, announcement_signed, signing_key
 from services.redis_local import retrying
 from services.streams import run_prefix
+from services.weights_layout import (
+    ANNOUNCEMENT_FILE,
+    CHUNK,
+    check_file,
+    check_index,
+    held_versions,
+    shard_files,
+    write_atomic,  # noqa: F401  (re-exported: the learner writes its small files with it)
+    write_version,
+)
 
 log = logging.getLogger(__name__)
-
-WEIGHTS_FILE = "model.safetensors"
-ANNOUNCEMENT_FILE = "announcement.json"
-CHUNK = 1 << 20
 
 
 class WeightsError(RuntimeError):
@@ -89,14 +98,6 @@ def shareable_state_dict(state_dict: dict[str, torch.Tensor]) -> dict[str, torch
             tensor = tensor.clone(memory_format=torch.contiguous_format)
         kept[name] = tensor.contiguous()
     return kept
-
-
-def sha256_file(path: str | os.PathLike) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        while chunk := handle.read(CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def read_schema(path: str | os.PathLike) -> dict[str, tuple[str, tuple[int, ...]]]:
@@ -196,12 +197,15 @@ def _version_of(folder: Path) -> int | None:
 
 # -- learner side -------------------------------------------------------------------------------------------
 class WeightPublisher:
-    """Writes weight versions under `{run_dir}/weights/` and announces them on Redis."""
+    """Writes weight versions (services/weights_layout.py) and announces them on Redis."""
 
     def __init__(self, settings, redis_client, base_url: str):
-        self.dir = Path(settings.run_dir) / "weights"
+        cfg = settings.weights
+        self.dir = Path(cfg.shared_dir) if cfg.transport == "shared-fs" else Path(settings.run_dir) / "weights"
         self.dir.mkdir(parents=True, exist_ok=True)
         self.keep = max(1, int(settings.learner.keep_versions))
+        self.hold_s = cfg.hold_s
+        self.shard_bytes = int(cfg.shard_mb * 1024 * 1024)
         self.redis = retrying(redis_client)
         self.prefix = run_prefix(settings)
         self.key = signing_key(settings.token)
@@ -211,25 +215,18 @@ class WeightPublisher:
     def publish(self, state_dict: dict[str, torch.Tensor], version: int) -> WeightsAnnouncement:
         """Write, hash, prune, then announce (SET latest + PUBLISH). Returns the announcement."""
         tensors = shareable_state_dict(state_dict)
-        folder = self.dir / f"v{version}"
         with self._lock:
-            folder.mkdir(parents=True, exist_ok=True)
-            final = folder / WEIGHTS_FILE
-            tmp = folder / f".{WEIGHTS_FILE}.{os.getpid()}.tmp"
-            save_file(tensors, str(tmp), metadata={"format": "pt", "version": str(version)})
-            with open(tmp, "rb") as handle:
-                os.fsync(handle.fileno())
-            digest = sha256_file(tmp)
-            os.replace(tmp, final)  # readers see the old file or the new one, never a partial one
-            announcement = sign_announcement(WeightsAnnouncement(
-                version=version, sha256=digest, size=final.stat().st_size, url=f"{self.base_url}/v1/weights/{version}"
-            ), self.key)
-            write_atomic(folder / ANNOUNCEMENT_FILE, announcement.model_dump_json())
+            announcement = write_version(
+                self.dir, version, tensors, self.shard_bytes, f"{self.base_url}/v1/weights/{version}", self.key
+            )
             self._prune(keep_also=version)
         payload = announcement.model_dump_json()
         self.redis.set(latest_key(self.prefix), payload)
         self.redis.publish(channel(self.prefix), payload)
-        log.info("published weights v%d (%.1f MB, sha256 %s)", version, announcement.size / 1e6, digest[:12])
+        log.info(
+            "published weights v%d (%.1f MB in %d files, sha256 %s)",
+            version, announcement.size / 1e6, len(announcement.files), announcement.sha256[:12],
+        )
         return announcement
 
     def versions(self) -> list[int]:
@@ -251,37 +248,25 @@ class WeightPublisher:
         versions = self.versions()
         return self.announcement(versions[-1]) if versions else None
 
-    def open_version(self, version: int) -> tuple[WeightsAnnouncement, "os.FileIO"] | None:
-        """The announcement and an open handle on the file (an open handle survives a concurrent prune)."""
+    def open_file(self, version: int, name: str) -> tuple[WeightsFile, "os.FileIO"] | None:
+        """An announced file of a version and an open handle on it (an open handle survives a concurrent prune)."""
         with self._lock:
             announcement = self.announcement(version)
-            if announcement is None:
+            entry = next((f for f in announcement.files if f.name == name), None) if announcement else None
+            if entry is None:
                 return None
             try:
-                return announcement, open(self.dir / f"v{version}" / WEIGHTS_FILE, "rb", buffering=0)
+                return entry, open(self.dir / f"v{version}" / name, "rb", buffering=0)
             except OSError:
                 return None
 
     def _prune(self, keep_also: int) -> None:
+        """Keep the newest `keep_versions`, `keep_also` and what generators hold (shared-fs); drop the rest."""
         versions = sorted(v for p in self.dir.iterdir() if p.is_dir() and (v := _version_of(p)) is not None)
-        keep = set(versions[-self.keep:]) | {keep_also}
+        keep = set(versions[-self.keep:]) | {keep_also} | held_versions(self.dir, self.hold_s)
         for version in versions:
             if version not in keep:
                 shutil.rmtree(self.dir / f"v{version}", ignore_errors=True)
-
-
-def write_atomic(path: Path, text: str, mode: int = 0o666) -> None:
-    """Replace `path` with `text` so that readers see the old content or the new, never a partial file.
-
-    `mode` (less the umask) applies from the file's creation: 0o600 for anything holding a secret, so that it is
-    never readable by others, not even for a moment."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.unlink(missing_ok=True)  # a leftover of a crash keeps its old mode: start afresh
-    with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode), "w") as handle:
-        handle.write(text)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
 
 
 def weights_router(publisher: WeightPublisher, require_token: Callable) -> APIRouter:
@@ -295,12 +280,19 @@ def weights_router(publisher: WeightPublisher, require_token: Callable) -> APIRo
             raise HTTPException(404, "no weights published yet")
         return announcement
 
-    @router.get("/{version}")
-    def download(version: int):
-        opened = publisher.open_version(version)
-        if opened is None:
+    @router.get("/{version}", response_model=WeightsAnnouncement)
+    def manifest(version: int) -> WeightsAnnouncement:
+        announcement = publisher.announcement(version)
+        if announcement is None:
             raise HTTPException(404, f"weights version {version} is unknown or was pruned")
-        announcement, handle = opened
+        return announcement
+
+    @router.get("/{version}/{name}")
+    def download(version: int, name: str):
+        opened = publisher.open_file(version, name)
+        if opened is None:
+            raise HTTPException(404, f"weights version {version} has no file {name!r} (unknown or pruned)")
+        entry, handle = opened
 
         def chunks() -> Iterator[bytes]:
             try:
@@ -310,10 +302,10 @@ def weights_router(publisher: WeightPublisher, require_token: Callable) -> APIRo
                 handle.close()
 
         headers = {
-            "Content-Length": str(announcement.size),
-            "X-Weights-Sha256": announcement.sha256,
-            "X-Weights-Version": str(announcement.version),
-            "Content-Disposition": f'attachment; filename="{WEIGHTS_FILE}"',
+            "Content-Length": str(entry.size),
+            "X-Weights-Sha256": entry.sha256,
+            "X-Weights-Version": str(version),
+            "Content-Disposition": f'attachment; filename="{entry.name}"',
         }
         return StreamingResponse(chunks(), media_type="application/octet-stream", headers=headers)
 
@@ -342,53 +334,28 @@ def latest_announcement(redis_client, streams_or_prefix, key: bytes) -> WeightsA
 
 
 def pull_weights(
-    announcement: WeightsAnnouncement, token: str, dest_dir: str | os.PathLike, timeout: float = 60.0
+    announcement: WeightsAnnouncement,
+    token: str,
+    dest_dir: str | os.PathLike,
+    timeout: float = 60.0,
+    concurrency: int = 4,
 ) -> Path:
-    """Download the announced file into `dest_dir/v{version}/` and return that folder.
+    """Download the announced files into `dest_dir/v{version}/`, `concurrency` at a time; return that folder.
 
     The bytes stream into a temporary folder and are hashed on the way; the folder is renamed into place only
-    if the sha256 and size match the announcement and the file is well-formed safetensors. Raises WeightsError
-    with reason unauthorized (401/403), not_found (404), http (other status), unreachable (connection),
-    checksum (sha256/size mismatch) or format; nothing is left behind on failure.
+    if every file's sha256 and size match the announcement, the index names exactly the announced shards and
+    every shard is well-formed safetensors. Raises WeightsError with reason unauthorized (401/403), not_found
+    (404), http (other status), unreachable (connection), checksum (sha256/size mismatch) or format; nothing is
+    left behind on failure.
     """
     dest_dir = Path(dest_dir)
     dest_dir.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".pull-v{announcement.version}-", dir=dest_dir))
     started = time.perf_counter()
     try:
-        digest, size = hashlib.sha256(), 0
-        headers = {"Authorization": f"Bearer {token}"}
-        try:
-            with httpx.stream("GET", announcement.url, headers=headers, timeout=timeout) as response:
-                if response.status_code in (401, 403):
-                    raise WeightsError(
-                        "unauthorized",
-                        f"weights server refused the token ({response.status_code}) for {announcement.url}",
-                    )
-                if response.status_code == 404:
-                    raise WeightsError("not_found", f"weights v{announcement.version} not found at {announcement.url}")
-                if response.status_code != 200:
-                    raise WeightsError("http", f"GET {announcement.url} answered {response.status_code}")
-                with open(tmp / WEIGHTS_FILE, "wb") as out:
-                    for chunk in response.iter_bytes(CHUNK):
-                        size += len(chunk)
-                        if size > announcement.size:
-                            raise WeightsError(
-                                "checksum",
-                                f"weights v{announcement.version}: more than the announced {announcement.size} bytes",
-                            )
-                        digest.update(chunk)
-                        out.write(chunk)
-        except httpx.HTTPError as err:
-            raise WeightsError("unreachable", f"GET {announcement.url} failed: {type(err).__name__}: {err}") from err
-        if size != announcement.size or digest.hexdigest() != announcement.sha256:
-            raise WeightsError(
-                "checksum",
-                f"weights v{announcement.version}: sha256 {digest.hexdigest()[:16]}... ({size} bytes) does not match "
-                f"the announced {announcement.sha256[:16]}... ({announcement.size} bytes)",
-            )
-        read_schema(tmp / WEIGHTS_FILE)  # well-formed before anyone looks at it
-        write_atomic(tmp / ANNOUNCEMENT_FILE, announcement.model_dump_json())
+        with httpx.Client(headers={"Authorization": f"Bearer {token}"}, timeout=timeout) as client:
+            _each(concurrency, lambda f: _download(client, announcement, f, tmp), announcement.files)
+        _check_layout(tmp, announcement)
         final = dest_dir / f"v{announcement.version}"
         if final.exists():
             shutil.rmtree(final)
@@ -397,9 +364,76 @@ def pull_weights(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     log.info(
-        "pulled weights v%d (%.1f MB) in %.2fs", announcement.version, size / 1e6, time.perf_counter() - started
+        "pulled weights v%d (%.1f MB, %d files) in %.2fs",
+        announcement.version, announcement.size / 1e6, len(announcement.files), time.perf_counter() - started,
     )
     return final
+
+
+def check_shared(announcement: WeightsAnnouncement, shared_dir: str | os.PathLike, concurrency: int = 4) -> Path:
+    """The version's folder in the shared directory, once every file matches the announcement (no copy).
+
+    The files are hashed where they are: a shared file system may serve a stale or damaged file, and a bad
+    file would kill the engine mid-reload; reading them also warms the page cache the engine then loads from.
+    WeightsError not_found (pruned, or the learner writes elsewhere), checksum or format.
+    """
+    folder = Path(shared_dir) / f"v{announcement.version}"
+    if not folder.is_dir():
+        raise WeightsError("not_found", f"weights v{announcement.version} not in {shared_dir} (pruned, or another folder)")
+    problems = [p for p in _each(concurrency, lambda f: check_file(folder / f.name, f), announcement.files) if p]
+    if problems:
+        reason = "not_found" if all(p.endswith("missing") for p in problems) else "checksum"
+        raise WeightsError(reason, f"weights v{announcement.version} in {folder}: " + "; ".join(problems[:3]))
+    _check_layout(folder, announcement)
+    return folder
+
+
+def _each(concurrency: int, function: Callable, items: list) -> list:
+    """function(item) for every item, `concurrency` at a time; at the first failure the rest is not started."""
+    with ThreadPoolExecutor(concurrency, thread_name_prefix="weights") as pool:
+        futures = [pool.submit(function, item) for item in items]
+        try:
+            return [future.result() for future in futures]
+        except BaseException:
+            pool.shutdown(wait=True, cancel_futures=True)
+            raise
+
+
+def _download(client: httpx.Client, announcement: WeightsAnnouncement, entry: WeightsFile, folder: Path) -> None:
+    url = f"{announcement.url}/{entry.name}"
+    digest, size = hashlib.sha256(), 0
+    try:
+        with client.stream("GET", url) as response:
+            if response.status_code in (401, 403):
+                raise WeightsError("unauthorized", f"weights server refused the token ({response.status_code}) for {url}")
+            if response.status_code == 404:
+                raise WeightsError("not_found", f"weights v{announcement.version} not found at {url}")
+            if response.status_code != 200:
+                raise WeightsError("http", f"GET {url} answered {response.status_code}")
+            with open(folder / entry.name, "wb") as out:
+                for chunk in response.iter_raw(CHUNK):
+                    size += len(chunk)
+                    if size > entry.size:
+                        raise WeightsError("checksum", f"{url}: more than the announced {entry.size} bytes")
+                    digest.update(chunk)
+                    out.write(chunk)
+    except httpx.HTTPError as err:
+        raise WeightsError("unreachable", f"GET {url} failed: {type(err).__name__}: {err}") from err
+    if size != entry.size or digest.hexdigest() != entry.sha256:
+        raise WeightsError(
+            "checksum",
+            f"weights v{announcement.version} {entry.name}: sha256 {digest.hexdigest()[:16]}... ({size} bytes) does "
+            f"not match the announced {entry.sha256[:16]}... ({entry.size} bytes)",
+        )
+
+
+def _check_layout(folder: Path, announcement: WeightsAnnouncement) -> None:
+    """Index and shard headers well-formed before anyone loads them (WeightsError format)."""
+    problem = check_index(folder, announcement)
+    if problem:
+        raise WeightsError("format", f"weights v{announcement.version}: {problem}")
+    for entry in shard_files(announcement):
+        read_schema(folder / entry.name)
 
 
 class AnnouncementWatcher:

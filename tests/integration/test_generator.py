@@ -28,7 +28,7 @@ from generator.engine import EngineFailure, VllmEngine
 from generator.service import build_app
 from generator.sync import WeightSync
 from generator.worker import RolloutWorker
-from services.config import load_settings
+from services.config import WeightsConfig, load_settings
 from services.http import create_app
 from services.messages import (
     PromptTask,
@@ -42,7 +42,8 @@ from services.messages import (
 )
 from services.redis_local import connect
 from services.streams import Streams
-from services.weights import WeightPublisher, channel, latest_key, shareable_state_dict, weights_router
+from services.weights import WeightPublisher, WeightsError, channel, latest_key, shareable_state_dict, weights_router
+from services.weights_layout import write_version
 
 pytestmark = pytest.mark.slow
 
@@ -54,14 +55,13 @@ TEXTS = ["12+3=", "Hello", "7*8=?", "(4-1)*2="]
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    """The base model folder and a second set of weights (another seed) saved as a reloadable folder."""
+    """The base model folder and a second set of weights (another seed) published in the sharded layout."""
     root = tmp_path_factory.mktemp("models")
     base = build_model_folder(root / "base", seed=0)
     other_state = random_qwen2(seed=1).state_dict()
-    other = root / "other"
-    other.mkdir()
-    save_file(shareable_state_dict(other_state), str(other / "model.safetensors"))
-    return base, other, other_state
+    announcement = write_version(root, 1, shareable_state_dict(other_state), 256 * 1024, "http://unused")
+    assert len(announcement.files) > 3  # several shards + the index: vLLM must follow the index
+    return base, root / "v1", other_state
 
 
 @pytest.fixture(scope="module")
@@ -178,6 +178,41 @@ def test_reload_changes_outputs_and_round_trip_restores_them(engine, models):
         assert got.logprobs == pytest.approx(want.logprobs, abs=1e-6)
 
 
+def test_shared_fs_version_loads_in_place_and_a_bad_shard_leaves_the_old_one_serving(engine, models, settings, short_tmp):
+    """shared-fs: the engine loads the learner's folder itself; a damaged shard is refused before any reload."""
+    from transformers import Qwen2ForCausalLM
+
+    base, _, other_state = models
+    settings.weights = WeightsConfig(transport="shared-fs", shared_dir=f"{short_tmp}/shared", shard_mb=0.1)
+    client = connect(settings)
+    publisher = WeightPublisher(settings, client, "http://learner.invalid:8000")  # no HTTP on this transport
+    sync = WeightSync(settings, base, client, "gen-shared")
+    engine.reload(base)
+    announcement = publisher.publish(other_state, version=1)
+    folder, _ = sync.prepare(sync.latest())
+    assert folder == publisher.dir / "v1" and len(announcement.files) >= 3
+    engine.reload(folder)
+    prompts = prompts_of(engine)
+    serving = engine.generate(prompts, GREEDY)
+    hf_other = Qwen2ForCausalLM(random_qwen2(seed=1).config)
+    hf_other.load_state_dict(other_state)
+    sample = serving[0][0]
+    reference = hf_logprobs(hf_other.eval(), prompts[0], sample.token_ids)
+    assert (torch.tensor(sample.logprobs) - reference).abs().max().item() < LOGPROB_TOLERANCE
+
+    damaged = publisher.publish({k: v + 1.0 for k, v in other_state.items()}, version=2)
+    shard = publisher.dir / "v2" / damaged.files[0].name
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    shard.write_bytes(bytes(data))
+    with pytest.raises(WeightsError) as err:
+        sync.prepare(damaged)
+    assert err.value.reason == "checksum"
+    again = engine.generate(prompts, GREEDY)  # the engine was never touched: v1 still serves
+    assert [s.token_ids for g in again for s in g] == [s.token_ids for g in serving for s in g]
+    engine.reload(base)
+
+
 def test_failed_reload_kills_engine_and_restart_recovers(engine, models, tmp_path):
     base, other, _ = models
     engine.reload(other)
@@ -271,6 +306,7 @@ def service(settings, engine, models):
     client = connect(settings)
     streams = Streams(client, settings)
     learner_app = create_app("learner", token=settings.token)
+    settings.weights.shard_mb = 0.1  # the 0.5 MB model in several shards
     with ServerThread(learner_app) as learner:
         settings.learner.public_url = learner.url  # the only URL the generator sends its token to
         publisher = WeightPublisher(settings, client, learner.url)
@@ -332,7 +368,8 @@ def test_worker_versions_sync_refusals_and_late_join(service, engine, models):
 
         # refused: a checksum that does not match the bytes served
         good = publisher.announcement(1)
-        forged = sign_announcement(WeightsAnnouncement(version=3, sha256="ab" * 32, size=good.size, url=good.url),
+        bad_shard = good.files[0].model_copy(update={"sha256": "ab" * 32})  # one shard's checksum is wrong
+        forged = sign_announcement(good.model_copy(update={"version": 3, "files": [bad_shard, *good.files[1:]]}),
                                    publisher.key)
         client.set(latest_key(publisher.prefix), forged.model_dump_json())
         client.publish(channel(publisher.prefix), forged.model_dump_json())

@@ -362,7 +362,7 @@ def test_synchronous_steps(pipeline, tmp_path):
     assert len(assert_trained_once(run_dir)) == 12
     assert (run_dir / "config.yaml").is_file()
     assert (run_dir / "checkpoints" / "latest").read_text() == "step-3"
-    assert (run_dir / "weights" / f"v{steps[-1]['version']}" / "model.safetensors").is_file()
+    assert (run_dir / "weights" / f"v{steps[-1]['version']}" / "model.safetensors.index.json").is_file()
 
 
 @pytest.mark.slow

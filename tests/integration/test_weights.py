@@ -1,15 +1,20 @@
-"""The weight-sync protocol against a real HTTP server (uvicorn) and a real Redis: publish, announce, pull."""
+"""The weight-sync protocol against a real HTTP server (uvicorn) and a real Redis: publish, announce, pull or read
+the shared folder."""
 
 from __future__ import annotations
 
 import json
+import os
 import time
+from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from transformers.utils import SAFE_WEIGHTS_INDEX_NAME
 
 from servers import ServerThread, free_port
+from services.config import WeightsConfig, load_settings
 from services.http import create_app
 from services.messages import WeightsAnnouncement
 from services.redis_local import connect
@@ -19,6 +24,7 @@ from services.weights import (
     WeightPublisher,
     WeightsError,
     check_schema,
+    check_shared,
     latest_announcement,
     model_schema,
     pull_weights,
@@ -27,8 +33,18 @@ from services.weights import (
     tied_aliases,
     weights_router,
 )
+from services.weights_layout import held_versions, shard_plan, write_hold
 
 TOKEN = "s3cret"
+
+
+def big_state_dict(seed: int = 0) -> dict[str, torch.Tensor]:
+    """Tensors of 0.6, 0.6 and 1.2 MB and a small norm: with weights.shard_mb = 1, four shards."""
+    gen = torch.Generator().manual_seed(seed)
+    state = {f"model.layers.{i}.mlp.up_proj.weight": torch.randn(150, 1024, generator=gen) for i in range(3)}
+    state["model.layers.2.mlp.up_proj.weight"] = torch.randn(300, 1024, generator=gen)  # 1.2 MB: alone
+    state["model.norm.weight"] = torch.ones(8)
+    return state
 
 
 def tiny_state_dict(seed: int = 0) -> dict[str, torch.Tensor]:
@@ -71,6 +87,7 @@ def test_publish_pull_round_trip_with_announcement(learner, settings, short_tmp)
     state = tiny_state_dict(seed=1)
     announced = publisher.publish(state, version=3)
     assert announced.url == f"{server.url}/v1/weights/3" and announced.version == 3
+    assert [f.name for f in announced.files] == ["model-00001-of-00001.safetensors", SAFE_WEIGHTS_INDEX_NAME]
 
     # announced both ways: the latest key and the channel
     assert latest_announcement(client, Streams(client, settings), publisher.key) == announced
@@ -83,7 +100,7 @@ def test_publish_pull_round_trip_with_announcement(learner, settings, short_tmp)
 
     folder = pull_weights(announced, TOKEN, f"{short_tmp}/pulled")
     assert folder.name == "v3"
-    got = load_file(folder / "model.safetensors")
+    got = load_file(folder / "model-00001-of-00001.safetensors")
     assert set(got) == {"model.embed_tokens.weight", "model.layers.0.mlp.up_proj.weight", "model.norm.weight"}
     for name, tensor in got.items():
         assert torch.equal(tensor, state[name])
@@ -95,16 +112,21 @@ def test_endpoints_require_token_and_404_unknown(learner):
 
     publisher, server, _ = learner
     publisher.publish(tiny_state_dict(), version=0)
+    shard = "model-00001-of-00001.safetensors"
     assert httpx.get(f"{server.url}/v1/weights/latest").status_code == 401
-    assert httpx.get(f"{server.url}/v1/weights/0", headers={"Authorization": "Bearer nope"}).status_code == 403
+    assert httpx.get(f"{server.url}/v1/weights/0/{shard}", headers={"Authorization": "Bearer nope"}).status_code == 403
     auth = {"Authorization": f"Bearer {TOKEN}"}
     latest = httpx.get(f"{server.url}/v1/weights/latest", headers=auth)
     assert latest.status_code == 200 and latest.json()["version"] == 0
-    body = httpx.get(f"{server.url}/v1/weights/0", headers=auth)
-    assert body.status_code == 200 and body.headers["x-weights-sha256"] == latest.json()["sha256"]
-    assert len(body.content) == latest.json()["size"]
+    assert httpx.get(f"{server.url}/v1/weights/0", headers=auth).json() == latest.json()
+    (entry,) = [f for f in latest.json()["files"] if f["name"] == shard]
+    body = httpx.get(f"{server.url}/v1/weights/0/{shard}", headers=auth)
+    assert body.status_code == 200 and body.headers["x-weights-sha256"] == entry["sha256"]
+    assert len(body.content) == entry["size"]
     missing = httpx.get(f"{server.url}/v1/weights/7", headers=auth)
     assert missing.status_code == 404 and "unknown" in missing.json()["error"]
+    for name in ("announcement.json", "..%2Fv0%2Fannouncement.json", "other.safetensors"):  # only announced files
+        assert httpx.get(f"{server.url}/v1/weights/0/{name}", headers=auth).status_code == 404
 
 
 def test_pull_refuses_bad_token_and_bad_checksum_without_leftovers(learner, short_tmp):
@@ -114,11 +136,12 @@ def test_pull_refuses_bad_token_and_bad_checksum_without_leftovers(learner, shor
     with pytest.raises(WeightsError, match="refused the token") as err:
         pull_weights(announced, "wrong", dest)
     assert err.value.reason == "unauthorized"
-    forged = announced.model_copy(update={"sha256": "0" * 64})
+    shard = announced.files[0]
+    forged = announced.model_copy(update={"files": [shard.model_copy(update={"sha256": "0" * 64}), announced.files[1]]})
     with pytest.raises(WeightsError, match="does not match") as err:
         pull_weights(forged, TOKEN, dest)
     assert err.value.reason == "checksum"
-    shorter = announced.model_copy(update={"size": announced.size - 1})
+    shorter = announced.model_copy(update={"files": [shard.model_copy(update={"size": shard.size - 1}), announced.files[1]]})
     with pytest.raises(WeightsError) as err:
         pull_weights(shorter, TOKEN, dest)
     assert err.value.reason == "checksum"
@@ -128,8 +151,6 @@ def test_pull_refuses_bad_token_and_bad_checksum_without_leftovers(learner, shor
     with pytest.raises(WeightsError) as err:
         pull_weights(announced.model_copy(update={"url": f"http://127.0.0.1:{free_port()}/x"}), TOKEN, dest)
     assert err.value.reason == "unreachable"
-    from pathlib import Path
-
     assert list(Path(dest).iterdir()) == []
 
 
@@ -140,16 +161,17 @@ def test_publisher_keeps_last_versions_and_serves_only_those(learner, settings):
         publisher.publish(tiny_state_dict(seed=version), version=version)
     assert publisher.versions() == list(range(2, keep + 2))
     assert publisher.latest().version == keep + 1
-    assert publisher.open_version(0) is None
+    assert publisher.open_file(0, "model-00001-of-00001.safetensors") is None
     folder = publisher.dir / f"v{keep + 1}"
-    assert sorted(p.name for p in folder.iterdir()) == ["announcement.json", "model.safetensors"]
+    assert sorted(p.name for p in folder.iterdir()) == [
+        "announcement.json", "model-00001-of-00001.safetensors", SAFE_WEIGHTS_INDEX_NAME
+    ]
     meta = json.loads(folder.joinpath("announcement.json").read_text())
-    assert meta["size"] == folder.joinpath("model.safetensors").stat().st_size
+    assert meta["size"] == sum(folder.joinpath(f["name"]).stat().st_size for f in meta["files"])
+    assert not [p for p in publisher.dir.iterdir() if p.name.startswith(".")]  # no temporary folders left
 
 
 def test_schema_check_names_and_shapes(short_tmp):
-    from pathlib import Path
-
     model = Path(short_tmp) / "model"
     model.mkdir()
     save_file(shareable_state_dict(tiny_state_dict()), str(model / "model.safetensors"))
@@ -190,3 +212,97 @@ def test_watcher_sees_pubsub_and_latest_key(learner, settings):
         assert got is not None and got.version == 1  # via pub/sub (the key poll is 30 s away)
     finally:
         watcher.stop()
+
+
+def test_shards_follow_the_hf_layout_and_a_bad_shard_is_refused(learner, settings, short_tmp):
+    publisher, _, _ = learner
+    publisher.shard_bytes = 1024 * 1024  # weights.shard_mb = 1: several shards
+    state = big_state_dict(seed=4)
+    assert shard_plan(state, publisher.shard_bytes) == [
+        ["model.layers.0.mlp.up_proj.weight"], ["model.layers.1.mlp.up_proj.weight"],
+        ["model.layers.2.mlp.up_proj.weight"], ["model.norm.weight"],  # a tensor above the limit goes alone
+    ]
+    announced = publisher.publish(state, version=5)
+    names = [f.name for f in announced.files]
+    assert names == [f"model-0000{i}-of-00004.safetensors" for i in (1, 2, 3, 4)] + [SAFE_WEIGHTS_INDEX_NAME]
+    folder = pull_weights(announced, TOKEN, f"{short_tmp}/pulled", concurrency=3)
+    index = json.loads((folder / SAFE_WEIGHTS_INDEX_NAME).read_text())
+    assert index["weight_map"]["model.norm.weight"] == "model-00004-of-00004.safetensors"
+    assert index["metadata"]["total_size"] == sum(t.numel() * 4 for t in state.values())
+    assert model_schema(folder) == {k: ("F32", tuple(v.shape)) for k, v in state.items()}
+    for name, tensor in {k: v for n in names[:4] for k, v in load_file(folder / n).items()}.items():
+        assert torch.equal(tensor, state[name])
+
+    # One flipped byte in the learner's second shard: the pull is refused, nothing lands, v5 stays intact.
+    shard = publisher.dir / "v5" / names[1]
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    with pytest.raises(WeightsError, match=names[1]) as err:
+        pull_weights(announced, TOKEN, f"{short_tmp}/other", concurrency=2)
+    assert err.value.reason == "checksum" and list(Path(f"{short_tmp}/other").iterdir()) == []
+    with pytest.raises(WeightsError, match=names[1]) as err:
+        check_shared(announced, publisher.dir)
+    assert err.value.reason == "checksum"
+
+
+@pytest.fixture
+def shared_settings(settings, short_tmp):
+    settings = settings.model_copy(deep=True)
+    settings.weights = WeightsConfig(transport="shared-fs", shared_dir=f"{short_tmp}/shared", shard_mb=1)
+    return settings
+
+
+def test_shared_fs_generators_read_the_learners_folder_and_holds_stop_the_prune(shared_settings, short_tmp):
+    from generator.sync import WeightSync
+
+    client = connect(shared_settings)
+    publisher = WeightPublisher(shared_settings, client, "http://learner.invalid:8000")
+    assert publisher.dir == Path(shared_settings.weights.shared_dir)
+    model = Path(short_tmp) / "model"
+    model.mkdir()
+    save_file(big_state_dict(), str(model / "model.safetensors"))
+    sync = WeightSync(shared_settings, model, client, "gen-a")
+    published = [publisher.publish(big_state_dict(seed=v), version=v) for v in range(2)]
+    folder, _ = sync.prepare(sync.latest())  # no HTTP: the learner's URL does not even resolve
+    assert folder == publisher.dir / "v1" and not list(sync.dir.iterdir())  # nothing copied
+    sync.prune(keep={folder})  # serving v1
+    assert held_versions(publisher.dir, 60) == {1}
+    keep = shared_settings.learner.keep_versions
+    for version in range(2, keep + 4):
+        publisher.publish(big_state_dict(seed=version), version=version)
+    assert publisher.versions() == [1, *range(keep + 1, keep + 4)]  # v1 is served: kept beyond keep_versions
+    # A version pruned meanwhile (or never written here) is refused as not_found; the old one keeps serving.
+    with pytest.raises(WeightsError) as err:
+        sync.prepare(published[0])
+    assert err.value.reason == "not_found"
+    sync.prune(keep={publisher.dir / f"v{keep + 3}"})  # moved on: v1 is released and goes at the next publish
+    publisher.publish(big_state_dict(), version=keep + 4)
+    assert 1 not in publisher.versions()
+    write_hold(publisher.dir, "dead-generator", {keep + 1})
+    stale = publisher.dir / "holds" / "dead-generator.json"
+    os.utime(stale, (time.time() - 2 * shared_settings.weights.hold_s,) * 2)
+    assert held_versions(publisher.dir, shared_settings.weights.hold_s) == {keep + 3}  # a lapsed hold counts no more
+
+
+def test_shared_fs_needs_a_folder():
+    with pytest.raises(ValueError, match="shared_dir"):
+        load_settings("tiny-cpu", weights={"transport": "shared-fs"})
+
+
+def test_a_failed_file_stops_the_files_not_started_yet():
+    from services.weights import _each
+
+    started = []
+
+    def fetch(name):
+        started.append(name)
+        if name == "first":
+            raise WeightsError("checksum", "first: bad")
+        time.sleep(0.5)  # the one that may already have started when "first" failed
+        return name
+
+    with pytest.raises(WeightsError, match="first"):
+        _each(1, fetch, ["first", "second", "third"])
+    assert "third" not in started
+    assert _each(2, str.upper, ["a", "b", "c"]) == ["A", "B", "C"]

@@ -20,6 +20,7 @@ import os
 import re
 import shutil
 import subprocess
+import tempfile
 import sys
 from importlib.resources import files
 from pathlib import Path
@@ -39,7 +40,8 @@ DEPLOY = ROOT / "deploy"
 COMPOSE = ROOT / "docker-compose.yml"
 COMPOSE_GPU = DEPLOY / "compose.gpu.yml"
 K8S = DEPLOY / "k8s"
-OVERLAYS = ["base", "overlays/cpu-tiny", "overlays/gpu"]
+RECIPE = "overlays/dapo-qwen2.5-32b"
+OVERLAYS = ["base", "overlays/cpu-tiny", "overlays/gpu", RECIPE]
 K8S_VERSION = "1.30"  # the oldest Kubernetes minor still widely run that has every field used here
 # An exact version: major.minor.patch in the tag (suffixes such as -alpine allowed), or a digest.
 PINNED_IMAGE = re.compile(r"^[^@]+:(v?\d+\.\d+\.\d+[\w.-]*)$|@sha256:[0-9a-f]{64}$")
@@ -51,7 +53,7 @@ NON_FIELD_DAPO_VARIABLES = {"DAPO_CONFIG", "DAPO_TOKEN_FILE", "DAPO_REDIS_PASSWO
                             "DAPO_LOG_LEVEL"}
 # Settings a deployment sets on top of a preset (where things live), nothing about the algorithm.
 DEPLOYMENT_KEYS = {("run_dir",), ("token",), ("redis", "url"), ("redis", "run"), ("learner", "public_url"),
-                   ("tiny", "cache_dir")}
+                   ("tiny", "cache_dir"), ("weights", "transport"), ("weights", "shared_dir")}
 
 
 def _tool(name: str) -> str | None:
@@ -161,18 +163,24 @@ def _by_kind(resources: list[dict], kind: str) -> dict[str, dict]:
     return {r["metadata"]["name"]: r for r in resources if r["kind"] == kind}
 
 
+def _workloads(resources: list[dict]) -> dict[str, dict]:
+    """Deployments and StatefulSets (the multi-rank learner) by name."""
+    return {**_by_kind(resources, "Deployment"), **_by_kind(resources, "StatefulSet")}
+
+
 def _containers(resources: list[dict]):
-    """(deployment name, pod spec, container) for every container, init containers included."""
-    for name, deployment in _by_kind(resources, "Deployment").items():
-        spec = deployment["spec"]["template"]["spec"]
+    """(workload name, pod spec, container) for every container, init containers included."""
+    for name, workload in _workloads(resources).items():
+        spec = workload["spec"]["template"]["spec"]
         for container in spec.get("initContainers", []) + spec["containers"]:
             yield name, spec, container
 
 
 def _dapo_containers(resources: list[dict]):
-    """(deployment name, pod spec, container) for every container running a dapo command."""
+    """(workload name, pod spec, container) for every container running a dapo command (or `accelerate launch` of one)."""
     for name, spec, container in _containers(resources):
-        if container.get("args", [""])[0] == "dapo":
+        args = container.get("args", [""])
+        if args[0] == "dapo" or args[:2] == ["accelerate", "launch"] and args[-3:-1] == ["-m", "cli"]:
             yield name, spec, container
 
 
@@ -480,9 +488,11 @@ def test_kubernetes_validation_catches_a_misspelt_field():
 def test_services_are_probed_on_healthz_and_readyz_at_their_ports(overlay):
     resources = _render(overlay)
     k8s_services = _by_kind(resources, "Service")
-    deployments = _by_kind(resources, "Deployment")
+    deployments = _workloads(resources)
     for name in SERVICES:
         (container,) = deployments[name]["spec"]["template"]["spec"]["containers"]
+        if deployments[name]["kind"] == "StatefulSet":  # the multi-rank learner: see test_recipe_learner_...
+            continue
         assert container["args"] == ["dapo", name]
         ports = {p["name"]: p["containerPort"] for p in container["ports"]}
         assert ports["http"] == DEFAULT_PORTS[name]
@@ -540,9 +550,13 @@ def test_config_map_is_a_preset_plus_where_things_live(overlay, tmp_path, monkey
         volumes = {v["name"]: v for v in spec["volumes"]}
         assert f"{mounts['config']}/config.yaml" == env["DAPO_CONFIG"], name
         assert volumes["config"]["configMap"]["name"] == "dapo-config"
-        if name == "learner" and container["args"][1] == "learner":
+        if name == "learner" and container["args"][-1] == "learner":
             assert mounts["run"] == settings.run_dir
             assert volumes["run"]["persistentVolumeClaim"]["claimName"] in _by_kind(resources, "PersistentVolumeClaim")
+        if settings.weights.transport == "shared-fs" and container["args"][-1] in ("learner", "generator"):
+            assert mounts["weights"] == settings.weights.shared_dir, name
+            claim = volumes["weights"]["persistentVolumeClaim"]["claimName"]
+            assert _by_kind(resources, "PersistentVolumeClaim")[claim]["spec"]["accessModes"] == ["ReadWriteMany"]
         if "model-cache" in mounts:
             assert Path(settings.tiny.cache_dir).parent == Path(mounts["model-cache"])
             assert Path(env["HF_HOME"]).parent == Path(mounts["model-cache"])
@@ -550,6 +564,8 @@ def test_config_map_is_a_preset_plus_where_things_live(overlay, tmp_path, monkey
 
 def test_learner_is_a_single_replica_that_never_overlaps_itself():
     for overlay in OVERLAYS:
+        if overlay == RECIPE:
+            continue  # ranks of one learner: test_recipe_learner_is_ranks_of_one_accelerate_launch
         learner = _by_kind(_render(overlay), "Deployment")["learner"]
         assert learner["spec"]["replicas"] == 1
         assert learner["spec"]["strategy"]["type"] == "Recreate"
@@ -775,12 +791,11 @@ def test_entrypoint_reads_the_token_file_and_refuses_an_empty_one(tmp_path):
 # accelerate.
 
 
-@pytest.mark.parametrize("name", ["fsdp.yaml"])
-def test_accelerate_configs_load_and_launch_options_exist(name):
+@pytest.mark.parametrize("path", [DEPLOY / "accelerate" / "fsdp.yaml", K8S / RECIPE / "accelerate.yaml"], ids=str)
+def test_accelerate_configs_load_and_launch_options_exist(path):
     from accelerate.commands.config.config_args import ClusterConfig
     from accelerate.commands.launch import _validate_launch_command, launch_command_parser
 
-    path = DEPLOY / "accelerate" / name
     config = ClusterConfig.from_yaml_file(str(path))  # rejects unknown top-level keys
     parser = launch_command_parser()
     options = {action.dest for action in parser._actions}
@@ -789,3 +804,80 @@ def test_accelerate_configs_load_and_launch_options_exist(name):
     args = parser.parse_args(["--config_file", str(path), "-m", "cli", "learner"])
     _validate_launch_command(args)  # what `accelerate launch` does before it starts any process
     assert args.mixed_precision == "bf16" and args.num_processes == config.num_processes
+
+
+def _accelerate_args(args: list[str], config: Path):
+    """`accelerate launch` arguments as accelerate parses them, with the config file at `config`."""
+    from accelerate.commands.launch import launch_command_parser
+
+    args = [re.sub(r"^--config_file=.*", f"--config_file={config}", a) for a in args[2:]]
+    return launch_command_parser().parse_args(args)
+
+
+def test_recipe_learner_is_ranks_of_one_accelerate_launch():
+    """The 32B learner: a StatefulSet of num_machines pods, one accelerate launch each, rank 0 behind the Service."""
+    from accelerate.commands.launch import _validate_launch_command
+
+    resources = _render(RECIPE)
+    assert "learner" not in _by_kind(resources, "Deployment")
+    learner = _by_kind(resources, "StatefulSet")["learner"]
+    spec = learner["spec"]
+    (container,) = spec["template"]["spec"]["containers"]
+    config_map = _by_kind(resources, "ConfigMap")["dapo-accelerate"]
+    mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+    volumes = {v["name"]: v for v in spec["template"]["spec"]["volumes"]}
+    assert volumes["accelerate"]["configMap"]["name"] == "dapo-accelerate"
+    (file_name,) = config_map["data"]
+    config = yaml.safe_load(config_map["data"][file_name])
+    args = container["args"]
+    assert f"--config_file={mounts['accelerate']}/{file_name}" in args and args[-3:] == ["-m", "cli", "learner"]
+    # Every pod gets its machine rank from its index; the ranks meet at pod 0 through the headless Service.
+    env = {e["name"]: e for e in container["env"]}
+    assert "--machine_rank=$(MACHINE_RANK)" in args
+    assert env["MACHINE_RANK"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.labels['apps.kubernetes.io/pod-index']"
+    headless = _by_kind(resources, "Service")[spec["serviceName"]]
+    assert headless["spec"]["clusterIP"] == "None" and headless["spec"]["publishNotReadyAddresses"] is True
+    assert config["main_process_ip"] == f"learner-0.{spec['serviceName']}"
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert headless["spec"]["ports"][0]["port"] == config["main_process_port"] == ports["rendezvous"]
+    assert spec["podManagementPolicy"] == "Parallel"
+    # Processes: one per GPU of every pod.
+    assert config["num_machines"] == spec["replicas"]
+    assert config["num_processes"] == spec["replicas"] * container["resources"]["limits"]["nvidia.com/gpu"]
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / file_name
+        path.write_text(config_map["data"][file_name])
+        parsed = _accelerate_args([a.replace("$(MACHINE_RANK)", "1") for a in args], path)
+        _validate_launch_command(parsed)
+        assert (parsed.machine_rank, parsed.num_machines, parsed.num_processes) == (1, 2, 16)
+    # Only rank 0 serves HTTP: the learner Service selects pod 0 alone, on the port rank 0 listens on.
+    service = _by_kind(resources, "Service")["learner"]
+    assert service["spec"]["selector"]["apps.kubernetes.io/pod-index"] == "0"
+    assert ports["http"] == DEFAULT_PORTS["learner"]
+    assert "livenessProbe" not in container and "readinessProbe" not in container  # ranks > 0 have no HTTP
+
+
+def test_recipe_generators_match_tensor_parallelism_and_load_from_the_shared_volume(tmp_path):
+    resources = _render(RECIPE)
+    config = tmp_path / "config.yaml"
+    config.write_text(_by_kind(resources, "ConfigMap")["dapo-config"]["data"]["config.yaml"])
+    settings = load_settings(config)
+    assert settings.model.name_or_path == "Qwen/Qwen2.5-32B" and settings.weights.transport == "shared-fs"
+    generator = _by_kind(resources, "Deployment")["generator"]["spec"]["template"]["spec"]
+    (container,) = generator["containers"]
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == settings.generator.tensor_parallel_size == 4
+    assert {c["image"] for _, _, c in _dapo_containers(resources)} == {"dapo:0.1.0-cuda"}
+
+
+def test_compose_gpu_learner_spans_several_gpus():
+    learner = _compose_resolved(COMPOSE, COMPOSE_GPU)["services"]["learner"]
+    command = learner["command"]
+    assert command[:2] == ["accelerate", "launch"] and command[-3:] == ["-m", "cli", "learner"]
+    (device,) = learner["deploy"]["resources"]["reservations"]["devices"]
+    mounts = {v["target"]: v["source"] for v in learner["volumes"]}
+    config = next(a.split("=", 1)[1] for a in command if a.startswith("--config_file="))
+    parsed = _accelerate_args(command, Path(mounts[config]))
+    assert parsed.num_processes == len(device["device_ids"]) == 2
+    generator = _compose_resolved(COMPOSE, COMPOSE_GPU)["services"]["generator"]
+    (generator_device,) = generator["deploy"]["resources"]["reservations"]["devices"]
+    assert not set(generator_device["device_ids"]) & set(device["device_ids"])  # no GPU shared

@@ -156,7 +156,7 @@ def test_prepare_accepts_fitting_weights_and_refuses_the_rest(learner_with_model
     good = publisher.publish(state, version=1)
     folder, seconds = sync.prepare(good)
     assert folder == sync.dir / "v1" and seconds >= 0
-    loaded = load_file(folder / "model.safetensors")
+    loaded = load_file(folder / "model-00001-of-00001.safetensors")
     assert "lm_head.weight" not in loaded  # the tied alias was not written
     assert torch.equal(loaded["model.norm.weight"], state["model.norm.weight"])
 

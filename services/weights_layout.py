@@ -1,0 +1,169 @@
+"""One weight version on disk: the Hugging Face sharded layout, written atomically and checked file by file.
+
+A version folder `v{version}/` holds `model-0000k-of-0000N.safetensors` (at most `weights.shard_mb` each, whole
+tensors), `model.safetensors.index.json` (`weight_map`: tensor -> shard, what vLLM's and transformers' loaders
+read) and `announcement.json` (every file's sha256 and size). The learner writes it into a hidden temporary
+folder and renames that into place, so a reader (an HTTP download or a generator on a shared file system) sees
+a whole version or none. Both transports publish through `write_version` and check through `check_file`.
+
+Holds (shared-fs): generators load straight from the learner's folder, so the learner must not prune a version
+a generator still loads or serves (a restarted engine reloads the version it served). Each generator keeps
+`holds/{generator}.json` (the versions it holds) beside the versions, and rewrites it on every load; the learner
+keeps held versions beyond `learner.keep_versions` until the hold lapses (`weights.hold_s`, a dead generator's).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import save
+
+from services.messages import WeightsAnnouncement, WeightsFile, sign_announcement
+
+INDEX_FILE = "model.safetensors.index.json"
+ANNOUNCEMENT_FILE = "announcement.json"
+HOLDS_DIR = "holds"
+CHUNK = 4 << 20
+
+
+def shard_plan(tensors: dict[str, torch.Tensor], max_bytes: int) -> list[list[str]]:
+    """Tensor names per shard, in order; a shard closes before it would exceed max_bytes (a bigger tensor is alone)."""
+    shards: list[list[str]] = [[]]
+    size = 0
+    for name, tensor in tensors.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if shards[-1] and size + nbytes > max_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += nbytes
+    return shards
+
+
+def shard_name(index: int, count: int) -> str:
+    return f"model-{index + 1:05d}-of-{count:05d}.safetensors"
+
+
+def write_version(
+    root: Path, version: int, tensors: dict[str, torch.Tensor], shard_bytes: int, url: str, key: bytes
+) -> WeightsAnnouncement:
+    """Write `root/v{version}/` (shards, index, announcement signed under `key`) atomically; returns the
+    announcement.
+
+    Each shard is serialized in memory, hashed from those bytes (no read back), written and fsynced.
+    """
+    tmp = Path(tempfile.mkdtemp(prefix=f".v{version}-", dir=root))
+    try:
+        plan = shard_plan(tensors, shard_bytes)
+        files, weight_map, total = [], {}, 0
+        for index, names in enumerate(plan):
+            name = shard_name(index, len(plan))
+            data = save({n: tensors[n] for n in names}, metadata={"format": "pt", "version": str(version)})
+            files.append(WeightsFile(name=name, sha256=hashlib.sha256(data).hexdigest(), size=len(data)))
+            write_atomic(tmp / name, data)
+            del data
+            weight_map.update(dict.fromkeys(names, name))
+            total += sum(tensors[n].numel() * tensors[n].element_size() for n in names)
+        index_bytes = json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1).encode()
+        write_atomic(tmp / INDEX_FILE, index_bytes)
+        files.append(WeightsFile(name=INDEX_FILE, sha256=hashlib.sha256(index_bytes).hexdigest(), size=len(index_bytes)))
+        announcement = sign_announcement(WeightsAnnouncement(
+            version=version, sha256=files_digest(files), size=sum(f.size for f in files), url=url, files=files
+        ), key)
+        write_atomic(tmp / ANNOUNCEMENT_FILE, announcement.model_dump_json().encode())
+        final = root / f"v{version}"
+        if final.exists():  # republished after a crash between the rename and the announcement
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _fsync_dir(root)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return announcement
+
+
+def files_digest(files: list[WeightsFile]) -> str:
+    """The version's identity: sha256 over every file's name, size and sha256."""
+    return hashlib.sha256("".join(f"{f.name}\t{f.size}\t{f.sha256}\n" for f in files).encode()).hexdigest()
+
+
+def check_file(path: Path, expected: WeightsFile) -> str | None:
+    """None if `path` has the expected size and sha256, else what differs (hashing streams the file)."""
+    try:
+        size = path.stat().st_size
+        if size != expected.size:
+            return f"{expected.name}: {size} bytes, announced {expected.size}"
+        digest = hashlib.sha256()
+        with open(path, "rb", buffering=0) as handle:
+            while chunk := handle.read(CHUNK):
+                digest.update(chunk)
+    except FileNotFoundError:
+        return f"{expected.name}: missing"
+    if digest.hexdigest() != expected.sha256:
+        return f"{expected.name}: sha256 {digest.hexdigest()[:16]}... does not match the announced {expected.sha256[:16]}..."
+    return None
+
+
+def shard_files(announcement: WeightsAnnouncement) -> list[WeightsFile]:
+    return [f for f in announcement.files if f.name.endswith(".safetensors")]
+
+
+def check_index(folder: Path, announcement: WeightsAnnouncement) -> str | None:
+    """None if the index maps tensors to exactly the announced shards (vLLM loads only what it lists)."""
+    try:
+        weight_map = json.loads((folder / INDEX_FILE).read_text())["weight_map"]
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        return f"{INDEX_FILE}: unreadable ({err})"
+    if set(weight_map.values()) != {f.name for f in shard_files(announcement)}:
+        return f"{INDEX_FILE} names other shards than the announcement"
+    return None
+
+
+# -- holds (shared-fs) ---------------------------------------------------------------------------------------
+def write_hold(root: Path, holder: str, versions: set[int]) -> None:
+    """Replace `holder`'s hold with `versions` (atomic: the learner may read it at any time)."""
+    holds = root / HOLDS_DIR
+    holds.mkdir(exist_ok=True)
+    write_atomic(holds / f"{holder}.json", json.dumps(sorted(versions)).encode())
+
+
+def held_versions(root: Path, hold_s: float) -> set[int]:
+    """Versions some generator held within the last `hold_s` seconds."""
+    held: set[int] = set()
+    now = time.time()
+    for path in (root / HOLDS_DIR).glob("*.json") if (root / HOLDS_DIR).is_dir() else ():
+        try:
+            if now - path.stat().st_mtime <= hold_s:
+                held.update(int(v) for v in json.loads(path.read_text()))
+        except (OSError, ValueError, TypeError):
+            continue  # being replaced, or garbled: the next publish looks again
+    return held
+
+
+def write_atomic(path: Path, data: str | bytes, mode: int = 0o666) -> None:
+    """Replace `path` with `data` so that readers see the old content or the new, never a partial file.
+
+    `mode` (less the umask) applies from the file's creation: 0o600 for anything holding a secret, so that it is
+    never readable by others, not even for a moment."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.unlink(missing_ok=True)  # a leftover of a crash keeps its old mode: start afresh
+    with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode), "wb") as handle:
+        handle.write(data.encode() if isinstance(data, str) else data)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
