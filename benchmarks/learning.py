@@ -17,7 +17,7 @@ import json
 import statistics
 from pathlib import Path
 
-from benchmarks.runs import ROOT, Curve, grid, median_and_worst, replace_section, run_seeded, spread
+from benchmarks.runs import ROOT, Curve, grid, median_and_worst, read_curve, replace_section, run_seeded, spread
 
 STABILITY_GOAL = 0.05  # no seed loses more than 5 points between two evaluations after step 10
 
@@ -48,6 +48,8 @@ def report(curves: list[Curve], command: str) -> str:
     minutes = grid(curves, points=7)
     median, worst = median_and_worst(curves, minutes)
     drops = [c.max_drop(after_step=10) for c in curves]
+    common_steps = sorted(set.intersection(*(set(c.steps) for c in curves)))
+    by_step = {k: [c.accuracy[c.steps.index(k)] for c in curves] for k in common_steps}
     lines = [
         f"`{command}`", "",
         "| seed | start (step 0) | end | best | gain | steps | mean step (s) | largest fall after step 10 |",
@@ -67,6 +69,11 @@ def report(curves: list[Curve], command: str) -> str:
         "| --- |" + " ---: |" * len(minutes),
         "| median | " + " | ".join(f"{100 * v:.1f}" for v in median) + " |",
         "| worst | " + " | ".join(f"{100 * v:.1f}" for v in worst) + " |",
+        "", "Held-out accuracy (%) against training steps, across seeds (independent of the machine's load):", "",
+        "| step | " + " | ".join(str(step) for step in common_steps) + " |",
+        "| --- |" + " ---: |" * len(common_steps),
+        "| median | " + " | ".join(f"{100 * statistics.median(by_step[k]):.1f}" for k in common_steps) + " |",
+        "| worst | " + " | ".join(f"{100 * min(by_step[k]):.1f}" for k in common_steps) + " |",
         "",
         f"Stability goal: no seed falls more than {100 * STABILITY_GOAL:.0f} points between two evaluations after "
         f"step 10. Measured: worst fall {100 * max(drops):.1f} points "
@@ -84,14 +91,16 @@ def main() -> None:
     parser.add_argument("--label", default="learning", help="names the run folders and the README section")
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "bench-learning")
     parser.add_argument("--timeout-minutes", type=float, default=60.0, help="per run")
+    parser.add_argument("--report-only", action="store_true", help="rewrite the report from the runs' metrics")
     args = parser.parse_args()
 
     overrides = [f"learner.total_steps={args.steps}", *args.set]
-    curves = [
-        run_seeded(args.label, seed, args.out / f"{args.label}-seed{seed}", args.preset, overrides,
-                   args.timeout_minutes * 60)
-        for seed in args.seeds
-    ]
+    folders = {seed: args.out / f"{args.label}-seed{seed}" for seed in args.seeds}
+    if args.report_only:
+        curves = [read_curve(args.label, seed, folder / "metrics.jsonl") for seed, folder in folders.items()]
+    else:
+        curves = [run_seeded(args.label, seed, folder, args.preset, overrides, args.timeout_minutes * 60)
+                  for seed, folder in folders.items()]
     failed = [c.seed for c in curves if c.returncode != 0]
     if failed:
         print(f"runs for seeds {failed} did not exit 0 (see {args.out}): their curves are reported as they are")
