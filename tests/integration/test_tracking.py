@@ -11,7 +11,7 @@ import pytest
 from learner.tracking import (
     SAMPLES_KEY, TRACKER_MODULES, TrackerNotInstalled, Tracking, accelerator_kwargs, check_installed, tracking_dir,
 )
-from services.cli import build_parser, settings_from_args
+from cli.main import build_parser, settings_from_args
 from services.config import ConfigError, load_settings
 from services.messages import PromptTask, RolloutGroup, Sample, Score, ScoredGroup
 
@@ -100,6 +100,7 @@ def test_a_missing_tracker_is_one_line_naming_the_extra(monkeypatch):
 
 
 def test_report_to_from_the_command_line_the_environment_and_its_choices(monkeypatch):
+    monkeypatch.setenv("DAPO_TOKEN", "a-real-token")  # `dapo learner` on 0.0.0.0 refuses the placeholder
     args = build_parser().parse_args(["learner", "--report-to", "tensorboard", "wandb"])
     assert settings_from_args(args).learner.report_to == ["tensorboard", "wandb"]
     args = build_parser().parse_args(["run", "--report-to", "tensorboard", "--set", "learner.total_steps=3"])
