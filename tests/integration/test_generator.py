@@ -59,7 +59,7 @@ def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("models")
     base = build_model_folder(root / "base", seed=0)
     other_state = random_qwen2(seed=1).state_dict()
-    announcement = write_version(root, 1, shareable_state_dict(other_state), 256 * 1024, "http://unused")
+    announcement = write_version(root, 1, shareable_state_dict(other_state), 256 * 1024, "http://unused", b"unused")
     assert len(announcement.files) > 3  # several shards + the index: vLLM must follow the index
     return base, root / "v1", other_state
 
