@@ -35,7 +35,7 @@ def closed_port_url() -> str:
 
 def start(service: str, tmp: Path, *overrides: str) -> tuple[subprocess.Popen, Path]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("DAPO_")}
-    env.update(PYTHONUNBUFFERED="1", DAPO_RUN_DIR=str(tmp / "run"))
+    env.update(PYTHONUNBUFFERED="1", DAPO_RUN_DIR=str(tmp / "run"), DAPO_TOKEN="startup-test-token")
     sets = [arg for o in (f"{service}.port={free_port()}", *overrides) for arg in ("--set", o)]
     stderr = tmp / f"{service}.err"
     with open(stderr, "wb") as err:
