@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from cli.launcher import read_metrics
+
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
 
@@ -45,16 +47,7 @@ def child_running(launcher: int, needle: str) -> int:
 
 
 def ledger(run_dir: Path) -> list[dict]:
-    path = run_dir / "ledger.jsonl"
-    if not path.exists():
-        return []
-    rows = []
-    for line in path.read_text().splitlines():
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            break  # being written
-    return rows
+    return read_metrics(run_dir / "ledger.jsonl")  # the launcher's JSONL reader: skips a line being written
 
 
 def wait_for(what: str, check, proc: subprocess.Popen, timeout: float):
