@@ -107,8 +107,9 @@ def main() -> None:
     plot(results, out / "ablation.png")
     (out / "ablation.json").write_text(json.dumps({r: [c.to_json() for c in cs] for r, cs in results.items()}, indent=1))
     extra = "".join(f" --set {s}" for s in args.set)
-    command = (f"python -m benchmarks.ablation --seeds {' '.join(map(str, args.seeds))} --minutes {args.minutes:g} "
-               f"--preset {args.preset}{extra}")
+    rows_arg = f" --rows {' '.join(args.rows)}" if args.rows else ""
+    command = (f"python -m benchmarks.ablation --seeds {' '.join(map(str, args.seeds))} --minutes {args.minutes:g}"
+               f"{rows_arg} --preset {args.preset}{extra}")
     body = report(results, command, args.minutes) + "\n\n![ablation](results/ablation.png)"
     print(body)
     replace_section(ROOT / "benchmarks" / "README.md", "ablation", body)
