@@ -36,7 +36,7 @@ from rich.table import Table
 from services.config import DEFAULT_TOKEN, Settings, dump_settings
 from services.http import free_port
 from services.redis_local import EmbeddedRedis, embedded_server, without_password
-from services.weights import write_atomic
+from services.weights_layout import write_atomic
 
 log = logging.getLogger(__name__)
 console = Console()

@@ -61,7 +61,8 @@ from services.models import model_dir
 from services.redis_local import connect, wait_for_redis, without_password
 from services.startup import raise_stopped
 from services.streams import FIELD, Delivery, Streams, consumer_name
-from services.weights import WeightPublisher, latest_announcement, weights_router, write_atomic
+from services.weights import WeightPublisher, latest_announcement, weights_router
+from services.weights_layout import write_atomic
 
 log = logging.getLogger(__name__)
 

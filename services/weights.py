@@ -57,7 +57,6 @@ from services.weights_layout import (
     check_index,
     held_versions,
     shard_files,
-    write_atomic,  # noqa: F401  (re-exported: the learner writes its small files with it)
     write_version,
 )
 

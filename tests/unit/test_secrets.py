@@ -13,7 +13,7 @@ from cli.launcher import service_children, write_launch_config
 from cli.main import main as dapo
 from services.config import DEFAULT_TOKEN, ConfigError, load_settings
 from services.http import check_token, is_loopback
-from services.weights import write_atomic
+from services.weights_layout import write_atomic
 
 
 def mode_of(path: Path) -> int:
