@@ -88,8 +88,7 @@ class Stack:
             "DAPO_LEARNER__CHECKPOINT_EVERY": str(args.checkpoint_every),
             "DAPO_DATA__EVAL_SIZE": str(args.eval_size),
         }
-        # Every dapo service resolves the same settings (the generators read eval sampling from tasks, but the
-        # config digest is compared across services), so the override goes to each of them.
+        # Given to every dapo service, so that they all resolve the same settings.
         body = {"services": {name: {"environment": learner_env} for name in ("bootstrap", "learner", "generator",
                                                                               "reward")}}
         self.override.write_text(json.dumps(body, indent=1))

@@ -9,7 +9,8 @@
 #   2. local/python:3.11       Debian's python3 + python3-venv over it (only if python:3.11.11-slim-bookworm
 #                              cannot be pulled)
 #   3. the wheelhouse          deploy/lock_requirements.py pins the dependencies as installed in $DAPO_PYTHON's
-#                              environment (the one scripts/setup.sh made), `pip wheel --no-deps` fetches them
+#                              environment (the one scripts/setup.sh made), markers evaluated for the image's
+#                              Python; `pip wheel --no-deps` fetches them (~880 MB)
 #   4. dapo:0.1.0-cpu          deploy/Dockerfile.cpu, pip pointed at the wheelhouse (served on the docker
 #                              bridge for the length of the build): the build itself needs no network
 #   5. local/redis:7, local/prometheus:2   Debian's redis-server and prometheus (only if redis:7.4.2 and
@@ -75,7 +76,9 @@ fi
 wheels="$cache/wheelhouse"
 mkdir -p "$wheels"
 log "pinning the dependencies of $python's environment and filling $wheels"
-"$python" deploy/lock_requirements.py >"$wheels/requirements.lock"
+# Markers are evaluated for the image's Python (Debian's 3.11.2 needs async-timeout for redis; 3.11.7 does not).
+image_python="$("$docker" run --rm --entrypoint python3 "$python_image" -c 'import platform; print(platform.python_version())')"
+"$python" deploy/lock_requirements.py --python "$image_python" >"$wheels/requirements.lock"
 # setuptools and wheel: the project's own wheel is built in an isolated build environment from the wheelhouse.
 printf 'setuptools==78.1.1\nwheel\n' >"$wheels/build-requirements.txt"
 stamp="$(cat "$wheels/requirements.lock" "$wheels/build-requirements.txt" | sha256sum | cut -c1-16)"

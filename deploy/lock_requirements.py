@@ -1,6 +1,6 @@
 """Write the pinned dependency closure of `dapo-services[<extra>]` as installed in a working environment.
 
-    python deploy/lock_requirements.py [--extra cpu] [--exclude NAME ...] > requirements.lock
+    python deploy/lock_requirements.py [--extra cpu] [--exclude NAME ...] [--python 3.11.2] > requirements.lock
 
 Run with the interpreter of an environment where the project works (e.g. the one `scripts/setup.sh` made):
 it walks the installed distributions' requirements (markers evaluated for this interpreter, extras followed)
@@ -27,14 +27,19 @@ ROOT = Path(__file__).resolve().parent.parent
 CPU_EXCLUDED = ("torchvision", "torchaudio", "torchcodec")
 
 
-def closure(roots: list[str], exclude: set[str]) -> dict[str, str]:
-    """name -> installed version for every distribution `roots` need here (transitively)."""
+def closure(roots: list[str], exclude: set[str], python: str | None = None) -> dict[str, str]:
+    """name -> `==installed version` for every distribution `roots` need (transitively), markers evaluated for
+    Python `python` (default: this one). A distribution needed there but not installed here (a marker on the
+    exact Python version, e.g. redis's async-timeout below 3.11.3) gets the requirement's own specifier."""
+    target = default_environment()
+    if python:
+        target.update(python_full_version=python, python_version=".".join(python.split(".")[:2]))
     found: dict[str, str] = {}
     todo: list[tuple[Requirement, str]] = [(Requirement(r), "") for r in roots]
     seen: set[tuple[str, str]] = set()
     while todo:
         req, extra = todo.pop()
-        env = {**default_environment(), "extra": extra}
+        env = {**target, "extra": extra}
         if req.marker is not None and not req.marker.evaluate(env):
             continue
         name = canonicalize_name(req.name)
@@ -44,8 +49,12 @@ def closure(roots: list[str], exclude: set[str]) -> dict[str, str]:
             if (name, wanted) in seen:
                 continue
             seen.add((name, wanted))
-            dist = metadata.distribution(req.name)
-            found[name] = dist.version
+            try:
+                dist = metadata.distribution(req.name)
+            except metadata.PackageNotFoundError:
+                found.setdefault(name, str(req.specifier))
+                continue
+            found[name] = f"=={dist.version}"
             for sub in dist.requires or []:
                 sub_req = Requirement(sub)
                 if sub_req.marker is not None:
@@ -61,16 +70,17 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--extra", default="cpu")
     parser.add_argument("--exclude", action="append", default=None)
+    parser.add_argument("--python", help="the image's Python version (x.y.z) the markers are evaluated for")
     args = parser.parse_args()
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     roots = project["dependencies"] + project["optional-dependencies"][args.extra]
     exclude = {canonicalize_name(n) for n in (args.exclude if args.exclude is not None
                                               else (CPU_EXCLUDED if args.extra == "cpu" else ()))}
-    pins = closure(roots, exclude)
-    print(f"# dapo-services[{args.extra}] dependencies as installed with Python "
-          f"{sys.version_info.major}.{sys.version_info.minor} (deploy/lock_requirements.py)")
+    pins = closure(roots, exclude, args.python)
+    print(f"# dapo-services[{args.extra}] dependencies as installed with Python {sys.version.split()[0]}, "
+          f"for Python {args.python or sys.version.split()[0]} (deploy/lock_requirements.py)")
     for name in sorted(pins):
-        print(f"{name}=={pins[name]}")
+        print(f"{name}{pins[name]}")
     return 0
 
 
