@@ -88,6 +88,8 @@ if [ "$(cat "$wheels/.stamp" 2>/dev/null)" != "$stamp" ]; then
         --wheel-dir "$wheels" $pip_options
     echo "$stamp" >"$wheels/.stamp"
 fi
+# Named by its hash: the build caches the dependency layer by the RUN line, which holds this name.
+cp "$wheels/requirements.lock" "$wheels/requirements-$stamp.lock"
 
 # Serve the wheelhouse on the docker bridge for the build (pip in a build step reaches the host there).
 bridge="$(ip -4 -o addr show docker0 | awk '{split($4, a, "/"); print a[1]}')"
@@ -101,7 +103,7 @@ log "building $image (deploy/Dockerfile.cpu, packages from $url)"
 "$docker" build -f deploy/Dockerfile.cpu -t "$image" \
     --build-arg PYTHON_IMAGE="$python_image" \
     --build-arg PIP_OPTIONS="--no-index --find-links $url/ --trusted-host $bridge" \
-    --build-arg DAPO_REQUIREMENTS="$url/requirements.lock" \
+    --build-arg DAPO_REQUIREMENTS="$url/requirements-$stamp.lock" \
     .
 kill "$server" 2>/dev/null || true
 
