@@ -94,8 +94,9 @@ class Stack:
         self.override.write_text(json.dumps(body, indent=1))
         self.env = {
             **os.environ,
-            "DAPO_TOKEN": secrets.token_hex(32),
-            "REDIS_PASSWORD": secrets.token_hex(32),
+            # fresh secrets unless given (--no-reset onto a running project needs the ones it started with)
+            "DAPO_TOKEN": os.environ.get("DAPO_TOKEN") or secrets.token_hex(32),
+            "REDIS_PASSWORD": os.environ.get("REDIS_PASSWORD") or secrets.token_hex(32),
             "DAPO_RUN": "bench",
             "DAPO_LEARNER_PORT": str(LEARNER_PORT),
             "PROMETHEUS_PORT": str(PROMETHEUS_PORT),
@@ -107,9 +108,9 @@ class Stack:
                    "-f", str(self.override), *args]
         return run(*command, check=check, timeout=timeout, env=self.env)
 
-    def up(self, generators: int) -> float:
+    def up(self, generators: int, *flags: str) -> float:
         started = time.monotonic()
-        self.compose("up", "-d", "--no-build", "--scale", f"generator={generators}", "--scale", "reward=1",
+        self.compose("up", "-d", "--no-build", *flags, "--scale", f"generator={generators}", "--scale", "reward=1",
                      *SERVICES, timeout=1800)
         return time.monotonic() - started
 
@@ -194,10 +195,14 @@ def scenario(stack: Stack, args: argparse.Namespace, result: dict) -> None:
     def steps() -> int:
         return len(stack.jsonl("ledger.jsonl"))
 
-    stack.compose("down", "-v", "--remove-orphans", check=False)
-    if args.model_cache and Path(args.model_cache).is_dir():
-        event("model cache seeded", seconds=round(seed_model_cache(stack, Path(args.model_cache)), 1))
-    event("up", generators=args.generators, seconds=round(stack.up(args.generators), 1))
+    if args.no_reset:
+        event("attached to the running project", steps=steps(),
+              seconds=round(stack.up(args.generators, "--no-recreate"), 1))
+    else:
+        stack.compose("down", "-v", "--remove-orphans", check=False)
+        if args.model_cache and Path(args.model_cache).is_dir():
+            event("model cache seeded", seconds=round(seed_model_cache(stack, Path(args.model_cache)), 1))
+        event("up", generators=args.generators, seconds=round(stack.up(args.generators), 1))
 
     first = wait("step 1", lambda: steps() >= 1, args.timeout)
     event("first step", steps=first)
@@ -303,7 +308,8 @@ def report(result: dict, command: str) -> str:
     for event in result["events"]:
         if event["event"] in ("docker kill", "killed container after 15 s", "scaled to 1 generator",
                               "prometheus lists 1 generator target", "compose down", "learner resumed",
-                              "learner exited", "learner 30 s later", "up", "first step", "up again"):
+                              "learner exited", "learner 30 s later", "up", "first step", "up again",
+                              "attached to the running project", "model cache seeded"):
             fields = ", ".join(f"{k} {v}" for k, v in event.items() if k != "event")
             lines.append(f"| {event['event']} | {fields} |")
     if ledger:
@@ -328,7 +334,9 @@ def main() -> int:
     parser.add_argument("--kill-at", type=int, default=2, help="docker kill a generator after this step")
     parser.add_argument("--scale-at", type=int, default=4, help="scale the generators to 1 after this step")
     parser.add_argument("--down-at", type=int, default=7, help="compose down, then up, after this step")
-    parser.add_argument("--timeout", type=float, default=900, help="seconds for each wait")
+    parser.add_argument("--timeout", type=float, default=2400, help="seconds for each wait")
+    parser.add_argument("--no-reset", action="store_true",
+                        help="go on with the project as it runs (same DAPO_TOKEN and REDIS_PASSWORD in the environment)")
     parser.add_argument("--model-cache", default=str(Path("~/.cache/dapo").expanduser()),
                         help="host folder of built tiny models to seed the volume with ('' to let bootstrap build)")
     parser.add_argument("--build", action="store_true", help="run deploy/local-images.sh first and time it")
