@@ -163,7 +163,7 @@ def generator_tokens() -> dict[str, float]:
     return {r["metric"]["instance"]: float(r["value"][1]) for r in result}
 
 
-def wait(what: str, check, timeout: float, every: float = 5.0):
+def wait(what: str, check, timeout: float, every: float = 10.0):
     deadline = time.monotonic() + timeout
     while True:
         value = check()
@@ -327,13 +327,13 @@ def report(result: dict, command: str) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--generators", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=12, help="learner.total_steps")
-    parser.add_argument("--eval-every", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=10, help="learner.total_steps")
+    parser.add_argument("--eval-every", type=int, default=5)
     parser.add_argument("--eval-size", type=int, default=200)
     parser.add_argument("--checkpoint-every", type=int, default=2)
     parser.add_argument("--kill-at", type=int, default=2, help="docker kill a generator after this step")
     parser.add_argument("--scale-at", type=int, default=4, help="scale the generators to 1 after this step")
-    parser.add_argument("--down-at", type=int, default=7, help="compose down, then up, after this step")
+    parser.add_argument("--down-at", type=int, default=6, help="compose down, then up, after this step")
     parser.add_argument("--timeout", type=float, default=2400, help="seconds for each wait")
     parser.add_argument("--no-reset", action="store_true",
                         help="go on with the project as it runs (same DAPO_TOKEN and REDIS_PASSWORD in the environment)")
