@@ -204,8 +204,8 @@ def scenario(stack: Stack, args: argparse.Namespace, result: dict) -> None:
             event("model cache seeded", seconds=round(seed_model_cache(stack, Path(args.model_cache)), 1))
         event("up", generators=args.generators, seconds=round(stack.up(args.generators), 1))
 
-    first = wait("step 1", lambda: steps() >= 1, args.timeout)
-    event("first step", steps=first)
+    wait("step 1", lambda: steps() >= 1, args.timeout)
+    event("first step", steps=steps())
 
     def all_scraped():
         targets = [t for t in generator_targets() if t["health"] == "up"]
