@@ -319,6 +319,8 @@ def report(result: dict, command: str) -> str:
     if "learner_stays_down" in result:
         lines.append(f"| finished learner not restarted (restart: on-failure) | {result['learner_stays_down']} "
                      f"(exit code {result['learner_exit_code']}) |")
+    if "volumes_left" in result:
+        lines.append(f"| volumes left after `down -v` (named and anonymous) | {result['volumes_left']} |")
     if result.get("error"):
         lines.append(f"| **failed** | {result['error']} |")
     return "\n".join(lines)
@@ -348,6 +350,7 @@ def main() -> int:
     dockerd = start_dockerd(workdir / "dockerd.log")
     result: dict = {"generators": args.generators, "steps": args.steps, "events": [], "conditions": args.conditions}
     stack = Stack(args, workdir)
+    volumes_before = set(run("docker", "volume", "ls", "-q").split())
     try:
         if args.build:
             started = time.monotonic()
@@ -368,6 +371,8 @@ def main() -> int:
             result.setdefault("error", f"summary: {error}")
         if not args.keep:
             stack.compose("down", "-v", "--remove-orphans", check=False)
+            left = [v for v in run("docker", "volume", "ls", "-q", check=False).split() if v not in volumes_before]
+            result["volumes_left"] = len(left)
         if dockerd is not None:
             dockerd.terminate()
             dockerd.wait(timeout=60)
