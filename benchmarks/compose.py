@@ -282,9 +282,9 @@ def summarize(stack: Stack, result: dict) -> None:
     result["eval_accuracy"] = evals
     step_seconds = [m["step_seconds"] for m in metrics if m.get("step", 0) > 0 and m.get("step_seconds")]
     result["mean_step_seconds"] = round(sum(step_seconds) / len(step_seconds), 1) if step_seconds else None
-    dead = run("docker", "run", "--rm", "--entrypoint", "sh", "-v", f"{stack.volume('learner-run')}:/r:ro", stack.image,
-               "-c", "ls /r/run/checkpoints 2>/dev/null || true", timeout=60)
-    result["checkpoints"] = dead.split()
+    listing = run("docker", "run", "--rm", "--entrypoint", "sh", "-v", f"{stack.volume('learner-run')}:/r:ro", stack.image,
+               "-c", "ls /r/checkpoints 2>/dev/null || true", timeout=60)
+    result["checkpoints"] = listing.split()
 
 
 def report(result: dict, command: str) -> str:
