@@ -13,7 +13,7 @@ One `train_step(groups)` is one rollout step of the paper (Algorithm 1, the inne
   5. gradient-norm clip, AdamW step per mini-batch; the learning-rate schedule (linear warm-up over
      `warmup_steps`, then constant) advances once per train_step: the paper counts warm-up in rollout steps,
      so every update of one step uses the same rate;
-  6. version += 1.
+  6. the service advances the policy version (learner/policy.py: the trainer does not count versions).
 
 When a step makes exactly one update (one mini-batch, one epoch) pi_old equals the current parameters, so the
 separate no-grad pass is skipped and pi_old is the detached logprob of the training forward (same value, one
@@ -66,7 +66,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 log = logging.getLogger(__name__)
 
-CHECKPOINT_FORMAT = 2  # 1 was accelerate's save_state (pickles)
+CHECKPOINT_FORMAT = 3  # 1 was accelerate's save_state (pickles); 2 kept a policy version of its own
 STATE_DIR = "state"  # the exact training state, no pickle anywhere (a resume never unpickles):
 MODEL_STATE = "model.safetensors"  # fp32 master weights, full (gathered under FSDP)
 OPTIMIZER_STATE = "optimizer.safetensors"  # AdamW moments by parameter name; param groups as JSON metadata
@@ -75,7 +75,7 @@ RNG_STATE = "rng-{rank}.safetensors"  # per rank: torch CPU/CUDA, numpy, python 
 _GATHER = StateDictOptions(full_state_dict=True, cpu_offload=True)  # full tensors, on the main process
 _SCATTER = StateDictOptions(full_state_dict=True)  # every rank reads the full state and keeps its part
 MODEL_DIR = "model"  # save_pretrained in the served dtype + tokenizer: loadable by vLLM / transformers
-TRAINER_STATE = "trainer_state.json"  # version, extra_state
+TRAINER_STATE = "trainer_state.json"  # format, extra_state (the caller's: step, policy version, ...)
 TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "vocab.json",
     "merges.txt", "tokenizer.model", "chat_template.jinja", "chat_template.json",
@@ -196,7 +196,11 @@ class Trainer:
                 self.model_path, dtype=self.compute_dtype, trust_remote_code=settings.model.trust_remote_code
             ).to(self.accelerator.device)
             self.reference.requires_grad_(False).eval()
-        self.version = 0
+
+    @property
+    def steps_done(self) -> int:
+        """train_step calls so far (restored by load_checkpoint): the schedule's position."""
+        return self.scheduler.last_epoch
 
     # -- public API --------------------------------------------------------------------------------------------
     def train_step(self, groups: Sequence["ScoredGroup"]) -> dict[str, float]:
@@ -222,10 +226,9 @@ class Trainer:
                     stats.grad_norm += grad_norm
                 else:  # one bad mini-batch must not poison the weights
                     stats.skipped += 1
-                    log.warning("step %d: non-finite gradient norm, update skipped", self.version)
+                    log.warning("train step %d: non-finite gradient norm, update skipped", self.steps_done + 1)
                 self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
-        self.version += 1
 
         totals = stats.reduced(self.accelerator)
         seconds = time.perf_counter() - started
@@ -250,7 +253,6 @@ class Trainer:
             "samples": float(len(batch.responses)),
             "updates": float(stats.updates),
             "skipped_updates": float(stats.skipped),
-            "version": float(self.version),
         }
 
     def loss_gradients(self, groups: Sequence["ScoredGroup"]) -> tuple[float, dict[str, Tensor]]:
@@ -318,7 +320,7 @@ class Trainer:
         Written into `path.tmp/` then renamed, so a crash never leaves a half checkpoint under `path`.
         """
         path = Path(path)
-        meta = json.dumps({"format": CHECKPOINT_FORMAT, "version": self.version, "extra_state": extra_state})
+        meta = json.dumps({"format": CHECKPOINT_FORMAT, "extra_state": extra_state})
         tmp, old = path.with_name(path.name + ".tmp"), path.with_name(path.name + ".old")
         accelerator = self.accelerator
         if accelerator.is_main_process:
@@ -343,13 +345,12 @@ class Trainer:
         accelerator.wait_for_everyone()
 
     def load_checkpoint(self, path: str | os.PathLike) -> dict:
-        """Restore weights, optimizer, scheduler, RNG and version from `save_checkpoint`; return extra_state."""
+        """Restore weights, optimizer, scheduler and RNG from `save_checkpoint`; return extra_state."""
         path = _complete_checkpoint(Path(path))
         meta = json.loads((path / TRAINER_STATE).read_text())
         if meta.get("format") != CHECKPOINT_FORMAT:
             raise ValueError(f"{path}: checkpoint format {meta.get('format')!r}, expected {CHECKPOINT_FORMAT}")
         self._load_state(path / STATE_DIR)
-        self.version = int(meta["version"])
         return meta["extra_state"]
 
     def _save_state(self, folder: Path) -> None:
@@ -404,9 +405,9 @@ class Trainer:
         return _Batch(responses, len(groups), sum(lengths) / max(len(lengths), 1))
 
     def _mini_batches(self, batch: _Batch) -> list[list[int]]:
-        """Shuffle the groups (a generator seeded by seed and version: identical on every rank, reproducible)
+        """Shuffle the groups (a generator seeded by seed and step: identical on every rank, reproducible)
         and split them into at most `mini_batches` near-equal runs of whole groups; response indices."""
-        generator = torch.Generator().manual_seed(self.config.seed * 1_000_003 + self.version)
+        generator = torch.Generator().manual_seed(self.config.seed * 1_000_003 + self.steps_done)
         order = torch.randperm(batch.groups, generator=generator).tolist()
         count = max(1, min(self.config.mini_batches, batch.groups))
         by_group: dict[int, list[int]] = {}

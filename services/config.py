@@ -252,6 +252,9 @@ class LearnerConfig(Section):
     resume: bool = Field(True, description="Resume from run_dir/checkpoints/latest when it exists.")
     eval_every: int = Field(5, description="Evaluate every K steps (0 = never).")
     seed: int = Field(0, description="Torch seed.")
+    collective_timeout_seconds: float = Field(
+        1800.0, gt=0, description="Several ranks: a collective that waits this long fails (a dead rank ends the learner)."
+    )
     report_to: list[Literal["wandb", "tensorboard", "mlflow"]] = Field(
         default_factory=list, description="Experiment trackers that also get each step's numbers and eval samples."
     )
