@@ -43,6 +43,7 @@ console = Console()
 
 RESTART_LIMIT = 5  # crashes in a row of one process (each within STABLE_SECONDS of its start) before giving up
 STABLE_SECONDS = 300.0  # a process that ran this long before dying starts a new count
+LEARNER_STOP_SECONDS = 120.0  # SIGTERM to SIGKILL for the learner: it finishes the step and checkpoints
 LEARNER_DONE = (0, 3)  # the learner's own exits: finished (or SIGTERM), refill limit with on_refill_limit=stop
 
 
@@ -55,6 +56,7 @@ class Child:
     env: dict[str, str]
     log_path: Path
     process: subprocess.Popen | None = None
+    stop_seconds: float = 30.0  # SIGTERM to SIGKILL
     restarts: int = 0
     started_at: float = field(default_factory=time.monotonic)
 
@@ -84,14 +86,14 @@ class Child:
         self.start()
         return True
 
-    def stop(self, timeout: float = 30.0) -> None:
+    def stop(self) -> None:
         """SIGTERM (the service finishes or hands back its work), then SIGKILL whatever is left of its group."""
         if self.process is None:
             return
         if self.alive():
             self.process.send_signal(signal.SIGTERM)
             try:
-                self.process.wait(timeout=timeout)
+                self.process.wait(timeout=self.stop_seconds)
             except subprocess.TimeoutExpired:
                 pass
         self.kill_group()
@@ -107,8 +109,25 @@ class Child:
 
 
 
+def learner_command(procs: int) -> list[str]:
+    """`python -m cli learner`, or with procs > 1 the same under `accelerate launch` (torchrun): one rank per GPU
+    when there are GPUs, else procs CPU processes over gloo (the learner then runs with ACCELERATE_USE_CPU)."""
+    python = [sys.executable, "-m", "cli", "learner"]
+    if procs <= 1:
+        return python
+    return [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(procs),
+            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+            "--main_process_port", str(free_port()), "-m", "cli", "learner"]
+
+
+def _has_gpu() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def service_children(settings: Settings, config_path: Path, redis_url: str, generators: int, reward_workers: int,
-                     learner_port: int) -> list[Child]:
+                     learner_port: int, learner_procs: int = 1) -> list[Child]:
     run_dir = Path(settings.run_dir)
     base_env = {
         **os.environ,
@@ -126,8 +145,13 @@ def service_children(settings: Settings, config_path: Path, redis_url: str, gene
         return Child(name, python + [service, "--config", str(config_path)], {**base_env, **env},
                      run_dir / "logs" / f"{name}.log")
 
-    children = [child("learner", "learner", DAPO_LEARNER__PORT=str(learner_port),
-                      DAPO_LEARNER__HOST="127.0.0.1")]
+    learner_env = {**base_env, "DAPO_LEARNER__PORT": str(learner_port), "DAPO_LEARNER__HOST": "127.0.0.1",
+                   # torchrun's grace between forwarding SIGTERM and SIGKILL: rank 0 finishes its step, checkpoints
+                   "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(int(LEARNER_STOP_SECONDS))}
+    if learner_procs > 1 and not _has_gpu():
+        learner_env["ACCELERATE_USE_CPU"] = "true"  # accelerate's multi-process launch is torchrun either way
+    children = [Child("learner", learner_command(learner_procs) + ["--config", str(config_path)], learner_env,
+                      run_dir / "logs" / "learner.log", stop_seconds=LEARNER_STOP_SECONDS)]
     children += [child(f"reward-{i}", "reward", DAPO_REWARD__PORT=str(free_port()),
                        DAPO_REWARD__HOST="127.0.0.1", DAPO_WORKER_ID=f"reward-{i}") for i in range(reward_workers)]
     children += [child(f"generator-{i}", "generator", DAPO_GENERATOR__PORT=str(free_port()),
@@ -224,7 +248,8 @@ def supervise(children: list[Child], metrics_path: Path, total_steps: int, displ
     return learner.process.returncode if learner.process else 1
 
 
-def main(settings: Settings, generators: int = 1, reward_workers: int = 1, display: bool = True) -> int:
+def main(settings: Settings, generators: int = 1, reward_workers: int = 1, learner_procs: int = 1,
+         display: bool = True) -> int:
     from cli.bootstrap import ensure_model  # builds the tiny model when it is missing
     from cli.report import write_report
 
@@ -244,7 +269,8 @@ def main(settings: Settings, generators: int = 1, reward_workers: int = 1, displ
         settings.token = secrets.token_urlsafe(32)  # this run's own: no process or file carries the placeholder
     config_path = write_launch_config(settings, run_dir)
 
-    children = service_children(settings, config_path, redis_url, generators, reward_workers, free_port())
+    children = service_children(settings, config_path, redis_url, generators, reward_workers, free_port(),
+                                learner_procs)
     write_service_map(children, redis_url, run_dir / "services.json")
     interrupted = False
 

@@ -63,6 +63,7 @@ def summary(rows: list[dict]) -> dict:
         "mean_informative_ratio": mean("informative_ratio") if trained else None,
         "mean_step_seconds": mean("step_seconds") if trained else None,
         "wall_seconds": (rows[-1].get("time", 0) - rows[0].get("time", 0)) if len(rows) > 1 else 0.0,
+        "learner_world_size": trained[-1].get("world_size") if trained else None,  # ranks of the last step
     }
 
 

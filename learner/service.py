@@ -469,10 +469,13 @@ def main(settings: Settings) -> int:
     then the first one finishes the step and checkpoints, a second one stops at once."""
     from datetime import timedelta
 
+    import torch
     from accelerate import PartialState
 
     model_dir(settings)  # the dependencies first: fail in a second, not after loading
-    state = PartialState(timeout=timedelta(seconds=settings.learner.collective_timeout_seconds))
+    # The process group first (gloo on CPU, NCCL on GPUs), with the timeout every collective gets.
+    timeout = timedelta(seconds=settings.learner.collective_timeout_seconds)
+    state = PartialState(cpu=not torch.cuda.is_available(), timeout=timeout)
     if not state.is_main_process:
         trainer = build_trainer(settings)
         return follow(trainer, RankChannel(trainer.accelerator))
