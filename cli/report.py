@@ -67,15 +67,18 @@ def summary(rows: list[dict]) -> dict:
     }
 
 
-def write_report(rows: list[dict], run_dir: Path) -> Table:
+def write_report(rows: list[dict], run_dir: Path, extra: dict | None = None) -> Table:
+    """Plots, and summary.json: `summary(rows)` plus `extra` (the launcher's: CPU plan and use per service)."""
     import json
 
     write_plots(rows, run_dir / "plots")
-    result = summary(rows)
+    result = {**summary(rows), **(extra or {})}
     (run_dir / "summary.json").write_text(json.dumps(result, indent=2))
     table = Table(title=f"summary: {run_dir}")
     table.add_column("metric")
     table.add_column("value", justify="right")
     for key, value in result.items():
+        if isinstance(value, dict):
+            value = ", ".join(f"{k} {v:.0f}" if isinstance(v, float) else f"{k} {v}" for k, v in value.items())
         table.add_row(key, "-" if value is None else (f"{value:.4g}" if isinstance(value, float) else str(value)))
     return table

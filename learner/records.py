@@ -15,11 +15,20 @@ from typing import Any
 
 from learner.batch import Batch, task_id_of
 from learner.tracking import Tracking
+from services.messages import ScoredGroup
 from services import metrics
 from services.config import Settings, dump_settings
 from services.redis_local import without_password
 from services.weights_layout import write_atomic
 
+# Where a step's time goes (each `{phase}_seconds` in metrics.jsonl and a label of dapo_learner_step_phase_seconds):
+# the learner's wait for groups (split: generation, verification), its update (forward, backward, optimizer),
+# publishing, the evaluation, and each side's idle time; the generators' engine, reload and idle seconds are
+# summed over generators.
+PHASES = (
+    "wait", "wait_generation", "wait_verification", "train", "forward", "backward", "optimizer", "publish", "eval",
+    "learner_idle", "generator_busy", "generator_reload", "generator_idle",
+)
 METRICS_FILE = "metrics.jsonl"
 LEDGER_FILE = "ledger.jsonl"
 
@@ -46,6 +55,50 @@ def truncate_jsonl(path: Path, last_step: int) -> int:
 
 def _mean(values: list[float]) -> float | None:
     return sum(values) / len(values) if values else None
+
+
+class GeneratorClocks:
+    """Where the generators' time went between two steps: the differences of the activity clocks stamped on the
+    groups the learner read (generator/worker.py ActivityClock), summed over generators. A generator's first group
+    sets its baseline; so does the first group of a restarted generator (its clock started again: a different
+    start time, generated_at minus the clock's total)."""
+
+    ACTIVITIES = ("busy", "reload", "idle")
+    SAME_START_S = 30.0  # a clock stamped before an engine step lags by that step: starts within this are one run
+
+    def __init__(self):
+        self.latest: dict[str, tuple[float, tuple[float, ...]]] = {}  # generator -> (start time, clock)
+        self.taken: dict[str, tuple[float, ...]] = {}
+
+    def observe(self, group: ScoredGroup) -> None:
+        rollout = group.rollout
+        clock = (rollout.generator_busy_s, rollout.generator_reload_s, rollout.generator_idle_s)
+        started = rollout.generated_at - sum(clock)
+        known = self.latest.get(rollout.generator_id)
+        if known is None or abs(started - known[0]) > self.SAME_START_S:
+            self.latest[rollout.generator_id] = (started, clock)
+            self.taken[rollout.generator_id] = clock
+        elif sum(clock) > sum(known[1]):  # groups can arrive out of order
+            self.latest[rollout.generator_id] = (known[0], clock)
+
+    def take(self) -> dict[str, float]:
+        """Seconds per activity since the previous call, summed over generators: generator_{busy,reload,idle}."""
+        totals = dict.fromkeys(self.ACTIVITIES, 0.0)
+        for generator, (_, clock) in self.latest.items():
+            for activity, now, then in zip(self.ACTIVITIES, clock, self.taken[generator]):
+                totals[activity] += max(0.0, now - then)
+            self.taken[generator] = clock
+        return {f"generator_{activity}_seconds": value for activity, value in totals.items()}
+
+
+def wait_split(wait_seconds: float, groups: list[ScoredGroup]) -> dict[str, float]:
+    """The learner's wait for groups, split between generation and verification in proportion to the batch's mean
+    latencies: task issued -> rollout written (queue + engine), rollout written -> scored (queue + verifier)."""
+    generation = [max(0.0, g.rollout.generated_at - g.rollout.task.created_at) for g in groups]
+    verification = [max(0.0, g.scored_at - g.rollout.generated_at) for g in groups]
+    total = sum(generation) + sum(verification)
+    share = sum(generation) / total if total > 0 else 1.0
+    return {"wait_generation_seconds": wait_seconds * share, "wait_verification_seconds": wait_seconds * (1 - share)}
 
 
 def step_record(step: int, version: int, batch: Batch, lags: list[int], result: dict, timing: dict) -> dict[str, Any]:
@@ -81,6 +134,7 @@ def step_record(step: int, version: int, batch: Batch, lags: list[int], result: 
         "lr": result.get("lr"),
         **timing,
         "train_seconds": result.get("step_seconds"),
+        **{f"{phase}_seconds": result.get(f"{phase}_seconds") for phase in ("forward", "backward", "optimizer")},
         "tokens_per_second": (tokens / step_seconds) if tokens and step_seconds > 0 else None,
         "train_tokens_per_second": result.get("tokens_per_second"),
         "groups_trained": len(batch.groups),
@@ -153,6 +207,8 @@ class Records:
         set_if(metrics.LEARNER_LR, record["lr"])
         set_if(metrics.LEARNER_GRAD_NORM, record["grad_norm"])
         set_if(metrics.LEARNER_STEP_SECONDS, record["step_seconds"])
+        for phase in PHASES:
+            set_if(metrics.LEARNER_STEP_PHASE_SECONDS.labels(phase), record.get(f"{phase}_seconds"))
         set_if(metrics.LEARNER_TOKENS_PER_SECOND, record["tokens_per_second"])
         if batch.refill_limit_hit:
             metrics.LEARNER_REFILL_LIMIT.inc()

@@ -34,7 +34,7 @@ from learner.batch import Batch, BatchAssembler, Push, RefillLimitReached, task_
 from learner.evaluation import EvalRound
 from learner.policy import PolicyVersion
 from learner.ranks import RankChannel, follow
-from learner.records import Records, step_record
+from learner.records import Records, step_record, wait_split
 from learner.workset import WorkingSet
 from services import metrics
 from services.config import Settings
@@ -239,13 +239,16 @@ class LearnerService:
         self.work.consumed(batch.task_ids)
         self.work.consumed(task_id_of(g) for g in batch.stale_at_take)
         lags = [self.assembler.lag(g, version) for g in batch.groups]
-        timing = {"step_seconds": step_seconds, "wait_seconds": waited, "publish_seconds": publish_seconds,
-                  "time": time.time(), "started": started, "world_size": self.ranks.world}
+        timing = {"step_seconds": step_seconds, "wait_seconds": waited, **wait_split(waited, batch.groups),
+                  "publish_seconds": publish_seconds, "time": time.time(), "started": started,
+                  "world_size": self.ranks.world}
         record = step_record(self.step, self.policy.current, batch, lags, result, timing)
         if self.eval_due():
             summary = self.evaluate()
             if summary is not None:
                 record.update(summary)
+        record["learner_idle_seconds"] = waited + record.get("eval_seconds", 0.0)  # waiting on the pipeline
+        record.update(self.work.generator_clocks.take())
         self.records.step(record, batch, drops)
         log.info(
             "step %d v%d: %d groups (refills %d%s), reward all %.3f trained %.3f, %.1fs%s",

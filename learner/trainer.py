@@ -210,10 +210,12 @@ class Trainer:
         batch = self._prepare(groups)
         mini_batches = self._mini_batches(batch)
         single_update = len(mini_batches) == 1 and cfg.epochs == 1
+        stats = _Stats()
+        recompute_started = time.perf_counter()
         self._recompute(batch, mini_batches, old=not single_update)
+        stats.seconds["forward"] += time.perf_counter() - recompute_started
         lr = self.scheduler.get_last_lr()[0]
 
-        stats = _Stats()
         for epoch in range(cfg.epochs):
             for mb in mini_batches:
                 self.optimizer.zero_grad(set_to_none=True)
@@ -222,7 +224,9 @@ class Trainer:
                 grad_norm = float(self.accelerator.clip_grad_norm_(self.model.parameters(), max_norm))
                 stats.updates += 1
                 if math.isfinite(grad_norm):
+                    stepped_at = time.perf_counter()
                     self.optimizer.step()
+                    stats.seconds["optimizer"] += time.perf_counter() - stepped_at
                     stats.grad_norm += grad_norm
                 else:  # one bad mini-batch must not poison the weights
                     stats.skipped += 1
@@ -253,6 +257,7 @@ class Trainer:
             "samples": float(len(batch.responses)),
             "updates": float(stats.updates),
             "skipped_updates": float(stats.skipped),
+            **{f"{phase}_seconds": value for phase, value in stats.seconds.items()},  # this rank's
         }
 
     def loss_gradients(self, groups: Sequence["ScoredGroup"]) -> tuple[float, dict[str, Tensor]]:
@@ -454,6 +459,7 @@ class Trainer:
         for k, (micro, real) in enumerate(plan):
             sync = k == len(plan) - 1
             with contextlib.nullcontext() if sync else self.accelerator.no_sync(self.model):
+                forward_started = time.perf_counter()
                 inputs = self._collate(responses, micro)
                 logp, entropy = self._forward(self.model, inputs, entropy=True, entropy_grad=bool(cfg.entropy_coef))
                 filtered = torch.tensor([responses[i].filtered for i in micro], device=logp.device)
@@ -472,8 +478,11 @@ class Trainer:
                     kl_coef=cfg.kl_coef, logp_ref=logp_ref, entropy_coef=cfg.entropy_coef, entropy=entropy,
                 )
                 loss = dapo.aggregate_loss(per_token, mask, cfg.loss_agg, denominator)
+                backward_started = time.perf_counter()
+                stats.seconds["forward"] += backward_started - forward_started
                 # DDP/FSDP average gradients over ranks: scale so that the average is the global sum / count.
                 self.accelerator.backward(loss * (world if real else 0.0))
+                stats.seconds["backward"] += time.perf_counter() - backward_started
             if real:
                 total += float(loss.detach())
                 stats.add_tokens(mask, surrogate, entropy, logp.detach(), behaviour, tis, cfg.tis_cap, first_epoch)
@@ -592,6 +601,7 @@ class _Stats:
         self.updates = 0
         self.skipped = 0
         self.grad_norm = 0.0
+        self.seconds = {"forward": 0.0, "backward": 0.0, "optimizer": 0.0}  # forward includes pi_old's pass
 
     def add_tokens(self, mask, surrogate, entropy, logp, behaviour, tis, cap, first_epoch) -> None:
         s = self.sums

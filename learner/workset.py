@@ -31,6 +31,7 @@ import msgpack
 
 from learner.batch import BatchAssembler, task_id_of
 from learner.evaluation import EvalRound
+from learner.records import GeneratorClocks
 from services import metrics
 from services.messages import PromptTask, ScoredGroup, from_wire
 from services.streams import FIELD, Delivery, Streams, consumer_name
@@ -91,6 +92,7 @@ class WorkingSet:
         self.eval_round: EvalRound | None = None  # set by the service while it evaluates
         self.consumed_since_checkpoint: set[str] = set()
         self.drops: dict[str, list[str]] = {kind: [] for kind in DROP_KINDS}
+        self.generator_clocks = GeneratorClocks()  # where the generators' time went (from the groups read)
         self._dead_cursor = streams.last_dead_letter_id()
         self._dead_scanned_at = 0.0
         self._redis_run_id: str | None = None
@@ -138,6 +140,7 @@ class WorkingSet:
             if reason is not None:
                 self.scored.reject(delivery, reason)
                 return
+        self.generator_clocks.observe(group)
         if group.rollout.task.split == "eval":
             if self.eval_round is None or not self.eval_round.add(group):
                 log.debug("ignoring eval group %s (not part of a running evaluation)", task_id)

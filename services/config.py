@@ -268,6 +268,15 @@ class LearnerConfig(Section):
         return f"http://{host}:{self.port}"
 
 
+class CpusConfig(Section):
+    """Which CPUs each service of a local `dapo run` gets (a CPU list such as `0-3,8`, or `auto`: planned from the
+    CPUs the launcher may use, cli/cores.py). Each service's threads match its CPUs, so none oversubscribes."""
+
+    learner: str = Field("auto", description="CPUs of the learner (shared by its ranks).")
+    generators: str = Field("auto", description="CPUs of the generators (dealt in equal slices, one per generator).")
+    reward: str = Field("auto", description="CPUs of the reward workers (its pool has one process per CPU).")
+
+
 class Settings(BaseSettings):
     """The whole tree. Load with `load_settings(preset_or_path)`."""
 
@@ -289,6 +298,7 @@ class Settings(BaseSettings):
     reward: RewardConfig = RewardConfig()
     learner: LearnerConfig = LearnerConfig()
     weights: WeightsConfig = WeightsConfig()
+    cpus: CpusConfig = CpusConfig()
 
     @classmethod
     def settings_customise_sources(

@@ -349,6 +349,13 @@ def test_synchronous_steps(pipeline, tmp_path):
         for key in ("entropy", "clip_frac_low", "clip_frac_high", "response_length", "step_seconds",
                     "tokens_per_second", "refills", "stale_dropped", "time", "accuracy_train"):
             assert r[key] is not None, key
+        # where the step went (learner/records.py PHASES)
+        assert r["wait_generation_seconds"] + r["wait_verification_seconds"] == pytest.approx(r["wait_seconds"])
+        assert 0 < r["forward_seconds"] + r["backward_seconds"] + r["optimizer_seconds"] <= r["train_seconds"]
+        assert r["publish_seconds"] > 0 and r["learner_idle_seconds"] >= r["wait_seconds"]
+        assert r["world_size"] == 1
+    # the generator worked for these steps (its first group only set its baseline)
+    assert sum(r["generator_busy_seconds"] for r in steps) > 0
     assert steps[1]["eval_accuracy"] is not None and steps[2]["eval_accuracy"] is not None  # every 2 and the end
     assert steps[0]["eval_accuracy"] is None
     assert len(assert_trained_once(run_dir)) == 12
