@@ -115,9 +115,9 @@ def plan(config: CpusConfig, generators: int, reward_workers: int, cpus: tuple[i
     return CpuPlan(Placement(learner, len(learner)), gen, reward)
 
 
-def learner_env(placement: Placement, procs: int) -> dict[str, str]:
-    """torch intra-op threads: the learner's CPUs shared by its ranks."""
-    return {"OMP_NUM_THREADS": str(max(1, placement.threads // max(procs, 1)))}
+def learner_env(placement: Placement) -> dict[str, str]:
+    """The learner's CPU budget: its ranks share it (learner/trainer.py `_set_cpu_threads`)."""
+    return {"OMP_NUM_THREADS": str(placement.threads)}
 
 
 def generator_env(placement: Placement) -> dict[str, str]:

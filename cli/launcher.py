@@ -174,7 +174,7 @@ def service_children(settings: Settings, config_path: Path, redis_url: str, gene
     if learner_procs > 1 and not _has_gpu():
         learner_env["ACCELERATE_USE_CPU"] = "true"  # accelerate's multi-process launch is torchrun either way
     if cpus is not None:
-        learner_env.update(cores.learner_env(cpus.learner, learner_procs))
+        learner_env.update(cores.learner_env(cpus.learner))
     children = [Child("learner", learner_command(learner_procs) + ["--config", str(config_path)], learner_env,
                       run_dir / "logs" / "learner.log", stop_seconds=LEARNER_STOP_SECONDS,
                       placement=cpus.learner if cpus else None)]

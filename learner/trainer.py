@@ -580,11 +580,13 @@ class Trainer:
         return [(mine[k], True) if k < len(mine) else (filler, False) for k in range(steps)]
 
     def _set_cpu_threads(self) -> None:
-        """On CPU, one intra-op thread per available core, shared among this node's processes; an explicit
-        OMP_NUM_THREADS wins."""
-        if self.accelerator.device.type != "cpu" or "OMP_NUM_THREADS" in os.environ:
+        """On CPU, the learner's CPUs (OMP_NUM_THREADS when set: the launcher's or the container's CPU limit, else
+        the CPUs this process may run on) shared among this node's ranks: one intra-op thread per CPU."""
+        if self.accelerator.device.type != "cpu":
             return
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        budget = os.environ.get("OMP_NUM_THREADS")
+        cores = int(budget) if budget and budget.isdigit() else cores
         local = int(os.environ.get("LOCAL_WORLD_SIZE", self.accelerator.num_processes))
         torch.set_num_threads(max(1, cores // max(local, 1)))
 

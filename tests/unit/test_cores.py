@@ -56,7 +56,7 @@ def test_the_launcher_hands_each_service_its_cpus_and_threads(tmp_path):
     children = service_children(settings, tmp_path / "c.yaml", "redis://127.0.0.1:1", 2, 1, 8000,
                                 learner_procs=2, cpus=plan)
     by_name = {child.name: child for child in children}
-    assert by_name["learner"].placement.cpus == (0, 1, 2) and by_name["learner"].env["OMP_NUM_THREADS"] == "1"
+    assert by_name["learner"].placement.cpus == (0, 1, 2) and by_name["learner"].env["OMP_NUM_THREADS"] == "3"
     assert by_name["generator-0"].env["VLLM_CPU_OMP_THREADS_BIND"] == "3,4"
     assert by_name["generator-1"].env["VLLM_CPU_OMP_THREADS_BIND"] == "5,6"
     assert by_name["reward-0"].env["DAPO_REWARD__WORKERS"] == "1" and by_name["reward-0"].placement.cpus == (7,)
