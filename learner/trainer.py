@@ -332,7 +332,8 @@ class Trainer:
             shutil.rmtree(tmp, ignore_errors=True)
             (tmp / STATE_DIR).mkdir(parents=True)
         accelerator.wait_for_everyone()
-        self._save_state(tmp / STATE_DIR)
+        save_training_state(tmp / STATE_DIR, self.model, self.optimizer.optimizer, self.scheduler,
+                            accelerator.is_main_process, accelerator.process_index)
         weights = self.state_dict_for_publish()
         if accelerator.is_main_process:
             model_dir = tmp / MODEL_DIR
@@ -355,28 +356,9 @@ class Trainer:
         meta = json.loads((path / TRAINER_STATE).read_text())
         if meta.get("format") != CHECKPOINT_FORMAT:
             raise ValueError(f"{path}: checkpoint format {meta.get('format')!r}, expected {CHECKPOINT_FORMAT}")
-        self._load_state(path / STATE_DIR)
+        load_training_state(path / STATE_DIR, self.model, self.optimizer.optimizer, self.scheduler,
+                            self.accelerator.process_index)
         return meta["extra_state"]
-
-    def _save_state(self, folder: Path) -> None:
-        """The training state as safetensors and JSON (every rank takes part: FSDP gathers on the main process)."""
-        model_state = get_model_state_dict(self.model, options=_GATHER)
-        optimizer_state = get_optimizer_state_dict(self.model, self.optimizer.optimizer, options=_GATHER)
-        if self.accelerator.is_main_process:
-            save_file(_unaliased(model_state), folder / MODEL_STATE)
-            tensors, meta = _flatten_optimizer_state(optimizer_state)
-            save_file(tensors, folder / OPTIMIZER_STATE, metadata={"json": json.dumps(meta)})
-            (folder / SCHEDULER_STATE).write_text(json.dumps(self.scheduler.state_dict()))
-        tensors, meta = _rng_state()
-        save_file(tensors, folder / RNG_STATE.format(rank=self.accelerator.process_index),
-                  metadata={"json": json.dumps(meta)})
-
-    def _load_state(self, folder: Path) -> None:
-        set_model_state_dict(self.model, load_file(folder / MODEL_STATE), options=_SCATTER)
-        state = _unflatten_optimizer_state(*_read_tensors(folder / OPTIMIZER_STATE))
-        set_optimizer_state_dict(self.model, self.optimizer.optimizer, state, options=_SCATTER)
-        self.scheduler.load_state_dict(json.loads((folder / SCHEDULER_STATE).read_text()))
-        _set_rng_state(*_read_tensors(folder / RNG_STATE.format(rank=self.accelerator.process_index)))
 
     # -- batch preparation -------------------------------------------------------------------------------------
     def _prepare(self, groups: Sequence["ScoredGroup"]) -> _Batch:
@@ -625,6 +607,29 @@ class _Stats:
         tensor = torch.tensor([values[k] for k in keys], device=accelerator.device, dtype=torch.float64)
         tensor = accelerator.reduce(tensor, reduction="sum")
         return dict(zip(keys, tensor.tolist()))
+
+
+def save_training_state(folder: Path, model, optimizer, scheduler, is_main: bool, rank: int) -> None:
+    """The exact training state as safetensors and JSON. Every rank takes part (under FSDP the full weights and
+    AdamW moments are gathered on the main process, which writes them); each rank writes its RNG state."""
+    model_state = get_model_state_dict(model, options=_GATHER)
+    optimizer_state = get_optimizer_state_dict(model, optimizer, options=_GATHER)
+    if is_main:
+        save_file(_unaliased(model_state), folder / MODEL_STATE)
+        tensors, meta = _flatten_optimizer_state(optimizer_state)
+        save_file(tensors, folder / OPTIMIZER_STATE, metadata={"json": json.dumps(meta)})
+        (folder / SCHEDULER_STATE).write_text(json.dumps(scheduler.state_dict()))
+    tensors, meta = _rng_state()
+    save_file(tensors, folder / RNG_STATE.format(rank=rank), metadata={"json": json.dumps(meta)})
+
+
+def load_training_state(folder: Path, model, optimizer, scheduler, rank: int) -> None:
+    """Every rank reads the full state and keeps its part (its shard under FSDP), and its own RNG state."""
+    set_model_state_dict(model, load_file(folder / MODEL_STATE), options=_SCATTER)
+    state = _unflatten_optimizer_state(*_read_tensors(folder / OPTIMIZER_STATE))
+    set_optimizer_state_dict(model, optimizer, state, options=_SCATTER)
+    scheduler.load_state_dict(json.loads((folder / SCHEDULER_STATE).read_text()))
+    _set_rng_state(*_read_tensors(folder / RNG_STATE.format(rank=rank)))
 
 
 def _prompt_ids(group: "ScoredGroup") -> list[int]:

@@ -57,6 +57,58 @@ else:
 """
 
 
+FSDP_WORKER = """
+import sys
+sys.path[:0] = [{repo!r}]
+from pathlib import Path
+import torch, torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from transformers import AutoModelForCausalLM
+from learner.trainer import LinearWarmup, load_training_state, save_training_state
+
+dist.init_process_group("gloo")
+rank, folder = dist.get_rank(), Path({tmp!r}) / "state"
+
+
+def sharded():
+    model = AutoModelForCausalLM.from_pretrained({model!r}, dtype=torch.float32)
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    return model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, LinearWarmup(3))
+
+
+def full(model):
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+torch.manual_seed(rank)
+model, optimizer, scheduler = sharded()
+ids = torch.randint(2, 32, (2, 9))
+model(input_ids=ids, labels=ids).loss.backward()  # each rank its own data: FSDP reduces the gradients
+optimizer.step(), scheduler.step()
+if rank == 0:
+    folder.mkdir()
+dist.barrier()
+save_training_state(folder, model, optimizer, scheduler, rank == 0, rank)
+dist.barrier()
+restored, restored_optimizer, restored_scheduler = sharded()
+load_training_state(folder, restored, restored_optimizer, restored_scheduler, rank)
+a, b = full(model), full(restored)
+if rank == 0:
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), "weights differ"
+    assert restored_scheduler.state_dict() == scheduler.state_dict()
+for p, q in zip(model.parameters(), restored.parameters()):  # this rank's shard of the AdamW moments
+    s, t = optimizer.state[p], restored_optimizer.state[q]
+    assert torch.equal(s["exp_avg"].to_local(), t["exp_avg"].to_local())
+    assert torch.equal(s["exp_avg_sq"].to_local(), t["exp_avg_sq"].to_local())
+print("rank", rank, "ok", flush=True)
+dist.destroy_process_group()
+"""
+
+
 def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
@@ -107,3 +159,21 @@ def test_two_ranks_following_rank_zero_train_like_one(model_path, tmp_path):
     reloaded = load_file(tmp_path / "reloaded-2.safetensors")
     assert all(torch.equal(reloaded[k], two[k]) for k in two)  # and on 2 ranks
     assert (tmp_path / "ckpt-2" / "state" / "rng-1.safetensors").is_file()  # every rank saved its RNG
+
+
+@pytest.mark.slow
+def test_fsdp2_checkpoint_round_trip_on_cpu(model_path, tmp_path):
+    """PyTorch FSDP2 (`fully_shard`) runs on CPU over gloo, accelerate's FSDP does not (its multi-CPU mode is
+    DDP). So the trainer's FSDP code that torch can run here, the checkpoint (full-state gather of sharded
+    weights and AdamW moments on rank 0, scatter back to every rank's shard), is run on 2 sharded CPU ranks."""
+    script = tmp_path / "fsdp.py"
+    repo = Path(__file__).resolve().parents[2]
+    script.write_text(FSDP_WORKER.format(repo=str(repo), tmp=str(tmp_path), model=str(model_path)))
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                "--master_port", str(free_port())]
+    done = subprocess.run(torchrun + [str(script)], env=env, timeout=300, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count(" ok") == 2
+    assert {p.name for p in (tmp_path / "state").iterdir()} >= {"model.safetensors", "optimizer.safetensors",
+                                                                 "rng-0.safetensors", "rng-1.safetensors"}
