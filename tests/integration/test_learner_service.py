@@ -222,14 +222,23 @@ class Pipeline:
         return process
 
     def start_workers(self) -> None:
+        self.generator_port = free_port()
         self.generator = self.spawn(
             "generator",
-            {"run_dir": str(self.root / "generator"), "generator": {"port": free_port(), "tasks_per_batch": 16}},
+            {"run_dir": str(self.root / "generator"), "generator": {"port": self.generator_port, "tasks_per_batch": 16}},
             "generator",
         )
         self.reward = self.spawn(
             "reward", {"run_dir": str(self.root / "reward"), "reward": {"port": free_port(), "workers": 1}}, "reward"
         )
+
+    def wait_ready(self, timeout: float = 900.0) -> None:
+        """The generator's engine is up (its start is most of a minute alone, longer on a busy machine): the first
+        test's learner must not spend its own time limit on it."""
+        from generator.service import wait_ready
+
+        if not wait_ready(f"http://127.0.0.1:{self.generator_port}", timeout):
+            pytest.fail(f"the generator was not ready in {timeout:.0f}s:\n{self.tail('generator')}")
 
     def check_workers(self) -> None:
         for name, process in (("generator", self.generator), ("reward", self.reward)):
@@ -283,6 +292,7 @@ def pipeline():
     pipe = Pipeline(root)
     try:
         pipe.start_workers()
+        pipe.wait_ready()
         yield pipe
     finally:
         pipe.close()
