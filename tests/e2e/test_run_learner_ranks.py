@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from test_run_survives import ledger, wait_for
+from test_run_survives import checkpointed, ledger, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
@@ -50,7 +50,8 @@ def test_two_learner_ranks_survive_the_loss_of_one(short_tmp):
         command += ["-s", override]
     proc = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        follower = wait_for("the first step", lambda: ledger(run_dir) and learner_rank(run_dir, 1), proc, 900)
+        follower = wait_for("the first checkpoint", lambda: checkpointed(run_dir) and learner_rank(run_dir, 1),
+                            proc, 900)
         leader = learner_rank(run_dir, 0)
         assert leader and leader != follower
         os.kill(follower, signal.SIGKILL)
