@@ -336,6 +336,8 @@ class Faults:
         self.timeline.append((time.time(), last))
         if self.proc is not None:
             self.groups.update(service_pids(self.proc.pid).values())
+            if self.proc.poll() is None:
+                self.watch_restarts()
         return last
 
     def alive(self) -> bool:
@@ -386,7 +388,10 @@ class Faults:
 
     # -- kills -----------------------------------------------------------------------------------------------
     def kill(self, round_: int, kind: str, name: str) -> Kill:
-        before = max(1, self.kills[-1].step_at_kill + 1 if self.kills else 1)
+        """Wait for a step beyond the one the previous kill happened at, then the round's phase of a step; SIGKILL.
+        Whether the process came back is watched by `poll` meanwhile: the next kill does not wait for it (a
+        generator's vLLM takes minutes to start on a loaded machine, and the run goes on without it)."""
+        before = self.kills[-1].step_at_kill + 1 if self.kills else 1
         self.wait(f"step {before}", lambda: self.poll() >= before, 1800)
         phase = PHASES[round_] * self.median_step()
         end = time.monotonic() + phase
@@ -399,14 +404,22 @@ class Faults:
         os.kill(pid, signal.SIGKILL)
         kill = Kill(round_ + 1, kind, name, pid, at, step, phase)
         self.kills.append(kill)
-        print(f"[faults] round {round_ + 1}: SIGKILL {name} (pid {pid}) at step {step}", flush=True)
-        kill.new_pid = self.wait(f"{name} back up", lambda: self.ready(name, pid), 900)
-        kill.back_up_s = time.time() - at
-        self.wait(f"a step after killing {name}", lambda: self.poll() > step, 1800)
-        kill.__dict__.update(recovery(at, step, self.timeline))
-        print(f"[faults]   back up in {kill.back_up_s:.1f}s, next step in {kill.next_step_s:.1f}s, "
-              f"cut back to step {kill.rolled_back_to}", flush=True)
+        print(f"[faults] round {round_ + 1}: SIGKILL {name} (pid {pid}) at step {step}, {phase:.1f}s after it",
+              flush=True)
         return kill
+
+    def watch_restarts(self) -> None:
+        """Note when each killed process is back up (a new pid, ready)."""
+        for kill in self.kills:
+            if kill.back_up_s is None:
+                pid = self.ready(kill.name, kill.pid)
+                if pid:
+                    kill.new_pid, kill.back_up_s = pid, time.time() - kill.at
+                    print(f"[faults]   {kill.name} back up {kill.back_up_s:.1f}s after its kill", flush=True)
+
+    def settle_kills(self) -> None:
+        for kill in self.kills:
+            kill.__dict__.update(recovery(kill.at, kill.step_at_kill, self.timeline))
 
     # -- bad messages ----------------------------------------------------------------------------------------
     def streams(self):
@@ -569,7 +582,7 @@ def report(result: dict) -> str:
               "| bad message | stream | injected | dead-lettered with the expected reason | trained | reason |",
               "| --- | --- | ---: | ---: | ---: | --- |"]
     for label, v in a["injections"].items():
-        reason = (v["reasons"][0] if v["reasons"] else "-").replace("|", "\\|")
+        reason = " ".join((v["reasons"][0] if v["reasons"] else "-").split()).replace("|", "\\|")
         if len(reason) > 90:
             reason = reason[:87] + "..."
         lines.append(f"| {v['kind']}: {label} | {v['stream']} | {v['injected']} | {v['dead_as_expected']} | "
@@ -616,6 +629,7 @@ def main(argv: list[str] | None = None) -> int:
                 faults.proc.wait()
         faults.out.close()
     faults.poll()
+    faults.settle_kills()
     orphans = pgid_members(faults.groups)
     final = read_jsonl(faults.run_dir / "ledger.jsonl")
     dead = faults.dead_letters()
