@@ -356,7 +356,9 @@ class Faults:
         raise TimeoutError(f"timed out waiting for {what}")
 
     def median_step(self) -> float:
-        seconds = [r["step_seconds"] for r in read_jsonl(self.run_dir / "metrics.jsonl") if r.get("step_seconds")]
+        """The median step time so far; step 1 (which waited for the services to start) only if it is alone."""
+        rows = [r for r in read_jsonl(self.run_dir / "metrics.jsonl") if r.get("step_seconds")]
+        seconds = [r["step_seconds"] for r in rows if r["step"] > 1] or [r["step_seconds"] for r in rows]
         return statistics.median(seconds) if seconds else 20.0
 
     def ready(self, name: str, old_pid: int) -> int | None:
@@ -545,7 +547,7 @@ def fmt(values: list, spec: str = ".1f") -> str:
 def report(result: dict) -> str:
     a = result["analysis"]
     ledger, metrics_ = a["ledger"], a["metrics"]
-    lines = [f"`{result['command_short']}`", "",
+    lines = [f"`{result['command_short']}` (written by it; `--from-json` writes it again from the raw results)", "",
              f"One run of {result['steps']} steps, 2 generators, 1 reward worker; {len(result['kills'])} SIGKILLs; "
              f"{sum(v['injected'] for v in a['injections'].values())} bad messages in {ROUNDS} waves. "
              f"{result['conditions']}", "",
@@ -575,6 +577,14 @@ def report(result: dict) -> str:
     for kind, k in a["per_kind"].items():
         lines.append(f"| {kind} | {k['kills']} | {fmt(k['back_up_s'])} | {fmt(k['next_step_s'])} | "
                      f"{fmt(k['steps_redone'], 'd')} |")
+    lines += ["", "Each kill: the last step in the ledger at the kill, and how long after that step was seen the kill came:", "",
+              "| round | SIGKILL | at step | s after the step | back up (s) | next step done (s) | steps cut back |",
+              "| ---: | --- | ---: | ---: | ---: | ---: | ---: |"]
+    for k in result["kills"]:
+        k = k if isinstance(k, dict) else asdict(k)
+        cut = k["step_at_kill"] - k["rolled_back_to"] if k.get("rolled_back_to") is not None else None
+        lines.append(f"| {k['round']} | {k['name']} | {k['step_at_kill']} | {k['phase']:.1f} | {fmt([k['back_up_s']])} "
+                     f"| {fmt([k['next_step_s']])} | {fmt([cut], 'd')} |")
     lines += ["", f"Steps cut back and trained again: {a['redone']['steps_redone']} "
               f"({a['redone']['groups_retrained']} groups, by a lineage the restart discarded); duplicates dropped "
               f"on admission: {metrics_['duplicates_dropped']}; tasks the learner stopped waiting for after a Redis "
@@ -594,11 +604,23 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=24)
     parser.add_argument("--preset", default="tiny-cpu")
-    parser.add_argument("--run-dir", default=str(ROOT / "runs" / "bench-faults"))
+    parser.add_argument("--run-dir", default="/tmp/dapo-bench-faults", help="short: the Redis socket lives in it")
     parser.add_argument("--set", action="append", default=[], help="extra key=value overrides")
     parser.add_argument("--no-readme", action="store_true")
+    parser.add_argument("--name", default="faults",
+                        help="results/NAME.json and the README section between the NAME markers")
+    parser.add_argument("--from-json", action="store_true",
+                        help="no run: write the table again from benchmarks/results/faults.json")
     args = parser.parse_args(argv)
     from benchmarks.runs import replace_section
+
+    out = ROOT / "benchmarks" / "results" / f"{args.name}.json"
+    if args.from_json:
+        table = report(json.loads(out.read_text()))
+        print(table)
+        if not args.no_readme:
+            replace_section(ROOT / "benchmarks" / "README.md", args.name, table)
+        return 0
 
     faults = Faults(args)
     load_start = os.getloadavg()
@@ -650,13 +672,12 @@ def main(argv: list[str] | None = None) -> int:
         "orphans": orphans,
         "analysis": analysis,
     }
-    out = ROOT / "benchmarks" / "results" / "faults.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1, default=str))
     table = report(result)
     print(table)
     if not args.no_readme:
-        replace_section(ROOT / "benchmarks" / "README.md", "faults", table)
+        replace_section(ROOT / "benchmarks" / "README.md", args.name, table)
     return 0 if result["returncode"] == 0 and not error else 1
 
 
