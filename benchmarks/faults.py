@@ -366,14 +366,16 @@ class Faults:
         pid = service_pids(self.proc.pid).get(name)
         if not pid or pid == old_pid:
             return None
-        if name == "redis-server":
-            import redis
+        if name == "redis-server":  # one PING, no retries (the services' clients retry; this only looks)
+            from services.config import load_settings
+            from services.redis_local import wait_for_redis
+            from services.startup import Unavailable
 
+            url = f"unix://:{self.redis_password()}@{self.run_dir / 'redis' / 'redis.sock'}"
             try:
-                client = redis.Redis(unix_socket_path=str(self.run_dir / "redis" / "redis.sock"),
-                                     password=self.redis_password(), socket_timeout=2)
-                return pid if client.ping() else None
-            except (redis.RedisError, OSError):
+                wait_for_redis(load_settings(self.args.preset, redis={"url": url, "connect_timeout_s": 0.1}))
+                return pid
+            except Unavailable:
                 return None
         import httpx
 
