@@ -587,10 +587,12 @@ def report(result: dict) -> str:
         cut = k["step_at_kill"] - k["rolled_back_to"] if k.get("rolled_back_to") is not None else None
         lines.append(f"| {k['round']} | {k['name']} | {k['step_at_kill']} | {k['phase']:.1f} | {fmt([k['back_up_s']])} "
                      f"| {fmt([k['next_step_s']])} | {fmt([cut], 'd')} |")
-    lines += ["", f"Steps cut back and trained again: {a['redone']['steps_redone']} "
-              f"({a['redone']['groups_retrained']} groups, by a lineage the restart discarded); duplicates dropped "
-              f"on admission: {metrics_['duplicates_dropped']}; tasks the learner stopped waiting for after a Redis "
-              f"restart: {metrics_['lost_with_redis']}.", "",
+    cut = sum(n for k in a["per_kind"].values() for n in k["steps_redone"] if n)
+    lines += ["", f"Steps cut back by learner restarts and trained again from the checkpoint: {cut} (ledger rows "
+              f"seen and then replaced by a row of other groups: {a['redone']['steps_redone']}, "
+              f"{a['redone']['groups_retrained']} groups); duplicates dropped on admission: "
+              f"{metrics_['duplicates_dropped']}; tasks the learner stopped waiting for after a Redis restart: "
+              f"{metrics_['lost_with_redis']}.", "",
               "| bad message | stream | injected | dead-lettered with the expected reason | trained | reason |",
               "| --- | --- | ---: | ---: | ---: | --- |"]
     for label, v in a["injections"].items():
