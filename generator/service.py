@@ -102,12 +102,14 @@ def main(settings: Settings) -> int:
     lets in-flight tasks finish (generator.shutdown_grace_s), a second one stops at once."""
     folder = model_dir(settings)  # the dependencies first: fail in a second, not after loading vLLM
     wait_for_redis(settings)
+    name = generator_id(settings)
+    client = connect(settings)
+    hand_back_previous(client, settings, name)  # before importing vLLM and starting its engine: minutes when loaded
 
     from generator.engine import VllmEngine
     from generator.sync import WeightSync
     from generator.worker import RolloutWorker
 
-    name = generator_id(settings)
     holder: dict = {"worker": None}
     stopping = threading.Event()
 
@@ -124,8 +126,6 @@ def main(settings: Settings) -> int:
 
     engine = None
     try:
-        client = connect(settings)
-        hand_back_previous(client, settings, name)
         sync = WeightSync(settings, folder, client, name)
         engine = VllmEngine(folder, settings)
         worker = RolloutWorker(settings, engine, Streams(client, settings), sync, name)
