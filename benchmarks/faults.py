@@ -9,8 +9,9 @@ models once, which is what lets 12 kills fit the budget of 2 shared cores.
 
 Kills. `dapo run --generators 2` (one reward worker, the learner, the embedded redis-server) is started with a
 token made here (so this script can sign messages like a service) and its own Redis prefix. Then 3 rounds, each
-killing a generator, the reward worker, the learner and redis-server, in that order (SIGKILL of the process
-itself, not its group: what a crash or the OOM killer does). Each kill waits for a step completed since the
+killing a generator (the one holding the most prompt tasks then, waiting up to 60 s for one to hold any), the
+reward worker, the learner and redis-server, in that order (SIGKILL of the process itself, not its group: what a
+crash or the OOM killer does). Each kill waits for a step completed since the
 previous kill, then a fraction of the typical step (0.25, 0.5, 0.75 of the median step time so far, one per
 round), so kills land at different phases of a step: while the learner waits for groups, trains or publishes.
 For each kill it measures, from the moment of the kill:
@@ -91,6 +92,7 @@ class Kill:
     next_step_s: float | None = None
     rolled_back_to: int | None = None  # the lowest last step seen in the ledger after the kill
     new_pid: int | None = None
+    held: int | None = None  # prompt tasks a killed generator held (the busiest one is killed)
 
 
 def payload_task_id(stream: str, payload: bytes) -> str | None:
@@ -402,15 +404,30 @@ class Faults:
         while time.monotonic() < end:
             self.poll()
             time.sleep(0.25)
+        held = None
+        if kind == "generator":  # mid-work: the generator holding the most tasks (waiting up to 60 s for one to)
+            try:
+                name, held = self.wait("a generator holding tasks", self.busiest_generator, 60)
+            except TimeoutError:
+                held = 0
         pid = self.wait(f"{name} running", lambda: service_pids(self.proc.pid).get(name), 600)
         step = self.poll()
         at = time.time()
         os.kill(pid, signal.SIGKILL)
-        kill = Kill(round_ + 1, kind, name, pid, at, step, phase)
+        kill = Kill(round_ + 1, kind, name, pid, at, step, phase, held=held)
         self.kills.append(kill)
-        print(f"[faults] round {round_ + 1}: SIGKILL {name} (pid {pid}) at step {step}, {phase:.1f}s after it",
-              flush=True)
+        print(f"[faults] round {round_ + 1}: SIGKILL {name} (pid {pid}) at step {step}, {phase:.1f}s after it"
+              + (f", holding {held} tasks" if held is not None else ""), flush=True)
         return kill
+
+    def busiest_generator(self) -> tuple[str, int] | None:
+        """(name, tasks held) of the generator holding the most prompt tasks, if one holds any."""
+        streams, _ = self.streams()
+        summary = streams.redis.xpending(streams.key("prompts"), "generator")
+        counts = {c["name"].decode(): int(c["pending"]) for c in summary.get("consumers") or []
+                  if c["name"].decode().startswith("generator-")}
+        busiest = max(counts.items(), key=lambda item: item[1], default=None)
+        return busiest if busiest and busiest[1] > 0 else None
 
     def watch_restarts(self) -> None:
         """Note when each killed process is back up (a new pid, ready)."""
@@ -585,7 +602,8 @@ def report(result: dict) -> str:
     for k in result["kills"]:
         k = k if isinstance(k, dict) else asdict(k)
         cut = k["step_at_kill"] - k["rolled_back_to"] if k.get("rolled_back_to") is not None else None
-        lines.append(f"| {k['round']} | {k['name']} | {k['step_at_kill']} | {k['phase']:.1f} | {fmt([k['back_up_s']])} "
+        name = k["name"] + (f" (holding {k['held']} tasks)" if k.get("held") is not None else "")
+        lines.append(f"| {k['round']} | {name} | {k['step_at_kill']} | {k['phase']:.1f} | {fmt([k['back_up_s']])} "
                      f"| {fmt([k['next_step_s']])} | {fmt([cut], 'd')} |")
     cut = sum(n for k in a["per_kind"].values() for n in k["steps_redone"] if n)
     lines += ["", f"Steps cut back by learner restarts and trained again from the checkpoint: {cut} (ledger rows "
