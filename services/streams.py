@@ -307,6 +307,19 @@ class Stream(Generic[M]):
         self._grouped(self.redis.xclaim, self.key, self.group, RELEASED, 0, [delivery.id], idle=idle, justid=True)
         self._reclaimed_at = float("-inf")  # our own next read takes it back at once
 
+    def release_all(self, consumer: str, count: int = 10_000) -> int:
+        """Hand back every entry `consumer` holds (a process starting under the name of a dead one, before its slow
+        start): any consumer reclaims them on its next read, not after the visibility timeout. Returns how many."""
+        self._ensure_group()
+        rows = self._grouped(self.redis.xpending_range, self.key, self.group, min="-", max="+", count=count,
+                             consumername=consumer)
+        if not rows:
+            return 0
+        idle = int(self.cfg.visibility_timeout_s * 1000) + 1
+        self._grouped(self.redis.xclaim, self.key, self.group, RELEASED, 0, [row["message_id"] for row in rows],
+                      idle=idle, justid=True)
+        return len(rows)
+
     def reject(self, delivery: Delivery[M], reason: str) -> None:
         """Dead-letter a delivery that parsed but must not be used (e.g. a group the learner never asked for)."""
         self.dead(delivery.id, delivery.payload or to_wire(delivery.message), reason, delivery.deliveries)
