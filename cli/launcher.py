@@ -33,6 +33,8 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
+from cli import cores
+from cli.cores import CpuPlan, Placement, cpu_seconds
 from services.config import DEFAULT_TOKEN, Settings, dump_settings
 from services.http import free_port
 from services.redis_local import EmbeddedRedis, embedded_server, without_password
@@ -43,6 +45,7 @@ console = Console()
 
 RESTART_LIMIT = 5  # crashes in a row of one process (each within STABLE_SECONDS of its start) before giving up
 STABLE_SECONDS = 300.0  # a process that ran this long before dying starts a new count
+LEARNER_STOP_SECONDS = 120.0  # SIGTERM to SIGKILL for the learner: it finishes the step and checkpoints
 LEARNER_DONE = (0, 3)  # the learner's own exits: finished (or SIGTERM), refill limit with on_refill_limit=stop
 
 
@@ -55,18 +58,38 @@ class Child:
     env: dict[str, str]
     log_path: Path
     process: subprocess.Popen | None = None
+    stop_seconds: float = 30.0  # SIGTERM to SIGKILL
+    placement: Placement | None = None  # its CPUs and priority (cli/cores.py)
     restarts: int = 0
     started_at: float = field(default_factory=time.monotonic)
+    cpu_before: float = 0.0  # CPU seconds of its previous processes (restarts)
+    cpu_now: float = 0.0  # of the current process group, last sampled
 
     def start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log_file = open(self.log_path, "ab")
+        placement = self.placement
+
+        def place() -> None:  # in the child, before exec: every thread it starts inherits the CPU set
+            if placement is not None:
+                os.sched_setaffinity(0, placement.cpus)
+                os.nice(placement.nice)
+
         # A new session: Ctrl-C reaches only the launcher, which then stops children in order.
         self.process = subprocess.Popen(
-            self.command, env=self.env, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True
+            self.command, env=self.env, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True,
+            preexec_fn=place if placement is not None else None,
         )
         log_file.close()
         self.started_at = time.monotonic()
+
+    def sample_cpu(self) -> None:
+        if self.alive():
+            self.cpu_now = max(self.cpu_now, cpu_seconds(self.process.pid))
+
+    @property
+    def cpu_total(self) -> float:
+        return self.cpu_before + self.cpu_now
 
     def alive(self) -> bool:
         return self.process is not None and self.process.poll() is None
@@ -81,17 +104,18 @@ class Child:
             return False
         self.restarts += 1
         log.warning("%s exited with %s; restart %d", self.name, self.process.returncode, self.restarts)
+        self.cpu_before, self.cpu_now = self.cpu_total, 0.0
         self.start()
         return True
 
-    def stop(self, timeout: float = 30.0) -> None:
+    def stop(self) -> None:
         """SIGTERM (the service finishes or hands back its work), then SIGKILL whatever is left of its group."""
         if self.process is None:
             return
         if self.alive():
             self.process.send_signal(signal.SIGTERM)
             try:
-                self.process.wait(timeout=timeout)
+                self.process.wait(timeout=self.stop_seconds)
             except subprocess.TimeoutExpired:
                 pass
         self.kill_group()
@@ -107,8 +131,26 @@ class Child:
 
 
 
+def learner_command(procs: int) -> list[str]:
+    """`python -m cli learner`, or with procs > 1 the same under `accelerate launch` (torchrun): one rank per GPU
+    when there are GPUs, else procs CPU processes over gloo (the learner then runs with ACCELERATE_USE_CPU)."""
+    python = [sys.executable, "-m", "cli", "learner"]
+    if procs <= 1:
+        return python
+    return [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(procs),
+            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+            "--main_process_port", str(free_port()), "-m", "cli", "learner"]
+
+
+def _has_gpu() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def service_children(settings: Settings, config_path: Path, redis_url: str, generators: int, reward_workers: int,
-                     learner_port: int) -> list[Child]:
+                     learner_port: int, learner_procs: int = 1, cpus: CpuPlan | None = None) -> list[Child]:
+    """The service processes of a run, each on its CPUs with matching threads when `cpus` is given."""
     run_dir = Path(settings.run_dir)
     base_env = {
         **os.environ,
@@ -126,12 +168,28 @@ def service_children(settings: Settings, config_path: Path, redis_url: str, gene
         return Child(name, python + [service, "--config", str(config_path)], {**base_env, **env},
                      run_dir / "logs" / f"{name}.log")
 
-    children = [child("learner", "learner", DAPO_LEARNER__PORT=str(learner_port),
-                      DAPO_LEARNER__HOST="127.0.0.1")]
-    children += [child(f"reward-{i}", "reward", DAPO_REWARD__PORT=str(free_port()),
-                       DAPO_REWARD__HOST="127.0.0.1", DAPO_WORKER_ID=f"reward-{i}") for i in range(reward_workers)]
-    children += [child(f"generator-{i}", "generator", DAPO_GENERATOR__PORT=str(free_port()),
-                       DAPO_GENERATOR__HOST="127.0.0.1", DAPO_WORKER_ID=f"generator-{i}") for i in range(generators)]
+    learner_env = {**base_env, "DAPO_LEARNER__PORT": str(learner_port), "DAPO_LEARNER__HOST": "127.0.0.1",
+                   # torchrun's grace between forwarding SIGTERM and SIGKILL: rank 0 finishes its step, checkpoints
+                   "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(int(LEARNER_STOP_SECONDS))}
+    if learner_procs > 1 and not _has_gpu():
+        learner_env["ACCELERATE_USE_CPU"] = "true"  # accelerate's multi-process launch is torchrun either way
+    if cpus is not None:
+        learner_env.update(cores.learner_env(cpus.learner))
+    children = [Child("learner", learner_command(learner_procs) + ["--config", str(config_path)], learner_env,
+                      run_dir / "logs" / "learner.log", stop_seconds=LEARNER_STOP_SECONDS,
+                      placement=cpus.learner if cpus else None)]
+    for i in range(reward_workers):
+        placed = cpus.reward[i] if cpus else None
+        children.append(child(f"reward-{i}", "reward", DAPO_REWARD__PORT=str(free_port()),
+                              DAPO_REWARD__HOST="127.0.0.1", DAPO_WORKER_ID=f"reward-{i}",
+                              **(cores.reward_env(placed) if placed else {})))
+        children[-1].placement = placed
+    for i in range(generators):
+        placed = cpus.generators[i] if cpus else None
+        children.append(child(f"generator-{i}", "generator", DAPO_GENERATOR__PORT=str(free_port()),
+                              DAPO_GENERATOR__HOST="127.0.0.1", DAPO_WORKER_ID=f"generator-{i}",
+                              **(cores.generator_env(placed) if placed else {})))
+        children[-1].placement = placed
     return children
 
 
@@ -172,7 +230,8 @@ def status_table(rows: list[dict], children: list[Child], total_steps: int) -> T
     last = rows[-1] if rows else {}
     evals = [r for r in rows if r.get("eval_accuracy") is not None]
     table = Table(title="dapo run", show_header=True, expand=False)
-    for column in ("step", "held-out acc", "reward (all/trained)", "refills", "staleness", "tokens/s", "services"):
+    for column in ("step", "held-out acc", "reward (all/trained)", "refills", "staleness", "tokens/s",
+                   "last step (s)", "CPU s (learner / generators / reward)", "services"):
         table.add_column(column)
     alive = sum(c.alive() for c in children)
     table.add_row(
@@ -182,9 +241,35 @@ def status_table(rows: list[dict], children: list[Child], total_steps: int) -> T
         _fmt(last.get("refills"), "d") if isinstance(last.get("refills"), int) else _fmt(last.get("refills"), ".0f"),
         _fmt(last.get("staleness"), ".2f"),
         _fmt(last.get("tokens_per_second"), ".0f"),
+        step_breakdown(last),
+        cpu_use(children),
         f"{alive}/{len(children)} up",
     )
     return table
+
+
+def cpu_use(children: list[Child]) -> str:
+    """CPU seconds used by each kind of service so far (all its processes, restarts included)."""
+    kinds = {"learner": 0.0, "generator": 0.0, "reward": 0.0}
+    for child in children:
+        kinds[child.name.split("-", 1)[0]] += child.cpu_total
+    return " / ".join(f"{seconds:.0f}" for seconds in kinds.values())
+
+
+def step_breakdown(row: dict) -> str:
+    """Where the last step went: the learner's wait (generation / verification), update, publish, eval, and the
+    generators' busy / idle seconds (learner/records.py PHASES)."""
+    if row.get("step_seconds") is None:
+        return "-"
+    parts = [f"total {_fmt(row['step_seconds'], '.1f')}",
+             f"wait {_fmt(row.get('wait_seconds'), '.1f')} (gen {_fmt(row.get('wait_generation_seconds'), '.1f')}"
+             f" / verify {_fmt(row.get('wait_verification_seconds'), '.1f')})",
+             f"train {_fmt(row.get('train_seconds'), '.1f')}", f"publish {_fmt(row.get('publish_seconds'), '.1f')}"]
+    if row.get("eval_seconds") is not None:
+        parts.append(f"eval {_fmt(row['eval_seconds'], '.1f')}")
+    parts.append(f"generators busy {_fmt(row.get('generator_busy_seconds'), '.1f')}"
+                 f" / idle {_fmt(row.get('generator_idle_seconds'), '.1f')}")
+    return "\n".join(parts)
 
 
 def learner_finished(learner: Child) -> bool:
@@ -212,6 +297,8 @@ def supervise(children: list[Child], metrics_path: Path, total_steps: int, displ
             for child in children[1:]:
                 if not child.alive() and child.process is not None:
                     child.restart()
+            for child in children:
+                child.sample_cpu()
             rows = read_metrics(metrics_path)
             if live:
                 live.update(status_table(rows, children, total_steps))
@@ -224,7 +311,8 @@ def supervise(children: list[Child], metrics_path: Path, total_steps: int, displ
     return learner.process.returncode if learner.process else 1
 
 
-def main(settings: Settings, generators: int = 1, reward_workers: int = 1, display: bool = True) -> int:
+def main(settings: Settings, generators: int = 1, reward_workers: int = 1, learner_procs: int = 1,
+         display: bool = True) -> int:
     from cli.bootstrap import ensure_model  # builds the tiny model when it is missing
     from cli.report import write_report
 
@@ -244,7 +332,13 @@ def main(settings: Settings, generators: int = 1, reward_workers: int = 1, displ
         settings.token = secrets.token_urlsafe(32)  # this run's own: no process or file carries the placeholder
     config_path = write_launch_config(settings, run_dir)
 
-    children = service_children(settings, config_path, redis_url, generators, reward_workers, free_port())
+    cpus = cores.plan(settings.cpus, generators, reward_workers)
+    console.print("CPUs: " + ", ".join(f"{name} {cpu_list}" for name, cpu_list in cpus.describe().items()))
+    if cpus.oversubscribed():
+        console.print(f"[yellow]CPUs {cpus.oversubscribed()} each run more than one compute thread: fewer "
+                      f"generators, or more CPUs, would run faster[/]")
+    children = service_children(settings, config_path, redis_url, generators, reward_workers, free_port(),
+                                learner_procs, cpus)
     write_service_map(children, redis_url, run_dir / "services.json")
     interrupted = False
 
@@ -272,7 +366,8 @@ def main(settings: Settings, generators: int = 1, reward_workers: int = 1, displ
 
     rows = read_metrics(run_dir / "metrics.jsonl")
     if rows:
-        summary = write_report(rows, run_dir)
+        summary = write_report(rows, run_dir, {"cpus": cpus.describe(),
+                                               "cpu_seconds": {c.name: round(c.cpu_total, 1) for c in children}})
         console.print(summary)
     if interrupted:
         return 130

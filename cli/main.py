@@ -50,6 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "run":
             cmd.add_argument("--generators", type=int, default=1, help="generator processes")
             cmd.add_argument("--reward-workers", type=int, default=1, help="reward worker processes")
+            cmd.add_argument("--learner-procs", type=int, default=1,
+                             help="learner ranks under accelerate launch (gloo on CPU, one per GPU on GPUs)")
             cmd.add_argument("--no-display", action="store_true", help="plain log lines instead of the live view")
     return parser
 
@@ -114,7 +116,7 @@ def run_command(args: argparse.Namespace, settings) -> int:
     entry = getattr(importlib.import_module(module), function)
     if args.command == "run":
         return entry(settings, generators=args.generators, reward_workers=args.reward_workers,
-                     display=not args.no_display) or 0
+                     learner_procs=args.learner_procs, display=not args.no_display) or 0
     if args.command == "bootstrap":
         return entry(settings, force=args.force, measure=args.measure) or 0
     return entry(settings) or 0

@@ -63,18 +63,22 @@ def summary(rows: list[dict]) -> dict:
         "mean_informative_ratio": mean("informative_ratio") if trained else None,
         "mean_step_seconds": mean("step_seconds") if trained else None,
         "wall_seconds": (rows[-1].get("time", 0) - rows[0].get("time", 0)) if len(rows) > 1 else 0.0,
+        "learner_world_size": trained[-1].get("world_size") if trained else None,  # ranks of the last step
     }
 
 
-def write_report(rows: list[dict], run_dir: Path) -> Table:
+def write_report(rows: list[dict], run_dir: Path, extra: dict | None = None) -> Table:
+    """Plots, and summary.json: `summary(rows)` plus `extra` (the launcher's: CPU plan and use per service)."""
     import json
 
     write_plots(rows, run_dir / "plots")
-    result = summary(rows)
+    result = {**summary(rows), **(extra or {})}
     (run_dir / "summary.json").write_text(json.dumps(result, indent=2))
     table = Table(title=f"summary: {run_dir}")
     table.add_column("metric")
     table.add_column("value", justify="right")
     for key, value in result.items():
+        if isinstance(value, dict):
+            value = ", ".join(f"{k} {v:.0f}" if isinstance(v, float) else f"{k} {v}" for k, v in value.items())
         table.add_row(key, "-" if value is None else (f"{value:.4g}" if isinstance(value, float) else str(value)))
     return table

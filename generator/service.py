@@ -22,6 +22,7 @@ from fastapi.responses import JSONResponse
 
 from services.config import Settings
 from services.http import BackgroundServer, create_app
+from services.messages import PromptTask
 from services.models import model_dir
 from services.redis_local import connect, wait_for_redis
 from services.startup import raise_stopped
@@ -86,17 +87,29 @@ def generator_id(settings: Settings) -> str:
     return settings.generator.id or consumer_name("generator")
 
 
+def hand_back_previous(client, settings: Settings, name: str) -> int:
+    """Tasks a dead generator of this name held: handed back now, before this one's engine starts (a minute or
+    more), so a live generator serves them at once instead of after the visibility timeout. The launcher and a
+    pod keep the name across restarts; a delivery is counted either way (reclaimed here, or recovered later)."""
+    handed = Streams(client, settings).stream("prompts", PromptTask).release_all(name)
+    if handed:
+        log.info("handed back %d tasks a previous %s held (to whichever generator is up first)", handed, name)
+    return handed
+
+
 def main(settings: Settings) -> int:
     """`dapo generator`. Until the engine is up a signal stops it at once (`services.startup`); then the first one
     lets in-flight tasks finish (generator.shutdown_grace_s), a second one stops at once."""
     folder = model_dir(settings)  # the dependencies first: fail in a second, not after loading vLLM
     wait_for_redis(settings)
+    name = generator_id(settings)
+    client = connect(settings)
+    hand_back_previous(client, settings, name)  # before importing vLLM and starting its engine: minutes when loaded
 
     from generator.engine import VllmEngine
     from generator.sync import WeightSync
     from generator.worker import RolloutWorker
 
-    name = generator_id(settings)
     holder: dict = {"worker": None}
     stopping = threading.Event()
 
@@ -113,7 +126,6 @@ def main(settings: Settings) -> int:
 
     engine = None
     try:
-        client = connect(settings)
         sync = WeightSync(settings, folder, client, name)
         engine = VllmEngine(folder, settings)
         worker = RolloutWorker(settings, engine, Streams(client, settings), sync, name)

@@ -78,6 +78,27 @@ class _Ready:
 
 
 @dataclass
+class ActivityClock:
+    """The worker loop's wall time since the start, by activity: busy (an engine step), reload (a version loading
+    or an engine restarting) and idle (the rest: nothing to generate). Stamped on every group it writes."""
+
+    busy: float = 0.0
+    reload: float = 0.0
+    idle: float = 0.0
+    _mark: float = field(default_factory=time.monotonic)
+
+    def charge(self, activity: str) -> None:
+        """The time since the previous charge went to `activity`."""
+        now = time.monotonic()
+        spent, self._mark = now - self._mark, now
+        setattr(self, activity, getattr(self, activity) + spent)
+        metrics.GEN_SECONDS.labels(activity).inc(spent)
+
+    def stamp(self) -> dict[str, float]:
+        return {"generator_busy_s": self.busy, "generator_reload_s": self.reload, "generator_idle_s": self.idle}
+
+
+@dataclass
 class _Rates:
     """Rolling tokens/s and tasks/s over the last `window` seconds."""
 
@@ -136,6 +157,7 @@ class RolloutWorker:
         self._waiters: list[tuple[int, concurrent.futures.Future]] = []
         self._sync_now = threading.Event()
         self._rates = _Rates()
+        self.clock = ActivityClock()
         self._last_empty_read = 0.0
         self._heartbeat_thread: threading.Thread | None = None
         self._owned: tuple[str, ...] = ()
@@ -205,8 +227,10 @@ class RolloutWorker:
                     self._admit(now)
                 self._expire_deferred(now)
                 self._owned = self._owned_ids()  # before a step that may block (the first one compiles)
+                self.clock.charge("reload" if self._pull is not None else "idle")  # reading, waiting, pulling
                 if self.engine.has_unfinished():
                     self._step()
+                    self.clock.charge("busy")
                 elif self._stop.is_set() or self._ready_weights is not None or self._pull is not None:
                     time.sleep(0.01)  # nothing to read: waiting for a drain, a pull or the shutdown
                 self._owned = self._owned_ids()
@@ -327,7 +351,8 @@ class RolloutWorker:
             if entry is None:
                 continue
             task = entry.delivery.message
-            group = RolloutGroup(task=task, policy_version=self.version, generator_id=self.id, samples=done.samples)
+            group = RolloutGroup(task=task, policy_version=self.version, generator_id=self.id, samples=done.samples,
+                                 **self.clock.stamp())
             if self.prompts.forward(entry.delivery, self.rollouts, group):
                 self.groups_written += 1
                 tokens = sum(len(s.token_ids) for s in done.samples)
@@ -413,6 +438,13 @@ class RolloutWorker:
     def _apply(self, ready: _Ready) -> None:
         """Reload the idle engine; on failure recreate it from the last good weights."""
         self._ready_weights = None
+        self.clock.charge("idle")
+        try:
+            self._reload(ready)
+        finally:
+            self.clock.charge("reload")
+
+    def _reload(self, ready: _Ready) -> None:
         previous = self.version
         try:
             reload_seconds = self.engine.reload(ready.folder)

@@ -19,7 +19,7 @@ Rules
              is back the step is at its limit: the service trains on what is in hand or stops (on_refill_limit).
   staleness  a group whose policy is more than k versions behind the learner is dropped, on arrival and again
              when the batch is taken (carried groups age). A group from a version ahead of the learner is dropped
-             the same way. Version jumps made at a resume are discounted (see `staleness_of`).
+             the same way. Version jumps made at a resume are discounted (learner/policy.py).
   pacing     what is pushed now is sampled with the current version V or later, and each version consumes B
              groups, so the supply must not exceed what versions V..V+k can train on: (k + 1) * B while the step
              at V is being collected, k * B when pushing ahead of training step V (its batch already taken).
@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from typing import Iterable, Literal, Sequence
 
 from learner.dapo import FilterMetric, filter_values, is_informative
+from learner.policy import PolicyVersion
 from services.messages import ScoredGroup
 
 Admission = Literal["informative", "uninformative", "stale", "duplicate"]
@@ -62,26 +63,6 @@ def group_rewards(group: ScoredGroup) -> list[float]:
 
 def task_id_of(group: ScoredGroup) -> str:
     return group.rollout.task.task_id
-
-
-def staleness_of(group: ScoredGroup, version: int, jumps: Sequence[tuple[int, int]] = ()) -> int:
-    """How many versions the group's policy is behind the learner (negative: ahead of it).
-
-    `jumps` are version jumps (from, to) made when a restored checkpoint of version `from` was republished as
-    `to` (see the service: versions stay monotonic across a resume). Version `to` holds the weights of `from`,
-    so a group sampled by `from` or an ancestor is `to - from` versions fresher than the raw difference says.
-    A group from inside a jump (a discarded lineage) keeps the raw difference: a sibling policy that old.
-    """
-    lag = version - group.rollout.policy_version
-    for start, end in jumps:
-        if group.rollout.policy_version <= start and end <= version:
-            lag -= end - start
-    return lag
-
-
-def is_too_stale(group: ScoredGroup, version: int, max_staleness: int, jumps: Sequence[tuple[int, int]] = ()) -> bool:
-    lag = staleness_of(group, version, jumps)
-    return lag > max_staleness or lag < 0
 
 
 class InformativeRatio:
@@ -210,6 +191,7 @@ class BatchAssembler:
         filter_metric: FilterMetric = "acc",
         ratio: InformativeRatio | None = None,
         dedupe_capacity: int | None = None,
+        policy: PolicyVersion | None = None,
     ):
         if target < 1:
             raise ValueError("prompts_per_step must be >= 1")
@@ -227,7 +209,7 @@ class BatchAssembler:
         self.seen = RecentIds(dedupe_capacity or max(10_000, int(8 * target * oversample_max)))
         self.ready: list[tuple[int, int, ScoredGroup]] = []  # (policy version, arrival, group)
         self.in_flight: dict[str, int] = {}  # task id -> learner version when pushed
-        self.version_jumps: list[tuple[int, int]] = []  # (from, to): a restored version republished as `to`
+        self.policy = policy or PolicyVersion()  # owned by the service; read here for staleness (its jumps)
         self._arrivals = 0
         self._first_push_done = False
         self.refills = 0
@@ -248,15 +230,12 @@ class BatchAssembler:
         )
 
     def lag(self, group: ScoredGroup, version: int) -> int:
-        return staleness_of(group, version, self.version_jumps)
+        """Versions the group's policy is behind `version` (negative: ahead), across resume jumps."""
+        return self.policy.lag(group.rollout.policy_version, version)
 
     def too_stale(self, group: ScoredGroup, version: int) -> bool:
-        return is_too_stale(group, version, self.max_staleness, self.version_jumps)
-
-    def jumped(self, start: int, end: int) -> None:
-        """The policy of version `start` is now published as version `end` (a resume; see staleness_of)."""
-        if end > start:
-            self.version_jumps.append((start, end))
+        lag = self.lag(group, version)
+        return lag > self.max_staleness or lag < 0
 
     def in_hand(self, train_version: int) -> int:
         """Groups in hand that will still be within the staleness bound when trained at `train_version`."""
@@ -443,8 +422,7 @@ class BatchAssembler:
 
     # -- checkpoint ---------------------------------------------------------------------------------------
     def state(self) -> dict:
-        return {"ratio": self.ratio.state(), "version_jumps": [list(j) for j in self.version_jumps]}
+        return {"ratio": self.ratio.state()}
 
     def load_state(self, state: dict) -> None:
         self.ratio.load_state(state["ratio"])
-        self.version_jumps = [(int(a), int(b)) for a, b in state.get("version_jumps", [])]

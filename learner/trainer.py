@@ -13,7 +13,7 @@ One `train_step(groups)` is one rollout step of the paper (Algorithm 1, the inne
   5. gradient-norm clip, AdamW step per mini-batch; the learning-rate schedule (linear warm-up over
      `warmup_steps`, then constant) advances once per train_step: the paper counts warm-up in rollout steps,
      so every update of one step uses the same rate;
-  6. version += 1.
+  6. the service advances the policy version (learner/policy.py: the trainer does not count versions).
 
 When a step makes exactly one update (one mini-batch, one epoch) pi_old equals the current parameters, so the
 separate no-grad pass is skipped and pi_old is the detached logprob of the training forward (same value, one
@@ -66,7 +66,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 log = logging.getLogger(__name__)
 
-CHECKPOINT_FORMAT = 2  # 1 was accelerate's save_state (pickles)
+CHECKPOINT_FORMAT = 3  # 1 was accelerate's save_state (pickles); 2 kept a policy version of its own
 STATE_DIR = "state"  # the exact training state, no pickle anywhere (a resume never unpickles):
 MODEL_STATE = "model.safetensors"  # fp32 master weights, full (gathered under FSDP)
 OPTIMIZER_STATE = "optimizer.safetensors"  # AdamW moments by parameter name; param groups as JSON metadata
@@ -75,7 +75,7 @@ RNG_STATE = "rng-{rank}.safetensors"  # per rank: torch CPU/CUDA, numpy, python 
 _GATHER = StateDictOptions(full_state_dict=True, cpu_offload=True)  # full tensors, on the main process
 _SCATTER = StateDictOptions(full_state_dict=True)  # every rank reads the full state and keeps its part
 MODEL_DIR = "model"  # save_pretrained in the served dtype + tokenizer: loadable by vLLM / transformers
-TRAINER_STATE = "trainer_state.json"  # version, extra_state
+TRAINER_STATE = "trainer_state.json"  # format, extra_state (the caller's: step, policy version, ...)
 TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "vocab.json",
     "merges.txt", "tokenizer.model", "chat_template.jinja", "chat_template.json",
@@ -196,7 +196,11 @@ class Trainer:
                 self.model_path, dtype=self.compute_dtype, trust_remote_code=settings.model.trust_remote_code
             ).to(self.accelerator.device)
             self.reference.requires_grad_(False).eval()
-        self.version = 0
+
+    @property
+    def steps_done(self) -> int:
+        """train_step calls so far (restored by load_checkpoint): the schedule's position."""
+        return self.scheduler.last_epoch
 
     # -- public API --------------------------------------------------------------------------------------------
     def train_step(self, groups: Sequence["ScoredGroup"]) -> dict[str, float]:
@@ -206,10 +210,12 @@ class Trainer:
         batch = self._prepare(groups)
         mini_batches = self._mini_batches(batch)
         single_update = len(mini_batches) == 1 and cfg.epochs == 1
+        stats = _Stats()
+        recompute_started = time.perf_counter()
         self._recompute(batch, mini_batches, old=not single_update)
+        stats.seconds["forward"] += time.perf_counter() - recompute_started
         lr = self.scheduler.get_last_lr()[0]
 
-        stats = _Stats()
         for epoch in range(cfg.epochs):
             for mb in mini_batches:
                 self.optimizer.zero_grad(set_to_none=True)
@@ -218,14 +224,15 @@ class Trainer:
                 grad_norm = float(self.accelerator.clip_grad_norm_(self.model.parameters(), max_norm))
                 stats.updates += 1
                 if math.isfinite(grad_norm):
+                    stepped_at = time.perf_counter()
                     self.optimizer.step()
+                    stats.seconds["optimizer"] += time.perf_counter() - stepped_at
                     stats.grad_norm += grad_norm
                 else:  # one bad mini-batch must not poison the weights
                     stats.skipped += 1
-                    log.warning("step %d: non-finite gradient norm, update skipped", self.version)
+                    log.warning("train step %d: non-finite gradient norm, update skipped", self.steps_done + 1)
                 self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
-        self.version += 1
 
         totals = stats.reduced(self.accelerator)
         seconds = time.perf_counter() - started
@@ -250,7 +257,7 @@ class Trainer:
             "samples": float(len(batch.responses)),
             "updates": float(stats.updates),
             "skipped_updates": float(stats.skipped),
-            "version": float(self.version),
+            **{f"{phase}_seconds": value for phase, value in stats.seconds.items()},  # this rank's
         }
 
     def loss_gradients(self, groups: Sequence["ScoredGroup"]) -> tuple[float, dict[str, Tensor]]:
@@ -318,14 +325,15 @@ class Trainer:
         Written into `path.tmp/` then renamed, so a crash never leaves a half checkpoint under `path`.
         """
         path = Path(path)
-        meta = json.dumps({"format": CHECKPOINT_FORMAT, "version": self.version, "extra_state": extra_state})
+        meta = json.dumps({"format": CHECKPOINT_FORMAT, "extra_state": extra_state})
         tmp, old = path.with_name(path.name + ".tmp"), path.with_name(path.name + ".old")
         accelerator = self.accelerator
         if accelerator.is_main_process:
             shutil.rmtree(tmp, ignore_errors=True)
             (tmp / STATE_DIR).mkdir(parents=True)
         accelerator.wait_for_everyone()
-        self._save_state(tmp / STATE_DIR)
+        save_training_state(tmp / STATE_DIR, self.model, self.optimizer.optimizer, self.scheduler,
+                            accelerator.is_main_process, accelerator.process_index)
         weights = self.state_dict_for_publish()
         if accelerator.is_main_process:
             model_dir = tmp / MODEL_DIR
@@ -343,34 +351,14 @@ class Trainer:
         accelerator.wait_for_everyone()
 
     def load_checkpoint(self, path: str | os.PathLike) -> dict:
-        """Restore weights, optimizer, scheduler, RNG and version from `save_checkpoint`; return extra_state."""
+        """Restore weights, optimizer, scheduler and RNG from `save_checkpoint`; return extra_state."""
         path = _complete_checkpoint(Path(path))
         meta = json.loads((path / TRAINER_STATE).read_text())
         if meta.get("format") != CHECKPOINT_FORMAT:
             raise ValueError(f"{path}: checkpoint format {meta.get('format')!r}, expected {CHECKPOINT_FORMAT}")
-        self._load_state(path / STATE_DIR)
-        self.version = int(meta["version"])
+        load_training_state(path / STATE_DIR, self.model, self.optimizer.optimizer, self.scheduler,
+                            self.accelerator.process_index)
         return meta["extra_state"]
-
-    def _save_state(self, folder: Path) -> None:
-        """The training state as safetensors and JSON (every rank takes part: FSDP gathers on the main process)."""
-        model_state = get_model_state_dict(self.model, options=_GATHER)
-        optimizer_state = get_optimizer_state_dict(self.model, self.optimizer.optimizer, options=_GATHER)
-        if self.accelerator.is_main_process:
-            save_file(_unaliased(model_state), folder / MODEL_STATE)
-            tensors, meta = _flatten_optimizer_state(optimizer_state)
-            save_file(tensors, folder / OPTIMIZER_STATE, metadata={"json": json.dumps(meta)})
-            (folder / SCHEDULER_STATE).write_text(json.dumps(self.scheduler.state_dict()))
-        tensors, meta = _rng_state()
-        save_file(tensors, folder / RNG_STATE.format(rank=self.accelerator.process_index),
-                  metadata={"json": json.dumps(meta)})
-
-    def _load_state(self, folder: Path) -> None:
-        set_model_state_dict(self.model, load_file(folder / MODEL_STATE), options=_SCATTER)
-        state = _unflatten_optimizer_state(*_read_tensors(folder / OPTIMIZER_STATE))
-        set_optimizer_state_dict(self.model, self.optimizer.optimizer, state, options=_SCATTER)
-        self.scheduler.load_state_dict(json.loads((folder / SCHEDULER_STATE).read_text()))
-        _set_rng_state(*_read_tensors(folder / RNG_STATE.format(rank=self.accelerator.process_index)))
 
     # -- batch preparation -------------------------------------------------------------------------------------
     def _prepare(self, groups: Sequence["ScoredGroup"]) -> _Batch:
@@ -404,9 +392,9 @@ class Trainer:
         return _Batch(responses, len(groups), sum(lengths) / max(len(lengths), 1))
 
     def _mini_batches(self, batch: _Batch) -> list[list[int]]:
-        """Shuffle the groups (a generator seeded by seed and version: identical on every rank, reproducible)
+        """Shuffle the groups (a generator seeded by seed and step: identical on every rank, reproducible)
         and split them into at most `mini_batches` near-equal runs of whole groups; response indices."""
-        generator = torch.Generator().manual_seed(self.config.seed * 1_000_003 + self.version)
+        generator = torch.Generator().manual_seed(self.config.seed * 1_000_003 + self.steps_done)
         order = torch.randperm(batch.groups, generator=generator).tolist()
         count = max(1, min(self.config.mini_batches, batch.groups))
         by_group: dict[int, list[int]] = {}
@@ -453,6 +441,7 @@ class Trainer:
         for k, (micro, real) in enumerate(plan):
             sync = k == len(plan) - 1
             with contextlib.nullcontext() if sync else self.accelerator.no_sync(self.model):
+                forward_started = time.perf_counter()
                 inputs = self._collate(responses, micro)
                 logp, entropy = self._forward(self.model, inputs, entropy=True, entropy_grad=bool(cfg.entropy_coef))
                 filtered = torch.tensor([responses[i].filtered for i in micro], device=logp.device)
@@ -471,8 +460,11 @@ class Trainer:
                     kl_coef=cfg.kl_coef, logp_ref=logp_ref, entropy_coef=cfg.entropy_coef, entropy=entropy,
                 )
                 loss = dapo.aggregate_loss(per_token, mask, cfg.loss_agg, denominator)
+                backward_started = time.perf_counter()
+                stats.seconds["forward"] += backward_started - forward_started
                 # DDP/FSDP average gradients over ranks: scale so that the average is the global sum / count.
                 self.accelerator.backward(loss * (world if real else 0.0))
+                stats.seconds["backward"] += time.perf_counter() - backward_started
             if real:
                 total += float(loss.detach())
                 stats.add_tokens(mask, surrogate, entropy, logp.detach(), behaviour, tis, cfg.tis_cap, first_epoch)
@@ -570,11 +562,13 @@ class Trainer:
         return [(mine[k], True) if k < len(mine) else (filler, False) for k in range(steps)]
 
     def _set_cpu_threads(self) -> None:
-        """On CPU, one intra-op thread per available core, shared among this node's processes; an explicit
-        OMP_NUM_THREADS wins."""
-        if self.accelerator.device.type != "cpu" or "OMP_NUM_THREADS" in os.environ:
+        """On CPU, the learner's CPUs (OMP_NUM_THREADS when set: the launcher's or the container's CPU limit, else
+        the CPUs this process may run on) shared among this node's ranks: one intra-op thread per CPU."""
+        if self.accelerator.device.type != "cpu":
             return
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        budget = os.environ.get("OMP_NUM_THREADS")
+        cores = int(budget) if budget and budget.isdigit() else cores
         local = int(os.environ.get("LOCAL_WORLD_SIZE", self.accelerator.num_processes))
         torch.set_num_threads(max(1, cores // max(local, 1)))
 
@@ -591,6 +585,7 @@ class _Stats:
         self.updates = 0
         self.skipped = 0
         self.grad_norm = 0.0
+        self.seconds = {"forward": 0.0, "backward": 0.0, "optimizer": 0.0}  # forward includes pi_old's pass
 
     def add_tokens(self, mask, surrogate, entropy, logp, behaviour, tis, cap, first_epoch) -> None:
         s = self.sums
@@ -612,6 +607,29 @@ class _Stats:
         tensor = torch.tensor([values[k] for k in keys], device=accelerator.device, dtype=torch.float64)
         tensor = accelerator.reduce(tensor, reduction="sum")
         return dict(zip(keys, tensor.tolist()))
+
+
+def save_training_state(folder: Path, model, optimizer, scheduler, is_main: bool, rank: int) -> None:
+    """The exact training state as safetensors and JSON. Every rank takes part (under FSDP the full weights and
+    AdamW moments are gathered on the main process, which writes them); each rank writes its RNG state."""
+    model_state = get_model_state_dict(model, options=_GATHER)
+    optimizer_state = get_optimizer_state_dict(model, optimizer, options=_GATHER)
+    if is_main:
+        save_file(_unaliased(model_state), folder / MODEL_STATE)
+        tensors, meta = _flatten_optimizer_state(optimizer_state)
+        save_file(tensors, folder / OPTIMIZER_STATE, metadata={"json": json.dumps(meta)})
+        (folder / SCHEDULER_STATE).write_text(json.dumps(scheduler.state_dict()))
+    tensors, meta = _rng_state()
+    save_file(tensors, folder / RNG_STATE.format(rank=rank), metadata={"json": json.dumps(meta)})
+
+
+def load_training_state(folder: Path, model, optimizer, scheduler, rank: int) -> None:
+    """Every rank reads the full state and keeps its part (its shard under FSDP), and its own RNG state."""
+    set_model_state_dict(model, load_file(folder / MODEL_STATE), options=_SCATTER)
+    state = _unflatten_optimizer_state(*_read_tensors(folder / OPTIMIZER_STATE))
+    set_optimizer_state_dict(model, optimizer, state, options=_SCATTER)
+    scheduler.load_state_dict(json.loads((folder / SCHEDULER_STATE).read_text()))
+    _set_rng_state(*_read_tensors(folder / RNG_STATE.format(rank=rank)))
 
 
 def _prompt_ids(group: "ScoredGroup") -> list[int]:

@@ -252,6 +252,9 @@ class LearnerConfig(Section):
     resume: bool = Field(True, description="Resume from run_dir/checkpoints/latest when it exists.")
     eval_every: int = Field(5, description="Evaluate every K steps (0 = never).")
     seed: int = Field(0, description="Torch seed.")
+    collective_timeout_seconds: float = Field(
+        1800.0, gt=0, description="Several ranks: a collective that waits this long fails (a dead rank ends the learner)."
+    )
     report_to: list[Literal["wandb", "tensorboard", "mlflow"]] = Field(
         default_factory=list, description="Experiment trackers that also get each step's numbers and eval samples."
     )
@@ -263,6 +266,15 @@ class LearnerConfig(Section):
             return self.public_url.rstrip("/")
         host = "127.0.0.1" if self.host in ("0.0.0.0", "::", "") else self.host
         return f"http://{host}:{self.port}"
+
+
+class CpusConfig(Section):
+    """Which CPUs each service of a local `dapo run` gets (a CPU list such as `0-3,8`, or `auto`: planned from the
+    CPUs the launcher may use, cli/cores.py). Each service's threads match its CPUs, so none oversubscribes."""
+
+    learner: str = Field("auto", description="CPUs of the learner (shared by its ranks).")
+    generators: str = Field("auto", description="CPUs of the generators (dealt in equal slices, one per generator).")
+    reward: str = Field("auto", description="CPUs of the reward workers (its pool has one process per CPU).")
 
 
 class Settings(BaseSettings):
@@ -286,6 +298,7 @@ class Settings(BaseSettings):
     reward: RewardConfig = RewardConfig()
     learner: LearnerConfig = LearnerConfig()
     weights: WeightsConfig = WeightsConfig()
+    cpus: CpusConfig = CpusConfig()
 
     @classmethod
     def settings_customise_sources(

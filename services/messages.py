@@ -112,6 +112,11 @@ class RolloutGroup(Message):
     generator_id: str
     samples: list[Sample]
     generated_at: float = Field(default_factory=time.time)
+    # The generator's clock when it wrote the group: seconds since it started, by what it was doing (the learner
+    # takes differences between steps: where each side's time went).
+    generator_busy_s: float = Field(0.0, ge=0, description="Seconds its engine spent generating.")
+    generator_reload_s: float = Field(0.0, ge=0, description="Seconds spent pulling and loading weight versions.")
+    generator_idle_s: float = Field(0.0, ge=0, description="Seconds with no task in the engine and no version loading.")
 
 
 class Score(BaseModel):
@@ -131,6 +136,7 @@ class ScoredGroup(Message):
     rollout: RolloutGroup
     scores: list[Score]
     reward_worker_id: str = ""
+    scored_at: float = Field(default_factory=time.time)
 
 
 class WeightsFile(BaseModel):

@@ -30,6 +30,9 @@ GEN_QUEUE_WAIT = Histogram(
 )
 GEN_TOKENS_PER_SECOND = Gauge("dapo_generator_tokens_per_second", "Response tokens per second over the last 10 s.")
 GEN_TASKS_PER_SECOND = Gauge("dapo_generator_tasks_per_second", "Rollout groups written per second over the last 10 s.")
+GEN_SECONDS = Counter(
+    "dapo_generator_seconds_total", "Generator wall time by activity: busy (engine), reload (weights), idle.", ["activity"]
+)
 GEN_ENGINE_RESTARTS = Counter("dapo_generator_engine_restarts_total", "Engines recreated after dying.", ["cause"])
 GEN_RELEASED = Counter("dapo_generator_released_total", "Claimed tasks handed back unfinished.", ["why"])
 
@@ -57,5 +60,8 @@ LEARNER_CLIP_FRACTION = Gauge("dapo_learner_clip_fraction", "Tokens whose ratio 
 LEARNER_KL = Gauge("dapo_learner_approx_kl", "Approximate KL from behaviour to current policy.")
 LEARNER_LR = Gauge("dapo_learner_lr", "Learning rate.")
 LEARNER_STEP_SECONDS = Gauge("dapo_learner_step_seconds", "Wall time of the last step.")
+LEARNER_STEP_PHASE_SECONDS = Gauge(
+    "dapo_learner_step_phase_seconds", "Where the last step's time went (learner/records.py PHASES).", ["phase"]
+)
 LEARNER_TOKENS_PER_SECOND = Gauge("dapo_learner_tokens_per_second", "Trained tokens per second in the last step.")
 LEARNER_GRAD_NORM = Gauge("dapo_learner_grad_norm", "Gradient norm before clipping.")

@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Generic, TypeVar
+from typing import Generic, Iterator, TypeVar
 
 import redis
 from pydantic import BaseModel
@@ -307,6 +307,19 @@ class Stream(Generic[M]):
         self._grouped(self.redis.xclaim, self.key, self.group, RELEASED, 0, [delivery.id], idle=idle, justid=True)
         self._reclaimed_at = float("-inf")  # our own next read takes it back at once
 
+    def release_all(self, consumer: str, count: int = 10_000) -> int:
+        """Hand back every entry `consumer` holds (a process starting under the name of a dead one, before its slow
+        start): any consumer reclaims them on its next read, not after the visibility timeout. Returns how many."""
+        self._ensure_group()
+        rows = self._grouped(self.redis.xpending_range, self.key, self.group, min="-", max="+", count=count,
+                             consumername=consumer)
+        if not rows:
+            return 0
+        idle = int(self.cfg.visibility_timeout_s * 1000) + 1
+        self._grouped(self.redis.xclaim, self.key, self.group, RELEASED, 0, [row["message_id"] for row in rows],
+                      idle=idle, justid=True)
+        return len(rows)
+
     def reject(self, delivery: Delivery[M], reason: str) -> None:
         """Dead-letter a delivery that parsed but must not be used (e.g. a group the learner never asked for)."""
         self.dead(delivery.id, delivery.payload or to_wire(delivery.message), reason, delivery.deliveries)
@@ -324,6 +337,29 @@ class Stream(Generic[M]):
         label = reason.split(" ", 1)[0].rstrip(":")
         metrics.STREAM_DEAD.labels(self.name, label).inc()
         log.error("dead letter from %s (%s): %s", self.key, entry_id, reason[:300])
+
+    def take_over(self, consumer: str, count: int) -> int:
+        """Claim every pending entry for `consumer` now, whoever holds it (the caller knows its holder is dead);
+        they come back through `recover`. JUSTID: a claim is not a delivery (max_deliveries counts stay put)."""
+        self._ensure_group()
+        return len(self._grouped(self.redis.xautoclaim, self.key, self.group, consumer, 0, "0-0",
+                                 count=count, justid=True))
+
+    # -- a stream as a durable store (no consumer group) -------------------------------------------------
+    def entries(self, page: int = 256) -> Iterator[tuple[str, dict]]:
+        """Every entry, oldest first: (entry id, raw fields), read a page at a time."""
+        start = "-"
+        while True:
+            rows = self.redis.xrange(self.key, min=start, max="+", count=page)
+            for entry_id, fields in rows:
+                yield entry_id.decode(), fields
+            if len(rows) < page:
+                return
+            start = "(" + rows[-1][0].decode()
+
+    def delete(self, entry_ids: list[str]) -> None:
+        for i in range(0, len(entry_ids), 500):
+            self.redis.xdel(self.key, *entry_ids[i : i + 500])
 
     # -- observing -------------------------------------------------------------------------------------
     def pending(self) -> int:
@@ -366,6 +402,19 @@ class Streams:
 
     def stream(self, name: str, model: type[M]) -> Stream[M]:
         return Stream(self, name, model)
+
+    def dead_letters_after(self, cursor: str, count: int = 1000) -> list[tuple[str, dict]]:
+        """Dead letters added after entry id `cursor` ("0-0": all), oldest first: (entry id, raw fields)."""
+        rows = self.redis.xrange(self.key("dead"), min=f"({cursor}", max="+", count=count)
+        return [(eid.decode(), fields) for eid, fields in rows]
+
+    def last_dead_letter_id(self) -> str:
+        rows = self.redis.xrevrange(self.key("dead"), count=1)
+        return rows[0][0].decode() if rows else "0-0"
+
+    def server_run_id(self) -> str:
+        """The Redis server's run id: it changes when the server restarts."""
+        return self.redis.info("server")["run_id"]
 
     def dead_letters(self, count: int = 100) -> list[dict]:
         """The most recent dead letters, newest first, decoded for inspection."""

@@ -559,7 +559,8 @@ def test_sigkilled_generator_leaves_no_orphan_engine(service, short_tmp):
         child.restart()
         groups.append(child.process.pid)
         wait_for(lambda: engine_cores(groups[1]), 240, "the restarted generator's engine core")
-        child.stop(timeout=60)
+        child.stop_seconds = 60
+        child.stop()
         assert not any(engine_cores(g) for g in groups)
     finally:
         child.kill_group()

@@ -22,16 +22,9 @@ from pathlib import Path
 import msgpack
 import pytest
 
-from learner.service import (
-    ISSUED,
-    LEDGER_FILE,
-    METRICS_FILE,
-    LearnerService,
-    TrainProblems,
-    data_spec,
-    task_id_in_payload,
-    truncate_jsonl,
-)
+from learner.records import LEDGER_FILE, METRICS_FILE, truncate_jsonl
+from learner.service import LearnerService, TrainProblems, data_spec
+from learner.workset import ISSUED, task_id_in_payload
 from services.config import load_settings
 from services.data import Problem
 from services.http import free_port
@@ -111,16 +104,15 @@ def test_learner_trains_only_groups_it_issued_and_that_match(settings):
     with the exact reason and never reach the batch; the genuine group does."""
     service = LearnerService(settings)
     service.connect()
-    service.trainer = type("Version", (), {"version": 0})()  # the model is not needed to admit groups
     issued = PromptTask(task_id="train-1", prompt_id="p1", prompt="1+1=", prompt_token_ids=[5, 6], ground_truth="2",
                         sampling=SamplingParams(n=2, max_tokens=8))
-    service.outbox.append(issued)
+    service.work.outbox.append(issued)
     service.assembler.issued(["train-1"], 0)
-    service.flush_outbox()  # recorded in `issued`, then produced
-    assert service.issued_task("train-1") == issued
+    service.work.flush_outbox()  # recorded in `issued`, then produced
+    assert service.work.issued_task("train-1") == issued
     assert service.redis.hexists(service.streams.key(ISSUED), "train-1")
 
-    scored = service.scored
+    scored = service.work.scored
     made_up = issued.model_copy(update={"task_id": "train-made-up"})
     scored.produce(scored_group(made_up, [True, False]))
     other_prompt = issued.model_copy(update={"prompt_token_ids": [7, 8]})
@@ -129,11 +121,11 @@ def test_learner_trains_only_groups_it_issued_and_that_match(settings):
     genuine = to_wire(scored_group(issued, [True, False]))
     tampered = to_wire(scored_group(issued.model_copy(update={"ground_truth": "3"}), [True, False]))
     service.redis.xadd(scored.key, {b"data": tampered, b"sig": scored.signature(genuine)})
-    service.pump()
+    service.work.pump()
     # The refused groups named a real task: it is not taken for lost, its genuine group is still to come.
-    assert "train-1" in service.assembler.in_flight and service.issued_task("train-1") == issued
+    assert "train-1" in service.assembler.in_flight and service.work.issued_task("train-1") == issued
     scored.produce(scored_group(issued, [True, False]))
-    service.pump()
+    service.work.pump()
 
     reasons = [d["reason"] for d in reversed(service.streams.dead_letters())]
     assert reasons == [  # the signature is checked on reading, before the learner looks at the group
@@ -143,7 +135,7 @@ def test_learner_trains_only_groups_it_issued_and_that_match(settings):
         "provenance: task train-1 asked for n=2 samples; the group has 3 samples and 3 scores",
     ]
     assert [task.rollout.task for _, _, task in service.assembler.ready] == [issued]
-    assert service.redis.xlen(service.held.key) == 1 and service.redis.xlen(scored.key) == 0
+    assert service.redis.xlen(service.work.held.key) == 1 and service.redis.xlen(scored.key) == 0
 
 
 def test_tasks_lost_with_a_redis_crash_are_no_longer_waited_for(settings, redis_server):
@@ -155,16 +147,16 @@ def test_tasks_lost_with_a_redis_crash_are_no_longer_waited_for(settings, redis_
     assert redis_server.password in settings.redis.url and redis_server.password not in written  # no secrets
     tasks = [PromptTask(task_id=f"train-{i}", prompt_id=f"p{i}", prompt="1+1=", ground_truth="2") for i in range(3)]
     service.assembler.issued([t.task_id for t in tasks], 0)
-    service.outbox.extend(tasks[:2])
-    service.flush_outbox()
-    service.outbox.append(tasks[2])  # still queued: never pushed, must not count as lost
-    service.scan_dead_letters()  # learns the server's run id
-    (entry_id, _), _ = service.redis.xrange(service.prompts.key)  # the crash lost train-0's push:
-    service.redis.xdel(service.prompts.key, entry_id)
-    service.redis.hdel(service.issued_key, "train-0")
+    service.work.outbox.extend(tasks[:2])
+    service.work.flush_outbox()
+    service.work.outbox.append(tasks[2])  # still queued: never pushed, must not count as lost
+    service.work.scan_dead_letters()  # learns the server's run id
+    (entry_id, _), _ = service.redis.xrange(service.work.prompts.key)  # the crash lost train-0's push:
+    service.redis.xdel(service.work.prompts.key, entry_id)
+    service.redis.hdel(service.work.issued_key, "train-0")
     redis_server.stop(kill=True)
     redis_server.start()
-    service.scan_dead_letters()
+    service.work.scan_dead_letters()
     assert sorted(service.assembler.in_flight) == ["train-1", "train-2"]
     assert service.assembler.stats.lost == 1
 
@@ -230,14 +222,23 @@ class Pipeline:
         return process
 
     def start_workers(self) -> None:
+        self.generator_port = free_port()
         self.generator = self.spawn(
             "generator",
-            {"run_dir": str(self.root / "generator"), "generator": {"port": free_port(), "tasks_per_batch": 16}},
+            {"run_dir": str(self.root / "generator"), "generator": {"port": self.generator_port, "tasks_per_batch": 16}},
             "generator",
         )
         self.reward = self.spawn(
             "reward", {"run_dir": str(self.root / "reward"), "reward": {"port": free_port(), "workers": 1}}, "reward"
         )
+
+    def wait_ready(self, timeout: float = 900.0) -> None:
+        """The generator's engine is up (its start is most of a minute alone, longer on a busy machine): the first
+        test's learner must not spend its own time limit on it."""
+        from generator.service import wait_ready
+
+        if not wait_ready(f"http://127.0.0.1:{self.generator_port}", timeout):
+            pytest.fail(f"the generator was not ready in {timeout:.0f}s:\n{self.tail('generator')}")
 
     def check_workers(self) -> None:
         for name, process in (("generator", self.generator), ("reward", self.reward)):
@@ -291,6 +292,7 @@ def pipeline():
     pipe = Pipeline(root)
     try:
         pipe.start_workers()
+        pipe.wait_ready()
         yield pipe
     finally:
         pipe.close()
@@ -357,6 +359,13 @@ def test_synchronous_steps(pipeline, tmp_path):
         for key in ("entropy", "clip_frac_low", "clip_frac_high", "response_length", "step_seconds",
                     "tokens_per_second", "refills", "stale_dropped", "time", "accuracy_train"):
             assert r[key] is not None, key
+        # where the step went (learner/records.py PHASES)
+        assert r["wait_generation_seconds"] + r["wait_verification_seconds"] == pytest.approx(r["wait_seconds"])
+        assert 0 < r["forward_seconds"] + r["backward_seconds"] + r["optimizer_seconds"] <= r["train_seconds"]
+        assert r["publish_seconds"] > 0 and r["learner_idle_seconds"] >= r["wait_seconds"]
+        assert r["world_size"] == 1
+    # the generator worked for these steps (its first group only set its baseline)
+    assert sum(r["generator_busy_seconds"] for r in steps) > 0
     assert steps[1]["eval_accuracy"] is not None and steps[2]["eval_accuracy"] is not None  # every 2 and the end
     assert steps[0]["eval_accuracy"] is None
     assert len(assert_trained_once(run_dir)) == 12

@@ -90,7 +90,8 @@ def test_restart_and_stop_kill_the_whole_process_group(tmp_path):
         child.restart()  # ...until the restart kills the old group
         assert wait_gone(grandchild, 5) and child.restarts == 1
         second = read_pid(child.log_path)
-        child.stop(timeout=1)  # SIGTERM ends the parent; the group kill ends its grandchild
+        child.stop_seconds = 1
+        child.stop()  # SIGTERM ends the parent; the group kill ends its grandchild
         assert wait_gone(second, 5) and not child.alive()
     finally:
         child.kill_group()

@@ -294,3 +294,26 @@ def test_embedded_redis_requires_its_password_kept_in_an_owner_only_file(redis_s
     with pytest.raises(redis.AuthenticationError):
         redis.Redis(unix_socket_path=str(redis_server.socket_path), password="a-guess").ping()
     assert redis.Redis.from_url(redis_server.url).ping()
+
+
+def test_a_generator_restarting_under_a_dead_ones_name_hands_its_tasks_back_before_its_engine(settings):
+    """A SIGKILLed generator's tasks do not wait for its replacement's engine (minutes) or the visibility timeout:
+    the replacement hands them back first thing, and a live generator takes them on its next read."""
+    from generator.service import hand_back_previous
+
+    settings = settings.model_copy(update={"streams": settings.streams.model_copy(update={"visibility_timeout_s": 600})})
+    streams = Streams(connect(settings), settings)
+    prompts = streams.stream("prompts", PromptTask)
+    for i in range(3):
+        prompts.produce(task(i))
+    prompts.produce(task(3))
+    assert len(prompts.consume("generator-0", count=3)) == 3  # then generator-0 is killed, holding them
+    assert [d.message.task_id for d in prompts.consume("generator-1", count=10)] == ["t3"]
+    assert prompts.consume("generator-1", count=10, block_ms=1) == []  # 600 s before a reclaim, without a hand-back
+
+    assert hand_back_previous(streams.redis, settings, "generator-0") == 3  # the replacement, before its engine
+    prompts._reclaimed_at = float("-inf")  # generator-1's next reclaim scan (within a second in a live worker)
+    taken = prompts.consume("generator-1", count=10, block_ms=1)
+    assert sorted(d.message.task_id for d in taken) == ["t0", "t1", "t2"]
+    assert all(d.deliveries == 2 for d in taken)  # as a recovery by the replacement itself would count them
+    assert hand_back_previous(streams.redis, settings, "generator-0") == 0

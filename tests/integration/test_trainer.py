@@ -115,7 +115,7 @@ def test_train_step_raises_positive_and_lowers_negative_responses(model_path, tm
     before = sequence_logprob(trainer, groups)
     metrics = trainer.train_step(groups)
     after = sequence_logprob(trainer, groups)
-    assert trainer.version == 1 and metrics["updates"] == 2
+    assert trainer.steps_done == 1 and metrics["updates"] == 2
     for g, group in enumerate(groups):
         for i, score in enumerate(group.scores):
             moved = after[g][i] - before[g][i]
@@ -195,7 +195,7 @@ def test_warmup_is_counted_in_train_steps(model_path, tmp_path):
     groups = with_behaviour(groups, trainer.logprobs(groups))
     steps = [trainer.train_step(groups) for _ in range(4)]
     assert [m["lr"] for m in steps] == pytest.approx([1e-3 / 3, 2e-3 / 3, 1e-3, 1e-3])
-    assert [m["updates"] for m in steps] == [3, 3, 3, 3] and trainer.version == 4
+    assert [m["updates"] for m in steps] == [3, 3, 3, 3] and trainer.steps_done == 4
 
 
 def test_kl_penalty_and_entropy_bonus(model_path, tmp_path):
@@ -275,12 +275,12 @@ def test_checkpoint_round_trip(model_path, tmp_path, monkeypatch):
     assert not [f for f in files if f.endswith((".pkl", ".bin", ".pt", ".pth"))], files
 
     second = Trainer(settings, model_path)
-    assert second.version == 0
+    assert second.steps_done == 0
     torch.manual_seed(123), random.seed(123), np.random.seed(123)  # moved on: the checkpoint must restore them
     with monkeypatch.context() as patch:
         refuse_unpickling(patch)
         extra = second.load_checkpoint(checkpoint)
-    assert extra == {"step": 1, "carry": ["task-a"]} and second.version == 1
+    assert extra == {"step": 1, "carry": ["task-a"]} and second.steps_done == 1
     a, b = first.state_dict_for_publish(), second.state_dict_for_publish()
     assert all(torch.equal(a[name], b[name]) for name in a)
     state_a, state_b = _optimizer_state(first), _optimizer_state(second)
@@ -322,7 +322,7 @@ def test_bad_groups_are_refused(model_path, tmp_path):
             trainer.train_step([short])
     with pytest.raises(ValueError):
         trainer.train_step([])
-    assert trainer.version == 0
+    assert trainer.steps_done == 0
 
 
 def test_interrupted_overwrite_is_recovered(model_path, tmp_path):

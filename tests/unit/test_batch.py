@@ -14,6 +14,7 @@ from learner.batch import (
     RefillLimitReached,
     task_id_of,
 )
+from learner.policy import PolicyVersion
 from services.config import load_settings
 from services.messages import PromptTask, RolloutGroup, Sample, Score, ScoredGroup
 
@@ -334,15 +335,17 @@ def test_simulated_pipeline_keeps_the_bound_with_few_drops(staleness):
 
 def test_a_version_jump_at_resume_keeps_the_restored_policy_fresh():
     """A checkpoint of v7 republished as v9 (generators had seen v8): v7 samples are on-policy at v9."""
-    a = BatchAssembler(4, max_staleness=1, ratio=with_ratio(1.0))
-    a.jumped(7, 9)
+    policy = PolicyVersion(7)
+    a = BatchAssembler(4, max_staleness=1, ratio=with_ratio(1.0), policy=policy)
+    policy.republish_as(9)
     assert a.lag(group(MIXED, version=7), 9) == 0  # the restored policy itself
     assert a.lag(group(MIXED, version=6), 9) == 1
     assert a.lag(group(MIXED, version=8), 9) == 1  # the discarded sibling: its raw age
     assert a.lag(group(MIXED, version=7), 10) == 1 and a.too_stale(group(MIXED, version=6), 10)
-    clone = BatchAssembler(4, max_staleness=1)
-    clone.load_state(a.state())  # jumps survive the next checkpoint
-    assert clone.lag(group(MIXED, version=7), 9) == 0
+    clone = BatchAssembler(4, max_staleness=1, policy=PolicyVersion.from_state(policy.state()))
+    assert clone.lag(group(MIXED, version=7), 9) == 0  # jumps survive the next checkpoint
+    with pytest.raises(ValueError):
+        policy.republish_as(9)  # never backwards
 
 
 def test_synchronous_mode_waits_for_every_prompt_in_flight_before_training():

@@ -1,0 +1,282 @@
+"""The learner's working set: the tasks it issued, the scored groups it holds, and what the pipeline lost.
+
+Exactly-once training across crashes. A scored group the learner keeps is moved atomically from `scored` into
+the durable stream `dapo:{run}:held` (ack + XADD in one script), so nothing stays pending for long. `held` is
+the working set: groups in hand, carried, and consumed since the last checkpoint. A checkpoint lists the task ids
+consumed (trained, or aged out) since the previous one; once it is written those entries are deleted from `held`
+(`release`). On resume: load the checkpoint, read `held`, delete the entries the checkpoint lists (a crash between
+writing it and deleting them), re-admit the rest (`restore`). Groups trained after the checkpoint are re-admitted
+and trained again by the restored model, so the surviving lineage trains each group once. Task ids are
+deduplicated on every admission.
+
+Provenance. The learner trains only what it asked for: every task it pushes is recorded first in the hash
+`dapo:{run}:issued` (task id -> the task as sent), which lives in Redis and so survives a learner restart. A
+scored group whose task id is not there, or whose task or rollout does not match the issued task (prompt,
+token ids, sampling, n samples and n scores), goes to `dead` with the reason (`provenance: ...`). Entries are
+removed once the group is settled (dropped, evaluated, or trained and checkpointed). Task and record are
+written in one script, so after a Redis restart the tasks in flight missing from `issued` were lost with it.
+
+Losses. Prompts that died in the pipeline (poison, too many deliveries) and tasks a Redis restart lost are no
+longer waited for: the batch assembler (and a running evaluation) stop counting on them.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from typing import Callable
+
+import msgpack
+
+from learner.batch import BatchAssembler, task_id_of
+from learner.evaluation import EvalRound
+from learner.records import GeneratorClocks
+from services import metrics
+from services.messages import PromptTask, ScoredGroup, from_wire
+from services.streams import FIELD, Delivery, Streams, consumer_name
+
+log = logging.getLogger(__name__)
+
+HELD = "held"
+ISSUED = "issued"
+CONSUME_BATCH = 64
+DEAD_SCAN_SECONDS = 1.0
+DROP_KINDS = ("uninformative", "stale", "duplicate")
+
+
+def provenance_error(group: ScoredGroup, issued: PromptTask | None) -> str | None:
+    """Why a scored group must not be trained (None if it may): the learner never issued its task id, or the
+    group's task or rollout does not match the task as issued."""
+    task, rollout = group.rollout.task, group.rollout
+    if issued is None:
+        return f"provenance: unknown task id {task.task_id!r} (not issued by this run's learner)"
+    if task != issued:
+        changed = [name for name in PromptTask.model_fields if getattr(task, name) != getattr(issued, name)]
+        return f"provenance: task {task.task_id} does not match the task as issued (differs in {', '.join(changed)})"
+    n = issued.sampling.n
+    if len(rollout.samples) != n or len(group.scores) != n:
+        return (f"provenance: task {task.task_id} asked for n={n} samples; the group has {len(rollout.samples)} "
+                f"samples and {len(group.scores)} scores")
+    return None
+
+
+def task_id_in_payload(stream: str, payload: bytes) -> str | None:
+    """The task id inside a raw stream payload (prompts: PromptTask, rollouts: RolloutGroup, scored/held:
+    ScoredGroup), read without schema validation; None if it cannot be found."""
+    try:
+        data = msgpack.unpackb(payload, raw=False)
+        if stream == "prompts":
+            return str(data["task_id"])
+        if stream == "rollouts":
+            return str(data["task"]["task_id"])
+        return str(data["rollout"]["task"]["task_id"])
+    except Exception:  # garbage in a dead letter: nothing to learn from it
+        return None
+
+
+class WorkingSet:
+    """Pushes the learner's tasks, reads scored groups into the batch assembler, and keeps `held` and `issued`."""
+
+    def __init__(self, streams: Streams, assembler: BatchAssembler, version: Callable[[], int]):
+        self.streams = streams
+        self.assembler = assembler
+        self.version = version  # the current policy version (learner/policy.py owns it)
+        self.prompts = streams.stream("prompts", PromptTask)
+        self.scored = streams.stream("scored", ScoredGroup)
+        self.held = streams.stream(HELD, ScoredGroup)
+        self.issued_key = streams.key(ISSUED)
+        self.redis = streams.redis
+        self.consumer = consumer_name("learner")
+        self.outbox: deque[PromptTask] = deque()
+        self.eval_round: EvalRound | None = None  # set by the service while it evaluates
+        self.consumed_since_checkpoint: set[str] = set()
+        self.drops: dict[str, list[str]] = {kind: [] for kind in DROP_KINDS}
+        self.generator_clocks = GeneratorClocks()  # where the generators' time went (from the groups read)
+        self._dead_cursor = streams.last_dead_letter_id()
+        self._dead_scanned_at = 0.0
+        self._redis_run_id: str | None = None
+
+    # -- pushing -----------------------------------------------------------------------------------------------
+    def push(self, tasks: list[PromptTask]) -> None:
+        self.outbox.extend(tasks)
+
+    def unqueue(self, task_ids: set[str]) -> None:
+        """Forget queued tasks that were never pushed (an evaluation that ended)."""
+        self.outbox = deque(t for t in self.outbox if t.task_id not in task_ids)
+
+    def flush_outbox(self) -> None:
+        """Produce queued tasks while the prompts stream has room (never block on back-pressure: keep reading)."""
+        room = self.prompts.room() if self.outbox else 0
+        while self.outbox and room > 0:
+            task = self.outbox.popleft()
+            self.prompts.produce(task, register=(self.issued_key, task.task_id))  # recorded as issued, atomically
+            room -= 1
+
+    def issued_task(self, task_id: str) -> PromptTask | None:
+        raw = self.redis.hget(self.issued_key, task_id)
+        return from_wire(PromptTask, raw) if raw else None
+
+    def settle(self, task_ids) -> None:
+        """Forget issued tasks whose groups are settled (dropped, evaluated, lost, or trained and checkpointed)."""
+        task_ids = list(task_ids)
+        for i in range(0, len(task_ids), 500):
+            self.redis.hdel(self.issued_key, *task_ids[i : i + 500])
+
+    # -- reading -----------------------------------------------------------------------------------------------
+    def pump(self) -> None:
+        """Flush the outbox, read scored groups (blocking up to block_ms), look for dead prompts."""
+        self.flush_outbox()
+        for delivery in self.scored.consume(self.consumer, count=CONSUME_BATCH):
+            self.handle(delivery)
+        if time.monotonic() - self._dead_scanned_at >= DEAD_SCAN_SECONDS:
+            self.scan_dead_letters()
+
+    def handle(self, delivery: Delivery[ScoredGroup]) -> None:
+        group = delivery.message
+        task_id = task_id_of(group)
+        if task_id not in self.assembler.seen:  # a duplicate of a settled group is dropped below, not checked
+            reason = provenance_error(group, self.issued_task(task_id))
+            if reason is not None:
+                self.scored.reject(delivery, reason)
+                return
+        self.generator_clocks.observe(group)
+        if group.rollout.task.split == "eval":
+            if self.eval_round is None or not self.eval_round.add(group):
+                log.debug("ignoring eval group %s (not part of a running evaluation)", task_id)
+            self.scored.ack(delivery)
+            self.settle([task_id])
+            return
+        verdict = self.assembler.admit(group, self.version())
+        if verdict == "informative":
+            if not self.scored.forward(delivery, self.held, group):
+                self.assembler.retract(task_id)  # reclaimed meanwhile: it comes back and is admitted then
+            return
+        self.scored.ack(delivery)
+        if verdict != "duplicate":
+            self.settle([task_id])
+        self.drops[verdict].append(task_id)
+        if verdict == "uninformative":
+            metrics.LEARNER_UNINFORMATIVE.inc()
+        elif verdict == "stale":
+            metrics.LEARNER_STALE.inc()
+
+    def take_drops(self) -> dict[str, list[str]]:
+        """The task ids dropped since the last call, by kind (for the ledger)."""
+        drops, self.drops = self.drops, {kind: [] for kind in DROP_KINDS}
+        return drops
+
+    # -- losses ------------------------------------------------------------------------------------------------
+    def check_redis_restart(self) -> None:
+        """After a Redis restart, prompts pushed after the last write its AOF kept (a machine crash loses up to
+        a second with appendfsync everysec) will never come back: stop waiting for them. A task and its record
+        in `issued` are written atomically, so a task missing from `issued` was never pushed as far as Redis
+        knows."""
+        run_id = self.streams.server_run_id()
+        previous, self._redis_run_id = self._redis_run_id, run_id
+        if previous is None or previous == run_id:
+            return
+        waiting = list(self.assembler.in_flight)
+        if self.eval_round is not None:
+            waiting += [t for t in self.eval_round.expected if t not in self.eval_round.received]
+        queued = {task.task_id for task in self.outbox}  # not pushed yet: not in `issued` either
+        waiting = [task_id for task_id in waiting if task_id not in queued]
+        known = self.redis.hmget(self.issued_key, waiting) if waiting else []
+        gone = [task_id for task_id, raw in zip(waiting, known) if raw is None]
+        lost = self.assembler.lost(gone) + (self.eval_round.mark_lost(gone) if self.eval_round is not None else 0)
+        log.warning("Redis restarted (run id %s); %d tasks in flight were lost with it", run_id[:8], lost)
+
+    def scan_dead_letters(self) -> None:
+        """Prompts that died in the pipeline (poison, too many deliveries) will never be scored: stop waiting.
+        Groups refused as forged or for their provenance say nothing reliable about the task they name: it may be
+        a real one, whose genuine group is still to come."""
+        self._dead_scanned_at = time.monotonic()
+        self.check_redis_restart()
+        lost = []
+        for entry_id, fields in self.streams.dead_letters_after(self._dead_cursor):
+            self._dead_cursor = entry_id
+            if fields.get(b"reason", b"").startswith((b"forged", b"provenance")):
+                continue
+            stream = fields.get(b"stream", b"").decode(errors="replace")
+            task_id = task_id_in_payload(stream, fields.get(b"data", b""))
+            if task_id is not None:
+                lost.append(task_id)
+        if lost:
+            self.settle(lost)
+            gone = self.assembler.lost(lost)
+            eval_gone = self.eval_round.mark_lost(lost) if self.eval_round is not None else 0
+            if gone or eval_gone:
+                log.warning("%d train and %d eval tasks died in the pipeline (see the dead stream)", gone, eval_gone)
+
+    # -- held: the durable working set -------------------------------------------------------------------------
+    def consumed(self, task_ids) -> None:
+        """Groups trained (or aged out) by a step: released from `held` at the next checkpoint."""
+        self.consumed_since_checkpoint.update(task_ids)
+
+    def release(self) -> int:
+        """A checkpoint now lists the consumed groups: delete them from `held` and `issued`."""
+        consumed, self.consumed_since_checkpoint = self.consumed_since_checkpoint, set()
+        if not consumed:
+            return 0
+        doomed = [eid for eid, fields in self.held.entries() if task_id_in_payload(HELD, fields.get(FIELD)) in consumed]
+        self.held.delete(doomed)
+        self.settle(consumed)
+        return len(doomed)
+
+    def restore(self, skip: set[str], counted: set[str]) -> None:
+        """After a (re)start: re-admit `held` (minus what the checkpoint consumed), then take over the scored
+        groups a previous learner process was given and never settled."""
+        outcome = self.readmit_held(skip, counted)
+        claimed = self.claim_pending()
+        if any(outcome.values()) or claimed:
+            log.info(
+                "working set: %d groups re-admitted, %d already consumed, %d dropped, %d garbled; %d pending claimed",
+                outcome["kept"], outcome["skipped"], outcome["dropped"], outcome["garbled"], claimed,
+            )
+
+    def readmit_held(self, skip: set[str], counted: set[str]) -> dict[str, int]:
+        """Re-admit the working set after a restart: skip (and delete) what the checkpoint consumed; groups in
+        `counted` were already counted in the checkpointed statistics (carried), the others are counted again."""
+        outcome = {"kept": 0, "skipped": 0, "dropped": 0, "garbled": 0}
+        doomed = []
+        version = self.version()
+        for entry_id, fields in self.held.entries():
+            payload = fields.get(FIELD, b"")
+            forged = self.held.forged(fields)
+            if forged:
+                self.held.dead(entry_id, payload, forged)
+                outcome["garbled"] += 1
+                continue
+            task_id = task_id_in_payload(HELD, payload)
+            if task_id is None:
+                self.held.dead(entry_id, payload, "unparseable held group")
+                outcome["garbled"] += 1
+                continue
+            if task_id in skip:
+                doomed.append(entry_id)
+                outcome["skipped"] += 1
+                continue
+            try:
+                group = ScoredGroup.model_validate(msgpack.unpackb(payload, raw=False))
+            except ValueError as err:
+                self.held.dead(entry_id, payload, f"unparseable held group: {err}"[:2000])
+                outcome["garbled"] += 1
+                continue
+            verdict = self.assembler.admit(group, version, fresh=task_id not in counted)
+            if verdict == "informative":
+                outcome["kept"] += 1
+            else:
+                doomed.append(entry_id)
+                outcome["dropped"] += 1
+                self.drops[verdict].append(task_id)
+        self.held.delete(doomed)
+        return outcome
+
+    def claim_pending(self) -> int:
+        """Take over every scored group a previous learner process was given and never settled (there is one
+        learner, so whoever holds them is dead) and handle them now instead of after the visibility timeout."""
+        # At most CONSUME_BATCH entries are ever pending (each read is settled before the next): one call takes all.
+        claimed = self.scored.take_over(self.consumer, count=10 * CONSUME_BATCH)
+        for delivery in self.scored.recover(self.consumer, count=max(claimed, 1)):
+            self.handle(delivery)
+        return claimed

@@ -1,0 +1,62 @@
+"""Each service of a local run on its own CPUs, with as many compute threads as CPUs (cli/cores.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from cli import cores
+from cli.launcher import service_children
+from services.config import CpusConfig, load_settings
+
+
+@pytest.mark.parametrize("n, generators, reward_workers", [(2, 1, 1), (2, 2, 1), (8, 1, 1), (8, 3, 2), (64, 4, 2)])
+def test_the_automatic_plan_never_oversubscribes(n, generators, reward_workers):
+    plan = cores.plan(CpusConfig(), generators, reward_workers, cpus=tuple(range(n)))
+    assert len(plan.generators) == generators and len(plan.reward) == reward_workers
+    learner = set(plan.learner.cpus)
+    generator_cpus = [set(p.cpus) for p in plan.generators]
+    assert not learner & set().union(*generator_cpus)  # the learner and the generators never share a CPU
+    if generators <= n // 2:
+        assert all(not a & b for i, a in enumerate(generator_cpus) for b in generator_cpus[i + 1:])
+    for placement in (plan.learner, *plan.generators, *plan.reward):
+        assert placement.threads == len(placement.cpus)  # one compute thread per CPU
+    if generators > len(set().union(*generator_cpus)):  # 2 generators on 2 CPUs: they must share, and it says so
+        assert plan.oversubscribed() == sorted(set().union(*generator_cpus))
+        return
+    assert plan.compute_threads() <= n and plan.oversubscribed() == []
+    if n >= 3:  # the reward pool has CPUs of its own too: every thread of every service fits
+        reward = set().union(*(set(p.cpus) for p in plan.reward))
+        assert not reward & (learner | set().union(*generator_cpus))
+        assert plan.compute_threads() + sum(p.threads for p in plan.reward) <= n
+    else:  # 2 CPUs: the reward pool (mostly asleep) yields to the generator whose CPU it shares
+        assert all(p.nice > 0 and set(p.cpus) <= set().union(*generator_cpus) for p in plan.reward)
+
+
+def test_the_defaults_for_2_8_and_64_cpus():
+    describe = lambda n: cores.plan(CpusConfig(), 1, 1, cpus=tuple(range(n))).describe()  # noqa: E731
+    assert describe(2) == {"learner": "0", "generator-0": "1", "reward-0": "1"}
+    assert describe(8) == {"learner": "0,1,2", "generator-0": "3,4,5,6", "reward-0": "7"}
+    plan64 = cores.plan(CpusConfig(), 1, 1, cpus=tuple(range(64)))
+    assert (plan64.learner.threads, plan64.generators[0].threads, plan64.reward[0].threads) == (30, 30, 4)
+    assert describe(1) == {"learner": "0", "generator-0": "0", "reward-0": "0"}
+
+
+def test_explicit_cpu_lists_win():
+    config = CpusConfig(learner="0-3", generators="4-7", reward="8")
+    plan = cores.plan(config, 2, 1, cpus=tuple(range(16)))
+    assert plan.describe() == {"learner": "0,1,2,3", "generator-0": "4,5", "generator-1": "6,7", "reward-0": "8"}
+    assert cores.parse_cpu_list("0-2, 5,5") == (0, 1, 2, 5)
+    with pytest.raises(ValueError):
+        cores.parse_cpu_list(",")
+
+
+def test_the_launcher_hands_each_service_its_cpus_and_threads(tmp_path):
+    settings = load_settings("tiny-cpu", run_dir=str(tmp_path))
+    plan = cores.plan(settings.cpus, 2, 1, cpus=(0, 1, 2, 3, 4, 5, 6, 7))
+    children = service_children(settings, tmp_path / "c.yaml", "redis://127.0.0.1:1", 2, 1, 8000,
+                                learner_procs=2, cpus=plan)
+    by_name = {child.name: child for child in children}
+    assert by_name["learner"].placement.cpus == (0, 1, 2) and by_name["learner"].env["OMP_NUM_THREADS"] == "3"
+    assert by_name["generator-0"].env["VLLM_CPU_OMP_THREADS_BIND"] == "3,4"
+    assert by_name["generator-1"].env["VLLM_CPU_OMP_THREADS_BIND"] == "5,6"
+    assert by_name["reward-0"].env["DAPO_REWARD__WORKERS"] == "1" and by_name["reward-0"].placement.cpus == (7,)

@@ -1,0 +1,52 @@
+"""Where a step's time goes: the generators' activity clocks, the split of the learner's wait, the live view."""
+
+from __future__ import annotations
+
+import pytest
+
+from cli.launcher import step_breakdown
+from learner.records import PHASES, GeneratorClocks, wait_split
+from services.messages import PromptTask, RolloutGroup, Sample, Score, ScoredGroup
+
+
+def group(generator: str, busy: float, reload: float, idle: float, *, created: float = 100.0,
+          generated: float | None = None, scored: float | None = None) -> ScoredGroup:
+    task = PromptTask(prompt_id="p", prompt="1+1=", ground_truth="2", created_at=created)
+    generated = created + 1.0 if generated is None else generated
+    rollout = RolloutGroup(task=task, policy_version=0, generator_id=generator, generated_at=generated,
+                           samples=[Sample(token_ids=[1], logprobs=[-0.1], text="2", finish_reason="stop")],
+                           generator_busy_s=busy, generator_reload_s=reload, generator_idle_s=idle)
+    return ScoredGroup(rollout=rollout, scores=[Score(reward=1.0, correct=True, overlong=False, rule="answer_line")],
+                       scored_at=generated + 0.5 if scored is None else scored)
+
+
+def test_generator_clocks_sum_the_differences_between_steps_over_generators():
+    clocks = GeneratorClocks()
+    clocks.observe(group("g0", 10, 1, 5, generated=1016))  # baselines: their time before is not this step's
+    clocks.observe(group("g1", 3, 0, 2, generated=1005))
+    assert clocks.take() == {"generator_busy_seconds": 0.0, "generator_reload_seconds": 0.0,
+                             "generator_idle_seconds": 0.0}
+    clocks.observe(group("g0", 14, 2, 6, generated=1022))
+    clocks.observe(group("g0", 12, 1, 6, generated=1019))  # an older group arriving late changes nothing
+    clocks.observe(group("g1", 8, 0, 2, generated=1010))
+    assert clocks.take() == {"generator_busy_seconds": 9.0, "generator_reload_seconds": 1.0,
+                             "generator_idle_seconds": 1.0}
+    clocks.observe(group("g0", 1, 0, 1, generated=1200))  # a restarted g0: a new baseline, not a negative step
+    clocks.observe(group("g0", 4, 0, 2, generated=1204))
+    assert clocks.take()["generator_busy_seconds"] == 3.0
+
+
+def test_the_wait_is_split_by_the_batch_latencies():
+    groups = [group("g", 0, 0, 0, created=0.0, generated=3.0, scored=4.0),
+              group("g", 0, 0, 0, created=0.0, generated=5.0, scored=6.0)]
+    split = wait_split(10.0, groups)  # generation 8 s, verification 2 s in all
+    assert split == pytest.approx({"wait_generation_seconds": 8.0, "wait_verification_seconds": 2.0})
+    assert wait_split(4.0, []) == {"wait_generation_seconds": 4.0, "wait_verification_seconds": 0.0}
+
+
+def test_the_live_view_shows_where_the_last_step_went():
+    assert step_breakdown({}) == "-"
+    row = {f"{phase}_seconds": float(i) for i, phase in enumerate(PHASES)} | {"step_seconds": 30.0}
+    text = step_breakdown(row)
+    assert "total 30.0" in text and "gen 1.0 / verify 2.0" in text and "publish 7.0" in text
+    assert "eval 8.0" in text and "generators busy 10.0 / idle 12.0" in text
