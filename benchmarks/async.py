@@ -67,7 +67,10 @@ def report(results: dict[int, list[dict]], args: argparse.Namespace) -> str:
         "",
         f"Default preset, {args.steps} steps per run, seeds interleaved; each service on its own CPUs "
         "(`cli/cores.py`). Step seconds are means after the first step; the breakdown is per step, in seconds. "
-        f"Targets: step-0 accuracy (median {100 * base:.1f} %) + 5 and + 10 points.",
+        f"Targets: step-0 accuracy (median {100 * base:.1f} %) + 5 and + 10 points; with evaluations every "
+        f"{max(1, args.steps // 3)} steps the minutes to a target are coarse."
+        + (" One seed: the subject is the step time, which chance moves little; the accuracy columns are one run "
+           "each." if len(args.seeds) == 1 else ""),
         "",
         "| max_staleness | step s (mean over seeds) | vs sync | steps/min | wait (gen / verify) | train | publish | "
         "learner idle | generators busy / idle | min to +5 | min to +10 |",
@@ -84,11 +87,17 @@ def report(results: dict[int, list[dict]], args: argparse.Namespace) -> str:
             f"{b['wait']:.1f} ({b['wait_generation']:.1f} / {b['wait_verification']:.1f}) | {b['train']:.1f} | "
             f"{b['publish']:.2f} | {b['learner_idle']:.1f} | {b['generator_busy']:.1f} / {b['generator_idle']:.1f} | "
             f"{fmt(to[0])} | {fmt(to[1])} |")
+    train = statistics.fmean(r["breakdown"]["train"] for r in results[0])
+    lines += ["", f"Goal: an asynchronous step at most {GOAL} of a synchronous one."]
     for k in sorted(k for k in results if k > 0):
         ratio = statistics.fmean(r["step_seconds"] for r in results[k]) / sync
-        verdict = "met" if ratio <= GOAL else f"missed by {ratio - GOAL:.2f}"
-        lines += ["", f"Goal: an asynchronous step at most {GOAL} of a synchronous one. max_staleness {k}: "
-                      f"**{ratio:.2f}**, goal {verdict}."]
+        verdict = "met" if ratio <= GOAL else f"missed by {ratio - GOAL:.3f}"
+        lines.append(f"- max_staleness {k}: **{ratio:.3f}** of a synchronous step, goal {verdict}.")
+    lines += ["", f"Why, from the breakdown: a synchronous step is the wait for its groups plus the update, one after "
+                  f"the other; with asynchrony the next step's groups are generated while this one trains, so the "
+                  f"wait nearly vanishes and the step approaches the update alone. The update ({train:.1f} s) over "
+                  f"the synchronous step ({sync:.1f} s) is the floor of the ratio on this split: "
+                  f"{train / sync:.2f}. What remains above it is the wait that generation did not hide."]
     return "\n".join(lines)
 
 
@@ -100,9 +109,19 @@ def main() -> None:
     parser.add_argument("--preset", default="tiny-cpu")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "bench-async")
+    parser.add_argument("--report-only", action="store_true", help="no runs: the report from results/async.json")
     args = parser.parse_args()
     if 0 not in args.staleness:
         parser.error("--staleness must include 0: the synchronous baseline")
+    out = ROOT / "benchmarks" / "results" / "async.json"
+    if args.report_only:
+        saved = json.loads(out.read_text())
+        args = argparse.Namespace(**{**vars(args), **saved["args"]})
+        results = {int(k): runs for k, runs in saved["results"].items()}
+        body = report(results, args)
+        replace_section(ROOT / "benchmarks" / "README.md", "async", body)
+        print(body)
+        return
     results: dict[int, list[dict]] = {k: [] for k in args.staleness}
     eval_every = max(1, args.steps // 3)
     for seed in args.seeds:
@@ -114,7 +133,6 @@ def main() -> None:
             run_seeded(label, seed, run_dir, args.preset, overrides, timeout_s=60 * 60)
             results[k].append({"seed": seed, **run_summary(run_dir / "metrics.jsonl")})
     body = report(results, args)
-    out = ROOT / "benchmarks" / "results" / "async.json"
     out.write_text(json.dumps({"args": {k: v for k, v in vars(args).items() if k != "out"}, "results": results},
                               indent=2, default=str))
     replace_section(ROOT / "benchmarks" / "README.md", "async", body)
