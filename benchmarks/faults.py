@@ -53,6 +53,8 @@ from pathlib import Path
 
 import msgpack
 
+from learner.workset import task_id_in_payload  # the learner's own reading of a raw payload
+
 ROOT = Path(__file__).resolve().parent.parent
 KINDS = ("generator", "reward", "learner", "redis")
 ROUNDS = 3
@@ -93,19 +95,6 @@ class Kill:
     rolled_back_to: int | None = None  # the lowest last step seen in the ledger after the kill
     new_pid: int | None = None
     held: int | None = None  # prompt tasks a killed generator held (the busiest one is killed)
-
-
-def payload_task_id(stream: str, payload: bytes) -> str | None:
-    """The task id inside a raw payload (prompts: PromptTask, rollouts: RolloutGroup, scored/held: ScoredGroup)."""
-    try:
-        data = msgpack.unpackb(payload, raw=False)
-        if stream == "prompts":
-            return str(data["task_id"])
-        if stream == "rollouts":
-            return str(data["task"]["task_id"])
-        return str(data["rollout"]["task"]["task_id"])
-    except Exception:
-        return None
 
 
 def digest(payload: bytes) -> str:
@@ -165,7 +154,7 @@ def match_dead(dead: list[dict], injections: list[Injection]) -> tuple[list[tupl
     pairs, unmatched = [], []
     for row in dead:
         payload = row.get("data", b"")
-        task_id = payload_task_id(row.get("stream", ""), payload)
+        task_id = task_id_in_payload(row.get("stream", ""), payload)
         found = next((i for i in free if i.stream == row.get("stream") and i.digest == digest(payload)), None)
         if found is None and task_id is not None:
             found = next((i for i in free if i.task_id == task_id and not i.real_task), None)
@@ -200,7 +189,7 @@ def analyze(final: list[dict], seen: list[dict], metrics_rows: list[dict], dead:
         if reason not in entry["reasons"]:
             entry["reasons"].append(reason[:200])
     legit = [{"stream": r.get("stream"), "reason": r.get("reason", "")[:200],
-              "task_id": payload_task_id(r.get("stream", ""), r.get("data", b""))} for r in unmatched]
+              "task_id": task_id_in_payload(r.get("stream", ""), r.get("data", b""))} for r in unmatched]
     forged = [i for i in injections if i.kind == "forged"]
     per_kind = {}
     for kind in KINDS:
@@ -506,7 +495,7 @@ class Faults:
         future["schema_version"] = 99
         payload = msgpack.packb(future, use_bin_type=True)
         write("malformed", "schema_version 99 (rollouts)", "rollouts", "unparseable RolloutGroup",
-              signed("rollouts", payload), payload_task_id("rollouts", payload))
+              signed("rollouts", payload), task_id_in_payload("rollouts", payload))
         garbage = b"\x93\x01\x02" + uuid.uuid4().bytes
         write("malformed", "garbage bytes (scored)", "scored", "unparseable ScoredGroup", signed("scored", garbage))
         write("malformed", "entry without a payload (scored)", "scored", "forged: no signature",
