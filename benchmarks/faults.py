@@ -53,6 +53,7 @@ from pathlib import Path
 
 import msgpack
 
+from cli.launcher import read_metrics  # skips a line being written
 from learner.workset import task_id_in_payload  # the learner's own reading of a raw payload
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -223,18 +224,8 @@ def analyze(final: list[dict], seen: list[dict], metrics_rows: list[dict], dead:
 
 
 # -- the live part -------------------------------------------------------------------------------------------
-def read_jsonl(path: Path) -> list[dict]:
-    rows = []
-    if path.exists():
-        for line in path.read_text().splitlines():
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue  # a line being written
-    return rows
-
-
 def children_of(pid: int) -> dict[int, str]:
+    """pid -> command line of the direct children of `pid` (from /proc)."""
     found = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -320,7 +311,7 @@ class Faults:
 
     def poll(self) -> int:
         """Read the ledger (remember every row, sample the last step); the last step."""
-        rows = read_jsonl(self.run_dir / "ledger.jsonl")
+        rows = read_metrics(self.run_dir / "ledger.jsonl")
         for row in rows:
             self.seen.setdefault((row["step"], tuple(row.get("trained", []))), row)
         last = rows[-1]["step"] if rows else 0
@@ -348,7 +339,7 @@ class Faults:
 
     def median_step(self) -> float:
         """The median step time so far; step 1 (which waited for the services to start) only if it is alone."""
-        rows = [r for r in read_jsonl(self.run_dir / "metrics.jsonl") if r.get("step_seconds")]
+        rows = [r for r in read_metrics(self.run_dir / "metrics.jsonl") if r.get("step_seconds")]
         seconds = [r["step_seconds"] for r in rows if r["step"] > 1] or [r["step_seconds"] for r in rows]
         return statistics.median(seconds) if seconds else 20.0
 
@@ -664,9 +655,9 @@ def main(argv: list[str] | None = None) -> int:
     faults.poll()
     faults.settle_kills()
     orphans = pgid_members(faults.groups)
-    final = read_jsonl(faults.run_dir / "ledger.jsonl")
+    final = read_metrics(faults.run_dir / "ledger.jsonl")
     dead = faults.dead_letters()
-    analysis = analyze(final, list(faults.seen.values()), read_jsonl(faults.run_dir / "metrics.jsonl"), dead,
+    analysis = analyze(final, list(faults.seen.values()), read_metrics(faults.run_dir / "metrics.jsonl"), dead,
                        faults.injections, faults.kills)
     load_end = os.getloadavg()
     result = {

@@ -14,16 +14,12 @@ from pathlib import Path
 
 import pytest
 
-from test_run_survives import checkpointed, ledger, wait_for
+from test_run_survives import checkpointed, ledger, small_run, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
 
 STEPS = 4
-OVERRIDES = [
-    f"learner.total_steps={STEPS}", "learner.prompts_per_step=4", "learner.eval_every=0",
-    "learner.checkpoint_every=1", "sampling.n=4", "sampling.max_tokens=48", "streams.visibility_timeout_s=20",
-]
 
 
 def learner_rank(run_dir: Path, rank: int) -> int:
@@ -46,7 +42,7 @@ def learner_rank(run_dir: Path, rank: int) -> int:
 def test_two_learner_ranks_survive_the_loss_of_one(short_tmp):
     run_dir = Path(short_tmp) / "run"
     command = [sys.executable, "-m", "cli", "run", "--no-display", "--learner-procs", "2", "-s", f"run_dir={run_dir}"]
-    for override in OVERRIDES:
+    for override in small_run(STEPS):
         command += ["-s", override]
     proc = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:

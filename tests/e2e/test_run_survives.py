@@ -14,32 +14,19 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.faults import children_of
 from cli.launcher import read_metrics
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
 
 STEPS = 5
-OVERRIDES = [
-    f"learner.total_steps={STEPS}", "learner.prompts_per_step=4", "learner.eval_every=0",
-    "learner.checkpoint_every=1", "sampling.n=4", "sampling.max_tokens=48", "streams.visibility_timeout_s=20",
-]
 
 
-def children_of(pid: int) -> dict[int, str]:
-    """pid -> command line of the direct children of `pid` (from /proc)."""
-    found = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-            ppid = int(stat.rsplit(")", 1)[1].split()[1])
-            if ppid == pid:
-                found[int(entry.name)] = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-        except (OSError, ValueError, IndexError):
-            continue
-    return found
+def small_run(steps: int) -> list[str]:
+    """`--set` overrides of a short run that checkpoints every step (the kill tests)."""
+    return [f"learner.total_steps={steps}", "learner.prompts_per_step=4", "learner.eval_every=0",
+            "learner.checkpoint_every=1", "sampling.n=4", "sampling.max_tokens=48", "streams.visibility_timeout_s=20"]
 
 
 def child_running(launcher: int, needle: str) -> int:
@@ -68,7 +55,7 @@ def wait_for(what: str, check, proc: subprocess.Popen, timeout: float):
 def test_run_survives_sigkill_of_learner_and_redis(short_tmp):
     run_dir = Path(short_tmp) / "run"
     command = [sys.executable, "-m", "cli", "run", "--no-display", "-s", f"run_dir={run_dir}"]
-    for override in OVERRIDES:
+    for override in small_run(STEPS):
         command += ["-s", override]
     proc = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
