@@ -129,10 +129,11 @@ def reward_env(placement: Placement) -> dict[str, str]:
     return {"DAPO_REWARD__WORKERS": str(placement.threads), "OMP_NUM_THREADS": "1"}
 
 
-def cpu_seconds(group: int) -> float:
-    """CPU seconds (user + system) used so far by the live processes of a process group (from /proc)."""
+def cpu_seconds_by_group() -> dict[int, float]:
+    """CPU seconds (user + system, and of reaped children) used so far by the live processes of every process
+    group, from one pass over /proc."""
     tick = os.sysconf("SC_CLK_TCK")
-    total = 0
+    totals: dict[int, int] = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
@@ -140,6 +141,6 @@ def cpu_seconds(group: int) -> float:
             fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        if int(fields[2]) == group:  # pgrp
-            total += sum(int(value) for value in fields[11:15])  # utime, stime, and of its reaped children
-    return total / tick
+        group = int(fields[2])  # pgrp
+        totals[group] = totals.get(group, 0) + sum(int(value) for value in fields[11:15])  # utime, stime, cutime, cstime
+    return {group: ticks / tick for group, ticks in totals.items()}

@@ -34,7 +34,7 @@ from rich.live import Live
 from rich.table import Table
 
 from cli import cores
-from cli.cores import CpuPlan, Placement, cpu_seconds
+from cli.cores import CpuPlan, Placement, cpu_seconds_by_group
 from services.config import DEFAULT_TOKEN, Settings, dump_settings
 from services.http import free_port
 from services.redis_local import EmbeddedRedis, embedded_server, without_password
@@ -83,9 +83,10 @@ class Child:
         log_file.close()
         self.started_at = time.monotonic()
 
-    def sample_cpu(self) -> None:
+    def sample_cpu(self, by_group: dict[int, float]) -> None:
+        """Record its process group's CPU seconds (`cores.cpu_seconds_by_group`: it leads its own group)."""
         if self.alive():
-            self.cpu_now = max(self.cpu_now, cpu_seconds(self.process.pid))
+            self.cpu_now = max(self.cpu_now, by_group.get(self.process.pid, 0.0))
 
     @property
     def cpu_total(self) -> float:
@@ -297,8 +298,9 @@ def supervise(children: list[Child], metrics_path: Path, total_steps: int, displ
             for child in children[1:]:
                 if not child.alive() and child.process is not None:
                     child.restart()
+            by_group = cpu_seconds_by_group()
             for child in children:
-                child.sample_cpu()
+                child.sample_cpu(by_group)
             rows = read_metrics(metrics_path)
             if live:
                 live.update(status_table(rows, children, total_steps))

@@ -112,3 +112,29 @@ def test_engine_processes_die_with_their_generator(tmp_path):
         assert wait_gone(core, 10) and wait_gone(worker, 10), "engine processes outlived their generator"
     finally:
         child.kill_group()
+
+
+def test_a_child_runs_on_its_cpus_and_its_cpu_time_is_counted(tmp_path):
+    """The launcher's placement (affinity, priority) reaches the child, and its process group's CPU seconds,
+    a grandchild's included, are read from one pass over /proc."""
+    from cli.cores import Placement, cpu_seconds_by_group
+
+    burn = "import os, subprocess, sys, time\n" \
+           "subprocess.Popen([sys.executable, '-c', 'import time\\nt = time.process_time()\\n" \
+           "while time.process_time() - t < 0.6: pass\\ntime.sleep(60)'])\n" \
+           "print(sorted(os.sched_getaffinity(0)), os.nice(0), flush=True)\ntime.sleep(60)\n"
+    cpu = min(os.sched_getaffinity(0))
+    child = Child("burner", [sys.executable, "-c", burn], dict(os.environ), tmp_path / "burner.log",
+                  placement=Placement((cpu,), 1, nice=5))
+    child.start()
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            child.sample_cpu(cpu_seconds_by_group())
+            if child.cpu_total >= 0.5:
+                break
+            time.sleep(0.2)
+        assert child.cpu_total >= 0.5  # the grandchild's busy loop, counted in the group
+        assert child.log_path.read_text().split() == [f"[{cpu}]", "5"]
+    finally:
+        child.kill_group()
