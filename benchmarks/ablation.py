@@ -5,8 +5,8 @@
 The rows are `configs/ablations/*.yaml` (written for the 32B recipe). What a row changes is its DAPO switches
 (SWITCHES below); those are read from the row and laid over the tiny preset, so the tiny ladder is the paper's
 ladder and nothing else: same base model, data, batch shape and learning rate in every row. Each run trains
-for `--minutes` of wall time (learner.time_limit_minutes: the same compute for every row, as in the paper's
-figure of accuracy against steps at equal cost) and is evaluated at the end. Reported into benchmarks/README.md
+for `--minutes` of training, evaluations excluded (learner.time_limit_minutes: the same compute for every row,
+as in the paper's figure of accuracy against steps at equal cost) and is evaluated at the end. Reported into benchmarks/README.md
 between the `ablation` markers and as benchmarks/results/ablation.{json,png}: held-out accuracy at the end,
 mean and spread over seeds, and the gain over the row's own step-0 accuracy.
 """

@@ -21,7 +21,7 @@ import json
 import statistics
 from pathlib import Path
 
-from benchmarks.runs import ROOT, replace_section, run_seeded
+from benchmarks.runs import ROOT, first_minute_at, replace_section, run_seeded, training_minutes
 
 GOAL = 0.6
 BREAKDOWN = ("wait", "wait_generation", "wait_verification", "train", "publish", "learner_idle", "generator_busy",
@@ -41,8 +41,9 @@ def run_summary(metrics_path: Path) -> dict:
         raise RuntimeError(f"{metrics_path}: fewer than 2 steps")
     span = steps[-1]["time"] - steps[0]["started"]
     start = next((r["time"] for r in rows if r["step"] == 0), rows[0]["time"])
-    evals = [(r["step"], (r["time"] - start) / 60.0, r["eval_accuracy"]) for r in rows
-             if r.get("eval_accuracy") is not None]
+    measured = [r for r in rows if r.get("eval_accuracy") is not None]
+    evals = list(zip((r["step"] for r in measured), training_minutes(rows, start, measured),
+                     (r["eval_accuracy"] for r in measured)))
     return {
         "step_seconds": statistics.fmean(r["step_seconds"] for r in steps),
         "steps_per_minute": 60.0 * len(steps) / span if span > 0 else None,
@@ -53,7 +54,7 @@ def run_summary(metrics_path: Path) -> dict:
 
 
 def minutes_to(evals: list[tuple[int, float, float]], target: float) -> float | None:
-    return next((minute for _, minute, accuracy in evals if accuracy >= target), None)
+    return first_minute_at([m for _, m, _ in evals], [a for _, _, a in evals], target)
 
 
 def report(results: dict[int, list[dict]], args: argparse.Namespace) -> str:

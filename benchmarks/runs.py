@@ -29,7 +29,7 @@ class Curve:
     label: str
     seed: int
     steps: list[int]
-    minutes: list[float]  # since the step-0 record (written after the baseline evaluation)
+    minutes: list[float]  # of training: since the step-0 record (after the baseline evaluation), evaluations excluded
     accuracy: list[float]
     step_seconds: float  # mean over training steps
     returncode: int
@@ -46,6 +46,10 @@ class Curve:
                 value = a
         return value
 
+    def minutes_to(self, target: float) -> float | None:
+        """Minutes of the first evaluation at or above `target` (None: never reached)."""
+        return first_minute_at(self.minutes, self.accuracy, target)
+
     def max_drop(self, after_step: int = 10) -> float:
         """The largest fall between two consecutive evaluations taken after `after_step` (0 if none fell)."""
         points = [(s, a) for s, a in zip(self.steps, self.accuracy) if s >= after_step]
@@ -54,6 +58,10 @@ class Curve:
     def to_json(self) -> dict:
         return {"label": self.label, "seed": self.seed, "steps": self.steps, "minutes": self.minutes,
                 "accuracy": self.accuracy, "step_seconds": self.step_seconds, "returncode": self.returncode}
+
+
+def first_minute_at(minutes: list[float], accuracy: list[float], target: float) -> float | None:
+    return next((m for m, a in zip(minutes, accuracy) if a >= target - 1e-9), None)
 
 
 def seed_overrides(seed: int) -> list[str]:
@@ -88,11 +96,24 @@ def read_curve(label: str, seed: int, metrics_path: Path, returncode: int = 0) -
     return Curve(
         label=label, seed=seed,
         steps=[r["step"] for r in evals],
-        minutes=[(r["time"] - start) / 60.0 for r in evals],
+        minutes=training_minutes(rows, start, evals),
         accuracy=[r["eval_accuracy"] for r in evals],
         step_seconds=statistics.fmean(seconds) if seconds else 0.0,
         returncode=returncode,
     )
+
+
+def training_minutes(rows: list[dict], start: float, at: list[dict]) -> list[float]:
+    """Minutes from `start` to each row of `at`, less the evaluations run after step 0 up to it: a run's step
+    record is written after its evaluation, which trains nothing (the same clock as learner.time_limit_minutes)."""
+    minutes, evaluating = [], 0.0
+    marks = {id(r) for r in at}
+    for row in rows:
+        if row["step"] > 0:
+            evaluating += row.get("eval_seconds") or 0.0
+        if id(row) in marks:
+            minutes.append((row["time"] - start - evaluating) / 60.0)
+    return minutes
 
 
 def grid(curves: list[Curve], points: int = 60) -> list[float]:

@@ -131,6 +131,7 @@ class LearnerService:
         self.records = Records(settings)
         self.http: BackgroundServer | None = None
         self.train_started = time.monotonic()
+        self.eval_seconds = 0.0  # spent evaluating since train_started: not training time
 
     # -- setup -------------------------------------------------------------------------------------------------
     def connect(self) -> None:
@@ -195,7 +196,7 @@ class LearnerService:
         try:
             if not resumed and self.step == 0 and self.cfg.eval_every > 0:
                 self.baseline_eval()
-            self.train_started = time.monotonic()
+            self.train_started, self.eval_seconds = time.monotonic(), 0.0
             while not self.finished() and not self.stopping.is_set():
                 if not self.run_step():
                     break
@@ -357,9 +358,10 @@ class LearnerService:
         return self.finished() or (every > 0 and self.step % every == 0)
 
     def finished(self) -> bool:
-        """total_steps reached, or learner.time_limit_minutes of training spent by this process."""
+        """total_steps reached, or learner.time_limit_minutes of training (evaluations excluded) in this process."""
         limit = self.cfg.time_limit_minutes
-        over_time = limit > 0 and time.monotonic() - self.train_started >= 60.0 * limit
+        trained = time.monotonic() - self.train_started - self.eval_seconds
+        over_time = limit > 0 and trained >= 60.0 * limit
         return self.step >= self.cfg.total_steps or over_time
 
     def checkpoint_if_new(self) -> None:
@@ -440,6 +442,7 @@ class LearnerService:
         self.last_eval_step = self.step
         summary = round_.summary()
         summary["eval_seconds"] = time.perf_counter() - started
+        self.eval_seconds += summary["eval_seconds"]
         self.records.tracking.log_samples(round_.examples, self.step)
         return summary
 

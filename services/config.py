@@ -212,7 +212,7 @@ class LearnerConfig(Section):
     epochs: int = Field(1, description="Passes over the batch per step.")
     total_steps: int = Field(1000, description="Training steps before the learner stops.")
     time_limit_minutes: float = Field(
-        0.0, ge=0.0, description="Also stop after this many minutes of training in this process (0 = no limit)."
+        0.0, ge=0.0, description="Also stop after this many minutes of training, evaluations excluded, in this process (0 = no limit)."
     )
     lr: float = Field(1e-6, description="AdamW learning rate (paper: 1e-6).")
     warmup_steps: int = Field(20, description="Linear warm-up over this many rollout steps (paper §4.1: 20).")

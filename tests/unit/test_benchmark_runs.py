@@ -27,6 +27,16 @@ def test_read_curve_measures_minutes_from_the_step_zero_record(tmp_path):
     assert (c.steps, c.minutes, c.accuracy, c.step_seconds, c.base) == ([0, 2], [0.0, 1.0], [0.2, 0.3], 6.0, 0.2)
 
 
+def test_training_minutes_leave_out_the_evaluations_after_step_zero(tmp_path):
+    rows = [{"step": 0, "eval_accuracy": 0.2, "eval_seconds": 50.0, "time": 100.0},  # before the clock starts
+            {"step": 1, "eval_accuracy": 0.25, "eval_seconds": 30.0, "time": 190.0},
+            {"step": 2, "eval_accuracy": None, "time": 220.0},
+            {"step": 3, "eval_accuracy": 0.3, "eval_seconds": 15.0, "time": 265.0}]
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert read_curve("t", 0, path).minutes == [0.0, 1.0, 2.0]
+
+
 def test_accuracy_at_a_minute_is_what_the_run_had_measured_by_then():
     c = curve(0, [0, 5, 10], [0.0, 1.0, 2.0], [0.2, 0.3, 0.25])
     assert [c.at_minute(m) for m in (0.0, 0.99, 1.0, 1.5, 2.0, 9.0)] == [0.2, 0.2, 0.3, 0.3, 0.25, 0.25]

@@ -1,0 +1,324 @@
+"""Time to accuracy against the peer: this project's `dapo run` against TRL's GRPOTrainer (loss_type="dapo").
+
+    pip install -e '.[cpu,bench]'
+    python -m benchmarks.peer_trl [--seeds 0 1 2] [--minutes 4] [--systems project trl-small trl-matched]
+                                  [--set key=value ...]  (project overrides)
+
+Everything but the system is the same: the embedded tiny model (the cached `dapo bootstrap` build), the
+synthetic training problems in each seed's order, the prompt text, the verifier and reward rule
+(`reward.verify` + `reward.shaping.shape`: +1/-1 with the soft overlong punishment), the sampling (T = 1,
+top_p = 1, 64 new tokens) and the held-out set (all problems of `data.eval`, `eval_sampling.n` samples each,
+avg@n accuracy). Each run trains for `--minutes` of training: evaluation is left out on both sides (the
+project's metrics.jsonl records each evaluation's seconds; TRL is snapshotted in memory while its clock is
+paused and the snapshots are evaluated after training, with transformers' batched `generate`).
+
+Systems:
+- `project`: `dapo run` of the preset (every service on its own CPUs, cli/cores.py), seeded as benchmarks/runs.py.
+- `trl-matched`: TRL with the project's batch shape: prompts_per_step x n completions per generation,
+  mini_batches optimizer steps per generation, `epochs` passes, the same lr, warm-up, clip range, grad clip.
+- `trl-small`: TRL as a CPU user would run it: 16 completions per step, 8 per prompt, one pass.
+TRL is one process that generates and trains in turn on all CPUs; it has no dynamic sampling.
+
+Measured: minutes of training to reach each held-out accuracy target (the first evaluation at or above it),
+per seed; the median over seeds (a seed that never reaches a target counts as never); and the ratio project /
+TRL per target. Goal (issue 15): the project reaches each target in at most half of TRL's time (ratio <= 0.5).
+Reported into benchmarks/README.md between the `peer-trl` markers and benchmarks/results/peer_trl.{json,png}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from benchmarks.runs import ROOT, Curve, read_curve, replace_section, run_seeded
+
+GOAL = 0.5
+TARGETS = (0.30, 0.35, 0.40, 0.45)
+SYSTEMS = ("project", "trl-small", "trl-matched")
+SNAPSHOT_SECONDS = 15.0  # TRL: an evaluation point every this many seconds of training
+
+
+# -- the TRL side (runs in its own process: `python -m benchmarks.peer_trl trl ...`) ------------------------------
+def trl_shape(setting: str, learner, n: int) -> dict:
+    """GRPOConfig batch fields for a setting. matched: one generation = prompts_per_step x n completions, cut
+    into mini_batches optimizer steps, `epochs` passes over it (TRL's num_iterations)."""
+    if setting == "matched":
+        per_step = learner.prompts_per_step * n // learner.mini_batches
+        return {"num_generations": n, "per_device_train_batch_size": per_step,
+                "steps_per_generation": learner.mini_batches, "num_iterations": learner.epochs}
+    if setting == "small":
+        return {"num_generations": 8, "per_device_train_batch_size": 16, "steps_per_generation": 1,
+                "num_iterations": 1}
+    raise ValueError(f"unknown TRL setting {setting!r} (matched, small)")
+
+
+def reward_function(settings):
+    """The project's reward rule as a TRL reward function (the reward service's verify + shape)."""
+    from reward.shaping import shape
+    from reward.verify import verify
+
+    max_tokens, rcfg = settings.sampling.max_tokens, settings.reward
+
+    def project_reward(prompts, completions, completion_ids, ground_truth, **_) -> list[float]:
+        return [
+            shape(verify(text, truth), length=len(ids), max_tokens=max_tokens, overlong_buffer=rcfg.overlong_buffer,
+                  overlong_factor=rcfg.overlong_penalty, soft_overlong=rcfg.soft_overlong).reward
+            for text, ids, truth in zip(completions, completion_ids, ground_truth, strict=True)
+        ]
+
+    return project_reward
+
+
+def held_out_accuracy(model, tokenizer, prompts: list[str], answers: list[str], n: int, max_tokens: int,
+                      temperature: float, seed: int, chunk: int = 128) -> float:
+    """avg@n on the held-out problems with transformers' batched sampling (the same verifier as the reward)."""
+    import torch
+
+    from reward.verify import verify
+
+    torch.manual_seed(seed)
+    tokenizer.padding_side = "left"
+    correct = samples = 0
+    model.eval()
+    with torch.no_grad():
+        for start in range(0, len(prompts), chunk):
+            batch = tokenizer(prompts[start:start + chunk], return_tensors="pt", padding=True, add_special_tokens=False)
+            out = model.generate(**batch, do_sample=True, temperature=temperature, top_p=1.0, top_k=0,
+                                 max_new_tokens=max_tokens, num_return_sequences=n,
+                                 pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+            texts = tokenizer.batch_decode(out[:, batch["input_ids"].shape[1]:], skip_special_tokens=True)
+            for k, text in enumerate(texts):
+                correct += verify(text, answers[start + k // n]).correct
+                samples += 1
+    return correct / samples
+
+
+def run_trl(setting: str, seed: int, minutes: float, preset: str, out: Path) -> None:
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from cli.bootstrap import ensure_model
+    from learner.service import TrainProblems, data_spec
+    from services.config import load_settings
+    from services.data import load_problems, render_prompt
+
+    settings = load_settings(preset, data={"seed": seed})
+    cpus = len(os.sched_getaffinity(0))
+    torch.set_num_threads(cpus)  # one process generates and trains in turn: it gets every CPU
+    model_dir = ensure_model(settings, progress=False)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    template, raw = settings.data.prompt_template, settings.data.raw_template
+
+    def rows(problems):
+        return [{"prompt": render_prompt(p, tokenizer, template, raw_template=raw), "ground_truth": p.answer}
+                for p in problems]
+
+    train = TrainProblems(load_problems(data_spec(settings.data.train, "train"), settings), settings.data.seed)
+    order = [train.next() for _ in range(len(train.problems))]  # the project's order for this seed (epoch 0)
+    held_out = load_problems(data_spec(settings.data.eval, "eval"), settings)
+    if settings.data.eval_size > 0:
+        held_out = held_out[: settings.data.eval_size]
+    cfg, s = settings.learner, settings.sampling
+    args = GRPOConfig(
+        output_dir=str(out.parent / f"{out.stem}-trainer"), seed=seed, use_cpu=True, bf16=False,
+        report_to=[], save_strategy="no", logging_steps=10, disable_tqdm=True, max_steps=1_000_000, shuffle_dataset=False,
+        max_completion_length=s.max_tokens, temperature=s.temperature, top_p=s.top_p, top_k=0,
+        learning_rate=cfg.lr, lr_scheduler_type="constant_with_warmup", weight_decay=cfg.weight_decay,
+        adam_beta1=cfg.adam_betas[0], adam_beta2=cfg.adam_betas[1], max_grad_norm=cfg.grad_clip,
+        beta=0.0, loss_type="dapo", epsilon=cfg.clip_low, epsilon_high=cfg.clip_high,
+        mask_truncated_completions=cfg.overlong_filter, remove_unused_columns=False, disable_dropout=True,
+        **trl_shape(setting, cfg, s.n),
+    )
+    args.warmup_steps = cfg.warmup_steps * (args.steps_per_generation or 1)  # the project warms up over rollout steps
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+
+    class Clock(TrainerCallback):
+        """Training seconds (snapshots excluded); an in-memory snapshot every SNAPSHOT_SECONDS; stop at the limit."""
+
+        def __init__(self):
+            self.started = self.paused = 0.0
+            self.snapshots: list[tuple[float, int, dict]] = []
+
+        def trained(self) -> float:
+            return time.perf_counter() - self.started - self.paused
+
+        def snapshot(self, step: int) -> None:
+            began = time.perf_counter()
+            self.snapshots.append((self.trained(), step, {k: v.detach().clone() for k, v in model.state_dict().items()}))
+            self.paused += time.perf_counter() - began
+
+        def on_train_begin(self, args, state, control, **kw):
+            self.started = time.perf_counter()
+            self.snapshot(0)
+
+        def on_step_end(self, args, state, control, **kw):
+            seconds = self.trained()
+            if seconds >= 60.0 * minutes:
+                self.snapshot(state.global_step)
+                control.should_training_stop = True
+            elif seconds >= len(self.snapshots) * SNAPSHOT_SECONDS:
+                self.snapshot(state.global_step)
+
+    clock = Clock()
+    trainer = GRPOTrainer(model=model, reward_funcs=[reward_function(settings)], args=args,
+                          train_dataset=Dataset.from_list(rows(order)), processing_class=tokenizer, callbacks=[clock])
+    trainer.train()
+    e = settings.eval_sampling
+    prompts, answers = [r["prompt"] for r in rows(held_out)], [p.answer for p in held_out]
+    curve = {"label": f"trl-{setting}", "seed": seed, "steps": [], "minutes": [], "accuracy": []}
+    for seconds, step, state in clock.snapshots:
+        model.load_state_dict(state)
+        curve["steps"].append(step)
+        curve["minutes"].append(seconds / 60.0)
+        curve["accuracy"].append(held_out_accuracy(model, tokenizer, prompts, answers, e.n, e.max_tokens,
+                                                   e.temperature, seed))
+        print(f"[trl-{setting} seed {seed}] step {step} at {seconds / 60:.2f} min: {curve['accuracy'][-1]:.3f}",
+              flush=True)
+    steps = max(1, clock.snapshots[-1][1])
+    curve.update(step_seconds=clock.snapshots[-1][0] / steps, returncode=0)
+    out.write_text(json.dumps(curve))
+
+
+# -- the comparison -------------------------------------------------------------------------------------------------
+def median_minutes(curves: list[Curve], target: float) -> float | None:
+    """The median seed's minutes to `target` (the slower middle seed for an even count); a seed that never got
+    there is slower than any that did, and a median seed that never got there gives None."""
+    never, minutes = sorted((t is None, t or 0.0) for t in (c.minutes_to(target) for c in curves))[len(curves) // 2]
+    return None if never else minutes
+
+
+def fmt(value: float | None, digits: int = 2) -> str:
+    return "never" if value is None else f"{value:.{digits}f}"
+
+
+def ratio(ours: float | None, theirs: float | None) -> str:
+    if ours is None and theirs is None:
+        return "neither"
+    if ours is None:
+        return "not reached"
+    if theirs is None:
+        return "TRL never"
+    return f"{ours / theirs:.2f}" if theirs > 0 else "n/a"
+
+
+def report(results: dict[str, list[Curve]], command: str) -> str:
+    systems = [s for s in SYSTEMS if results.get(s)]
+    lines = [f"`{command}`", "",
+             "Minutes of training (evaluations excluded) to reach each held-out accuracy, median over seeds:", "",
+             "| system | step (s) | start | end | " + " | ".join(f"{100 * t:.0f} %" for t in TARGETS) + " |",
+             "| --- | ---: | ---: | ---: | " + " | ".join("---:" for _ in TARGETS) + " |"]
+    for system in systems:
+        curves = results[system]
+        lines.append(
+            f"| {system} | {statistics.fmean(c.step_seconds for c in curves):.2f} | "
+            f"{100 * statistics.median(c.base for c in curves):.1f} | "
+            f"{100 * statistics.median(c.accuracy[-1] for c in curves):.1f} | "
+            + " | ".join(fmt(median_minutes(curves, t)) for t in TARGETS) + " |")
+    if results.get("project"):
+        lines += ["", "Ratio project / TRL per target (goal: at most " + f"{GOAL}" + "):", "",
+                  "| against | " + " | ".join(f"{100 * t:.0f} %" for t in TARGETS) + " |",
+                  "| --- | " + " | ".join("---:" for _ in TARGETS) + " |"]
+        ours = [median_minutes(results["project"], t) for t in TARGETS]
+        for system in systems[1:]:
+            theirs = [median_minutes(results[system], t) for t in TARGETS]
+            lines.append(f"| {system} | " + " | ".join(ratio(o, t) for o, t in zip(ours, theirs)) + " |")
+    lines += ["", "Per seed (minutes to each target):", "",
+              "| system | seed | start | end | evaluations | " + " | ".join(f"{100 * t:.0f} %" for t in TARGETS) + " |",
+              "| --- | ---: | ---: | ---: | ---: | " + " | ".join("---:" for _ in TARGETS) + " |"]
+    for system in systems:
+        for c in results[system]:
+            lines.append(f"| {system} | {c.seed} | {100 * c.base:.1f} | {100 * c.accuracy[-1]:.1f} | {len(c.steps)} | "
+                         + " | ".join(fmt(c.minutes_to(t)) for t in TARGETS) + " |")
+    return "\n".join(lines)
+
+
+def plot(results: dict[str, list[Curve]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for colour, system in zip(("C0", "C1", "C2"), SYSTEMS):
+        for k, c in enumerate(results.get(system, [])):
+            ax.step(c.minutes, [100 * a for a in c.accuracy], where="post", color=colour, alpha=0.8,
+                    label=system if k == 0 else None)
+    ax.set_xlabel("minutes of training (evaluations excluded)")
+    ax.set_ylabel("held-out accuracy (%)")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def curve_from_json(data: dict) -> Curve:
+    return Curve(**{k: data[k] for k in ("label", "seed", "steps", "minutes", "accuracy", "step_seconds",
+                                          "returncode")})
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command")
+    one = sub.add_parser("trl", help="one TRL run (used by the comparison)")
+    one.add_argument("--setting", choices=("matched", "small"), required=True)
+    one.add_argument("--seed", type=int, default=0)
+    one.add_argument("--minutes", type=float, default=4.0)
+    one.add_argument("--preset", default="tiny-cpu")
+    one.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--minutes", type=float, default=4.0, help="training minutes of every run")
+    parser.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS))
+    parser.add_argument("--preset", default="tiny-cpu")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], help="project override key=value")
+    parser.add_argument("--out", type=Path, default=ROOT / "runs" / "bench-peer-trl")
+    parser.add_argument("--report-only", action="store_true", help="rebuild the report from results/peer_trl.json")
+    args = parser.parse_args()
+    if args.command == "trl":
+        run_trl(args.setting, args.seed, args.minutes, args.preset, args.out)
+        return
+
+    results_path = ROOT / "benchmarks" / "results" / "peer_trl.json"
+    if args.report_only:
+        saved = json.loads(results_path.read_text())
+        command, results = saved["command"], {s: [curve_from_json(c) for c in cs] for s, cs in saved["runs"].items()}
+    else:
+        args.out.mkdir(parents=True, exist_ok=True)
+        results = {s: [] for s in args.systems}
+        for seed in args.seeds:  # interleaved: a change in the machine's load hits every system alike
+            for system in args.systems:
+                if system == "project":
+                    overrides = [f"learner.time_limit_minutes={args.minutes}", "learner.total_steps=100000",
+                                 *args.overrides]
+                    curve = run_seeded(system, seed, args.out / f"project-seed{seed}", args.preset, overrides,
+                                       60 * (args.minutes + 20))
+                    results[system].append(curve)
+                    continue
+                out = args.out / f"{system}-seed{seed}.json"
+                cmd = [sys.executable, "-m", "benchmarks.peer_trl", "trl", "--setting", system.removeprefix("trl-"),
+                       "--seed", str(seed), "--minutes", str(args.minutes), "--preset", args.preset, "--out", str(out)]
+                print(f"[{system} seed {seed}] {' '.join(cmd)}", flush=True)
+                with open(args.out / f"{system}-seed{seed}.out", "w") as log:
+                    subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, check=True,
+                                   timeout=60 * (args.minutes + 30))
+                results[system].append(curve_from_json(json.loads(out.read_text())))
+        command = (f"python -m benchmarks.peer_trl --seeds {' '.join(map(str, args.seeds))} --minutes {args.minutes:g}"
+                   f" --systems {' '.join(args.systems)} --preset {args.preset}"
+                   + "".join(f" --set {o}" for o in args.overrides))
+        results_path.write_text(json.dumps({"command": command, "runs": {s: [c.to_json() for c in cs]
+                                                                         for s, cs in results.items()}}, indent=1))
+    plot(results, ROOT / "benchmarks" / "results" / "peer_trl.png")
+    body = report(results, command) + "\n\n![peer-trl](results/peer_trl.png)"
+    replace_section(ROOT / "benchmarks" / "README.md", "peer-trl", body)
+    print(body)
+
+
+if __name__ == "__main__":
+    main()
