@@ -16,7 +16,8 @@ Systems:
 - `project`: `dapo run` of the preset (every service on its own CPUs, cli/cores.py), seeded as benchmarks/runs.py.
 - `trl-matched`: TRL with the project's batch shape: prompts_per_step x n completions per generation,
   mini_batches optimizer steps per generation, `epochs` passes, the same lr, warm-up, clip range, grad clip.
-- `trl-small`: TRL as a CPU user would run it: 16 completions per step, 8 per prompt, one pass.
+- `trl-small`: TRL as a CPU user would run it: 16 completions per step, 8 per prompt, one pass, its learning
+  rate tuned (SMALL_LR: the project's 3e-4 collapses at this batch size).
 TRL is one process that generates and trains in turn on all CPUs; it has no dynamic sampling.
 
 Measured: minutes of training to reach each held-out accuracy target (the first evaluation at or above it),
@@ -41,20 +42,25 @@ from benchmarks.runs import ROOT, Curve, read_curve, replace_section, run_seeded
 GOAL = 0.5
 TARGETS = (0.30, 0.35, 0.40, 0.45)
 SYSTEMS = ("project", "trl-small", "trl-matched")
-SNAPSHOT_SECONDS = 15.0  # TRL: an evaluation point every this many seconds of training
+SNAPSHOT_SECONDS = 20.0  # TRL: an evaluation point every this many seconds of training
+# trl-small's learning rate, the best of a sweep on seed 0 (runs/tune, 2.5 minutes each): at the project's 3e-4,
+# 16-completion steps collapsed (24 % -> 1 %); 1e-4 reached 35 % in 0.25 minutes and 42 % in 1.75; 3e-5 reached
+# 33 % in 0.33 and 41 % in 1.67.
+SMALL_LR = 1e-4
 
 
 # -- the TRL side (runs in its own process: `python -m benchmarks.peer_trl trl ...`) ------------------------------
 def trl_shape(setting: str, learner, n: int) -> dict:
-    """GRPOConfig batch fields for a setting. matched: one generation = prompts_per_step x n completions, cut
+    """GRPOConfig batch fields and learning rate for a setting. matched: one generation = prompts_per_step x n completions, cut
     into mini_batches optimizer steps, `epochs` passes over it (TRL's num_iterations)."""
     if setting == "matched":
         per_step = learner.prompts_per_step * n // learner.mini_batches
         return {"num_generations": n, "per_device_train_batch_size": per_step,
-                "steps_per_generation": learner.mini_batches, "num_iterations": learner.epochs}
+                "steps_per_generation": learner.mini_batches, "num_iterations": learner.epochs,
+                "learning_rate": learner.lr}
     if setting == "small":
         return {"num_generations": 8, "per_device_train_batch_size": 16, "steps_per_generation": 1,
-                "num_iterations": 1}
+                "num_iterations": 1, "learning_rate": SMALL_LR}
     raise ValueError(f"unknown TRL setting {setting!r} (matched, small)")
 
 
@@ -131,7 +137,7 @@ def run_trl(setting: str, seed: int, minutes: float, preset: str, out: Path) -> 
         output_dir=str(out.parent / f"{out.stem}-trainer"), seed=seed, use_cpu=True, bf16=False,
         report_to=[], save_strategy="no", logging_steps=10, disable_tqdm=True, max_steps=1_000_000, shuffle_dataset=False,
         max_completion_length=s.max_tokens, temperature=s.temperature, top_p=s.top_p, top_k=0,
-        learning_rate=cfg.lr, lr_scheduler_type="constant_with_warmup", weight_decay=cfg.weight_decay,
+        lr_scheduler_type="constant_with_warmup", weight_decay=cfg.weight_decay,
         adam_beta1=cfg.adam_betas[0], adam_beta2=cfg.adam_betas[1], max_grad_norm=cfg.grad_clip,
         beta=0.0, loss_type="dapo", epsilon=cfg.clip_low, epsilon_high=cfg.clip_high,
         mask_truncated_completions=cfg.overlong_filter, remove_unused_columns=False, disable_dropout=True,
