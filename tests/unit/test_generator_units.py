@@ -16,6 +16,7 @@ from generator.engine import (
     InvalidTask,
     check_task,
     default_max_model_len,
+    default_max_num_seqs,
     map_finish_reason,
     safe_decode,
     stop_token_ids,
@@ -214,3 +215,9 @@ def test_pulls_from_only_the_configured_learner():
     assert not pulls_from("http://learner:8000/other/3", base)
     assert not pulls_from("http://learner:8000/v1/weights/../../x", base)
     assert not pulls_from("https://h/v1/weights/3", "https://h/dapo")
+
+
+def test_max_num_seqs_default_holds_every_sample_of_a_full_batch():
+    settings = load_settings("tiny-cpu", generator={"tasks_per_batch": 8}, eval_sampling={"n": 32})
+    assert default_max_num_seqs(settings) == 8 * 32
+    assert default_max_num_seqs(load_settings("tiny-cpu", generator={"max_num_seqs": 100})) == 100
