@@ -285,7 +285,7 @@ def main() -> None:
     parser.add_argument("--preset", default="tiny-cpu")
     parser.add_argument("--set", dest="overrides", action="append", default=[], help="project override key=value")
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "bench-peer-trl")
-    parser.add_argument("--report-only", action="store_true", help="rebuild the report from results/peer_trl.json")
+    parser.add_argument("--report-only", action="store_true", help="rebuild the report from results/peer_trl.json (project curves from --out when present)")
     args = parser.parse_args()
     if args.command == "trl":
         run_trl(args.setting, args.seed, args.minutes, args.preset, args.out)
@@ -295,6 +295,10 @@ def main() -> None:
     if args.report_only:
         saved = json.loads(results_path.read_text())
         command, results = saved["command"], {s: [curve_from_json(c) for c in cs] for s, cs in saved["runs"].items()}
+        for k, c in enumerate(results.get("project", [])):  # re-read from the run when it is still there
+            metrics = args.out / f"project-seed{c.seed}" / "metrics.jsonl"
+            if metrics.exists():
+                results["project"][k] = read_curve("project", c.seed, metrics, c.returncode)
     else:
         args.out.mkdir(parents=True, exist_ok=True)
         results = {s: [] for s in args.systems}

@@ -104,15 +104,15 @@ def read_curve(label: str, seed: int, metrics_path: Path, returncode: int = 0) -
 
 
 def training_minutes(rows: list[dict], start: float, at: list[dict]) -> list[float]:
-    """Minutes from `start` to each row of `at`, less the evaluations run after step 0 up to it: a run's step
-    record is written after its evaluation, which trains nothing (the same clock as learner.time_limit_minutes)."""
+    """Minutes from `start` to each row of `at`, less the evaluations run after step 0 before it, which train
+    nothing (the same clock as learner.time_limit_minutes). A step's `time` is taken before its own evaluation."""
     minutes, evaluating = [], 0.0
     marks = {id(r) for r in at}
     for row in rows:
-        if row["step"] > 0:
-            evaluating += row.get("eval_seconds") or 0.0
         if id(row) in marks:
             minutes.append((row["time"] - start - evaluating) / 60.0)
+        if row["step"] > 0:
+            evaluating += row.get("eval_seconds") or 0.0
     return minutes
 
 

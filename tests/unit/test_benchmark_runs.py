@@ -29,9 +29,9 @@ def test_read_curve_measures_minutes_from_the_step_zero_record(tmp_path):
 
 def test_training_minutes_leave_out_the_evaluations_after_step_zero(tmp_path):
     rows = [{"step": 0, "eval_accuracy": 0.2, "eval_seconds": 50.0, "time": 100.0},  # before the clock starts
-            {"step": 1, "eval_accuracy": 0.25, "eval_seconds": 30.0, "time": 190.0},
-            {"step": 2, "eval_accuracy": None, "time": 220.0},
-            {"step": 3, "eval_accuracy": 0.3, "eval_seconds": 15.0, "time": 265.0}]
+            {"step": 1, "eval_accuracy": 0.25, "eval_seconds": 30.0, "time": 160.0},
+            {"step": 2, "eval_accuracy": None, "time": 210.0},
+            {"step": 3, "eval_accuracy": 0.3, "eval_seconds": 15.0, "time": 250.0}]
     path = tmp_path / "metrics.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert read_curve("t", 0, path).minutes == [0.0, 1.0, 2.0]
