@@ -265,6 +265,25 @@ def plot(results: dict[str, list[Curve]], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+def one_run(system: str, seed: int, args: argparse.Namespace) -> Curve:
+    """One system on one seed, run now, or read back from --out with --reuse when it finished before."""
+    if system == "project":
+        run_dir = args.out / f"project-seed{seed}"
+        if args.reuse and (run_dir / "summary.json").exists():
+            return read_curve(system, seed, run_dir / "metrics.jsonl")
+        overrides = [f"learner.time_limit_minutes={args.minutes}", "learner.total_steps=100000", *args.overrides]
+        return run_seeded(system, seed, run_dir, args.preset, overrides, 60 * (args.minutes + 20))
+    out = args.out / f"{system}-seed{seed}.json"
+    if not (args.reuse and out.exists()):
+        cmd = [sys.executable, "-m", "benchmarks.peer_trl", "trl", "--setting", system.removeprefix("trl-"),
+               "--seed", str(seed), "--minutes", str(args.minutes), "--preset", args.preset, "--out", str(out)]
+        print(f"[{system} seed {seed}] {' '.join(cmd)}", flush=True)
+        with open(args.out / f"{system}-seed{seed}.out", "w") as log:
+            subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, check=True,
+                           timeout=60 * (args.minutes + 30))
+    return curve_from_json(json.loads(out.read_text()))
+
+
 def curve_from_json(data: dict) -> Curve:
     return Curve(**{k: data[k] for k in ("label", "seed", "steps", "minutes", "accuracy", "step_seconds",
                                           "returncode")})
@@ -285,6 +304,7 @@ def main() -> None:
     parser.add_argument("--preset", default="tiny-cpu")
     parser.add_argument("--set", dest="overrides", action="append", default=[], help="project override key=value")
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "bench-peer-trl")
+    parser.add_argument("--reuse", action="store_true", help="read back the runs that already finished in --out")
     parser.add_argument("--report-only", action="store_true", help="rebuild the report from results/peer_trl.json (project curves from --out when present)")
     args = parser.parse_args()
     if args.command == "trl":
@@ -304,21 +324,7 @@ def main() -> None:
         results = {s: [] for s in args.systems}
         for seed in args.seeds:  # interleaved: a change in the machine's load hits every system alike
             for system in args.systems:
-                if system == "project":
-                    overrides = [f"learner.time_limit_minutes={args.minutes}", "learner.total_steps=100000",
-                                 *args.overrides]
-                    curve = run_seeded(system, seed, args.out / f"project-seed{seed}", args.preset, overrides,
-                                       60 * (args.minutes + 20))
-                    results[system].append(curve)
-                    continue
-                out = args.out / f"{system}-seed{seed}.json"
-                cmd = [sys.executable, "-m", "benchmarks.peer_trl", "trl", "--setting", system.removeprefix("trl-"),
-                       "--seed", str(seed), "--minutes", str(args.minutes), "--preset", args.preset, "--out", str(out)]
-                print(f"[{system} seed {seed}] {' '.join(cmd)}", flush=True)
-                with open(args.out / f"{system}-seed{seed}.out", "w") as log:
-                    subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, check=True,
-                                   timeout=60 * (args.minutes + 30))
-                results[system].append(curve_from_json(json.loads(out.read_text())))
+                results[system].append(one_run(system, seed, args))
         command = (f"python -m benchmarks.peer_trl --seeds {' '.join(map(str, args.seeds))} --minutes {args.minutes:g}"
                    f" --systems {' '.join(args.systems)} --preset {args.preset}"
                    + "".join(f" --set {o}" for o in args.overrides))
