@@ -38,7 +38,8 @@ def test_the_median_seed_decides_and_a_seed_that_never_got_there_is_slowest():
     assert peer_trl.median_minutes(runs[:2], 0.30) == 2  # even count: the slower middle seed
 
 
-def test_report_states_the_ratio_against_each_trl_setting_and_the_goal():
+def test_report_states_the_ratio_against_each_trl_setting_and_the_goal(monkeypatch):
+    monkeypatch.setattr(peer_trl, "TARGETS", (0.30, 0.35, 0.40, 0.45))
     results = {
         "project": [curve(0, [0, 0.5, 1.0], [0.2, 0.31, 0.36])],
         "trl-small": [curve(0, [0, 1.0, 2.0], [0.2, 0.30, 0.33], "trl-small")],
