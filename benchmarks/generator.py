@@ -141,15 +141,21 @@ def bench_hf(model, prompts, sampling: SamplingParams, stop_ids: list[int], pad_
     return {"seconds": seconds, "tokens": int(generated_lengths(out.sequences[:, width:], stop_ids).sum())}
 
 
-def bench_sync(settings, engine, model_dir, rounds: int) -> dict:
-    from generator.sync import WeightSync
-
-    client = connect(settings)
+def serve_weights(settings, client) -> tuple[BackgroundServer, WeightPublisher]:
+    """A learner's weights endpoint on a free port, and the publisher behind it."""
     app = create_app("learner", token=settings.token)
     server = BackgroundServer(app, "127.0.0.1", free_port()).start(wait_s=10)
     settings.learner.public_url = server.url  # generators pull from the configured learner only
     publisher = WeightPublisher(settings, client, server.url)
     app.include_router(weights_router(publisher, app.state.require_token))
+    return server, publisher
+
+
+def bench_sync(settings, engine, model_dir, rounds: int) -> dict:
+    from generator.sync import WeightSync
+
+    client = connect(settings)
+    server, publisher = serve_weights(settings, client)
     sync = WeightSync(settings, model_dir, client, "bench-sync")
     base = load_file(str(Path(model_dir) / "model.safetensors"))
     rows = {k: [] for k in ("publish", "pull", "verify", "reload", "total", "copy")}
@@ -186,11 +192,7 @@ def bench_live_sync(settings, engine, model_dir, rounds: int) -> dict:
     settings = settings.model_copy(deep=True)
     settings.redis.run = "live-sync"
     client = connect(settings)
-    app = create_app("learner", token=settings.token)
-    server = BackgroundServer(app, "127.0.0.1", free_port()).start(wait_s=10)
-    settings.learner.public_url = server.url  # generators pull from the configured learner only
-    publisher = WeightPublisher(settings, client, server.url)
-    app.include_router(weights_router(publisher, app.state.require_token))
+    server, publisher = serve_weights(settings, client)
     worker = RolloutWorker(settings, engine, Streams(client, settings), WeightSync(settings, model_dir, client, "live"), "live")
     thread = threading.Thread(target=worker.run, daemon=True)
     thread.start()
