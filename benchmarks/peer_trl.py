@@ -65,16 +65,15 @@ def trl_shape(setting: str, learner, n: int) -> dict:
 
 
 def reward_function(settings):
-    """The project's reward rule as a TRL reward function (the reward service's verify + shape)."""
-    from reward.shaping import shape
+    """The project's reward rule as a TRL reward function (the reward service's verify + shaping)."""
+    from reward.scoring import ScoreItem, shaped
     from reward.verify import verify
 
-    max_tokens, rcfg = settings.sampling.max_tokens, settings.reward
+    max_tokens = settings.sampling.max_tokens
 
     def project_reward(prompts, completions, completion_ids, ground_truth, **_) -> list[float]:
         return [
-            shape(verify(text, truth), length=len(ids), max_tokens=max_tokens, overlong_buffer=rcfg.overlong_buffer,
-                  overlong_factor=rcfg.overlong_penalty, soft_overlong=rcfg.soft_overlong).reward
+            shaped(verify(text, truth), ScoreItem(text, truth, len(ids), max_tokens), settings.reward).reward
             for text, ids, truth in zip(completions, completion_ids, ground_truth, strict=True)
         ]
 
@@ -112,7 +111,7 @@ def run_trl(setting: str, seed: int, minutes: float, preset: str, out: Path) -> 
     from trl import GRPOConfig, GRPOTrainer
 
     from cli.bootstrap import ensure_model
-    from learner.service import TrainProblems, data_spec
+    from learner.service import TrainProblems, data_spec, held_out_problems
     from services.config import load_settings
     from services.data import load_problems, render_prompt
 
@@ -129,9 +128,7 @@ def run_trl(setting: str, seed: int, minutes: float, preset: str, out: Path) -> 
 
     train = TrainProblems(load_problems(data_spec(settings.data.train, "train"), settings), settings.data.seed)
     order = [train.next() for _ in range(len(train.problems))]  # the project's order for this seed (epoch 0)
-    held_out = load_problems(data_spec(settings.data.eval, "eval"), settings)
-    if settings.data.eval_size > 0:
-        held_out = held_out[: settings.data.eval_size]
+    held_out = held_out_problems(settings)
     cfg, s = settings.learner, settings.sampling
     args = GRPOConfig(
         output_dir=str(out.parent / f"{out.stem}-trainer"), seed=seed, use_cpu=True, bf16=False,
@@ -307,7 +304,7 @@ def main() -> None:
     parser.add_argument("--set", dest="overrides", action="append", default=[], help="project override key=value")
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "bench-peer-trl")
     parser.add_argument("--reuse", action="store_true", help="read back the runs that already finished in --out")
-    parser.add_argument("--report-only", action="store_true", help="rebuild the report from results/peer_trl.json (project curves from --out when present)")
+    parser.add_argument("--report-only", action="store_true", help="rebuild the report from results/peer_trl.json")
     args = parser.parse_args()
     if args.command == "trl":
         run_trl(args.setting, args.seed, args.minutes, args.preset, args.out)
@@ -317,10 +314,6 @@ def main() -> None:
     if args.report_only:
         saved = json.loads(results_path.read_text())
         command, results = saved["command"], {s: [curve_from_json(c) for c in cs] for s, cs in saved["runs"].items()}
-        for k, c in enumerate(results.get("project", [])):  # re-read from the run when it is still there
-            metrics = args.out / f"project-seed{c.seed}" / "metrics.jsonl"
-            if metrics.exists():
-                results["project"][k] = read_curve("project", c.seed, metrics, c.returncode)
     else:
         args.out.mkdir(parents=True, exist_ok=True)
         results = {s: [] for s in args.systems}

@@ -61,6 +61,12 @@ def data_spec(value: str, split: str) -> str:
     return f"synthetic-{split}" if value == "synthetic" else value
 
 
+def held_out_problems(settings: Settings) -> list[Problem]:
+    """The evaluation set: data.eval, its first data.eval_size problems (0 = all)."""
+    problems = load_problems(data_spec(settings.data.eval, "eval"), settings)
+    return problems[: settings.data.eval_size] if settings.data.eval_size > 0 else problems
+
+
 class TrainProblems:
     """Training problems in a seeded order, epoch after epoch. The cursor (epoch, index) is checkpointed; the
     order of an epoch is a function of (seed, epoch), so the cursor alone restores the stream of problems."""
@@ -184,8 +190,7 @@ class LearnerService:
         self.train_problems = TrainProblems(load_problems(data_spec(data.train, "train"), self.settings), data.seed)
         self.eval_problems: list[Problem] = []
         if self.cfg.eval_every > 0:
-            problems = load_problems(data_spec(data.eval, "eval"), self.settings)
-            self.eval_problems = problems[: data.eval_size] if data.eval_size > 0 else problems
+            self.eval_problems = held_out_problems(self.settings)
 
     # -- the run -----------------------------------------------------------------------------------------------
     def run(self) -> int:

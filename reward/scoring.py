@@ -40,18 +40,7 @@ class Scorer:
     def collect(self, items: list[ScoreItem], pending: Future, started: float | None = None) -> list[Score]:
         """Wait for the verdicts of `submit(items)` and turn them into Scores."""
         verdicts: list[Verdict] = pending.result()
-        scores = [
-            shape(
-                verdict,
-                length=item.length,
-                max_tokens=item.max_tokens,
-                finish_reason=item.finish_reason,
-                overlong_buffer=self.cfg.overlong_buffer,
-                overlong_factor=self.cfg.overlong_penalty,
-                soft_overlong=self.cfg.soft_overlong,
-            )
-            for item, verdict in zip(items, verdicts, strict=True)
-        ]
+        scores = [shaped(verdict, item, self.cfg) for item, verdict in zip(items, verdicts, strict=True)]
         record_metrics(verdicts, None if started is None else time.perf_counter() - started)
         return scores
 
@@ -61,6 +50,19 @@ class Scorer:
 
     def score_group(self, group: RolloutGroup) -> list[Score]:
         return self.score(group_items(group))
+
+
+def shaped(verdict: Verdict, item: ScoreItem, cfg: RewardConfig) -> Score:
+    """The Score of one verified item under the reward settings: rule reward plus the soft overlong punishment."""
+    return shape(
+        verdict,
+        length=item.length,
+        max_tokens=item.max_tokens,
+        finish_reason=item.finish_reason,
+        overlong_buffer=cfg.overlong_buffer,
+        overlong_factor=cfg.overlong_penalty,
+        soft_overlong=cfg.soft_overlong,
+    )
 
 
 def group_items(group: RolloutGroup) -> list[ScoreItem]:
