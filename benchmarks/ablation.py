@@ -9,6 +9,11 @@ for `--minutes` of training, evaluations excluded (learner.time_limit_minutes: t
 as in the paper's figure of accuracy against steps at equal cost) and is evaluated at the end. Reported into benchmarks/README.md
 between the `ablation` markers and as benchmarks/results/ablation.{json,png}: held-out accuracy at the end,
 mean and spread over seeds, and the gain over the row's own step-0 accuracy.
+
+Order. A fixed time makes every row sensitive to how fast the shared machine is while it runs, and the ladder
+takes an hour: run row by row and a drift in machine speed becomes a trend down the ladder. So the runs go seed
+by seed, the rows forward for one seed and backward for the next (`run_order`): a drift then moves both ends of
+the ladder alike, and an even number of seeds cancels a linear one in each row's mean.
 """
 
 from __future__ import annotations
@@ -44,6 +49,11 @@ def row_switches(row: str) -> list[str]:
         value = getattr(getattr(settings, section), key)
         out.append(f"{path}={str(value).lower() if isinstance(value, bool) else value}")
     return out
+
+
+def run_order(row_names: list[str], seeds: list[int]) -> list[tuple[str, int]]:
+    """(row, seed) pairs seed by seed, the rows forward for even-numbered seeds and backward for odd ones."""
+    return [(row, seed) for k, seed in enumerate(seeds) for row in (row_names if k % 2 == 0 else row_names[::-1])]
 
 
 def plot(results: dict[str, list[Curve]], path: Path) -> None:
@@ -92,27 +102,30 @@ def main() -> None:
     parser.add_argument("--rows", nargs="+", default=None, help="a subset of configs/ablations (default: all)")
     parser.add_argument("--preset", default="tiny-cpu")
     parser.add_argument("--set", action="append", default=[], help="extra override for every run (key=value)")
+    parser.add_argument("--label", default="ablation", help="names the README section and the result files")
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "bench-ablation")
     args = parser.parse_args()
 
-    results: dict[str, list[Curve]] = {}
-    for row in args.rows or rows():
+    row_names = args.rows or rows()
+    results: dict[str, list[Curve]] = {row: [] for row in row_names}
+    for row, seed in run_order(row_names, args.seeds):
         overrides = [*row_switches(row), f"learner.time_limit_minutes={args.minutes}", "learner.total_steps=100000",
                      *args.set]
-        results[row] = [
+        results[row].append(
             run_seeded(row, seed, args.out / f"{row}-seed{seed}", args.preset, overrides, 60 * (args.minutes + 20))
-            for seed in args.seeds
-        ]
+        )
     out = ROOT / "benchmarks" / "results"
-    plot(results, out / "ablation.png")
-    (out / "ablation.json").write_text(json.dumps({r: [c.to_json() for c in cs] for r, cs in results.items()}, indent=1))
+    plot(results, out / f"{args.label}.png")
+    (out / f"{args.label}.json").write_text(json.dumps({r: [c.to_json() for c in cs] for r, cs in results.items()}, indent=1))
     extra = "".join(f" --set {s}" for s in args.set)
     rows_arg = f" --rows {' '.join(args.rows)}" if args.rows else ""
+    out_arg = args.out.relative_to(ROOT) if args.out.is_relative_to(ROOT) else args.out
+    label_arg = f" --label {args.label} --out {out_arg}" if args.label != "ablation" else ""
     command = (f"python -m benchmarks.ablation --seeds {' '.join(map(str, args.seeds))} --minutes {args.minutes:g}"
-               f"{rows_arg} --preset {args.preset}{extra}")
-    body = report(results, command, args.minutes) + "\n\n![ablation](results/ablation.png)"
+               f"{rows_arg} --preset {args.preset}{extra}{label_arg}")
+    body = report(results, command, args.minutes) + f"\n\n![{args.label}](results/{args.label}.png)"
     print(body)
-    replace_section(ROOT / "benchmarks" / "README.md", "ablation", body)
+    replace_section(ROOT / "benchmarks" / "README.md", args.label, body)
 
 
 if __name__ == "__main__":

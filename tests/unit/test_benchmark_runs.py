@@ -77,3 +77,13 @@ def test_ablation_rows_carry_only_their_switches_onto_the_tiny_preset():
     full = dict(item.split("=", 1) for item in ablation.row_switches("6-dynamic-sampling"))
     assert full["learner.dynamic_sampling"] == "true" and full["learner.clip_high"] == "0.28"
     assert not any(key.startswith(("run_dir", "redis", "model", "data")) for key in full)
+
+
+def test_ablation_runs_seed_by_seed_with_the_rows_reversed_on_alternate_seeds():
+    """A drift of the machine's speed over the ladder must not turn into a trend down the rows."""
+    order = ablation.run_order(["a", "b", "c"], [0, 1, 2])
+    assert order == [("a", 0), ("b", 0), ("c", 0), ("c", 1), ("b", 1), ("a", 1), ("a", 2), ("b", 2), ("c", 2)]
+    # with an even number of seeds every row's mean position in time is the same
+    positions = {row: [i for i, (r, _) in enumerate(ablation.run_order(["a", "b", "c"], [0, 1])) if r == row]
+                 for row in "abc"}
+    assert len({sum(p) for p in positions.values()}) == 1
