@@ -129,6 +129,7 @@ def step_record(step: int, version: int, batch: Batch, lags: list[int], result: 
         "clip_frac_low": result.get("clip_frac_low"),
         "clip_frac_high": result.get("clip_frac_high"),
         "approx_kl": result.get("approx_kl"),
+        "log_ratio_max": result.get("log_ratio_max"),
         "grad_norm": result.get("grad_norm"),
         "loss": result.get("loss"),
         "lr": result.get("lr"),
@@ -204,6 +205,7 @@ class Records:
         set_if(metrics.LEARNER_CLIP_FRACTION.labels("low"), record["clip_frac_low"])
         set_if(metrics.LEARNER_CLIP_FRACTION.labels("high"), record["clip_frac_high"])
         set_if(metrics.LEARNER_KL, record["approx_kl"])
+        set_if(metrics.LEARNER_LOG_RATIO_MAX, record.get("log_ratio_max"))
         set_if(metrics.LEARNER_LR, record["lr"])
         set_if(metrics.LEARNER_GRAD_NORM, record["grad_norm"])
         set_if(metrics.LEARNER_STEP_SECONDS, record["step_seconds"])

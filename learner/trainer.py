@@ -245,6 +245,7 @@ class Trainer:
             "clip_frac_dual": totals["clip_dual"] / max(totals["tokens"], 1.0),
             "entropy": totals["entropy"] / max(totals["tokens"], 1.0),
             "approx_kl": totals["approx_kl"] / max(totals["tokens"], 1.0),
+            "log_ratio_max": stats.log_ratio_max(self.accelerator),
             "tis_mean": totals["tis"] / max(totals["tis_tokens"], 1.0),
             "tis_capped_frac": totals["tis_capped"] / max(totals["tis_tokens"], 1.0),
             "grad_norm": stats.grad_norm / stepped,
@@ -586,6 +587,7 @@ class _Stats:
         self.skipped = 0
         self.grad_norm = 0.0
         self.seconds = {"forward": 0.0, "backward": 0.0, "optimizer": 0.0}  # forward includes pi_old's pass
+        self.largest_log_ratio = 0.0  # max |log pi - log mu| over the loss tokens: few tokens or the whole policy?
 
     def add_tokens(self, mask, surrogate, entropy, logp, behaviour, tis, cap, first_epoch) -> None:
         s = self.sums
@@ -594,10 +596,22 @@ class _Stats:
             s[key] += count
         s["entropy"] += float((entropy.detach() * mask).sum())
         s["approx_kl"] += float((dapo.kl_k3(behaviour, logp) * mask).sum())  # KL(behaviour || current)
+        if mask.any():
+            gap = float((logp - behaviour).abs()[mask.bool()].max())
+            self.largest_log_ratio = max(self.largest_log_ratio, gap)
         if first_epoch:  # the weights are constant over the step: count each token once
             s["tis"] += float((tis * mask).sum())
             s["tis_capped"] += float(((tis >= cap * (1 - 1e-6)) * mask).sum())
             s["tis_tokens"] += float(mask.sum())
+
+    def log_ratio_max(self, accelerator) -> float:
+        """The largest |log pi - log mu| of the step over all ranks. approx_kl is a mean, and k3 grows like the
+        ratio itself: one token the behaviour policy sampled at e^-10 of the learner's probability lifts it to
+        ~1 over 10^4 tokens. A spike with this near 10 is a few tokens; with this near 1, the policy drifted."""
+        if accelerator.num_processes == 1:
+            return self.largest_log_ratio
+        value = torch.tensor([self.largest_log_ratio], device=accelerator.device, dtype=torch.float64)
+        return float(accelerator.gather(value).max())
 
     def reduced(self, accelerator) -> dict[str, float]:
         values = dict(self.sums, loss=self.loss)

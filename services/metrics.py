@@ -58,6 +58,8 @@ LEARNER_ENTROPY = Gauge("dapo_learner_entropy", "Mean token entropy of the polic
 LEARNER_RESPONSE_LENGTH = Gauge("dapo_learner_response_length", "Mean response length (tokens).")
 LEARNER_CLIP_FRACTION = Gauge("dapo_learner_clip_fraction", "Tokens whose ratio was clipped.", ["side"])  # low|high
 LEARNER_KL = Gauge("dapo_learner_approx_kl", "Approximate KL from behaviour to current policy.")
+LEARNER_LOG_RATIO_MAX = Gauge(
+    "dapo_learner_log_ratio_max", "Largest |log pi - log mu| of a token in the last step (what a KL spike is made of).")
 LEARNER_LR = Gauge("dapo_learner_lr", "Learning rate.")
 LEARNER_STEP_SECONDS = Gauge("dapo_learner_step_seconds", "Wall time of the last step.")
 LEARNER_STEP_PHASE_SECONDS = Gauge(

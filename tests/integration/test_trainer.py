@@ -169,6 +169,8 @@ def test_loss_with_identical_old_and_new_params_is_the_hand_formula(model_path, 
     assert metrics["tokens"] == len(weights)
     assert metrics["approx_kl"] == pytest.approx(  # k3 of KL(behaviour || current), behaviour = current - offset
         sum(math.exp(o) - 1 - o for g in range(2) for i in range(3) for o in offsets[g][i]) / len(weights), rel=1e-4)
+    assert metrics["log_ratio_max"] == pytest.approx(
+        max(abs(o) for g in range(2) for i in range(3) for o in offsets[g][i]), rel=1e-4, abs=1e-5)
 
 
 @pytest.mark.parametrize("loss_agg", ["token", "sample"])
@@ -385,6 +387,7 @@ def test_two_process_ddp_matches_one_process(model_path, tmp_path):
     assert two["loss"] == pytest.approx(one["loss"], rel=1e-5)
     for name, grad in one["grads"].items():
         assert torch.allclose(two["grads"][name], grad, rtol=1e-4, atol=1e-7), name
-    for key in ("loss", "clip_frac_low", "clip_frac_high", "entropy", "approx_kl", "grad_norm", "tokens", "tis_mean"):
+    for key in ("loss", "clip_frac_low", "clip_frac_high", "entropy", "approx_kl", "log_ratio_max", "grad_norm",
+                "tokens", "tis_mean"):
         assert two["metrics"][key] == pytest.approx(one["metrics"][key], rel=1e-4, abs=1e-7), key
     assert (tmp_path / "ckpt-2" / "trainer_state.json").is_file()
