@@ -336,7 +336,10 @@ class VllmEngine:
         started = time.perf_counter()
         try:
             self.llm.collective_rpc("reload_weights_from", kwargs={"weights_path": str(folder)})
-            self.llm.reset_prefix_cache()
+            # A prefix cache that survives would serve the old version's prompt KV to the new one (vLLM returns
+            # False when blocks are still held rather than raising).
+            if not self.llm.reset_prefix_cache():
+                raise RuntimeError("vLLM did not reset its prefix cache")
         except Exception as err:
             raise EngineFailure(f"reload from {folder} failed: {type(err).__name__}: {err}") from err
         return time.perf_counter() - started
