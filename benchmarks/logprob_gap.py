@@ -22,7 +22,7 @@ import torch
 from benchmarks.runs import ROOT, replace_section
 
 from services.config import load_settings
-from services.data import load_problems, render_prompt
+from services.data import load_problems
 from services.messages import PromptTask, RolloutGroup, SamplingParams, Score, ScoredGroup
 from services.models import model_dir
 
@@ -45,6 +45,7 @@ def gap_summary(log_pi: torch.Tensor, log_mu: torch.Tensor) -> dict[str, float]:
 
 def measure(run: Path, pairs: list[tuple[int, int]], prompts: int) -> list[dict]:
     from generator.engine import VllmEngine
+    from learner.service import PromptBuilder, data_spec
     from learner.trainer import Trainer
     from safetensors.torch import load_file
 
@@ -52,11 +53,8 @@ def measure(run: Path, pairs: list[tuple[int, int]], prompts: int) -> list[dict]
     folder = model_dir(settings)
     weights = {v: run / "weights" / f"v{v}" for pair in pairs for v in pair}
     engine = VllmEngine(folder, settings)
-    tokenizer = engine.tokenizer
-    data = settings.data
-    problems = load_problems(data.train, settings)[:prompts]
-    prompt_ids = [tokenizer(render_prompt(p, tokenizer, data.prompt_template, raw_template=data.raw_template),
-                            add_special_tokens=False)["input_ids"] for p in problems]
+    prompt_of = PromptBuilder(engine.tokenizer, settings)  # the learner's own prompt text and ids
+    prompt_ids = [prompt_of(p)[1] for p in load_problems(data_spec(settings.data.train, "train"), settings)[:prompts]]
     params = SamplingParams(n=16, temperature=settings.sampling.temperature, top_p=settings.sampling.top_p,
                             max_tokens=settings.sampling.max_tokens, seed=11)
     trainer = Trainer(settings, folder)
