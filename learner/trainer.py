@@ -596,9 +596,7 @@ class _Stats:
             s[key] += count
         s["entropy"] += float((entropy.detach() * mask).sum())
         s["approx_kl"] += float((dapo.kl_k3(behaviour, logp) * mask).sum())  # KL(behaviour || current)
-        if mask.any():
-            gap = float((logp - behaviour).abs()[mask.bool()].max())
-            self.largest_log_ratio = max(self.largest_log_ratio, gap)
+        self.largest_log_ratio = max(self.largest_log_ratio, float(((logp - behaviour).abs() * mask).max()))
         if first_epoch:  # the weights are constant over the step: count each token once
             s["tis"] += float((tis * mask).sum())
             s["tis_capped"] += float(((tis >= cap * (1 - 1e-6)) * mask).sum())
