@@ -1,15 +1,16 @@
 """One learner update of the tiny default: how its seconds depend on how the batch is cut into forward passes.
 
-    python -m benchmarks.trainer [--micro-batch-tokens 32768 8192 4096 2048 1024] [--rounds 3] [--write]
+    python -m benchmarks.trainer [--micro-batch-tokens 32768 4096 2048] [--rounds 3] [--write]
 
 The batch is real: the tiny base model samples n = 16 responses (vLLM, the generator's engine) to training
 problems, `reward.verify` scores them with the overlong shaping, and the first `prompts_per_step` informative
-groups (dynamic sampling) make the batch, as a step of `dapo run` receives it. Each `micro_batch_tokens` value gets
-its own Trainer of the tiny-cpu preset (2 mini-batches x 2 passes: 4 updates plus the pi_old pass), on one CPU with
-one torch thread, as `dapo run` gives the learner on 2 cores. Rounds rotate which setting goes first; the table
-holds the median over rounds. `padded / real` is the tokens the forward passes compute (rows x longest row of each
-micro-batch) over the tokens of the sequences themselves: micro-batches are filled longest first, so a large budget
-puts responses of 2 and 64 tokens in one padded block. Reported between the `trainer` markers (with --write).
+groups (dynamic sampling) make the batch, as a step of `dapo run` receives it. Each `micro_batch_tokens` value, with
+whole rows (prompt + response) and with the shared prompt pass (`share_prompt_pass`: a group's prompt once, its
+responses on the prompt's KV cache), gets its own Trainer of the tiny-cpu preset (2 mini-batches x 2 passes: 4
+updates plus the pi_old pass), on one CPU with one torch thread, as `dapo run` gives the learner on 2 cores. Rounds
+rotate which setting goes first; the table holds the median over rounds. `computed / real` is the tokens the forward
+passes compute (padded blocks) over the tokens of the prompt + response rows. Reported between the `trainer`
+markers (with --write).
 """
 
 from __future__ import annotations
@@ -62,14 +63,15 @@ def informative_batch(settings, count: int) -> list:
     return groups
 
 
-def padded_tokens(trainer, groups) -> tuple[int, int]:
-    """(tokens the forward passes of one pass over the batch compute, tokens of the sequences)."""
+def computed_tokens(trainer, groups) -> tuple[int, int]:
+    """(tokens the forward passes of one pass over the batch compute, tokens of the prompt + response rows)."""
     batch = trainer._prepare(groups)
-    padded = 0
+    computed = 0
     for mini_batch in trainer._mini_batches(batch):
         for micro in trainer._pack(mini_batch, batch.responses):
-            padded += len(micro) * max(batch.responses[i].length for i in micro)
-    return padded, sum(r.length for r in batch.responses)
+            inputs = trainer._collate(batch.responses, micro)
+            computed += inputs.input_ids.numel() + (inputs.prompt.input_ids.numel() if inputs.prompt else 0)
+    return computed, sum(r.length for r in batch.responses)
 
 
 def measure(budgets: list[int], rounds: int) -> dict:
@@ -82,58 +84,62 @@ def measure(budgets: list[int], rounds: int) -> dict:
     base = load_settings(PRESET, run_dir=str(ROOT / "runs" / "bench-trainer"))
     groups = informative_batch(base, base.learner.prompts_per_step)
     os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})  # the learner's one CPU under `dapo run` on 2 cores
+    variants = [(budget, shared) for shared in (False, True) for budget in budgets]
     trainers = {}
-    for budget in budgets:
-        settings = base.model_copy(update={"learner": base.learner.model_copy(update={"micro_batch_tokens": budget})})
-        trainers[budget] = Trainer(settings, model_dir(settings))
+    for budget, shared in variants:
+        learner = base.learner.model_copy(update={"micro_batch_tokens": budget, "share_prompt_pass": shared})
+        trainers[budget, shared] = Trainer(base.model_copy(update={"learner": learner}), model_dir(base))
     torch.set_num_threads(1)  # after the Trainers: each sets threads from the CPUs it sees
     for trainer in trainers.values():
         trainer.train_step(groups)  # warm-up: allocator, first-call overheads
-    timings: dict[int, list[dict]] = {budget: [] for budget in budgets}
+    timings: dict[tuple, list[dict]] = {variant: [] for variant in variants}
     for r in range(rounds):
-        order = budgets[r % len(budgets):] + budgets[: r % len(budgets)]
-        for budget in order:
+        for variant in variants[r % len(variants):] + variants[: r % len(variants)]:
             started = time.perf_counter()
-            out = trainers[budget].train_step(groups)
-            timings[budget].append({"seconds": time.perf_counter() - started, "forward": out["forward_seconds"],
-                                    "backward": out["backward_seconds"], "optimizer": out["optimizer_seconds"]})
-            print(f"round {r} micro_batch_tokens {budget}: {timings[budget][-1]}", flush=True)
+            out = trainers[variant].train_step(groups)
+            timings[variant].append({"seconds": time.perf_counter() - started, "forward": out["forward_seconds"],
+                                     "backward": out["backward_seconds"], "optimizer": out["optimizer_seconds"]})
+            print(f"round {r} {variant}: {timings[variant][-1]}", flush=True)
     rows = []
-    for budget in budgets:
-        padded, real = padded_tokens(trainers[budget], groups)
-        median = {key: statistics.median(t[key] for t in timings[budget]) for key in timings[budget][0]}
-        rows.append({"micro_batch_tokens": budget, **median, "padded": padded, "real": real})
+    for budget, shared in variants:
+        computed, real = computed_tokens(trainers[budget, shared], groups)
+        median = {key: statistics.median(t[key] for t in timings[budget, shared]) for key in timings[budget, shared][0]}
+        rows.append({"micro_batch_tokens": budget, "share_prompt_pass": shared, **median, "computed": computed,
+                     "real": real})
     samples = sum(len(g.rollout.samples) for g in groups)
     tokens = sum(len(x.token_ids) for g in groups for x in g.rollout.samples)
     return {"rows": rows, "groups": len(groups), "samples": samples, "response_tokens": tokens,
             "prompt_tokens": statistics.mean(len(g.rollout.task.prompt_token_ids) for g in groups),
-            "default": base.learner.micro_batch_tokens, "load": os.getloadavg()[0]}
+            "default": [base.learner.micro_batch_tokens, base.learner.share_prompt_pass], "load": os.getloadavg()[0]}
 
 
 def report(result: dict, command: str) -> str:
     rows = result["rows"]
     slowest = max(r["seconds"] for r in rows)
+    budget, shared = result["default"]
     lines = [
         f"`{command}`", "",
         f"One step of the tiny-cpu preset on {result['groups']} informative groups ({result['samples']} responses, "
         f"{result['response_tokens'] / result['samples']:.1f} response tokens on average after a "
         f"{result['prompt_tokens']:.0f}-token prompt), sampled by the base model; one CPU, one torch thread; median of "
-        f"the rounds (load average {result['load']:.1f} at the end). The preset's setting: {result['default']}.", "",
-        "| micro_batch_tokens | step s | forward s | backward s | optimizer s | padded / real tokens | speed vs slowest |",
-        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        f"the rounds (load average {result['load']:.1f} at the end). In bold, the preset's setting.", "",
+        "| micro_batch_tokens | prompt | step s | forward s | backward s | optimizer s | computed / real tokens | "
+        "speed vs slowest |",
+        "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in rows:
-        mark = "**" if r["micro_batch_tokens"] == result["default"] else ""
+        mark = "**" if [r["micro_batch_tokens"], r["share_prompt_pass"]] == [budget, shared] else ""
         lines.append(
-            f"| {mark}{r['micro_batch_tokens']:,}{mark} | {r['seconds']:.2f} | {r['forward']:.2f} | {r['backward']:.2f} "
-            f"| {r['optimizer']:.3f} | {r['padded'] / r['real']:.2f} | {slowest / r['seconds']:.2f}x |"
+            f"| {mark}{r['micro_batch_tokens']:,}{mark} | {'shared pass' if r['share_prompt_pass'] else 'in every row'} "
+            f"| {r['seconds']:.2f} | {r['forward']:.2f} | {r['backward']:.2f} | {r['optimizer']:.3f} "
+            f"| {r['computed'] / r['real']:.2f} | {slowest / r['seconds']:.2f}x |"
         )
     return "\n".join(lines)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--micro-batch-tokens", type=int, nargs="+", default=[32768, 8192, 4096, 2048, 1024])
+    parser.add_argument("--micro-batch-tokens", type=int, nargs="+", default=[32768, 4096, 2048])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--write", action="store_true", help="write the report into benchmarks/README.md")
     args = parser.parse_args()

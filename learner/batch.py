@@ -12,7 +12,10 @@ Vocabulary (k = max_staleness, B = prompts_per_step)
 
 Rules
   sizing     a push covers the expected deficit B - supply, times the over-sampling factor
-             clamp(1 / r, oversample_min, oversample_max): sized from the observed ratio, not a fixed multiple.
+             clamp(m / r, oversample_min, oversample_max): sized from the observed ratio, not a fixed multiple.
+             The margin m (oversample_margin, 1 = push the expected need) buys fewer refill rounds: a push sized
+             at exactly the expected need falls short about every other step (the informative count of a push
+             scatters around its mean), and each refill waits a whole generation.
   refills    after a step's first push, push again only once the shortfall is certain: even if every prompt in
              flight came back informative, the step would still miss B (ready + in_flight < B). Each such push
              is one refill round. After max_refills rounds nothing more is pushed; once the last prompt in flight
@@ -24,8 +27,8 @@ Rules
              groups, so the supply must not exceed what versions V..V+k can train on: (k + 1) * B while the step
              at V is being collected, k * B when pushing ahead of training step V (its batch already taken).
              With k = 0 nothing is pushed ahead, and a step trains once every prompt in flight is back: the
-             synchronous on-policy loop (push, wait for all, train, publish). A configured oversample_min
-             above 1 / r widens the bound by the same factor (the margin asked for is pushed).
+             synchronous on-policy loop (push, wait for all, train, publish). A factor above 1 / r (the margin,
+             or a configured oversample_min) widens the bound by the same factor (the margin asked for is pushed).
              Pacing instead of drop-and-requeue: requeued prompts with long answers would go stale again and
              again and never be trained.
   carry-over surplus informative groups stay in `ready` for the next step (oldest policy first, so they are
@@ -88,9 +91,9 @@ class InformativeRatio:
     def value(self) -> float:
         return (self.usable + self.prior * self.prior_weight) / (self.seen + self.prior_weight)
 
-    def oversample(self, low: float, high: float) -> float:
-        """The over-sampling factor 1 / r, bounded to [low, high]."""
-        return min(max(1.0 / self.value, low), high)
+    def oversample(self, low: float, high: float, margin: float = 1.0) -> float:
+        """The over-sampling factor margin / r, bounded to [low, high]."""
+        return min(max(margin / self.value, low), high)
 
     def state(self) -> dict:
         return {"usable": self.usable, "seen": self.seen}
@@ -188,6 +191,7 @@ class BatchAssembler:
         max_refills: int = 10,
         oversample_min: float = 1.0,
         oversample_max: float = 4.0,
+        oversample_margin: float = 1.0,
         filter_metric: FilterMetric = "acc",
         ratio: InformativeRatio | None = None,
         dedupe_capacity: int | None = None,
@@ -199,11 +203,14 @@ class BatchAssembler:
             raise ValueError("max_staleness and max_refills must be >= 0")
         if not 0 < oversample_min <= oversample_max:
             raise ValueError("need 0 < oversample_min <= oversample_max")
+        if oversample_margin < 1:
+            raise ValueError("oversample_margin must be >= 1 (1 = push the expected need)")
         self.target = target
         self.max_staleness = max_staleness
         self.dynamic_sampling = dynamic_sampling
         self.max_refills = max_refills
         self.oversample_min, self.oversample_max = oversample_min, oversample_max
+        self.oversample_margin = oversample_margin
         self.filter_metric = filter_metric
         self.ratio = ratio or InformativeRatio(memory=max(64.0, 4.0 * target))
         self.seen = RecentIds(dedupe_capacity or max(10_000, int(8 * target * oversample_max)))
@@ -226,6 +233,7 @@ class BatchAssembler:
             max_refills=learner_cfg.max_refills,
             oversample_min=learner_cfg.oversample_min,
             oversample_max=learner_cfg.oversample_max,
+            oversample_margin=learner_cfg.oversample_margin,
             **kwargs,
         )
 
@@ -245,13 +253,13 @@ class BatchAssembler:
         return self.in_hand(train_version) + self.ratio.value * len(self.in_flight)
 
     def oversample_factor(self) -> float:
-        return self.ratio.oversample(self.oversample_min, self.oversample_max)
+        return self.ratio.oversample(self.oversample_min, self.oversample_max, self.oversample_margin)
 
     def supply_cap(self, ahead: bool) -> float:
         """Pacing: the most informative groups versions V..V+k can train on (k * B when pushing ahead).
 
-        Scaled by the hedge a configured oversample_min adds on top of 1 / r, so that the margin the user asked
-        for is pushed, not clipped away by the bound it was meant to protect.
+        Scaled by the hedge the margin (or a configured oversample_min) adds on top of 1 / r, so that the margin
+        the user asked for is pushed, not clipped away by the bound it was meant to protect.
         """
         hedge = max(1.0, self.oversample_factor() * self.ratio.value)
         return (self.max_staleness + (0 if ahead else 1)) * self.target * hedge

@@ -244,10 +244,18 @@ class LearnerConfig(Section):
     on_refill_limit: Literal["train", "stop"] = Field("train", description="At the limit: train on what is in hand, or stop.")
     oversample_min: float = Field(1.0, description="Lower bound of the prompt over-sampling factor.")
     oversample_max: float = Field(4.0, description="Upper bound of the prompt over-sampling factor.")
+    oversample_margin: float = Field(
+        1.0, ge=1.0, description="Prompts pushed per expected informative group need, beyond 1 / r (1: the "
+        "expected need; 1.2: 20 % more, fewer refill rounds, surplus groups may age out unused)."
+    )
     # Bookkeeping.
     micro_batch_tokens: int = Field(32768, description="Tokens per forward pass (gradient accumulation unit).")
     gradient_checkpointing: bool = Field(
         False, description="Recompute activations in backward: memory for long responses (paper's verl recipe: on)."
+    )
+    share_prompt_pass: bool = Field(
+        True, description="Run a group's prompt once and its n responses on the prompt's KV cache (same values; "
+        "n times fewer prompt tokens). Off under FSDP and gradient checkpointing, which need one forward pass."
     )
     keep_versions: int = Field(3, description="Published weight versions kept on disk.")
     checkpoint_every: int = Field(10, description="Checkpoint every K steps (0 = only at the end).")

@@ -88,10 +88,12 @@ def sequence_logprob(trainer, groups):
 
 # -- padding and logprobs ----------------------------------------------------------------------------------------
 @pytest.mark.parametrize("temperature", [1.0, 0.6])
-def test_logprobs_match_unpadded_forward(model_path, tmp_path, temperature):
-    # The policy is the one the generator samples from: softmax(logits / T).
+@pytest.mark.parametrize("share_prompt_pass", [True, False])
+def test_logprobs_match_unpadded_forward(model_path, tmp_path, temperature, share_prompt_pass):
+    # The policy is the one the generator samples from: softmax(logits / T). Prompts of 2 to 6 tokens: the shared
+    # prompt pass left-pads them in one block.
     settings = load_settings("tiny-cpu", run_dir=str(tmp_path), sampling={"temperature": temperature},
-                             learner={"micro_batch_tokens": 30})
+                             learner={"micro_batch_tokens": 30, "share_prompt_pass": share_prompt_pass})
     trainer = Trainer(settings, model_path)
     groups = make_groups()
     batched = trainer.logprobs(groups)
@@ -188,6 +190,22 @@ def test_micro_batching_gives_the_gradient_of_the_whole_mini_batch(model_path, t
     for name, grad in grads_whole.items():
         assert torch.allclose(grads_split[name], grad, rtol=1e-4, atol=1e-7), name
     assert any(g.abs().max() > 1e-4 for g in grads_whole.values())
+
+
+@pytest.mark.parametrize("budget", [100_000, 20])
+def test_shared_prompt_pass_gives_the_gradient_of_whole_rows(model_path, tmp_path, budget):
+    groups = make_groups(n_groups=4, size=4, seed=5)  # prompts of unequal length in one micro-batch
+    whole = Trainer(make_settings(tmp_path, share_prompt_pass=False, micro_batch_tokens=budget), model_path)
+    shared = Trainer(make_settings(tmp_path, share_prompt_pass=True, micro_batch_tokens=budget), model_path)
+    assert shared.share_prompts and not whole.share_prompts
+    groups = with_behaviour(groups, whole.logprobs(groups), random_offsets(groups, seed=4, scale=0.5))
+    loss_whole, grads_whole = whole.loss_gradients(groups)
+    loss_shared, grads_shared = shared.loss_gradients(groups)
+    assert loss_shared == pytest.approx(loss_whole, rel=1e-5)
+    assert grads_whole.keys() == grads_shared.keys() and len(grads_whole) > 10
+    for name, grad in grads_whole.items():
+        assert torch.allclose(grads_shared[name], grad, rtol=1e-4, atol=1e-7), name
+    assert shared.train_step(groups)["loss"] == pytest.approx(whole.train_step(groups)["loss"], rel=1e-4)
 
 
 def test_warmup_is_counted_in_train_steps(model_path, tmp_path):

@@ -82,6 +82,16 @@ def test_oversample_min_hedge_is_pushed_even_in_synchronous_mode():
     assert a.plan(0).count == 15
 
 
+def test_oversample_margin_pushes_beyond_the_expected_need_also_ahead_of_training():
+    plain = BatchAssembler(10, max_staleness=1, ratio=with_ratio(0.8))
+    margin = BatchAssembler(10, max_staleness=1, oversample_margin=1.2, ratio=with_ratio(0.8))
+    assert plain.plan(0).count == 13 and margin.plan(0).count == 15  # ceil(10 / 0.8) against ceil(1.2 * 10 / 0.8)
+    ahead = BatchAssembler(10, max_staleness=1, oversample_margin=1.2, ratio=with_ratio(0.8))
+    assert ahead.plan(0, ahead=True).count == 15  # the pacing bound widens with the margin: not clipped to 13
+    with pytest.raises(ValueError, match="oversample_margin"):
+        BatchAssembler(10, oversample_margin=0.9)
+
+
 def test_ratio_state_round_trip_and_decay():
     r = InformativeRatio(memory=10)
     for usable in [True] * 50:
