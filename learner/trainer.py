@@ -157,6 +157,10 @@ class _PromptBlock:
     position_ids: Tensor  # [G, P]
     of_row: Tensor  # [B] the prompt of each response row
 
+    def to(self, device) -> "_PromptBlock":
+        return _PromptBlock(*(t.to(device) for t in (self.input_ids, self.attention_mask, self.position_ids,
+                                                     self.of_row)))
+
 
 class Trainer:
     """The learner's model, optimizer and DAPO update. See the module docstring for the algorithm."""
@@ -552,10 +556,11 @@ class Trainer:
         position_ids = (attention.cumsum(-1) - 1).clamp(min=0)  # right padding: 0..len-1, pads don't matter
         prompt = None
         if shared:
-            prompt = self._prompt_block(rows, device)
-            attention = torch.cat([prompt.attention_mask[prompt.of_row].cpu(), attention], dim=1)
-            lengths = prompt.attention_mask.sum(-1).cpu()[prompt.of_row.cpu()]
+            prompt = self._prompt_block(rows)
+            attention = torch.cat([prompt.attention_mask[prompt.of_row], attention], dim=1)
+            lengths = prompt.attention_mask.sum(-1)[prompt.of_row]
             position_ids = position_ids + lengths.unsqueeze(-1)  # each response continues its own prompt
+            prompt = prompt.to(device)
         return _MicroBatch(
             indices=list(indices),
             input_ids=input_ids.to(device), attention_mask=attention.to(device), position_ids=position_ids.to(device),
@@ -564,7 +569,7 @@ class Trainer:
             response_mask=response_mask.to(device), prompt=prompt,
         )
 
-    def _prompt_block(self, rows: list[_Response], device) -> _PromptBlock:
+    def _prompt_block(self, rows: list[_Response]) -> _PromptBlock:
         """The distinct prompts of `rows` (a group's responses share one), left-padded, and each row's prompt."""
         slot: dict[tuple[int, ...], int] = {}
         of_row = [slot.setdefault(tuple(r.prompt_ids), len(slot)) for r in rows]
@@ -576,8 +581,8 @@ class Trainer:
             input_ids[g, width - len(ids):] = torch.tensor(ids)
             attention[g, width - len(ids):] = 1
         position_ids = (attention.cumsum(-1) - 1).clamp(min=0)  # left padding: the prompt's tokens are 0..len-1
-        return _PromptBlock(input_ids=input_ids.to(device), attention_mask=attention.to(device),
-                            position_ids=position_ids.to(device), of_row=torch.tensor(of_row, device=device))
+        return _PromptBlock(input_ids=input_ids, attention_mask=attention, position_ids=position_ids,
+                            of_row=torch.tensor(of_row))
 
     def _padded(self, values: list[Tensor], like: Tensor) -> Tensor:
         """Ragged [R_i] tensors -> [B, R] aligned with `like` (zeros beyond each length)."""
