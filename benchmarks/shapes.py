@@ -1,0 +1,116 @@
+"""Batch shape and update frequency of the tiny default, on the peer benchmark's clock.
+
+    python -m benchmarks.shapes [--shapes 32x2x2 32x4x2 16x2x2 ...] [--seeds 0 1] [--minutes 2.5]
+
+A shape is `PxMxE[:lr]`: P prompt groups per rollout step (`learner.prompts_per_step`, n responses each), cut into
+M mini-batches (`learner.mini_batches`: M optimizer steps per pass), E passes (`learner.epochs`), and optionally
+a learning rate (`learner.lr`). Every shape runs `dapo run` of the preset for `--minutes` of training, seeded and
+timed exactly as the `project` system of benchmarks/peer_trl.py (so its minutes to a target compare with the
+peer's table), with evaluations every `--eval-groups` trained groups (eval_every = eval_groups / P: the same
+training time between evaluations whatever the shape). Shapes are interleaved per seed, so a change in the
+machine's load hits every shape alike.
+
+Measured per shape: the step, optimizer steps per minute, completions per optimizer step, and the minutes of
+training to each held-out target of the peer benchmark (median over seeds; a seed that never gets there counts
+as never). Reported into benchmarks/README.md between the `shapes` markers and benchmarks/results/shapes.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+
+from benchmarks.peer_trl import TARGETS, fmt, median_minutes
+from benchmarks.runs import ROOT, Curve, replace_section, run_seeded
+
+
+@dataclass(frozen=True)
+class Shape:
+    prompts: int
+    mini_batches: int
+    epochs: int
+    lr: float | None = None
+
+    @classmethod
+    def parse(cls, text: str) -> Shape:
+        dims, _, lr = text.partition(":")
+        try:
+            prompts, mini_batches, epochs = (int(x) for x in dims.split("x"))
+            return cls(prompts, mini_batches, epochs, float(lr) if lr else None)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"shape {text!r}: expected PxMxE or PxMxE:lr, e.g. 16x2x2:3e-4") from None
+
+    @property
+    def label(self) -> str:
+        return f"{self.prompts}x{self.mini_batches}x{self.epochs}" + (f":{self.lr:g}" if self.lr else "")
+
+    def overrides(self, eval_groups: int) -> list[str]:
+        sets = [f"learner.prompts_per_step={self.prompts}", f"learner.mini_batches={self.mini_batches}",
+                f"learner.epochs={self.epochs}", f"learner.eval_every={max(1, round(eval_groups / self.prompts))}"]
+        return sets + ([f"learner.lr={self.lr}"] if self.lr else [])
+
+
+def report(shapes: list[Shape], results: dict[str, list[Curve]], n: int, command: str) -> str:
+    lines = [f"`{command}`", "",
+             "Minutes of training (evaluations excluded) to each held-out accuracy, median over seeds; "
+             "the same targets and clock as the peer benchmark:", "",
+             "| shape P x M x E | completions per optimizer step | step (s) | optimizer steps / min | start | end | "
+             + " | ".join(f"{100 * t:.0f} %" for t in TARGETS) + " |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | " + " | ".join("---:" for _ in TARGETS) + " |"]
+    for shape in shapes:
+        curves = results[shape.label]
+        step = statistics.fmean(c.step_seconds for c in curves)
+        lines.append(
+            f"| {shape.label} | {shape.prompts * n // shape.mini_batches} | {step:.2f} | "
+            f"{60 * shape.mini_batches * shape.epochs / step:.0f} | "
+            f"{100 * statistics.median(c.base for c in curves):.1f} | "
+            f"{100 * statistics.median(c.accuracy[-1] for c in curves):.1f} | "
+            + " | ".join(fmt(median_minutes(curves, t)) for t in TARGETS) + " |")
+    lines += ["", "Per seed (minutes to each target):", "",
+              "| shape | seed | start | end | evaluations | " + " | ".join(f"{100 * t:.0f} %" for t in TARGETS) + " |",
+              "| --- | ---: | ---: | ---: | ---: | " + " | ".join("---:" for _ in TARGETS) + " |"]
+    for shape in shapes:
+        for c in results[shape.label]:
+            lines.append(f"| {shape.label} | {c.seed} | {100 * c.base:.1f} | {100 * c.accuracy[-1]:.1f} | "
+                         f"{len(c.steps)} | " + " | ".join(fmt(c.minutes_to(t)) for t in TARGETS) + " |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", type=Shape.parse, nargs="+",
+                        default=[Shape.parse(s) for s in ("32x2x2", "32x4x2", "16x2x2", "16x4x2", "8x2x2")])
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    parser.add_argument("--minutes", type=float, default=2.5, help="training minutes of every run")
+    parser.add_argument("--eval-groups", type=int, default=96, help="trained groups between evaluations")
+    parser.add_argument("--preset", default="tiny-cpu")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], help="override for every shape")
+    parser.add_argument("--out", type=Path, default=ROOT / "runs" / "bench-shapes")
+    args = parser.parse_args()
+
+    from services.config import load_settings
+
+    n = load_settings(args.preset).sampling.n
+    results: dict[str, list[Curve]] = {s.label: [] for s in args.shapes}
+    for seed in args.seeds:  # interleaved
+        for shape in args.shapes:
+            overrides = [f"learner.time_limit_minutes={args.minutes}", "learner.total_steps=100000",
+                         *shape.overrides(args.eval_groups), *args.overrides]
+            run_dir = args.out / f"{shape.label.replace(':', '-lr')}-seed{seed}"
+            results[shape.label].append(run_seeded(shape.label, seed, run_dir, args.preset, overrides,
+                                                   60 * (args.minutes + 20)))
+    command = (f"python -m benchmarks.shapes --shapes {' '.join(s.label for s in args.shapes)} "
+               f"--seeds {' '.join(map(str, args.seeds))} --minutes {args.minutes:g} --eval-groups {args.eval_groups}"
+               f" --preset {args.preset}" + "".join(f" --set {o}" for o in args.overrides))
+    (ROOT / "benchmarks" / "results" / "shapes.json").write_text(json.dumps(
+        {"command": command, "runs": {label: [c.to_json() for c in cs] for label, cs in results.items()}}, indent=1))
+    body = report(args.shapes, results, n, command)
+    replace_section(ROOT / "benchmarks" / "README.md", "shapes", body)
+    print(body)
+
+
+if __name__ == "__main__":
+    main()

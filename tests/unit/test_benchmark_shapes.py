@@ -1,0 +1,40 @@
+"""benchmarks/shapes.py's pure parts: parsing a shape, its overrides, and the report."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from benchmarks import shapes
+from benchmarks.runs import Curve
+from cli.main import parse_overrides
+from services.config import load_settings
+
+
+def test_a_shape_becomes_the_learner_overrides_with_evaluations_at_equal_trained_groups():
+    shape = shapes.Shape.parse("16x4x2:1e-4")
+    assert (shape.prompts, shape.mini_batches, shape.epochs, shape.lr) == (16, 4, 2, 1e-4)
+    sets = shape.overrides(eval_groups=96)
+    assert "learner.eval_every=6" in sets and "learner.lr=0.0001" in sets
+    assert "learner.eval_every=3" in shapes.Shape.parse("32x2x2").overrides(96)
+    settings = load_settings("tiny-cpu", **parse_overrides(sets))  # the overrides are valid settings
+    assert (settings.learner.prompts_per_step, settings.learner.mini_batches, settings.learner.epochs) == (16, 4, 2)
+
+
+@pytest.mark.parametrize("bad", ["16x4", "16x4x2:fast", "axbxc"])
+def test_a_malformed_shape_is_refused_with_the_expected_form(bad):
+    with pytest.raises(argparse.ArgumentTypeError, match="PxMxE"):
+        shapes.Shape.parse(bad)
+
+
+def test_report_gives_each_shape_its_update_rate_and_minutes_to_each_target(monkeypatch):
+    monkeypatch.setattr(shapes, "TARGETS", (0.30, 0.35))
+    small, big = shapes.Shape.parse("16x2x2"), shapes.Shape.parse("32x2x2")
+    results = {
+        "16x2x2": [Curve("16x2x2", 0, [0, 6], [0.0, 0.5], [0.2, 0.31], 1.5, 0)],
+        "32x2x2": [Curve("32x2x2", 0, [0, 3], [0.0, 0.5], [0.2, 0.25], 3.0, 0)],
+    }
+    text = shapes.report([small, big], results, n=16, command="cmd")
+    assert "| 16x2x2 | 128 | 1.50 | 160 | 20.0 | 31.0 | 0.50 | never |" in text
+    assert "| 32x2x2 | 256 | 3.00 | 80 | 20.0 | 25.0 | never | never |" in text
