@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from benchmarks.peer_trl import TARGETS, fmt, median_minutes
-from benchmarks.runs import ROOT, Curve, replace_section, run_seeded
+from benchmarks.runs import ROOT, Curve, read_curve, replace_section, run_seeded
 
 
 @dataclass(frozen=True)
@@ -89,6 +89,7 @@ def main() -> None:
     parser.add_argument("--preset", default="tiny-cpu")
     parser.add_argument("--set", dest="overrides", action="append", default=[], help="override for every shape")
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "bench-shapes")
+    parser.add_argument("--reuse", action="store_true", help="read back the runs that already finished in --out")
     args = parser.parse_args()
 
     from services.config import load_settings
@@ -100,8 +101,11 @@ def main() -> None:
             overrides = [f"learner.time_limit_minutes={args.minutes}", "learner.total_steps=100000",
                          *shape.overrides(args.eval_groups), *args.overrides]
             run_dir = args.out / f"{shape.label.replace(':', '-lr')}-seed{seed}"
-            results[shape.label].append(run_seeded(shape.label, seed, run_dir, args.preset, overrides,
-                                                   60 * (args.minutes + 20)))
+            if args.reuse and (run_dir / "summary.json").exists():
+                results[shape.label].append(read_curve(shape.label, seed, run_dir / "metrics.jsonl"))
+            else:
+                results[shape.label].append(run_seeded(shape.label, seed, run_dir, args.preset, overrides,
+                                                       60 * (args.minutes + 20)))
     command = (f"python -m benchmarks.shapes --shapes {' '.join(s.label for s in args.shapes)} "
                f"--seeds {' '.join(map(str, args.seeds))} --minutes {args.minutes:g} --eval-groups {args.eval_groups}"
                f" --preset {args.preset}" + "".join(f" --set {o}" for o in args.overrides))
