@@ -264,14 +264,21 @@ def plot(results: dict[str, list[Curve]], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+def timed_project_run(label: str, seed: int, run_dir: Path, preset: str, minutes: float, overrides: list[str],
+                      reuse: bool) -> Curve:
+    """One `dapo run` of `preset` stopped after `minutes` of training, or read back from `run_dir` with `reuse`
+    when it finished before."""
+    if reuse and (run_dir / "summary.json").exists():
+        return read_curve(label, seed, run_dir / "metrics.jsonl")
+    limits = [f"learner.time_limit_minutes={minutes}", "learner.total_steps=100000"]
+    return run_seeded(label, seed, run_dir, preset, [*limits, *overrides], 60 * (minutes + 20))
+
+
 def one_run(system: str, seed: int, args: argparse.Namespace) -> Curve:
     """One system on one seed, run now, or read back from --out with --reuse when it finished before."""
     if system == "project":
-        run_dir = args.out / f"project-seed{seed}"
-        if args.reuse and (run_dir / "summary.json").exists():
-            return read_curve(system, seed, run_dir / "metrics.jsonl")
-        overrides = [f"learner.time_limit_minutes={args.minutes}", "learner.total_steps=100000", *args.overrides]
-        return run_seeded(system, seed, run_dir, args.preset, overrides, 60 * (args.minutes + 20))
+        return timed_project_run(system, seed, args.out / f"project-seed{seed}", args.preset, args.minutes,
+                                 args.overrides, args.reuse)
     out = args.out / f"{system}-seed{seed}.json"
     if not (args.reuse and out.exists()):
         cmd = [sys.executable, "-m", "benchmarks.peer_trl", "trl", "--setting", system.removeprefix("trl-"),

@@ -23,8 +23,8 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
-from benchmarks.peer_trl import TARGETS, fmt, median_minutes
-from benchmarks.runs import ROOT, Curve, read_curve, replace_section, run_seeded
+from benchmarks.peer_trl import TARGETS, fmt, median_minutes, timed_project_run
+from benchmarks.runs import ROOT, Curve, replace_section
 
 
 @dataclass(frozen=True)
@@ -98,14 +98,10 @@ def main() -> None:
     results: dict[str, list[Curve]] = {s.label: [] for s in args.shapes}
     for seed in args.seeds:  # interleaved
         for shape in args.shapes:
-            overrides = [f"learner.time_limit_minutes={args.minutes}", "learner.total_steps=100000",
-                         *shape.overrides(args.eval_groups), *args.overrides]
             run_dir = args.out / f"{shape.label.replace(':', '-lr')}-seed{seed}"
-            if args.reuse and (run_dir / "summary.json").exists():
-                results[shape.label].append(read_curve(shape.label, seed, run_dir / "metrics.jsonl"))
-            else:
-                results[shape.label].append(run_seeded(shape.label, seed, run_dir, args.preset, overrides,
-                                                       60 * (args.minutes + 20)))
+            results[shape.label].append(timed_project_run(
+                shape.label, seed, run_dir, args.preset, args.minutes,
+                [*shape.overrides(args.eval_groups), *args.overrides], args.reuse))
     command = (f"python -m benchmarks.shapes --shapes {' '.join(s.label for s in args.shapes)} "
                f"--seeds {' '.join(map(str, args.seeds))} --minutes {args.minutes:g} --eval-groups {args.eval_groups}"
                f" --preset {args.preset}" + "".join(f" --set {o}" for o in args.overrides))
