@@ -12,7 +12,8 @@ machine's load hits every shape alike.
 
 Measured per shape: the step, optimizer steps per minute, completions per optimizer step, and the minutes of
 training to each held-out target of the peer benchmark (median over seeds; a seed that never gets there counts
-as never). Reported into benchmarks/README.md between the `shapes` markers and benchmarks/results/shapes.json.
+as never). Reported into benchmarks/README.md between the `shapes` markers and benchmarks/results/shapes.json (`--section`
+names another pair, so a second sweep keeps the first one's report).
 """
 
 from __future__ import annotations
@@ -90,6 +91,8 @@ def main() -> None:
     parser.add_argument("--set", dest="overrides", action="append", default=[], help="override for every shape")
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "bench-shapes")
     parser.add_argument("--reuse", action="store_true", help="read back the runs that already finished in --out")
+    parser.add_argument("--section", default="shapes",
+                        help="README markers and results/<section>.json to write (another sweep keeps the first's)")
     args = parser.parse_args()
 
     from services.config import load_settings
@@ -104,11 +107,12 @@ def main() -> None:
                 [*shape.overrides(args.eval_groups), *args.overrides], args.reuse))
     command = (f"python -m benchmarks.shapes --shapes {' '.join(s.label for s in args.shapes)} "
                f"--seeds {' '.join(map(str, args.seeds))} --minutes {args.minutes:g} --eval-groups {args.eval_groups}"
-               f" --preset {args.preset}" + "".join(f" --set {o}" for o in args.overrides))
-    (ROOT / "benchmarks" / "results" / "shapes.json").write_text(json.dumps(
+               f" --preset {args.preset}" + "".join(f" --set {o}" for o in args.overrides)
+               + (f" --section {args.section}" if args.section != "shapes" else ""))
+    (ROOT / "benchmarks" / "results" / f"{args.section}.json").write_text(json.dumps(
         {"command": command, "runs": {label: [c.to_json() for c in cs] for label, cs in results.items()}}, indent=1))
     body = report(args.shapes, results, n, command)
-    replace_section(ROOT / "benchmarks" / "README.md", "shapes", body)
+    replace_section(ROOT / "benchmarks" / "README.md", args.section, body)
     print(body)
 
 

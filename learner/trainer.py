@@ -3,7 +3,9 @@
 One `train_step(groups)` is one rollout step of the paper (Algorithm 1, the inner loop):
   1. sequences = prompt tokens + response tokens; advantages per group from the rewards, Eq. (9); with
      `overlong_filter`, truncated responses leave the loss (their rewards still set the group baseline);
-  2. pi_old = the learner's logprobs of the response tokens, recomputed with the current parameters (no grad);
+  2. pi_old = the learner's logprobs of the response tokens under the step's starting parameters: recomputed
+     (no grad) for every mini-batch but the first, which trains before any update, so that its own forward
+     pass gives pi_old (same value, one forward of 1/M of the batch less);
      TIS weight = min(pi_old / mu, tis_cap) against the behaviour logprobs mu the generator recorded;
   3. the groups are shuffled and split into `mini_batches` mini-batches of whole groups (the paper's 512 prompts
      make 16 mini-batches of 32 prompts x 16 responses); one AdamW update per mini-batch, `epochs` passes;
@@ -18,9 +20,7 @@ One `train_step(groups)` is one rollout step of the paper (Algorithm 1, the inne
      so every update of one step uses the same rate;
   6. the service advances the policy version (learner/policy.py: the trainer does not count versions).
 
-When a step makes exactly one update (one mini-batch, one epoch) pi_old equals the current parameters, so the
-separate no-grad pass is skipped and pi_old is the detached logprob of the training forward (same value, one
-forward pass less).
+With one mini-batch and one epoch (a single update) no no-grad pass runs at all.
 
 Precision: master weights and AdamW state are fp32 everywhere (with the paper's lr = 1e-6 a bf16 weight cannot
 represent one update: its relative resolution is ~4e-3). `model.dtype` is the compute and serving dtype: on a
@@ -235,10 +235,9 @@ class Trainer:
         cfg = self.config
         batch = self._prepare(groups)
         mini_batches = self._mini_batches(batch)
-        single_update = len(mini_batches) == 1 and cfg.epochs == 1
         stats = _Stats()
         recompute_started = time.perf_counter()
-        self._recompute(batch, mini_batches, old=not single_update)
+        self._recompute(batch, mini_batches)
         stats.seconds["forward"] += time.perf_counter() - recompute_started
         lr = self.scheduler.get_last_lr()[0]
 
@@ -294,7 +293,7 @@ class Trainer:
         """
         batch = self._prepare(groups)
         indices = list(range(len(batch.responses)))
-        self._recompute(batch, [indices], old=False)
+        self._recompute(batch, [indices])
         self.optimizer.zero_grad(set_to_none=True)
         stats = _Stats()
         stats.loss = self._backward_mini_batch(batch, indices, stats, first_epoch=True)
@@ -432,26 +431,26 @@ class Trainer:
         return [mb for mb in mini if mb]
 
     @torch.no_grad()
-    def _recompute(self, batch: _Batch, mini_batches: list[list[int]], old: bool) -> None:
-        """pi_old (when `old`) and pi_ref (when kl_coef > 0) of the responses this rank will train on, no grad."""
-        if not old and self.reference is None:
+    def _recompute(self, batch: _Batch, mini_batches: list[list[int]]) -> None:
+        """pi_old of the responses this rank will train on in every mini-batch but the first (its training forward
+        gives it: `_backward_mini_batch`), and pi_ref of all of them when kl_coef > 0; no grad."""
+        recomputed = mini_batches if self.reference is not None else mini_batches[1:]
+        if not recomputed:
             return
         per_rank: list[list[int]] = [[] for _ in range(self.accelerator.num_processes)]
-        for mb in mini_batches:  # sharded exactly as training will shard them
+        for mb in recomputed:  # sharded exactly as training will shard them
             for rank, shard in enumerate(self._shard(mb, batch.responses)):
                 per_rank[rank].extend(shard)
         for micro, real in self._lockstep(per_rank, batch.responses):
             inputs = self._collate(batch.responses, micro)
-            if old:
-                logp, _ = self._forward(self.model, inputs, entropy=False)
+            logp, _ = self._forward(self.model, inputs, entropy=False)
             if self.reference is not None:
                 with self.accelerator.autocast():
                     ref, _ = self._forward(self.reference, inputs, entropy=False)
             if real:
                 for row, i in enumerate(micro):
                     n = len(batch.responses[i].response_ids)
-                    if old:
-                        batch.old_logprobs[i] = logp[row, :n].float()
+                    batch.old_logprobs[i] = logp[row, :n].float()
                     if self.reference is not None:
                         batch.ref_logprobs[i] = ref[row, :n].float()
 
@@ -474,10 +473,10 @@ class Trainer:
                 filtered = torch.tensor([responses[i].filtered for i in micro], device=logp.device)
                 mask = dapo.overlong_filter_mask(inputs.response_mask, filtered)
                 behaviour = self._padded([responses[i].behaviour_logprobs for i in micro], logp)
-                if batch.old_logprobs:
-                    logp_old = self._padded([batch.old_logprobs[i] for i in micro], logp)
-                else:  # single update per step: pi_old is the current policy
-                    logp_old = logp.detach()
+                for row, i in enumerate(micro):
+                    if i not in batch.old_logprobs:  # the step's first mini-batch, before any update: pi_old is now
+                        batch.old_logprobs[i] = logp[row, :len(responses[i].response_ids)].detach().float()
+                logp_old = self._padded([batch.old_logprobs[i] for i in micro], logp)
                 logp_ref = self._padded([batch.ref_logprobs[i] for i in micro], logp) if self.reference else None
                 advantages = torch.tensor([responses[i].advantage for i in micro], device=logp.device).unsqueeze(-1)
                 tis = dapo.truncated_importance_weight(logp_old, behaviour, cfg.tis_cap)

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from learner import dapo
 from learner.trainer import Trainer
 from services.config import load_settings
 from services.messages import PromptTask, RolloutGroup, Sample, Score, ScoredGroup
@@ -134,9 +135,36 @@ def test_train_step_raises_positive_and_lowers_negative_responses(model_path, tm
     assert metrics["approx_kl"] > 0
 
 
+@pytest.mark.parametrize("mini_batches, epochs", [(1, 2), (2, 1), (3, 2)])
+def test_pi_old_is_the_step_start_policy_in_every_update(model_path, tmp_path, monkeypatch, mini_batches, epochs):
+    # The first mini-batch takes pi_old from its own training forward, the others from the no-grad pass; either way
+    # every update of the step, in every pass, must see the policy the step started from (the behaviour here).
+    trainer = Trainer(make_settings(tmp_path, lr=1e-2, mini_batches=mini_batches, epochs=epochs,
+                                    micro_batch_tokens=40), model_path)
+    groups = make_groups(n_groups=3, size=4, seed=5)
+    groups = with_behaviour(groups, trainer.logprobs(groups))  # behaviour = the step's starting policy
+    seen = []
+    original = dapo.truncated_importance_weight
+
+    def spy(logp_old, behaviour, cap):
+        seen.append((logp_old.detach().clone(), behaviour.clone()))
+        return original(logp_old, behaviour, cap)
+
+    monkeypatch.setattr(dapo, "truncated_importance_weight", spy)
+    before = sequence_logprob(trainer, groups)
+    metrics = trainer.train_step(groups)
+    assert metrics["updates"] == mini_batches * epochs
+    assert len(seen) >= mini_batches * epochs
+    for logp_old, behaviour in seen:
+        torch.testing.assert_close(logp_old, behaviour, rtol=0, atol=1e-5)
+    moved = max(abs(a - b) for g_after, g_before in zip(sequence_logprob(trainer, groups), before)
+                for a, b in zip(g_after, g_before))
+    assert moved > 1e-2  # the policy did move during the step: a pi_old taken after an update would differ
+
+
 @pytest.mark.parametrize("loss_agg, mini_batches", [("token", 1), ("sample", 1), ("token", 2)])
 def test_loss_with_identical_old_and_new_params_is_the_hand_formula(model_path, tmp_path, loss_agg, mini_batches):
-    # One mini-batch: pi_old is the training forward itself. Two (one group each), lr 0: pi_old comes from the
+    # One mini-batch: pi_old is the training forward itself. Two (one group each), lr 0: the second takes it from the
     # separate no-grad pass and the parameters never move, so the ratio is 1 in both updates.
     settings = make_settings(tmp_path, loss_agg=loss_agg, overlong_filter=True, tis_cap=1.5, micro_batch_tokens=24,
                              mini_batches=mini_batches, lr=0.0 if mini_batches > 1 else 1e-2)
@@ -361,6 +389,7 @@ import sys, torch
 sys.path[:0] = [{here!r}, {tests!r}, {repo!r}]
 from pathlib import Path
 from test_trainer import make_groups, make_settings, random_offsets, with_behaviour
+from learner import dapo
 from learner.trainer import Trainer
 
 trainer = Trainer(make_settings(Path({tmp!r}), micro_batch_tokens=40, mini_batches=2), Path({model!r}))
