@@ -23,7 +23,8 @@ TRL is one process that generates and trains in turn on all CPUs; it has no dyna
 Measured: minutes of training to reach each held-out accuracy target (the first evaluation at or above it),
 per seed; the median over seeds (a seed that never reaches a target counts as never); and the ratio project /
 TRL per target. Goal (issue 15): the project reaches each target in at most half of TRL's time (ratio <= 0.5).
-Reported into benchmarks/README.md between the `peer-trl` markers and benchmarks/results/peer_trl.{json,png}.
+Reported into benchmarks/README.md between the `peer-trl` markers and benchmarks/results/peer_trl.{json,png}
+(`--section` names another set, so a run on another base model keeps the first one's report).
 """
 
 from __future__ import annotations
@@ -311,13 +312,16 @@ def main() -> None:
     parser.add_argument("--set", dest="overrides", action="append", default=[], help="project override key=value")
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "bench-peer-trl")
     parser.add_argument("--reuse", action="store_true", help="read back the runs that already finished in --out")
-    parser.add_argument("--report-only", action="store_true", help="rebuild the report from results/peer_trl.json")
+    parser.add_argument("--report-only", action="store_true", help="rebuild the report from results/<section>.json")
+    parser.add_argument("--section", default="peer-trl",
+                        help="README markers and results/<section with _>.{json,png} to write (another run keeps the first's)")
     args = parser.parse_args()
     if args.command == "trl":
         run_trl(args.setting, args.seed, args.minutes, args.preset, args.out)
         return
 
-    results_path = ROOT / "benchmarks" / "results" / "peer_trl.json"
+    stem = args.section.replace("-", "_")
+    results_path = ROOT / "benchmarks" / "results" / f"{stem}.json"
     if args.report_only:
         saved = json.loads(results_path.read_text())
         command, results = saved["command"], {s: [curve_from_json(c) for c in cs] for s, cs in saved["runs"].items()}
@@ -329,12 +333,13 @@ def main() -> None:
                 results[system].append(one_run(system, seed, args))
         command = (f"python -m benchmarks.peer_trl --seeds {' '.join(map(str, args.seeds))} --minutes {args.minutes:g}"
                    f" --systems {' '.join(args.systems)} --preset {args.preset}"
-                   + "".join(f" --set {o}" for o in args.overrides))
+                   + "".join(f" --set {o}" for o in args.overrides)
+                   + (f" --section {args.section}" if args.section != "peer-trl" else ""))
         results_path.write_text(json.dumps({"command": command, "runs": {s: [c.to_json() for c in cs]
                                                                          for s, cs in results.items()}}, indent=1))
-    plot(results, ROOT / "benchmarks" / "results" / "peer_trl.png")
-    body = report(results, command) + "\n\n![peer-trl](results/peer_trl.png)"
-    replace_section(ROOT / "benchmarks" / "README.md", "peer-trl", body)
+    plot(results, ROOT / "benchmarks" / "results" / f"{stem}.png")
+    body = report(results, command) + f"\n\n![{args.section}](results/{stem}.png)"
+    replace_section(ROOT / "benchmarks" / "README.md", args.section, body)
     print(body)
 
 
