@@ -424,22 +424,32 @@ def held_task_ids(pipe: Pipeline) -> list[str]:
 @pytest.mark.slow
 def test_resume_after_sigkill_trains_every_group_once(pipeline, tmp_path):
     run_dir = tmp_path / "resume"
-    learner = {**LEARNER, "max_staleness": 1, "eval_every": 0, "total_steps": 5, "checkpoint_every": 2}
+    total = 6
+    learner = {**LEARNER, "max_staleness": 1, "eval_every": 0, "total_steps": total, "checkpoint_every": 2}
     pipeline.drain()
     first = pipeline.learner(run_dir, learner, **SMALL)
     deadline = time.monotonic() + 240
-    # kill after step 3 is trained: the checkpoint is at step 2, so step 3 is lost and trained again
-    while not any(r["step"] == 3 for r in read_jsonl(run_dir / LEDGER_FILE)):
+    # Kill once a step after the latest checkpoint (step 3, or 5 if the learner got there first) is trained: that
+    # step is lost and trained again. The learner is frozen (SIGSTOP) while the files are read, so what is read is
+    # what the kill leaves; a moment right after a checkpoint, with nothing trained since, is let go on.
+    while True:
         pipeline.check_workers()
         assert first.poll() is None, pipeline.tail("learner-resume")
         assert time.monotonic() < deadline, pipeline.tail("learner-resume")
-        time.sleep(0.2)
+        first.send_signal(signal.SIGSTOP)
+        latest = run_dir / "checkpoints" / "latest"
+        checkpoint_step = int(latest.read_text().split("-")[1]) if latest.exists() else 0
+        before = read_jsonl(run_dir / LEDGER_FILE)
+        if checkpoint_step >= 2 and any(line["step"] > checkpoint_step for line in before):
+            break
+        first.send_signal(signal.SIGCONT)
+        time.sleep(0.05)
     first.send_signal(signal.SIGKILL)
     first.wait()
-    before = read_jsonl(run_dir / LEDGER_FILE)
-    trained_after_checkpoint = [t for line in before if line["step"] > 2 for t in line["trained"]]
-    checkpoint = json.loads((run_dir / "checkpoints" / "step-2" / "trainer_state.json").read_text())["extra_state"]
-    assert (run_dir / "checkpoints" / "latest").read_text() == "step-2"
+    assert checkpoint_step < total
+    trained_after_checkpoint = [t for line in before if line["step"] > checkpoint_step for t in line["trained"]]
+    state = run_dir / "checkpoints" / f"step-{checkpoint_step}" / "trainer_state.json"
+    checkpoint = json.loads(state.read_text())["extra_state"]
     held_at_kill = set(held_task_ids(pipeline))
     assert set(trained_after_checkpoint) <= held_at_kill  # trained after the checkpoint: still held
     assert not held_at_kill & set(checkpoint["consumed"])  # consumed by the checkpoint: released
@@ -448,10 +458,11 @@ def test_resume_after_sigkill_trains_every_group_once(pipeline, tmp_path):
     second = pipeline.learner(run_dir, learner, **SMALL)  # no drain: the pipeline keeps its in-flight tasks
     assert wait_exit(pipeline, second, "learner-resume", 240) == 0, pipeline.tail("learner-resume")
     log = pipeline.tail("learner-resume", 400)
-    assert "resuming from" in log and "step 2" in log
+    assert "resuming from" in log and f"step {checkpoint_step}" in log
     steps = step_lines(read_jsonl(run_dir / METRICS_FILE))
-    assert [r["step"] for r in steps] == [1, 2, 3, 4, 5]  # the lost step 3 was cut and redone
-    assert steps[2]["version"] > announced_before  # versions stay monotonic: generators load the restored policy
+    assert [r["step"] for r in steps] == list(range(1, total + 1))  # the lost step was cut and redone
+    # versions stay monotonic: generators load the restored policy
+    assert steps[checkpoint_step]["version"] > announced_before
     trained = assert_trained_once(run_dir)
     ledger = read_jsonl(run_dir / LEDGER_FILE)
     dropped = {t for line in ledger for k in line if k.startswith(("dropped_", "stale_")) for t in line[k]}
