@@ -12,8 +12,8 @@ machine's load hits every shape alike.
 
 Measured per shape: the step, optimizer steps per minute, completions per optimizer step, and the minutes of
 training to each held-out target of the peer benchmark (median over seeds; a seed that never gets there counts
-as never). Reported into benchmarks/README.md between the `shapes` markers and benchmarks/results/shapes.json (`--section`
-names another pair, so a second sweep keeps the first one's report).
+as never). Reported into benchmarks/README.md between the `shapes` markers and benchmarks/results/shapes.json
+(`--section` names another pair, as in benchmarks/peer_trl.py, so a second sweep keeps the first one's report).
 """
 
 from __future__ import annotations
@@ -109,7 +109,7 @@ def main() -> None:
                f"--seeds {' '.join(map(str, args.seeds))} --minutes {args.minutes:g} --eval-groups {args.eval_groups}"
                f" --preset {args.preset}" + "".join(f" --set {o}" for o in args.overrides)
                + (f" --section {args.section}" if args.section != "shapes" else ""))
-    (ROOT / "benchmarks" / "results" / f"{args.section}.json").write_text(json.dumps(
+    (ROOT / "benchmarks" / "results" / f"{args.section.replace('-', '_')}.json").write_text(json.dumps(
         {"command": command, "runs": {label: [c.to_json() for c in cs] for label, cs in results.items()}}, indent=1))
     body = report(args.shapes, results, n, command)
     replace_section(ROOT / "benchmarks" / "README.md", args.section, body)

@@ -389,7 +389,6 @@ import sys, torch
 sys.path[:0] = [{here!r}, {tests!r}, {repo!r}]
 from pathlib import Path
 from test_trainer import make_groups, make_settings, random_offsets, with_behaviour
-from learner import dapo
 from learner.trainer import Trainer
 
 trainer = Trainer(make_settings(Path({tmp!r}), micro_batch_tokens=40, mini_batches=2), Path({model!r}))
