@@ -293,7 +293,7 @@ def one_run(system: str, seed: int, args: argparse.Namespace) -> Curve:
 
 def curve_from_json(data: dict) -> Curve:
     return Curve(**{k: data[k] for k in ("label", "seed", "steps", "minutes", "accuracy", "step_seconds",
-                                          "returncode")})
+                                          "returncode", "wait_seconds", "refills") if k in data})
 
 
 def main() -> None:

@@ -33,6 +33,8 @@ class Curve:
     accuracy: list[float]
     step_seconds: float  # mean over training steps
     returncode: int
+    wait_seconds: float = 0.0  # the learner's mean wait for groups a step (project runs; TRL has none)
+    refills: float = 0.0  # mean refill rounds a step (project runs)
 
     @property
     def base(self) -> float:
@@ -57,7 +59,8 @@ class Curve:
 
     def to_json(self) -> dict:
         return {"label": self.label, "seed": self.seed, "steps": self.steps, "minutes": self.minutes,
-                "accuracy": self.accuracy, "step_seconds": self.step_seconds, "returncode": self.returncode}
+                "accuracy": self.accuracy, "step_seconds": self.step_seconds, "returncode": self.returncode,
+                "wait_seconds": self.wait_seconds, "refills": self.refills}
 
 
 def first_minute_at(minutes: list[float], accuracy: list[float], target: float) -> float | None:
@@ -92,15 +95,22 @@ def read_curve(label: str, seed: int, metrics_path: Path, returncode: int = 0) -
     rows = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
     start = next(r["time"] for r in rows if r["step"] == 0)
     evals = [r for r in rows if r.get("eval_accuracy") is not None]
-    seconds = [r["step_seconds"] for r in rows if r.get("step_seconds") is not None]
+    trained = [r for r in rows if r.get("step_seconds") is not None]
     return Curve(
         label=label, seed=seed,
         steps=[r["step"] for r in evals],
         minutes=training_minutes(rows, start, evals),
         accuracy=[r["eval_accuracy"] for r in evals],
-        step_seconds=statistics.fmean(seconds) if seconds else 0.0,
+        step_seconds=mean_of(trained, "step_seconds"),
         returncode=returncode,
+        wait_seconds=mean_of(trained, "wait_seconds"),
+        refills=mean_of(trained, "refills"),
     )
+
+
+def mean_of(rows: list[dict], key: str) -> float:
+    values = [r[key] for r in rows if r.get(key) is not None]
+    return statistics.fmean(values) if values else 0.0
 
 
 def training_minutes(rows: list[dict], start: float, at: list[dict]) -> list[float]:

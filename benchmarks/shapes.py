@@ -2,15 +2,16 @@
 
     python -m benchmarks.shapes [--shapes 32x2x2 32x4x2 16x2x2 ...] [--seeds 0 1] [--minutes 2.5]
 
-A shape is `PxMxE[:lr]`: P prompt groups per rollout step (`learner.prompts_per_step`, n responses each), cut into
-M mini-batches (`learner.mini_batches`: M optimizer steps per pass), E passes (`learner.epochs`), and optionally
-a learning rate (`learner.lr`). Every shape runs `dapo run` of the preset for `--minutes` of training, seeded and
+A shape is `PxMxE[:lr][+key=value...]`: P prompt groups per rollout step (`learner.prompts_per_step`, n responses
+each), cut into M mini-batches (`learner.mini_batches`: M optimizer steps per pass), E passes (`learner.epochs`),
+optionally a learning rate (`learner.lr`) and any other settings of that run only
+(`32x4x2+learner.oversample_margin=1.5`: the same shape with another push margin, side by side with `32x4x2`). Every shape runs `dapo run` of the preset for `--minutes` of training, seeded and
 timed exactly as the `project` system of benchmarks/peer_trl.py (so its minutes to a target compare with the
 peer's table), with evaluations every `--eval-groups` trained groups (eval_every = eval_groups / P: the same
 training time between evaluations whatever the shape). Shapes are interleaved per seed, so a change in the
 machine's load hits every shape alike.
 
-Measured per shape: the step, optimizer steps per minute, completions per optimizer step, and the minutes of
+Measured per shape: the step, the learner's wait for groups in it and its refill rounds, optimizer steps per minute, completions per optimizer step, and the minutes of
 training to each held-out target of the peer benchmark (median over seeds; a seed that never gets there counts
 as never). Reported into benchmarks/README.md between the `shapes` markers and benchmarks/results/shapes.json
 (`--section` names another pair, as in benchmarks/peer_trl.py, so a second sweep keeps the first one's report).
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,48 +36,63 @@ class Shape:
     mini_batches: int
     epochs: int
     lr: float | None = None
+    settings: tuple[str, ...] = ()  # further key=value overrides of this shape's runs
 
     @classmethod
     def parse(cls, text: str) -> Shape:
-        dims, _, lr = text.partition(":")
+        head, *settings = text.split("+")
+        dims, _, lr = head.partition(":")
         try:
             prompts, mini_batches, epochs = (int(x) for x in dims.split("x"))
-            return cls(prompts, mini_batches, epochs, float(lr) if lr else None)
+            if any("=" not in item for item in settings):
+                raise ValueError
+            return cls(prompts, mini_batches, epochs, float(lr) if lr else None, tuple(settings))
         except ValueError:
-            raise argparse.ArgumentTypeError(f"shape {text!r}: expected PxMxE or PxMxE:lr, e.g. 16x2x2:3e-4") from None
+            raise argparse.ArgumentTypeError(
+                f"shape {text!r}: expected PxMxE[:lr][+key=value...], e.g. 16x2x2:3e-4+learner.oversample_margin=1.5"
+            ) from None
 
     @property
     def label(self) -> str:
-        return f"{self.prompts}x{self.mini_batches}x{self.epochs}" + (f":{self.lr:g}" if self.lr else "")
+        return (f"{self.prompts}x{self.mini_batches}x{self.epochs}" + (f":{self.lr:g}" if self.lr else "")
+                + "".join(f"+{item}" for item in self.settings))
+
+    @property
+    def run_name(self) -> str:
+        return re.sub(r"[^A-Za-z0-9._=-]+", "-", self.label.replace(":", "-lr"))
 
     def overrides(self, eval_groups: int) -> list[str]:
         sets = [f"learner.prompts_per_step={self.prompts}", f"learner.mini_batches={self.mini_batches}",
                 f"learner.epochs={self.epochs}", f"learner.eval_every={max(1, round(eval_groups / self.prompts))}"]
-        return sets + ([f"learner.lr={self.lr}"] if self.lr else [])
+        return sets + ([f"learner.lr={self.lr}"] if self.lr else []) + list(self.settings)
 
 
 def report(shapes: list[Shape], results: dict[str, list[Curve]], n: int, command: str) -> str:
     lines = [f"`{command}`", "",
              "Minutes of training (evaluations excluded) to each held-out accuracy, median over seeds; "
              "the same targets and clock as the peer benchmark:", "",
-             "| shape P x M x E | completions per optimizer step | step (s) | optimizer steps / min | start | end | "
-             + " | ".join(f"{100 * t:.0f} %" for t in TARGETS) + " |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | " + " | ".join("---:" for _ in TARGETS) + " |"]
+             "| shape P x M x E | completions per optimizer step | step (s) | wait (s) | refills / step | "
+             "optimizer steps / min | start | end | " + " | ".join(f"{100 * t:.0f} %" for t in TARGETS) + " |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | " + " | ".join("---:" for _ in TARGETS) + " |"]
     for shape in shapes:
         curves = results[shape.label]
         step = statistics.fmean(c.step_seconds for c in curves)
         lines.append(
             f"| {shape.label} | {shape.prompts * n // shape.mini_batches} | {step:.2f} | "
+            f"{statistics.fmean(c.wait_seconds for c in curves):.2f} | "
+            f"{statistics.fmean(c.refills for c in curves):.2f} | "
             f"{60 * shape.mini_batches * shape.epochs / step:.0f} | "
             f"{100 * statistics.median(c.base for c in curves):.1f} | "
             f"{100 * statistics.median(c.accuracy[-1] for c in curves):.1f} | "
             + " | ".join(fmt(median_minutes(curves, t)) for t in TARGETS) + " |")
     lines += ["", "Per seed (minutes to each target):", "",
-              "| shape | seed | start | end | evaluations | " + " | ".join(f"{100 * t:.0f} %" for t in TARGETS) + " |",
-              "| --- | ---: | ---: | ---: | ---: | " + " | ".join("---:" for _ in TARGETS) + " |"]
+              "| shape | seed | step (s) | wait (s) | refills / step | start | end | evaluations | "
+              + " | ".join(f"{100 * t:.0f} %" for t in TARGETS) + " |",
+              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | " + " | ".join("---:" for _ in TARGETS) + " |"]
     for shape in shapes:
         for c in results[shape.label]:
-            lines.append(f"| {shape.label} | {c.seed} | {100 * c.base:.1f} | {100 * c.accuracy[-1]:.1f} | "
+            lines.append(f"| {shape.label} | {c.seed} | {c.step_seconds:.2f} | {c.wait_seconds:.2f} | "
+                         f"{c.refills:.2f} | {100 * c.base:.1f} | {100 * c.accuracy[-1]:.1f} | "
                          f"{len(c.steps)} | " + " | ".join(fmt(c.minutes_to(t)) for t in TARGETS) + " |")
     return "\n".join(lines)
 
@@ -101,7 +118,7 @@ def main() -> None:
     results: dict[str, list[Curve]] = {s.label: [] for s in args.shapes}
     for seed in args.seeds:  # interleaved
         for shape in args.shapes:
-            run_dir = args.out / f"{shape.label.replace(':', '-lr')}-seed{seed}"
+            run_dir = args.out / f"{shape.run_name}-seed{seed}"
             results[shape.label].append(timed_project_run(
                 shape.label, seed, run_dir, args.preset, args.minutes,
                 [*shape.overrides(args.eval_groups), *args.overrides], args.reuse))

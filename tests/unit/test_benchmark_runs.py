@@ -19,12 +19,13 @@ def curve(seed: int, steps, minutes, accuracy) -> Curve:
 
 def test_read_curve_measures_minutes_from_the_step_zero_record(tmp_path):
     rows = [{"step": 0, "eval_accuracy": 0.2, "time": 100.0},
-            {"step": 1, "eval_accuracy": None, "step_seconds": 4.0, "time": 104.0},
-            {"step": 2, "eval_accuracy": 0.3, "step_seconds": 8.0, "time": 160.0}]
+            {"step": 1, "eval_accuracy": None, "step_seconds": 4.0, "wait_seconds": 1.0, "refills": 1, "time": 104.0},
+            {"step": 2, "eval_accuracy": 0.3, "step_seconds": 8.0, "wait_seconds": 0.5, "refills": 0, "time": 160.0}]
     path = tmp_path / "metrics.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     c = read_curve("t", 3, path)
     assert (c.steps, c.minutes, c.accuracy, c.step_seconds, c.base) == ([0, 2], [0.0, 1.0], [0.2, 0.3], 6.0, 0.2)
+    assert (c.wait_seconds, c.refills) == (0.75, 0.5)  # means over the trained steps (not the step-0 record)
 
 
 def test_training_minutes_leave_out_the_evaluations_after_step_zero(tmp_path):

@@ -22,7 +22,17 @@ def test_a_shape_becomes_the_learner_overrides_with_evaluations_at_equal_trained
     assert (settings.learner.prompts_per_step, settings.learner.mini_batches, settings.learner.epochs) == (16, 4, 2)
 
 
-@pytest.mark.parametrize("bad", ["16x4", "16x4x2:fast", "axbxc"])
+def test_a_shape_carries_further_settings_of_its_own_runs():
+    shape = shapes.Shape.parse("32x4x2:1.5e-4+learner.oversample_margin=1.5")
+    assert shape.label == "32x4x2:0.00015+learner.oversample_margin=1.5"
+    assert shape.run_name == "32x4x2-lr0.00015-learner.oversample_margin=1.5"
+    sets = shape.overrides(eval_groups=96)
+    assert sets[-2:] == ["learner.lr=0.00015", "learner.oversample_margin=1.5"]
+    assert load_settings("tiny-cpu", **parse_overrides(sets)).learner.oversample_margin == 1.5
+    assert shapes.Shape.parse("32x4x2").label != shape.label  # side by side: two rows, two run directories
+
+
+@pytest.mark.parametrize("bad", ["16x4", "16x4x2:fast", "axbxc", "16x4x2+learner.oversample_margin"])
 def test_a_malformed_shape_is_refused_with_the_expected_form(bad):
     with pytest.raises(argparse.ArgumentTypeError, match="PxMxE"):
         shapes.Shape.parse(bad)
@@ -32,9 +42,10 @@ def test_report_gives_each_shape_its_update_rate_and_minutes_to_each_target(monk
     monkeypatch.setattr(shapes, "TARGETS", (0.30, 0.35))
     small, big = shapes.Shape.parse("16x2x2"), shapes.Shape.parse("32x2x2")
     results = {
-        "16x2x2": [Curve("16x2x2", 0, [0, 6], [0.0, 0.5], [0.2, 0.31], 1.5, 0)],
+        "16x2x2": [Curve("16x2x2", 0, [0, 6], [0.0, 0.5], [0.2, 0.31], 1.5, 0, wait_seconds=0.4, refills=0.25)],
         "32x2x2": [Curve("32x2x2", 0, [0, 3], [0.0, 0.5], [0.2, 0.25], 3.0, 0)],
     }
     text = shapes.report([small, big], results, n=16, command="cmd")
-    assert "| 16x2x2 | 128 | 1.50 | 160 | 20.0 | 31.0 | 0.50 | never |" in text
-    assert "| 32x2x2 | 256 | 3.00 | 80 | 20.0 | 25.0 | never | never |" in text
+    assert "| 16x2x2 | 128 | 1.50 | 0.40 | 0.25 | 160 | 20.0 | 31.0 | 0.50 | never |" in text
+    assert "| 32x2x2 | 256 | 3.00 | 0.00 | 0.00 | 80 | 20.0 | 25.0 | never | never |" in text
+    assert "| 16x2x2 | 0 | 1.50 | 0.40 | 0.25 | 20.0 | 31.0 | 2 | 0.50 | never |" in text
