@@ -267,7 +267,8 @@ def step_breakdown(row: dict) -> str:
              f" / verify {_fmt(row.get('wait_verification_seconds'), '.1f')})",
              f"train {_fmt(row.get('train_seconds'), '.1f')}", f"publish {_fmt(row.get('publish_seconds'), '.1f')}"]
     if row.get("eval_seconds") is not None:
-        parts.append(f"eval {_fmt(row['eval_seconds'], '.1f')}")
+        drain = _fmt(row.get("eval_drain_seconds"), ".1f")
+        parts.append(f"eval {_fmt(row['eval_seconds'], '.1f')} (after a drain of {drain})")
     parts.append(f"generators busy {_fmt(row.get('generator_busy_seconds'), '.1f')}"
                  f" / idle {_fmt(row.get('generator_idle_seconds'), '.1f')}")
     return "\n".join(parts)

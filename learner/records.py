@@ -23,11 +23,11 @@ from services.weights_layout import write_atomic
 
 # Where a step's time goes (each `{phase}_seconds` in metrics.jsonl and a label of dapo_learner_step_phase_seconds):
 # the learner's wait for groups (split: generation, verification), its update (forward, backward, optimizer),
-# publishing, the evaluation, and each side's idle time; the generators' engine, reload and idle seconds are
-# summed over generators.
+# publishing, the evaluation (after the drain of the train prompts in flight), and each side's idle time; the
+# generators' engine, reload and idle seconds are summed over generators.
 PHASES = (
-    "wait", "wait_generation", "wait_verification", "train", "forward", "backward", "optimizer", "publish", "eval",
-    "learner_idle", "generator_busy", "generator_reload", "generator_idle",
+    "wait", "wait_generation", "wait_verification", "train", "forward", "backward", "optimizer", "publish",
+    "eval_drain", "eval", "learner_idle", "generator_busy", "generator_reload", "generator_idle",
 )
 METRICS_FILE = "metrics.jsonl"
 LEDGER_FILE = "ledger.jsonl"

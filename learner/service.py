@@ -250,10 +250,12 @@ class LearnerService:
                   "world_size": self.ranks.world}
         record = step_record(self.step, self.policy.current, batch, lags, result, timing)
         if self.eval_due():
+            record["eval_drain_seconds"] = self.drain_train()
             summary = self.evaluate()
             if summary is not None:
                 record.update(summary)
-        record["learner_idle_seconds"] = waited + record.get("eval_seconds", 0.0)  # waiting on the pipeline
+        idle = waited + record.get("eval_drain_seconds", 0.0) + record.get("eval_seconds", 0.0)
+        record["learner_idle_seconds"] = idle  # waiting on the pipeline
         record.update(self.work.generator_clocks.take())
         self.records.step(record, batch, drops)
         log.info(
@@ -421,6 +423,18 @@ class LearnerService:
         log.info(
             "baseline eval: accuracy %.3f on %d problems", summary["eval_accuracy"] or 0.0, summary["eval_problems"]
         )
+
+    def drain_train(self) -> float:
+        """Wait until no train prompt is in flight (their groups are admitted); the seconds it took.
+
+        Run before an evaluation. Its seconds are left out of the training clock (learner.time_limit_minutes, the
+        benchmarks' minutes), so nothing may be generated for training meanwhile: the push made before the update
+        is finished here, on the training clock, where the next step's wait would have finished it.
+        """
+        started = time.perf_counter()
+        while self.assembler.in_flight and not self.stopping.is_set():
+            self.pump()
+        return time.perf_counter() - started
 
     def evaluate(self) -> dict | None:
         """avg@n accuracy of the current version on the held-out problems, through generators and reward

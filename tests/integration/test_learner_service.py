@@ -83,6 +83,24 @@ def test_time_limit_ends_the_run_with_an_evaluation_and_a_checkpoint(tmp_path):
     assert not unlimited.finished()
 
 
+def test_an_evaluation_first_waits_until_no_train_prompt_is_in_flight(tmp_path):
+    # an evaluation is left out of the training clock: nothing may be generated for training during one
+    service = LearnerService(load_settings("tiny-cpu", run_dir=str(tmp_path)))
+    service.assembler.issued(["a", "b", "c"], version=0)
+    seen = []
+
+    def one_arrives():
+        seen.append(len(service.assembler.in_flight))
+        service.assembler.in_flight.popitem()
+
+    service.pump = one_arrives
+    assert service.drain_train() >= 0 and seen == [3, 2, 1] and not service.assembler.in_flight
+    service.assembler.issued(["d"], version=0)
+    service.stopping.set()
+    service.drain_train()  # a stop ends the wait
+    assert list(service.assembler.in_flight) == ["d"]
+
+
 def test_data_specs_and_public_url():
     assert data_spec("synthetic", "train") == "synthetic-train"
     assert data_spec("aime2024", "eval") == "aime2024"
@@ -367,7 +385,8 @@ def test_synchronous_steps(pipeline, tmp_path):
     # the generator worked for these steps (its first group only set its baseline)
     assert sum(r["generator_busy_seconds"] for r in steps) > 0
     assert steps[1]["eval_accuracy"] is not None and steps[2]["eval_accuracy"] is not None  # every 2 and the end
-    assert steps[0]["eval_accuracy"] is None
+    assert steps[0]["eval_accuracy"] is None and "eval_drain_seconds" not in steps[0]
+    assert steps[1]["eval_drain_seconds"] >= 0 and steps[1]["learner_idle_seconds"] >= steps[1]["eval_seconds"]
     assert len(assert_trained_once(run_dir)) == 12
     assert (run_dir / "config.yaml").is_file()
     assert (run_dir / "checkpoints" / "latest").read_text() == "step-3"

@@ -49,4 +49,4 @@ def test_the_live_view_shows_where_the_last_step_went():
     row = {f"{phase}_seconds": float(i) for i, phase in enumerate(PHASES)} | {"step_seconds": 30.0}
     text = step_breakdown(row)
     assert "total 30.0" in text and "gen 1.0 / verify 2.0" in text and "publish 7.0" in text
-    assert "eval 8.0" in text and "generators busy 10.0 / idle 12.0" in text
+    assert "eval 9.0 (after a drain of 8.0)" in text and "generators busy 11.0 / idle 13.0" in text
