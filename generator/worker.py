@@ -294,10 +294,11 @@ class RolloutWorker:
         busy = bool(self.inflight)
         if busy and now - self._last_empty_read < 0.02:
             return  # the stream was empty a moment ago: let the engine work
-        # Idle: block briefly, so an announced version or a shutdown is seen within IDLE_BLOCK_MS.
-        block_ms = 1 if busy or self.deferred else min(self.settings.streams.block_ms, IDLE_BLOCK_MS)
-        if self._pull is not None:
-            block_ms = min(block_ms, 10)  # a version is on its way: look again soon to load it
+        # Redis times a blocking read out only on its event loop's tick (100 ms at the default hz 10), however short
+        # the block asked for: with work in the engine, or a version on its way to load, the read must not block
+        # (a 1 ms block cost the engine two thirds of its time). Idle, it blocks: new tasks end the wait at once,
+        # and an announced version or a shutdown is seen within IDLE_BLOCK_MS.
+        block_ms = 0 if busy or self._pull is not None else min(self.settings.streams.block_ms, IDLE_BLOCK_MS)
         deliveries = self.prompts.consume(self.id, count=room, block_ms=block_ms)
         if not deliveries:
             self._last_empty_read = now

@@ -54,7 +54,7 @@ class StreamsConfig(Section):
     produce_timeout_s: float = Field(600.0, description="How long a producer waits above high water, then fails.")
     visibility_timeout_s: float = Field(120.0, description="A message pending this long is reclaimed from its consumer.")
     max_deliveries: int = Field(3, description="After this many deliveries a message goes to the dead stream.")
-    block_ms: int = Field(1000, description="How long one read blocks waiting for new messages.")
+    block_ms: int = Field(1000, ge=1, description="How long an idle read blocks waiting for new messages.")
 
 
 class ModelConfig(Section):

@@ -195,7 +195,8 @@ class Stream(Generic[M]):
 
     # -- consuming -------------------------------------------------------------------------------------
     def consume(self, consumer: str, count: int = 1, block_ms: int | None = None) -> list[Delivery[M]]:
-        """Up to `count` deliveries: reclaimed stale entries first, then new ones (blocking up to block_ms)."""
+        """Up to `count` deliveries: reclaimed stale entries first, then new ones, waiting up to `block_ms` for them
+        (None: streams.block_ms; 0: not at all, where Redis' BLOCK 0 would wait forever)."""
         self._ensure_group()
         # Reclaiming scans the pending list: do it a few times per visibility timeout, not on every read.
         now = time.monotonic()
@@ -206,7 +207,7 @@ class Stream(Generic[M]):
         fresh = []
         if len(reclaimed) < count:
             block = self.cfg.block_ms if block_ms is None else block_ms
-            fresh = self._read_new(consumer, count - len(reclaimed), block if not reclaimed else None)
+            fresh = self._read_new(consumer, count - len(reclaimed), block if block > 0 and not reclaimed else None)
         self._refresh_metrics()
         return self._admit(consumer, reclaimed, known_counts=False) + self._admit(consumer, fresh, known_counts=True)
 

@@ -49,6 +49,23 @@ def test_produce_consume_forward_ack(streams):
     assert out[0].message.samples[0].logprobs == pytest.approx([-0.1, -0.2, -0.3])
 
 
+def test_a_read_that_must_not_block_returns_at_once_and_a_blocking_one_wakes_on_a_new_entry(streams):
+    # Redis times a BLOCK out only on its event loop's tick (100 ms at hz 10), and BLOCK 0 waits forever: a
+    # generator with work in its engine reads with block_ms=0 and must get its answer at once
+    prompts = streams.stream("prompts", PromptTask)
+    prompts.produce(task(0))
+    assert len(prompts.consume("c", count=10, block_ms=0)) == 1
+    reads = []
+    reader = threading.Thread(target=lambda: reads.append(prompts.consume("c", count=10, block_ms=0)), daemon=True)
+    reader.start()
+    reader.join(timeout=10)
+    assert reads == [[]], "an empty stream read with block_ms=0 did not return"
+    started = time.monotonic()
+    threading.Timer(0.3, lambda: prompts.produce(task(1))).start()
+    (woken,) = prompts.consume("c", count=10, block_ms=5000)
+    assert woken.message.task_id == "t1" and time.monotonic() - started < 3
+
+
 def test_poison_messages_go_to_dead_and_consumer_keeps_going(streams):
     prompts = streams.stream("prompts", PromptTask)
     prompts.produce(task(0))  # creates the group
