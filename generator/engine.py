@@ -212,6 +212,10 @@ class VllmEngine:
             disable_log_stats=True,
             worker_extension_cls="generator.vllm_worker.WeightReloadExtension",
         )
+        if cfg.block_size:
+            kwargs.update(block_size=cfg.block_size)
+        if cfg.in_process_engine:
+            kwargs.update(distributed_executor_backend="uni")  # the model in this process too (with the env below)
         if on_cpu:
             # vLLM's CPU default (256 sequences) would run 16 of 64 admitted tasks of n = 16 and queue the rest:
             # every sample the worker admits runs at once (benchmarks/generator.py measures the difference).
@@ -234,6 +238,7 @@ class VllmEngine:
         kv_gib = os.environ.get("VLLM_CPU_KVCACHE_SPACE", str(self.settings.generator.kv_cache_gib))
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, round(float(kv_gib))))
         os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if self.settings.generator.in_process_engine else "1"
         from vllm import LLM
 
         started = time.perf_counter()

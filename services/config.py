@@ -154,6 +154,14 @@ class GeneratorConfig(Section):
     max_model_len: int | None = Field(None, description="vLLM context; default prompt room + sampling.max_tokens.")
     max_prompt_tokens: int = Field(2048, description="Prompt room in the default max_model_len (paper: 2048).")
     enforce_eager: bool = Field(True, description="Skip graph capture (faster start, needed on CPU).")
+    block_size: int | None = Field(
+        None, ge=1, description="vLLM's KV cache block, tokens (default vLLM's: 128 on CPU, 16 on GPU). Only whole "
+        "blocks of a prompt are cached and shared by its n samples: a prompt shorter than a block is prefilled n times."
+    )
+    in_process_engine: bool = Field(
+        False, description="Run vLLM's engine core and model in the generator's process (no inter-process hops; for "
+        "one CPU core), not in processes of its own (which overlap scheduling with the worker loop on GPUs)."
+    )
     seed: int = Field(0, description="Engine seed.")
     logprobs_mode: Literal["raw_logprobs", "processed_logprobs"] = Field(
         "processed_logprobs",
@@ -165,6 +173,12 @@ class GeneratorConfig(Section):
     pull_timeout_s: float = Field(300.0, description="HTTP timeout of one weights download.")
     min_version_wait_s: float = Field(30.0, description="Wait this long for a task's min_version, then hand it back.")
     shutdown_grace_s: float = Field(30.0, description="SIGTERM: finish in-flight tasks this long, then release them.")
+
+    @model_validator(mode="after")
+    def _in_process_engine_is_one_worker(self) -> "GeneratorConfig":
+        if self.in_process_engine and self.tensor_parallel_size > 1:
+            raise ValueError("generator.in_process_engine runs one model worker: it needs tensor_parallel_size 1")
+        return self
 
 
 class WeightsConfig(Section):

@@ -532,8 +532,9 @@ def engine_cores(group: int) -> list[int]:
 
 
 def test_sigkilled_generator_leaves_no_orphan_engine(service, short_tmp):
-    """kill -9 of a generator: its engine core exits by itself (it watches its parent), and the launcher's
-    restart kills the old process group; no `VLLM::EngineCore` is left behind."""
+    """kill -9 of a generator whose engine runs in processes of its own (generator.in_process_engine off, as on
+    GPUs): its engine core exits by itself (it watches its parent), and the launcher's restart kills the old
+    process group; no `VLLM::EngineCore` is left behind. (In process, the engine dies with the generator.)"""
     from cli.launcher import Child
     from generator.service import wait_ready
 
@@ -545,6 +546,7 @@ def test_sigkilled_generator_leaves_no_orphan_engine(service, short_tmp):
         "DAPO_MODEL__NAME_OR_PATH": str(service["base"]), "DAPO_RUN_DIR": os.path.join(short_tmp, "orphans"),
         "DAPO_GENERATOR__HOST": "127.0.0.1", "DAPO_GENERATOR__PORT": str(port), "DAPO_WORKER_ID": "killed",
         "DAPO_GENERATOR__MAX_MODEL_LEN": "256", "DAPO_TOKEN": settings.token,
+        "DAPO_GENERATOR__IN_PROCESS_ENGINE": "false",
     }
     command = [sys.executable, "-m", "cli", "generator", "--config", "tiny-cpu"]
     child = Child("generator-0", command, env, Path(short_tmp) / "killed.log", True)
