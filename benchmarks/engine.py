@@ -52,7 +52,8 @@ def worker(block_size: int, in_process: bool, prompts: int, rounds: int) -> None
     settings = load_settings("tiny-cpu", run_dir=tempfile.mkdtemp(prefix="dapo-engine-"),
                              generator={"block_size": block_size, "in_process_engine": in_process})
     engine = VllmEngine(ensure_model(settings), settings)
-    sampling = SamplingParams(n=settings.sampling.n, temperature=1.0, top_p=1.0, max_tokens=settings.sampling.max_tokens)
+    sampling = SamplingParams(n=settings.sampling.n, temperature=1.0, top_p=1.0,
+                              max_tokens=settings.sampling.max_tokens)
     work = prompt_ids(settings, engine.tokenizer, prompts * (rounds + 1))
     engine.generate(work[-prompts:], sampling)  # warm-up, on prompts no round uses
     print(f"{MARK}ready", flush=True)

@@ -5,16 +5,17 @@
 A shape is `PxMxE[:lr][+key=value...]`: P prompt groups per rollout step (`learner.prompts_per_step`, n responses
 each), cut into M mini-batches (`learner.mini_batches`: M optimizer steps per pass), E passes (`learner.epochs`),
 optionally a learning rate (`learner.lr`) and any other settings of that run only
-(`32x4x2+learner.oversample_margin=1.5`: the same shape with another push margin, side by side with `32x4x2`). Every shape runs `dapo run` of the preset for `--minutes` of training, seeded and
-timed exactly as the `project` system of benchmarks/peer_trl.py (so its minutes to a target compare with the
-peer's table), with evaluations every `--eval-groups` trained groups (eval_every = eval_groups / P: the same
-training time between evaluations whatever the shape). Shapes are interleaved per seed, so a change in the
-machine's load hits every shape alike.
+(`32x4x2+learner.oversample_margin=1.5`: the same shape with another push margin, side by side with `32x4x2`).
+Every shape runs `dapo run` of the preset for `--minutes` of training, seeded and timed exactly as the `project`
+system of benchmarks/peer_trl.py (so its minutes to a target compare with the peer's table), with evaluations
+every `--eval-groups` trained groups (eval_every = eval_groups / P: the same training time between evaluations
+whatever the shape). Shapes are interleaved per seed, so a change in the machine's load hits every shape alike.
 
-Measured per shape: the step, the learner's wait for groups in it and its refill rounds, optimizer steps per minute, completions per optimizer step, and the minutes of
-training to each held-out target of the peer benchmark (median over seeds; a seed that never gets there counts
-as never). Reported into benchmarks/README.md between the `shapes` markers and benchmarks/results/shapes.json
-(`--section` names another pair, as in benchmarks/peer_trl.py, so a second sweep keeps the first one's report).
+Measured per shape: the step, the learner's wait for groups in it and its refill rounds, optimizer steps per
+minute, completions per optimizer step, and the minutes of training to each held-out target of the peer benchmark
+(median over seeds; a seed that never gets there counts as never). Reported into benchmarks/README.md between the
+`shapes` markers and benchmarks/results/shapes.json (`--section` names another pair, as in benchmarks/peer_trl.py,
+so a second sweep keeps the first one's report).
 """
 
 from __future__ import annotations

@@ -296,8 +296,8 @@ class RolloutWorker:
             return  # the stream was empty a moment ago: let the engine work
         # Redis times a blocking read out only on its event loop's tick (100 ms at the default hz 10), however short
         # the block asked for: with work in the engine, or a version on its way to load, the read must not block
-        # (a 1 ms block cost the engine two thirds of its time). Idle, it blocks: new tasks end the wait at once,
-        # and an announced version or a shutdown is seen within IDLE_BLOCK_MS.
+        # (a 1 ms block held finished groups back up to 100 ms, and an in-process engine would stop meanwhile).
+        # Idle, it blocks: new tasks end the wait at once, and a version or a shutdown is seen within IDLE_BLOCK_MS.
         block_ms = 0 if busy or self._pull is not None else min(self.settings.streams.block_ms, IDLE_BLOCK_MS)
         deliveries = self.prompts.consume(self.id, count=room, block_ms=block_ms)
         if not deliveries:
