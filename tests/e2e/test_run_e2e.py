@@ -20,7 +20,7 @@ from deploy.check_dashboard import dashboard_metric_names, live_series_names  # 
 
 pytestmark = pytest.mark.slow
 
-STEPS = 3
+STEPS = 4  # the scrape happens after step 1: the steps after it keep the services up meanwhile
 OVERRIDES = [
     f"learner.total_steps={STEPS}", "learner.prompts_per_step=4", "learner.eval_every=2",
     "learner.checkpoint_every=2", "sampling.n=4", "eval_sampling.n=2", "data.eval_size=16",
@@ -52,7 +52,7 @@ def test_dapo_run_end_to_end(short_tmp):
             ):
                 for name, url in json.loads(services.read_text())["http"].items():
                     scraped[name] = httpx.get(f"{url}/metrics", timeout=10).text
-            time.sleep(1)
+            time.sleep(0.1)  # a step of this run takes well under a second: look often, or the run is over
         output = proc.communicate(timeout=max(1, deadline - time.monotonic()))[0]
     finally:
         if proc.poll() is None:
