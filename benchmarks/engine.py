@@ -42,7 +42,6 @@ def label(block_size: int, in_process: bool) -> str:
 
 def worker(block_size: int, in_process: bool, prompts: int, rounds: int) -> None:
     """Start one engine, say `ready`, then answer each round number read on stdin with that round's timing."""
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from benchmarks.generator import prompt_ids
     from cli.bootstrap import ensure_model
     from generator.engine import VllmEngine
