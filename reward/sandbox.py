@@ -76,6 +76,7 @@ class VerifierPool:
         self.broken: str | None = None  # why no child can start
         self._context = multiprocessing.get_context(start_method)
         self._pool: ProcessPool | None = None
+        self._launched: threading.Event | None = None  # set once the current pool's children are spawned
         self._ready = self._context.SimpleQueue()  # pids of children that finished _start_child
         self._ready_pids: set[int] = set()
         self._pending: set[Future] = set()
@@ -86,15 +87,33 @@ class VerifierPool:
 
     def start(self, wait_ready: bool = True) -> "VerifierPool":
         with self._lock:
-            if self._pool is None:
-                self._pool = self._new_pool()
+            if self._launched is None:
+                self._launched = self._launch(replacing=None)
+            launched = self._launched
+        launched.wait()  # a signal may cut this wait short, never the launch: close() stops what it launched
         if wait_ready:
             self.wait_ready()
         return self
 
-    def _new_pool(self) -> ProcessPool:
-        return ProcessPool(max_workers=self.size, initializer=_start_child, initargs=(self.memory_mb, self._ready),
-                           context=self._context)
+    def _launch(self, replacing: ProcessPool | None) -> threading.Event:
+        """Start a pool in place of `replacing` (None: the first), in a thread of its own that holds the lock until
+        the children are spawned. Pebble spawns them on first use, in the calling thread; in the main thread a
+        signal (`services.startup` raises there) could cut a spawn short of pebble recording the child: nobody would
+        stop that child, and it would die on the semaphores the exiting parent removed, printing their traceback."""
+        launched = threading.Event()
+
+        def launch() -> None:
+            try:
+                with self._lock:
+                    if not self._closed and self._pool is replacing:
+                        self._pool = ProcessPool(max_workers=self.size, initializer=_start_child,
+                                                 initargs=(self.memory_mb, self._ready), context=self._context)
+                        self._pool.active  # noqa: B018 - pebble's first state check spawns the children
+            finally:
+                launched.set()
+
+        threading.Thread(target=launch, name="verifier-launch", daemon=True).start()
+        return launched
 
     def wait_ready(self, timeout: float = STARTUP_TIMEOUT_S) -> bool:
         """Block until every child has imported the verifier (so the first items are not slowed by startup); a pool
@@ -131,13 +150,14 @@ class VerifierPool:
         with self._lock:
             if self._closed:
                 return
-            self._closed = True
+            self._closed = True  # a launch not begun yet will not begin; one under way has ended (it holds the lock)
             pending, self._pending = self._pending, set()
+            pool = self._pool
         for future in pending:
             _settle(future, error=RuntimeError("verifier pool closed"))
-        if self._pool is not None:
-            self._pool.stop()
-            self._pool.join(timeout=10)
+        if pool is not None:
+            pool.stop()
+            pool.join(timeout=10)
 
     def __enter__(self) -> "VerifierPool":
         return self.start()
@@ -196,6 +216,8 @@ class VerifierPool:
             raise RuntimeError("verifier pool closed")
         self.start(wait_ready=False)
         pool = self._pool
+        if pool is None:  # closed while it waited for the launch
+            raise RuntimeError("verifier pool closed")
         return pool, pool.schedule(_verify_in_child, args=(response, ground_truth), timeout=self.timeout_s)
 
     def _track(self, pool: ProcessPool, task: Future) -> Future:
@@ -239,7 +261,7 @@ class VerifierPool:
         with self._lock:
             if self._pool is not broken or self._closed:
                 return
-            self._pool = self._new_pool()
+            self._launched = self._launch(replacing=broken)
         broken.stop()
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import threading
 import time
 
@@ -121,3 +122,39 @@ def test_invalid_pool_settings_are_refused():
         VerifierPool(workers=0)
     with pytest.raises(ValueError):
         VerifierPool(timeout_s=0)
+
+
+class Interrupted(Exception):
+    pass
+
+
+def test_a_signal_at_any_point_of_the_start_leaves_no_child_behind():
+    """A service raises from its signal handler while it starts (`services.startup`); wherever that lands in the
+    spawning of the children (about 15 ms here), close() stops and reaps every child that was spawned."""
+
+    def interrupt(_signum, _frame):
+        raise Interrupted
+
+    VerifierPool(workers=2)  # its queue starts multiprocessing's resource tracker, a child that stays
+    before = children()
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    try:
+        for delay_ms in range(1, 41):
+            pool = VerifierPool(workers=2)
+            try:
+                signal.setitimer(signal.ITIMER_REAL, delay_ms / 2000)
+                pool.start()  # the children import the verifier for seconds: the alarm ends it
+            except Interrupted:
+                pass
+            finally:
+                signal.setitimer(signal.ITIMER_REAL, 0)
+                pool.close()
+            assert children() == before, f"an alarm after {delay_ms / 2} ms left children behind (or unreaped)"
+    finally:
+        signal.signal(signal.SIGALRM, previous)
+
+
+def children() -> set[int]:
+    """This process's children, zombies included (a child nobody waits for stays one)."""
+    listed = subprocess.run(["pgrep", "-P", str(os.getpid())], capture_output=True, text=True).stdout
+    return {int(pid) for pid in listed.split()}
