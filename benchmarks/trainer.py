@@ -6,9 +6,9 @@ The batch is real: the tiny base model samples n = 16 responses (vLLM, the gener
 problems, `reward.verify` scores them with the overlong shaping, and the first `prompts_per_step` informative
 groups (dynamic sampling) make the batch, as a step of `dapo run` receives it. Each `micro_batch_tokens` value, with
 whole rows (prompt + response) and with the shared prompt pass (`share_prompt_pass`: a group's prompt once, its
-responses on the prompt's KV cache), gets its own Trainer of the tiny-cpu preset (2 mini-batches x 2 passes: 4
-updates plus the pi_old pass), on one CPU with one torch thread, as `dapo run` gives the learner on 2 cores. Rounds
-rotate which setting goes first; the table holds the median over rounds. `computed / real` is the tokens the forward
+responses on the prompt's KV cache), gets its own Trainer of the tiny-cpu preset (4 mini-batches x 2 passes: 8
+updates), on one CPU with one torch thread, as `dapo run` gives the learner on 2 cores. Rounds rotate which
+setting goes first; the table holds the median over rounds. `computed / real` is the tokens the forward
 passes compute (padded blocks) over the tokens of the prompt + response rows. Reported between the `trainer`
 markers (with --write).
 """
@@ -63,6 +63,17 @@ def informative_batch(settings, count: int) -> list:
     return groups
 
 
+def sampled_batch(settings, count: int) -> list:
+    """`informative_batch` run in a child process: vLLM's CPU worker binds this process's OpenMP threads to the CPUs it
+    saw and turns `torch.set_num_threads` into a no-op, so a trainer in the same process would update on 2 threads
+    (the previous "one CPU" figures were measured that way: 1.47 s a step where one thread takes 2.1)."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as child:
+        return child.submit(informative_batch, settings, count).result()
+
+
 def computed_tokens(trainer, groups) -> tuple[int, int]:
     """(tokens the forward passes of one pass over the batch compute, tokens of the prompt + response rows)."""
     batch = trainer._prepare(groups)
@@ -82,14 +93,14 @@ def measure(budgets: list[int], rounds: int) -> dict:
     from services.models import model_dir
 
     base = load_settings(PRESET, run_dir=str(ROOT / "runs" / "bench-trainer"))
-    groups = informative_batch(base, base.learner.prompts_per_step)
+    groups = sampled_batch(base, base.learner.prompts_per_step)
     os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})  # the learner's one CPU under `dapo run` on 2 cores
     variants = [(budget, shared) for shared in (False, True) for budget in budgets]
     trainers = {}
     for budget, shared in variants:
         learner = base.learner.model_copy(update={"micro_batch_tokens": budget, "share_prompt_pass": shared})
         trainers[budget, shared] = Trainer(base.model_copy(update={"learner": learner}), model_dir(base))
-    torch.set_num_threads(1)  # after the Trainers: each sets threads from the CPUs it sees
+    torch.set_num_threads(1)  # after the Trainers: each sets threads from the CPUs it sees (or OMP_NUM_THREADS)
     for trainer in trainers.values():
         trainer.train_step(groups)  # warm-up: allocator, first-call overheads
     timings: dict[tuple, list[dict]] = {variant: [] for variant in variants}
