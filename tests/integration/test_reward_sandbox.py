@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import threading
 import time
 
 import pytest
 
+from processes import children_of
 from reward.sandbox import VerifierPool
 
 # Comparing this with 1 makes sympy expand a polynomial of about 500,000 terms: it does not come back for minutes.
@@ -136,7 +136,7 @@ def test_a_signal_at_any_point_of_the_start_leaves_no_child_behind():
         raise Interrupted
 
     VerifierPool(workers=2)  # its queue starts multiprocessing's resource tracker, a child that stays
-    before = children()
+    before = children_of(os.getpid())
     previous = signal.signal(signal.SIGALRM, interrupt)
     try:
         for delay_ms in range(1, 41):
@@ -149,12 +149,6 @@ def test_a_signal_at_any_point_of_the_start_leaves_no_child_behind():
             finally:
                 signal.setitimer(signal.ITIMER_REAL, 0)
                 pool.close()
-            assert children() == before, f"an alarm after {delay_ms / 2} ms left children behind (or unreaped)"
+            assert children_of(os.getpid()) == before, f"an alarm after {delay_ms / 2} ms left children behind (or unreaped)"
     finally:
         signal.signal(signal.SIGALRM, previous)
-
-
-def children() -> set[int]:
-    """This process's children, zombies included (a child nobody waits for stays one)."""
-    listed = subprocess.run(["pgrep", "-P", str(os.getpid())], capture_output=True, text=True).stdout
-    return {int(pid) for pid in listed.split()}

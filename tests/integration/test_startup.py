@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from processes import children_of
 from services.http import free_port
 from services.startup import EXIT_UNAVAILABLE
 
@@ -109,6 +110,3 @@ def test_a_signal_stops_the_reward_service_while_its_verifier_processes_start(re
         assert time.monotonic() < deadline, f"left behind: {children}"
         time.sleep(0.1)
 
-
-def children_of(pid: int) -> list[int]:
-    return [int(p) for p in subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()]
