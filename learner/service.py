@@ -99,6 +99,14 @@ class TrainProblems:
         self.epoch, self.index = int(cursor["epoch"]), int(cursor["index"])
         self._order = self._order_of(self.epoch)
 
+    def seek_past(self, cursor: dict) -> bool:
+        """Seek to `cursor` if it lies ahead on this same order (same seed and data size); whether it did."""
+        same_order = cursor.get("seed") == self.seed and cursor.get("size") == len(self.problems)
+        ahead = (int(cursor["epoch"]), int(cursor["index"])) > (self.epoch, self.index)
+        if same_order and ahead:
+            self.seek(cursor)
+        return same_order and ahead
+
 
 class PromptBuilder:
     """Problem -> (prompt text, prompt token ids), cached: the learner needs the ids to train on the prompt."""
@@ -293,7 +301,7 @@ class LearnerService:
         version = self.policy.current
         tasks = [self.make_task(self.train_problems.next(), "train", version) for _ in range(push.count)]
         self.assembler.issued([t.task_id for t in tasks], version)
-        self.work.push(tasks)
+        self.work.push(tasks, data_cursor=self.train_problems.cursor())
         if push.refill:
             metrics.LEARNER_REFILLS.inc()
             log.info(
@@ -317,6 +325,7 @@ class LearnerService:
     # -- resume, publish, checkpoint ---------------------------------------------------------------------------
     def start_fresh(self) -> bool:
         self.ensure_monotonic_version()
+        self.work.forget_data_cursor()
         self.work.restore(skip=set(), counted=set())
         self.records.cut_after(-1)
         return False
@@ -331,7 +340,7 @@ class LearnerService:
         self.policy.restore(extra["policy"])
         self.last_checkpoint_step = self.step
         self.last_eval_step = extra.get("last_eval_step")
-        self.train_problems.seek(extra["data_cursor"])
+        self.seek_data(extra["data_cursor"])
         self.assembler.load_state(extra["assembler"])
         self.records.cut_after(self.step)
         log.info("resuming from %s: step %d, policy version %d", path, self.step, self.policy.current)
@@ -340,6 +349,15 @@ class LearnerService:
         self.ensure_monotonic_version()
         self.work.restore(skip=set(extra["consumed"]), counted=set(extra["carried"]))
         return True
+
+    def seek_data(self, checkpointed: dict) -> None:
+        """The checkpoint's data cursor, or further on: the problems issued after the checkpoint come back (their
+        groups are held or still in the pipeline), so they are not drawn again."""
+        self.train_problems.seek(checkpointed)
+        issued = self.work.issued_data_cursor()
+        if issued is not None and self.train_problems.seek_past(issued):
+            log.info("data cursor %s -> %s: problems issued after the checkpoint are not drawn again",
+                     checkpointed, issued)
 
     def ensure_monotonic_version(self) -> None:
         announced = latest_announcement(self.redis, self.streams.prefix, self.publisher.key)

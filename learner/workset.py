@@ -22,6 +22,7 @@ longer waited for: the batch assembler (and a running evaluation) stop counting 
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections import deque
@@ -40,6 +41,7 @@ log = logging.getLogger(__name__)
 
 HELD = "held"
 ISSUED = "issued"
+DATA_CURSOR = "data-cursor"  # where the training data stands after the last task pushed (TrainProblems.cursor)
 CONSUME_BATCH = 64
 DEAD_SCAN_SECONDS = 1.0
 DROP_KINDS = ("uninformative", "stale", "duplicate")
@@ -86,6 +88,8 @@ class WorkingSet:
         self.scored = streams.stream("scored", ScoredGroup)
         self.held = streams.stream(HELD, ScoredGroup)
         self.issued_key = streams.key(ISSUED)
+        self.cursor_key = streams.key(DATA_CURSOR)
+        self._cursor_after: dict[str, dict] = {}  # task id -> the data cursor once that task is pushed
         self.redis = streams.redis
         self.consumer = consumer_name("learner")
         self.outbox: deque[PromptTask] = deque()
@@ -98,12 +102,27 @@ class WorkingSet:
         self._redis_run_id: str | None = None
 
     # -- pushing -----------------------------------------------------------------------------------------------
-    def push(self, tasks: list[PromptTask]) -> None:
+    def push(self, tasks: list[PromptTask], data_cursor: dict | None = None) -> None:
+        """Queue tasks; `data_cursor`, the training data's position after them, is kept in Redis once they are
+        pushed: a resumed learner continues after the last problem it issued, whose groups survive the crash, not
+        after the checkpoint's cursor (which would draw those problems a second time)."""
         self.outbox.extend(tasks)
+        if tasks and data_cursor is not None:
+            self._cursor_after[tasks[-1].task_id] = data_cursor
 
     def unqueue(self, task_ids: set[str]) -> None:
         """Forget queued tasks that were never pushed (an evaluation that ended)."""
         self.outbox = deque(t for t in self.outbox if t.task_id not in task_ids)
+        for task_id in task_ids:
+            self._cursor_after.pop(task_id, None)
+
+    def issued_data_cursor(self) -> dict | None:
+        """The data cursor after the last training task pushed in this run (None if none was, or Redis lost it)."""
+        raw = self.redis.get(self.cursor_key)
+        return json.loads(raw) if raw else None
+
+    def forget_data_cursor(self) -> None:
+        self.redis.delete(self.cursor_key)
 
     def flush_outbox(self) -> None:
         """Produce queued tasks while the prompts stream has room (never block on back-pressure: keep reading)."""
@@ -112,6 +131,9 @@ class WorkingSet:
             task = self.outbox.popleft()
             self.prompts.produce(task, register=(self.issued_key, task.task_id))  # recorded as issued, atomically
             room -= 1
+            cursor = self._cursor_after.pop(task.task_id, None)
+            if cursor is not None:  # a crash just before this line draws this push's problems again: rare, harmless
+                self.redis.set(self.cursor_key, json.dumps(cursor))
 
     def issued_task(self, task_id: str) -> PromptTask | None:
         raw = self.redis.hget(self.issued_key, task_id)
@@ -189,12 +211,13 @@ class WorkingSet:
     def scan_dead_letters(self) -> None:
         """Prompts that died in the pipeline (poison, too many deliveries) will never be scored: stop waiting.
         Groups refused as forged or for their provenance say nothing reliable about the task they name: it may be
-        a real one, whose genuine group is still to come."""
+        a real one, whose genuine group is still to come; nor does a dead letter no service signed (anyone who can
+        write to Redis could add one)."""
         self._dead_scanned_at = time.monotonic()
         self.check_redis_restart()
         lost = []
-        for entry_id, fields in self.streams.dead_letters_after(self._dead_cursor):
-            self._dead_cursor = entry_id
+        self._dead_cursor, letters = self.streams.dead_letters_after(self._dead_cursor)
+        for _, fields in letters:
             if fields.get(b"reason", b"").startswith((b"forged", b"provenance")):
                 continue
             stream = fields.get(b"stream", b"").decode(errors="replace")

@@ -20,6 +20,7 @@ from services.config import Settings
 from services.http import create_app
 from services.messages import Score
 
+from reward.sandbox import VerifierUnavailable
 from reward.scoring import Scorer, ScoreItem
 
 MAX_RESPONSE_CHARS = 1_000_000  # ~250k tokens: longer than any L_max in the presets
@@ -102,6 +103,7 @@ def create_reward_app(
             403: {"model": ErrorBody, "description": "Wrong bearer token."},
             413: {"model": ErrorBody, "description": "Body or batch larger than the configured limits."},
             422: {"description": "The request does not fit the schema (a field missing, too long, wrong type)."},
+            503: {"model": ErrorBody, "description": "The verifier pool failed meanwhile (it restarts): retry."},
         },
     )
     async def score(
@@ -120,6 +122,9 @@ def create_reward_app(
             raise HTTPException(413, f"batch of {len(items)} items exceeds reward.max_batch = {max_batch}")
         batch = [ScoreItem(i.response, i.ground_truth, i.response_tokens, i.max_tokens) for i in items]
         # The pool blocks while it works: keep the event loop free for /healthz and /metrics meanwhile.
-        return await run_in_threadpool(share.score, batch)
+        try:
+            return await run_in_threadpool(share.score, batch)
+        except VerifierUnavailable as err:
+            raise HTTPException(503, f"{err}; retry the request") from err
 
     return app

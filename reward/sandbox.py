@@ -6,7 +6,8 @@ replaces a child that dies. What is ours is the policy: `RLIMIT_AS` and the veri
 (before its first item), and the verdicts: an item that overruns gets `timeout`, one whose child died gets
 `error`, and when no child can start at all (e.g. `memory_mb` too small to import sympy) the pool says so in
 `broken` and answers `error` at once instead of waiting. One hostile response can never stall or crash the
-service.
+service. When the pool itself fails while an item waits (pebble aborts every queued item once an idle child dies),
+the item was not judged at all: its future raises `VerifierUnavailable` rather than passing for a wrong answer.
 
     with VerifierPool(workers=2, timeout_s=5, memory_mb=1024) as pool:
         verdicts = pool.verify_many([(response, ground_truth), ...])
@@ -51,6 +52,10 @@ def _verify_in_child(response: str, ground_truth: str) -> Verdict:
         return verify(response, ground_truth)
     except BaseException as err:  # noqa: BLE001 - RecursionError, MemoryError, sympy internals, anything
         return Verdict(False, None, RULE_ERROR, f"{type(err).__name__}: {str(err)[:200]}")
+
+
+class VerifierUnavailable(RuntimeError):
+    """The verifier processes failed while the item waited; the item itself has no verdict (retry it later)."""
 
 
 @dataclass
@@ -216,6 +221,10 @@ class VerifierPool:
             raise RuntimeError("verifier pool closed")
         self.start(wait_ready=False)
         pool = self._pool
+        if pool is not None and not pool.active:  # pebble gave up on it: a child died while no item ran
+            self._replace_pool(pool)
+            self.start(wait_ready=False)
+            pool = self._pool
         if pool is None:  # closed while it waited for the launch
             raise RuntimeError("verifier pool closed")
         return pool, pool.schedule(_verify_in_child, args=(response, ground_truth), timeout=self.timeout_s)
@@ -230,16 +239,21 @@ class VerifierPool:
         def on_done(done: Future) -> None:
             with self._lock:
                 self._pending.discard(verdict)
-            _settle(verdict, result=self._verdict(pool, done))
+            try:
+                _settle(verdict, result=self._verdict(pool, done))
+            except VerifierUnavailable as err:
+                _settle(verdict, error=err)
 
         task.add_done_callback(on_done)
         return verdict
 
     def _verdict(self, pool: ProcessPool, task: Future) -> Verdict:
+        """The item's verdict; `VerifierUnavailable` when the pool, not the item, failed (a wrong answer would
+        be a false label)."""
         try:
             verdict = task.result()
-        except CancelledError:
-            return Verdict(False, None, RULE_ERROR, "cancelled")
+        except CancelledError as err:  # by pebble: the pool stopped (replaced or closed) before the item ran
+            raise VerifierUnavailable("verification cancelled: the verifier pool stopped") from err
         except TimeoutError:
             self.stats.timeouts += 1
             self.stats.replaced += 1
@@ -248,16 +262,16 @@ class VerifierPool:
             self.stats.errors += 1
             self.stats.replaced += 1
             return Verdict(False, None, RULE_ERROR, f"verifier process died (exit code {err.exitcode})")
-        except BrokenProcessPool:
+        except BrokenProcessPool as err:
             self._replace_pool(pool)
-            return Verdict(False, None, RULE_ERROR, "verifier processes died; pool restarted")
+            raise VerifierUnavailable("verifier processes died; pool restarted") from err
         self.stats.verified += 1
         if verdict.rule == RULE_ERROR:
             self.stats.errors += 1
         return verdict
 
     def _replace_pool(self, broken: ProcessPool) -> None:
-        """Pebble gives up on a pool whose children all died while no item ran; start a new one (once)."""
+        """Pebble gives up on a pool in which a child died while no item ran; start a new one (once)."""
         with self._lock:
             if self._pool is not broken or self._closed:
                 return

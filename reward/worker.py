@@ -3,8 +3,9 @@
 Each read takes a few groups and queues all their samples in the verifier pool at once, so the pool's
 processes stay busy across group boundaries; each group is then forwarded (scored group written and
 rollout acknowledged in one Redis script) in order. Unparseable rollouts never reach us: the stream moves
-them to `dead`. A group whose scoring fails is left unacknowledged, so it is redelivered and, after
-`streams.max_deliveries` attempts, dead-lettered. On stop, groups not yet forwarded are released at once.
+them to `dead`. A group whose scoring fails (the verifier pool failed, `VerifierUnavailable`) is handed back
+unacknowledged, so it is redelivered and, after `streams.max_deliveries` attempts, dead-lettered. On stop, groups
+not yet forwarded are released at once.
 """
 
 from __future__ import annotations
@@ -81,8 +82,9 @@ class RewardWorker:
                 break
             try:
                 scores = self.scorer.collect(items, pending, started)
-            except Exception:
-                log.exception("scoring %s failed; it will be redelivered", delivery.id)
+            except Exception:  # e.g. VerifierUnavailable: no verdict is not a wrong answer
+                log.exception("scoring %s failed; handed back for redelivery", delivery.id)
+                self.rollouts.release(delivery)
                 continue
             result = ScoredGroup(rollout=delivery.message, scores=scores, reward_worker_id=self.consumer)
             if self.rollouts.forward(delivery, self.scored, result):

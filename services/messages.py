@@ -180,7 +180,8 @@ def sign(key: bytes, context: str, payload: bytes) -> str:
 
 
 def verify(key: bytes, context: str, payload: bytes, signature: str) -> bool:
-    return hmac.compare_digest(sign(key, context, payload), signature)
+    # Bytes, not str: compare_digest raises TypeError on a non-ASCII str, and a signature is whatever the wire held.
+    return hmac.compare_digest(sign(key, context, payload).encode(), signature.encode(errors="replace"))
 
 
 def _announcement_bytes(announcement: WeightsAnnouncement) -> bytes:

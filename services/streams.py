@@ -119,6 +119,7 @@ class Stream(Generic[M]):
         self._group_ready = False
         self._metrics_at = 0.0
         self._reclaimed_at = float("-inf")
+        self._reclaim_from: bytes | str = "0-0"  # where the next scan of the pending entries starts
 
     def signature(self, payload: bytes) -> str:
         return sign(self.streams.hmac_key, self.key, payload)
@@ -219,7 +220,11 @@ class Stream(Generic[M]):
 
     def _reclaim(self, consumer: str, count: int) -> list[tuple[bytes, dict]]:
         min_idle = int(self.cfg.visibility_timeout_s * 1000)
-        reply = self._grouped(self.redis.xautoclaim, self.key, self.group, consumer, min_idle, "0-0", count=count)
+        # One XAUTOCLAIM looks at 10 x count pending entries: go on from where the last one stopped (it returns
+        # 0-0 at the end), or a dead consumer's entries behind many live ones would wait for those to be acked.
+        reply = self._grouped(self.redis.xautoclaim, self.key, self.group, consumer, min_idle, self._reclaim_from,
+                              count=count)
+        self._reclaim_from = reply[0]
         claimed = [(eid, fields) for eid, fields in reply[1] if fields]  # deleted entries come back empty
         if claimed:
             metrics.STREAM_REDELIVERIES.labels(self.name).inc(len(claimed))
@@ -243,12 +248,12 @@ class Stream(Generic[M]):
             entry_id = eid.decode()
             deliveries = counts.get(entry_id, 1)
             payload = fields.get(FIELD, b"")
-            if deliveries > self.cfg.max_deliveries:
-                self.dead(entry_id, payload, f"delivered {deliveries} times (max {self.cfg.max_deliveries})", deliveries)
-                continue
-            forged = self.forged(fields)
+            forged = self.forged(fields)  # first: a dead letter not labelled forged is trusted (scan_dead_letters)
             if forged:
                 self.dead(entry_id, payload, forged, deliveries)
+                continue
+            if deliveries > self.cfg.max_deliveries:
+                self.dead(entry_id, payload, f"delivered {deliveries} times (max {self.cfg.max_deliveries})", deliveries)
                 continue
             try:
                 message = from_wire(self.model, payload)
@@ -306,7 +311,7 @@ class Stream(Generic[M]):
         """Hand a delivery back (graceful shutdown): any consumer reclaims it on its next read."""
         idle = int(self.cfg.visibility_timeout_s * 1000) + 1
         self._grouped(self.redis.xclaim, self.key, self.group, RELEASED, 0, [delivery.id], idle=idle, justid=True)
-        self._reclaimed_at = float("-inf")  # our own next read takes it back at once
+        self._reclaimed_at, self._reclaim_from = float("-inf"), "0-0"  # our own next read takes it back at once
 
     def release_all(self, consumer: str, count: int = 10_000) -> int:
         """Hand back every entry `consumer` holds (a process starting under the name of a dead one, before its slow
@@ -328,10 +333,9 @@ class Stream(Generic[M]):
     def dead(self, entry_id: str, payload: bytes, reason: str, deliveries: int = 0) -> None:
         """Move an entry to the dead stream with the reason and its original bytes, and ack it here."""
         pipe = self.redis.pipeline(transaction=True)
-        pipe.xadd(
-            self.streams.key("dead"),
-            {b"stream": self.name, b"entry_id": entry_id, b"reason": reason, b"deliveries": deliveries, FIELD: payload},
-        )
+        letter = {b"stream": self.name, b"entry_id": entry_id, b"reason": reason, b"deliveries": deliveries,
+                  FIELD: payload}
+        pipe.xadd(self.streams.key("dead"), {**letter, SIG: self.streams.dead_letter_signature(letter)})
         pipe.xack(self.key, self.group, entry_id)
         pipe.xdel(self.key, entry_id)
         pipe.execute()
@@ -404,10 +408,23 @@ class Streams:
     def stream(self, name: str, model: type[M]) -> Stream[M]:
         return Stream(self, name, model)
 
-    def dead_letters_after(self, cursor: str, count: int = 1000) -> list[tuple[str, dict]]:
-        """Dead letters added after entry id `cursor` ("0-0": all), oldest first: (entry id, raw fields)."""
-        rows = self.redis.xrange(self.key("dead"), min=f"({cursor}", max="+", count=count)
-        return [(eid.decode(), fields) for eid, fields in rows]
+    def dead_letter_signature(self, letter: dict) -> str:
+        """HMAC of a dead letter's stream, reason and payload. The learner acts on dead letters (it stops waiting
+        for the task one names), so it must know a service wrote them, not anyone who can write to Redis."""
+        return sign(self.hmac_key, self.key("dead"), _dead_letter_body(letter))
+
+    def dead_letters_after(self, cursor: str, count: int = 1000) -> tuple[str, list[tuple[str, dict]]]:
+        """Dead letters added after entry id `cursor` ("0-0": all), oldest first, as (entry id, raw fields), and
+        the cursor to read on from; letters not signed by a service of this run are skipped (and logged)."""
+        letters = []
+        for eid, fields in self.redis.xrange(self.key("dead"), min=f"({cursor}", max="+", count=count):
+            cursor = eid.decode()
+            signature = fields.get(SIG, b"").decode(errors="replace")
+            if verify(self.hmac_key, self.key("dead"), _dead_letter_body(fields), signature):
+                letters.append((cursor, fields))
+            else:
+                log.warning("ignoring dead letter %s: not signed by a service of this run", cursor)
+        return cursor, letters
 
     def last_dead_letter_id(self) -> str:
         rows = self.redis.xrevrange(self.key("dead"), count=1)
@@ -424,6 +441,12 @@ class Streams:
             {"id": eid.decode(), **{k.decode(): (v if k == FIELD else v.decode(errors="replace")) for k, v in f.items()}}
             for eid, f in rows
         ]
+
+
+def _dead_letter_body(letter: dict) -> bytes:
+    """What a dead letter's signature covers: stream, reason, payload (str or bytes when written, bytes when read)."""
+    values = (letter.get(name, b"") for name in (b"stream", b"reason", FIELD))
+    return b"\n".join(v if isinstance(v, bytes) else str(v).encode() for v in values)
 
 
 def consumer_name(kind: str) -> str:

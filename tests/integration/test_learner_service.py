@@ -22,6 +22,7 @@ from pathlib import Path
 import msgpack
 import pytest
 
+from learner.batch import Push
 from learner.records import LEDGER_FILE, METRICS_FILE, truncate_jsonl
 from learner.service import LearnerService, TrainProblems, data_spec
 from learner.workset import ISSUED, task_id_in_payload
@@ -29,6 +30,7 @@ from services.config import load_settings
 from services.data import Problem
 from services.http import free_port
 from services.messages import PromptTask, RolloutGroup, Sample, SamplingParams, Score, ScoredGroup, to_wire
+from services.streams import Streams
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -117,6 +119,38 @@ def scored_group(task: PromptTask, correct: list[bool]) -> ScoredGroup:
                        scores=scores)
 
 
+def test_a_resume_does_not_draw_again_the_problems_issued_after_the_checkpoint(settings):
+    """Their groups survive the crash (held, or still in the pipeline) and are trained by the resumed learner, so
+    it continues the data after the last problem issued, not after the checkpoint's cursor."""
+    problems = [Problem(id=str(i), problem=f"{i}+0=?", answer=str(i)) for i in range(20)]
+
+    def learner() -> LearnerService:
+        service = LearnerService(settings)
+        service.connect()
+        service.train_problems = TrainProblems(problems, seed=3)
+        service.prompt_builder = lambda problem: (problem.problem, [5, 6])
+        return service
+
+    first = learner()
+    checkpointed = first.train_problems.cursor()  # the checkpoint is written here, then 2 pushes follow
+    first.push_train(Push(count=3, refill=False))
+    first.push_train(Push(count=2, refill=True))
+    issued = [task.prompt_id for task in first.work.outbox]
+    first.work.flush_outbox()
+    assert len(issued) == 5 and not first.work.outbox
+    following = first.train_problems.next().id  # what the first learner would have drawn next
+
+    resumed = learner()
+    resumed.seek_data(checkpointed)
+    assert resumed.train_problems.next().id == following
+    other_data = TrainProblems(problems[:10], seed=3)  # another data set: the issued cursor does not apply
+    assert not other_data.seek_past(first.work.issued_data_cursor())
+    first.work.forget_data_cursor()  # a fresh start
+    fresh = learner()
+    fresh.seek_data(checkpointed)
+    assert fresh.train_problems.next().id == issued[0]
+
+
 def test_learner_trains_only_groups_it_issued_and_that_match(settings):
     """Forged scored groups (unknown task id, bad HMAC, a rollout that does not fit its task) are dead-lettered
     with the exact reason and never reach the batch; the genuine group does."""
@@ -154,6 +188,30 @@ def test_learner_trains_only_groups_it_issued_and_that_match(settings):
     ]
     assert [task.rollout.task for _, _, task in service.assembler.ready] == [issued]
     assert service.redis.xlen(service.work.held.key) == 1 and service.redis.xlen(scored.key) == 0
+
+
+def test_only_dead_letters_a_service_signed_make_a_task_lost(settings):
+    """A dead prompt makes the learner stop waiting for its task; a dead letter that anyone with Redis access
+    added (unsigned, or signed with another key) must not, or it could cancel any task whose id it read."""
+    service = LearnerService(settings)
+    service.connect()
+    tasks = [PromptTask(task_id=f"train-{i}", prompt_id=f"p{i}", prompt="1+1=", ground_truth="2") for i in range(3)]
+    service.assembler.issued([t.task_id for t in tasks], 0)
+    service.work.outbox.extend(tasks)
+    service.work.flush_outbox()
+    dead_key = service.streams.key("dead")
+    letter = {b"stream": b"prompts", b"entry_id": b"1-0", b"reason": b"delivered 4 times (max 3)",
+              b"deliveries": b"4", b"data": to_wire(tasks[0])}
+    service.redis.xadd(dead_key, letter)  # unsigned
+    outsider = Streams(service.redis, settings.model_copy(update={"token": "a-guess"}))
+    service.redis.xadd(dead_key, {**letter, b"data": to_wire(tasks[1]), b"sig": outsider.dead_letter_signature(
+        {**letter, b"data": to_wire(tasks[1])})})
+    prompts = service.streams.stream("prompts", PromptTask)
+    (delivery,) = [d for d in prompts.consume("gen", count=10, block_ms=0) if d.message.task_id == "train-2"]
+    prompts.dead(delivery.id, delivery.payload, "engine failure on this task alone: test")  # a service's own
+    service.work.scan_dead_letters()
+    assert sorted(service.assembler.in_flight) == ["train-0", "train-1"]
+    assert service.assembler.stats.lost == 1
 
 
 def test_tasks_lost_with_a_redis_crash_are_no_longer_waited_for(settings, redis_server):

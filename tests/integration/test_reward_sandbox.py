@@ -10,7 +10,7 @@ import time
 import pytest
 
 from processes import children_of
-from reward.sandbox import VerifierPool
+from reward.sandbox import VerifierPool, VerifierUnavailable
 
 # Comparing this with 1 makes sympy expand a polynomial of about 500,000 terms: it does not come back for minutes.
 HANG = "Answer: $(x+y+z)^{999}$"
@@ -57,6 +57,28 @@ def test_a_killed_child_gives_an_error_verdict_and_is_replaced():
         assert "died" in verdict.detail and "-9" in verdict.detail
         assert alone.verify("Answer: 8", "8").correct
         assert alone.wait_ready(30) and busy_pid not in alone.worker_pids()
+
+
+def test_an_idle_child_killed_breaks_no_later_item():
+    """Pebble gives up on a pool in which a child dies while no item runs (it raises BrokenProcessPool for every
+    queued item and refuses new ones). An item queued then has no verdict, which must not read as a wrong answer;
+    an item submitted later is verified by a new pool."""
+    with VerifierPool(workers=1, timeout_s=30, memory_mb=1024) as alone:
+        (idle_pid,) = alone.worker_pids()
+        os.kill(idle_pid, signal.SIGKILL)
+        waiting = alone.submit("Answer: 8", "8")  # queued before pebble noticed the death, as a rule
+        try:
+            verdict = waiting.result(timeout=30)
+            assert verdict.correct, verdict  # scheduled on the new pool after all
+        except VerifierUnavailable as err:
+            assert "died" in str(err)
+        time.sleep(1.0)  # whatever pebble made of the death, it has made it by now
+        assert alone.verify("Answer: 9", "9").correct
+        (idle_pid,) = alone.worker_pids()
+        os.kill(idle_pid, signal.SIGKILL)
+        time.sleep(1.0)  # pebble has given up on the pool before the next item comes
+        assert alone.verify("Answer: 10", "10").correct
+        assert alone.wait_ready(30) and idle_pid not in alone.worker_pids()
 
 
 def test_hostile_items_do_not_delay_the_others_beyond_the_limit(pool):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 import time
 
@@ -133,3 +135,17 @@ def test_stop_releases_the_groups_not_yet_forwarded(settings, streams, pool):
     again = worker.rollouts.consume("reward-other", count=2, block_ms=100)
     assert sorted(d.message.task.task_id for d in again) == ["a", "b"]
     assert streams.redis.xlen(streams.key("scored")) == 0
+
+
+def test_a_group_whose_verifier_pool_fails_is_handed_back_not_scored_wrong(settings, streams):
+    """A verifier child dies while idle, just as a group comes in: its answers get no verdict, not `wrong`."""
+    with VerifierPool(workers=1, timeout_s=30, memory_mb=1024) as alone:
+        worker = RewardWorker(settings, Scorer(alone, settings.reward), streams, consumer="reward-test")
+        worker.rollouts.produce(rollout("f", "4", ["Answer: 4", "Answer: 5"]))
+        deliveries = worker.rollouts.consume("reward-test", count=1, block_ms=100)
+        (idle_pid,) = alone.worker_pids()
+        os.kill(idle_pid, signal.SIGKILL)
+        if not worker.process(deliveries):  # forwarded if a new pool took the items, else handed back: again
+            assert drain(worker, 1) == 1
+        scored = worker.scored.consume("learner-test", count=10, block_ms=100)
+        assert [[s.correct for s in d.message.scores] for d in scored] == [[True, False]]

@@ -101,11 +101,49 @@ def test_forged_or_tampered_entries_go_to_dead_with_the_reason(streams, settings
     outsider.produce(task(2))  # signed, with another key
     replayed = to_wire(group_for(task(3)))
     streams.redis.xadd(prompts.key, {b"data": replayed, b"sig": rollouts.signature(replayed)})  # from another stream
+    for junk in ("é".encode(), b"\xff\xfe"):  # not even ASCII: refused like any other bad signature, no TypeError
+        streams.redis.xadd(prompts.key, {b"data": good, b"sig": junk})
     prompts.produce(task(4))
     assert [d.message.task_id for d in prompts.consume("c1", count=10)] == ["t0", "t4"]
     reasons = [d["reason"] for d in reversed(streams.dead_letters())]
     bad = "forged: bad HMAC signature (tampered, or written without the shared token)"
-    assert reasons == ["forged: no signature", bad, bad, bad]
+    assert reasons == ["forged: no signature", bad, bad, bad, bad, bad]
+
+
+def test_a_forged_entry_is_dead_lettered_as_forged_whatever_its_delivery_count(streams):
+    """The learner trusts the task id of a dead letter not labelled forged (it stops waiting for that task), so a
+    forged entry redelivered past max_deliveries must still be labelled forged."""
+    prompts = streams.stream("prompts", PromptTask)
+    prompts.produce(task(0))  # creates the group
+    prompts.ack(*prompts.consume("c0", count=1, block_ms=0))
+    entry = streams.redis.xadd(prompts.key, {b"data": to_wire(task(1)), b"sig": b"0" * 64})
+    streams.redis.xreadgroup(prompts.group, "c0", {prompts.key: ">"}, count=10)  # c0 took it, then crashed
+    idle = int(prompts.cfg.visibility_timeout_s * 1000) + 1
+    streams.redis.xclaim(prompts.key, prompts.group, "c0", 0, [entry], idle=idle,
+                         retrycount=prompts.cfg.max_deliveries + 1)  # as if redelivered past the limit
+    prompts.produce(task(2))
+    got = streams.stream("prompts", PromptTask).consume("c1", count=10, block_ms=0)
+    assert [d.message.task_id for d in got] == ["t2"]
+    assert [d["reason"] for d in streams.dead_letters()][0].startswith("forged")
+
+
+def test_a_dead_consumers_entries_behind_many_live_ones_are_reclaimed(streams, settings):
+    """One XAUTOCLAIM looks at 10 x count pending entries; the scan goes on from call to call, so entries of a dead
+    consumer queued behind many that live consumers are working on are reclaimed without waiting for those."""
+    slow = settings.model_copy(update={"streams": settings.streams.model_copy(update={"visibility_timeout_s": 60.0})})
+    prompts = Streams(streams.redis, slow).stream("prompts", PromptTask)
+    for i in range(40):
+        prompts.produce(task(i))
+    prompts.consume("alive", count=35, block_ms=0)  # being worked on: not idle
+    prompts.consume("dead", count=5, block_ms=0)  # then its consumer died
+    dead = [row["message_id"] for row in streams.redis.xpending_range(prompts.key, prompts.group, "-", "+", 100,
+                                                                         consumername="dead")]
+    streams.redis.xclaim(prompts.key, prompts.group, "dead", 0, dead, idle=61_000, justid=True)
+    reclaimed = []
+    for _ in range(10):  # a read a second in service; here at once
+        prompts._reclaimed_at = float("-inf")
+        reclaimed += [d.message.task_id for d in prompts.consume("taker", count=1, block_ms=0)]
+    assert reclaimed == [f"t{i}" for i in range(35, 40)], reclaimed
 
 
 def test_retrying_client_waits_for_a_restarted_redis(redis_server, settings):
