@@ -45,7 +45,10 @@ console = Console()
 
 RESTART_LIMIT = 5  # crashes in a row of one process (each within STABLE_SECONDS of its start) before giving up
 STABLE_SECONDS = 300.0  # a process that ran this long before dying starts a new count
-LEARNER_STOP_SECONDS = 120.0  # SIGTERM to SIGKILL for the learner: it finishes the step and checkpoints
+RANKS_STOP_SECONDS = 120.0  # SIGTERM to SIGKILL for the learner's ranks: rank 0 finishes the step and checkpoints
+# The launcher's own SIGKILL reaches torchrun's process group only (each rank leads a session of its own), so it
+# comes after torchrun's (TORCH_ELASTIC_SHUTDOWN_TIMEOUT): no rank outlives the run.
+LEARNER_STOP_SECONDS = RANKS_STOP_SECONDS + 20.0
 LEARNER_DONE = (0, 3)  # the learner's own exits: finished (or SIGTERM), refill limit with on_refill_limit=stop
 
 
@@ -61,6 +64,7 @@ class Child:
     stop_seconds: float = 30.0  # SIGTERM to SIGKILL
     placement: Placement | None = None  # its CPUs and priority (cli/cores.py)
     restarts: int = 0
+    gave_up: bool = False  # crashed RESTART_LIMIT times in a row: not started again
     started_at: float = field(default_factory=time.monotonic)
     cpu_before: float = 0.0  # CPU seconds of its previous processes (restarts)
     cpu_now: float = 0.0  # of the current process group, last sampled
@@ -95,13 +99,24 @@ class Child:
     def alive(self) -> bool:
         return self.process is not None and self.process.poll() is None
 
+    @property
+    def kind(self) -> str:
+        """learner, reward or generator (the name without its index)."""
+        return self.name.rsplit("-", 1)[0]
+
     def restart(self) -> bool:
         """Start again after a crash, once the crashed child's whole process group is gone; False once it crashed
-        RESTART_LIMIT times in a row soon after starting."""
+        RESTART_LIMIT times in a row soon after starting, and from then on (its group is not killed again: the
+        pid may belong to another process by then)."""
+        if self.gave_up:
+            return False
         self.kill_group()
         if time.monotonic() - self.started_at >= STABLE_SECONDS:
             self.restarts = 0
         if self.restarts >= RESTART_LIMIT:
+            self.gave_up = True
+            log.error("%s crashed %d times in a row within %.0f s of starting; not restarting it (see %s)",
+                      self.name, RESTART_LIMIT, STABLE_SECONDS, self.log_path)
             return False
         self.restarts += 1
         log.warning("%s exited with %s; restart %d", self.name, self.process.returncode, self.restarts)
@@ -171,7 +186,7 @@ def service_children(settings: Settings, config_path: Path, redis_url: str, gene
 
     learner_env = {**base_env, "DAPO_LEARNER__PORT": str(learner_port), "DAPO_LEARNER__HOST": "127.0.0.1",
                    # torchrun's grace between forwarding SIGTERM and SIGKILL: rank 0 finishes its step, checkpoints
-                   "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(int(LEARNER_STOP_SECONDS))}
+                   "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(int(RANKS_STOP_SECONDS))}
     if learner_procs > 1 and not _has_gpu():
         learner_env["ACCELERATE_USE_CPU"] = "true"  # accelerate's multi-process launch is torchrun either way
     if cpus is not None:
@@ -281,10 +296,14 @@ def learner_finished(learner: Child) -> bool:
     return learner.process.returncode in LEARNER_DONE or not learner.restart()
 
 
+class GaveUp(RuntimeError):
+    """No process of one kind is left (each crashed too often): the learner would wait for ever."""
+
+
 def supervise(children: list[Child], metrics_path: Path, total_steps: int, display: bool,
               redis_server: EmbeddedRedis | None = None) -> int:
     """Run until the learner exits by itself; restart a dead Redis, learner or worker. Returns the learner's exit
-    code."""
+    code; GaveUp when every worker of a kind crashed too often."""
     learner = children[0]
     last_printed = -1
     live = Live(status_table([], children, total_steps), console=console, refresh_per_second=2) if display else None
@@ -297,8 +316,10 @@ def supervise(children: list[Child], metrics_path: Path, total_steps: int, displ
                 log.warning("redis-server exited with %s; restarting it on its AOF", redis_server.process.returncode)
                 redis_server.start()
             for child in children[1:]:
-                if not child.alive() and child.process is not None:
-                    child.restart()
+                if not child.alive() and child.process is not None and not child.restart():
+                    if all(other.gave_up for other in children[1:] if other.kind == child.kind):
+                        raise GaveUp(f"every {child.kind} process crashed {RESTART_LIMIT} times in a row within "
+                                     f"{STABLE_SECONDS:.0f} s of starting: the run cannot go on; see {child.log_path}")
             by_group = cpu_seconds_by_group()
             for child in children:
                 child.sample_cpu(by_group)
@@ -343,7 +364,7 @@ def main(settings: Settings, generators: int = 1, reward_workers: int = 1, learn
     children = service_children(settings, config_path, redis_url, generators, reward_workers, free_port(),
                                 learner_procs, cpus)
     write_service_map(children, redis_url, run_dir / "services.json")
-    interrupted = False
+    interrupted, gave_up = False, None
 
     def on_signal(signum, frame):
         raise KeyboardInterrupt
@@ -359,6 +380,8 @@ def main(settings: Settings, generators: int = 1, reward_workers: int = 1, learn
     except KeyboardInterrupt:
         interrupted = True
         console.print("[yellow]stopping...[/]")
+    except GaveUp as err:
+        gave_up = str(err)
     finally:
         for child in children:  # the learner first: it checkpoints on SIGTERM
             child.stop()
@@ -374,6 +397,9 @@ def main(settings: Settings, generators: int = 1, reward_workers: int = 1, learn
         console.print(summary)
     if interrupted:
         return 130
+    if gave_up:
+        console.print(f"[red]stopped: {gave_up}[/]")
+        return 1
     if code != 0:
         console.print(f"[red]learner exited with code {code}; see {run_dir / 'logs' / 'learner.log'}[/]")
     return code

@@ -122,7 +122,7 @@ def main(settings: Settings) -> int:
         stopping.set()
 
     app = build_app(settings, lambda: holder["worker"])
-    http = BackgroundServer(app, settings.generator.host, settings.generator.port).start()
+    http = BackgroundServer(app, settings.generator.host, settings.generator.port).start(wait_s=30)  # port taken: fail now
 
     engine = None
     try:

@@ -28,7 +28,7 @@ from services.weights import (
     pull_weights,
     tied_aliases,
 )
-from services.weights_layout import write_hold
+from services.weights_layout import PULLING_PREFIX, remove_unfinished, write_hold
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +45,8 @@ class WeightSync:
         self.id = generator_id
         self.weights = settings.weights
         self.shared = Path(settings.weights.shared_dir) if settings.weights.transport == "shared-fs" else None
+        if self.shared is None and (removed := remove_unfinished(self.dir, PULLING_PREFIX)):
+            log.warning("removed %d downloads a killed generator left unfinished in %s", removed, self.dir)
         self._held: set[int] = set()
         # What the engine was built for: read from the model folder's own checkpoint before any reload.
         self.expected = model_schema(model_dir)
@@ -92,7 +94,7 @@ class WeightSync:
             return
         keep = {p.resolve() for p in keep if p is not None}
         for path in self.dir.iterdir():
-            if path.is_dir() and path.resolve() not in keep and not path.name.startswith(".pull"):
+            if path.is_dir() and path.resolve() not in keep and not path.name.startswith(PULLING_PREFIX):
                 shutil.rmtree(path, ignore_errors=True)
 
     def _hold(self, versions: set[int]) -> None:

@@ -254,18 +254,21 @@ class RolloutWorker:
             self.status = f"loading weights v{announcement.version}"
             try:
                 folder, prepare_seconds = self.sync.prepare(announcement)
-                self._apply(_Ready(announcement, folder, prepare_seconds))
-                if self.version_sha != announcement.sha256:  # the engine refused it (already counted)
-                    log.error("announced weights v%d failed to load; serving v%d", announcement.version, self.version)
-                return
             except WeightsError as err:
-                metrics.GEN_RELOAD_FAILURES.labels(err.reason).inc()
                 if err.reason not in TRANSIENT:
-                    log.error("announced weights v%d refused: %s; serving v%d", announcement.version, err, self.version)
-                    self._failed[(announcement.version, announcement.sha256)] = time.monotonic() + RETRY_FAILED_SYNC_S
+                    self._refuse(announcement, err.reason, str(err), time.monotonic())
                     return
+                metrics.GEN_RELOAD_FAILURES.labels(err.reason).inc()
                 log.error("cannot load announced weights v%d yet: %s", announcement.version, err)
-            self._stop.wait(5.0)
+                self._stop.wait(5.0)
+                continue
+            except Exception as err:  # unexpected (disk full...): as in the loop, the weights we have keep serving
+                self._refuse(announcement, "error", f"{type(err).__name__}: {err}", time.monotonic())
+                return
+            self._apply(_Ready(announcement, folder, prepare_seconds))
+            if self.version_sha != announcement.sha256:  # the engine refused it (already counted)
+                log.error("announced weights v%d failed to load; serving v%d", announcement.version, self.version)
+            return
 
     def _recover_own(self) -> None:
         """Tasks this consumer name held before a restart (same id) are ours: serve them first."""

@@ -175,7 +175,7 @@ class LearnerService:
     def start_http(self) -> None:
         self.http = BackgroundServer(
             self.create_app(), self.cfg.host, self.cfg.port, name="learner-http", lifespan="off"
-        ).start()
+        ).start(wait_s=30)  # a port already taken fails the start here, not silently in uvicorn's thread
         log.info("learner HTTP on %s:%d (weights at %s)", self.cfg.host, self.cfg.port, self.cfg.public_base_url())
 
     def stop_http(self) -> None:

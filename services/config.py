@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 # The presets ship inside the package (a folder: the packages install unzipped, editable or from the wheel).
@@ -324,6 +324,15 @@ class Settings(BaseSettings):
     learner: LearnerConfig = LearnerConfig()
     weights: WeightsConfig = WeightsConfig()
     cpus: CpusConfig = CpusConfig()
+
+    @field_validator("token")
+    @classmethod
+    def _token_fits_a_header(cls, token: str) -> str:
+        # It travels as `Authorization: Bearer <token>`: httpx cannot send anything but ASCII there.
+        if not token or not all("!" <= c <= "~" for c in token):
+            raise ValueError("the token must be printable ASCII, without spaces, and not empty (it is sent in an "
+                             "HTTP header); e.g. python -c 'import secrets; print(secrets.token_urlsafe(32))'")
+        return token
 
     @classmethod
     def settings_customise_sources(

@@ -84,14 +84,14 @@ def create_app(
                 )
         elif request.method in ("POST", "PUT", "PATCH"):
             # Chunked upload: read it here, bounded, so a handler never sees an unbounded body.
-            body = b""
+            body = bytearray()  # appended in place: `bytes +=` would copy the whole body at every chunk
             async for chunk in request.stream():
                 body += chunk
                 if len(body) > max_body_bytes:
                     return JSONResponse(
                         {"error": f"request body exceeds the limit of {max_body_bytes} bytes"}, status_code=413
                     )
-            request._body = body
+            request._body = bytes(body)
         return await call_next(request)
 
     @app.exception_handler(StarletteHTTPException)  # FastAPI's HTTPException subclasses it

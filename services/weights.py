@@ -53,9 +53,12 @@ from services.streams import run_prefix
 from services.weights_layout import (
     ANNOUNCEMENT_FILE,
     CHUNK,
+    PULLING_PREFIX,
+    WRITING_PREFIX,
     check_file,
     check_index,
     held_versions,
+    remove_unfinished,
     shard_files,
     write_version,
 )
@@ -202,6 +205,8 @@ class WeightPublisher:
         cfg = settings.weights
         self.dir = Path(cfg.shared_dir) if cfg.transport == "shared-fs" else Path(settings.run_dir) / "weights"
         self.dir.mkdir(parents=True, exist_ok=True)
+        if removed := remove_unfinished(self.dir, WRITING_PREFIX):
+            log.warning("removed %d versions a killed learner left half written in %s", removed, self.dir)
         self.keep = max(1, int(settings.learner.keep_versions))
         self.hold_s = cfg.hold_s
         self.shard_bytes = int(cfg.shard_mb * 1024 * 1024)
@@ -349,7 +354,7 @@ def pull_weights(
     """
     dest_dir = Path(dest_dir)
     dest_dir.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".pull-v{announcement.version}-", dir=dest_dir))
+    tmp = Path(tempfile.mkdtemp(prefix=f"{PULLING_PREFIX}{announcement.version}-", dir=dest_dir))
     started = time.perf_counter()
     try:
         with httpx.Client(headers={"Authorization": f"Bearer {token}"}, timeout=timeout) as client:

@@ -29,6 +29,8 @@ from services.messages import WeightsAnnouncement, WeightsFile, sign_announcemen
 
 INDEX_FILE = "model.safetensors.index.json"
 ANNOUNCEMENT_FILE = "announcement.json"
+WRITING_PREFIX = ".v"  # `.v{version}-*`: a version the learner is writing (renamed to v{version} once whole)
+PULLING_PREFIX = ".pull-v"  # `.pull-v{version}-*`: a version a generator is downloading (the same)
 HOLDS_DIR = "holds"
 CHUNK = 4 << 20
 
@@ -59,7 +61,7 @@ def write_version(
 
     Each shard is serialized in memory, hashed from those bytes (no read back), written and fsynced.
     """
-    tmp = Path(tempfile.mkdtemp(prefix=f".v{version}-", dir=root))
+    tmp = Path(tempfile.mkdtemp(prefix=f"{WRITING_PREFIX}{version}-", dir=root))
     try:
         plan = shard_plan(tensors, shard_bytes)
         files, weight_map, total = [], {}, 0
@@ -127,6 +129,15 @@ def check_index(folder: Path, announcement: WeightsAnnouncement) -> str | None:
 
 
 # -- holds (shared-fs) ---------------------------------------------------------------------------------------
+def remove_unfinished(root: Path, prefix: str) -> int:
+    """Delete the `prefix*` folders in `root`: versions a killed process was writing or pulling (a whole one is
+    renamed into place). For the folder's only writer, before it writes; returns how many it removed."""
+    unfinished = [path for path in root.iterdir() if path.is_dir() and path.name.startswith(prefix)]
+    for path in unfinished:
+        shutil.rmtree(path, ignore_errors=True)
+    return len(unfinished)
+
+
 def write_hold(root: Path, holder: str, versions: set[int]) -> None:
     """Replace `holder`'s hold with `versions` (atomic: the learner may read it at any time)."""
     holds = root / HOLDS_DIR

@@ -409,6 +409,14 @@ def test_worker_versions_sync_refusals_and_late_join(service, engine, models):
         (group,) = collect(rollouts, 1)
     assert group.generator_id == "gen-b" and group.policy_version == 4
     assert group.samples[0].token_ids == base_greedy.token_ids
+    # one that cannot store the version (its folder is a file: an OSError, as with a full disk) serves what it has
+    cornered = WeightSync(settings, service["base"], client, "gen-c")
+    cornered.dir.rmdir()
+    cornered.dir.write_text("not a folder")
+    prompts.produce(task(ids[0], GREEDY))
+    with Running(RolloutWorker(settings, engine, streams, cornered, "gen-c")):
+        (group,) = collect(rollouts, 1)
+    assert group.generator_id == "gen-c" and group.policy_version == 0
 
 
 def test_stop_hands_back_unfinished_tasks(service, engine):
@@ -549,7 +557,7 @@ def test_sigkilled_generator_leaves_no_orphan_engine(service, short_tmp):
         "DAPO_GENERATOR__IN_PROCESS_ENGINE": "false",
     }
     command = [sys.executable, "-m", "cli", "generator", "--config", "tiny-cpu"]
-    child = Child("generator-0", command, env, Path(short_tmp) / "killed.log", True)
+    child = Child("generator-0", command, env, Path(short_tmp) / "killed.log")
     child.start()
     groups = [child.process.pid]
     try:

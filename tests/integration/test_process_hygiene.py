@@ -10,7 +10,9 @@ import sys
 import time
 from pathlib import Path
 
-from cli.launcher import Child
+import pytest
+
+from cli.launcher import RESTART_LIMIT, Child, GaveUp, supervise
 
 REPO = str(Path(__file__).resolve().parents[2])
 
@@ -77,7 +79,7 @@ def read_pid(log_path: Path, timeout: float = 30) -> int:
 
 
 def test_restart_and_stop_kill_the_whole_process_group(tmp_path):
-    child = Child("spawner", [sys.executable, "-c", SPAWNER], dict(os.environ), tmp_path / "spawner.log", True)
+    child = Child("spawner", [sys.executable, "-c", SPAWNER], dict(os.environ), tmp_path / "spawner.log")
     child.start()
     try:
         grandchild = read_pid(child.log_path)
@@ -97,10 +99,30 @@ def test_restart_and_stop_kill_the_whole_process_group(tmp_path):
         child.kill_group()
 
 
+def test_a_worker_that_keeps_crashing_is_given_up_and_the_run_stops(tmp_path):
+    """After RESTART_LIMIT quick crashes a worker is not started again (nor its reaped pid's group killed again);
+    with no worker of its kind left the learner would wait for ever, so the run stops with the reason."""
+    learner = Child("learner", [sys.executable, "-c", "import time; time.sleep(600)"], dict(os.environ),
+                    tmp_path / "learner.log", stop_seconds=1)
+    crashing = Child("reward-0", [sys.executable, "-c", "raise SystemExit(3)"], dict(os.environ), tmp_path / "r.log")
+    learner.start()
+    crashing.start()
+    try:
+        with pytest.raises(GaveUp, match=f"every reward process crashed {RESTART_LIMIT} times"):
+            supervise([learner, crashing], tmp_path / "metrics.jsonl", total_steps=10, display=False)
+        assert crashing.gave_up and crashing.restarts == RESTART_LIMIT
+        last = crashing.process
+        crashing.started_at -= 3600  # long ago: a live process would start a new count, a given-up one does not
+        assert not crashing.restart() and crashing.process is last
+        assert learner.alive()  # the caller stops it (the learner checkpoints on SIGTERM)
+    finally:
+        learner.stop()
+
+
 def test_engine_processes_die_with_their_generator(tmp_path):
     script = tmp_path / "engine_like.py"
     script.write_text(ENGINE_LIKE.format(repo=REPO))
-    child = Child("engine-like", [sys.executable, str(script)], dict(os.environ), tmp_path / "engine.log", False)
+    child = Child("engine-like", [sys.executable, str(script)], dict(os.environ), tmp_path / "engine.log")
     child.start()
     try:
         read_pid(child.log_path)

@@ -33,7 +33,14 @@ from services.weights import (
     tied_aliases,
     weights_router,
 )
-from services.weights_layout import held_versions, shard_plan, write_hold
+from services.weights_layout import (
+    PULLING_PREFIX,
+    WRITING_PREFIX,
+    held_versions,
+    remove_unfinished,
+    shard_plan,
+    write_hold,
+)
 
 TOKEN = "s3cret"
 
@@ -169,6 +176,23 @@ def test_publisher_keeps_last_versions_and_serves_only_those(learner, settings):
     meta = json.loads(folder.joinpath("announcement.json").read_text())
     assert meta["size"] == sum(folder.joinpath(f["name"]).stat().st_size for f in meta["files"])
     assert not [p for p in publisher.dir.iterdir() if p.name.startswith(".")]  # no temporary folders left
+
+
+def test_versions_a_killed_process_left_half_written_are_removed_by_the_next_one(learner, settings, short_tmp):
+    """A learner SIGKILLed while writing a version, or a generator while pulling one, leaves its temporary folder:
+    the next process in that folder removes it (a whole version is renamed into place, so none is touched)."""
+    publisher, server, client = learner
+    publisher.publish(tiny_state_dict(), version=1)
+    half = publisher.dir / f"{WRITING_PREFIX}2-x1y2"
+    half.mkdir()
+    (half / "model-00001-of-00001.safetensors").write_bytes(b"\0" * 100)
+    restarted = WeightPublisher(settings, client, server.url)
+    assert not half.exists() and restarted.versions() == [1]
+    pulls = Path(short_tmp) / "pulled"
+    pull_weights(publisher.latest(), TOKEN, pulls)
+    (pulls / f"{PULLING_PREFIX}2-a1b2").mkdir()
+    assert remove_unfinished(pulls, PULLING_PREFIX) == 1
+    assert sorted(p.name for p in pulls.iterdir()) == ["v1"]
 
 
 def test_schema_check_names_and_shapes(short_tmp):

@@ -148,3 +148,10 @@ def test_dapo_version_and_a_bad_set_key_from_the_command_line(capsys):
     assert main(["reward", "--set", "reward.wrokers=2"]) == 2
     err = capsys.readouterr().err
     assert "reward.wrokers: unknown key (from --set reward.wrokers)" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("token", ["", "two words", "clé-secrète"])
+def test_a_token_that_cannot_travel_in_an_http_header_is_refused(token, monkeypatch):
+    monkeypatch.setenv("DAPO_TOKEN", token)
+    with pytest.raises(ConfigError, match="token must be printable ASCII"):
+        load_settings("tiny-cpu")

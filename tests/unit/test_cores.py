@@ -60,3 +60,5 @@ def test_the_launcher_hands_each_service_its_cpus_and_threads(tmp_path):
     assert by_name["generator-0"].env["VLLM_CPU_OMP_THREADS_BIND"] == "3,4"
     assert by_name["generator-1"].env["VLLM_CPU_OMP_THREADS_BIND"] == "5,6"
     assert by_name["reward-0"].env["DAPO_REWARD__WORKERS"] == "1" and by_name["reward-0"].placement.cpus == (7,)
+    # torchrun kills its ranks (each in a session of its own) before the launcher kills torchrun's group
+    assert int(by_name["learner"].env["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"]) < by_name["learner"].stop_seconds
