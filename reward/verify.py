@@ -179,12 +179,12 @@ def _last_box(text: str, multi_valued: bool) -> Candidate | None:
 def _last_answer_line(text: str) -> Candidate | None:
     markers = list(_ANSWER_RE.finditer(text))
     for m in reversed(markers):
-        if ":" in m.group("colon"):
+        if "is" not in m.group("colon").lower():
             line_start = text.rfind("\n", 0, m.start()) + 1
             if not _COLON_FORM_PREFIX.search(text, line_start, m.start()):
                 continue  # "We may check our answer: 17*44 = 748" is not a final answer
         elif not _IS_FORM_START.match(text, m.end()):
-            continue
+            continue  # "the answer is right" (with a colon or not: "the answer is: 42" counts)
         line_end = text.find("\n", m.end())
         rest = text[m.end() : line_end if line_end >= 0 else len(text)]
         if not rest.strip(" \t*_"):
@@ -231,7 +231,8 @@ def clean_answer(text: str, unwrap: bool = True) -> str:
     # Math delimiters: $...$, $$...$$, \(...\), \[...\]; a lone `$` ("Answer: $42", copied from the prompt).
     text = re.sub(r"(?<!\\)\$", " ", text)
     text = re.sub(r"\\[()\[\]]", " ", text)
-    text = text.replace("{,}", ",").replace("\\!", "").replace("\\left", "").replace("\\right", "")
+    text = re.sub(r"\\!\s*", "", text.replace("{,}", ","))  # `11,\! 111`: a negative space, and TeX ignores the blank
+    text = text.replace("\\left", "").replace("\\right", "")
     text = text.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
     text = _SPACING.sub(" ", text)
     for _ in range(8 if unwrap else 0):  # nested wrappers unwrap inside out; 8 levels is plenty for answers
@@ -267,6 +268,11 @@ _UNIT_TOKEN = re.compile(
     r"\s*(?:\\%|%|°|\^\s*\{?\s*\\circ\s*\}?|\\circ|\\degree|\^\s*\{?\s*[23]\s*\}?|/\s*[A-Za-z]+(?![A-Za-z])"
     r"|[A-Za-z]+(?![A-Za-z])\.?)"
 )
+_SQUARED = re.compile(r"\^\s*\{?\s*[23]\s*\}?")  # `cm^2`: a unit squared; after a bare number (`2^3`) a power
+# What may stand left of `=` in a one-number answer: a variable (`x`, `a_1`, `\theta`) or arithmetic (`2+3 = 5`).
+_NAME_OR_ARITHMETIC = re.compile(
+    r"\s*(?:[A-Za-z](?:_\{?\w+\}?)?|\\[A-Za-z]+|(?:[\d.,\s+\-*/()^{}×÷]|\\cdot|\\times|\\div)+)?\s*"
+)
 # Short letter runs that are units (or ordinals), not variables: "5x" and "3i" must not read as 5 and 3.
 _SHORT_UNITS = {
     "m", "g", "s", "h", "l", "L", "K", "J", "N", "W", "V", "A", "cm", "mm", "km", "kg", "mg", "ml", "mL", "hr",
@@ -283,7 +289,7 @@ _HEDGE_RE = re.compile(
 
 def _units_only(rest: str) -> bool:
     """True if `rest` (what follows a number) is only units: `cm`, `\\%`, `^\\circ`, `square units`."""
-    pos = 0
+    pos, after_unit = 0, False
     while pos < len(rest):
         m = _UNIT_TOKEN.match(rest, pos)
         if m is None or m.end() == pos:
@@ -291,8 +297,17 @@ def _units_only(rest: str) -> bool:
         word = m.group().strip().rstrip(".")
         if word.isalpha() and (word.lower() in HEDGE_WORDS or (len(word) <= 2 and word not in _SHORT_UNITS)):
             return False
-        pos = m.end()
+        if _SQUARED.fullmatch(word) and not after_unit:
+            return False  # `2^3` is 8, not 2 cubic somethings
+        pos, after_unit = m.end(), word.isalpha()
     return True
+
+
+def _value_side(text: str) -> str | None:
+    """The value an answer with `=` states: its last side, when each side before it is a variable (`x = 12`) or
+    arithmetic (`x = 2+3 = 5`); None for an equation (`5x - 7y + 4 = 0`) or several values (`x = 12, x = 13`)."""
+    *sides, value = text.split("=")
+    return value if all(_NAME_OR_ARITHMETIC.fullmatch(side) for side in sides) else None
 
 
 def parse_number(text: str) -> Fraction | None:
@@ -303,7 +318,9 @@ def parse_number(text: str) -> Fraction | None:
     `12 or 13` -> None.
     """
     if "=" in text:
-        text = text.rsplit("=", 1)[1]  # "x = 12" answers 12; chains like "2+3 = 5" end in the value
+        text = _value_side(text)
+        if text is None:
+            return None
     text = text.strip()
     if not text or len(text) > 200:
         return None
@@ -448,6 +465,8 @@ def _verify_number(truth_value: Fraction, truth_latex: str, answer: str, answer_
     hedge = _HEDGE_RE.search(answer)
     if hedge:
         return Verdict(False, answer, rule, f"hedged answer ({hedge.group()!r})")
+    if "=" in answer and _value_side(answer) is None:  # math-verify would compare `x^2 - 4 = 0` by its right side
+        return Verdict(False, answer, rule, "an equation or several values where one number is expected")
     value = parse_number(answer)
     if value is None:
         if re.search(r"\d\s*[,;]\s*\d", answer):

@@ -132,6 +132,17 @@ CASES = [
     ("frac-numeric", "Answer: $\\frac{50}{2}$", "25", True, A, "an unsimplified fraction equal to the truth"),
     ("power-tower", "Answer: $9^{9^{9}}$", "1", False, M,
      "refused before sympy tries to build a 370-million-digit number (a fuzzing run grew to 15 GB on one)"),
+    # --- equations and powers are not the number they end with ---
+    ("equation-truth", "Answer: 0", "5x - 7y + 11z + 4 = 0", False, M, "MATH-500 plane equation: not the number 0"),
+    ("equation-answer", "Answer: x^2 - 4 = 0", "0", False, A, "an equation stated as the answer to a number"),
+    ("two-assignments", "Answer: x = 12, x = 13", "13", False, A, "two solutions where one is asked: a hedge"),
+    ("assignment-chain", "Answer: x = 2+3 = 5", "5", True, A, "a variable, the working, then the value"),
+    ("power-not-unit", "Answer: 2^3", "8", True, M, "`^3` after a bare number is a power, not cubed units"),
+    ("power-not-base", "Answer: 10^3", "10", False, M, "10^3 is 1000, not 10 of some cubed unit"),
+    ("unit-squared", "Answer: 12 cm^2", "12", True, A, "`^2` after a unit word squares the unit"),
+    ("negative-thin-space", r"\boxed{11111111100}", r"11,\! 111,\! 111,\! 100", True, B,
+     r"MATH-500 writes thousands as `,\!` then a blank, which TeX ignores"),
+    ("answer-is-colon", "We add them, so the answer is: 42", "42", True, A, "`the answer is:` states the answer"),
 ]
 
 # Cases where math-verify alone (parse the truth, parse the response, verify) gets the verdict wrong.
@@ -182,7 +193,7 @@ def test_rules_are_the_score_contract():
 @pytest.mark.parametrize(
     "text,value",
     [("025", 25), ("1,000", 1000), ("1 000", 1000), ("-3.50", -3.5), ("\\frac{3}{4}", 0.75), ("12 cm", 12),
-     ("x = 12", 12), (".5", 0.5), ("3/4", 0.75), ("\\$5", 5), ("1,5", None), ("12 or 13", None), ("5x", None),
+     ("x = 12", 12), ("x^2 - 4 = 0", None), ("2^3", None), (".5", 0.5), ("3/4", 0.75), ("\\$5", 5), ("1,5", None), ("12 or 13", None), ("5x", None),
      ("2^{10}", None), ("", None), ("\\frac{1}{0}", None)],
 )
 def test_parse_number(text, value):
