@@ -32,6 +32,7 @@ import redis
 import yaml
 
 from services.config import Settings, load_settings
+from services.data import NAMED_SETS
 from services.messages import PromptTask
 from services.streams import Streams
 
@@ -50,7 +51,7 @@ DEFAULT_PORTS = {name: getattr(Settings(), name).port for name in SERVICES}
 # DAPO_ variables that are not Settings fields: the preset (read by load_settings), the token file (read by
 # deploy/docker-entrypoint.sh, as the Redis password file), the stream consumer name (services/streams.py), the log level (cli/main.py).
 NON_FIELD_DAPO_VARIABLES = {"DAPO_CONFIG", "DAPO_TOKEN_FILE", "DAPO_REDIS_PASSWORD_FILE", "DAPO_WORKER_ID",
-                            "DAPO_LOG_LEVEL"}
+                            "DAPO_LOG_LEVEL", "DAPO_DATA_DIR"}
 # Settings a deployment sets on top of a preset (where things live), nothing about the algorithm.
 DEPLOYMENT_KEYS = {("run_dir",), ("token",), ("redis", "url"), ("redis", "run"), ("learner", "public_url"),
                    ("tiny", "cache_dir"), ("weights", "transport"), ("weights", "shared_dir")}
@@ -301,6 +302,21 @@ def test_gpu_override_names_an_existing_gpu_preset_for_every_dapo_service():
     for name in ("learner", "generator"):
         (device,) = override[name]["deploy"]["resources"]["reservations"]["devices"]
         assert device["driver"] == "nvidia" and device["capabilities"] == ["gpu"]
+    # the recipe's named data sets: the learner reads them from DAPO_DATA_DIR, a folder of the host
+    learner = resolved["learner"]
+    data = load_settings(learner["environment"]["DAPO_CONFIG"]).data
+    assert {data.train, data.eval} <= set(NAMED_SETS)
+    mounts = {v["target"]: v for v in learner["volumes"]}
+    assert mounts[learner["environment"]["DAPO_DATA_DIR"]]["read_only"]
+
+
+def test_the_data_set_loader_pod_mounts_the_learners_data_volume():
+    loader = _yaml(K8S / "components" / "data" / "loader.yaml")
+    _validate_k8s(loader)
+    (volume,) = loader["spec"]["volumes"]
+    (mount,) = loader["spec"]["containers"][0]["volumeMounts"]
+    claim = volume["persistentVolumeClaim"]["claimName"]
+    assert claim in _by_kind(_render("overlays/gpu"), "PersistentVolumeClaim") and mount["mountPath"] == "/data/sets"
 
 
 def test_compose_health_checks_probe_each_service_on_its_port():
@@ -559,6 +575,10 @@ def test_config_map_is_a_preset_plus_where_things_live(overlay, tmp_path, monkey
         if name == "learner" and container["args"][-1] == "learner":
             assert mounts["run"] == settings.run_dir
             assert volumes["run"]["persistentVolumeClaim"]["claimName"] in _by_kind(resources, "PersistentVolumeClaim")
+            if {settings.data.train, settings.data.eval} & set(NAMED_SETS):  # read from DAPO_DATA_DIR
+                assert mounts["data"] == env["DAPO_DATA_DIR"], f"{overlay}: the learner has no data sets"
+                assert volumes["data"]["persistentVolumeClaim"]["claimName"] in _by_kind(resources,
+                                                                                        "PersistentVolumeClaim")
         if settings.weights.transport == "shared-fs" and container["args"][-1] in ("learner", "generator"):
             assert mounts["weights"] == settings.weights.shared_dir, name
             claim = volumes["weights"]["persistentVolumeClaim"]["claimName"]
