@@ -168,7 +168,20 @@ class Records:
             handle.write(json.dumps(record) + "\n")
             handle.flush()
 
-    def baseline(self, record: dict) -> None:
+    def has_evaluation(self, step: int) -> bool:
+        """Whether metrics.jsonl holds an evaluation of `step` (read back on a resume)."""
+        path = self.run_dir / METRICS_FILE
+        for line in path.read_text().splitlines() if path.exists() else ():
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a torn last line
+            if row.get("step") == step and row.get("eval_accuracy") is not None:
+                return True
+        return False
+
+    def evaluation(self, record: dict) -> None:
+        """An evaluation on a line of its own (the baseline, or one redone after a stop cut it short)."""
         self.append(METRICS_FILE, record)
         if self.tracking is not None:
             self.tracking.log_step(record)

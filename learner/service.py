@@ -207,12 +207,12 @@ class LearnerService:
         self.publish_initial()
         self.ready, self.ready_reason = True, f"weights v{self.policy.current} published"
         try:
-            if not resumed and self.step == 0 and self.cfg.eval_every > 0:
-                self.baseline_eval()
+            if self.cfg.eval_every > 0 and self.eval_missing(resumed):
+                self.evaluation_line()
             self.train_started, self.eval_seconds = time.monotonic(), 0.0
-            while not self.finished() and not self.stopping.is_set():
-                if not self.run_step():
-                    break
+            if not self.finished():  # a resume at the end trains nothing
+                while not self.stopping.is_set() and self.run_step():
+                    pass
         except RefillLimitReached as err:
             log.error("stopping at step %d: %s", self.step + 1, err)
             metrics.LEARNER_REFILL_LIMIT.inc()
@@ -228,7 +228,7 @@ class LearnerService:
         return 0
 
     def run_step(self) -> bool:
-        """One training step; False when a stop was requested before it could train."""
+        """One training step; False when it was the last one, or a stop was requested before it could train."""
         started, t0 = time.time(), time.perf_counter()
         version = self.policy.current
         batch = self.collect()
@@ -257,7 +257,8 @@ class LearnerService:
                   "publish_seconds": publish_seconds, "time": time.time(), "started": started,
                   "world_size": self.ranks.world}
         record = step_record(self.step, self.policy.current, batch, lags, result, timing)
-        if self.eval_due():
+        final = self.finished()  # decided once: the evaluation, the checkpoint and the loop agree on the last step
+        if self.eval_due(final):
             record["eval_drain_seconds"] = self.drain_train()
             summary = self.evaluate()
             if summary is not None:
@@ -272,9 +273,9 @@ class LearnerService:
             ", LIMIT" if batch.refill_limit_hit else "", record["reward_all"] or 0.0, record["reward_trained"] or 0.0,
             step_seconds, f", eval {record['eval_accuracy']:.3f}" if record.get("eval_accuracy") is not None else "",
         )
-        if self.checkpoint_due():
+        if self.checkpoint_due(final):
             self.checkpoint()
-        return True
+        return not final
 
     def collect(self) -> Batch | None:
         """Push and refill until B informative groups are in hand (or the refill limit). None on stop."""
@@ -378,9 +379,9 @@ class LearnerService:
         self.publisher.publish(self.ranks.weights(self.trainer), version)
         metrics.LEARNER_VERSION.set(version)
 
-    def checkpoint_due(self) -> bool:
+    def checkpoint_due(self, final: bool) -> bool:
         every = self.cfg.checkpoint_every
-        return self.finished() or (every > 0 and self.step % every == 0)
+        return final or (every > 0 and self.step % every == 0)
 
     def finished(self) -> bool:
         """total_steps reached, or learner.time_limit_minutes of training (evaluations excluded) in this process."""
@@ -429,18 +430,27 @@ class LearnerService:
                 shutil.rmtree(self.checkpoint_dir / f"step-{step}", ignore_errors=True)
 
     # -- evaluation --------------------------------------------------------------------------------------------
-    def eval_due(self) -> bool:
+    def eval_due(self, final: bool) -> bool:
         every = self.cfg.eval_every
-        return every > 0 and (self.step % every == 0 or self.finished())
+        return every > 0 and (self.step % every == 0 or final)
 
-    def baseline_eval(self) -> None:
+    def eval_missing(self, resumed: bool) -> bool:
+        """The baseline (step 0) has no evaluation yet, or a stop cut short the evaluation of the checkpointed step
+        (the last one included): do it before training on."""
+        if self.step == 0:
+            return not (resumed and self.records.has_evaluation(0))
+        # At total_steps only: the time limit counts this process's training, which has not begun.
+        return resumed and self.last_eval_step != self.step and self.eval_due(self.step >= self.cfg.total_steps)
+
+    def evaluation_line(self) -> None:
+        """Evaluate the current version and record it on a line of its own: the baseline at step 0, or the
+        evaluation of a step that a stop interrupted (its step line has none)."""
         summary = self.evaluate()
         if summary is None:
             return
-        self.records.baseline({"step": 0, "version": self.policy.current, **summary, "time": time.time()})
-        log.info(
-            "baseline eval: accuracy %.3f on %d problems", summary["eval_accuracy"] or 0.0, summary["eval_problems"]
-        )
+        self.records.evaluation({"step": self.step, "version": self.policy.current, **summary, "time": time.time()})
+        log.info("eval at step %d: accuracy %.3f on %d problems", self.step, summary["eval_accuracy"] or 0.0,
+                 summary["eval_problems"])
 
     def drain_train(self) -> float:
         """Wait until no train prompt is in flight (their groups are admitted); the seconds it took.

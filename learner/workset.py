@@ -48,8 +48,9 @@ DROP_KINDS = ("uninformative", "stale", "duplicate")
 
 
 def provenance_error(group: ScoredGroup, issued: PromptTask | None) -> str | None:
-    """Why a scored group must not be trained (None if it may): the learner never issued its task id, or the
-    group's task or rollout does not match the task as issued."""
+    """Why a scored group must not be trained (None if it may): the learner never issued its task id, the
+    group's task or rollout does not match the task as issued (`provenance: ...`: the genuine group may still
+    come), or its samples are unusable (`malformed: ...`: the task is given up, as for a dead prompt)."""
     task, rollout = group.rollout.task, group.rollout
     if issued is None:
         return f"provenance: unknown task id {task.task_id!r} (not issued by this run's learner)"
@@ -60,6 +61,10 @@ def provenance_error(group: ScoredGroup, issued: PromptTask | None) -> str | Non
     if len(rollout.samples) != n or len(group.scores) != n:
         return (f"provenance: task {task.task_id} asked for n={n} samples; the group has {len(rollout.samples)} "
                 f"samples and {len(group.scores)} scores")
+    for i, sample in enumerate(rollout.samples):
+        if len(sample.logprobs) != len(sample.token_ids):  # the trainer would refuse it, at every restart
+            return (f"malformed: task {task.task_id} sample {i} has {len(sample.token_ids)} token ids and "
+                    f"{len(sample.logprobs)} logprobs")
     return None
 
 

@@ -77,12 +77,36 @@ def test_time_limit_ends_the_run_with_an_evaluation_and_a_checkpoint(tmp_path):
     service = LearnerService(settings)
     service.step = 3  # neither an evaluation nor a checkpoint step
     service.train_started = time.monotonic()
-    assert not (service.finished() or service.eval_due() or service.checkpoint_due())
+    final = service.finished()
+    assert not (final or service.eval_due(final) or service.checkpoint_due(final))
     service.train_started -= 31
-    assert service.finished() and service.eval_due() and service.checkpoint_due()
+    final = service.finished()
+    assert final and service.eval_due(final) and service.checkpoint_due(final)
     unlimited = LearnerService(load_settings("tiny-cpu", run_dir=str(tmp_path)))
     unlimited.step, unlimited.train_started = 3, 0.0
     assert not unlimited.finished()
+
+
+def test_a_resume_redoes_the_evaluation_a_stop_cut_short(tmp_path):
+    """SIGTERM during an evaluation checkpoints the step without it: the resumed learner evaluates first (the
+    baseline at step 0 included), but not a step whose evaluation was done, or that had none due."""
+    from learner.records import METRICS_FILE
+
+    settings = load_settings("tiny-cpu", run_dir=str(tmp_path), learner={"eval_every": 3, "total_steps": 10})
+    service = LearnerService(settings)
+    assert service.eval_missing(resumed=False)  # a fresh start: the baseline
+    assert service.eval_missing(resumed=True)  # stopped during the baseline: step-0 checkpoint, no line
+    service.records.evaluation({"step": 0, "version": 0, "eval_accuracy": 0.2})
+    assert not service.eval_missing(resumed=True)
+    assert service.records.has_evaluation(0) and (tmp_path / METRICS_FILE).exists()
+    service.step, service.last_eval_step = 6, 3  # step 6's evaluation was cut short
+    assert service.eval_missing(resumed=True)
+    service.last_eval_step = 6
+    assert not service.eval_missing(resumed=True)
+    service.step = 7  # no evaluation due at step 7
+    assert not service.eval_missing(resumed=True)
+    service.step = 10  # the last step's
+    assert service.eval_missing(resumed=True)
 
 
 def test_an_evaluation_first_waits_until_no_train_prompt_is_in_flight(tmp_path):
@@ -212,6 +236,27 @@ def test_only_dead_letters_a_service_signed_make_a_task_lost(settings):
     service.work.scan_dead_letters()
     assert sorted(service.assembler.in_flight) == ["train-0", "train-1"]
     assert service.assembler.stats.lost == 1
+
+
+def test_a_group_whose_samples_the_trainer_cannot_use_is_refused_and_its_task_given_up(settings):
+    """A sample with fewer logprobs than token ids would make every train step on it fail, at every restart (it
+    stays held): refused on arrival, and its task is not waited for (no genuine group of it will come)."""
+    service = LearnerService(settings)
+    service.connect()
+    issued = PromptTask(task_id="train-1", prompt_id="p1", prompt="1+1=", prompt_token_ids=[5, 6], ground_truth="2",
+                        sampling=SamplingParams(n=2, max_tokens=8))
+    service.work.outbox.append(issued)
+    service.assembler.issued(["train-1"], 0)
+    service.work.flush_outbox()
+    short = scored_group(issued, [True, False])
+    short.rollout.samples[0].logprobs.pop()
+    service.work.scored.produce(short)
+    service.work.pump()
+    service.work.scan_dead_letters()
+    (dead,) = service.streams.dead_letters()
+    assert dead["reason"] == "malformed: task train-1 sample 0 has 2 token ids and 1 logprobs"
+    assert not service.assembler.ready and "train-1" not in service.assembler.in_flight
+    assert service.redis.xlen(service.work.held.key) == 0
 
 
 def test_tasks_lost_with_a_redis_crash_are_no_longer_waited_for(settings, redis_server):
