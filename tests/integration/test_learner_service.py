@@ -175,16 +175,22 @@ def test_a_resume_does_not_draw_again_the_problems_issued_after_the_checkpoint(s
     assert fresh.train_problems.next().id == issued[0]
 
 
-def test_learner_trains_only_groups_it_issued_and_that_match(settings):
-    """Forged scored groups (unknown task id, bad HMAC, a rollout that does not fit its task) are dead-lettered
-    with the exact reason and never reach the batch; the genuine group does."""
+def learner_that_issued(settings) -> tuple[LearnerService, PromptTask]:
+    """A connected learner service that pushed one task (recorded in `issued`, then produced; counted in flight)."""
     service = LearnerService(settings)
     service.connect()
     issued = PromptTask(task_id="train-1", prompt_id="p1", prompt="1+1=", prompt_token_ids=[5, 6], ground_truth="2",
                         sampling=SamplingParams(n=2, max_tokens=8))
     service.work.outbox.append(issued)
     service.assembler.issued(["train-1"], 0)
-    service.work.flush_outbox()  # recorded in `issued`, then produced
+    service.work.flush_outbox()
+    return service, issued
+
+
+def test_learner_trains_only_groups_it_issued_and_that_match(settings):
+    """Forged scored groups (unknown task id, bad HMAC, a rollout that does not fit its task) are dead-lettered
+    with the exact reason and never reach the batch; the genuine group does."""
+    service, issued = learner_that_issued(settings)
     assert service.work.issued_task("train-1") == issued
     assert service.redis.hexists(service.streams.key(ISSUED), "train-1")
 
@@ -241,13 +247,7 @@ def test_only_dead_letters_a_service_signed_make_a_task_lost(settings):
 def test_a_group_whose_samples_the_trainer_cannot_use_is_refused_and_its_task_given_up(settings):
     """A sample with fewer logprobs than token ids would make every train step on it fail, at every restart (it
     stays held): refused on arrival, and its task is not waited for (no genuine group of it will come)."""
-    service = LearnerService(settings)
-    service.connect()
-    issued = PromptTask(task_id="train-1", prompt_id="p1", prompt="1+1=", prompt_token_ids=[5, 6], ground_truth="2",
-                        sampling=SamplingParams(n=2, max_tokens=8))
-    service.work.outbox.append(issued)
-    service.assembler.issued(["train-1"], 0)
-    service.work.flush_outbox()
+    service, issued = learner_that_issued(settings)
     short = scored_group(issued, [True, False])
     short.rollout.samples[0].logprobs.pop()
     service.work.scored.produce(short)
