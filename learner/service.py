@@ -193,7 +193,7 @@ class LearnerService:
         self.prompt_builder = PromptBuilder(AutoTokenizer.from_pretrained(model_path), self.settings)
         self.trainer = build_trainer(self.settings)
         self.ranks = RankChannel(self.trainer.accelerator)
-        self.records.tracking = Tracking(self.trainer.accelerator, self.settings)
+        self.records.tracking = Tracking(self.trainer.accelerator, self.settings, self.checkpointed_step())
         data = self.settings.data
         self.train_problems = TrainProblems(load_problems(data_spec(data.train, "train"), self.settings), data.seed)
         self.eval_problems: list[Problem] = []
@@ -330,6 +330,13 @@ class LearnerService:
         self.work.restore(skip=set(), counted=set())
         self.records.cut_after(-1)
         return False
+
+    def checkpointed_step(self) -> int | None:
+        """The step this process will resume from (None: a fresh start)."""
+        pointer = self.checkpoint_dir / LATEST
+        if not (self.cfg.resume and pointer.is_file()):
+            return None
+        return int(pointer.read_text().strip().removeprefix("step-"))
 
     def resume(self) -> bool:
         pointer = self.checkpoint_dir / LATEST

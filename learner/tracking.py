@@ -106,16 +106,18 @@ def markdown_table(rows: list[list]) -> str:
 class Tracking:
     """The trackers of one run, started on the Trainer's Accelerator (a no-op when report_to is empty)."""
 
-    def __init__(self, accelerator: "Accelerator", settings: "Settings"):
+    def __init__(self, accelerator: "Accelerator", settings: "Settings", resume_step: int | None = None):
+        """`resume_step`: the checkpoint this process resumes from. TensorBoard then drops what a crashed process
+        logged after it (those steps are trained again), as metrics.jsonl is cut back."""
         self.accelerator = accelerator
         self.names = list(settings.learner.report_to)
         if self.names:
             directory = tracking_dir(settings)
             directory.mkdir(parents=True, exist_ok=True)
-            accelerator.init_trackers(
-                settings.redis.run, config=flat_config(settings),
-                init_kwargs={"wandb": {"dir": str(directory)}, "mlflow": {"run_name": settings.redis.run}},
-            )
+            init_kwargs = {"wandb": {"dir": str(directory)}, "mlflow": {"run_name": settings.redis.run}}
+            if resume_step is not None:
+                init_kwargs["tensorboard"] = {"purge_step": resume_step + 1}
+            accelerator.init_trackers(settings.redis.run, config=flat_config(settings), init_kwargs=init_kwargs)
 
     def log_step(self, record: dict) -> None:
         """One metrics.jsonl record, at its step."""

@@ -33,13 +33,13 @@ GROUPS = [_group("2+2=?", ["Answer: 4", "Answer: 5", "Answer: 3"], [1.0, -1.0, -
           _group("1+3=?", ["x | y\nAnswer: 4"], [1.0])]
 
 
-def _track(tmp_path, names: list[str]) -> tuple:
+def _track(tmp_path, names: list[str], records: list[dict] = RECORDS, resume_step: int | None = None) -> tuple:
     from accelerate import Accelerator
 
     settings = load_settings("tiny-cpu", run_dir=str(tmp_path / "run"), learner={"report_to": names})
     accelerator = Accelerator(cpu=True, **accelerator_kwargs(settings))
-    tracking = Tracking(accelerator, settings)
-    for record in RECORDS:
+    tracking = Tracking(accelerator, settings, resume_step)
+    for record in records:
         tracking.log_step(record)
     tracking.log_samples(GROUPS, step=2)
     tracking.finish()
@@ -68,6 +68,21 @@ def test_tensorboard_gets_every_step_number_and_the_eval_samples_as_text(tmp_pat
     assert len(rows) == 2 + 3  # header, rule, two responses of the first prompt, the one of the second
     assert "| 2+2=? | Answer: 4 | 1.0 | True |" in rows
     assert "| 1+3=? | x \\| y<br>Answer: 4 | 1.0 | True |" in rows
+
+
+def test_a_resume_drops_from_tensorboard_the_steps_a_crash_discarded(tmp_path):
+    """Steps 1-4 logged, a crash, a resume from the checkpoint of step 2: steps 3 and 4 are trained again, so
+    TensorBoard keeps the new values only (as metrics.jsonl is cut back)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    first = [{"step": k, "reward_all": float(k)} for k in range(1, 5)]
+    _track(tmp_path, ["tensorboard"], first)
+    settings, _ = _track(tmp_path, ["tensorboard"], [{"step": k, "reward_all": -float(k)} for k in (3, 4)],
+                         resume_step=2)
+    (run,) = [p for p in tracking_dir(settings).iterdir() if p.is_dir()]
+    events = EventAccumulator(str(run), size_guidance={"scalars": 0})
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("reward_all")] == [(1, 1.0), (2, 2.0), (3, -3.0), (4, -4.0)]
 
 
 def test_wandb_offline_run_holds_the_steps_and_the_samples_table(tmp_path, monkeypatch):
