@@ -361,6 +361,9 @@ class Trainer:
         save_training_state(tmp / STATE_DIR, self.model, self.optimizer.optimizer, self.scheduler,
                             accelerator.is_main_process, accelerator.process_index)
         weights = self.state_dict_for_publish()
+        # Every rank's files (its RNG state) are in `tmp` before rank 0 renames it: a slower rank would write
+        # into a folder that is gone (seen in CI: rank 1 died, rank 0 hung in the barrier below).
+        accelerator.wait_for_everyone()
         if accelerator.is_main_process:
             model_dir = tmp / MODEL_DIR
             accelerator.unwrap_model(self.model).save_pretrained(model_dir, state_dict=weights)

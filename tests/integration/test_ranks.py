@@ -35,6 +35,11 @@ from learner.ranks import RankChannel, follow
 from learner.trainer import Trainer
 
 state = PartialState(cpu=True, timeout=timedelta(seconds=120))
+if state.process_index == 1:  # the slower rank: its RNG file comes last, and the checkpoint must wait for it
+    import time
+    import learner.trainer as trainer_module
+    rng_state = trainer_module._rng_state
+    trainer_module._rng_state = lambda: (time.sleep(2), rng_state())[1]
 tmp = Path({tmp!r})
 trainer = Trainer(make_settings(tmp, micro_batch_tokens=40, mini_batches=2, lr=1e-3), Path({model!r}))
 channel = RankChannel(trainer.accelerator)
