@@ -17,9 +17,11 @@ Thread safe: the stream worker and HTTP requests can share one pool.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing
 import os
+import signal
 import threading
 import time
 from concurrent.futures import CancelledError, Future, InvalidStateError, TimeoutError
@@ -162,6 +164,15 @@ class VerifierPool:
             _settle(future, error=RuntimeError("verifier pool closed"))
         if pool is not None:
             pool.stop()
+            # pebble unlinks its channel's semaphores before it terminates its workers: a worker spawned a moment
+            # ago, still unpickling them, would die of the missing semaphore with a traceback on our stderr. So the
+            # workers go first, once pebble's manager thread (which replaces dead workers) has ended.
+            manager = pool._pool_manager_loop
+            if manager is not None:
+                manager.join(timeout=10)
+            for pid in self.worker_pids():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
             pool.join(timeout=10)
 
     def __enter__(self) -> "VerifierPool":
