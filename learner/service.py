@@ -331,18 +331,21 @@ class LearnerService:
         self.records.cut_after(-1)
         return False
 
+    def latest_checkpoint(self) -> str | None:
+        """The name (`step-N`) of the checkpoint `latest` points at, None if there is none."""
+        pointer = self.checkpoint_dir / LATEST
+        return pointer.read_text().strip() if pointer.is_file() else None
+
     def checkpointed_step(self) -> int | None:
         """The step this process will resume from (None: a fresh start)."""
-        pointer = self.checkpoint_dir / LATEST
-        if not (self.cfg.resume and pointer.is_file()):
-            return None
-        return int(pointer.read_text().strip().removeprefix("step-"))
+        name = self.latest_checkpoint() if self.cfg.resume else None
+        return None if name is None else int(name.removeprefix("step-"))
 
     def resume(self) -> bool:
-        pointer = self.checkpoint_dir / LATEST
-        if not pointer.is_file():
+        name = self.latest_checkpoint()
+        if name is None:
             return self.start_fresh()
-        path = self.checkpoint_dir / pointer.read_text().strip()
+        path = self.checkpoint_dir / name
         extra = self.ranks.load(self.trainer, path)
         self.step = int(extra["step"])
         self.policy.restore(extra["policy"])
