@@ -53,7 +53,7 @@ from pathlib import Path
 
 import msgpack
 
-from cli.launcher import read_metrics  # skips a line being written
+from learner.records import read_rows  # skips a line being written
 from learner.workset import task_id_in_payload  # the learner's own reading of a raw payload
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -311,7 +311,7 @@ class Faults:
 
     def poll(self) -> int:
         """Read the ledger (remember every row, sample the last step); the last step."""
-        rows = read_metrics(self.run_dir / "ledger.jsonl")
+        rows = read_rows(self.run_dir / "ledger.jsonl")
         for row in rows:
             self.seen.setdefault((row["step"], tuple(row.get("trained", []))), row)
         last = rows[-1]["step"] if rows else 0
@@ -339,7 +339,7 @@ class Faults:
 
     def median_step(self) -> float:
         """The median step time so far; step 1 (which waited for the services to start) only if it is alone."""
-        rows = [r for r in read_metrics(self.run_dir / "metrics.jsonl") if r.get("step_seconds")]
+        rows = [r for r in read_rows(self.run_dir / "metrics.jsonl") if r.get("step_seconds")]
         seconds = [r["step_seconds"] for r in rows if r["step"] > 1] or [r["step_seconds"] for r in rows]
         return statistics.median(seconds) if seconds else 20.0
 
@@ -655,9 +655,9 @@ def main(argv: list[str] | None = None) -> int:
     faults.poll()
     faults.settle_kills()
     orphans = pgid_members(faults.groups)
-    final = read_metrics(faults.run_dir / "ledger.jsonl")
+    final = read_rows(faults.run_dir / "ledger.jsonl")
     dead = faults.dead_letters()
-    analysis = analyze(final, list(faults.seen.values()), read_metrics(faults.run_dir / "metrics.jsonl"), dead,
+    analysis = analyze(final, list(faults.seen.values()), read_rows(faults.run_dir / "metrics.jsonl"), dead,
                        faults.injections, faults.kills)
     load_end = os.getloadavg()
     result = {

@@ -35,6 +35,7 @@ from rich.table import Table
 
 from cli import cores
 from cli.cores import CpuPlan, Placement, cpu_seconds_by_group
+from learner.records import read_rows
 from services.config import DEFAULT_TOKEN, Settings, dump_settings
 from services.http import free_port
 from services.redis_local import EmbeddedRedis, embedded_server, without_password
@@ -226,18 +227,6 @@ def write_service_map(children: list[Child], redis_url: str, path: Path) -> None
                                indent=2))
 
 
-def read_metrics(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    rows = []
-    for line in path.read_text().splitlines():
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue  # a line being written right now
-    return rows
-
-
 def _fmt(value, spec: str = ".3f") -> str:
     return "-" if value is None else format(value, spec)
 
@@ -323,7 +312,7 @@ def supervise(children: list[Child], metrics_path: Path, total_steps: int, displ
             by_group = cpu_seconds_by_group()
             for child in children:
                 child.sample_cpu(by_group)
-            rows = read_metrics(metrics_path)
+            rows = read_rows(metrics_path)
             if live:
                 live.update(status_table(rows, children, total_steps))
             elif rows and rows[-1].get("step", -1) != last_printed:
@@ -390,7 +379,7 @@ def main(settings: Settings, generators: int = 1, reward_workers: int = 1, learn
         for sig, handler in previous.items():
             signal.signal(sig, handler)
 
-    rows = read_metrics(run_dir / "metrics.jsonl")
+    rows = read_rows(run_dir / "metrics.jsonl")
     if rows:
         summary = write_report(rows, run_dir, {"cpus": cpus.describe(),
                                                "cpu_seconds": {c.name: round(c.cpu_total, 1) for c in children}})

@@ -53,6 +53,19 @@ def truncate_jsonl(path: Path, last_step: int) -> int:
     return kept
 
 
+def read_rows(path: Path) -> list[dict]:
+    """The records of a JSONL file (metrics.jsonl, ledger.jsonl); none if it is missing."""
+    if not path.exists():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue  # a line being written right now
+    return rows
+
+
 def _mean(values: list[float]) -> float | None:
     return sum(values) / len(values) if values else None
 
@@ -170,15 +183,8 @@ class Records:
 
     def has_evaluation(self, step: int) -> bool:
         """Whether metrics.jsonl holds an evaluation of `step` (read back on a resume)."""
-        path = self.run_dir / METRICS_FILE
-        for line in path.read_text().splitlines() if path.exists() else ():
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
-                continue  # a torn last line
-            if row.get("step") == step and row.get("eval_accuracy") is not None:
-                return True
-        return False
+        return any(row.get("step") == step and row.get("eval_accuracy") is not None
+                   for row in read_rows(self.run_dir / METRICS_FILE))
 
     def evaluation(self, record: dict) -> None:
         """An evaluation on a line of its own (the baseline, or one redone after a stop cut it short)."""

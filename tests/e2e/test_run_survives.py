@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks.faults import children_of
-from cli.launcher import read_metrics
+from learner.records import read_rows
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
@@ -34,7 +34,7 @@ def child_running(launcher: int, needle: str) -> int:
 
 
 def ledger(run_dir: Path) -> list[dict]:
-    return read_metrics(run_dir / "ledger.jsonl")  # the launcher's JSONL reader: skips a line being written
+    return read_rows(run_dir / "ledger.jsonl")  # the records' JSONL reader: skips a line being written
 
 
 def checkpointed(run_dir: Path) -> bool:

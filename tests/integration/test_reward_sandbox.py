@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from processes import children_of
+from benchmarks.faults import children_of
 from reward.sandbox import VerifierPool, VerifierUnavailable
 
 # Comparing this with 1 makes sympy expand a polynomial of about 500,000 terms: it does not come back for minutes.
@@ -158,7 +158,7 @@ def test_a_signal_at_any_point_of_the_start_leaves_no_child_behind():
         raise Interrupted
 
     VerifierPool(workers=2)  # its queue starts multiprocessing's resource tracker, a child that stays
-    before = children_of(os.getpid())
+    before = set(children_of(os.getpid()))
     previous = signal.signal(signal.SIGALRM, interrupt)
     try:
         for delay_ms in range(1, 41):
@@ -171,6 +171,6 @@ def test_a_signal_at_any_point_of_the_start_leaves_no_child_behind():
             finally:
                 signal.setitimer(signal.ITIMER_REAL, 0)
                 pool.close()
-            assert children_of(os.getpid()) == before, f"an alarm after {delay_ms / 2} ms left children behind (or unreaped)"
+            assert set(children_of(os.getpid())) == before, f"an alarm after {delay_ms / 2} ms left children behind (or unreaped)"
     finally:
         signal.signal(signal.SIGALRM, previous)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from processes import children_of
+from benchmarks.faults import children_of
 from services.http import free_port
 from services.startup import EXIT_UNAVAILABLE
 
