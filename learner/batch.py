@@ -388,14 +388,16 @@ class BatchAssembler:
         return [g for _, _, g in dropped]
 
     def take_batch(self, version: int, *, partial: bool = False) -> Batch:
-        """Take B groups (oldest policy first) and start the next step; the rest are carried.
+        """Take B groups (oldest policy first, then in the order their prompts were pushed) and start the next
+        step; the rest are carried. Not in order of arrival: the last to arrive are the longest to generate, and
+        a surplus cut by arrival would drop long responses at every step (the paper's loop keeps data order).
 
         `partial=True` takes whatever is in hand (the refill limit with on_refill_limit = train).
         """
         stale = self.drop_stale(version)
         if len(self.ready) < self.target and not partial:
             raise RuntimeError(f"take_batch: {len(self.ready)} groups in hand, {self.target} needed")
-        self.ready.sort(key=lambda entry: entry[:2])
+        self.ready.sort(key=lambda entry: (entry[0], entry[2].rollout.task.created_at, entry[1]))
         taken, self.ready = self.ready[: self.target], self.ready[self.target :]
         batch = Batch(
             groups=[g for _, _, g in taken],

@@ -6,7 +6,8 @@ One `train_step(groups)` is one rollout step of the paper (Algorithm 1, the inne
   2. pi_old = the learner's logprobs of the response tokens under the step's starting parameters: recomputed
      (no grad) for every mini-batch but the first, which trains before any update, so that its own forward
      pass gives pi_old (same value, one forward of 1/M of the batch less);
-     TIS weight = min(pi_old / mu, tis_cap) against the behaviour logprobs mu the generator recorded;
+     TIS weight = min(pi_old / mu, tis_cap) against the behaviour logprobs mu the generator recorded (none when
+     tis_cap is null);
   3. the groups are shuffled and split into `mini_batches` mini-batches of whole groups (the paper's 512 prompts
      make 16 mini-batches of 32 prompts x 16 responses); one AdamW update per mini-batch, `epochs` passes;
   4. each mini-batch is cut into micro-batches of at most `micro_batch_tokens` padded tokens; every micro-batch
@@ -15,7 +16,8 @@ One `train_step(groups)` is one rollout step of the paper (Algorithm 1, the inne
      pass runs the micro-batch's distinct prompts once (left-padded) and the responses on their prompt's KV cache:
      the same logprobs and gradients as prompt + response rows, without computing each prompt n times (the
      tiny default's 36-token prompt is 60 % of its rows);
-  5. gradient-norm clip, AdamW step per mini-batch; the learning-rate schedule (linear warm-up over
+  5. gradient-norm clip, AdamW step per mini-batch (not for a mini-batch with no token in the loss, every response
+     overlong-filtered: AdamW's momentum and weight decay would move the weights with no gradient); the learning-rate schedule (linear warm-up over
      `warmup_steps`, then constant) advances once per train_step: the paper counts warm-up in rollout steps,
      so every update of one step uses the same rate;
   6. the service advances the policy version (learner/policy.py: the trainer does not count versions).
@@ -243,6 +245,10 @@ class Trainer:
 
         for epoch in range(cfg.epochs):
             for mb in mini_batches:
+                if not any(batch.responses[i].loss_tokens for i in mb):  # the same indices on every rank
+                    stats.updates += 1
+                    stats.skipped += 1
+                    continue
                 self.optimizer.zero_grad(set_to_none=True)
                 stats.loss += self._backward_mini_batch(batch, mb, stats, first_epoch=epoch == 0)
                 max_norm = cfg.grad_clip if cfg.grad_clip > 0 else math.inf
@@ -477,12 +483,15 @@ class Trainer:
                 mask = dapo.overlong_filter_mask(inputs.response_mask, filtered)
                 behaviour = self._padded([responses[i].behaviour_logprobs for i in micro], logp)
                 for row, i in enumerate(micro):
+                    current = logp[row, :len(responses[i].response_ids)].detach().float()
                     if i not in batch.old_logprobs:  # the step's first mini-batch, before any update: pi_old is now
-                        batch.old_logprobs[i] = logp[row, :len(responses[i].response_ids)].detach().float()
+                        batch.old_logprobs[i] = current
+                    if not real and self.reference is not None:  # another rank's rows (weight 0): no pi_ref here
+                        batch.ref_logprobs.setdefault(i, current)
                 logp_old = self._padded([batch.old_logprobs[i] for i in micro], logp)
                 logp_ref = self._padded([batch.ref_logprobs[i] for i in micro], logp) if self.reference else None
                 advantages = torch.tensor([responses[i].advantage for i in micro], device=logp.device).unsqueeze(-1)
-                tis = dapo.truncated_importance_weight(logp_old, behaviour, cfg.tis_cap)
+                tis = None if cfg.tis_cap is None else dapo.truncated_importance_weight(logp_old, behaviour, cfg.tis_cap)
                 per_token, surrogate = dapo.token_loss(
                     logp, logp_old, advantages, tis,
                     clip_low=cfg.clip_low, clip_high=cfg.clip_high, dual_clip=cfg.dual_clip,
@@ -663,8 +672,9 @@ class _Stats:
         s["approx_kl"] += float((dapo.kl_k3(behaviour, logp) * mask).sum())  # KL(behaviour || current)
         self.largest_log_ratio = max(self.largest_log_ratio, float(((logp - behaviour).abs() * mask).max()))
         if first_epoch:  # the weights are constant over the step: count each token once
-            s["tis"] += float((tis * mask).sum())
-            s["tis_capped"] += float(((tis >= cap * (1 - 1e-6)) * mask).sum())
+            s["tis"] += float(((1.0 if tis is None else tis) * mask).sum())  # no weight (tis_cap null): 1
+            if tis is not None:
+                s["tis_capped"] += float(((tis >= cap * (1 - 1e-6)) * mask).sum())
             s["tis_tokens"] += float(mask.sum())
 
     def log_ratio_max(self, accelerator) -> float:

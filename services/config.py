@@ -253,7 +253,10 @@ class LearnerConfig(Section):
     adv_eps: float = Field(1e-6, description="epsilon added to the group std in the advantage.")
     # Asynchrony and dynamic sampling.
     max_staleness: int = Field(0, description="Oldest usable policy lag in versions; 0 = synchronous on-policy.")
-    tis_cap: float = Field(2.0, description="Truncated importance weight cap for behaviour/learner mismatch.")
+    tis_cap: float | None = Field(
+        2.0, gt=0, description="Truncated importance weight cap for behaviour/learner mismatch (null: no weight, "
+        "the paper's verl recipe, which trusts the recomputed pi_old alone)."
+    )
     max_refills: int = Field(10, description="Refill rounds per step before the refill limit applies.")
     on_refill_limit: Literal["train", "stop"] = Field("train", description="At the limit: train on what is in hand, or stop.")
     oversample_min: float = Field(1.0, description="Lower bound of the prompt over-sampling factor.")

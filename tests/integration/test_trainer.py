@@ -270,6 +270,53 @@ def test_kl_penalty_and_entropy_bonus(model_path, tmp_path):
     assert not torch.allclose(grads_h["model.norm.weight"], grads_plain["model.norm.weight"])
 
 
+def test_without_a_tis_cap_the_behaviour_logprobs_do_not_weigh(model_path, tmp_path):
+    # tis_cap null (the paper's verl recipe): the loss is the clipped surrogate against the recomputed pi_old alone,
+    # so how far the behaviour policy was from it changes nothing; with a cap the same groups weigh differently.
+    groups = make_groups(n_groups=2, size=4, seed=11)
+    unweighted = Trainer(make_settings(tmp_path, tis_cap=None), model_path)
+    on_policy = with_behaviour(groups, unweighted.logprobs(groups))
+    off_policy = with_behaviour(groups, unweighted.logprobs(groups), random_offsets(groups, seed=4, scale=0.5))
+    _, on = unweighted.loss_gradients(on_policy)
+    _, off = unweighted.loss_gradients(off_policy)
+    assert all(torch.equal(off[n], g) for n, g in on.items())
+    _, weighted = Trainer(make_settings(tmp_path, tis_cap=2.0), model_path).loss_gradients(off_policy)
+    assert not torch.allclose(weighted["model.norm.weight"], off["model.norm.weight"])
+    assert unweighted.train_step(off_policy)["tis_mean"] == 1.0
+
+
+def test_a_mini_batch_with_no_loss_token_takes_no_step(model_path, tmp_path):
+    # Every response overlong-filtered: no gradient, and AdamW's weight decay must not move the weights either.
+    groups = make_groups(n_groups=2, size=2, seed=5, overlong=[True, True])
+    trainer = Trainer(make_settings(tmp_path, overlong_filter=True, weight_decay=0.1, mini_batches=2), model_path)
+    groups = with_behaviour(groups, trainer.logprobs(groups))
+    before = {n: t.clone() for n, t in trainer.state_dict_for_publish().items()}
+    metrics = trainer.train_step(groups)
+    assert metrics["updates"] == metrics["skipped_updates"] == 2
+    assert all(torch.equal(before[n], t) for n, t in trainer.state_dict_for_publish().items())
+
+
+def test_a_rank_without_rows_pads_with_another_ranks_rows_under_kl(model_path, tmp_path, monkeypatch):
+    # Rank 1 of 2 with a one-response mini-batch has no rows of its own: it runs rank 0's rows at weight 0 in
+    # lockstep, and has no pi_ref for them (its no-grad pass computed only its own); that must not fail.
+    groups = make_groups(n_groups=1, size=1, seed=2)
+    trainer = Trainer(make_settings(tmp_path, kl_coef=0.5, mini_batches=1), model_path)
+    groups = with_behaviour(groups, trainer.logprobs(groups))
+
+    class SecondOfTwo:  # the accelerator as rank 1 sees it; collectives of one process stay local
+        num_processes, process_index = 2, 1
+
+        def __getattr__(self, name):
+            return getattr(accelerator, name)
+
+    accelerator = trainer.accelerator
+    monkeypatch.setattr(trainer, "accelerator", SecondOfTwo())
+    before = {n: t.clone() for n, t in trainer.state_dict_for_publish().items()}
+    metrics = trainer.train_step(groups)
+    assert metrics["tokens"] > 0 and metrics["loss"] == 0.0  # rank 0's rows ran here, and weighed nothing
+    assert all(torch.equal(before[n], t) for n, t in trainer.state_dict_for_publish().items())
+
+
 # -- publishing and checkpoints ----------------------------------------------------------------------------------
 def test_state_dict_for_publish(model_path, tmp_path):
     trainer = Trainer(make_settings(tmp_path), model_path)

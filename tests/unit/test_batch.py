@@ -185,6 +185,18 @@ def test_oldest_policy_is_trained_first():
     assert a.take_batch(2).task_ids == ["old", "new"]
 
 
+def test_a_surplus_is_cut_in_push_order_not_arrival_order():
+    # The last groups to come back are the slowest to generate (the longest responses): cutting the surplus by
+    # arrival would drop long responses at every step; the cut follows the order the prompts were pushed.
+    a = BatchAssembler(2, max_staleness=0, ratio=with_ratio(1.0))
+    pushed = [group(MIXED, task_id=f"pushed{k}") for k in range(3)]
+    for k, g in enumerate(pushed):
+        g.rollout.task.created_at = 1000.0 + k
+    for g in reversed(pushed):  # the first pushed is the longest: it arrives last
+        assert a.admit(g, 0) == "informative"
+    assert a.take_batch(0).task_ids == ["pushed0", "pushed1"]
+
+
 def test_duplicates_are_admitted_once():
     a = BatchAssembler(2, ratio=with_ratio(1.0))
     g = group(MIXED, task_id="same")
