@@ -219,10 +219,12 @@ class WeightPublisher:
     def publish(self, state_dict: dict[str, torch.Tensor], version: int) -> WeightsAnnouncement:
         """Write, hash, prune, then announce (SET latest + PUBLISH). Returns the announcement."""
         tensors = shareable_state_dict(state_dict)
+        # Written into a temporary folder renamed at the end: downloads of older versions go on meanwhile (a 32B
+        # version takes minutes to write); only the prune must not remove a folder a download is opening.
+        announcement = write_version(
+            self.dir, version, tensors, self.shard_bytes, f"{self.base_url}/v1/weights/{version}", self.key
+        )
         with self._lock:
-            announcement = write_version(
-                self.dir, version, tensors, self.shard_bytes, f"{self.base_url}/v1/weights/{version}", self.key
-            )
             self._prune(keep_also=version)
         payload = announcement.model_dump_json()
         self.redis.set(latest_key(self.prefix), payload)

@@ -234,6 +234,28 @@ def test_release_hands_message_back_at_once(streams):
     assert again.message.task_id == "t0"
 
 
+def test_an_unused_hand_back_is_not_a_delivery(streams):
+    # A task that waited for a newer policy version and was handed back unused, again and again, never reaches
+    # max_deliveries (3); work handed back after it started keeps its count, and reaches `dead` as before.
+    prompts = streams.stream("prompts", PromptTask)
+    prompts.produce(task(0))  # waits
+    for _ in range(5):
+        (d,) = prompts.consume("waiting", count=1, block_ms=10)
+        assert d.message.task_id == "t0" and d.deliveries <= 2
+        prompts.release(d, unused=True)
+        prompts._reclaimed_at = float("-inf")  # an unused hand-back leaves our scan alone: look again at once
+    prompts.produce(task(1))  # starts, and is handed back
+    seen = []
+    for _ in range(6):
+        for d in prompts.consume("other", count=2, block_ms=10):
+            seen.append((d.message.task_id, d.deliveries))
+            prompts.release(d, unused=d.message.task_id == "t0")
+        prompts._reclaimed_at = float("-inf")
+    assert {n for t, n in seen if t == "t0"} <= {1, 2} and len([t for t, _ in seen if t == "t0"]) == 6
+    assert [n for t, n in seen if t == "t1"] == [1, 2, 3]
+    assert [letter["reason"] for letter in streams.dead_letters()] == ["delivered 4 times (max 3)"]
+
+
 def test_recover_returns_own_pending_after_restart(streams):
     prompts = streams.stream("prompts", PromptTask)
     prompts.produce(task(0))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from services.http import create_app
 from services.messages import WeightsAnnouncement
 from services.redis_local import connect
 from services.streams import Streams
+import services.weights as weights_module
 from services.weights import (
     AnnouncementWatcher,
     WeightPublisher,
@@ -40,6 +42,7 @@ from services.weights_layout import (
     remove_unfinished,
     shard_plan,
     write_hold,
+    write_version,
 )
 
 TOKEN = "s3cret"
@@ -176,6 +179,34 @@ def test_publisher_keeps_last_versions_and_serves_only_those(learner, settings):
     meta = json.loads(folder.joinpath("announcement.json").read_text())
     assert meta["size"] == sum(folder.joinpath(f["name"]).stat().st_size for f in meta["files"])
     assert not [p for p in publisher.dir.iterdir() if p.name.startswith(".")]  # no temporary folders left
+
+
+def test_a_download_does_not_wait_for_a_version_being_written(learner, monkeypatch):
+    # A generator still pulling v1 while the learner writes v2 (minutes for a 32B model) is served at once.
+    publisher, _, _ = learner
+    publisher.publish(tiny_state_dict(seed=1), version=1)
+    writing, finish = threading.Event(), threading.Event()
+
+    def slow_write(*args, **kwargs):
+        writing.set()
+        finish.wait(30)
+        return write_version(*args, **kwargs)
+
+    monkeypatch.setattr(weights_module, "write_version", slow_write)
+    publishing = threading.Thread(target=publisher.publish, args=(tiny_state_dict(seed=2), 2))
+    publishing.start()
+    try:
+        assert writing.wait(10)
+        opened: list = []
+        reader = threading.Thread(target=lambda: opened.append(publisher.open_file(1, "model-00001-of-00001.safetensors")))
+        reader.start()
+        reader.join(10)
+        assert opened and opened[0] is not None, "the download waited for the version being written"
+        opened[0][1].close()
+    finally:
+        finish.set()
+        publishing.join(30)
+    assert publisher.latest().version == 2
 
 
 def test_versions_a_killed_process_left_half_written_are_removed_by_the_next_one(learner, settings, short_tmp):
