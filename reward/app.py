@@ -117,7 +117,8 @@ def create_reward_app(
         """Verify each response's final answer against its ground truth (in the sandboxed verifier pool) and
         shape the reward: +1 / -1 by the rule, plus DAPO's soft overlong penalty when `response_tokens` and
         `max_tokens` are given. `overlong` is true when `response_tokens >= max_tokens`. `rule` says what
-        decided: answer_line, boxed, math_verify, none (no final answer), timeout or error (the sandbox)."""
+        decided: answer_line, boxed, math_verify (`reward.answer_rule: robust`), dapo_minerva (`dapo`, the paper's
+        string match), none (no final answer), timeout or error (the sandbox)."""
         if len(items) > max_batch:
             raise HTTPException(413, f"batch of {len(items)} items exceeds reward.max_batch = {max_batch}")
         batch = [ScoreItem(i.response, i.ground_truth, i.response_tokens, i.max_tokens) for i in items]

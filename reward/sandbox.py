@@ -12,6 +12,9 @@ the item was not judged at all: its future raises `VerifierUnavailable` rather t
     with VerifierPool(workers=2, timeout_s=5, memory_mb=1024) as pool:
         verdicts = pool.verify_many([(response, ground_truth), ...])
 
+`rule` chooses the answer rule every child applies (`ANSWER_RULES`: `robust`, the default, or `dapo`, the paper's
+reference); `VerifierPool.from_config(settings.reward)` takes it, and the limits, from `reward.answer_rule`.
+
 Thread safe: the stream worker and HTTP requests can share one pool.
 """
 
@@ -27,15 +30,22 @@ import time
 from concurrent.futures import CancelledError, Future, InvalidStateError, TimeoutError
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
+from typing import Callable
 
 from pebble import ProcessExpired, ProcessPool
 
+from services.config import RewardConfig
+
+from reward.reference import verify_dapo
 from reward.verify import RULE_ERROR, RULE_TIMEOUT, Verdict, verify
 
 log = logging.getLogger(__name__)
 
 # A child that has not finished importing math-verify by then is stuck (or the machine is).
 STARTUP_TIMEOUT_S = 120.0
+
+# `reward.answer_rule` -> the verifier a child runs (the names of services.config.RewardConfig.answer_rule).
+ANSWER_RULES: dict[str, Callable[[str, str], Verdict]] = {"robust": verify, "dapo": verify_dapo}
 
 
 def _start_child(memory_mb: int, ready) -> None:
@@ -49,9 +59,9 @@ def _start_child(memory_mb: int, ready) -> None:
     ready.put(os.getpid())
 
 
-def _verify_in_child(response: str, ground_truth: str) -> Verdict:
+def _verify_in_child(response: str, ground_truth: str, rule: str = "robust") -> Verdict:
     try:
-        return verify(response, ground_truth)
+        return ANSWER_RULES[rule](response, ground_truth)
     except BaseException as err:  # noqa: BLE001 - RecursionError, MemoryError, sympy internals, anything
         return Verdict(False, None, RULE_ERROR, f"{type(err).__name__}: {str(err)[:200]}")
 
@@ -71,11 +81,21 @@ class PoolStats:
 class VerifierPool:
     """Verify (response, ground_truth) pairs in child processes with per-item time and memory limits."""
 
-    def __init__(self, workers: int = 2, timeout_s: float = 5.0, memory_mb: int = 1024, start_method: str = "spawn"):
+    def __init__(
+        self,
+        workers: int = 2,
+        timeout_s: float = 5.0,
+        memory_mb: int = 1024,
+        start_method: str = "spawn",
+        rule: str = "robust",
+    ):
         if workers < 1:
             raise ValueError("workers must be at least 1")
         if timeout_s <= 0:
             raise ValueError("timeout_s must be positive")
+        if rule not in ANSWER_RULES:
+            raise ValueError(f"unknown answer rule {rule!r} (one of {', '.join(ANSWER_RULES)})")
+        self.rule = rule
         self.size = workers
         self.timeout_s = timeout_s
         self.memory_mb = memory_mb
@@ -89,6 +109,12 @@ class VerifierPool:
         self._pending: set[Future] = set()
         self._lock = threading.Lock()
         self._closed = False
+
+    @classmethod
+    def from_config(cls, cfg: RewardConfig, **kwargs) -> "VerifierPool":
+        """The pool the reward settings describe: `workers`, `timeout_s`, `memory_mb` and `answer_rule`."""
+        return cls(workers=cfg.workers, timeout_s=cfg.timeout_s, memory_mb=cfg.memory_mb, rule=cfg.answer_rule,
+                   **kwargs)
 
     # ---- lifecycle ---------------------------------------------------------------------------------------
 
@@ -238,7 +264,7 @@ class VerifierPool:
             pool = self._pool
         if pool is None:  # closed while it waited for the launch
             raise RuntimeError("verifier pool closed")
-        return pool, pool.schedule(_verify_in_child, args=(response, ground_truth), timeout=self.timeout_s)
+        return pool, pool.schedule(_verify_in_child, args=(response, ground_truth, self.rule), timeout=self.timeout_s)
 
     def _track(self, pool: ProcessPool, task: Future) -> Future:
         """A future of the task's Verdict, which close() can fail (pebble's own are cancelled by stop())."""

@@ -30,6 +30,9 @@ class Scorer:
     """Verify items in the pool, shape the rewards, and record the REWARD_* metrics."""
 
     def __init__(self, pool: VerifierPool, cfg: RewardConfig):
+        if pool.rule != cfg.answer_rule:  # the pool's children apply the rule: one built by hand must agree
+            raise ValueError(f"the verifier pool applies answer rule {pool.rule!r}, "
+                             f"but reward.answer_rule is {cfg.answer_rule!r}")
         self.pool = pool
         self.cfg = cfg
 

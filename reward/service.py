@@ -26,8 +26,8 @@ def main(settings: Settings) -> int:
     stops it at once (`services.startup`), then it stops the worker and the pool in order."""
     wait_for_redis(settings)
     cfg = settings.reward
-    pool = VerifierPool(workers=cfg.workers, timeout_s=cfg.timeout_s, memory_mb=cfg.memory_mb)
-    log.info("reward: starting %d verifier processes", cfg.workers)
+    pool = VerifierPool.from_config(cfg)
+    log.info("reward: starting %d verifier processes (answer rule %s)", cfg.workers, cfg.answer_rule)
     try:
         return serve(settings, pool.start())
     finally:

@@ -19,6 +19,9 @@ ground truth, -1 otherwise. Deciding "the final answer" and "equals" is the whol
 so we call math-verify with it disabled. It refuses the answers that would make sympy allocate without bound
 (power towers, huge exponents), but symbolic work can still be slow (`(x+y+z)^{999}` against 1 takes minutes).
 Untrusted text at scale goes through `reward.sandbox.VerifierPool`, which enforces time and memory from outside.
+
+This is the `robust` answer rule, the default. `reward.answer_rule: dapo` selects the paper's own, stricter rule
+instead (`reward.reference`), for reproducing its numbers.
 """
 
 from __future__ import annotations
@@ -33,10 +36,11 @@ from fractions import Fraction
 RULE_ANSWER_LINE = "answer_line"
 RULE_BOXED = "boxed"
 RULE_MATH_VERIFY = "math_verify"
+RULE_DAPO = "dapo_minerva"  # only under `reward.answer_rule: dapo` (reward.reference): the paper's string match
 RULE_NONE = "none"
 RULE_TIMEOUT = "timeout"
 RULE_ERROR = "error"
-RULES = (RULE_ANSWER_LINE, RULE_BOXED, RULE_MATH_VERIFY, RULE_NONE, RULE_TIMEOUT, RULE_ERROR)
+RULES = (RULE_ANSWER_LINE, RULE_BOXED, RULE_MATH_VERIFY, RULE_DAPO, RULE_NONE, RULE_TIMEOUT, RULE_ERROR)
 
 # Only the tail of a response can hold its final answer; bounding the scan bounds the cost of huge inputs.
 MAX_SCAN_CHARS = 32_000

@@ -210,6 +210,12 @@ class RewardConfig(Section):
     overlong_buffer: int = Field(4096, description="L_cache of the soft overlong punishment (paper: 4096).")
     overlong_penalty: float = Field(1.0, description="Penalty reached at L_max (paper: 1.0).")
     soft_overlong: bool = Field(True, description="DAPO soft overlong punishment (Eq. 13) on or off.")
+    answer_rule: Literal["robust", "dapo"] = Field(
+        "robust",
+        description="robust = `Answer:` lines or \\boxed{}, numbers as fractions, math-verify (reward/verify.py); "
+        "dapo = the paper's reference rule: last `Answer:` in the last 300 characters, Minerva-normalised string "
+        "match (verl math_dapo.compute_score; reward/reference.py).",
+    )
     max_batch: int = Field(256, description="Largest /v1/score batch (a request, not the stream worker's groups).")
     http_pool_share: int = Field(
         1, ge=1, description="Verifier pool places /v1/score may hold at once (the rest stay with the stream worker)."

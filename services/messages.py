@@ -126,7 +126,10 @@ class Score(BaseModel):
     correct: bool
     overlong: bool = Field(description="Truncated at max_tokens (finish_reason == length).")
     extracted: str | None = Field(None, description="The answer the verifier read, if any.")
-    rule: str = Field(description="Which rule decided: answer_line, boxed, math_verify, none, timeout, error.")
+    rule: str = Field(
+        description="Which rule decided: answer_line, boxed, math_verify, dapo_minerva (reward.answer_rule dapo), "
+        "none, timeout, error."
+    )
     detail: str = ""
 
 

@@ -11,6 +11,7 @@ import pytest
 
 from benchmarks.faults import children_of
 from reward.sandbox import VerifierPool, VerifierUnavailable
+from services.config import RewardConfig
 
 # Comparing this with 1 makes sympy expand a polynomial of about 500,000 terms: it does not come back for minutes.
 HANG = "Answer: $(x+y+z)^{999}$"
@@ -28,6 +29,21 @@ def test_verdicts_come_back_in_order(pool):
     verdicts = pool.verify_many(pairs)
     assert [v.correct for v in verdicts] == [True, False, True, False] * 5
     assert [v.rule for v in verdicts[:4]] == ["answer_line", "boxed", "math_verify", "none"]
+
+
+def test_the_configured_answer_rule_runs_in_the_children(pool):
+    """`reward.answer_rule: dapo` reaches the children: the same pairs, read by the paper's rule, differ."""
+    pairs = [("So the total is $\\boxed{34}$.", "34"), ("Answer: 025", "25"), ("We are done.\nThus the answer: 34", "34"),
+             ("Answer: $\\frac{1}{2}$", "\\frac12"), ("Answer: 34\n" + "Let me check once more. " * 15, "34")]
+    cfg = RewardConfig(answer_rule="dapo", workers=1, timeout_s=TIMEOUT_S, memory_mb=1024)
+    with VerifierPool.from_config(cfg) as dapo:
+        assert dapo.rule == "dapo" and dapo.size == 1 and dapo.timeout_s == TIMEOUT_S
+        verdicts = dapo.verify_many(pairs)
+    assert [(v.correct, v.rule) for v in verdicts] == [
+        (False, "none"), (False, "dapo_minerva"), (True, "dapo_minerva"), (True, "dapo_minerva"), (False, "none")
+    ]
+    assert verdicts[3].extracted == "\\frac{1}{2}"
+    assert [v.correct for v in pool.verify_many(pairs)] == [True, True, False, True, True]  # the robust default
 
 
 def test_a_hang_times_out_and_the_child_is_replaced(pool):

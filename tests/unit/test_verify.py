@@ -187,7 +187,7 @@ def test_extraction_reports_what_was_read():
 
 
 def test_rules_are_the_score_contract():
-    assert set(RULES) == {"answer_line", "boxed", "math_verify", "none", "timeout", "error"}
+    assert set(RULES) == {"answer_line", "boxed", "math_verify", "dapo_minerva", "none", "timeout", "error"}
 
 
 @pytest.mark.parametrize(
