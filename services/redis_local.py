@@ -32,6 +32,9 @@ from services.startup import Unavailable
 log = logging.getLogger(__name__)
 
 CONF_FILE = "redis.conf"
+# A reply this much later than the longest blocking read asked for (streams.block_ms) is a dead connection: a
+# partition or a frozen host leaves a half-open TCP socket that, without a timeout, blocks a service for ever.
+REPLY_TIMEOUT_S = 30.0
 
 retry_redis = retry(
     retry=retry_if_exception_type((redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError)),
@@ -79,10 +82,13 @@ def without_password(url: str) -> str:
     return f"{scheme}{sep}{rest.rpartition('@')[2]}" if "@" in rest else url
 
 
-def client_for(url: str, password: str | None = None) -> RetryingRedis:
+def client_for(url: str, password: str | None = None, reply_timeout_s: float = REPLY_TIMEOUT_S) -> RetryingRedis:
     """A retrying client for a Redis URL (`unix://:password@/path.sock` for the embedded server); a password in
-    the URL beats `password`."""
-    return RetryingRedis.from_url(url, password=password, health_check_interval=30)
+    the URL beats `password`. A reply that takes over `reply_timeout_s` drops the connection and the command is
+    retried on a new one (TCP keepalive as well: a dead peer is found even between commands)."""
+    tcp = {} if url.startswith("unix:") else {"socket_keepalive": True}  # a Unix socket has no keepalive
+    return RetryingRedis.from_url(url, password=password, health_check_interval=30, socket_timeout=reply_timeout_s,
+                                  socket_connect_timeout=10, **tcp)
 
 
 def redis_server_binary() -> str:
@@ -240,8 +246,9 @@ def embedded_server(settings: Settings) -> EmbeddedRedis:
 
 def connect(settings: Settings, start_embedded: bool = True) -> RetryingRedis:
     """A client for the configured Redis; without a URL, the run's embedded server (started if absent)."""
+    reply_timeout_s = REPLY_TIMEOUT_S + settings.streams.block_ms / 1000  # a blocking read waits that long first
     if settings.redis.url:
-        return client_for(settings.redis.url, settings.redis.password)
+        return client_for(settings.redis.url, settings.redis.password, reply_timeout_s)
     server = embedded_server(settings)
     probe = redis.Redis(unix_socket_path=str(server.socket_path), password=server.password)
     try:
@@ -252,4 +259,4 @@ def connect(settings: Settings, start_embedded: bool = True) -> RetryingRedis:
         server.start()
     finally:
         probe.close()
-    return client_for(server.url)
+    return client_for(server.url, reply_timeout_s=reply_timeout_s)

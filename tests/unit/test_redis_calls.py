@@ -5,8 +5,11 @@ there. Read from the source, so a new raw client anywhere fails here."""
 from __future__ import annotations
 
 import ast
+import socket
+import time
 from pathlib import Path
 
+import pytest
 import redis
 
 from services.redis_local import RetryingPipeline, RetryingRedis, client_for, retrying
@@ -60,3 +63,29 @@ def test_the_configured_password_reaches_the_client_and_one_in_the_url_wins():
     assert client.connection_pool.connection_kwargs["password"] == "from-secret"
     client = connect(load_settings("tiny-cpu", redis={"url": "redis://:in-url@redis:6379/0", "password": "other"}))
     assert client.connection_pool.connection_kwargs["password"] == "in-url"
+
+
+def test_a_reply_that_never_comes_times_out_instead_of_blocking_for_ever():
+    # A frozen host or a partition leaves a half-open socket: a peer that accepts and never answers.
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        client = client_for(f"redis://127.0.0.1:{silent.getsockname()[1]}/0", reply_timeout_s=0.5)
+        once = redis.Redis(connection_pool=client.connection_pool)  # one attempt, without the retry layer
+        started = time.monotonic()
+        with pytest.raises(redis.TimeoutError):
+            once.ping()
+        assert time.monotonic() - started < 5
+
+
+def test_the_reply_timeout_outlasts_the_longest_blocking_read():
+    from services.config import load_settings
+    from services.redis_local import REPLY_TIMEOUT_S, connect
+
+    client = connect(load_settings("tiny-cpu", redis={"url": "redis://redis:6379/0"}, streams={"block_ms": 5000}))
+    kwargs = client.connection_pool.connection_kwargs
+    assert kwargs["socket_timeout"] == REPLY_TIMEOUT_S + 5.0 and kwargs["socket_keepalive"]
+    embedded = client_for("unix:///nowhere/redis.sock", reply_timeout_s=7.0)  # the embedded server's socket
+    assert embedded.connection_pool.connection_kwargs["socket_timeout"] == 7.0
+    with pytest.raises(redis.ConnectionError):  # the connection's options are accepted: it fails on the path alone
+        redis.Redis(connection_pool=embedded.connection_pool).ping()
