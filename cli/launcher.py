@@ -23,6 +23,7 @@ import logging
 import os
 import secrets
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -35,6 +36,7 @@ from rich.table import Table
 
 from cli import cores
 from cli.cores import CpuPlan, Placement, cpu_seconds_by_group
+from learner.lease import EXIT_FENCED, INSTANCE_ENV
 from learner.records import read_rows
 from services.config import DEFAULT_TOKEN, Settings, dump_settings
 from services.http import free_port
@@ -50,7 +52,9 @@ RANKS_STOP_SECONDS = 120.0  # SIGTERM to SIGKILL for the learner's ranks: rank 0
 # The launcher's own SIGKILL reaches torchrun's process group only (each rank leads a session of its own), so it
 # comes after torchrun's (TORCH_ELASTIC_SHUTDOWN_TIMEOUT): no rank outlives the run.
 LEARNER_STOP_SECONDS = RANKS_STOP_SECONDS + 20.0
-LEARNER_DONE = (0, 3)  # the learner's own exits: finished (or SIGTERM), refill limit with on_refill_limit=stop
+# The learner's own exits, not restarted: finished (or SIGTERM), refill limit with on_refill_limit=stop, fenced
+# (another learner took the run's lease, learner/lease.py: a restart would only wait for it and fail).
+LEARNER_DONE = (0, 3, EXIT_FENCED)
 
 
 @dataclass
@@ -186,6 +190,9 @@ def service_children(settings: Settings, config_path: Path, redis_url: str, gene
                      run_dir / "logs" / f"{name}.log")
 
     learner_env = {**base_env, "DAPO_LEARNER__PORT": str(learner_port), "DAPO_LEARNER__HOST": "127.0.0.1",
+                   # one lease identity for every restart of this run's learner: a restart after a crash takes the
+                   # run back at once, a learner of another launcher still waits (learner/lease.py)
+                   INSTANCE_ENV: f"{socket.gethostname()}-launcher{os.getpid()}-{secrets.token_hex(4)}",
                    # torchrun's grace between forwarding SIGTERM and SIGKILL: rank 0 finishes its step, checkpoints
                    "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(int(RANKS_STOP_SECONDS))}
     if learner_procs > 1 and not _has_gpu():

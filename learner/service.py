@@ -10,7 +10,8 @@ One step (rank 0; learner/ranks.py for the other ranks):
 
 The rooms: the working set of tasks issued and groups held, exactly once across crashes (learner/workset.py),
 the records (learner/records.py), the policy version (learner/policy.py, its one owner), the ranks
-(learner/ranks.py), and here the loop that drives them.
+(learner/ranks.py), the run's single-writer lease (learner/lease.py: one learner per run, taken before anything
+is written, released on a clean exit), and here the loop that drives them.
 
 Versions stay monotonic across a resume: if generators were told of a version newer than the checkpoint's (a
 lineage the crash discarded), the restored policy is republished as the next version after it (PolicyVersion).
@@ -32,6 +33,7 @@ from pathlib import Path
 
 from learner.batch import Batch, BatchAssembler, Push, RefillLimitReached, task_id_of
 from learner.evaluation import EvalRound
+from learner.lease import LearnerLease
 from learner.policy import PolicyVersion
 from learner.ranks import RankChannel, follow
 from learner.records import Records, step_record, wait_split
@@ -144,10 +146,21 @@ class LearnerService:
         self.ranks: RankChannel | None = None
         self.records = Records(settings)
         self.http: BackgroundServer | None = None
+        self.lease: LearnerLease | None = None
         self.train_started = time.monotonic()
         self.eval_seconds = 0.0  # spent evaluating since train_started: not training time
 
     # -- setup -------------------------------------------------------------------------------------------------
+    def claim_run(self) -> None:
+        """Take the run's single-writer lease (learner/lease.py) before anything of the run is written: LeaseHeld
+        (exit 69) while another learner holds it."""
+        self.lease = LearnerLease(connect(self.settings), self.settings).acquire()
+
+    def release_run(self) -> None:
+        if self.lease is not None:
+            self.lease.release()
+            self.lease = None
+
     def connect(self) -> None:
         """Run folder, Redis, streams, the weight publisher (everything the HTTP app needs)."""
         self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
@@ -545,6 +558,7 @@ def main(settings: Settings) -> int:
 
     wait_for_redis(settings)
     service = LearnerService(settings)
+    service.claim_run()  # first: a second learner on this run stops here, before it writes anything
 
     def request_stop(signum, frame) -> None:
         if service.stopping.is_set():
@@ -552,9 +566,9 @@ def main(settings: Settings) -> int:
         log.info("signal %d: finishing the current step, then checkpoint and exit (again: now)", signum)
         service.stopping.set()
 
-    service.connect()
-    service.start_http()
     try:
+        service.connect()
+        service.start_http()
         service.load()
         signal.signal(signal.SIGTERM, request_stop)
         signal.signal(signal.SIGINT, request_stop)
@@ -563,3 +577,4 @@ def main(settings: Settings) -> int:
         service.stop_http()
         if service.records.tracking is not None:
             service.records.tracking.finish()
+        service.release_run()  # the last act: nothing of the run is written after it

@@ -289,6 +289,9 @@ class LearnerConfig(Section):
     collective_timeout_seconds: float = Field(
         1800.0, gt=0, description="Several ranks: a collective that waits this long fails (a dead rank ends the learner)."
     )
+    lease_ttl_s: float = Field(
+        30.0, gt=0, description="TTL of the run's single-writer lease (learner/lease.py): a second learner waits this long."
+    )
     report_to: list[Literal["wandb", "tensorboard", "mlflow"]] = Field(
         default_factory=list, description="Experiment trackers that also get each step's numbers and eval samples."
     )

@@ -312,7 +312,8 @@ class Pipeline:
         self.learner_port = free_port()
         self.common = {
             "redis": {"url": self.redis_server.url, "run": self.RUN},
-            "learner": {"public_url": f"http://127.0.0.1:{self.learner_port}"},
+            # A SIGKILLed learner holds the run's lease one TTL: the restarted one waits that long (learner/lease.py).
+            "learner": {"public_url": f"http://127.0.0.1:{self.learner_port}", "lease_ttl_s": 5},
             "streams": {"visibility_timeout_s": 30, "block_ms": 200, "high_water": 256},
             "token": "test-token",
         }

@@ -119,6 +119,17 @@ def test_a_worker_that_keeps_crashing_is_given_up_and_the_run_stops(tmp_path):
         learner.stop()
 
 
+def test_a_fenced_learner_is_not_restarted(tmp_path):
+    """Exit 75: another learner took the run's lease (learner/lease.py); a restart would only wait and fail."""
+    from learner.lease import EXIT_FENCED
+
+    learner = Child("learner", [sys.executable, "-c", f"raise SystemExit({EXIT_FENCED})"], dict(os.environ),
+                    tmp_path / "learner.log")
+    learner.start()
+    assert supervise([learner], tmp_path / "metrics.jsonl", total_steps=10, display=False) == EXIT_FENCED
+    assert learner.restarts == 0
+
+
 def test_engine_processes_die_with_their_generator(tmp_path):
     script = tmp_path / "engine_like.py"
     script.write_text(ENGINE_LIKE.format(repo=REPO))

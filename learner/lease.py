@@ -1,0 +1,172 @@
+"""The learner's single-writer lease: one learner per run, so two never push tasks, publish weight versions or
+write checkpoints into the same run (a second `dapo learner`, or a pod left running on a partitioned node while
+its replacement starts: `strategy: Recreate` does not cover that).
+
+The lease is the Redis key `learner-lease` of the run (`Streams.key`), holding the holder's instance id
+(`host-pid-uuid`, or `$DAPO_LEARNER_INSTANCE`: a supervisor that restarts its own learner gives every restart the
+same id, so a restart after a crash takes its own lease back at once) with a TTL of `learner.lease_ttl_s`:
+
+- **acquire** (rank 0, before it writes anything of the run): SET NX PX. Held by another instance: wait up to
+  one TTL (a learner that just died holds it until then), then fail (`LeaseHeld`, exit 69) naming the holder.
+- **renew** from a daemon thread every TTL/3, compare-and-set: PEXPIRE only while the value is ours; a key that
+  is gone (it expired during a Redis outage, and nobody took it) is taken again. A Redis outage is no fence: the
+  client retries, and so does the loop.
+- **fence**: the key holds another instance's id (this learner lost the lease, and another one took the run):
+  log critical and end the process at once (`os._exit(EXIT_FENCED)`), writing nothing more.
+- **release** on a clean exit (delete only if ours), so a restart does not wait one TTL.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from typing import Callable
+
+import redis
+
+from services.config import Settings
+from services.startup import Unavailable
+from services.streams import Streams
+
+log = logging.getLogger(__name__)
+
+LEASE_KEY = "learner-lease"
+EXIT_FENCED = 75  # sysexits EX_TEMPFAIL: another learner took the run; this one stopped without writing more
+
+# KEYS: lease. ARGV: instance id, TTL ms. Ours: extend it (1). Gone: take it again (2). Else: the holder's id.
+_RENEW = """
+local holder = redis.call('GET', KEYS[1])
+if holder == ARGV[1] then
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  return 1
+end
+if not holder then
+  redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+  return 2
+end
+return holder
+"""
+
+# KEYS: lease. ARGV: instance id. Delete it only if it is ours.
+_RELEASE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+
+
+class LeaseHeld(Unavailable):
+    """Another live learner holds the run's lease."""
+
+
+INSTANCE_ENV = "DAPO_LEARNER_INSTANCE"
+
+
+def instance_id() -> str:
+    """This learner's id in the lease: the supervisor's, stable across its restarts of the learner, else unique."""
+    return os.environ.get(INSTANCE_ENV) or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+
+
+def exit_fenced(holder: str) -> None:
+    """The default reaction to a fence: end the process at once (no atexit, no finally: nothing more written)."""
+    os._exit(EXIT_FENCED)
+
+
+class LearnerLease:
+    def __init__(self, client: redis.Redis, settings: Settings, *, ttl_s: float | None = None,
+                 on_fenced: Callable[[str], None] = exit_fenced):
+        streams = Streams(client, settings)  # the owner of the run's key names
+        self.redis = streams.redis
+        self.key = streams.key(LEASE_KEY)
+        self.run = settings.redis.run
+        self.ttl_s = float(settings.learner.lease_ttl_s if ttl_s is None else ttl_s)
+        self.instance = instance_id()
+        self.on_fenced = on_fenced
+        self._renew = self.redis.register_script(_RENEW)
+        self._release = self.redis.register_script(_RELEASE)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @property
+    def ttl_ms(self) -> int:
+        return max(1, int(self.ttl_s * 1000))
+
+    def holder(self) -> str | None:
+        value = self.redis.get(self.key)
+        return None if value is None else value.decode(errors="replace")
+
+    def try_acquire(self) -> bool:
+        return bool(self.redis.set(self.key, self.instance, nx=True, px=self.ttl_ms))
+
+    def acquire(self) -> "LearnerLease":
+        """Take the lease, waiting up to one TTL for a holder's to lapse, and keep it renewed; LeaseHeld if the
+        holder kept it."""
+        deadline, holder, poll = None, None, min(0.5, self.ttl_s / 10)
+        while not self.try_acquire():
+            holder = self.holder()
+            if holder is None:  # lapsed between the two calls
+                continue
+            if holder == self.instance:  # our own, from before a restart (its process is gone): take it back
+                self.redis.set(self.key, self.instance, px=self.ttl_ms)
+                break
+            if deadline is None:  # one TTL: ours, or the holder's (what its lease has left), if longer
+                left_s = max(self.redis.pttl(self.key), 0) / 1000
+                deadline = time.monotonic() + max(self.ttl_s, left_s) + poll
+                log.warning("the run %s is held by learner %s: waiting up to %.0f s for its lease to lapse (a "
+                            "learner that just died holds it that long)", self.run, holder, deadline - time.monotonic())
+            if time.monotonic() >= deadline:
+                raise LeaseHeld(
+                    f"another learner ({holder}) holds the run {self.run} (Redis key {self.key}): stop it first, "
+                    f"or wait {self.ttl_s:.0f} s if it just died"
+                )
+            time.sleep(poll)
+        log.info("learner lease on run %s taken by %s (TTL %.0f s)", self.run, self.instance, self.ttl_s)
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._renew_loop, name="learner-lease", daemon=True)
+        self._thread.start()
+        return self
+
+    def renew(self) -> str:
+        """One compare-and-set: "renewed", "reacquired" (the key had lapsed), or "fenced" (another holds it; the
+        fence callback has been called)."""
+        result = self._renew(keys=[self.key], args=[self.instance, self.ttl_ms])
+        if result == 1:
+            return "renewed"
+        if result == 2:
+            log.warning("learner lease on run %s had lapsed (a Redis outage?) and nobody took it: taken again",
+                        self.run)
+            return "reacquired"
+        holder = result.decode(errors="replace") if isinstance(result, bytes) else str(result)
+        log.critical("FENCED: learner %s lost the run %s to learner %s; exiting at once with code %d, writing "
+                     "nothing more", self.instance, self.run, holder, EXIT_FENCED)
+        self.on_fenced(holder)
+        return "fenced"
+
+    def _renew_loop(self) -> None:
+        while not self._stop.wait(self.ttl_s / 3):
+            try:
+                if self.renew() == "fenced":
+                    return
+            except Exception as err:  # Redis away beyond the client's retries, or anything else: not a fence
+                log.warning("learner lease renewal failed (%s); retrying", err)
+
+    def stop_renewing(self) -> None:
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=max(5.0, self.ttl_s))
+        self._thread = None
+
+    def release(self) -> bool:
+        """Stop renewing and delete the lease if it is still ours (a clean exit: a restart need not wait)."""
+        self.stop_renewing()
+        try:
+            released = bool(self._release(keys=[self.key], args=[self.instance]))
+        except redis.RedisError as err:
+            log.warning("could not release the learner lease (%s): it lapses in %.0f s", err, self.ttl_s)
+            return False
+        if released:
+            log.info("learner lease on run %s released", self.run)
+        return released

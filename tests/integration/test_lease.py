@@ -1,0 +1,163 @@
+"""The learner's single-writer lease (learner/lease.py) against a real embedded redis-server, with a TTL of 1 s."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from learner.lease import INSTANCE_ENV, LEASE_KEY, LeaseHeld, LearnerLease
+from services.redis_local import connect
+from services.startup import Unavailable
+from services.streams import Streams
+
+TTL = 1.0
+
+
+class Fences:
+    """An on_fenced callback that records the holder instead of ending the process."""
+
+    def __init__(self):
+        self.holders: list[str] = []
+        self.fired = threading.Event()
+
+    def __call__(self, holder: str) -> None:
+        self.holders.append(holder)
+        self.fired.set()
+
+
+def lease(settings, fences: Fences | None = None) -> LearnerLease:
+    return LearnerLease(connect(settings), settings, ttl_s=TTL, on_fenced=fences or Fences())
+
+
+def for_run(settings, run: str):
+    return settings.model_copy(update={"redis": settings.redis.model_copy(update={"run": run})})
+
+
+def test_the_key_is_the_runs_own(settings):
+    first = lease(settings)
+    assert first.key == Streams(first.redis, settings).key(LEASE_KEY) == "dapo:test:learner-lease"
+
+
+def test_a_second_learner_cannot_take_a_live_lease_and_is_told_who_holds_it(settings):
+    first = lease(settings).acquire()
+    try:
+        second = lease(settings)
+        started = time.monotonic()
+        with pytest.raises(LeaseHeld) as err:
+            second.acquire()
+        waited = time.monotonic() - started
+        assert TTL <= waited < TTL + 1.5  # it waited one TTL (the holder might have just died), then gave up
+        assert first.instance in str(err.value) and "holds the run test" in str(err.value)
+        assert isinstance(err.value, Unavailable)  # exit 69 with this one line (cli/main.py)
+        assert first.holder() == first.instance
+    finally:
+        first.release()
+
+
+def test_a_released_lease_is_taken_at_once(settings):
+    first = lease(settings).acquire()
+    assert first.release() and first.holder() is None
+    second = lease(settings)
+    started = time.monotonic()
+    second.acquire()
+    try:
+        assert time.monotonic() - started < 0.5 and second.holder() == second.instance
+        assert not first.release()  # no longer ours: the release leaves the new holder's lease alone
+        assert second.holder() == second.instance
+    finally:
+        second.release()
+
+
+def test_a_holder_that_stops_renewing_is_replaced_after_the_ttl(settings):
+    dead = lease(settings).acquire()
+    time.sleep(TTL)  # renewed meanwhile: still held after its first TTL
+    assert dead.holder() == dead.instance
+    dead.stop_renewing()  # the process died: no renewal, no release
+    second = lease(settings)
+    started = time.monotonic()
+    second.acquire()
+    try:
+        assert time.monotonic() - started <= TTL + 0.5
+        assert second.holder() == second.instance
+    finally:
+        second.release()
+
+
+def test_a_holder_whose_lease_another_took_is_fenced_at_its_next_renewal(settings):
+    fences = Fences()
+    holder = lease(settings, fences).acquire()
+    try:
+        holder.redis.set(holder.key, "other-host-1-abcd", px=60_000)  # another learner took the run
+        assert fences.fired.wait(timeout=TTL)  # renewals every TTL/3
+        assert fences.holders == ["other-host-1-abcd"]
+        assert holder.redis.get(holder.key) == b"other-host-1-abcd"  # the fenced one wrote nothing
+        assert holder.renew() == "fenced" and fences.holders[-1] == "other-host-1-abcd"
+    finally:
+        holder.stop_renewing()
+        assert not holder.release()
+
+
+def test_a_lease_that_lapsed_during_a_redis_outage_is_taken_again_not_fenced(settings, redis_server):
+    fences = Fences()
+    holder = lease(settings, fences).acquire()
+    try:
+        holder.redis.delete(holder.key)  # lapsed while Redis was away, and nobody took it
+        assert holder.renew() == "reacquired" and holder.holder() == holder.instance
+        redis_server.stop(kill=True)  # an outage longer than the TTL: renewals wait (retry) meanwhile
+        time.sleep(TTL * 1.5)
+        redis_server.start()
+        deadline = time.monotonic() + 10
+        while holder.holder() != holder.instance and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert holder.holder() == holder.instance and not fences.fired.is_set()
+    finally:
+        holder.release()
+
+
+def test_different_runs_do_not_conflict(settings):
+    first = lease(settings).acquire()
+    other = lease(for_run(settings, "other"))
+    started = time.monotonic()
+    other.acquire()
+    try:
+        assert time.monotonic() - started < 0.5
+        assert first.holder() == first.instance and other.holder() == other.instance and first.key != other.key
+    finally:
+        first.release()
+        other.release()
+
+
+def test_the_learner_service_claims_the_run_before_it_writes_and_releases_it(settings):
+    from learner.service import LearnerService
+
+    settings = settings.model_copy(update={"learner": settings.learner.model_copy(update={"lease_ttl_s": TTL})})
+    service = LearnerService(settings)
+    service.claim_run()
+    try:
+        client = service.lease.redis
+        assert client.get(service.lease.key) == service.lease.instance.encode()
+        with pytest.raises(LeaseHeld, match=service.lease.instance):
+            LearnerService(settings).claim_run()
+    finally:
+        service.release_run()
+    assert client.get(Streams(client, settings).key(LEASE_KEY)) is None and service.lease is None
+
+
+def test_a_restart_under_the_same_supervisor_takes_its_own_lease_back_at_once(settings, monkeypatch):
+    # `dapo run` gives every restart of its learner one identity: a learner it restarts after a crash is back at
+    # once, not one TTL later; a learner of another launcher (another identity) still waits and fails.
+    monkeypatch.setenv(INSTANCE_ENV, "host-launcher1-abcd")
+    crashed = lease(settings).acquire()
+    crashed.stop_renewing()  # SIGKILLed: no release
+    restarted = lease(settings)
+    started = time.monotonic()
+    restarted.acquire()
+    try:
+        assert time.monotonic() - started < 0.5 and restarted.holder() == "host-launcher1-abcd"
+        monkeypatch.setenv(INSTANCE_ENV, "host-launcher2-ef01")
+        with pytest.raises(LeaseHeld):
+            lease(settings).acquire()
+    finally:
+        restarted.release()
