@@ -384,14 +384,17 @@ class LearnerService:
                      checkpointed, issued)
 
     def ensure_monotonic_version(self) -> None:
+        """Generators may have been told of any version announced in Redis or published in the weights folder (a
+        Redis that lost its last writes forgot the newest): the restored policy is published after all of them."""
         announced = latest_announcement(self.redis, self.streams.prefix, self.publisher.key)
-        if announced is not None and announced.version > self.policy.current:
+        newest = max([*self.publisher.versions(), *([announced.version] if announced else [])], default=-1)
+        if newest > self.policy.current:
             log.warning(
                 "generators were told of v%d (a lineage the restart discarded); the restored policy (v%d) is "
                 "published as v%d",
-                announced.version, self.policy.current, announced.version + 1,
+                newest, self.policy.current, newest + 1,
             )
-            self.policy.republish_as(announced.version + 1)
+            self.policy.republish_as(newest + 1)
 
     def publish_initial(self) -> None:
         self.ready_reason = "publishing weights"

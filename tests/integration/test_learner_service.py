@@ -21,6 +21,7 @@ from pathlib import Path
 
 import msgpack
 import pytest
+import torch
 
 from learner.batch import Push
 from learner.records import LEDGER_FILE, METRICS_FILE, truncate_jsonl
@@ -31,6 +32,7 @@ from services.data import Problem
 from services.http import free_port
 from services.messages import PromptTask, RolloutGroup, Sample, SamplingParams, Score, ScoredGroup, to_wire
 from services.streams import Streams
+from services.weights import latest_key
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -257,6 +259,18 @@ def test_a_group_whose_samples_the_trainer_cannot_use_is_refused_and_its_task_gi
     assert dead["reason"] == "malformed: task train-1 sample 0 has 2 token ids and 1 logprobs"
     assert not service.assembler.ready and "train-1" not in service.assembler.in_flight
     assert service.redis.xlen(service.work.held.key) == 0
+
+
+def test_a_version_published_before_redis_lost_it_is_not_reused(settings):
+    # The crashed lineage published v4 (on disk) but Redis came back without its announcement: a fresh start or a
+    # resume at v2 must not publish v2..v4 again, which generators holding v4 would ignore.
+    service = LearnerService(settings)
+    service.connect()
+    service.publisher.publish({"w": torch.zeros(2)}, version=4)
+    service.redis.delete(latest_key(service.streams.prefix))
+    service.policy.current = 2
+    service.ensure_monotonic_version()
+    assert service.policy.current == 5 and service.policy.jumps == [(2, 5)]
 
 
 def test_tasks_lost_with_a_redis_crash_are_no_longer_waited_for(settings, redis_server):
