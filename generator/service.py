@@ -11,6 +11,7 @@ there); uvicorn serves HTTP from a second thread and talks to the loop only thro
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import signal
 import threading
@@ -31,16 +32,20 @@ from services.streams import Streams, consumer_name
 log = logging.getLogger(__name__)
 
 UPSTREAM_REASONS = {"unauthorized", "http", "unreachable", "not_found"}  # the learner's side refused or failed
+OWN_REASONS = {"reload", "error"}  # this generator failed (its engine, its disk) on weights that checked out
 
 
 def sync_status_code(reason: str | None) -> int:
-    """HTTP status for a sync outcome: 200 done, 404 nothing announced, 502 learner side, 422 weights refused."""
+    """HTTP status for a sync outcome: 200 done, 404 nothing announced, 502 learner side, 500 this generator
+    failed, 503 it is stopping, 422 the weights were refused (checksum, shape, format, untrusted URL)."""
     if reason is None:
         return 200
     if reason == "none":
         return 404
-    if reason == "stopped":
+    if reason in ("stopped", "cancelled"):
         return 503
+    if reason in OWN_REASONS:
+        return 500
     return 502 if reason in UPSTREAM_REASONS else 422
 
 
@@ -61,7 +66,7 @@ def build_app(settings: Settings, get_worker: Callable[[], "object | None"]) -> 
         future = worker.request_sync()
         try:
             outcome = future.result(timeout=settings.generator.pull_timeout_s + 300)
-        except TimeoutError:
+        except concurrent.futures.TimeoutError:  # not the builtin TimeoutError before Python 3.11
             return JSONResponse({"status": "in progress", "version": worker.version}, status_code=202)
         body = {
             "version": outcome.version,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import shutil
+import threading
 import time
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -57,6 +58,7 @@ class WeightSync:
         # The only place this generator sends its token to: the configured learner, whatever Redis says.
         self.learner_url = settings.learner.public_base_url()
         self.watcher = AnnouncementWatcher(redis_client, self.prefix, self.key, poll_s=settings.generator.sync_poll_s)
+        self.cancel = threading.Event()  # set when the generator stops: a download under way ends at its next chunk
 
     def latest(self) -> WeightsAnnouncement | None:
         """Read the latest key now (and tell the watcher)."""
@@ -78,7 +80,8 @@ class WeightSync:
                 f"the configured learner URL {self.learner_url} (learner.public_url): not sending the token there",
             )
         folder = pull_weights(
-            announcement, self.token, self.dir, timeout=self.timeout, concurrency=self.weights.pull_concurrency
+            announcement, self.token, self.dir, timeout=self.timeout, concurrency=self.weights.pull_concurrency,
+            cancel=self.cancel,
         )
         try:
             check_schema(model_schema(folder), self.expected, self.optional)

@@ -9,11 +9,17 @@ Weight versions. A newer announced version is pulled and verified in a backgroun
 keeps generating. Once it is ready the worker stops admitting tasks, lets the in-flight ones finish (the drain),
 reloads the engine in place and resumes: every group is sampled by exactly one policy version. A refused or
 failed sync leaves the old version serving. A task whose `min_version` is above the served version waits
-(claimed) for that version up to `generator.min_version_wait_s`, then is handed back.
+(claimed) for that version up to `generator.min_version_wait_s`, then is handed back; at once if this generator
+refused that version (another may serve it). A wait is not a delivery (a slow pull must not dead-letter the
+tasks of its version), and it does not retry a refused version before its back-off (`POST /v1/weights/sync` does).
 
 Ownership. A task in the engine longer than the stream's visibility timeout would be reclaimed by another
 consumer; a heartbeat thread re-claims this worker's own entries (only those it still owns) every third of
 the timeout. If the process dies, the heartbeat stops and another generator reclaims the work.
+
+Hangs. The heartbeat runs beside the loop, so a hung engine would hold its tasks for ever; the heartbeat also
+watches the loop, and a turn longer than `generator.stall_timeout_s` hands every task back and ends the process
+(exit 70) for its supervisor (the launcher, Compose, Kubernetes) to start a fresh one.
 
 Shutdown (`stop()`, on SIGTERM): stop admitting, hand back waiting tasks, finish in-flight ones for up to
 `generator.shutdown_grace_s`, then abort and hand back the rest.
@@ -31,6 +37,8 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import os
+import sys
 import threading
 import time
 from collections import deque
@@ -52,6 +60,13 @@ log = logging.getLogger(__name__)
 TRANSIENT = {"unreachable", "http", "not_found"}  # a late joiner retries these before taking work
 RETRY_FAILED_SYNC_S = 30.0  # a refused version is not retried automatically before this (POST /sync forces it)
 IDLE_BLOCK_MS = 100  # longest wait for new tasks while idle: bounds how late an announcement or a stop is seen
+STALLED_EXIT_CODE = 70  # EX_SOFTWARE: the rollout loop hung (generator.stall_timeout_s)
+
+
+def exit_stalled(seconds: float) -> None:
+    """The process cannot stop a thread stuck inside the engine: end it (its supervisor starts a fresh one)."""
+    sys.stderr.flush()
+    os._exit(STALLED_EXIT_CODE)
 
 
 @dataclass
@@ -155,13 +170,16 @@ class RolloutWorker:
         self._ready_weights: _Ready | None = None
         self._failed: dict[tuple[int, str], float] = {}
         self._waiters: list[tuple[int, concurrent.futures.Future]] = []
-        self._sync_now = threading.Event()
+        self._sync_now = threading.Event()  # look the latest announcement up now (a task wants a newer version)
+        self._retry_refused = threading.Event()  # an explicit request: also retry a refused version at once
         self._rates = _Rates()
         self.clock = ActivityClock()
         self._last_empty_read = 0.0
         self._heartbeat_thread: threading.Thread | None = None
         self._owned: tuple[str, ...] = ()
         self._finished = threading.Event()
+        self._turn_started: float | None = None  # when the loop began its current turn (None: not looping)
+        self.on_stall = exit_stalled  # what a hang ends in (tests watch it instead)
 
     # -- control (any thread) -----------------------------------------------------------------------------
     def stop(self, hard: bool = False) -> None:
@@ -173,12 +191,14 @@ class RolloutWorker:
             else:
                 self._deadline = now + self.cfg.shutdown_grace_s
             self._stop.set()
+            self.sync.cancel.set()  # a version that will not be loaded: the process must not wait for its download
 
     def request_sync(self) -> concurrent.futures.Future:
         """Pull and load the latest announced version now; the future resolves to a SyncOutcome."""
         future: concurrent.futures.Future = concurrent.futures.Future()
         with self._lock:
             self._waiters.append((-1, future))  # -1: the worker fills in the version wanted
+        self._retry_refused.set()
         self._sync_now.set()
         return future
 
@@ -213,7 +233,7 @@ class RolloutWorker:
             self.ready = not self._stop.is_set()
             self.status = "serving"
             while True:
-                now = time.monotonic()
+                now = self._turn_started = time.monotonic()
                 if self._stop.is_set():
                     self._release_deferred("shutdown")
                     if not self.inflight or now >= self._deadline:
@@ -235,6 +255,7 @@ class RolloutWorker:
                     time.sleep(0.01)  # nothing to read: waiting for a drain, a pull or the shutdown
                 self._owned = self._owned_ids()
         finally:
+            self._turn_started = None
             self.ready = False
             self.status = "stopped"
             self._hand_back_all("shutdown")
@@ -255,6 +276,8 @@ class RolloutWorker:
             try:
                 folder, prepare_seconds = self.sync.prepare(announcement)
             except WeightsError as err:
+                if err.reason == "cancelled":  # stopping
+                    return
                 if err.reason not in TRANSIENT:
                     self._refuse(announcement, err.reason, str(err), time.monotonic())
                     return
@@ -311,6 +334,9 @@ class RolloutWorker:
             task = delivery.message
             metrics.GEN_QUEUE_WAIT.observe(max(0.0, time.time() - entry_time(delivery.id)))
             if task.min_version > self.version:
+                if self._refused_here(task.min_version, now):  # another generator may have it: do not sit on it
+                    self._hand_back([delivery], "min_version", unused=True)
+                    continue
                 self.deferred[delivery.id] = (delivery, now)
                 self._sync_now.set()  # look for the version now rather than at the next poll
                 continue
@@ -405,12 +431,14 @@ class RolloutWorker:
     def _advance_sync(self, now: float) -> None:
         if self._sync_now.is_set():
             self._sync_now.clear()
+            explicit = self._retry_refused.is_set()
+            self._retry_refused.clear()
             latest = self.sync.latest()
             with self._lock:
                 waiters = [(w if w >= 0 else (latest.version if latest else -1), f) for w, f in self._waiters]
                 self._waiters = waiters
-            if latest is not None:
-                self._failed.pop((latest.version, latest.sha256), None)  # an explicit request retries
+            if latest is not None and explicit:  # not a task's wish: a refused version waits out its back-off
+                self._failed.pop((latest.version, latest.sha256), None)
             self._resolve_waiters()  # those already satisfied (or with nothing announced)
         if self._pull is None and self._ready_weights is None:
             target = self._wanted(now)
@@ -426,7 +454,8 @@ class RolloutWorker:
                 self._ready_weights = _Ready(target, folder, seconds)
                 self.status = f"draining for weights v{target.version}"
             except WeightsError as err:
-                self._refuse(target, err.reason, str(err), now)
+                if err.reason != "cancelled":  # cancelled: we are stopping, not refusing the version
+                    self._refuse(target, err.reason, str(err), now)
             except Exception as err:  # unexpected (disk full...): same treatment, the old weights keep serving
                 self._refuse(target, "error", f"{type(err).__name__}: {err}", now)
         if self._ready_weights is not None and not self.inflight:
@@ -492,21 +521,28 @@ class RolloutWorker:
             self._waiters = keep
 
     # -- tasks waiting for a version, hand-backs, heartbeat -------------------------------------------------
+    def _refused_here(self, version: int, now: float) -> bool:
+        """The newest announced version would serve `version`, but this generator refused it (in its back-off)."""
+        newest = self.sync.watcher.newest
+        return (newest is not None and newest.version >= version
+                and self._failed.get((newest.version, newest.sha256), 0.0) > now)
+
     def _expire_deferred(self, now: float) -> None:
         for entry_id, (delivery, since) in list(self.deferred.items()):
-            if now - since > self.cfg.min_version_wait_s:
+            wanted = delivery.message.min_version
+            if now - since > self.cfg.min_version_wait_s or self._refused_here(wanted, now):
                 log.warning(
                     "task %s wants v%d, serving v%d after %.0fs: handing it back",
                     delivery.message.task_id, delivery.message.min_version, self.version, now - since,
                 )
                 del self.deferred[entry_id]
-                self._hand_back([delivery], "min_version")
+                self._hand_back([delivery], "min_version", unused=True)
 
     def _release_deferred(self, why: str) -> None:
         if self.deferred:
             deliveries = [d for d, _ in self.deferred.values()]
             self.deferred.clear()
-            self._hand_back(deliveries, why)
+            self._hand_back(deliveries, why, unused=True)
 
     def _hand_back_all(self, why: str) -> None:
         if self.inflight:
@@ -516,11 +552,11 @@ class RolloutWorker:
         while self.suspects:
             self._hand_back(self.suspects.popleft(), why)
 
-    def _hand_back(self, items: list, why: str) -> None:
+    def _hand_back(self, items: list, why: str, unused: bool = False) -> None:
         for item in items:
             delivery = self.inflight.pop(item, None).delivery if isinstance(item, str) else item
             try:
-                self.prompts.release(delivery)
+                self.prompts.release(delivery, unused=unused)
                 metrics.GEN_RELEASED.labels(why).inc()
             except Exception as err:  # Redis gone: the visibility timeout hands it back anyway
                 log.warning("could not release %s: %s", delivery.id, err)
@@ -528,6 +564,8 @@ class RolloutWorker:
     def _heartbeat_loop(self) -> None:
         interval = max(0.05, self.settings.streams.visibility_timeout_s / 3)
         while not self._finished.wait(interval):
+            if self._stalled():
+                return
             ids = self._owned  # a snapshot the loop thread publishes (never iterate its dicts from here)
             if not ids:
                 continue
@@ -535,3 +573,20 @@ class RolloutWorker:
                 self.prompts.touch(self.id, list(ids))
             except Exception as err:
                 log.warning("heartbeat failed: %s", err)
+
+    def _stalled(self) -> bool:
+        """A loop turn over stall_timeout_s: hand back every task this generator holds, then `on_stall`."""
+        started = self._turn_started
+        if started is None or time.monotonic() - started <= self.cfg.stall_timeout_s:
+            return False
+        seconds = time.monotonic() - started
+        log.critical("generator %s: the rollout loop has been stuck for %.0fs (generator.stall_timeout_s %.0f), a "
+                     "hung engine: handing back its tasks and exiting", self.id, seconds, self.cfg.stall_timeout_s)
+        try:
+            handed = self.prompts.release_all(self.id)
+            metrics.GEN_RELEASED.labels("stalled").inc(handed)
+        except Exception as err:  # Redis gone: the visibility timeout hands them back once the heartbeat is gone
+            log.warning("could not hand back the tasks: %s", err)
+        self.status = "stalled"
+        self.on_stall(seconds)
+        return True

@@ -173,6 +173,10 @@ class GeneratorConfig(Section):
     pull_timeout_s: float = Field(300.0, description="HTTP timeout of one weights download.")
     min_version_wait_s: float = Field(30.0, description="Wait this long for a task's min_version, then hand it back.")
     shutdown_grace_s: float = Field(30.0, description="SIGTERM: finish in-flight tasks this long, then release them.")
+    stall_timeout_s: float = Field(
+        900.0, gt=0, description="A rollout-loop turn (an engine step, a reload, a restart) this long is a hang: the "
+        "generator hands back its tasks and exits for its supervisor to restart it (its heartbeat would hold them)."
+    )
 
     @model_validator(mode="after")
     def _in_process_engine_is_one_worker(self) -> "GeneratorConfig":

@@ -345,14 +345,15 @@ def pull_weights(
     dest_dir: str | os.PathLike,
     timeout: float = 60.0,
     concurrency: int = 4,
+    cancel: threading.Event | None = None,
 ) -> Path:
     """Download the announced files into `dest_dir/v{version}/`, `concurrency` at a time; return that folder.
 
     The bytes stream into a temporary folder and are hashed on the way; the folder is renamed into place only
     if every file's sha256 and size match the announcement, the index names exactly the announced shards and
     every shard is well-formed safetensors. Raises WeightsError with reason unauthorized (401/403), not_found
-    (404), http (other status), unreachable (connection), checksum (sha256/size mismatch) or format; nothing is
-    left behind on failure.
+    (404), http (other status), unreachable (connection), checksum (sha256/size mismatch), format, or cancelled
+    (`cancel` was set: the caller is stopping, and a version downloads for minutes); nothing is left behind.
     """
     dest_dir = Path(dest_dir)
     dest_dir.mkdir(parents=True, exist_ok=True)
@@ -360,7 +361,7 @@ def pull_weights(
     started = time.perf_counter()
     try:
         with httpx.Client(headers={"Authorization": f"Bearer {token}"}, timeout=timeout) as client:
-            _each(concurrency, lambda f: _download(client, announcement, f, tmp), announcement.files)
+            _each(concurrency, lambda f: _download(client, announcement, f, tmp, cancel), announcement.files)
         _check_layout(tmp, announcement)
         final = dest_dir / f"v{announcement.version}"
         if final.exists():
@@ -405,7 +406,9 @@ def _each(concurrency: int, function: Callable, items: list) -> list:
             raise
 
 
-def _download(client: httpx.Client, announcement: WeightsAnnouncement, entry: WeightsFile, folder: Path) -> None:
+def _download(
+    client: httpx.Client, announcement: WeightsAnnouncement, entry: WeightsFile, folder: Path, cancel: threading.Event | None
+) -> None:
     url = f"{announcement.url}/{entry.name}"
     digest, size = hashlib.sha256(), 0
     try:
@@ -418,6 +421,8 @@ def _download(client: httpx.Client, announcement: WeightsAnnouncement, entry: We
                 raise WeightsError("http", f"GET {url} answered {response.status_code}")
             with open(folder / entry.name, "wb") as out:
                 for chunk in response.iter_raw(CHUNK):
+                    if cancel is not None and cancel.is_set():
+                        raise WeightsError("cancelled", f"download of weights v{announcement.version} stopped")
                     size += len(chunk)
                     if size > entry.size:
                         raise WeightsError("checksum", f"{url}: more than the announced {entry.size} bytes")

@@ -20,6 +20,7 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
+from prometheus_client import REGISTRY
 from safetensors.torch import save_file
 from servers import ServerThread, free_port
 from tiny_qwen import build_model_folder, random_qwen2
@@ -366,6 +367,19 @@ def test_worker_versions_sync_refusals_and_late_join(service, engine, models):
         assert "model.norm.weight [65] != [64]" in answer.json()["error"]
         assert answer.json()["version"] == 1
 
+        # a task that wants the refused version waits for it, is handed back unused and taken again, over and over:
+        # it is never dead-lettered (a wait is not a delivery), and its wish does not pull v2 again before the
+        # back-off (only POST /sync retries at once)
+        def counted(name, **labels):
+            return REGISTRY.get_sample_value(name, labels) or 0.0
+
+        refusals = counted("dapo_generator_reload_failures_total", reason="shape")
+        waits = counted("dapo_generator_released_total", why="min_version")
+        settings.generator.min_version_wait_s = 0.2
+        prompts.produce(task(ids[1], GREEDY, min_version=2, prompt_id="waits-for-v2"))
+        wait_for(lambda: counted("dapo_generator_released_total", why="min_version") >= waits + 5, 30, "5 waits")
+        assert counted("dapo_generator_reload_failures_total", reason="shape") == refusals
+
         # refused: a checksum that does not match the bytes served
         good = publisher.announcement(1)
         bad_shard = good.files[0].model_copy(update={"sha256": "ab" * 32})  # one shard's checksum is wrong
@@ -393,6 +407,8 @@ def test_worker_versions_sync_refusals_and_late_join(service, engine, models):
         sync.token = settings.token
         answer = httpx.post(f"{url}/v1/weights/sync", headers=auth, timeout=120)
         assert answer.status_code == 200 and answer.json()["version"] == 4 and answer.json()["changed"], answer.text
+        (waited,) = collect(rollouts, 1)  # the task that waited for v2 through every refusal
+        assert waited.task.prompt_id == "waits-for-v2" and waited.policy_version == 4
         back = greedy_once()
         assert back.policy_version == 4
         assert back.samples[0].token_ids == base_greedy.token_ids
@@ -435,6 +451,33 @@ def test_stop_hands_back_unfinished_tasks(service, engine):
     (again,) = prompts.consume("next", count=1, block_ms=10)  # handed back: no visibility timeout to wait for
     assert again.message.task_id and again.deliveries == 2
     prompts.ack(again)
+
+
+def test_a_hung_engine_hands_back_its_tasks_and_ends_the_generator(service, engine, monkeypatch):
+    """The heartbeat would hold a hung engine's tasks for ever: a loop turn over stall_timeout_s hands them back
+    at once and ends the process (here: on_stall, watched instead of os._exit)."""
+    settings, streams = service["settings"], service["streams"]
+    settings.generator.stall_timeout_s = 1.0
+    prompts = streams.stream("prompts", PromptTask)
+    unhang, stalled = threading.Event(), threading.Event()
+    real_step = engine.step
+
+    def hung_step():
+        unhang.wait(60)
+        return real_step()
+
+    worker = RolloutWorker(settings, engine, streams, WeightSync(settings, service["base"], service["client"], "hung"),
+                           "hung")
+    worker.on_stall = lambda seconds: stalled.set()
+    with Running(worker):
+        monkeypatch.setattr(engine, "step", hung_step)
+        prompts.produce(task(prompts_of(engine)[0], GREEDY, prompt_id="stuck"))
+        assert stalled.wait(30), "the hang was not noticed"
+        (rescued,) = prompts.consume("rescuer", count=1, block_ms=10)  # handed back: no visibility timeout to wait
+        assert rescued.message.prompt_id == "stuck" and worker.status == "stalled"
+        prompts.ack(rescued)
+        monkeypatch.setattr(engine, "step", real_step)
+        unhang.set()
 
 
 def test_sigkilled_generator_task_is_finished_once_by_another(service, engine, short_tmp):

@@ -161,6 +161,11 @@ def test_pull_refuses_bad_token_and_bad_checksum_without_leftovers(learner, shor
     with pytest.raises(WeightsError) as err:
         pull_weights(announced.model_copy(update={"url": f"http://127.0.0.1:{free_port()}/x"}), TOKEN, dest)
     assert err.value.reason == "unreachable"
+    stopping = threading.Event()
+    stopping.set()  # a generator told to stop: its download ends at the next chunk, not after the whole version
+    with pytest.raises(WeightsError) as err:
+        pull_weights(announced, TOKEN, dest, cancel=stopping)
+    assert err.value.reason == "cancelled"
     assert list(Path(dest).iterdir()) == []
 
 

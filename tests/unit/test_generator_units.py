@@ -133,7 +133,9 @@ def test_sync_status_codes():
     assert sync_status_code(None) == 200
     assert sync_status_code("none") == 404
     assert {sync_status_code(r) for r in ("unauthorized", "unreachable", "http", "not_found")} == {502}
-    assert {sync_status_code(r) for r in ("checksum", "shape", "format", "reload")} == {422}
+    assert {sync_status_code(r) for r in ("checksum", "shape", "format", "untrusted_url")} == {422}
+    assert {sync_status_code(r) for r in ("reload", "error")} == {500}  # the generator failed, not the weights
+    assert {sync_status_code(r) for r in ("stopped", "cancelled")} == {503}
 
 
 @pytest.fixture
