@@ -9,9 +9,10 @@ Weight versions. A newer announced version is pulled and verified in a backgroun
 keeps generating. Once it is ready the worker stops admitting tasks, lets the in-flight ones finish (the drain),
 reloads the engine in place and resumes: every group is sampled by exactly one policy version. A refused or
 failed sync leaves the old version serving. A task whose `min_version` is above the served version waits
-(claimed) for that version up to `generator.min_version_wait_s`, then is handed back; at once if this generator
-refused that version (another may serve it). A wait is not a delivery (a slow pull must not dead-letter the
-tasks of its version), and it does not retry a refused version before its back-off (`POST /v1/weights/sync` does).
+(claimed) for that version up to `generator.min_version_wait_s`, then is handed back; a wait is not a delivery
+(a slow pull must not dead-letter the tasks of its version). A task for a version this generator refused is
+handed back at once for another generator, and that counts (a version every generator refuses ends its tasks in
+`dead`); nor does a waiting task retry a refused version before its back-off (`POST /v1/weights/sync` does).
 
 Ownership. A task in the engine longer than the stream's visibility timeout would be reclaimed by another
 consumer; a heartbeat thread re-claims this worker's own entries (only those it still owns) every third of
@@ -335,7 +336,7 @@ class RolloutWorker:
             metrics.GEN_QUEUE_WAIT.observe(max(0.0, time.time() - entry_time(delivery.id)))
             if task.min_version > self.version:
                 if self._refused_here(task.min_version, now):  # another generator may have it: do not sit on it
-                    self._hand_back([delivery], "min_version", unused=True)
+                    self._hand_back([delivery], "refused", retake=False)  # counted: if all refuse, it ends in dead
                     continue
                 self.deferred[delivery.id] = (delivery, now)
                 self._sync_now.set()  # look for the version now rather than at the next poll
@@ -529,8 +530,10 @@ class RolloutWorker:
 
     def _expire_deferred(self, now: float) -> None:
         for entry_id, (delivery, since) in list(self.deferred.items()):
-            wanted = delivery.message.min_version
-            if now - since > self.cfg.min_version_wait_s or self._refused_here(wanted, now):
+            if self._refused_here(delivery.message.min_version, now):
+                del self.deferred[entry_id]
+                self._hand_back([delivery], "refused", retake=False)
+            elif now - since > self.cfg.min_version_wait_s:
                 log.warning(
                     "task %s wants v%d, serving v%d after %.0fs: handing it back",
                     delivery.message.task_id, delivery.message.min_version, self.version, now - since,
@@ -552,11 +555,11 @@ class RolloutWorker:
         while self.suspects:
             self._hand_back(self.suspects.popleft(), why)
 
-    def _hand_back(self, items: list, why: str, unused: bool = False) -> None:
+    def _hand_back(self, items: list, why: str, unused: bool = False, retake: bool | None = None) -> None:
         for item in items:
             delivery = self.inflight.pop(item, None).delivery if isinstance(item, str) else item
             try:
-                self.prompts.release(delivery, unused=unused)
+                self.prompts.release(delivery, unused=unused, retake=retake)
                 metrics.GEN_RELEASED.labels(why).inc()
             except Exception as err:  # Redis gone: the visibility timeout hands it back anyway
                 log.warning("could not release %s: %s", delivery.id, err)

@@ -8,12 +8,18 @@ same id, so a restart after a crash takes its own lease back at once) with a TTL
 
 - **acquire** (rank 0, before it writes anything of the run): SET NX PX. Held by another instance: wait up to
   one TTL (a learner that just died holds it until then), then fail (`LeaseHeld`, exit 69) naming the holder.
-- **renew** from a daemon thread every TTL/3, compare-and-set: PEXPIRE only while the value is ours; a key that
-  is gone (it expired during a Redis outage, and nobody took it) is taken again. A Redis outage is no fence: the
-  client retries, and so does the loop.
+- **renew** from a daemon thread every TTL/6, compare-and-set: PEXPIRE only while the value is ours; a key that
+  is gone (it expired during a Redis outage, and nobody took it) is taken again. Each renewal is one attempt of
+  at most TTL/6 on a client of its own (no retries: they would outlast the lease).
+- **lost**: no renewal got through for TTL/2 (Redis unreachable, or this learner cut off from it while the disk
+  is still there): the lease may lapse and another learner take the run, so the process ends at once
+  (`os._exit(EXIT_LEASE_LOST)`), before the TTL runs out; its supervisor restarts it, and it resumes once Redis
+  is back.
 - **fence**: the key holds another instance's id (this learner lost the lease, and another one took the run):
   log critical and end the process at once (`os._exit(EXIT_FENCED)`), writing nothing more.
 - **release** on a clean exit (delete only if ours), so a restart does not wait one TTL.
+- **own id** (a restart under the same supervisor): taken back once it is seen not to be renewed for three
+  renewal intervals, TTL/2 (a predecessor that survived, e.g. a rank 0 outliving its torchrun, still renews it).
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from typing import Callable
 import redis
 
 from services.config import Settings
+from services.redis_local import connect, retry_redis
 from services.startup import Unavailable
 from services.streams import Streams
 
@@ -36,6 +43,7 @@ log = logging.getLogger(__name__)
 
 LEASE_KEY = "learner-lease"
 EXIT_FENCED = 75  # sysexits EX_TEMPFAIL: another learner took the run; this one stopped without writing more
+EXIT_LEASE_LOST = 74  # sysexits EX_IOERR: no renewal reached Redis for TTL/2; restarted, it resumes
 
 # KEYS: lease. ARGV: instance id, TTL ms. Ours: extend it (1). Gone: take it again (2). Else: the holder's id.
 _RENEW = """
@@ -75,16 +83,24 @@ def exit_fenced(holder: str) -> None:
     os._exit(EXIT_FENCED)
 
 
+def exit_lost(seconds: float) -> None:
+    """The default reaction to a lease that could not be renewed in time: end the process at once, as above."""
+    os._exit(EXIT_LEASE_LOST)
+
+
 class LearnerLease:
-    def __init__(self, client: redis.Redis, settings: Settings, *, ttl_s: float | None = None,
-                 on_fenced: Callable[[str], None] = exit_fenced):
-        streams = Streams(client, settings)  # the owner of the run's key names
-        self.redis = streams.redis
-        self.key = streams.key(LEASE_KEY)
-        self.run = settings.redis.run
+    def __init__(self, settings: Settings, *, ttl_s: float | None = None,
+                 on_fenced: Callable[[str], None] = exit_fenced, on_lost: Callable[[float], None] = exit_lost):
         self.ttl_s = float(settings.learner.lease_ttl_s if ttl_s is None else ttl_s)
+        self.interval_s = self.ttl_s / 6
+        # One attempt per command within one renewal interval: a renewal must fail in time, not retry past the TTL.
+        self.redis = connect(settings, reply_timeout_s=self.interval_s, retrying=False)
+        self.key = Streams(self.redis, settings).key(LEASE_KEY)  # the owner of the run's key names
+        self.run = settings.redis.run
         self.instance = instance_id()
         self.on_fenced = on_fenced
+        self.on_lost = on_lost
+        self._renewed_at = 0.0  # when the last renewal that got through was sent
         self._renew = self.redis.register_script(_RENEW)
         self._release = self.redis.register_script(_RELEASE)
         self._stop = threading.Event()
@@ -103,15 +119,31 @@ class LearnerLease:
 
     def acquire(self) -> "LearnerLease":
         """Take the lease, waiting up to one TTL for a holder's to lapse, and keep it renewed; LeaseHeld if the
-        holder kept it."""
-        deadline, holder, poll = None, None, min(0.5, self.ttl_s / 10)
-        while not self.try_acquire():
+        holder kept it. Redis errors at start are retried as by every client (services.redis_local)."""
+        retry_redis(self._acquire)()
+        log.info("learner lease on run %s taken by %s (TTL %.0f s)", self.run, self.instance, self.ttl_s)
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._renew_loop, name="learner-lease", daemon=True)
+        self._thread.start()
+        return self
+
+    def _acquire(self) -> None:
+        deadline, poll = None, min(0.5, self.ttl_s / 10)
+        while True:
+            sent = time.monotonic()
+            if self.try_acquire():
+                break
             holder = self.holder()
             if holder is None:  # lapsed between the two calls
                 continue
-            if holder == self.instance:  # our own, from before a restart (its process is gone): take it back
-                self.redis.set(self.key, self.instance, px=self.ttl_ms)
-                break
+            if holder == self.instance:  # this learner's id, from before a restart
+                if not self._renewed_elsewhere():  # its process is gone: take it back (compare-and-set)
+                    sent = time.monotonic()
+                    if self._renew(keys=[self.key], args=[self.instance, self.ttl_ms]) in (1, 2):
+                        log.info("the lease of a predecessor with this learner's id (no longer renewed) taken back")
+                        break
+                    continue
+                holder = f"{holder}, this learner's own id: a predecessor still running"
             if deadline is None:  # one TTL: ours, or the holder's (what its lease has left), if longer
                 left_s = max(self.redis.pttl(self.key), 0) / 1000
                 deadline = time.monotonic() + max(self.ttl_s, left_s) + poll
@@ -123,11 +155,15 @@ class LearnerLease:
                     f"or wait {self.ttl_s:.0f} s if it just died"
                 )
             time.sleep(poll)
-        log.info("learner lease on run %s taken by %s (TTL %.0f s)", self.run, self.instance, self.ttl_s)
-        self._stop.clear()
-        self._thread = threading.Thread(target=self._renew_loop, name="learner-lease", daemon=True)
-        self._thread.start()
-        return self
+        self._renewed_at = sent
+
+    def _renewed_elsewhere(self) -> bool:
+        """Whether a process before this one still renews the lease under our id. Watched for three renewal
+        intervals: unrenewed, its time to live falls by all of that; renewed, by at most one interval."""
+        before, started = self.redis.pttl(self.key), time.monotonic()
+        time.sleep(3 * self.interval_s)
+        after, watched_ms = self.redis.pttl(self.key), (time.monotonic() - started) * 1000
+        return after > before - watched_ms + self.interval_s * 1000
 
     def renew(self) -> str:
         """One compare-and-set: "renewed", "reacquired" (the key had lapsed), or "fenced" (another holds it; the
@@ -146,12 +182,23 @@ class LearnerLease:
         return "fenced"
 
     def _renew_loop(self) -> None:
-        while not self._stop.wait(self.ttl_s / 3):
+        while not self._stop.wait(self.interval_s):
+            sent = time.monotonic()
             try:
-                if self.renew() == "fenced":
+                outcome = self.renew()
+            except Exception as err:  # Redis not reached in time: no fence, but the lease's clock runs on
+                log.warning("learner lease renewal failed (%s)", err)
+            else:
+                if outcome == "fenced":
                     return
-            except Exception as err:  # Redis away beyond the client's retries, or anything else: not a fence
-                log.warning("learner lease renewal failed (%s); retrying", err)
+                self._renewed_at = sent
+            silent_s = time.monotonic() - self._renewed_at
+            if silent_s > self.ttl_s / 2:  # exit before the TTL runs out: after it, another learner may own the run
+                log.critical("LEASE LOST: no renewal of learner %s's lease reached Redis for %.0f s (TTL %.0f s); "
+                             "exiting at once with code %d, writing nothing more (restarted, it resumes once Redis "
+                             "is back)", self.instance, silent_s, self.ttl_s, EXIT_LEASE_LOST)
+                self.on_lost(silent_s)
+                return
 
     def stop_renewing(self) -> None:
         self._stop.set()

@@ -154,7 +154,7 @@ class LearnerService:
     def claim_run(self) -> None:
         """Take the run's single-writer lease (learner/lease.py) before anything of the run is written: LeaseHeld
         (exit 69) while another learner holds it."""
-        self.lease = LearnerLease(connect(self.settings), self.settings).acquire()
+        self.lease = LearnerLease(self.settings).acquire()
 
     def release_run(self) -> None:
         if self.lease is not None:

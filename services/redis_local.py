@@ -18,12 +18,15 @@ import os
 import secrets
 import shutil
 import signal
+import socket
 import subprocess
 import time
 from pathlib import Path
 
 import redis
+from redis.backoff import NoBackoff
 from redis.client import Pipeline
+from redis.retry import Retry
 from tenacity import retry, retry_if_exception_type, stop_after_delay, wait_exponential
 
 from services.config import Settings
@@ -82,13 +85,29 @@ def without_password(url: str) -> str:
     return f"{scheme}{sep}{rest.rpartition('@')[2]}" if "@" in rest else url
 
 
-def client_for(url: str, password: str | None = None, reply_timeout_s: float = REPLY_TIMEOUT_S) -> RetryingRedis:
+def _keepalive_options() -> dict[int, int]:
+    """Probe an idle connection after 30 s, every 10 s, 3 times: a dead peer is found in a minute, not in the
+    kernel's default two hours."""
+    names = {"TCP_KEEPIDLE": 30, "TCP_KEEPINTVL": 10, "TCP_KEEPCNT": 3}
+    return {getattr(socket, name): value for name, value in names.items() if hasattr(socket, name)}
+
+
+def client_for(
+    url: str, password: str | None = None, reply_timeout_s: float = REPLY_TIMEOUT_S, retrying: bool = True
+) -> redis.Redis:
     """A retrying client for a Redis URL (`unix://:password@/path.sock` for the embedded server); a password in
     the URL beats `password`. A reply that takes over `reply_timeout_s` drops the connection and the command is
-    retried on a new one (TCP keepalive as well: a dead peer is found even between commands)."""
-    tcp = {} if url.startswith("unix:") else {"socket_keepalive": True}  # a Unix socket has no keepalive
-    return RetryingRedis.from_url(url, password=password, health_check_interval=30, socket_timeout=reply_timeout_s,
-                                  socket_connect_timeout=10, **tcp)
+    retried on a new one (TCP keepalive as well: a dead peer is found even between commands).
+
+    `retrying=False`: every command is tried once, within `reply_timeout_s`. Only for a caller whose deadline
+    matters more than the answer: the learner's lease, whose renewal must fail in time rather than retry for
+    minutes while another learner takes the run."""
+    tcp = {} if url.startswith("unix:") else {"socket_keepalive": True, "socket_keepalive_options": _keepalive_options()}
+    options = dict(password=password, health_check_interval=30, socket_timeout=reply_timeout_s,
+                   socket_connect_timeout=min(10.0, reply_timeout_s), **tcp)
+    if retrying:
+        return RetryingRedis.from_url(url, **options)
+    return redis.Redis.from_url(url, retry=Retry(NoBackoff(), 0), **options)
 
 
 def redis_server_binary() -> str:
@@ -244,11 +263,15 @@ def embedded_server(settings: Settings) -> EmbeddedRedis:
     return EmbeddedRedis(embedded_dir(settings), aof=settings.redis.embedded_aof, fsync=settings.redis.embedded_fsync)
 
 
-def connect(settings: Settings, start_embedded: bool = True) -> RetryingRedis:
-    """A client for the configured Redis; without a URL, the run's embedded server (started if absent)."""
-    reply_timeout_s = REPLY_TIMEOUT_S + settings.streams.block_ms / 1000  # a blocking read waits that long first
+def connect(
+    settings: Settings, start_embedded: bool = True, reply_timeout_s: float | None = None, retrying: bool = True
+) -> redis.Redis:
+    """A client for the configured Redis; without a URL, the run's embedded server (started if absent).
+    `reply_timeout_s` and `retrying` as in `client_for` (default: 30 s past the longest blocking read)."""
+    if reply_timeout_s is None:
+        reply_timeout_s = REPLY_TIMEOUT_S + settings.streams.block_ms / 1000  # a blocking read waits that long
     if settings.redis.url:
-        return client_for(settings.redis.url, settings.redis.password, reply_timeout_s)
+        return client_for(settings.redis.url, settings.redis.password, reply_timeout_s, retrying)
     server = embedded_server(settings)
     probe = redis.Redis(unix_socket_path=str(server.socket_path), password=server.password)
     try:
@@ -259,4 +282,4 @@ def connect(settings: Settings, start_embedded: bool = True) -> RetryingRedis:
         server.start()
     finally:
         probe.close()
-    return client_for(server.url, reply_timeout_s=reply_timeout_s)
+    return client_for(server.url, reply_timeout_s=reply_timeout_s, retrying=retrying)

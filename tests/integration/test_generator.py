@@ -367,18 +367,38 @@ def test_worker_versions_sync_refusals_and_late_join(service, engine, models):
         assert "model.norm.weight [65] != [64]" in answer.json()["error"]
         assert answer.json()["version"] == 1
 
-        # a task that wants the refused version waits for it, is handed back unused and taken again, over and over:
-        # it is never dead-lettered (a wait is not a delivery), and its wish does not pull v2 again before the
-        # back-off (only POST /sync retries at once)
+        # a task for the refused version is handed back at once (another generator may load v2), and its wish does
+        # not pull v2 again before the back-off (only POST /sync retries at once); with no generator able to
+        # serve it, those hand-backs count, and it ends in `dead`
         def counted(name, **labels):
             return REGISTRY.get_sample_value(name, labels) or 0.0
 
+        def dead_reasons(prompt_id):
+            return [d["reason"] for d in streams.dead_letters() if from_wire(PromptTask, d["data"]).prompt_id == prompt_id]
+
         refusals = counted("dapo_generator_reload_failures_total", reason="shape")
-        waits = counted("dapo_generator_released_total", why="min_version")
         settings.generator.min_version_wait_s = 0.2
-        prompts.produce(task(ids[1], GREEDY, min_version=2, prompt_id="waits-for-v2"))
-        wait_for(lambda: counted("dapo_generator_released_total", why="min_version") >= waits + 5, 30, "5 waits")
+        prompts.produce(task(ids[1], GREEDY, min_version=2, prompt_id="wants-v2"))
+        wait_for(lambda: dead_reasons("wants-v2"), 30, "the task for the refused version in dead")
+        assert dead_reasons("wants-v2") == ["delivered 4 times (max 3)"]
         assert counted("dapo_generator_reload_failures_total", reason="shape") == refusals
+
+        # a task for a version not announced yet waits, is handed back unused and taken again, over and over: a
+        # wait is not a delivery, so a slow pull never dead-letters the tasks of its version
+        waits = counted("dapo_generator_released_total", why="min_version")
+        prompts.produce(task(ids[1], GREEDY, min_version=9, prompt_id="wants-v9"))
+        wait_for(lambda: counted("dapo_generator_released_total", why="min_version") >= waits + 5, 30, "5 waits")
+        assert dead_reasons("wants-v9") == []
+        taken = []
+
+        def take_it():  # out of the way of the checks below: another consumer finishes it
+            for d in prompts.consume("cleanup", count=4, block_ms=10):
+                prompts.ack(d)
+                taken.append(d.message.prompt_id)
+            return "wants-v9" in taken
+
+        wait_for(take_it, 30, "the waiting task handed back")
+        settings.generator.min_version_wait_s = 30.0
 
         # refused: a checksum that does not match the bytes served
         good = publisher.announcement(1)
@@ -407,8 +427,6 @@ def test_worker_versions_sync_refusals_and_late_join(service, engine, models):
         sync.token = settings.token
         answer = httpx.post(f"{url}/v1/weights/sync", headers=auth, timeout=120)
         assert answer.status_code == 200 and answer.json()["version"] == 4 and answer.json()["changed"], answer.text
-        (waited,) = collect(rollouts, 1)  # the task that waited for v2 through every refusal
-        assert waited.task.prompt_id == "waits-for-v2" and waited.policy_version == 4
         back = greedy_once()
         assert back.policy_version == 4
         assert back.samples[0].token_ids == base_greedy.token_ids
