@@ -2,9 +2,10 @@
 write checkpoints into the same run (a second `dapo learner`, or a pod left running on a partitioned node while
 its replacement starts: `strategy: Recreate` does not cover that).
 
-The lease is the Redis key `learner-lease` of the run (`Streams.key`), holding the holder's instance id
-(`host-pid-uuid`, or `$DAPO_LEARNER_INSTANCE`: a supervisor that restarts its own learner gives every restart the
-same id, so a restart after a crash takes its own lease back at once) with a TTL of `learner.lease_ttl_s`:
+The lease is the Redis key `learner-lease` of the run (`Streams.key`), holding the holder's instance,
+`identity@host:pid`, with a TTL of `learner.lease_ttl_s`. The identity is random, or `$DAPO_LEARNER_INSTANCE`: a
+supervisor that restarts its own learner gives every restart the same one, so that a restart after a crash can
+take its predecessor's lease back at once instead of one TTL later.
 
 - **acquire** (rank 0, before it writes anything of the run): SET NX PX. Held by another instance: wait up to
   one TTL (a learner that just died holds it until then), then fail (`LeaseHeld`, exit 69) naming the holder.
@@ -18,8 +19,9 @@ same id, so a restart after a crash takes its own lease back at once) with a TTL
 - **fence**: the key holds another instance's id (this learner lost the lease, and another one took the run):
   log critical and end the process at once (`os._exit(EXIT_FENCED)`), writing nothing more.
 - **release** on a clean exit (delete only if ours), so a restart does not wait one TTL.
-- **own id** (a restart under the same supervisor): taken back once it is seen not to be renewed for three
-  renewal intervals, TTL/2 (a predecessor that survived, e.g. a rank 0 outliving its torchrun, still renews it).
+- **own identity** (a restart under the same supervisor): taken back (compare-and-set) at once if the
+  predecessor's process is gone (same host, no such pid), else once the lease is seen unrenewed for three renewal
+  intervals, TTL/2; a predecessor that survived (a rank 0 outliving its torchrun) renews it and keeps it.
 """
 
 from __future__ import annotations
@@ -59,6 +61,15 @@ end
 return holder
 """
 
+# KEYS: lease. ARGV: the predecessor's value, ours, TTL ms. Replace it only if it still holds that predecessor.
+_TAKE_OVER = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3])
+  return 1
+end
+return 0
+"""
+
 # KEYS: lease. ARGV: instance id. Delete it only if it is ours.
 _RELEASE = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
@@ -73,9 +84,23 @@ class LeaseHeld(Unavailable):
 INSTANCE_ENV = "DAPO_LEARNER_INSTANCE"
 
 
-def instance_id() -> str:
-    """This learner's id in the lease: the supervisor's, stable across its restarts of the learner, else unique."""
-    return os.environ.get(INSTANCE_ENV) or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+def identity() -> str:
+    """Who this learner is to the lease: the supervisor's identity, the same for its restarts, else unique."""
+    return os.environ.get(INSTANCE_ENV) or uuid.uuid4().hex[:12]
+
+
+def process_gone(place: str) -> bool:
+    """Whether `host:pid` names a process of this host that no longer exists (elsewhere: not known, False)."""
+    host, _, pid = place.rpartition(":")
+    if host != socket.gethostname() or not pid.isdigit():
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # alive, another user's
+        return False
+    return False
 
 
 def exit_fenced(holder: str) -> None:
@@ -97,12 +122,14 @@ class LearnerLease:
         self.redis = connect(settings, reply_timeout_s=self.interval_s, retrying=False)
         self.key = Streams(self.redis, settings).key(LEASE_KEY)  # the owner of the run's key names
         self.run = settings.redis.run
-        self.instance = instance_id()
+        self.identity = identity()
+        self.instance = f"{self.identity}@{socket.gethostname()}:{os.getpid()}"
         self.on_fenced = on_fenced
         self.on_lost = on_lost
         self._renewed_at = 0.0  # when the last renewal that got through was sent
         self._renew = self.redis.register_script(_RENEW)
         self._release = self.redis.register_script(_RELEASE)
+        self._take_over = self.redis.register_script(_TAKE_OVER)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -136,14 +163,15 @@ class LearnerLease:
             holder = self.holder()
             if holder is None:  # lapsed between the two calls
                 continue
-            if holder == self.instance:  # this learner's id, from before a restart
-                if not self._renewed_elsewhere():  # its process is gone: take it back (compare-and-set)
+            same, _, place = holder.partition("@")
+            if same == self.identity:  # a predecessor under this supervisor: gone, or still running?
+                if process_gone(place) or not self._renewed_elsewhere():
                     sent = time.monotonic()
-                    if self._renew(keys=[self.key], args=[self.instance, self.ttl_ms]) in (1, 2):
-                        log.info("the lease of a predecessor with this learner's id (no longer renewed) taken back")
+                    if self._take_over(keys=[self.key], args=[holder, self.instance, self.ttl_ms]) == 1:
+                        log.info("took over the lease of %s, a predecessor of this learner that is gone", holder)
                         break
                     continue
-                holder = f"{holder}, this learner's own id: a predecessor still running"
+                holder = f"{holder}, this learner's own identity: a predecessor still running"
             if deadline is None:  # one TTL: ours, or the holder's (what its lease has left), if longer
                 left_s = max(self.redis.pttl(self.key), 0) / 1000
                 deadline = time.monotonic() + max(self.ttl_s, left_s) + poll

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import socket
+import subprocess
+import sys
 import threading
 import time
 
@@ -159,13 +162,15 @@ def test_a_restart_under_the_same_supervisor_takes_its_own_lease_back_at_once(se
     # once, not one TTL later; a learner of another launcher (another identity) still waits and fails.
     monkeypatch.setenv(INSTANCE_ENV, "host-launcher1-abcd")
     crashed = lease(settings).acquire()
-    crashed.stop_renewing()  # SIGKILLed: no release
-    crashed.redis.pexpire(crashed.key, 10_000)  # what it has left: waiting for it to lapse would take 10 s
+    crashed.stop_renewing()  # SIGKILLed: no release...
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead_value = f"host-launcher1-abcd@{socket.gethostname()}:{int(gone.stdout)}"  # ...and its process is gone
+    crashed.redis.set(crashed.key, dead_value, px=10_000)  # what it has left: waiting for it would take 10 s
     restarted = lease(settings)
     started = time.monotonic()
     restarted.acquire()
-    try:  # three renewal intervals (TTL/2) without a renewal are proof enough that the predecessor is gone
-        assert time.monotonic() - started < 2 * TTL and restarted.holder() == "host-launcher1-abcd"
+    try:
+        assert time.monotonic() - started < TTL / 4 and restarted.holder() == restarted.instance
         monkeypatch.setenv(INSTANCE_ENV, "host-launcher2-ef01")
         with pytest.raises(LeaseHeld):
             lease(settings).acquire()
@@ -173,14 +178,29 @@ def test_a_restart_under_the_same_supervisor_takes_its_own_lease_back_at_once(se
         restarted.release()
 
 
-def test_a_predecessor_with_the_same_id_that_still_renews_keeps_the_run(settings, monkeypatch):
-    # A rank 0 that outlived its torchrun still renews under the launcher's id: the restarted learner must not take
-    # the lease from it (both would write), but wait and fail as for any other holder.
+def test_a_predecessor_elsewhere_that_stopped_renewing_is_taken_over_after_half_a_ttl(settings, monkeypatch):
+    # Its process cannot be looked up (another host): three renewal intervals without a renewal are the proof.
+    monkeypatch.setenv(INSTANCE_ENV, "host-launcher1-abcd")
+    crashed = lease(settings).acquire()
+    crashed.stop_renewing()
+    crashed.redis.set(crashed.key, "host-launcher1-abcd@another-host:1234", px=10_000)
+    restarted = lease(settings)
+    started = time.monotonic()
+    restarted.acquire()
+    try:
+        assert TTL / 2 <= time.monotonic() - started < 2 * TTL and restarted.holder() == restarted.instance
+    finally:
+        restarted.release()
+
+
+def test_a_predecessor_with_the_same_identity_that_still_renews_keeps_the_run(settings, monkeypatch):
+    # A rank 0 that outlived its torchrun still renews under the launcher's identity: the restarted learner must not
+    # take the lease from it (both would write), but wait and fail as for any other holder.
     monkeypatch.setenv(INSTANCE_ENV, "host-launcher1-abcd")
     survivor = lease(settings).acquire()
     try:
         with pytest.raises(LeaseHeld, match="predecessor still running"):
             lease(settings).acquire()
-        assert survivor.holder() == "host-launcher1-abcd"
+        assert survivor.holder() == survivor.instance
     finally:
         survivor.release()
