@@ -62,6 +62,11 @@ class Shape:
     def run_name(self) -> str:
         return re.sub(r"[^A-Za-z0-9._=-]+", "-", self.label.replace(":", "-lr"))
 
+    def samples(self, preset_n: int) -> int:
+        """Responses per prompt group: the shape's own `sampling.n`, else the preset's."""
+        own = [item.split("=", 1)[1] for item in self.settings if item.startswith("sampling.n=")]
+        return int(own[-1]) if own else preset_n
+
     def overrides(self, eval_groups: int) -> list[str]:
         sets = [f"learner.prompts_per_step={self.prompts}", f"learner.mini_batches={self.mini_batches}",
                 f"learner.epochs={self.epochs}", f"learner.eval_every={max(1, round(eval_groups / self.prompts))}"]
@@ -79,7 +84,7 @@ def report(shapes: list[Shape], results: dict[str, list[Curve]], n: int, command
         curves = results[shape.label]
         step = statistics.fmean(c.step_seconds for c in curves)
         lines.append(
-            f"| {shape.label} | {shape.prompts * n // shape.mini_batches} | {step:.2f} | "
+            f"| {shape.label} | {shape.prompts * shape.samples(n) // shape.mini_batches} | {step:.2f} | "
             f"{statistics.fmean(c.wait_seconds for c in curves):.2f} | "
             f"{statistics.fmean(c.refills for c in curves):.2f} | "
             f"{60 * shape.mini_batches * shape.epochs / step:.0f} | "

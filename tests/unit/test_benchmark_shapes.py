@@ -30,6 +30,7 @@ def test_a_shape_carries_further_settings_of_its_own_runs():
     assert sets[-2:] == ["learner.lr=0.00015", "learner.oversample_margin=1.5"]
     assert load_settings("tiny-cpu", **parse_overrides(sets)).learner.oversample_margin == 1.5
     assert shapes.Shape.parse("32x4x2").label != shape.label  # side by side: two rows, two run directories
+    assert shape.samples(16) == 16 and shapes.Shape.parse("64x4x2+sampling.n=8").samples(16) == 8  # group size
 
 
 @pytest.mark.parametrize("bad", ["16x4", "16x4x2:fast", "axbxc", "16x4x2+learner.oversample_margin"])
