@@ -9,19 +9,20 @@ take its predecessor's lease back at once instead of one TTL later.
 
 - **acquire** (rank 0, before it writes anything of the run): SET NX PX. Held by another instance: wait up to
   one TTL (a learner that just died holds it until then), then fail (`LeaseHeld`, exit 69) naming the holder.
-- **renew** from a daemon thread every TTL/6, compare-and-set: PEXPIRE only while the value is ours; a key that
-  is gone (it expired during a Redis outage, and nobody took it) is taken again. Each renewal is one attempt of
-  at most TTL/6 on a client of its own (no retries: they would outlast the lease).
-- **lost**: no renewal got through for TTL/2 (Redis unreachable, or this learner cut off from it while the disk
-  is still there): the lease may lapse and another learner take the run, so the process ends at once
-  (`os._exit(EXIT_LEASE_LOST)`), before the TTL runs out; its supervisor restarts it, and it resumes once Redis
-  is back.
+- **renew** from a daemon thread every TTL/6, compare-and-set: PEXPIRE only while the value is ours. Each
+  renewal is one attempt on a client of its own (no retries: they would outlast the lease).
+- **lost**: a watchdog thread, which does no I/O, ends the process (`os._exit(EXIT_LEASE_LOST)`) once no renewal
+  has got through for TTL/2, whatever a renewal under way is blocked on (Redis unreachable, this learner cut off
+  from it while the disk is still there, the process frozen): before the TTL can run out and another learner
+  take the run. A renewal that finds the key gone (it lapsed: the process was frozen past it, or Redis lost it)
+  is lost too, never taken again. Its supervisor restarts it, and it resumes once Redis is back.
 - **fence**: the key holds another instance's id (this learner lost the lease, and another one took the run):
   log critical and end the process at once (`os._exit(EXIT_FENCED)`), writing nothing more.
 - **release** on a clean exit (delete only if ours), so a restart does not wait one TTL.
-- **own identity** (a restart under the same supervisor): taken back (compare-and-set) at once if the
-  predecessor's process is gone (same host, no such pid), else once the lease is seen unrenewed for three renewal
-  intervals, TTL/2; a predecessor that survived (a rank 0 outliving its torchrun) renews it and keeps it.
+- **own identity** (a restart under the same supervisor): taken over (compare-and-set) at once when the
+  predecessor's process is gone (this host, no such pid); a predecessor that may be alive (a rank 0 outliving its
+  torchrun, or another host) is waited for like any other holder.
+- Clock: CLOCK_BOOTTIME, which counts a suspended host's sleep (CLOCK_MONOTONIC does not).
 """
 
 from __future__ import annotations
@@ -47,7 +48,8 @@ LEASE_KEY = "learner-lease"
 EXIT_FENCED = 75  # sysexits EX_TEMPFAIL: another learner took the run; this one stopped without writing more
 EXIT_LEASE_LOST = 74  # sysexits EX_IOERR: no renewal reached Redis for TTL/2; restarted, it resumes
 
-# KEYS: lease. ARGV: instance id, TTL ms. Ours: extend it (1). Gone: take it again (2). Else: the holder's id.
+# KEYS: lease. ARGV: instance id, TTL ms. Ours: extend it (1). Gone: put ours back (2; the caller is lost and
+# exits, and no other learner takes the run before it is gone). Else: the holder's id.
 _RENEW = """
 local holder = redis.call('GET', KEYS[1])
 if holder == ARGV[1] then
@@ -82,6 +84,11 @@ class LeaseHeld(Unavailable):
 
 
 INSTANCE_ENV = "DAPO_LEARNER_INSTANCE"
+
+
+def now() -> float:
+    """Seconds on a clock that also runs while the host is suspended (the TTL in Redis runs on meanwhile)."""
+    return time.clock_gettime(time.CLOCK_BOOTTIME) if hasattr(time, "CLOCK_BOOTTIME") else time.monotonic()
 
 
 def identity() -> str:
@@ -131,7 +138,7 @@ class LearnerLease:
         self._release = self.redis.register_script(_RELEASE)
         self._take_over = self.redis.register_script(_TAKE_OVER)
         self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._threads: list[threading.Thread] = []
 
     @property
     def ttl_ms(self) -> int:
@@ -150,28 +157,30 @@ class LearnerLease:
         retry_redis(self._acquire)()
         log.info("learner lease on run %s taken by %s (TTL %.0f s)", self.run, self.instance, self.ttl_s)
         self._stop.clear()
-        self._thread = threading.Thread(target=self._renew_loop, name="learner-lease", daemon=True)
-        self._thread.start()
+        self._threads = [threading.Thread(target=loop, name=f"learner-lease-{loop.__name__}", daemon=True)
+                         for loop in (self._renew_loop, self._watch_loop)]
+        for thread in self._threads:
+            thread.start()
         return self
 
     def _acquire(self) -> None:
         deadline, poll = None, min(0.5, self.ttl_s / 10)
         while True:
-            sent = time.monotonic()
+            sent = now()
             if self.try_acquire():
                 break
             holder = self.holder()
             if holder is None:  # lapsed between the two calls
                 continue
+            if holder == self.instance:  # our SET went through, its reply was lost (the call was retried)
+                break
             same, _, place = holder.partition("@")
-            if same == self.identity:  # a predecessor under this supervisor: gone, or still running?
-                if process_gone(place) or not self._renewed_elsewhere():
-                    sent = time.monotonic()
-                    if self._take_over(keys=[self.key], args=[holder, self.instance, self.ttl_ms]) == 1:
-                        log.info("took over the lease of %s, a predecessor of this learner that is gone", holder)
-                        break
-                    continue
-                holder = f"{holder}, this learner's own identity: a predecessor still running"
+            if same == self.identity and process_gone(place):  # a predecessor under this supervisor, gone
+                sent = now()
+                if self._take_over(keys=[self.key], args=[holder, self.instance, self.ttl_ms]) == 1:
+                    log.info("took over the lease of %s, a predecessor of this learner that is gone", holder)
+                    break
+                continue
             if deadline is None:  # one TTL: ours, or the holder's (what its lease has left), if longer
                 left_s = max(self.redis.pttl(self.key), 0) / 1000
                 deadline = time.monotonic() + max(self.ttl_s, left_s) + poll
@@ -185,24 +194,17 @@ class LearnerLease:
             time.sleep(poll)
         self._renewed_at = sent
 
-    def _renewed_elsewhere(self) -> bool:
-        """Whether a process before this one still renews the lease under our id. Watched for three renewal
-        intervals: unrenewed, its time to live falls by all of that; renewed, by at most one interval."""
-        before, started = self.redis.pttl(self.key), time.monotonic()
-        time.sleep(3 * self.interval_s)
-        after, watched_ms = self.redis.pttl(self.key), (time.monotonic() - started) * 1000
-        return after > before - watched_ms + self.interval_s * 1000
-
     def renew(self) -> str:
-        """One compare-and-set: "renewed", "reacquired" (the key had lapsed), or "fenced" (another holds it; the
-        fence callback has been called)."""
+        """One compare-and-set: "renewed"; "lapsed" (the key is gone: lost, the callback has been called); or
+        "fenced" (another holds it; the fence callback has been called)."""
+        sent = now()
         result = self._renew(keys=[self.key], args=[self.instance, self.ttl_ms])
         if result == 1:
+            self._renewed_at = sent  # Redis extended it after `sent`: the lease runs at least TTL from there
             return "renewed"
-        if result == 2:
-            log.warning("learner lease on run %s had lapsed (a Redis outage?) and nobody took it: taken again",
-                        self.run)
-            return "reacquired"
+        if result == 2:  # the script put ours back: no other learner takes the run before this process is gone
+            self._lost("the lease had lapsed (the process was frozen past its TTL, or Redis lost the key)")
+            return "lapsed"
         holder = result.decode(errors="replace") if isinstance(result, bytes) else str(result)
         log.critical("FENCED: learner %s lost the run %s to learner %s; exiting at once with code %d, writing "
                      "nothing more", self.instance, self.run, holder, EXIT_FENCED)
@@ -211,28 +213,35 @@ class LearnerLease:
 
     def _renew_loop(self) -> None:
         while not self._stop.wait(self.interval_s):
-            sent = time.monotonic()
             try:
-                outcome = self.renew()
-            except Exception as err:  # Redis not reached in time: no fence, but the lease's clock runs on
-                log.warning("learner lease renewal failed (%s)", err)
-            else:
-                if outcome == "fenced":
+                if self.renew() != "renewed":
                     return
-                self._renewed_at = sent
-            silent_s = time.monotonic() - self._renewed_at
-            if silent_s > self.ttl_s / 2:  # exit before the TTL runs out: after it, another learner may own the run
-                log.critical("LEASE LOST: no renewal of learner %s's lease reached Redis for %.0f s (TTL %.0f s); "
-                             "exiting at once with code %d, writing nothing more (restarted, it resumes once Redis "
-                             "is back)", self.instance, silent_s, self.ttl_s, EXIT_LEASE_LOST)
-                self.on_lost(silent_s)
+            except Exception as err:  # Redis not reached in time: no fence, but the watchdog's clock runs on
+                log.warning("learner lease renewal failed (%s)", err)
+
+    def _watch_loop(self) -> None:
+        """No I/O here: a renewal blocked on a socket must not keep the process writing past TTL/2."""
+        while not self._stop.wait(self.interval_s / 2):
+            if now() - self._renewed_at > self.ttl_s / 2:
+                self._lost(f"no renewal reached Redis for {now() - self._renewed_at:.0f} s")
                 return
+
+    def _lost(self, why: str) -> None:
+        if self._stop.is_set():  # released meanwhile, or the other thread got here first
+            return
+        self._stop.set()
+        silent_s = now() - self._renewed_at
+        log.critical("LEASE LOST: %s (learner %s, TTL %.0f s): another learner may take the run; exiting at once "
+                     "with code %d, writing nothing more (restarted, it resumes once Redis is back)",
+                     why, self.instance, self.ttl_s, EXIT_LEASE_LOST)
+        self.on_lost(silent_s)
 
     def stop_renewing(self) -> None:
         self._stop.set()
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout=max(5.0, self.ttl_s))
-        self._thread = None
+        for thread in self._threads:
+            if thread is not threading.current_thread():
+                thread.join(timeout=max(5.0, self.ttl_s))
+        self._threads = []
 
     def release(self) -> bool:
         """Stop renewing and delete the lease if it is still ours (a clean exit: a restart need not wait)."""
