@@ -11,8 +11,8 @@ reloads the engine in place and resumes: every group is sampled by exactly one p
 failed sync leaves the old version serving. A task whose `min_version` is above the served version waits
 (claimed) for that version up to `generator.min_version_wait_s`, then is handed back; a wait is not a delivery
 (a slow pull must not dead-letter the tasks of its version). A task for a version this generator refused is
-handed back at once for another generator, and that counts (a version every generator refuses ends its tasks in
-`dead`); nor does a waiting task retry a refused version before its back-off (`POST /v1/weights/sync` does).
+handed back at once for another generator, and that counts if the version itself is bad (a version no generator
+can load ends its tasks in `dead`), not if the failure may pass (the learner unreachable, a full disk); nor does a waiting task retry a refused version before its back-off (`POST /v1/weights/sync` does).
 
 Ownership. A task in the engine longer than the stream's visibility timeout would be reclaimed by another
 consumer; a heartbeat thread re-claims this worker's own entries (only those it still owns) every third of
@@ -59,6 +59,7 @@ log = logging.getLogger(__name__)
 
 
 TRANSIENT = {"unreachable", "http", "not_found"}  # a late joiner retries these before taking work
+BAD_VERSION = {"checksum", "shape", "format", "untrusted_url"}  # refusals of the version itself: every generator's
 RETRY_FAILED_SYNC_S = 30.0  # a refused version is not retried automatically before this (POST /sync forces it)
 IDLE_BLOCK_MS = 100  # longest wait for new tasks while idle: bounds how late an announcement or a stop is seen
 STALLED_EXIT_CODE = 70  # EX_SOFTWARE: the rollout loop hung (generator.stall_timeout_s)
@@ -169,7 +170,7 @@ class RolloutWorker:
         self._pull: concurrent.futures.Future | None = None
         self._pull_target: WeightsAnnouncement | None = None
         self._ready_weights: _Ready | None = None
-        self._failed: dict[tuple[int, str], float] = {}
+        self._failed: dict[tuple[int, str], tuple[float, str]] = {}  # (version, sha) -> (retry after, reason)
         self._waiters: list[tuple[int, concurrent.futures.Future]] = []
         self._sync_now = threading.Event()  # look the latest announcement up now (a task wants a newer version)
         self._retry_refused = threading.Event()  # an explicit request: also retry a refused version at once
@@ -335,8 +336,8 @@ class RolloutWorker:
             task = delivery.message
             metrics.GEN_QUEUE_WAIT.observe(max(0.0, time.time() - entry_time(delivery.id)))
             if task.min_version > self.version:
-                if self._refused_here(task.min_version, now):  # another generator may have it: do not sit on it
-                    self._hand_back([delivery], "refused", retake=False)  # counted: if all refuse, it ends in dead
+                if refused := self._refused_here(task.min_version, now):  # another generator may have it
+                    self._hand_back_refused(delivery, refused)
                     continue
                 self.deferred[delivery.id] = (delivery, now)
                 self._sync_now.set()  # look for the version now rather than at the next poll
@@ -425,7 +426,7 @@ class RolloutWorker:
         newest = self.sync.watcher.newest
         if newest is None or newest.version <= self.version:
             return None
-        if self._failed.get((newest.version, newest.sha256), 0.0) > now:
+        if self._failed.get((newest.version, newest.sha256), (0.0, ""))[0] > now:
             return None
         return newest
 
@@ -465,7 +466,7 @@ class RolloutWorker:
     def _refuse(self, target: WeightsAnnouncement, reason: str, message: str, now: float) -> None:
         log.error("weights v%d refused (%s): %s; still serving v%d", target.version, reason, message, self.version)
         metrics.GEN_RELOAD_FAILURES.labels(reason).inc()
-        self._failed[(target.version, target.sha256)] = now + RETRY_FAILED_SYNC_S
+        self._failed[(target.version, target.sha256)] = (now + RETRY_FAILED_SYNC_S, reason)
         self.status = "serving"
         self._resolve_waiters(failure=(message, reason))
 
@@ -522,17 +523,26 @@ class RolloutWorker:
             self._waiters = keep
 
     # -- tasks waiting for a version, hand-backs, heartbeat -------------------------------------------------
-    def _refused_here(self, version: int, now: float) -> bool:
-        """The newest announced version would serve `version`, but this generator refused it (in its back-off)."""
+    def _refused_here(self, version: int, now: float) -> str | None:
+        """Why this generator refused the newest announced version, if that version would serve `version` and is
+        in its back-off (None: not refused)."""
         newest = self.sync.watcher.newest
-        return (newest is not None and newest.version >= version
-                and self._failed.get((newest.version, newest.sha256), 0.0) > now)
+        if newest is None or newest.version < version:
+            return None
+        until, reason = self._failed.get((newest.version, newest.sha256), (0.0, ""))
+        return reason if until > now else None
+
+    def _hand_back_refused(self, delivery: Delivery[PromptTask], reason: str) -> None:
+        """For another generator. It counts as a delivery when the version itself is bad (no generator will load
+        it: its tasks end in `dead`, not in an endless round); a failure of ours or of the way (the learner
+        restarting, a full disk) may pass, and another generator may well load it: then it does not."""
+        self._hand_back([delivery], "refused", unused=reason not in BAD_VERSION, retake=False)
 
     def _expire_deferred(self, now: float) -> None:
         for entry_id, (delivery, since) in list(self.deferred.items()):
-            if self._refused_here(delivery.message.min_version, now):
+            if refused := self._refused_here(delivery.message.min_version, now):
                 del self.deferred[entry_id]
-                self._hand_back([delivery], "refused", retake=False)
+                self._hand_back_refused(delivery, refused)
             elif now - since > self.cfg.min_version_wait_s:
                 log.warning(
                     "task %s wants v%d, serving v%d after %.0fs: handing it back",
