@@ -12,7 +12,8 @@ failed sync leaves the old version serving. A task whose `min_version` is above 
 (claimed) for that version up to `generator.min_version_wait_s`, then is handed back; a wait is not a delivery
 (a slow pull must not dead-letter the tasks of its version). A task for a version this generator refused is
 handed back at once for another generator, and that counts if the version itself is bad (a version no generator
-can load ends its tasks in `dead`), not if the failure may pass (the learner unreachable, a full disk); nor does a waiting task retry a refused version before its back-off (`POST /v1/weights/sync` does).
+can load ends its tasks in `dead`), not if the failure may pass (the learner unreachable, a full disk); nor does
+a waiting task retry a refused version before its back-off (`POST /v1/weights/sync` does).
 
 Ownership. A task in the engine longer than the stream's visibility timeout would be reclaimed by another
 consumer; a heartbeat thread re-claims this worker's own entries (only those it still owns) every third of
@@ -549,13 +550,13 @@ class RolloutWorker:
                     delivery.message.task_id, delivery.message.min_version, self.version, now - since,
                 )
                 del self.deferred[entry_id]
-                self._hand_back([delivery], "min_version", unused=True)
+                self._hand_back([delivery], "min_version", unused=True, retake=False)
 
     def _release_deferred(self, why: str) -> None:
         if self.deferred:
             deliveries = [d for d, _ in self.deferred.values()]
             self.deferred.clear()
-            self._hand_back(deliveries, why, unused=True)
+            self._hand_back(deliveries, why, unused=True, retake=False)
 
     def _hand_back_all(self, why: str) -> None:
         if self.inflight:
@@ -565,7 +566,7 @@ class RolloutWorker:
         while self.suspects:
             self._hand_back(self.suspects.popleft(), why)
 
-    def _hand_back(self, items: list, why: str, unused: bool = False, retake: bool | None = None) -> None:
+    def _hand_back(self, items: list, why: str, unused: bool = False, retake: bool = True) -> None:
         for item in items:
             delivery = self.inflight.pop(item, None).delivery if isinstance(item, str) else item
             try:

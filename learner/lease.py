@@ -106,7 +106,7 @@ def process_gone(place: str) -> bool:
     except ProcessLookupError:
         return True
     except PermissionError:  # alive, another user's
-        return False
+        pass
     return False
 
 

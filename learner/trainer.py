@@ -17,9 +17,9 @@ One `train_step(groups)` is one rollout step of the paper (Algorithm 1, the inne
      the same logprobs and gradients as prompt + response rows, without computing each prompt n times (the
      tiny default's 36-token prompt is 60 % of its rows);
   5. gradient-norm clip, AdamW step per mini-batch (not for a mini-batch with no token in the loss, every response
-     overlong-filtered: AdamW's momentum and weight decay would move the weights with no gradient); the learning-rate schedule (linear warm-up over
-     `warmup_steps`, then constant) advances once per train_step: the paper counts warm-up in rollout steps,
-     so every update of one step uses the same rate;
+     overlong-filtered: AdamW's momentum and weight decay would move the weights with no gradient); the
+     learning-rate schedule (linear warm-up over `warmup_steps`, then constant) advances once per train_step:
+     the paper counts warm-up in rollout steps, so every update of one step uses the same rate;
   6. the service advances the policy version (learner/policy.py: the trainer does not count versions).
 
 With one mini-batch and one epoch (a single update) no no-grad pass runs at all.

@@ -307,20 +307,20 @@ class Stream(Generic[M]):
             return 0
         return int(self._grouped(self._touch, keys=[self.key], args=[self.group, consumer, *entry_ids]))
 
-    def release(self, delivery: Delivery[M], unused: bool = False, retake: bool | None = None) -> None:
+    def release(self, delivery: Delivery[M], unused: bool = False, retake: bool = True) -> None:
         """Hand a delivery back (graceful shutdown): any consumer reclaims it on its next read.
 
         `unused`: the work never started (a task that waited for a newer policy version), so the hand-back also
         takes back its delivery: a task waiting out a slow weight pull is not dead-lettered after max_deliveries
         waits. Work that did start keeps its count (a task that crashes whoever runs it must still reach `dead`).
-        `retake` (default: not `unused`): our own next read scans for it at once; otherwise whichever consumer
-        scans first takes it (it waited for something this consumer does not have).
+        `retake`: our own next read scans for it at once; False: whichever consumer scans first takes it (it
+        waited for something this consumer does not have).
         """
         idle = int(self.cfg.visibility_timeout_s * 1000) + 1
         undo = {"retrycount": max(delivery.deliveries - 1, 0)} if unused else {}
         self._grouped(self.redis.xclaim, self.key, self.group, RELEASED, 0, [delivery.id], idle=idle, justid=True,
                       **undo)
-        if (not unused) if retake is None else retake:
+        if retake:
             self._reclaimed_at, self._reclaim_from = float("-inf"), "0-0"
 
     def release_all(self, consumer: str, count: int = 10_000) -> int:
