@@ -41,6 +41,7 @@ from learner.records import read_rows
 from services.config import DEFAULT_TOKEN, Settings, dump_settings
 from services.http import free_port
 from services.redis_local import EmbeddedRedis, embedded_server, without_password
+from services.startup import EXIT_FILE_ENV
 from services.weights_layout import write_atomic
 
 log = logging.getLogger(__name__)
@@ -68,6 +69,8 @@ class Child:
     process: subprocess.Popen | None = None
     stop_seconds: float = 30.0  # SIGTERM to SIGKILL
     placement: Placement | None = None  # its CPUs and priority (cli/cores.py)
+    exit_file: Path | None = None  # where it records the exit code it chose ($DAPO_EXIT_FILE, services/startup.py)
+    exit_path: Path | None = None  # exit_file of the current start: an orphaned rank of a start before writes elsewhere
     restarts: int = 0
     gave_up: bool = False  # crashed RESTART_LIMIT times in a row: not started again
     started_at: float = field(default_factory=time.monotonic)
@@ -76,6 +79,11 @@ class Child:
 
     def start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        if self.exit_file is not None:
+            if self.exit_path is not None:
+                self.exit_path.unlink(missing_ok=True)
+            self.exit_path = self.exit_file.with_name(f"{self.exit_file.name}.{secrets.token_hex(4)}")
+            self.env = {**self.env, EXIT_FILE_ENV: str(self.exit_path)}
         log_file = open(self.log_path, "ab")
         placement = self.placement
 
@@ -105,6 +113,19 @@ class Child:
         return self.process is not None and self.process.poll() is None
 
     @property
+    def exit_code(self) -> int | None:
+        """How its process ended: the code its service (rank 0) recorded, when it got that far (a torchrun over the
+        learner's ranks turns any code into 1), else the process's own; None while it runs."""
+        if self.process is None or self.process.poll() is None:
+            return None
+        if self.exit_path is not None:
+            try:
+                return int(self.exit_path.read_text())
+            except (OSError, ValueError):  # crashed, or killed, before it could record a code
+                pass
+        return self.process.returncode
+
+    @property
     def kind(self) -> str:
         """learner, reward or generator (the name without its index)."""
         return self.name.rsplit("-", 1)[0]
@@ -124,7 +145,7 @@ class Child:
                       self.name, RESTART_LIMIT, STABLE_SECONDS, self.log_path)
             return False
         self.restarts += 1
-        log.warning("%s exited with %s; restart %d", self.name, self.process.returncode, self.restarts)
+        log.warning("%s exited with %s; restart %d", self.name, self.exit_code, self.restarts)
         self.cpu_before, self.cpu_now = self.cpu_total, 0.0
         self.start()
         return True
@@ -174,7 +195,7 @@ def service_children(settings: Settings, config_path: Path, redis_url: str, gene
     """The service processes of a run, each on its CPUs with matching threads when `cpus` is given."""
     run_dir = Path(settings.run_dir)
     base_env = {
-        **os.environ,
+        **{k: v for k, v in os.environ.items() if k != EXIT_FILE_ENV},  # `dapo run`'s own, if it has one
         "DAPO_TOKEN": settings.token,  # not in the config file
         "DAPO_REDIS__URL": redis_url,
         # Every service needs it: the learner serves there, generators send their token nowhere else.
@@ -201,7 +222,7 @@ def service_children(settings: Settings, config_path: Path, redis_url: str, gene
         learner_env.update(cores.learner_env(cpus.learner))
     children = [Child("learner", learner_command(learner_procs) + ["--config", str(config_path)], learner_env,
                       run_dir / "logs" / "learner.log", stop_seconds=LEARNER_STOP_SECONDS,
-                      placement=cpus.learner if cpus else None)]
+                      placement=cpus.learner if cpus else None, exit_file=run_dir / "logs" / "learner.exit")]
     for i in range(reward_workers):
         placed = cpus.reward[i] if cpus else None
         children.append(child(f"reward-{i}", "reward", DAPO_REWARD__PORT=str(free_port()),
@@ -289,7 +310,7 @@ def learner_finished(learner: Child) -> bool:
     """The learner exited by itself (done, or stopped at the refill limit), or crashed too often to go on."""
     if learner.alive() or learner.process is None:
         return False
-    return learner.process.returncode in LEARNER_DONE or not learner.restart()
+    return learner.exit_code in LEARNER_DONE or not learner.restart()
 
 
 class GaveUp(RuntimeError):
@@ -328,7 +349,7 @@ def supervise(children: list[Child], metrics_path: Path, total_steps: int, displ
     finally:
         if live:
             live.stop()
-    return learner.process.returncode if learner.process else 1
+    return learner.exit_code if learner.process else 1
 
 
 def main(settings: Settings, generators: int = 1, reward_workers: int = 1, learner_procs: int = 1,

@@ -14,7 +14,7 @@ import sys
 from importlib.metadata import version
 
 from services.config import ConfigError, load_settings
-from services.startup import EXIT_UNAVAILABLE, Stopped, Unavailable, raise_on_signals
+from services.startup import EXIT_UNAVAILABLE, Stopped, Unavailable, raise_on_signals, record_exit
 
 TRACKERS = ("wandb", "tensorboard", "mlflow")  # learner.report_to (accelerate's tracker names)
 # command -> (module, function, help). Each function takes the loaded Settings.
@@ -99,16 +99,19 @@ def main(argv: list[str] | None = None) -> int:
         settings = settings_from_args(args)
     except ConfigError as err:  # learner.tracking.TrackerNotInstalled and services.http.check_token too
         print(f"dapo: {err}", file=sys.stderr)
+        record_exit(2)
         return 2
     raise_on_signals()
     try:
-        return run_command(args, settings)
+        code = run_command(args, settings)
     except Unavailable as err:
         print(f"dapo {args.command}: {' '.join(str(err).split())}", file=sys.stderr)  # one line
-        return EXIT_UNAVAILABLE
+        code = EXIT_UNAVAILABLE
     except Stopped as stop:
         print(f"dapo {args.command}: stopped by {stop}", file=sys.stderr)
-        return 128 + stop.signum
+        code = 128 + stop.signum
+    record_exit(code)
+    return code
 
 
 def run_command(args: argparse.Namespace, settings) -> int:

@@ -39,7 +39,7 @@ import redis
 
 from services.config import Settings
 from services.redis_local import connect, retry_redis
-from services.startup import Unavailable
+from services.startup import Unavailable, record_exit
 from services.streams import Streams
 
 log = logging.getLogger(__name__)
@@ -112,12 +112,13 @@ def process_gone(place: str) -> bool:
 
 def exit_fenced(holder: str) -> None:
     """The default reaction to a fence: end the process at once (no atexit, no finally: nothing more written)."""
+    record_exit(EXIT_FENCED)
     os._exit(EXIT_FENCED)
 
 
 def exit_lost(seconds: float) -> None:
     """The default reaction to a lease that could not be renewed in time: end the process at once, as above."""
-    os._exit(EXIT_LEASE_LOST)
+    os._exit(EXIT_LEASE_LOST)  # not recorded (no I/O on the watchdog's path): 74 and torchrun's 1 both restart
 
 
 class LearnerLease:

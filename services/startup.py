@@ -7,9 +7,29 @@ one line and an exit code; a service replaces the handlers with its graceful sto
 
 from __future__ import annotations
 
+import os
 import signal
 
 EXIT_UNAVAILABLE = 69  # sysexits EX_UNAVAILABLE: a dependency is missing; fix it and start again
+# Where a service writes the code it chose to exit with, for a supervisor that cannot see it: under `accelerate
+# launch` torchrun reports any rank's failure as 1 (and a SIGTERMed run's as 1 too), so a learner fenced or
+# stopped at the refill limit would look like a crash and be restarted (cli/launcher.py reads the file).
+EXIT_FILE_ENV = "DAPO_EXIT_FILE"
+
+
+def record_exit(code: int) -> None:
+    """Write the exit code rank 0 (or a single process) chose to $DAPO_EXIT_FILE, when set: the other ranks follow
+    rank 0, and their codes (stopped by torchrun after rank 0 went) are consequences. Written whole or not at all;
+    best effort: exiting matters more."""
+    path = os.environ.get(EXIT_FILE_ENV)
+    if not path or os.environ.get("RANK", "0") != "0":
+        return
+    try:
+        with open(f"{path}.tmp", "w") as out:
+            out.write(f"{code}\n")
+        os.replace(f"{path}.tmp", path)
+    except OSError:
+        pass
 
 
 class Unavailable(RuntimeError):

@@ -130,6 +130,69 @@ def test_a_fenced_learner_is_not_restarted(tmp_path):
     assert learner.restarts == 0
 
 
+# Two ranks under torchrun: rank 0 is fenced (learner/lease.py's own exit), rank 1 waits in a collective as a
+# follower would.
+FENCED_RANKS = """
+import os, sys, time
+sys.path.insert(0, {repo!r})
+import torch.distributed as dist
+from learner.lease import exit_fenced
+dist.init_process_group("gloo")
+if dist.get_rank() == 0:
+    exit_fenced("another learner")
+dist.barrier()
+"""
+
+
+def test_a_fenced_learner_under_torchrun_is_not_restarted(tmp_path):
+    """torchrun reports rank 0's exit 75 as its own 1; the code the learner recorded tells the launcher."""
+    from cli.launcher import learner_finished
+    from learner.lease import EXIT_FENCED
+    from services.http import free_port
+
+    script = tmp_path / "fenced.py"
+    script.write_text(FENCED_RANKS.format(repo=REPO))
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+               "--master_port", str(free_port()), str(script)]
+    env = {**os.environ, "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "2", "OMP_NUM_THREADS": "1"}
+    learner = Child("learner", command, env, tmp_path / "learner.log", exit_file=tmp_path / "learner.exit")
+    learner.start()
+    learner.process.wait(timeout=120)
+    assert learner.process.returncode == 1  # torchrun's own code, which would restart it
+    assert learner.exit_code == EXIT_FENCED and learner_finished(learner) and learner.restarts == 0
+
+
+def test_a_recorded_exit_code_belongs_to_one_start(tmp_path):
+    """Each start records into a path of its own: a code left by the start before (or by an orphaned rank of it)
+    does not stand for a later crash."""
+    crashing = Child("learner", [sys.executable, "-c", "raise SystemExit(1)"], dict(os.environ),
+                     tmp_path / "learner.log", exit_file=tmp_path / "learner.exit")
+    crashing.start()
+    crashing.process.wait()
+    first = crashing.exit_path
+    first.write_text("75\n")  # as if the process had recorded it
+    assert crashing.exit_code == 75
+    crashing.start()
+    crashing.process.wait()
+    assert crashing.exit_path != first and not first.exists() and crashing.exit_code == 1
+
+
+def test_only_rank_0_records_its_exit_code(tmp_path, monkeypatch):
+    from services.startup import EXIT_FILE_ENV, record_exit
+
+    path = tmp_path / "exit"
+    monkeypatch.setenv(EXIT_FILE_ENV, str(path))
+    monkeypatch.setenv("RANK", "1")
+    record_exit(143)  # a follower stopped by torchrun
+    assert not path.exists()
+    monkeypatch.setenv("RANK", "0")
+    record_exit(0)  # rank 0 checkpointed after a SIGTERM: done, though torchrun says 1
+    assert path.read_text() == "0\n"
+    monkeypatch.delenv("RANK")
+    record_exit(3)  # a single process
+    assert path.read_text() == "3\n"
+
+
 def test_engine_processes_die_with_their_generator(tmp_path):
     script = tmp_path / "engine_like.py"
     script.write_text(ENGINE_LIKE.format(repo=REPO))
