@@ -69,7 +69,7 @@ def test_environment_overrides_nested_fields(monkeypatch):
 
 
 def test_environment_beats_yaml(monkeypatch):
-    assert load_settings("tiny-cpu").sampling.n == 16
+    assert load_settings("tiny-cpu").sampling.n == 8
     monkeypatch.setenv("DAPO_SAMPLING__N", "4")
     assert load_settings("tiny-cpu").sampling.n == 4
 
