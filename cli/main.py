@@ -90,6 +90,13 @@ def settings_from_args(args: argparse.Namespace):
 
 
 def main(argv: list[str] | None = None) -> int:
+    """`dapo`: the exit code, also recorded for a supervisor that cannot see it (services/startup.py)."""
+    code = run_main(argv)
+    record_exit(code)
+    return code
+
+
+def run_main(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(
         level=os.environ.get("DAPO_LOG_LEVEL", "INFO"),
@@ -99,19 +106,16 @@ def main(argv: list[str] | None = None) -> int:
         settings = settings_from_args(args)
     except ConfigError as err:  # learner.tracking.TrackerNotInstalled and services.http.check_token too
         print(f"dapo: {err}", file=sys.stderr)
-        record_exit(2)
         return 2
     raise_on_signals()
     try:
-        code = run_command(args, settings)
+        return run_command(args, settings)
     except Unavailable as err:
         print(f"dapo {args.command}: {' '.join(str(err).split())}", file=sys.stderr)  # one line
-        code = EXIT_UNAVAILABLE
+        return EXIT_UNAVAILABLE
     except Stopped as stop:
         print(f"dapo {args.command}: stopped by {stop}", file=sys.stderr)
-        code = 128 + stop.signum
-    record_exit(code)
-    return code
+        return 128 + stop.signum
 
 
 def run_command(args: argparse.Namespace, settings) -> int:

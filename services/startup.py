@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+from pathlib import Path
 
 EXIT_UNAVAILABLE = 69  # sysexits EX_UNAVAILABLE: a dependency is missing; fix it and start again
 # Where a service writes the code it chose to exit with, for a supervisor that cannot see it: under `accelerate
@@ -24,10 +25,10 @@ def record_exit(code: int) -> None:
     path = os.environ.get(EXIT_FILE_ENV)
     if not path or os.environ.get("RANK", "0") != "0":
         return
+    from services.weights_layout import write_atomic  # lazily: it imports torch, which a config error never needs
+
     try:
-        with open(f"{path}.tmp", "w") as out:
-            out.write(f"{code}\n")
-        os.replace(f"{path}.tmp", path)
+        write_atomic(Path(path), f"{code}\n")
     except OSError:
         pass
 

@@ -133,7 +133,7 @@ def test_a_fenced_learner_is_not_restarted(tmp_path):
 # Two ranks under torchrun: rank 0 is fenced (learner/lease.py's own exit), rank 1 waits in a collective as a
 # follower would.
 FENCED_RANKS = """
-import os, sys, time
+import sys
 sys.path.insert(0, {repo!r})
 import torch.distributed as dist
 from learner.lease import exit_fenced
