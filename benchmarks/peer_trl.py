@@ -45,7 +45,8 @@ GOAL = 0.5
 # the lowest lie within one evaluation interval of the base (10 s, 3 project steps), where the cadence decides
 TARGETS = (0.28, 0.32, 0.36, 0.40, 0.44, 0.48, 0.52)
 SYSTEMS = ("project", "trl-small", "trl-matched")
-SNAPSHOT_SECONDS = 10.0  # TRL: an evaluation point every this many seconds of training (the project's eval_every=3: ~10 s)
+SNAPSHOT_SECONDS = 10.0  # TRL: an evaluation point every this many seconds of training (the project's eval_every=3: ~10 s);
+# --snapshot-seconds with the project's learner.eval_every=1 measures the low targets at a project step's resolution
 # trl-small's learning rate, the best of a sweep on seed 0 (runs/tune, 2.5 minutes each): at the project's 3e-4,
 # 16-completion steps collapsed (24 % -> 1 %); 1e-4 reached 35 % in 0.25 minutes and 42 % in 1.75; 3e-5 reached
 # 33 % in 0.33 and 41 % in 1.67.
@@ -107,7 +108,8 @@ def held_out_accuracy(model, tokenizer, prompts: list[str], answers: list[str], 
     return correct / samples
 
 
-def run_trl(setting: str, seed: int, minutes: float, preset: str, out: Path) -> None:
+def run_trl(setting: str, seed: int, minutes: float, preset: str, out: Path,
+            snapshot_seconds: float = SNAPSHOT_SECONDS) -> None:
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
@@ -147,7 +149,7 @@ def run_trl(setting: str, seed: int, minutes: float, preset: str, out: Path) -> 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
 
     class Clock(TrainerCallback):
-        """Training seconds (snapshots excluded); an in-memory snapshot every SNAPSHOT_SECONDS; stop at the limit."""
+        """Training seconds (snapshots excluded); an in-memory snapshot every snapshot_seconds; stop at the limit."""
 
         def __init__(self):
             self.started = self.paused = 0.0
@@ -170,7 +172,7 @@ def run_trl(setting: str, seed: int, minutes: float, preset: str, out: Path) -> 
             if seconds >= 60.0 * minutes:
                 self.snapshot(state.global_step)
                 control.should_training_stop = True
-            elif seconds >= len(self.snapshots) * SNAPSHOT_SECONDS:
+            elif seconds >= len(self.snapshots) * snapshot_seconds:
                 self.snapshot(state.global_step)
 
     clock = Clock()
@@ -285,7 +287,8 @@ def one_run(system: str, seed: int, args: argparse.Namespace) -> Curve:
     out = args.out / f"{system}-seed{seed}.json"
     if not (args.reuse and out.exists()):
         cmd = [sys.executable, "-m", "benchmarks.peer_trl", "trl", "--setting", system.removeprefix("trl-"),
-               "--seed", str(seed), "--minutes", str(args.minutes), "--preset", args.preset, "--out", str(out)]
+               "--seed", str(seed), "--minutes", str(args.minutes), "--preset", args.preset, "--out", str(out),
+               "--snapshot-seconds", str(args.snapshot_seconds)]
         print(f"[{system} seed {seed}] {' '.join(cmd)}", flush=True)
         with open(args.out / f"{system}-seed{seed}.out", "w") as log:
             subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, check=True,
@@ -307,10 +310,13 @@ def main() -> None:
     one.add_argument("--minutes", type=float, default=4.0)
     one.add_argument("--preset", default="tiny-cpu")
     one.add_argument("--out", type=Path, required=True)
+    one.add_argument("--snapshot-seconds", type=float, default=SNAPSHOT_SECONDS)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--minutes", type=float, default=4.0, help="training minutes of every run")
     parser.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS))
     parser.add_argument("--preset", default="tiny-cpu")
+    parser.add_argument("--snapshot-seconds", type=float, default=SNAPSHOT_SECONDS,
+                        help="TRL's evaluation cadence in seconds of training (the project's: --set learner.eval_every=K)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], help="project override key=value")
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "bench-peer-trl")
     parser.add_argument("--reuse", action="store_true", help="read back the runs that already finished in --out")
@@ -319,7 +325,7 @@ def main() -> None:
                         help="README markers and results/<section with _>.{json,png} to write (another run keeps the first's)")
     args = parser.parse_args()
     if args.command == "trl":
-        run_trl(args.setting, args.seed, args.minutes, args.preset, args.out)
+        run_trl(args.setting, args.seed, args.minutes, args.preset, args.out, args.snapshot_seconds)
         return
 
     stem = args.section.replace("-", "_")
@@ -335,6 +341,7 @@ def main() -> None:
                 results[system].append(one_run(system, seed, args))
         command = (f"python -m benchmarks.peer_trl --seeds {' '.join(map(str, args.seeds))} --minutes {args.minutes:g}"
                    f" --systems {' '.join(args.systems)} --preset {args.preset}"
+                   + (f" --snapshot-seconds {args.snapshot_seconds:g}" if args.snapshot_seconds != SNAPSHOT_SECONDS else "")
                    + "".join(f" --set {o}" for o in args.overrides)
                    + (f" --section {args.section}" if args.section != "peer-trl" else ""))
         results_path.write_text(json.dumps({"command": command, "runs": {s: [c.to_json() for c in cs]
