@@ -22,6 +22,7 @@ checkpoints/latest, weights/vN (services/weights.py).
 
 from __future__ import annotations
 
+import json
 import logging
 import random
 import shutil
@@ -54,6 +55,9 @@ log = logging.getLogger(__name__)
 
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"
+# The refill limit stopped the run (on_refill_limit: stop) at this checkpointed step: a restart (Compose's
+# `restart: on-failure`, `dapo run` again) finds the run over, as after total_steps, unless the setting changed.
+STOPPED = "stopped.json"
 EXIT_REFILL_LIMIT = 3
 PROGRESS_LOG_SECONDS = 30.0
 
@@ -217,6 +221,9 @@ class LearnerService:
     def run(self) -> int:
         """Resume or start, then train until total_steps (or SIGTERM). Returns the process exit code."""
         resumed = self.resume() if self.cfg.resume else self.start_fresh()
+        if resumed and self.stays_stopped():
+            self.ranks.stop()
+            return 0
         self.publish_initial()
         self.ready, self.ready_reason = True, f"weights v{self.policy.current} published"
         try:
@@ -230,6 +237,8 @@ class LearnerService:
             log.error("stopping at step %d: %s", self.step + 1, err)
             metrics.LEARNER_REFILL_LIMIT.inc()
             self.checkpoint_if_new()
+            write_atomic(self.checkpoint_dir / STOPPED, json.dumps(
+                {"step": self.step, "max_refills": self.cfg.max_refills, "reason": str(err)}))
             self.ranks.stop()
             return EXIT_REFILL_LIMIT
         self.checkpoint_if_new()
@@ -338,6 +347,7 @@ class LearnerService:
 
     # -- resume, publish, checkpoint ---------------------------------------------------------------------------
     def start_fresh(self) -> bool:
+        (self.checkpoint_dir / STOPPED).unlink(missing_ok=True)
         self.ensure_monotonic_version()
         self.work.forget_data_cursor()
         self.work.restore(skip=set(), counted=set())
@@ -372,6 +382,22 @@ class LearnerService:
             self.assembler.seen.add(task_id)  # a late duplicate of a trained group stays out
         self.ensure_monotonic_version()
         self.work.restore(skip=set(extra["consumed"]), counted=set(extra["carried"]))
+        return True
+
+    def stays_stopped(self) -> bool:
+        """The refill limit stopped this run at the step just resumed, and the settings would stop it again there:
+        the run is over (exit 0, so that a restart policy on failure leaves it down). Raising learner.max_refills or
+        setting on_refill_limit to train goes on from the checkpoint; learner.resume=false starts over."""
+        path = self.checkpoint_dir / STOPPED
+        if not path.is_file():
+            return False
+        stop = json.loads(path.read_text())
+        if (stop["step"] != self.step or self.cfg.on_refill_limit != "stop"
+                or self.cfg.max_refills > stop["max_refills"]):
+            return False
+        log.warning("the refill limit stopped this run at step %d (%s): it stays stopped; raise learner.max_refills "
+                    "or set learner.on_refill_limit=train to go on, learner.resume=false to start over",
+                    self.step, stop["reason"])
         return True
 
     def seek_data(self, checkpointed: dict) -> None:

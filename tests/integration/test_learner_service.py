@@ -545,12 +545,19 @@ def test_refill_limit_train_trains_on_what_is_in_hand(pipeline, tmp_path):
 
 
 @pytest.mark.slow
-def test_refill_limit_stop_exits_with_a_clear_error(pipeline, tmp_path):
+def test_refill_limit_stop_exits_with_a_clear_error_and_stays_stopped(pipeline, tmp_path):
     run_dir = tmp_path / "limit-stop"
     code = run_learner(pipeline, run_dir, {**LIMIT, "on_refill_limit": "stop"})
     assert code == 3
     assert "informative groups after 0 refill rounds" in pipeline.tail(f"learner-{run_dir.name}")
     assert step_lines(read_jsonl(run_dir / METRICS_FILE)) == []
+    # Restarted (Compose's `restart: on-failure`): the run is over, as after total_steps.
+    assert run_learner(pipeline, run_dir, {**LIMIT, "on_refill_limit": "stop"}) == 0
+    assert "it stays stopped" in pipeline.tail(f"learner-{run_dir.name}")
+    assert step_lines(read_jsonl(run_dir / METRICS_FILE)) == []
+    # Under a setting that would not have stopped there, the run goes on from its checkpoint.
+    assert run_learner(pipeline, run_dir, {**LIMIT, "on_refill_limit": "train"}) == 0
+    assert [r["step"] for r in step_lines(read_jsonl(run_dir / METRICS_FILE))] == [1, 2]
 
 
 def held_task_ids(pipe: Pipeline) -> list[str]:
