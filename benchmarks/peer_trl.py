@@ -2,7 +2,7 @@
 
     pip install -e '.[cpu,bench]'
     python -m benchmarks.peer_trl [--seeds 0 1 2] [--minutes 4] [--systems project trl-small trl-matched]
-                                  [--set key=value ...]  (project overrides)
+                                  [--snapshot-seconds 10] [--set key=value ...]  (project overrides)
 
 Everything but the system is the same: the embedded tiny model (the cached `dapo bootstrap` build), the
 synthetic training problems in each seed's order, the prompt text, the verifier and reward rule
@@ -324,6 +324,8 @@ def main() -> None:
     parser.add_argument("--section", default="peer-trl",
                         help="README markers and results/<section with _>.{json,png} to write (another run keeps the first's)")
     args = parser.parse_args()
+    if args.snapshot_seconds <= 0:
+        parser.error("--snapshot-seconds must be positive")
     if args.command == "trl":
         run_trl(args.setting, args.seed, args.minutes, args.preset, args.out, args.snapshot_seconds)
         return

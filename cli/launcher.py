@@ -36,6 +36,7 @@ from rich.table import Table
 
 from cli import cores
 from cli.cores import CpuPlan, Placement, cpu_seconds_by_group
+from learner.checkpoint_layout import CHECKPOINTS, EXIT_REFILL_LIMIT, recorded_stop
 from learner.lease import EXIT_FENCED, INSTANCE_ENV
 from learner.records import read_rows
 from services.config import DEFAULT_TOKEN, Settings, dump_settings
@@ -55,7 +56,7 @@ RANKS_STOP_SECONDS = 120.0  # SIGTERM to SIGKILL for the learner's ranks: rank 0
 LEARNER_STOP_SECONDS = RANKS_STOP_SECONDS + 20.0
 # The learner's own exits, not restarted: finished (or SIGTERM), refill limit with on_refill_limit=stop, fenced
 # (another learner took the run's lease, learner/lease.py: a restart would only wait for it and fail).
-LEARNER_DONE = (0, 3, EXIT_FENCED)
+LEARNER_DONE = (0, EXIT_REFILL_LIMIT, EXIT_FENCED)
 
 
 @dataclass
@@ -352,6 +353,16 @@ def supervise(children: list[Child], metrics_path: Path, total_steps: int, displ
     return learner.exit_code if learner.process else 1
 
 
+def reported_exit(code: int, run_dir: Path) -> int:
+    """The learner's exit as `dapo run` reports it: a 0 from a learner that found its run stopped by the refill
+    limit where it would resume, and stayed stopped (learner/checkpoint_layout.py), is that stop."""
+    stop = recorded_stop(run_dir / CHECKPOINTS) if code == 0 else None
+    if stop is None:
+        return code
+    console.print(f"[red]the refill limit stopped this run at step {stop['step']}: {stop['reason']}[/]")
+    return EXIT_REFILL_LIMIT
+
+
 def main(settings: Settings, generators: int = 1, reward_workers: int = 1, learner_procs: int = 1,
          display: bool = True) -> int:
     from cli.bootstrap import ensure_model  # builds the tiny model when it is missing
@@ -417,6 +428,7 @@ def main(settings: Settings, generators: int = 1, reward_workers: int = 1, learn
     if gave_up:
         console.print(f"[red]stopped: {gave_up}[/]")
         return 1
+    code = reported_exit(code, run_dir)
     if code != 0:
         console.print(f"[red]learner exited with code {code}; see {run_dir / 'logs' / 'learner.log'}[/]")
     return code

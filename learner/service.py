@@ -16,13 +16,12 @@ is written, released on a clean exit), and here the loop that drives them.
 Versions stay monotonic across a resume: if generators were told of a version newer than the checkpoint's (a
 lineage the crash discarded), the restored policy is republished as the next version after it (PolicyVersion).
 
-Files under run_dir: config.yaml, metrics.jsonl, ledger.jsonl (learner/records.py), checkpoints/step-N and
-checkpoints/latest, weights/vN (services/weights.py).
+Files under run_dir: config.yaml, metrics.jsonl, ledger.jsonl (learner/records.py), checkpoints/step-N,
+checkpoints/latest and the refill limit's stop record (learner/checkpoint_layout.py), weights/vN (services/weights.py).
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import random
 import shutil
@@ -33,6 +32,9 @@ import uuid
 from pathlib import Path
 
 from learner.batch import Batch, BatchAssembler, Push, RefillLimitReached, task_id_of
+from learner.checkpoint_layout import (
+    CHECKPOINTS, EXIT_REFILL_LIMIT, LATEST, STOPPED, clear_stop, latest_step, record_stop, recorded_stop,
+)
 from learner.evaluation import EvalRound
 from learner.lease import LearnerLease
 from learner.policy import PolicyVersion
@@ -53,12 +55,6 @@ from services.weights_layout import write_atomic
 
 log = logging.getLogger(__name__)
 
-CHECKPOINTS = "checkpoints"
-LATEST = "latest"
-# The refill limit stopped the run (on_refill_limit: stop) at this checkpointed step: a restart (Compose's
-# `restart: on-failure`, `dapo run` again) finds the run over, as after total_steps, unless the setting changed.
-STOPPED = "stopped.json"
-EXIT_REFILL_LIMIT = 3
 PROGRESS_LOG_SECONDS = 30.0
 
 
@@ -220,10 +216,11 @@ class LearnerService:
     # -- the run -----------------------------------------------------------------------------------------------
     def run(self) -> int:
         """Resume or start, then train until total_steps (or SIGTERM). Returns the process exit code."""
-        resumed = self.resume() if self.cfg.resume else self.start_fresh()
-        if resumed and self.stays_stopped():
+        if self.cfg.resume and self.stays_stopped():  # decided before the resume touches the run
             self.ranks.stop()
             return 0
+        clear_stop(self.checkpoint_dir)  # the run goes on past any stop recorded
+        resumed = self.resume() if self.cfg.resume else self.start_fresh()
         self.publish_initial()
         self.ready, self.ready_reason = True, f"weights v{self.policy.current} published"
         try:
@@ -237,8 +234,7 @@ class LearnerService:
             log.error("stopping at step %d: %s", self.step + 1, err)
             metrics.LEARNER_REFILL_LIMIT.inc()
             self.checkpoint_if_new()
-            write_atomic(self.checkpoint_dir / STOPPED, json.dumps(
-                {"step": self.step, "max_refills": self.cfg.max_refills, "reason": str(err)}))
+            record_stop(self.checkpoint_dir, self.step, self.cfg.max_refills, str(err))
             self.ranks.stop()
             return EXIT_REFILL_LIMIT
         self.checkpoint_if_new()
@@ -347,7 +343,6 @@ class LearnerService:
 
     # -- resume, publish, checkpoint ---------------------------------------------------------------------------
     def start_fresh(self) -> bool:
-        (self.checkpoint_dir / STOPPED).unlink(missing_ok=True)
         self.ensure_monotonic_version()
         self.work.forget_data_cursor()
         self.work.restore(skip=set(), counted=set())
@@ -356,13 +351,12 @@ class LearnerService:
 
     def latest_checkpoint(self) -> str | None:
         """The name (`step-N`) of the checkpoint `latest` points at, None if there is none."""
-        pointer = self.checkpoint_dir / LATEST
-        return pointer.read_text().strip() if pointer.is_file() else None
+        step = latest_step(self.checkpoint_dir)
+        return None if step is None else f"step-{step}"
 
     def checkpointed_step(self) -> int | None:
         """The step this process will resume from (None: a fresh start)."""
-        name = self.latest_checkpoint() if self.cfg.resume else None
-        return None if name is None else int(name.removeprefix("step-"))
+        return latest_step(self.checkpoint_dir) if self.cfg.resume else None
 
     def resume(self) -> bool:
         name = self.latest_checkpoint()
@@ -385,19 +379,14 @@ class LearnerService:
         return True
 
     def stays_stopped(self) -> bool:
-        """The refill limit stopped this run at the step just resumed, and the settings would stop it again there:
-        the run is over (exit 0, so that a restart policy on failure leaves it down). Raising learner.max_refills or
-        setting on_refill_limit to train goes on from the checkpoint; learner.resume=false starts over."""
-        path = self.checkpoint_dir / STOPPED
-        if not path.is_file():
+        """The refill limit stopped this run at the checkpoint it would resume from, and these settings would stop
+        it there again (learner/checkpoint_layout.py): the run is over."""
+        stop = recorded_stop(self.checkpoint_dir)
+        if stop is None or self.cfg.on_refill_limit != "stop" or self.cfg.max_refills > stop["max_refills"]:
             return False
-        stop = json.loads(path.read_text())
-        if (stop["step"] != self.step or self.cfg.on_refill_limit != "stop"
-                or self.cfg.max_refills > stop["max_refills"]):
-            return False
-        log.warning("the refill limit stopped this run at step %d (%s): it stays stopped; raise learner.max_refills "
-                    "or set learner.on_refill_limit=train to go on, learner.resume=false to start over",
-                    self.step, stop["reason"])
+        log.warning("the refill limit stopped this run at step %d (%s): it stays stopped; raise learner.max_refills, "
+                    "set learner.on_refill_limit=train or delete %s to go on from there, learner.resume=false to "
+                    "start over", stop["step"], stop["reason"], self.checkpoint_dir / STOPPED)
         return True
 
     def seek_data(self, checkpointed: dict) -> None:

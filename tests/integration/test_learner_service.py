@@ -24,6 +24,7 @@ import pytest
 import torch
 
 from learner.batch import Push
+from learner.checkpoint_layout import CHECKPOINTS, STOPPED, recorded_stop
 from learner.records import LEDGER_FILE, METRICS_FILE, truncate_jsonl
 from learner.service import LearnerService, TrainProblems, data_spec
 from learner.workset import ISSUED, task_id_in_payload
@@ -551,13 +552,17 @@ def test_refill_limit_stop_exits_with_a_clear_error_and_stays_stopped(pipeline, 
     assert code == 3
     assert "informative groups after 0 refill rounds" in pipeline.tail(f"learner-{run_dir.name}")
     assert step_lines(read_jsonl(run_dir / METRICS_FILE)) == []
+    assert recorded_stop(run_dir / CHECKPOINTS)["step"] == 0
     # Restarted (Compose's `restart: on-failure`): the run is over, as after total_steps.
+    log = pipeline.logs / f"learner-{run_dir.name}.log"
+    before = log.stat().st_size
     assert run_learner(pipeline, run_dir, {**LIMIT, "on_refill_limit": "stop"}) == 0
-    assert "it stays stopped" in pipeline.tail(f"learner-{run_dir.name}")
+    assert "it stays stopped" in log.read_bytes()[before:].decode(errors="replace")
     assert step_lines(read_jsonl(run_dir / METRICS_FILE)) == []
-    # Under a setting that would not have stopped there, the run goes on from its checkpoint.
+    # Under a setting that would not have stopped there, the run goes on from its checkpoint, past the stop.
     assert run_learner(pipeline, run_dir, {**LIMIT, "on_refill_limit": "train"}) == 0
     assert [r["step"] for r in step_lines(read_jsonl(run_dir / METRICS_FILE))] == [1, 2]
+    assert not (run_dir / CHECKPOINTS / STOPPED).exists()
 
 
 def held_task_ids(pipe: Pipeline) -> list[str]:
