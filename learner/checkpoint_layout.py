@@ -24,10 +24,23 @@ STOPPED = "stopped.json"
 EXIT_REFILL_LIMIT = 3  # the exit of the learner the refill limit stopped
 
 
+PREFIX = "step-"  # checkpoints/step-N
+
+
+def checkpoint_name(step: int) -> str:
+    return f"{PREFIX}{step}"
+
+
+def checkpoint_steps(checkpoint_dir: Path) -> list[int]:
+    """The steps of the checkpoint folders present, in order."""
+    return sorted(int(p.name.removeprefix(PREFIX)) for p in checkpoint_dir.iterdir()
+                  if p.is_dir() and p.name.startswith(PREFIX) and p.name.removeprefix(PREFIX).isdigit())
+
+
 def latest_step(checkpoint_dir: Path) -> int | None:
     """The step of the checkpoint `latest` names; None when there is none."""
     pointer = checkpoint_dir / LATEST
-    return int(pointer.read_text().strip().removeprefix("step-")) if pointer.is_file() else None
+    return int(pointer.read_text().strip().removeprefix(PREFIX)) if pointer.is_file() else None
 
 
 def record_stop(checkpoint_dir: Path, step: int, max_refills: int, reason: str) -> None:

@@ -33,7 +33,8 @@ from pathlib import Path
 
 from learner.batch import Batch, BatchAssembler, Push, RefillLimitReached, task_id_of
 from learner.checkpoint_layout import (
-    CHECKPOINTS, EXIT_REFILL_LIMIT, LATEST, STOPPED, clear_stop, latest_step, record_stop, recorded_stop,
+    CHECKPOINTS, EXIT_REFILL_LIMIT, LATEST, STOPPED, checkpoint_name, checkpoint_steps, clear_stop, latest_step,
+    record_stop, recorded_stop,
 )
 from learner.evaluation import EvalRound
 from learner.lease import LearnerLease
@@ -352,7 +353,7 @@ class LearnerService:
     def latest_checkpoint(self) -> str | None:
         """The name (`step-N`) of the checkpoint `latest` points at, None if there is none."""
         step = latest_step(self.checkpoint_dir)
-        return None if step is None else f"step-{step}"
+        return None if step is None else checkpoint_name(step)
 
     def checkpointed_step(self) -> int | None:
         """The step this process will resume from (None: a fresh start)."""
@@ -437,7 +438,7 @@ class LearnerService:
 
     def checkpoint(self) -> Path:
         """Write step-N (every rank), point `latest` at it (atomically), then settle `held`, prune old ones."""
-        name = f"step-{self.step}"
+        name = checkpoint_name(self.step)
         path = self.checkpoint_dir / name
         extra = {
             "step": self.step,
@@ -462,13 +463,10 @@ class LearnerService:
         return path
 
     def prune_checkpoints(self, keep: str) -> None:
-        steps = sorted(
-            int(p.name.split("-", 1)[1]) for p in self.checkpoint_dir.iterdir()
-            if p.is_dir() and p.name.startswith("step-") and p.name.split("-", 1)[1].isdigit()
-        )
+        steps = checkpoint_steps(self.checkpoint_dir)
         for step in steps[: max(0, len(steps) - max(1, self.cfg.keep_checkpoints))]:
-            if f"step-{step}" != keep:
-                shutil.rmtree(self.checkpoint_dir / f"step-{step}", ignore_errors=True)
+            if checkpoint_name(step) != keep:
+                shutil.rmtree(self.checkpoint_dir / checkpoint_name(step), ignore_errors=True)
 
     # -- evaluation --------------------------------------------------------------------------------------------
     def eval_due(self, final: bool) -> bool:

@@ -6,7 +6,8 @@ import logging
 
 from cli.launcher import reported_exit
 from learner.checkpoint_layout import (
-    CHECKPOINTS, EXIT_REFILL_LIMIT, LATEST, STOPPED, clear_stop, latest_step, record_stop, recorded_stop,
+    CHECKPOINTS, EXIT_REFILL_LIMIT, LATEST, STOPPED, checkpoint_name, checkpoint_steps, clear_stop, latest_step,
+    record_stop, recorded_stop,
 )
 
 
@@ -48,3 +49,12 @@ def test_dapo_run_reports_a_run_that_stayed_stopped_as_the_stop(tmp_path):
     assert reported_exit(0, tmp_path) == EXIT_REFILL_LIMIT == 3  # stayed stopped where it would resume
     assert reported_exit(EXIT_REFILL_LIMIT, tmp_path) == EXIT_REFILL_LIMIT
     assert reported_exit(75, tmp_path) == 75  # any other exit is its own
+
+
+def test_checkpoint_folders_are_named_and_listed_by_step(tmp_path):
+    folder = checkpointed(tmp_path, 10)
+    for name in (checkpoint_name(10), checkpoint_name(2), "step-x", "other"):
+        (folder / name).mkdir()
+    (folder / "step-3").write_text("a file, not a checkpoint")
+    assert checkpoint_name(10) == "step-10" and checkpoint_steps(folder) == [2, 10]
+    assert latest_step(folder) == 10
