@@ -3,7 +3,7 @@
 No Redis, no HTTP: the learner service tells it which prompts it pushed and which scored groups arrived, asks
 it how many prompts to push, and takes batches from it. Everything here is decided from those calls alone.
 
-Vocabulary (k = max_staleness, B = prompts_per_step)
+Vocabulary (k = max_staleness, B = prompts_per_step, B_t = the target of rollout step t)
   ready      informative groups in hand, carried surplus included, oldest policy first.
   in flight  train prompts pushed and not scored yet.
   ratio r    running estimate of the share of pushed prompts that come back usable (informative, fresh),
@@ -11,6 +11,8 @@ Vocabulary (k = max_staleness, B = prompts_per_step)
   supply     ready + r * in_flight: the informative groups expected without pushing anything more.
 
 Rules
+  warm-up    B_t = ceil(B t / W) over the first W = batch_warmup_steps steps, then B (W = 0: B from step 1,
+             the paper): the first updates come after a fraction of a full step's generation.
   sizing     a push covers the expected deficit B - supply, times the over-sampling factor
              clamp(m / r, oversample_min, oversample_max): sized from the observed ratio, not a fixed multiple.
              The margin m (oversample_margin, 1 = push the expected need) buys fewer refill rounds: a push sized
@@ -25,7 +27,8 @@ Rules
              the same way. Version jumps made at a resume are discounted (learner/policy.py).
   pacing     what is pushed now is sampled with the current version V or later, and each version consumes B
              groups, so the supply must not exceed what versions V..V+k can train on: (k + 1) * B while the step
-             at V is being collected, k * B when pushing ahead of training step V (its batch already taken).
+             at V is being collected, k * B when pushing ahead of training step V (its batch already taken);
+             under the warm-up, the sum of the targets of those k + 1 (or k) steps.
              With k = 0 nothing is pushed ahead, and a step trains once every prompt in flight is back: the
              synchronous on-policy loop (push, wait for all, train, publish). A factor above 1 / r (the margin,
              or a configured oversample_min) widens the bound by the same factor (the margin asked for is pushed).
@@ -43,7 +46,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Iterable, Literal, Sequence
 
-from learner.dapo import FilterMetric, filter_values, is_informative
+from learner.dapo import FilterMetric, LinearWarmup, filter_values, is_informative
 from learner.policy import PolicyVersion
 from services.messages import ScoredGroup
 
@@ -54,6 +57,11 @@ Status = Literal["train", "wait", "limit"]
 def _ceil(x: float) -> int:
     """Ceiling that ignores floating-point dust (2.0000000001 -> 2): counts of prompts from estimates."""
     return math.ceil(x - 1e-6)
+
+
+def warmed_up_target(prompts_per_step: int, warmup_steps: int, step: int) -> int:
+    """B_t, the informative groups rollout step `step` (from 1) trains on: ceil(B t / W) for t < W, then B."""
+    return max(1, _ceil(prompts_per_step * LinearWarmup(warmup_steps)(step - 1)))
 
 
 class RefillLimitReached(RuntimeError):
@@ -186,6 +194,7 @@ class BatchAssembler:
         self,
         target: int,
         *,
+        warmup_steps: int = 0,
         max_staleness: int = 0,
         dynamic_sampling: bool = True,
         max_refills: int = 10,
@@ -199,13 +208,14 @@ class BatchAssembler:
     ):
         if target < 1:
             raise ValueError("prompts_per_step must be >= 1")
-        if max_staleness < 0 or max_refills < 0:
-            raise ValueError("max_staleness and max_refills must be >= 0")
+        if max_staleness < 0 or max_refills < 0 or warmup_steps < 0:
+            raise ValueError("max_staleness, max_refills and batch_warmup_steps must be >= 0")
         if not 0 < oversample_min <= oversample_max:
             raise ValueError("need 0 < oversample_min <= oversample_max")
         if oversample_margin < 1:
             raise ValueError("oversample_margin must be >= 1 (1 = push the expected need)")
-        self.target = target
+        self.prompts_per_step, self.warmup_steps = target, warmup_steps
+        self.step = 1  # the rollout step being collected (learner.step + 1), for the batch warm-up
         self.max_staleness = max_staleness
         self.dynamic_sampling = dynamic_sampling
         self.max_refills = max_refills
@@ -227,6 +237,7 @@ class BatchAssembler:
     def from_settings(cls, learner_cfg, **kwargs) -> "BatchAssembler":
         return cls(
             learner_cfg.prompts_per_step,
+            warmup_steps=learner_cfg.batch_warmup_steps,
             max_staleness=learner_cfg.max_staleness,
             dynamic_sampling=learner_cfg.dynamic_sampling,
             filter_metric=learner_cfg.filter_metric,
@@ -236,6 +247,15 @@ class BatchAssembler:
             oversample_margin=learner_cfg.oversample_margin,
             **kwargs,
         )
+
+    @property
+    def target(self) -> int:
+        """B_t of the step being collected."""
+        return warmed_up_target(self.prompts_per_step, self.warmup_steps, self.step)
+
+    def start_at(self, step: int) -> None:
+        """The next batch taken is rollout step `step` (a resume picks up the warm-up where it was)."""
+        self.step = step
 
     def lag(self, group: ScoredGroup, version: int) -> int:
         """Versions the group's policy is behind `version` (negative: ahead), across resume jumps."""
@@ -262,7 +282,8 @@ class BatchAssembler:
         the user asked for is pushed, not clipped away by the bound it was meant to protect.
         """
         hedge = max(1.0, self.oversample_factor() * self.ratio.value)
-        return (self.max_staleness + (0 if ahead else 1)) * self.target * hedge
+        steps = range(self.step, self.step + self.max_staleness + (0 if ahead else 1))
+        return sum(warmed_up_target(self.prompts_per_step, self.warmup_steps, t) for t in steps) * hedge
 
     def admission_room(self, version: int, ahead: bool = False) -> int:
         """How many prompts can be pushed at learner version `version` within the staleness bound (expected)."""
@@ -411,6 +432,7 @@ class BatchAssembler:
         self.stats = StepStats()
         self.refills = 0
         self._first_push_done = False
+        self.step += 1
         return batch
 
     def take_at_limit(self, version: int, on_refill_limit: Literal["train", "stop"]) -> Batch:

@@ -26,6 +26,22 @@ LossAggregation = Literal["token", "sample"]
 MAX_LOG_RATIO = 20.0
 
 
+# -- warm-up schedules -----------------------------------------------------------------------------------------
+class LinearWarmup:
+    """Factor (k + 1) / warmup_steps at the k-th rollout step (from 0) for the first warmup_steps steps, then 1.
+
+    The learning rate's warm-up (a LambdaLR factor; paper §4.1: 20 steps) and the batch's (learner/batch.py).
+    """
+
+    def __init__(self, warmup_steps: int):
+        self.warmup_steps = warmup_steps
+
+    def __call__(self, step: int) -> float:
+        if self.warmup_steps <= 0:
+            return 1.0
+        return min(1.0, (step + 1) / self.warmup_steps)
+
+
 # -- advantages and dynamic sampling -----------------------------------------------------------------------------
 def group_advantages(rewards: Tensor | Sequence[float], eps: float = 1e-6) -> Tensor:
     """Group-relative advantage of each response, Eq. (9): (R_i - mean(R)) / (std(R) + eps).

@@ -366,6 +366,7 @@ class LearnerService:
         path = self.checkpoint_dir / name
         extra = self.ranks.load(self.trainer, path)
         self.step = int(extra["step"])
+        self.assembler.start_at(self.step + 1)  # the batch warm-up goes on where it was
         self.policy.restore(extra["policy"])
         self.last_checkpoint_step = self.step
         self.last_eval_step = extra.get("last_eval_step")

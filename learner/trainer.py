@@ -89,18 +89,6 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 _MIXED_PRECISION = {torch.float32: "no", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
-class LinearWarmup:
-    """LambdaLR factor: (k + 1) / warmup_steps for the first warmup_steps steps, then 1 (paper: 20 steps)."""
-
-    def __init__(self, warmup_steps: int):
-        self.warmup_steps = warmup_steps
-
-    def __call__(self, step: int) -> float:
-        if self.warmup_steps <= 0:
-            return 1.0
-        return min(1.0, (step + 1) / self.warmup_steps)
-
-
 @dataclass
 class _Response:
     """One response to train on, with everything its loss needs except the model's own logprobs."""
@@ -210,7 +198,7 @@ class Trainer:
         optimizer = torch.optim.AdamW(
             model.parameters(), lr=cfg.lr, betas=tuple(cfg.adam_betas), weight_decay=cfg.weight_decay
         )
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, LinearWarmup(cfg.warmup_steps))
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, dapo.LinearWarmup(cfg.warmup_steps))
         self.model, self.optimizer = self.accelerator.prepare(model, optimizer)
         # Two forward passes feed one backward: fine for DDP (each parameter's gradient hook fires once, on the
         # summed gradient); FSDP and gradient checkpointing (no KV cache in training) take whole rows.

@@ -235,6 +235,10 @@ class LearnerConfig(Section):
     )
     # Batch and schedule (paper: 512 prompts x 16 responses, 16 gradient updates per rollout step).
     prompts_per_step: int = Field(512, description="B: informative prompt groups per training step.")
+    batch_warmup_steps: int = Field(
+        0, ge=0, description="Grow B linearly over this many first rollout steps, ceil(B t / W) at step t, as the "
+        "LR warm-up grows the rate (paper: 0, the full B from step 1): sooner first updates."
+    )
     mini_batches: int = Field(16, description="Gradient updates per rollout step (mini-batches of the batch).")
     epochs: int = Field(1, description="Passes over the batch per step.")
     total_steps: int = Field(1000, description="Training steps before the learner stops.")

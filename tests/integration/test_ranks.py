@@ -70,7 +70,8 @@ import torch, torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from transformers import AutoModelForCausalLM
-from learner.trainer import LinearWarmup, load_training_state, save_training_state
+from learner.dapo import LinearWarmup
+from learner.trainer import load_training_state, save_training_state
 
 dist.init_process_group("gloo")
 rank, folder = dist.get_rank(), Path({tmp!r}) / "state"

@@ -13,6 +13,7 @@ from learner.batch import (
     RecentIds,
     RefillLimitReached,
     task_id_of,
+    warmed_up_target,
 )
 from learner.policy import PolicyVersion
 from services.config import load_settings
@@ -103,6 +104,44 @@ def test_ratio_state_round_trip_and_decay():
     clone = InformativeRatio(memory=10)
     clone.load_state(r.state())
     assert clone.value == r.value
+
+
+# -- batch warm-up ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("warmup, targets", [(0, [64, 64, 64]), (1, [64, 64, 64]), (4, [16, 32, 48, 64, 64]),
+                                             (3, [22, 43, 64, 64]), (200, [1, 1, 1])])
+def test_batch_warm_up_grows_the_target_linearly_to_b(warmup, targets):
+    assert [warmed_up_target(64, warmup, t) for t in range(1, len(targets) + 1)] == targets
+
+
+def test_each_taken_batch_advances_the_warm_up_and_a_resume_picks_it_up():
+    a = BatchAssembler(8, warmup_steps=4, max_staleness=0, ratio=with_ratio(1.0))
+    sizes = []
+    for version in range(5):
+        assert a.plan(version).count == a.target  # r = 1: the first push is the step's own target
+        arrive(a, push(a, a.target, version), lambda i: MIXED, version=version)
+        assert a.status(version) == "train"
+        sizes.append(len(a.take_batch(version).groups))
+    assert sizes == [2, 4, 6, 8, 8]
+    resumed = BatchAssembler(8, warmup_steps=4, ratio=with_ratio(1.0))
+    resumed.start_at(3)
+    assert resumed.target == 6
+    with pytest.raises(ValueError, match="batch_warmup_steps"):
+        BatchAssembler(8, warmup_steps=-1)
+
+
+def test_pacing_under_the_warm_up_allows_the_sum_of_the_coming_targets():
+    a = BatchAssembler(8, warmup_steps=4, max_staleness=2, ratio=with_ratio(1.0))
+    assert a.supply_cap(ahead=False) == 2 + 4 + 6  # steps 1, 2 and 3 can use what is pushed at v0
+    assert a.plan(0).count == 2  # the first step needs only its own 2 groups
+    arrive(a, push(a, 2), lambda i: MIXED)
+    a.take_batch(0)
+    assert a.supply_cap(ahead=True) == 4 + 6  # steps 2 and 3, pushed ahead of training step 1
+    assert a.plan(0, ahead=True).count == 4
+
+
+def test_the_warm_up_comes_from_the_config():
+    settings = load_settings("tiny-cpu", learner={"prompts_per_step": 64, "batch_warmup_steps": 4})
+    assert BatchAssembler.from_settings(settings.learner).target == 16
 
 
 # -- refills and their limit -----------------------------------------------------------------------------------
