@@ -16,6 +16,8 @@ Systems:
 - `project`: `dapo run` of the preset (every service on its own CPUs, cli/cores.py), seeded as benchmarks/runs.py.
 - `trl-matched`: TRL with the project's batch shape: prompts_per_step x n completions per generation,
   mini_batches optimizer steps per generation, `epochs` passes, the same lr, warm-up, clip range, grad clip.
+  The project's batch warm-up (`learner.batch_warmup_steps`) has no TRL counterpart: TRL takes the full shape
+  from its first step.
 - `trl-small`: TRL as a CPU user would run it: 16 completions per step, 8 per prompt, one pass, its learning
   rate tuned (SMALL_LR: the project's 3e-4 collapses at this batch size).
 TRL is one process that generates and trains in turn on all CPUs; it has no dynamic sampling.
