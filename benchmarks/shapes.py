@@ -9,7 +9,8 @@ optionally a learning rate (`learner.lr`) and any other settings of that run onl
 Every shape runs `dapo run` of the preset for `--minutes` of training, seeded and timed exactly as the `project`
 system of benchmarks/peer_trl.py (so its minutes to a target compare with the peer's table), with evaluations
 every `--eval-groups` trained groups (eval_every = eval_groups / P: the same training time between evaluations
-whatever the shape). Shapes are interleaved per seed, so a change in the machine's load hits every shape alike.
+whatever the shape; every step of P groups: the preset's batch warm-up is off unless a shape sets
+`+learner.batch_warmup_steps=W`). Shapes are interleaved per seed, so a change in the machine's load hits every shape alike.
 
 Measured per shape: the step, the learner's wait for groups in it and its refill rounds, optimizer steps per
 minute, completions per optimizer step, and the minutes of training to each held-out target of the peer benchmark
@@ -68,8 +69,10 @@ class Shape:
         return int(own[-1]) if own else preset_n
 
     def overrides(self, eval_groups: int) -> list[str]:
+        # P groups from the first step (no batch warm-up, unless the shape sets one): evaluations at equal groups
         sets = [f"learner.prompts_per_step={self.prompts}", f"learner.mini_batches={self.mini_batches}",
-                f"learner.epochs={self.epochs}", f"learner.eval_every={max(1, round(eval_groups / self.prompts))}"]
+                f"learner.epochs={self.epochs}", f"learner.eval_every={max(1, round(eval_groups / self.prompts))}",
+                "learner.batch_warmup_steps=0"]
         return sets + ([f"learner.lr={self.lr}"] if self.lr else []) + list(self.settings)
 
 

@@ -151,6 +151,7 @@ def step_record(step: int, version: int, batch: Batch, lags: list[int], result: 
         **{f"{phase}_seconds": result.get(f"{phase}_seconds") for phase in ("forward", "backward", "optimizer")},
         "tokens_per_second": (tokens / step_seconds) if tokens and step_seconds > 0 else None,
         "train_tokens_per_second": result.get("tokens_per_second"),
+        "batch_target": batch.target,  # B_t: below prompts_per_step during the batch warm-up
         "groups_trained": len(batch.groups),
         "refill_limit_hit": batch.refill_limit_hit,
     }

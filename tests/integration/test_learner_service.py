@@ -442,7 +442,8 @@ SMALL = {
     "eval_sampling": {"n": 2, "max_tokens": 48},
     "data": {"eval_size": 8},
 }
-LEARNER = {"prompts_per_step": 4, "mini_batches": 1, "total_steps": 3, "eval_every": 2, "checkpoint_every": 2}
+LEARNER = {"prompts_per_step": 4, "mini_batches": 1, "total_steps": 3, "eval_every": 2, "checkpoint_every": 2,
+           "batch_warmup_steps": 0}  # B from step 1 (the preset warms the batch up; tested on its own below)
 
 
 def read_jsonl(path: Path) -> list[dict]:
@@ -525,6 +526,18 @@ def test_asynchronous_steps(pipeline, tmp_path):
     assert len(assert_trained_once(run_dir)) == 16
     # generation overlapped training: some groups were sampled by the previous version
     assert any(r["staleness"] > 0 for r in steps), [r["staleness"] for r in steps]
+
+
+@pytest.mark.slow
+def test_batch_warm_up_grows_the_batch_and_a_resume_goes_on_where_it_left_it(pipeline, tmp_path):
+    run_dir = tmp_path / "warm-up"
+    warm = {**LEARNER, "batch_warmup_steps": 3, "max_staleness": 1, "eval_every": 0, "checkpoint_every": 1}
+    assert run_learner(pipeline, run_dir, {**warm, "total_steps": 1}) == 0, pipeline.tail(f"learner-{run_dir.name}")
+    assert run_learner(pipeline, run_dir, {**warm, "total_steps": 4}) == 0, pipeline.tail(f"learner-{run_dir.name}")
+    steps = step_lines(read_jsonl(run_dir / METRICS_FILE))
+    # B_t = ceil(4 t / 3): 2, 3, then 4; the restart after step 1 resumes at step 2's target, not step 1's
+    assert [(r["step"], r["groups_trained"]) for r in steps] == [(1, 2), (2, 3), (3, 4), (4, 4)]
+    assert len(assert_trained_once(run_dir)) == 13
 
 
 LIMIT = {**LEARNER, "eval_every": 0, "total_steps": 2, "max_refills": 0,

@@ -20,6 +20,9 @@ def test_a_shape_becomes_the_learner_overrides_with_evaluations_at_equal_trained
     assert "learner.eval_every=3" in shapes.Shape.parse("32x2x2").overrides(96)
     settings = load_settings("tiny-cpu", **parse_overrides(sets))  # the overrides are valid settings
     assert (settings.learner.prompts_per_step, settings.learner.mini_batches, settings.learner.epochs) == (16, 4, 2)
+    assert settings.learner.batch_warmup_steps == 0  # P groups from the first step
+    warm = shapes.Shape.parse("16x4x2+learner.batch_warmup_steps=4").overrides(96)
+    assert load_settings("tiny-cpu", **parse_overrides(warm)).learner.batch_warmup_steps == 4
 
 
 def test_a_shape_carries_further_settings_of_its_own_runs():
