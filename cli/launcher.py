@@ -42,7 +42,7 @@ from learner.records import read_rows
 from services.config import DEFAULT_TOKEN, Settings, dump_settings
 from services.http import free_port
 from services.redis_local import EmbeddedRedis, embedded_server, without_password
-from services.startup import EXIT_FILE_ENV
+from services.startup import EXIT_FILE_ENV, recorded_exit
 from services.weights_layout import write_atomic
 
 log = logging.getLogger(__name__)
@@ -120,10 +120,7 @@ class Child:
         if self.process is None or self.process.poll() is None:
             return None
         if self.exit_path is not None:
-            try:
-                return int(self.exit_path.read_text())
-            except (OSError, ValueError):  # crashed, or killed, before it could record a code
-                pass
+            return recorded_exit(self.exit_path, self.process.returncode)
         return self.process.returncode
 
     @property

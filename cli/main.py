@@ -53,6 +53,10 @@ def build_parser() -> argparse.ArgumentParser:
             cmd.add_argument("--learner-procs", type=int, default=1,
                              help="learner ranks under accelerate launch (gloo on CPU, one per GPU on GPUs)")
             cmd.add_argument("--no-display", action="store_true", help="plain log lines instead of the live view")
+    ranks = sub.add_parser("ranks", help="run a multi-rank learner command (accelerate launch) and exit with the code "
+                                         "its rank 0 chose, not torchrun's 1 (for containers; cli/ranks.py)")
+    ranks.add_argument("argv", nargs=argparse.REMAINDER, metavar="-- COMMAND ...",
+                       help="e.g. -- accelerate launch --num_processes=2 -m cli learner")
     return parser
 
 
@@ -98,6 +102,10 @@ def main(argv: list[str] | None = None) -> int:
 
 def run_main(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "ranks":  # no settings of its own: the learner it runs reads them
+        from cli.ranks import run_ranks
+
+        return run_ranks(args.argv)
     logging.basicConfig(
         level=os.environ.get("DAPO_LOG_LEVEL", "INFO"),
         format=f"%(asctime)s {args.command} %(levelname)s %(name)s: %(message)s",

@@ -33,6 +33,15 @@ def record_exit(code: int) -> None:
         pass
 
 
+def recorded_exit(path: Path, returncode: int) -> int:
+    """The code a service recorded at `path` (record_exit), else the process's own `returncode`: it crashed, or was
+    killed, before it could record one."""
+    try:
+        return int(path.read_text())
+    except (OSError, ValueError):
+        return returncode
+
+
 class Unavailable(RuntimeError):
     """A dependency is not there; the message says what was tried and what to do."""
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -160,6 +161,39 @@ def test_a_fenced_learner_under_torchrun_is_not_restarted(tmp_path):
     learner.process.wait(timeout=120)
     assert learner.process.returncode == 1  # torchrun's own code, which would restart it
     assert learner.exit_code == EXIT_FENCED and learner_finished(learner) and learner.restarts == 0
+
+
+def test_dapo_ranks_exits_with_the_code_rank_0_chose_under_torchrun(tmp_path):
+    """The container entry of a multi-rank learner (cli/ranks.py): rank 0's 75, not torchrun's 1."""
+    from learner.lease import EXIT_FENCED
+    from services.http import free_port
+
+    script = tmp_path / "fenced.py"
+    script.write_text(FENCED_RANKS.format(repo=REPO))
+    command = [sys.executable, "-m", "cli", "ranks", "--", sys.executable, "-m", "torch.distributed.run",
+               "--nproc_per_node", "2", "--master_port", str(free_port()), str(script)]
+    env = {**os.environ, "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "2", "OMP_NUM_THREADS": "1"}
+    assert subprocess.run(command, cwd=REPO, env=env, timeout=120).returncode == EXIT_FENCED
+
+
+# Stops on SIGTERM as the learner does: it records the code it chose (0: checkpointed), exits as torchrun would (1).
+GRACEFUL = """
+import os, signal, sys, time
+def stop(signum, frame):
+    open(os.environ["DAPO_EXIT_FILE"], "w").write("0")
+    sys.exit(1)
+signal.signal(signal.SIGTERM, stop)
+print("ready", flush=True)
+time.sleep(60)
+"""
+
+
+def test_dapo_ranks_passes_sigterm_on_and_reports_the_graceful_stop(tmp_path):
+    process = subprocess.Popen([sys.executable, "-m", "cli", "ranks", "--", sys.executable, "-c", GRACEFUL],
+                               cwd=REPO, stdout=subprocess.PIPE, text=True)
+    assert process.stdout.readline().strip() == "ready"
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(timeout=30) == 0
 
 
 def test_a_recorded_exit_code_belongs_to_one_start(tmp_path):

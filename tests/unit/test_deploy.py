@@ -178,10 +178,9 @@ def _containers(resources: list[dict]):
 
 
 def _dapo_containers(resources: list[dict]):
-    """(workload name, pod spec, container) for every container running a dapo command (or `accelerate launch` of one)."""
+    """(workload name, pod spec, container) for every container running a dapo command (`dapo ranks` included)."""
     for name, spec, container in _containers(resources):
-        args = container.get("args", [""])
-        if args[0] == "dapo" or args[:2] == ["accelerate", "launch"] and args[-3:-1] == ["-m", "cli"]:
+        if container.get("args", [""])[0] == "dapo":
             yield name, spec, container
 
 
@@ -836,7 +835,7 @@ def _accelerate_args(args: list[str], config: Path):
     """`accelerate launch` arguments as accelerate parses them, with the config file at `config`."""
     from accelerate.commands.launch import launch_command_parser
 
-    args = [re.sub(r"^--config_file=.*", f"--config_file={config}", a) for a in args[2:]]
+    args = [re.sub(r"^--config_file=.*", f"--config_file={config}", a) for a in args[args.index("launch") + 1:]]
     return launch_command_parser().parse_args(args)
 
 
@@ -857,6 +856,7 @@ def test_recipe_learner_is_ranks_of_one_accelerate_launch():
     config = yaml.safe_load(config_map["data"][file_name])
     args = container["args"]
     assert f"--config_file={mounts['accelerate']}/{file_name}" in args and args[-3:] == ["-m", "cli", "learner"]
+    assert args[:5] == ["dapo", "ranks", "--", "accelerate", "launch"]  # the pod exits with rank 0's code
     # Every pod gets its machine rank from its index; the ranks meet at pod 0 through the headless Service.
     env = {e["name"]: e for e in container["env"]}
     assert "--machine_rank=$(MACHINE_RANK)" in args
@@ -898,7 +898,7 @@ def test_recipe_generators_match_tensor_parallelism_and_load_from_the_shared_vol
 def test_compose_gpu_learner_spans_several_gpus():
     learner = _compose_resolved(COMPOSE, COMPOSE_GPU)["services"]["learner"]
     command = learner["command"]
-    assert command[:2] == ["accelerate", "launch"] and command[-3:] == ["-m", "cli", "learner"]
+    assert command[:5] == ["dapo", "ranks", "--", "accelerate", "launch"] and command[-3:] == ["-m", "cli", "learner"]
     (device,) = learner["deploy"]["resources"]["reservations"]["devices"]
     mounts = {v["target"]: v["source"] for v in learner["volumes"]}
     config = next(a.split("=", 1)[1] for a in command if a.startswith("--config_file="))
