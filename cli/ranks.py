@@ -1,12 +1,16 @@
 """`dapo ranks -- accelerate launch ... -m cli learner`: a multi-rank learner that exits with its rank 0's code.
 
 torchrun (under `accelerate launch`) reports any end but a clean one of every rank as 1: a learner stopped at the
-refill limit (3), fenced by another learner (75) or missing a dependency (69) would look like a crash to a
-container's restart policy. This wrapper runs the command with $DAPO_EXIT_FILE set (services/startup.py: rank 0
-writes the code it chose there) and exits with that code, or with the command's own when rank 0 recorded none
-(it crashed or was killed first; a death by signal as 128 + the signal, as a shell reports it). SIGTERM and SIGINT
-are passed on to the command, so `docker stop` and a pod's termination still stop the ranks gracefully.
-`dapo run --learner-procs K` does the same itself (cli/launcher.py).
+refill limit (3), fenced by another learner (75) or missing a dependency (69) would show as a crash. This wrapper
+runs the command with $DAPO_EXIT_FILE set (services/startup.py: global rank 0 writes the code it chose there) and
+exits with that code, or with the command's own when no rank 0 of this machine recorded one (it crashed or was
+killed first, or it runs on another node; a death by signal as 128 + the signal, as a shell reports it).
+
+Signals: SIGTERM and SIGINT are passed on to the command, which runs in a session of its own, so a terminal's
+Ctrl-C reaches torchrun once (a second signal makes rank 0 stop without its checkpoint). The handlers are in
+place before the command starts (a container's PID 1 drops a signal it has no handler for): a signal that comes
+first is passed on as soon as the command exists. `dapo run --learner-procs K` does the same itself
+(cli/launcher.py).
 """
 
 from __future__ import annotations
@@ -30,18 +34,30 @@ def run_ranks(command: list[str]) -> int:
     if not command:
         print("dapo ranks: no command given, e.g. dapo ranks -- accelerate launch -m cli learner", file=sys.stderr)
         return 2
-    with tempfile.TemporaryDirectory(prefix="dapo-ranks-") as folder:
-        exit_path = Path(folder) / "learner.exit"
-        try:
-            process = subprocess.Popen(command, env={**os.environ, EXIT_FILE_ENV: str(exit_path)})
-        except OSError as err:
-            print(f"dapo ranks: cannot start {command[0]!r}: {err}", file=sys.stderr)
-            return 127
-        previous = {signum: signal.signal(signum, lambda signum, _frame: process.send_signal(signum))
-                    for signum in FORWARDED}
-        try:
+    child: list[subprocess.Popen] = []  # set once started
+    early: list[int] = []  # signals that came before the command existed
+
+    def forward(signum: int, _frame) -> None:
+        if child:
+            child[0].send_signal(signum)
+        else:
+            early.append(signum)
+
+    previous = {signum: signal.signal(signum, forward) for signum in FORWARDED}
+    try:
+        with tempfile.TemporaryDirectory(prefix="dapo-ranks-") as folder:
+            exit_path = Path(folder) / "learner.exit"
+            try:
+                process = subprocess.Popen(command, env={**os.environ, EXIT_FILE_ENV: str(exit_path)},
+                                           start_new_session=True)
+            except OSError as err:
+                print(f"dapo ranks: cannot start {command[0]!r}: {err}", file=sys.stderr)
+                return 127
+            child.append(process)
+            for signum in early[:1]:  # one stop request: a second one would skip rank 0's checkpoint
+                process.send_signal(signum)
             returncode = process.wait()
-        finally:
-            for signum, handler in previous.items():
-                signal.signal(signum, handler)
-        return recorded_exit(exit_path, 128 - returncode if returncode < 0 else returncode)
+            return recorded_exit(exit_path, 128 - returncode if returncode < 0 else returncode)
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)

@@ -196,6 +196,29 @@ def test_dapo_ranks_passes_sigterm_on_and_reports_the_graceful_stop(tmp_path):
     assert process.wait(timeout=30) == 0
 
 
+# Counts the stop signals it gets in its first second: a second one would make a learner's rank 0 skip its checkpoint.
+COUNTING = """
+import os, signal, sys, time
+got = []
+signal.signal(signal.SIGINT, lambda signum, frame: got.append(signum))
+print("ready", flush=True)
+while not got:
+    time.sleep(0.01)
+time.sleep(1.0)
+open(os.environ["DAPO_EXIT_FILE"], "w").write(str(len(got)))
+sys.exit(1)
+"""
+
+
+def test_a_terminal_ctrl_c_reaches_the_command_under_dapo_ranks_once(tmp_path):
+    """A terminal sends SIGINT to its whole foreground process group: the wrapper's, here its own session's."""
+    process = subprocess.Popen([sys.executable, "-m", "cli", "ranks", "--", sys.executable, "-c", COUNTING],
+                               cwd=REPO, stdout=subprocess.PIPE, text=True, start_new_session=True)
+    assert process.stdout.readline().strip() == "ready"
+    os.killpg(process.pid, signal.SIGINT)
+    assert process.wait(timeout=30) == 1  # the one signal passed on, recorded as the code
+
+
 def test_a_recorded_exit_code_belongs_to_one_start(tmp_path):
     """Each start records into a path of its own: a code left by the start before (or by an orphaned rank of it)
     does not stand for a later crash."""
