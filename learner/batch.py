@@ -248,10 +248,14 @@ class BatchAssembler:
             **kwargs,
         )
 
+    def target_at(self, step: int) -> int:
+        """B_t of rollout step `step` under this assembler's warm-up."""
+        return warmed_up_target(self.prompts_per_step, self.warmup_steps, step)
+
     @property
     def target(self) -> int:
         """B_t of the step being collected."""
-        return warmed_up_target(self.prompts_per_step, self.warmup_steps, self.step)
+        return self.target_at(self.step)
 
     def start_at(self, step: int) -> None:
         """The next batch taken is rollout step `step` (a resume picks up the warm-up where it was)."""
@@ -283,7 +287,7 @@ class BatchAssembler:
         """
         hedge = max(1.0, self.oversample_factor() * self.ratio.value)
         steps = range(self.step, self.step + self.max_staleness + (0 if ahead else 1))
-        return sum(warmed_up_target(self.prompts_per_step, self.warmup_steps, t) for t in steps) * hedge
+        return sum(self.target_at(t) for t in steps) * hedge
 
     def admission_room(self, version: int, ahead: bool = False) -> int:
         """How many prompts can be pushed at learner version `version` within the staleness bound (expected)."""

@@ -22,8 +22,6 @@ CHECKPOINTS = "checkpoints"
 LATEST = "latest"
 STOPPED = "stopped.json"
 EXIT_REFILL_LIMIT = 3  # the exit of the learner the refill limit stopped
-
-
 PREFIX = "step-"  # checkpoints/step-N
 
 
