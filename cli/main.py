@@ -14,6 +14,7 @@ import sys
 from importlib.metadata import version
 
 from services.config import ConfigError, load_settings
+from services.data import DataError
 from services.startup import EXIT_UNAVAILABLE, Stopped, Unavailable, raise_on_signals, record_exit
 
 TRACKERS = ("wandb", "tensorboard", "mlflow")  # learner.report_to (accelerate's tracker names)
@@ -72,7 +73,11 @@ def parse_overrides(pairs: list[str]) -> dict:
         *parents, leaf = key.strip().split(".")
         for part in parents:
             node = node.setdefault(part, {})
-        node[leaf] = yaml.safe_load(value)
+        try:
+            node[leaf] = yaml.safe_load(value)
+        except yaml.YAMLError as err:  # e.g. `*+` (a YAML alias) or `{problem} ...` (a mapping): quote the value
+            raise ConfigError(f"--set {key}: the value {value!r} is not valid YAML (quote it: {key}='\"...\"'): "
+                              f"{str(err).splitlines()[0]}") from None
     return overrides
 
 
@@ -121,6 +126,9 @@ def run_main(argv: list[str] | None) -> int:
     except Unavailable as err:
         print(f"dapo {args.command}: {' '.join(str(err).split())}", file=sys.stderr)  # one line
         return EXIT_UNAVAILABLE
+    except DataError as err:  # a data file that cannot be used: its name and line, not a traceback
+        print(f"dapo {args.command}: {err}", file=sys.stderr)
+        return 2
     except Stopped as stop:
         print(f"dapo {args.command}: stopped by {stop}", file=sys.stderr)
         return 128 + stop.signum

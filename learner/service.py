@@ -44,15 +44,15 @@ from learner.records import Records, step_record, wait_split
 from learner.workset import WorkingSet
 from services import metrics
 from services.config import Settings
-from services.data import Problem, load_problems, render_prompt
+from services.data import Problem, check_alphabet, load_problems, render_prompt
 from services.http import BackgroundServer, create_app
 from services.messages import PromptTask, SamplingParams
-from services.models import model_dir
+from services.models import TINY_NAME, model_dir
 from services.redis_local import connect, wait_for_redis
 from services.startup import raise_stopped
 from services.streams import Streams
 from services.weights import WeightPublisher, latest_announcement, weights_router
-from services.weights_layout import write_atomic
+from services.weights_layout import fsync_dir, write_atomic
 
 log = logging.getLogger(__name__)
 
@@ -121,11 +121,12 @@ class PromptBuilder:
         self._cache: dict[str, tuple[str, list[int]]] = {}
 
     def __call__(self, problem: Problem) -> tuple[str, list[int]]:
-        cached = self._cache.get(problem.id)
+        # By the problem's text: ids are the data files' own, and a train and an eval file may both count from 0.
+        cached = self._cache.get(problem.problem)
         if cached is None:
             text = render_prompt(problem, self.tokenizer, self.template, raw_template=self.raw_template)
             ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-            cached = self._cache[problem.id] = (text, list(ids))
+            cached = self._cache[problem.problem] = (text, list(ids))
         return cached
 
 
@@ -209,10 +210,14 @@ class LearnerService:
         self.ranks = RankChannel(self.trainer.accelerator)
         self.records.tracking = Tracking(self.trainer.accelerator, self.settings, self.checkpointed_step())
         data = self.settings.data
-        self.train_problems = TrainProblems(load_problems(data_spec(data.train, "train"), self.settings), data.seed)
+        train = load_problems(data_spec(data.train, "train"), self.settings)
         self.eval_problems: list[Problem] = []
         if self.cfg.eval_every > 0:
             self.eval_problems = held_out_problems(self.settings)
+        if self.settings.model.name_or_path == TINY_NAME:  # its tokenizer knows the synthetic task's characters only
+            tokenizer = self.prompt_builder.tokenizer
+            check_alphabet([*train, *self.eval_problems], {tokenizer.decode([i]) for i in tokenizer.get_vocab().values()})
+        self.train_problems = TrainProblems(train, data.seed)
 
     # -- the run -----------------------------------------------------------------------------------------------
     def run(self) -> int:
@@ -454,6 +459,7 @@ class LearnerService:
         started = time.perf_counter()
         self.ranks.save(self.trainer, path, extra)
         write_atomic(self.checkpoint_dir / LATEST, name)
+        fsync_dir(self.checkpoint_dir)  # `latest` survives a power loss before held is released and step-N-k pruned
         released = self.work.release()
         self.last_checkpoint_step = self.step
         self.prune_checkpoints(keep=name)

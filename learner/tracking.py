@@ -107,17 +107,27 @@ class Tracking:
     """The trackers of one run, started on the Trainer's Accelerator (a no-op when report_to is empty)."""
 
     def __init__(self, accelerator: "Accelerator", settings: "Settings", resume_step: int | None = None):
-        """`resume_step`: the checkpoint this process resumes from. TensorBoard then drops what a crashed process
-        logged after it (those steps are trained again), as metrics.jsonl is cut back."""
+        """`resume_step`: the checkpoint this process resumes from. The steps a crashed process logged after it are
+        trained again. TensorBoard drops them, as metrics.jsonl is cut back. W&B and MLflow cannot drop logged
+        steps (W&B's rewind is a private preview; MLflow's history is append-only and its params immutable), so a
+        resumed process starts a new tracker run named for the step it resumes at, in the run's W&B group and
+        with MLflow tags: the earlier run keeps the steps that were trained again, and says so by its successor."""
         self.accelerator = accelerator
         self.names = list(settings.learner.report_to)
         if self.names:
             directory = tracking_dir(settings)
             directory.mkdir(parents=True, exist_ok=True)
-            init_kwargs = {"wandb": {"dir": str(directory)}, "mlflow": {"run_name": settings.redis.run}}
+            run = settings.redis.run
+            name = run if resume_step is None else f"{run}-resumed-at-{resume_step}"
+            tags = {"dapo.run": run} | ({} if resume_step is None else {"dapo.resumed_at_step": str(resume_step)})
+            init_kwargs = {"wandb": {"dir": str(directory), "group": run, "name": name}, "mlflow": {"run_name": name}}
             if resume_step is not None:
                 init_kwargs["tensorboard"] = {"purge_step": resume_step + 1}
-            accelerator.init_trackers(settings.redis.run, config=flat_config(settings), init_kwargs=init_kwargs)
+            accelerator.init_trackers(run, config=flat_config(settings), init_kwargs=init_kwargs)
+            if "mlflow" in self.names and accelerator.is_main_process:
+                import mlflow
+
+                mlflow.set_tags(tags)  # on the run (accelerate's `tags` would also tag an experiment it creates)
 
     def log_step(self, record: dict) -> None:
         """One metrics.jsonl record, at its step."""

@@ -64,6 +64,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.nn.utils.rnn import pad_sequence
 
 from learner import dapo
+from services.weights_layout import fsync_dir, fsync_tree
 
 if TYPE_CHECKING:  # pragma: no cover
     from services.config import Settings
@@ -366,10 +367,14 @@ class Trainer:
                 if (self.model_path / name).is_file():
                     shutil.copy2(self.model_path / name, model_dir / name)
             (tmp / TRAINER_STATE).write_text(meta)
+            # On disk before the renames make it the checkpoint (and before `latest` names it): after a power loss,
+            # a renamed folder of empty files would be a checkpoint that cannot be loaded.
+            fsync_tree(tmp)
             shutil.rmtree(old, ignore_errors=True)
             if path.exists():
                 path.rename(old)
             tmp.rename(path)
+            fsync_dir(path.parent)
             shutil.rmtree(old, ignore_errors=True)
         accelerator.wait_for_everyone()
 
@@ -704,7 +709,13 @@ def load_training_state(folder: Path, model, optimizer, scheduler, rank: int) ->
     state = _unflatten_optimizer_state(*_read_tensors(folder / OPTIMIZER_STATE))
     set_optimizer_state_dict(model, optimizer, state, options=_SCATTER)
     scheduler.load_state_dict(json.loads((folder / SCHEDULER_STATE).read_text()))
-    _set_rng_state(*_read_tensors(folder / RNG_STATE.format(rank=rank)))
+    rng = folder / RNG_STATE.format(rank=rank)
+    written_by = len(list(folder.glob(RNG_STATE.format(rank="*"))))
+    if rng.is_file() or rank < written_by:  # a rank that wrote the checkpoint must find its file (else: damaged)
+        _set_rng_state(*_read_tensors(rng))
+    else:  # resumed on more ranks than wrote the checkpoint: weights and optimizer are whole, this RNG is new
+        log.warning("%s: no RNG state for rank %d (written by %d ranks); it keeps its seeded one", folder, rank,
+                    written_by)
 
 
 def _prompt_ids(group: "ScoredGroup") -> list[int]:

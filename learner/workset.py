@@ -59,7 +59,8 @@ def provenance_error(group: ScoredGroup, issued: PromptTask | None) -> str | Non
         return f"provenance: task {task.task_id} does not match the task as issued (differs in {', '.join(changed)})"
     n = issued.sampling.n
     if len(rollout.samples) != n or len(group.scores) != n:
-        return (f"provenance: task {task.task_id} asked for n={n} samples; the group has {len(rollout.samples)} "
+        # Signed, and for the task as issued: the generator that took the prompt answered it so; none other will.
+        return (f"malformed: task {task.task_id} asked for n={n} samples; the group has {len(rollout.samples)} "
                 f"samples and {len(group.scores)} scores")
     for i, sample in enumerate(rollout.samples):
         if len(sample.logprobs) != len(sample.token_ids):  # the trainer would refuse it, at every restart
@@ -176,7 +177,7 @@ class WorkingSet:
             return
         verdict = self.assembler.admit(group, self.version())
         if verdict == "informative":
-            if not self.scored.forward(delivery, self.held, group):
+            if not self.scored.forward(delivery, self.held, group, idempotent=True):
                 self.assembler.retract(task_id)  # reclaimed meanwhile: it comes back and is admitted then
             return
         self.scored.ack(delivery)

@@ -277,6 +277,13 @@ _SQUARED = re.compile(r"\^\s*\{?\s*[23]\s*\}?")  # `cm^2`: a unit squared; after
 _NAME_OR_ARITHMETIC = re.compile(
     r"\s*(?:[A-Za-z](?:_\{?\w+\}?)?|\\[A-Za-z]+|(?:[\d.,\s+\-*/()^{}×÷]|\\cdot|\\times|\\div)+)?\s*"
 )
+# ... or what the problem asked for, named: `m + n`, `a+b+c`, `AB`, `f(2)`, `\angle ABC`. Digits only inside
+# parentheses or subscripts: `2x = 34` and `x^2 - 4 = 0` are equations, not the value of their right side. Each
+# token can match one way only (a letter run ends where the letters do, a subscript is `{...}` or one character),
+# so a long response that does not match fails in linear time.
+_NAMED_QUANTITY = re.compile(
+    r"(?:\\?[A-Za-z]+(?![A-Za-z])(?:_(?:\{\w+\}|\w))?|\([^()=,]*\)|[+\-*/·\s])+"
+)
 # Short letter runs that are units (or ordinals), not variables: "5x" and "3i" must not read as 5 and 3.
 _SHORT_UNITS = {
     "m", "g", "s", "h", "l", "L", "K", "J", "N", "W", "V", "A", "cm", "mm", "km", "kg", "mg", "ml", "mL", "hr",
@@ -308,10 +315,12 @@ def _units_only(rest: str) -> bool:
 
 
 def _value_side(text: str) -> str | None:
-    """The value an answer with `=` states: its last side, when each side before it is a variable (`x = 12`) or
-    arithmetic (`x = 2+3 = 5`); None for an equation (`5x - 7y + 4 = 0`) or several values (`x = 12, x = 13`)."""
+    """The value an answer with `=` states: its last side, when each side before it is a variable (`x = 12`), a
+    named quantity (`m + n = 34`) or arithmetic (`x = 2+3 = 5`); None for an equation (`5x - 7y + 4 = 0`) or
+    several values (`x = 12, x = 13`)."""
     *sides, value = text.split("=")
-    return value if all(_NAME_OR_ARITHMETIC.fullmatch(side) for side in sides) else None
+    named = (_NAME_OR_ARITHMETIC.fullmatch(side) or _NAMED_QUANTITY.fullmatch(side) for side in sides)
+    return value if all(named) else None
 
 
 def parse_number(text: str) -> Fraction | None:

@@ -3,9 +3,14 @@
 Each read takes a few groups and queues all their samples in the verifier pool at once, so the pool's
 processes stay busy across group boundaries; each group is then forwarded (scored group written and
 rollout acknowledged in one Redis script) in order. Unparseable rollouts never reach us: the stream moves
-them to `dead`. A group whose scoring fails (the verifier pool failed, `VerifierUnavailable`) is handed back
-unacknowledged, so it is redelivered and, after `streams.max_deliveries` attempts, dead-lettered. On stop, groups
-not yet forwarded are released at once.
+them to `dead`. A group whose verifier pool failed under it (`VerifierUnavailable`: an item that kills its child
+gets an `error` verdict instead, so the group is not the cause) is handed back without counting a delivery, and the
+worker pauses POOL_FAILURE_PAUSE_S while the pool restarts: a pool that takes a few tries to come back must not
+dead-letter every group it held. Past UNCOUNTED_POOL_FAILURES such hand-backs of one group, they count (a group
+that somehow always meets a failing pool must still end in `dead`, not loop). Any other failure hands the group
+back with its delivery counted, so a group that fails whoever scores it reaches `dead` after
+`streams.max_deliveries`. Between groups the worker renews its claim on those of the read still to score. On stop,
+groups not yet forwarded are released at once.
 """
 
 from __future__ import annotations
@@ -18,9 +23,12 @@ from services.config import Settings
 from services.messages import RolloutGroup, ScoredGroup
 from services.streams import Delivery, Streams, consumer_name
 
+from reward.sandbox import VerifierUnavailable
 from reward.scoring import Scorer, group_items
 
 log = logging.getLogger(__name__)
+POOL_FAILURE_PAUSE_S = 0.5  # after the verifier pool failed under a read: its restart, not a busy loop of reclaims
+UNCOUNTED_POOL_FAILURES = 10  # hand-backs of one group for a pool failure that do not count as deliveries
 
 
 class RewardWorker:
@@ -33,9 +41,13 @@ class RewardWorker:
         # Two groups per verifier process keep every process busy while the previous group is forwarded.
         self.groups_per_read = max(2, 2 * settings.reward.workers)
         self.groups_done = 0
+        # Heartbeat on the groups still to score, between groups: a read of slow items (a timeout each) outlasting
+        # the visibility timeout would otherwise be reclaimed and scored twice, a delivery counted each time.
+        self.touch_every_s = settings.streams.visibility_timeout_s / 4
         self.last_poll = 0.0  # monotonic time of the last read or forward (for readiness)
         self._stop = threading.Event()
         self._recovered = False
+        self._pool_failures: dict[str, int] = {}  # entry id -> pool failures under it (this process)
 
     def stop(self) -> None:
         self._stop.set()
@@ -73,8 +85,11 @@ class RewardWorker:
         for delivery in deliveries:
             items = group_items(delivery.message)
             in_flight.append((delivery, items, self.scorer.submit(items)))
-        forwarded = 0
+        forwarded, pool_failed, touched = 0, False, time.monotonic()
         for index, (delivery, items, pending) in enumerate(in_flight):
+            if time.monotonic() - touched >= self.touch_every_s:
+                self.rollouts.touch(self.consumer, [rest.id for rest, _, _ in in_flight[index:]])
+                touched = time.monotonic()
             if self._stop.is_set():
                 for rest, _, rest_pending in in_flight[index:]:
                     rest_pending.cancel()
@@ -82,14 +97,25 @@ class RewardWorker:
                 break
             try:
                 scores = self.scorer.collect(items, pending, started)
-            except Exception:  # e.g. VerifierUnavailable: no verdict is not a wrong answer
+            except VerifierUnavailable as err:  # no verdict is not a wrong answer, nor the group's fault
+                failures = self._pool_failures[delivery.id] = self._pool_failures.get(delivery.id, 0) + 1
+                uncounted = failures <= UNCOUNTED_POOL_FAILURES
+                log.warning("scoring %s: %s; handed back%s", delivery.id, err,
+                            ", not counted as a delivery" if uncounted else "")
+                self.rollouts.release(delivery, unused=uncounted)
+                pool_failed = True
+                continue
+            except Exception:
                 log.exception("scoring %s failed; handed back for redelivery", delivery.id)
                 self.rollouts.release(delivery)
                 continue
+            self._pool_failures.pop(delivery.id, None)
             result = ScoredGroup(rollout=delivery.message, scores=scores, reward_worker_id=self.consumer)
             if self.rollouts.forward(delivery, self.scored, result):
                 forwarded += 1
             started = time.perf_counter()
             self.last_poll = time.monotonic()  # alive: a long batch of slow items must not look like a stall
         self.groups_done += forwarded
+        if pool_failed:
+            self._stop.wait(POOL_FAILURE_PAUSE_S)
         return forwarded

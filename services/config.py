@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import copy
 import os
+import re
 from importlib import resources
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
-from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, SettingsError
 
 # The presets ship inside the package (a folder: the packages install unzipped, editable or from the wheel).
 CONFIG_DIR = Path(str(resources.files("services") / "configs"))
@@ -409,7 +410,6 @@ def load_settings(preset: str | os.PathLike | None = None, *, origin: str = "ove
         settings = Settings(**data)  # the environment beats the YAML
         for key, value in overrides.items():
             _override(settings, key, value, origin)
-        return settings
     except ValidationError as err:
         problems = []
         for e in err.errors():
@@ -417,6 +417,35 @@ def load_settings(preset: str | os.PathLike | None = None, *, origin: str = "ove
             reason = "unknown key" if e["type"] == "extra_forbidden" else e["msg"]
             problems.append(f"  {'.'.join(loc)}: {reason} (from {_source(loc, layers, overrides, origin)})")
         raise ConfigError("invalid config:\n" + "\n".join(problems)) from None
+    except SettingsError as err:  # a DAPO_ variable of a list or mapping field that is not JSON
+        field = re.search(r'field "(\w+)"', str(err))
+        prefix = f"DAPO_{field.group(1).upper()}" if field else "DAPO_"
+        suspects = ", ".join(sorted(name for name in os.environ if name.upper().startswith(prefix))) or str(err)
+        raise ConfigError(f"invalid config: cannot read {suspects}: a list or mapping value is JSON, e.g. "
+                          "DAPO_LEARNER__REPORT_TO='[\"wandb\"]'") from None
+    if conflicts := settings_conflicts(settings):
+        raise ConfigError("settings that cannot work together:\n" + "\n".join(f"  {c}" for c in conflicts))
+    return settings
+
+
+def settings_conflicts(settings: Settings) -> list[str]:
+    """Fields valid one by one that together would make a run do nothing useful (checked once every source is
+    applied: one override at a time may pass through such a state on the way to a valid one)."""
+    conflicts = []
+    max_model_len = settings.generator.max_model_len
+    for section in ("sampling", "eval_sampling"):
+        max_tokens = getattr(settings, section).max_tokens
+        if max_model_len is not None and max_tokens >= max_model_len:
+            conflicts.append(f"{section}.max_tokens {max_tokens} leaves no room for a prompt in generator.max_model_len "
+                             f"{max_model_len}: the generator would refuse every task")
+    if settings.learner.dynamic_sampling and settings.sampling.n < 2:
+        conflicts.append(f"learner.dynamic_sampling keeps groups whose responses score differently: sampling.n "
+                         f"{settings.sampling.n} has none (set n >= 2, or dynamic_sampling false)")
+    if settings.reward.soft_overlong and settings.reward.overlong_buffer >= settings.sampling.max_tokens:
+        conflicts.append(f"reward.overlong_buffer {settings.reward.overlong_buffer} is not below sampling.max_tokens "
+                         f"{settings.sampling.max_tokens}: the soft overlong punishment (Eq. 13) would start at the "
+                         "first token")
+    return conflicts
 
 
 def _override(settings: Settings, key: str, value: Any, origin: str) -> None:

@@ -251,25 +251,58 @@ def strip_dapo_template(text: str) -> str:
     return text
 
 
+def checked_problem(where: str, ident: Any, text: Any, answer: Any) -> Problem:
+    """One row as a Problem, refused with its place in the file unless the problem is non-empty text and the
+    answer a non-empty value (a number is kept as its text)."""
+    if not isinstance(text, str) or not text.strip():
+        raise DataError(f"{where}: the problem must be non-empty text, not {type(text).__name__} {str(text)[:40]!r}")
+    if answer is None or isinstance(answer, (dict, list)) or not str(answer).strip():
+        raise DataError(f"{where}: the answer must be a non-empty value, not {str(answer)[:40]!r}")
+    return Problem(id=str(ident), problem=text, answer=str(answer))
+
+
 def read_jsonl(path: str | os.PathLike) -> list[Problem]:
-    """Rows {problem, answer[, id]}; a missing id becomes `<file stem>-<line index>`."""
+    """Rows {problem, answer[, id]}, one JSON object a line (`.jsonl`) or a JSON array of them (`.json`); a missing
+    or null id becomes `<file stem>-<row index>`."""
     path = Path(path)
+    if path.suffix == ".json":
+        try:
+            rows = json.loads(path.read_text(encoding="utf-8"))
+        except json.JSONDecodeError as err:
+            raise DataError(f"{path}:{err.lineno}: not JSON ({err.msg})") from None
+        if not isinstance(rows, list):
+            raise DataError(f"{path}: a .json data file is an array of {{problem, answer}} objects")
+        numbered = [(f"{path} row {index}", index, row) for index, row in enumerate(rows)]
+    else:
+        numbered = []
+        with path.open(encoding="utf-8") as f:
+            for index, line in enumerate(f):
+                if not line.strip():
+                    continue
+                try:
+                    numbered.append((f"{path}:{index + 1}", index, json.loads(line)))
+                except json.JSONDecodeError as err:
+                    raise DataError(f"{path}:{index + 1}: not JSON ({err.msg})") from None
     problems = []
-    with path.open(encoding="utf-8") as f:
-        for index, line in enumerate(f):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise DataError(f"{path}:{index + 1}: not JSON ({err.msg})") from None
-            missing = [k for k in ("problem", "answer") if k not in row]
-            if missing:
-                raise DataError(f"{path}:{index + 1}: missing field(s) {', '.join(missing)}")
-            problems.append(
-                Problem(id=str(row.get("id", f"{path.stem}-{index}")), problem=row["problem"], answer=str(row["answer"]))
-            )
+    for where, index, row in numbered:
+        if not isinstance(row, dict):
+            raise DataError(f"{where}: a row is an object with problem and answer, not {type(row).__name__}")
+        missing = [k for k in ("problem", "answer") if k not in row]
+        if missing:
+            raise DataError(f"{where}: missing field(s) {', '.join(missing)}")
+        ident = row.get("id")
+        problems.append(checked_problem(where, f"{path.stem}-{index}" if ident is None else ident,
+                                        row["problem"], row["answer"]))
     return problems
+
+
+def check_alphabet(problems: Iterable[Problem], alphabet: set[str]) -> None:
+    """DataError naming the first problem with characters outside `alphabet`: a character-level tokenizer without
+    an unknown token (the tiny model's) would silently drop them from the prompt."""
+    for problem in problems:
+        if missing := set(problem.problem) - alphabet:
+            raise DataError(f"problem {problem.id}: characters {''.join(sorted(missing))!r} are not in the tiny "
+                            "model's alphabet (it is built for the synthetic task; real data needs a real model)")
 
 
 def read_parquet(path: str | os.PathLike) -> list[Problem]:
@@ -293,18 +326,24 @@ def read_parquet(path: str | os.PathLike) -> list[Problem]:
         if "problem" in row and "answer" in row:
             text, answer = row["problem"], row["answer"]
         elif "prompt" in row and "reward_model" in row:
-            users = [m for m in row["prompt"] or [] if m.get("role") == "user"]
-            if not users:
-                raise DataError(f"{where}: `prompt` holds no user message")
-            text = strip_dapo_template(users[-1]["content"])
+            prompt = row["prompt"]
+            if isinstance(prompt, str):  # a plain-text prompt rather than chat messages
+                text = strip_dapo_template(prompt)
+            else:
+                users = [m for m in prompt or [] if isinstance(m, dict) and m.get("role") == "user"]
+                if not users:
+                    raise DataError(f"{where}: `prompt` holds no user message")
+                text = strip_dapo_template(users[-1].get("content") or "")
             answer = (row["reward_model"] or {}).get("ground_truth")
             if answer is None:
                 raise DataError(f"{where}: no reward_model.ground_truth")
         else:
             raise DataError(f"{where}: neither verl columns (prompt, reward_model) nor (problem, answer)")
         extra = row.get("extra_info") or {}
-        ident = row.get("id") or f"{path.stem}-{extra.get('index', index)}"
-        problems.append(Problem(id=str(ident), problem=text, answer=str(answer)))
+        ident = row.get("id")
+        if ident is None:
+            ident = f"{path.stem}-{extra.get('index', index)}"
+        problems.append(checked_problem(where, ident, text, answer))
     return problems
 
 

@@ -46,16 +46,21 @@ RELEASED = "released"  # pseudo-consumer that holds entries handed back by a shu
 FIELD = b"data"
 SIG = b"sig"
 
-# KEYS: input stream, output stream. ARGV: group, entry id, consumer, payload, signature.
-# Write downstream and ack only while `consumer` still owns the entry (else it was reclaimed: drop the result).
+# KEYS: input stream, output stream, forward marker. ARGV: group, entry id, consumer, payload, signature, marker ms.
+# Write downstream and ack only while `consumer` still owns the entry (0: it was reclaimed, drop the result). With
+# a marker time, also leave the marker for that long: -1 when a call finds it, i.e. this very call ran before and
+# only its reply was lost (the client retries a command whose connection dropped).
 _FORWARD = """
 local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[2], ARGV[2], 1)
+if #p == 0 and tonumber(ARGV[6]) > 0 and redis.call('GET', KEYS[3]) == ARGV[3] then return -1 end
 if #p == 0 or p[1][2] ~= ARGV[3] then return 0 end
 redis.call('XADD', KEYS[2], '*', 'data', ARGV[4], 'sig', ARGV[5])
 redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
 redis.call('XDEL', KEYS[1], ARGV[2])
+if tonumber(ARGV[6]) > 0 then redis.call('SET', KEYS[3], ARGV[3], 'PX', ARGV[6]) end
 return 1
 """
+FORWARD_MARKER_MS = 600_000  # longer than the client retries a command (services.redis_local: 5 minutes)
 
 # KEYS: stream [, register hash]. ARGV: high water, payload, signature [, register field]. Append unless the
 # stream is full (one round trip); with a register, also record the payload there, in the same atomic write.
@@ -274,21 +279,30 @@ class Stream(Generic[M]):
         return counts
 
     # -- finishing -------------------------------------------------------------------------------------
-    def forward(self, delivery: Delivery[M], downstream: "Stream", result: BaseModel) -> bool:
-        """Write `result` to `downstream` and ack `delivery` atomically, if we still own it."""
+    def forward(self, delivery: Delivery[M], downstream: "Stream", result: BaseModel, idempotent: bool = False) -> bool:
+        """Write `result` to `downstream` and ack `delivery` atomically, if we still own it; True if it was written.
+
+        `idempotent`: also mark the entry as forwarded by this consumer for FORWARD_MARKER_MS, so that the client's
+        retry of this call after a lost reply answers True (the result is downstream) instead of taking the entry
+        for reclaimed. For a consumer that acts on the answer (the learner: False retracts the group); one marker
+        key per forward, so not for the hot worker streams, where False only costs a count."""
         downstream._ensure_group()
         payload = to_wire(result)
         done = self._grouped(
             self._forward,
-            keys=[self.key, downstream.key],
-            args=[self.group, delivery.id, delivery.consumer, payload, downstream.signature(payload)],
+            keys=[self.key, downstream.key, f"{self.key}:forwarded:{delivery.id}"],
+            args=[self.group, delivery.id, delivery.consumer, payload, downstream.signature(payload),
+                  FORWARD_MARKER_MS if idempotent else 0],
         )
-        if done:
+        if done == 1:
             metrics.STREAM_ACKED.labels(self.name).inc()
             metrics.STREAM_PRODUCED.labels(downstream.name).inc()
+        elif done == -1:
+            log.info("%s on %s was forwarded by this call before its reply was lost", delivery.id, self.key)
+            return True
         else:
             log.warning("%s no longer owns %s on %s: result dropped", delivery.consumer, delivery.id, self.key)
-        return bool(done)
+        return done == 1
 
     def ack(self, delivery: Delivery[M]) -> bool:
         """Acknowledge (and delete) a delivery this consumer still owns."""

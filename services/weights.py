@@ -5,9 +5,11 @@ Learner side (`WeightPublisher`, `weights_router`):
     publish(state_dict, version) writes `v{version}/` in the Hugging Face sharded layout (services/weights_layout.py:
     shards of at most `weights.shard_mb`, the index, every file's sha256) under `{run_dir}/weights` (transport
     http) or `weights.shared_dir` (transport shared-fs), keeps the last `learner.keep_versions` versions (and those
-    a generator holds, shared-fs), then SETs `dapo:{run}:weights:latest` to the announcement (JSON) and PUBLISHes
-    it on the channel `dapo:{run}:weights`. The router serves `GET /v1/weights/latest` and `GET /v1/weights/{v}`
-    (announcements) and `GET /v1/weights/{v}/{file}` (the bytes), all behind the shared bearer token.
+    a generator holds, shared-fs, or pulled within SERVING_HOLD_S, HTTP), then SETs `dapo:{run}:weights:latest` to
+    the announcement (JSON) and PUBLISHes it on the channel `dapo:{run}:weights`. The router serves
+    `GET /v1/weights/latest` and `GET /v1/weights/{v}` (announcements) and `GET /v1/weights/{v}/{file}` (the bytes),
+    all behind the shared bearer token. A version the server cannot read (a disk error, a garbled file) is a 500
+    with the error's type, not a 404: generators must not take a fault of the server for a pruned version.
 
 Announcements are signed (`services.messages.sign_announcement`, HMAC under the key derived from the shared
 token); `parse_announcement` refuses an unsigned or badly signed one, so a process that can write to Redis but
@@ -29,6 +31,7 @@ expects for `tie_word_embeddings` models, whose `load_weights` ignores `lm_head.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -64,6 +67,9 @@ from services.weights_layout import (
 )
 
 log = logging.getLogger(__name__)
+# HTTP's hold: a version stays on disk while one of its files is being downloaded, and this long after a generator
+# last asked for it or a download of it ended (a pull opens its next file as one ends, so it is never cut short)
+SERVING_HOLD_S = 60.0
 
 
 class WeightsError(RuntimeError):
@@ -215,6 +221,8 @@ class WeightPublisher:
         self.key = signing_key(settings.token)
         self.base_url = base_url.rstrip("/")
         self._lock = threading.Lock()
+        self._served: dict[int, float] = {}  # version -> when a generator last asked for it or a download ended
+        self._downloading: dict[int, int] = {}  # version -> its files being downloaded now
 
     def publish(self, state_dict: dict[str, torch.Tensor], version: int) -> WeightsAnnouncement:
         """Write, hash, prune, then announce (SET latest + PUBLISH). Returns the announcement."""
@@ -244,32 +252,69 @@ class WeightPublisher:
         return sorted(found)
 
     def announcement(self, version: int) -> WeightsAnnouncement | None:
+        """None for a version that is not on disk (never published, or pruned). Anything else that keeps it from
+        being read (a disk error, no file descriptor left, a garbled file) raises: a fault of this server, not a
+        version that is gone."""
         path = self.dir / f"v{version}" / ANNOUNCEMENT_FILE
         try:
             return WeightsAnnouncement.model_validate_json(path.read_text())
-        except (OSError, ValueError):
+        except FileNotFoundError:
             return None
 
     def latest(self) -> WeightsAnnouncement | None:
         versions = self.versions()
         return self.announcement(versions[-1]) if versions else None
 
+    def served(self, version: int) -> WeightsAnnouncement | None:
+        """The announcement of a version a generator asks for, which then stays on disk for SERVING_HOLD_S
+        more (HTTP's hold: the files of a pull not opened yet must not be pruned under it; see open_file)."""
+        with self._lock:
+            announcement = self.announcement(version)
+            if announcement is not None:
+                self._served[version] = time.monotonic()
+            return announcement
+
     def open_file(self, version: int, name: str) -> tuple[WeightsFile, "os.FileIO"] | None:
-        """An announced file of a version and an open handle on it (an open handle survives a concurrent prune)."""
+        """An announced file of a version and an open handle on it (an open handle survives a concurrent prune).
+        The version is held SERVING_HOLD_S, and while the download runs (`downloading`): its other files may be
+        still to come."""
         with self._lock:
             announcement = self.announcement(version)
             entry = next((f for f in announcement.files if f.name == name), None) if announcement else None
             if entry is None:
                 return None
             try:
-                return entry, open(self.dir / f"v{version}" / name, "rb", buffering=0)
-            except OSError:
+                handle = open(self.dir / f"v{version}" / name, "rb", buffering=0)
+            except FileNotFoundError:
                 return None
+            self._served[version] = time.monotonic()
+            return entry, handle
+
+    @contextlib.contextmanager
+    def downloading(self, version: int) -> Iterator[None]:
+        """Hold `version` while a file of it is sent, and SERVING_HOLD_S after (done, failed or cut off)."""
+        with self._lock:
+            self._downloading[version] = self._downloading.get(version, 0) + 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                left = self._downloading.pop(version) - 1
+                if left:
+                    self._downloading[version] = left
+                self._served[version] = time.monotonic()
+
+    def _serving(self) -> set[int]:
+        """Versions being downloaded, or asked for or downloaded within the last SERVING_HOLD_S seconds."""
+        now = time.monotonic()
+        self._served = {v: t for v, t in self._served.items() if now - t <= SERVING_HOLD_S}
+        return set(self._served) | set(self._downloading)
 
     def _prune(self, keep_also: int) -> None:
-        """Keep the newest `keep_versions`, `keep_also` and what generators hold (shared-fs); drop the rest."""
+        """Keep the newest `keep_versions`, `keep_also` and what generators hold (shared-fs) or are pulling
+        (HTTP); drop the rest."""
         versions = sorted(v for p in self.dir.iterdir() if p.is_dir() and (v := _version_of(p)) is not None)
-        keep = set(versions[-self.keep:]) | {keep_also} | held_versions(self.dir, self.hold_s)
+        keep = set(versions[-self.keep:]) | {keep_also} | held_versions(self.dir, self.hold_s) | self._serving()
         for version in versions:
             if version not in keep:
                 shutil.rmtree(self.dir / f"v{version}", ignore_errors=True)
@@ -288,7 +333,7 @@ def weights_router(publisher: WeightPublisher, require_token: Callable) -> APIRo
 
     @router.get("/{version}", response_model=WeightsAnnouncement)
     def manifest(version: int) -> WeightsAnnouncement:
-        announcement = publisher.announcement(version)
+        announcement = publisher.served(version)
         if announcement is None:
             raise HTTPException(404, f"weights version {version} is unknown or was pruned")
         return announcement
@@ -301,11 +346,9 @@ def weights_router(publisher: WeightPublisher, require_token: Callable) -> APIRo
         entry, handle = opened
 
         def chunks() -> Iterator[bytes]:
-            try:
+            with handle, publisher.downloading(version):
                 while chunk := handle.read(CHUNK):
                     yield chunk
-            finally:
-                handle.close()
 
         headers = {
             "Content-Length": str(entry.size),

@@ -14,6 +14,7 @@ keeps held versions beyond `learner.keep_versions` until the hold lapses (`weigh
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -80,15 +81,40 @@ def write_version(
             version=version, sha256=files_digest(files), size=sum(f.size for f in files), url=url, files=files
         ), key)
         write_atomic(tmp / ANNOUNCEMENT_FILE, announcement.model_dump_json().encode())
+        fsync_dir(tmp)
         final = root / f"v{version}"
-        if final.exists():  # republished after a crash between the rename and the announcement
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        _fsync_dir(root)
+        if _same_files(final, announcement):
+            # Republished on a resume from the same checkpoint: the same bytes. Only the announcement is replaced
+            # (its URL may differ), so a generator downloading or loading this version never finds it gone.
+            write_atomic(final / ANNOUNCEMENT_FILE, announcement.model_dump_json().encode())
+            fsync_dir(final)
+            shutil.rmtree(tmp)
+        else:
+            if final.exists():  # other bytes under the same version (a crash after it was written): moved aside
+                aside = root / f"{WRITING_PREFIX}{version}-replaced"
+                shutil.rmtree(aside, ignore_errors=True)
+                os.replace(final, aside)
+                os.replace(tmp, final)
+                shutil.rmtree(aside, ignore_errors=True)
+            else:
+                os.replace(tmp, final)
+        fsync_dir(root)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return announcement
+
+
+def _same_files(folder: Path, announcement: WeightsAnnouncement) -> bool:
+    """Whether `folder` already holds the announced files, intact (read back and hashed: a damaged copy is
+    rewritten, not kept)."""
+    try:
+        existing = WeightsAnnouncement.model_validate_json((folder / ANNOUNCEMENT_FILE).read_text())
+    except (OSError, ValueError):
+        return False
+    return existing.sha256 == announcement.sha256 and not any(
+        check_file(folder / f.name, f) for f in announcement.files
+    )
 
 
 def files_digest(files: list[WeightsFile]) -> str:
@@ -172,9 +198,28 @@ def write_atomic(path: Path, data: str | bytes, mode: int = 0o666) -> None:
     os.replace(tmp, path)
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
+    """Make the folder's entries (files created or renamed in it) durable: a file's own fsync does not. A file
+    system that cannot fsync a folder (some network and FUSE mounts answer EINVAL) is left to its own guarantees."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
+    except OSError as err:
+        if err.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EBADF):
+            raise
     finally:
         os.close(fd)
+
+
+def fsync_tree(root: Path) -> None:
+    """fsync every file under `root`, then every folder, deepest first: all of it survives a power loss once
+    this returns (before a rename publishes the tree)."""
+    folders = [root]
+    for path in sorted(root.rglob("*")):
+        if path.is_dir():
+            folders.append(path)
+        elif path.is_file():
+            with open(path, "rb") as handle:
+                os.fsync(handle.fileno())
+    for folder in sorted(folders, key=lambda p: len(p.parts), reverse=True):
+        fsync_dir(folder)

@@ -202,7 +202,6 @@ def test_learner_trains_only_groups_it_issued_and_that_match(settings):
     scored.produce(scored_group(made_up, [True, False]))
     other_prompt = issued.model_copy(update={"prompt_token_ids": [7, 8]})
     scored.produce(scored_group(other_prompt, [True, False]))
-    scored.produce(scored_group(issued, [True, False, False]))  # n=3 for a task of n=2
     genuine = to_wire(scored_group(issued, [True, False]))
     tampered = to_wire(scored_group(issued.model_copy(update={"ground_truth": "3"}), [True, False]))
     service.redis.xadd(scored.key, {b"data": tampered, b"sig": scored.signature(genuine)})
@@ -217,7 +216,6 @@ def test_learner_trains_only_groups_it_issued_and_that_match(settings):
         "forged: bad HMAC signature (tampered, or written without the shared token)",
         "provenance: unknown task id 'train-made-up' (not issued by this run's learner)",
         "provenance: task train-1 does not match the task as issued (differs in prompt_token_ids)",
-        "provenance: task train-1 asked for n=2 samples; the group has 3 samples and 3 scores",
     ]
     assert [task.rollout.task for _, _, task in service.assembler.ready] == [issued]
     assert service.redis.xlen(service.work.held.key) == 1 and service.redis.xlen(scored.key) == 0
@@ -260,6 +258,18 @@ def test_a_group_whose_samples_the_trainer_cannot_use_is_refused_and_its_task_gi
     assert dead["reason"] == "malformed: task train-1 sample 0 has 2 token ids and 1 logprobs"
     assert not service.assembler.ready and "train-1" not in service.assembler.in_flight
     assert service.redis.xlen(service.work.held.key) == 0
+
+
+def test_a_signed_group_of_its_own_task_with_the_wrong_number_of_samples_gives_the_task_up(settings):
+    """The generator that took the prompt answered it with n=3 samples for n=2 (version skew, an engine fault): no
+    other group of the task will come, so the learner must not wait for one (an evaluation's drain would hang)."""
+    service, issued = learner_that_issued(settings)
+    service.work.scored.produce(scored_group(issued, [True, False, False]))
+    service.work.pump()
+    service.work.scan_dead_letters()
+    (dead,) = service.streams.dead_letters()
+    assert dead["reason"] == "malformed: task train-1 asked for n=2 samples; the group has 3 samples and 3 scores"
+    assert not service.assembler.ready and "train-1" not in service.assembler.in_flight
 
 
 def test_a_version_published_before_redis_lost_it_is_not_reused(settings):

@@ -13,6 +13,7 @@ import redis
 
 from reward.sandbox import VerifierPool
 from reward.scoring import Scorer
+import reward.worker as reward_worker_module
 from reward.worker import RewardWorker
 from services.messages import PromptTask, RolloutGroup, Sample, SamplingParams, ScoredGroup
 from services.streams import Streams
@@ -149,3 +150,62 @@ def test_a_group_whose_verifier_pool_fails_is_handed_back_not_scored_wrong(setti
             assert drain(worker, 1) == 1
         scored = worker.scored.consume("learner-test", count=10, block_ms=100)
         assert [[s.correct for s in d.message.scores] for d in scored] == [[True, False]]
+
+
+def test_a_pool_failure_hands_the_group_back_without_counting_a_delivery(settings, streams, pool, monkeypatch):
+    """The pool failing under a group is not the group's fault: however many times it happens, the group is not
+    dead-lettered for it (an error of the group itself still counts)."""
+    from reward.sandbox import VerifierUnavailable
+
+    worker = RewardWorker(settings, Scorer(pool, settings.reward), streams, consumer="reward-test")
+    worker.rollouts.produce(rollout("u", "1", ["Answer: 1", "Answer: 2"]))
+    collect = worker.scorer.collect
+    failures = settings.streams.max_deliveries + 1
+
+    def failing(items, pending, started):
+        nonlocal failures
+        if failures:
+            failures -= 1
+            pending.cancel()
+            raise VerifierUnavailable("verifier processes died; pool restarted")
+        return collect(items, pending, started)
+
+    monkeypatch.setattr(worker.scorer, "collect", failing)
+    assert drain(worker, 1) == 1
+    assert not streams.dead_letters()
+    scored = worker.scored.consume("learner-test", count=10, block_ms=100)
+    assert [[s.correct for s in d.message.scores] for d in scored] == [[True, False]]
+    # A group that meets a failing pool every time still ends in `dead` once its uncounted hand-backs are spent.
+    monkeypatch.setattr(reward_worker_module, "UNCOUNTED_POOL_FAILURES", 1)
+    failures = 100
+    worker.rollouts.produce(rollout("v", "1", ["Answer: 1"]))
+    deadline = time.monotonic() + 30
+    while not streams.dead_letters() and time.monotonic() < deadline:
+        worker.run_once(block_ms=100)
+    (dead,) = streams.dead_letters()
+    assert dead["reason"].startswith("delivered") and failures == 100 - 1 - settings.streams.max_deliveries
+
+
+def test_a_long_read_renews_its_claim_on_the_groups_still_to_score(settings, streams, pool, monkeypatch):
+    """Between groups, the worker resets the idle time of the groups it has not scored yet, so a read of slow items
+    is not reclaimed (and scored twice) by another worker."""
+    worker = RewardWorker(settings, Scorer(pool, settings.reward), streams, consumer="reward-test")
+    worker.touch_every_s = 0.05
+    for name in ("x", "y", "z"):
+        worker.rollouts.produce(rollout(name, "1", ["Answer: 1", "Answer: 3"]))
+    deliveries = worker.rollouts.consume("reward-test", count=3, block_ms=100)
+    collect, touch, touches = worker.scorer.collect, worker.rollouts.touch, []
+
+    def slow(items, pending, started):
+        time.sleep(0.1)
+        return collect(items, pending, started)
+
+    def recorded(consumer, ids):
+        touches.append((list(ids), touch(consumer, ids)))
+        return touches[-1][1]
+
+    monkeypatch.setattr(worker.scorer, "collect", slow)
+    monkeypatch.setattr(worker.rollouts, "touch", recorded)
+    assert worker.process(deliveries) == 3
+    ids = [d.id for d in deliveries]
+    assert touches == [(ids[1:], 2), (ids[2:], 1)]  # each time, the groups still held, all still ours

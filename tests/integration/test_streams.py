@@ -225,6 +225,31 @@ def test_reclaimed_message_cannot_be_forwarded_twice(streams):
     assert streams.redis.xlen(rollouts.key) == 1
 
 
+def test_a_forward_retried_after_its_reply_was_lost_is_not_taken_for_a_reclaim(streams):
+    """The client retries a command whose reply a dropped connection lost: the script ran, the entry is gone. An
+    idempotent forward (the learner's) then answers that its result is downstream, without writing it twice; a
+    plain one answers False, and a late result of a reclaimed entry is still dropped either way."""
+    prompts, rollouts = streams.stream("prompts", PromptTask), streams.stream("rollouts", RolloutGroup)
+    prompts.produce(task(0))
+    (d,) = prompts.consume("only", count=1)
+    assert prompts.forward(d, rollouts, group_for(d.message), idempotent=True)
+    assert prompts.forward(d, rollouts, group_for(d.message), idempotent=True)  # the retry: no second write
+    assert not prompts.forward(d, rollouts, group_for(d.message))
+    assert streams.redis.xlen(rollouts.key) == 1
+    prompts.produce(task(1))
+    (mine,) = prompts.consume("slow", count=1)
+    time.sleep(prompts.cfg.visibility_timeout_s + 0.1)
+    (theirs,) = prompts.consume("fast", count=1)
+    assert prompts.forward(theirs, rollouts, group_for(theirs.message), idempotent=True)
+    assert not prompts.forward(mine, rollouts, group_for(mine.message), idempotent=True)  # forwarded by another
+    assert streams.redis.xlen(rollouts.key) == 2
+    prompts.produce(task(2))
+    (lost,) = prompts.consume("only", count=1)
+    streams.redis.xack(prompts.key, prompts.group, lost.id)  # gone without a forward (a Redis that lost it)
+    streams.redis.xdel(prompts.key, lost.id)
+    assert not prompts.forward(lost, rollouts, group_for(lost.message), idempotent=True)
+
+
 def test_release_hands_message_back_at_once(streams):
     prompts = streams.stream("prompts", PromptTask)
     prompts.produce(task(0))

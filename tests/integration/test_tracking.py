@@ -149,3 +149,33 @@ def test_mlflow_run_holds_the_step_metrics_the_config_and_the_samples_table(tmp_
     table = mlflow.artifacts.load_dict(f"{run.info.artifact_uri}/{SAMPLES_KEY}/step-2.json")
     assert table["columns"] == ["prompt", "response", "reward", "correct"]
     assert table["data"][0] == ["2+2=?", "Answer: 4", 1.0, True] and len(table["data"]) == 3
+
+
+def test_a_resume_starts_an_mlflow_run_named_and_tagged_for_its_step(tmp_path, monkeypatch):
+    """MLflow cannot drop the steps a crash discarded: the resumed process's run says where it took over."""
+    import mlflow
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", (tmp_path / "mlruns").as_uri())
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    _track(tmp_path, ["mlflow"], [{"step": k, "reward_all": float(k)} for k in range(1, 5)])
+    settings, _ = _track(tmp_path, ["mlflow"], [{"step": k, "reward_all": -float(k)} for k in (3, 4)], resume_step=2)
+    runs = {r.info.run_name: r for r in mlflow.search_runs(experiment_names=[settings.redis.run], output_format="list")}
+    first, resumed = settings.redis.run, f"{settings.redis.run}-resumed-at-2"
+    assert set(runs) == {first, resumed}
+    assert runs[first].data.tags["dapo.run"] == runs[resumed].data.tags["dapo.run"] == settings.redis.run
+    assert "dapo.resumed_at_step" not in runs[first].data.tags and runs[resumed].data.tags["dapo.resumed_at_step"] == "2"
+    history = mlflow.MlflowClient().get_metric_history(runs[resumed].info.run_id, "reward_all")
+    assert [(m.step, m.value) for m in history] == [(3, -3.0), (4, -4.0)]
+
+
+def test_a_resume_starts_a_wandb_run_named_for_its_step_in_the_run_s_group(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    settings, _ = _track(tmp_path, ["wandb"], [{"step": 3, "reward_all": -3.0}], resume_step=2)
+    (run,) = (tracking_dir(settings) / "wandb").glob("offline-run-*")
+    (log_file,) = run.glob("run-*.wandb")
+    expected = (f"{settings.redis.run}-resumed-at-2".encode(), b"reward_all")
+    deadline = time.monotonic() + 20
+    while not all(key in log_file.read_bytes() for key in expected) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert all(key in log_file.read_bytes() for key in expected)

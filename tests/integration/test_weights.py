@@ -186,6 +186,55 @@ def test_publisher_keeps_last_versions_and_serves_only_those(learner, settings):
     assert not [p for p in publisher.dir.iterdir() if p.name.startswith(".")]  # no temporary folders left
 
 
+def test_a_version_being_pulled_over_http_outlives_keep_versions_until_its_hold_lapses(learner, settings, monkeypatch):
+    """A pull opens its next file when one ends: a version whose files are being downloaded is not pruned under it,
+    however many versions are published meanwhile, nor for SERVING_HOLD_S after; then it goes."""
+    publisher, _, _ = learner
+    keep = settings.learner.keep_versions
+    publisher.publish(tiny_state_dict(seed=1), version=1)
+    _, handle = publisher.open_file(1, "model-00001-of-00001.safetensors")
+    handle.close()
+    for version in range(2, keep + 4):
+        publisher.publish(tiny_state_dict(seed=version), version=version)
+    assert publisher.versions() == [1, *range(4, keep + 4)]  # opened a moment ago
+    monkeypatch.setattr(weights_module, "SERVING_HOLD_S", 0.0)
+    with publisher.downloading(1):  # a long download: held however long it takes
+        publisher.publish(tiny_state_dict(seed=9), version=keep + 4)
+        assert publisher.versions() == [1, *range(5, keep + 5)]
+    publisher.publish(tiny_state_dict(seed=10), version=keep + 5)
+    assert publisher.versions() == list(range(6, keep + 6))
+
+
+def test_a_republished_version_is_never_missing_and_other_bytes_replace_it_whole(learner, short_tmp):
+    """A resume republishes its checkpoint's version: the same bytes keep their files (a download or an engine
+    reading them goes on) and get the new announcement; other bytes under that version replace it whole."""
+    publisher, _, _ = learner
+    first = publisher.publish(tiny_state_dict(seed=1), version=1)
+    shard = publisher.dir / "v1" / "model-00001-of-00001.safetensors"
+    inode = shard.stat().st_ino
+    publisher.base_url = "http://127.0.0.1:1/moved"
+    again = publisher.publish(tiny_state_dict(seed=1), version=1)
+    assert again.sha256 == first.sha256 and shard.stat().st_ino == inode
+    assert publisher.announcement(1).url == "http://127.0.0.1:1/moved/v1/weights/1"
+    other = publisher.publish(tiny_state_dict(seed=2), version=1)
+    assert other.sha256 != first.sha256 and publisher.announcement(1).sha256 == other.sha256
+    assert check_shared(other, publisher.dir) == publisher.dir / "v1"
+    assert not [p for p in publisher.dir.iterdir() if p.name.startswith(".")]
+
+
+def test_a_version_the_server_cannot_read_is_a_5xx_not_a_404(learner):
+    """A garbled announcement (or a disk error) is this server's fault: generators must not take it for a prune."""
+    import httpx
+
+    publisher, server, _ = learner
+    publisher.publish(tiny_state_dict(), version=2)
+    (publisher.dir / "v2" / "announcement.json").write_text("{not json")
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    answer = httpx.get(f"{server.url}/v1/weights/2", headers=auth)
+    assert answer.status_code == 500 and "ValidationError" in answer.json()["error"]
+    assert httpx.get(f"{server.url}/v1/weights/5", headers=auth).status_code == 404
+
+
 def test_a_download_does_not_wait_for_a_version_being_written(learner, monkeypatch):
     # A generator still pulling v1 while the learner writes v2 (minutes for a 32B model) is served at once.
     publisher, _, _ = learner

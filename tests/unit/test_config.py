@@ -155,3 +155,35 @@ def test_a_token_that_cannot_travel_in_an_http_header_is_refused(token, monkeypa
     monkeypatch.setenv("DAPO_TOKEN", token)
     with pytest.raises(ConfigError, match="token must be printable ASCII"):
         load_settings("tiny-cpu")
+
+
+@pytest.mark.parametrize("overrides,conflict", [
+    ({"sampling": {"max_tokens": 256}, "reward": {"overlong_buffer": 16}}, "sampling.max_tokens 256 leaves no room"),
+    ({"eval_sampling": {"max_tokens": 300}}, "eval_sampling.max_tokens 300 leaves no room"),
+    ({"sampling": {"n": 1}}, "sampling.n 1 has none"),
+    ({"reward": {"overlong_buffer": 64}}, "reward.overlong_buffer 64 is not below sampling.max_tokens 64"),
+])
+def test_settings_that_cannot_work_together_are_refused_when_loaded(overrides, conflict):
+    with pytest.raises(ConfigError, match="cannot work together") as err:
+        load_settings("tiny-cpu", **overrides)
+    assert conflict in str(err.value)
+
+
+def test_an_intermediate_override_may_conflict_if_the_final_settings_do_not():
+    # max_tokens first (past the preset's 256-token context), then the context that makes room for it
+    settings = load_settings("tiny-cpu", sampling={"max_tokens": 400}, generator={"max_model_len": 512})
+    assert (settings.sampling.max_tokens, settings.generator.max_model_len) == (400, 512)
+    assert load_settings("tiny-cpu", sampling={"n": 1}, learner={"dynamic_sampling": False}).sampling.n == 1
+    assert load_settings("tiny-cpu", reward={"overlong_buffer": 64, "soft_overlong": False}).reward.overlong_buffer == 64
+
+
+def test_a_list_variable_that_is_not_json_and_a_set_value_that_is_not_yaml_are_one_line_errors(monkeypatch, capsys):
+    from cli.main import main
+
+    monkeypatch.setenv("DAPO_LEARNER__REPORT_TO", "wandb")
+    with pytest.raises(ConfigError, match="DAPO_LEARNER__REPORT_TO"):
+        load_settings("tiny-cpu")
+    monkeypatch.delenv("DAPO_LEARNER__REPORT_TO")
+    assert main(["reward", "--set", "data.synthetic_ops=*+"]) == 2
+    err = capsys.readouterr().err
+    assert "--set data.synthetic_ops: the value '*+' is not valid YAML" in err and "Traceback" not in err

@@ -206,6 +206,32 @@ def test_jsonl_path_with_missing_ids_and_bad_rows(tmp_path):
         load_problems(str(tmp_path / "absent.jsonl"))
 
 
+@pytest.mark.parametrize("line,reason", [
+    ("5", "a row is an object with problem and answer, not int"),
+    ('"problem answer"', "a row is an object with problem and answer, not str"),
+    ('{"problem": null, "answer": "1"}', "the problem must be non-empty text, not NoneType"),
+    ('{"problem": ["1+1?"], "answer": "2"}', "the problem must be non-empty text, not list"),
+    ('{"problem": "  ", "answer": "2"}', "the problem must be non-empty text"),
+    ('{"problem": "1+1?", "answer": null}', "the answer must be a non-empty value, not 'None'"),
+    ('{"problem": "1+1?", "answer": ""}', "the answer must be a non-empty value"),
+])
+def test_a_bad_row_is_refused_with_its_file_and_line(tmp_path, line, reason):
+    path = tmp_path / "mine.jsonl"
+    path.write_text('{"problem": "2+2?", "answer": "4"}\n' + line + "\n")
+    with pytest.raises(DataError, match=re.escape(f"mine.jsonl:2: {reason}")):
+        load_problems(str(path))
+
+
+def test_a_json_array_file_and_null_or_zero_ids(tmp_path):
+    path = tmp_path / "mine.json"
+    path.write_text(json.dumps([{"id": 0, "problem": "1+1?", "answer": 2}, {"id": None, "problem": "2+2?", "answer": 4}],
+                               indent=2))
+    assert load_problems(str(path)) == [Problem("0", "1+1?", "2"), Problem("mine-1", "2+2?", "4")]
+    path.write_text('{"problem": "1+1?", "answer": 2}')
+    with pytest.raises(DataError, match="an array of"):
+        load_problems(str(path))
+
+
 def test_dedupe_normalises_whitespace_and_keeps_first():
     rows = [
         Problem("a", "What is  1+1?", "2"),
@@ -262,6 +288,9 @@ def test_flat_parquet_and_bad_parquet(tmp_path):
     pq.write_table(pa.Table.from_pylist([{"question": "1+2?"}]), tmp_path / "bad.parquet")
     with pytest.raises(DataError, match="bad.parquet row 0"):
         load_problems(str(tmp_path / "bad.parquet"))
+    text_prompt = [{"prompt": "What is 1+2?", "reward_model": {"ground_truth": "3"}}]
+    pq.write_table(pa.Table.from_pylist(text_prompt), tmp_path / "text.parquet")
+    assert load_problems(str(tmp_path / "text.parquet")) == [Problem("text-0", "What is 1+2?", "3")]
 
 
 def test_parquet_without_pyarrow_says_how_to_install(tmp_path, monkeypatch):
@@ -340,3 +369,28 @@ def test_warm_up_slips_are_consistent_and_at_the_requested_rate():
         wrong_answers += answer_line != f"Answer: {p.answer}"
     assert 0.35 < wrong_steps / total_steps < 0.45
     assert wrong_answers > 0
+
+
+def test_prompts_are_cached_by_problem_text_not_by_the_files_ids():
+    """A train and an eval file may both number their rows from 0: eval problem 0 must get its own prompt."""
+    from learner.service import PromptBuilder
+
+    class CharTokenizer:  # the one call PromptBuilder makes, on a tokenizer without a chat template
+        chat_template = None
+
+        def __call__(self, text, add_special_tokens=False):
+            return {"input_ids": [ord(c) for c in text]}
+
+    build = PromptBuilder(CharTokenizer(), make_settings())
+    train, held_out = Problem("0", "1+1?", "2"), Problem("0", "2+2?", "4")
+    assert "1+1?" in build(train)[0] and "2+2?" in build(held_out)[0]
+    assert build(held_out)[1] == [ord(c) for c in build(held_out)[0]]
+
+
+def test_characters_outside_a_tokenizer_alphabet_name_the_problem():
+    from services.data import check_alphabet
+
+    alphabet = set("0123456789+-*=? \nWhatis")
+    check_alphabet([Problem("a", "What is 1+2?", "3")], alphabet)
+    with pytest.raises(DataError, match=re.escape("problem b: characters '\\\\bdeox{}' are not in the tiny model's")):
+        check_alphabet([Problem("a", "What is 1+2?", "3"), Problem("b", "What is \\boxed{x}?", "4")], alphabet)
