@@ -42,7 +42,7 @@ from learner.records import read_rows
 from services.config import DEFAULT_TOKEN, Settings, dump_settings
 from services.http import free_port
 from services.redis_local import EmbeddedRedis, embedded_server, without_password
-from services.startup import EXIT_FILE_ENV, recorded_exit
+from services.startup import EXIT_DATA_ERROR, EXIT_FILE_ENV, recorded_exit
 from services.weights_layout import write_atomic
 
 log = logging.getLogger(__name__)
@@ -56,7 +56,7 @@ RANKS_STOP_SECONDS = 120.0  # SIGTERM to SIGKILL for the learner's ranks: rank 0
 LEARNER_STOP_SECONDS = RANKS_STOP_SECONDS + 20.0
 # The learner's own exits, not restarted: finished (or SIGTERM), refill limit with on_refill_limit=stop, fenced
 # (another learner took the run's lease, learner/lease.py: a restart would only wait for it and fail).
-LEARNER_DONE = (0, EXIT_REFILL_LIMIT, EXIT_FENCED)
+LEARNER_DONE = (0, EXIT_REFILL_LIMIT, EXIT_FENCED, EXIT_DATA_ERROR)  # a restart would not change them
 
 
 @dataclass

@@ -198,26 +198,26 @@ class LearnerService:
             self.http.stop()
 
     def load(self) -> None:
-        """The model, tokenizer, trainer and data (slow)."""
+        """The tokenizer and data (a bad data file fails here, in seconds), then the model and trainer (slow)."""
         from transformers import AutoTokenizer
 
         from learner.tracking import Tracking
 
         self.ready_reason = "loading the model"
         model_path = model_dir(self.settings)
-        self.prompt_builder = PromptBuilder(AutoTokenizer.from_pretrained(model_path), self.settings)
-        self.trainer = build_trainer(self.settings)
-        self.ranks = RankChannel(self.trainer.accelerator)
-        self.records.tracking = Tracking(self.trainer.accelerator, self.settings, self.checkpointed_step())
+        tokenizer = AutoTokenizer.from_pretrained(model_path)
+        self.prompt_builder = PromptBuilder(tokenizer, self.settings)
         data = self.settings.data
         train = load_problems(data_spec(data.train, "train"), self.settings)
         self.eval_problems: list[Problem] = []
         if self.cfg.eval_every > 0:
             self.eval_problems = held_out_problems(self.settings)
         if self.settings.model.name_or_path == TINY_NAME:  # its tokenizer knows the synthetic task's characters only
-            tokenizer = self.prompt_builder.tokenizer
             check_alphabet([*train, *self.eval_problems], {tokenizer.decode([i]) for i in tokenizer.get_vocab().values()})
         self.train_problems = TrainProblems(train, data.seed)
+        self.trainer = build_trainer(self.settings)
+        self.ranks = RankChannel(self.trainer.accelerator)
+        self.records.tracking = Tracking(self.trainer.accelerator, self.settings, self.checkpointed_step())
 
     # -- the run -----------------------------------------------------------------------------------------------
     def run(self) -> int:

@@ -277,12 +277,12 @@ _SQUARED = re.compile(r"\^\s*\{?\s*[23]\s*\}?")  # `cm^2`: a unit squared; after
 _NAME_OR_ARITHMETIC = re.compile(
     r"\s*(?:[A-Za-z](?:_\{?\w+\}?)?|\\[A-Za-z]+|(?:[\d.,\s+\-*/()^{}×÷]|\\cdot|\\times|\\div)+)?\s*"
 )
-# ... or what the problem asked for, named: `m + n`, `a+b+c`, `AB`, `f(2)`, `\angle ABC`. Digits only inside
-# parentheses or subscripts: `2x = 34` and `x^2 - 4 = 0` are equations, not the value of their right side. Each
-# token can match one way only (a letter run ends where the letters do, a subscript is `{...}` or one character),
-# so a long response that does not match fails in linear time.
+# ... or what the problem asked for, named: `m + n`, `a+b+c`, `AB`, `f(2)`, `P(A)`, `\angle ABC`. Digits only in
+# a subscript or the argument of a name: `2x = 34`, `(2x) = 34`, `(x-3)(x+5) = 0` and `x^2 - 4 = 0` are equations,
+# not the value of their right side. Each token can match one way only (a letter run ends where the letters do, a
+# subscript is `{...}` or one character), so a long response that does not match fails in linear time.
 _NAMED_QUANTITY = re.compile(
-    r"(?:\\?[A-Za-z]+(?![A-Za-z])(?:_(?:\{\w+\}|\w))?|\([^()=,]*\)|[+\-*/·\s])+"
+    r"(?:\\?[A-Za-z]+(?![A-Za-z])(?:_(?:\{\w+\}|\w))?(?:\s*\([^()=,]*\))?|[+\-*/·\s])+"
 )
 # Short letter runs that are units (or ordinals), not variables: "5x" and "3i" must not read as 5 and 3.
 _SHORT_UNITS = {

@@ -421,7 +421,7 @@ def load_settings(preset: str | os.PathLike | None = None, *, origin: str = "ove
         field = re.search(r'field "(\w+)"', str(err))
         prefix = f"DAPO_{field.group(1).upper()}" if field else "DAPO_"
         suspects = ", ".join(sorted(name for name in os.environ if name.upper().startswith(prefix))) or str(err)
-        raise ConfigError(f"invalid config: cannot read {suspects}: a list or mapping value is JSON, e.g. "
+        raise ConfigError(f"invalid config: cannot read one of {suspects}: a list or mapping value is JSON, e.g. "
                           "DAPO_LEARNER__REPORT_TO='[\"wandb\"]'") from None
     if conflicts := settings_conflicts(settings):
         raise ConfigError("settings that cannot work together:\n" + "\n".join(f"  {c}" for c in conflicts))

@@ -262,16 +262,16 @@ def checked_problem(where: str, ident: Any, text: Any, answer: Any) -> Problem:
 
 
 def read_jsonl(path: str | os.PathLike) -> list[Problem]:
-    """Rows {problem, answer[, id]}, one JSON object a line (`.jsonl`) or a JSON array of them (`.json`); a missing
-    or null id becomes `<file stem>-<row index>`."""
+    """Rows {problem, answer[, id]}: one JSON object a line (JSON Lines, whatever the suffix: `Dataset.to_json`
+    writes them as `.json`), or a JSON array of them; a missing, null or empty id becomes `<file stem>-<row index>`."""
     path = Path(path)
-    if path.suffix == ".json":
+    with path.open(encoding="utf-8") as f:
+        first = f.read(4096).lstrip()[:1]
+    if first == "[":
         try:
             rows = json.loads(path.read_text(encoding="utf-8"))
         except json.JSONDecodeError as err:
             raise DataError(f"{path}:{err.lineno}: not JSON ({err.msg})") from None
-        if not isinstance(rows, list):
-            raise DataError(f"{path}: a .json data file is an array of {{problem, answer}} objects")
         numbered = [(f"{path} row {index}", index, row) for index, row in enumerate(rows)]
     else:
         numbered = []
@@ -291,7 +291,7 @@ def read_jsonl(path: str | os.PathLike) -> list[Problem]:
         if missing:
             raise DataError(f"{where}: missing field(s) {', '.join(missing)}")
         ident = row.get("id")
-        problems.append(checked_problem(where, f"{path.stem}-{index}" if ident is None else ident,
+        problems.append(checked_problem(where, f"{path.stem}-{index}" if ident in (None, "") else ident,
                                         row["problem"], row["answer"]))
     return problems
 
@@ -341,8 +341,8 @@ def read_parquet(path: str | os.PathLike) -> list[Problem]:
             raise DataError(f"{where}: neither verl columns (prompt, reward_model) nor (problem, answer)")
         extra = row.get("extra_info") or {}
         ident = row.get("id")
-        if ident is None:
-            ident = f"{path.stem}-{extra.get('index', index)}"
+        if ident in (None, ""):
+            ident = f"{path.stem}-{index if extra.get('index') in (None, '') else extra['index']}"
         problems.append(checked_problem(where, ident, text, answer))
     return problems
 

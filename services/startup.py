@@ -12,6 +12,7 @@ import signal
 from pathlib import Path
 
 EXIT_UNAVAILABLE = 69  # sysexits EX_UNAVAILABLE: a dependency is missing; fix it and start again
+EXIT_DATA_ERROR = 65  # sysexits EX_DATAERR: a data file cannot be used; a restart would fail the same way
 # Where a service writes the code it chose to exit with, for a supervisor that cannot see it: under `accelerate
 # launch` torchrun reports any rank's failure as 1 (and a SIGTERMed run's as 1 too), so a learner fenced or
 # stopped at the refill limit would look like a crash and be restarted (cli/launcher.py reads the file).

@@ -227,9 +227,8 @@ def test_a_json_array_file_and_null_or_zero_ids(tmp_path):
     path.write_text(json.dumps([{"id": 0, "problem": "1+1?", "answer": 2}, {"id": None, "problem": "2+2?", "answer": 4}],
                                indent=2))
     assert load_problems(str(path)) == [Problem("0", "1+1?", "2"), Problem("mine-1", "2+2?", "4")]
-    path.write_text('{"problem": "1+1?", "answer": 2}')
-    with pytest.raises(DataError, match="an array of"):
-        load_problems(str(path))
+    path.write_text('{"id": "", "problem": "1+1?", "answer": 2}\n{"problem": "3+3?", "answer": 6}\n')  # to_json's
+    assert load_problems(str(path)) == [Problem("mine-0", "1+1?", "2"), Problem("mine-1", "3+3?", "6")]
 
 
 def test_dedupe_normalises_whitespace_and_keeps_first():
