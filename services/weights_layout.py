@@ -68,7 +68,9 @@ def write_version(
         files, weight_map, total = [], {}, 0
         for index, names in enumerate(plan):
             name = shard_name(index, len(plan))
-            data = save({n: tensors[n] for n in names}, metadata={"format": "pt", "version": str(version)})
+            # One metadata key: safetensors writes its metadata map in hash order, so a second key would give the same
+            # tensors other bytes now and then (and a republished version another digest).
+            data = save({n: tensors[n] for n in names}, metadata={"format": "pt"})
             files.append(WeightsFile(name=name, sha256=hashlib.sha256(data).hexdigest(), size=len(data)))
             write_atomic(tmp / name, data)
             del data
