@@ -44,7 +44,7 @@ from learner.records import Records, step_record, wait_split
 from learner.workset import WorkingSet
 from services import metrics
 from services.config import Settings
-from services.data import Problem, check_alphabet, load_problems, render_prompt
+from services.data import Problem, check_alphabet, load_problems, render_prompt, shared_problems
 from services.http import BackgroundServer, create_app
 from services.messages import PromptTask, SamplingParams
 from services.models import TINY_NAME, model_dir
@@ -214,6 +214,10 @@ class LearnerService:
             self.eval_problems = held_out_problems(self.settings)
         if self.settings.model.name_or_path == TINY_NAME:  # its tokenizer knows the synthetic task's characters only
             check_alphabet([*train, *self.eval_problems], {tokenizer.decode([i]) for i in tokenizer.get_vocab().values()})
+        if shared := shared_problems(train, self.eval_problems):
+            log.warning("%d of the %d held-out problems are also training problems (data.train %s, data.eval %s): "
+                        "the held-out accuracy is partly measured on the training set", shared,
+                        len(self.eval_problems), data.train, data.eval)
         self.train_problems = TrainProblems(train, data.seed)
         self.trainer = build_trainer(self.settings)
         self.ranks = RankChannel(self.trainer.accelerator)

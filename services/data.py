@@ -296,6 +296,12 @@ def read_jsonl(path: str | os.PathLike) -> list[Problem]:
     return problems
 
 
+def shared_problems(train: Iterable[Problem], held_out: Iterable[Problem]) -> int:
+    """How many held-out problems are also in the training set (whitespace aside)."""
+    seen = {normalise_problem(p.problem) for p in train}
+    return sum(normalise_problem(p.problem) in seen for p in held_out)
+
+
 def check_alphabet(problems: Iterable[Problem], alphabet: set[str]) -> None:
     """DataError naming the first problem with characters outside `alphabet`: a character-level tokenizer without
     an unknown token (the tiny model's) would silently drop them from the prompt."""

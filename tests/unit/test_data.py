@@ -393,3 +393,11 @@ def test_characters_outside_a_tokenizer_alphabet_name_the_problem():
     check_alphabet([Problem("a", "What is 1+2?", "3")], alphabet)
     with pytest.raises(DataError, match=re.escape("problem b: characters '\\\\bdeox{}' are not in the tiny model's")):
         check_alphabet([Problem("a", "What is 1+2?", "3"), Problem("b", "What is \\boxed{x}?", "4")], alphabet)
+
+
+def test_held_out_problems_that_are_also_training_problems_are_counted():
+    from services.data import shared_problems
+
+    train = [Problem("a", "What is 1+2?", "3"), Problem("b", "What is 2+2?", "4")]
+    held_out = [Problem("0", "What is  1+2?", "3"), Problem("1", "What is 5+5?", "10")]
+    assert shared_problems(train, held_out) == 1 and shared_problems(train, held_out[1:]) == 0
