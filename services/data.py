@@ -251,14 +251,14 @@ def strip_dapo_template(text: str) -> str:
     return text
 
 
-def checked_problem(where: str, ident: Any, text: Any, answer: Any) -> Problem:
+def checked_problem(where: str, ident: Any, fallback_id: str, text: Any, answer: Any) -> Problem:
     """One row as a Problem, refused with its place in the file unless the problem is non-empty text and the
-    answer a non-empty value (a number is kept as its text)."""
+    answer a non-empty value (a number is kept as its text); a missing, null or empty id becomes `fallback_id`."""
     if not isinstance(text, str) or not text.strip():
         raise DataError(f"{where}: the problem must be non-empty text, not {type(text).__name__} {str(text)[:40]!r}")
     if answer is None or isinstance(answer, (dict, list)) or not str(answer).strip():
         raise DataError(f"{where}: the answer must be a non-empty value, not {str(answer)[:40]!r}")
-    return Problem(id=str(ident), problem=text, answer=str(answer))
+    return Problem(id=fallback_id if ident in (None, "") else str(ident), problem=text, answer=str(answer))
 
 
 def read_jsonl(path: str | os.PathLike) -> list[Problem]:
@@ -290,9 +290,7 @@ def read_jsonl(path: str | os.PathLike) -> list[Problem]:
         missing = [k for k in ("problem", "answer") if k not in row]
         if missing:
             raise DataError(f"{where}: missing field(s) {', '.join(missing)}")
-        ident = row.get("id")
-        problems.append(checked_problem(where, f"{path.stem}-{index}" if ident in (None, "") else ident,
-                                        row["problem"], row["answer"]))
+        problems.append(checked_problem(where, row.get("id"), f"{path.stem}-{index}", row["problem"], row["answer"]))
     return problems
 
 
@@ -346,10 +344,8 @@ def read_parquet(path: str | os.PathLike) -> list[Problem]:
         else:
             raise DataError(f"{where}: neither verl columns (prompt, reward_model) nor (problem, answer)")
         extra = row.get("extra_info") or {}
-        ident = row.get("id")
-        if ident in (None, ""):
-            ident = f"{path.stem}-{index if extra.get('index') in (None, '') else extra['index']}"
-        problems.append(checked_problem(where, ident, text, answer))
+        row_index = index if extra.get("index") in (None, "") else extra["index"]
+        problems.append(checked_problem(where, row.get("id"), f"{path.stem}-{row_index}", text, answer))
     return problems
 
 

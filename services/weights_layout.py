@@ -92,14 +92,12 @@ def write_version(
             fsync_dir(final)
             shutil.rmtree(tmp)
         else:
+            aside = root / f"{WRITING_PREFIX}{version}-replaced"
+            shutil.rmtree(aside, ignore_errors=True)
             if final.exists():  # other bytes under the same version (a crash after it was written): moved aside
-                aside = root / f"{WRITING_PREFIX}{version}-replaced"
-                shutil.rmtree(aside, ignore_errors=True)
                 os.replace(final, aside)
-                os.replace(tmp, final)
-                shutil.rmtree(aside, ignore_errors=True)
-            else:
-                os.replace(tmp, final)
+            os.replace(tmp, final)
+            shutil.rmtree(aside, ignore_errors=True)
         fsync_dir(root)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -217,7 +215,7 @@ def fsync_tree(root: Path) -> None:
     """fsync every file under `root`, then every folder, deepest first: all of it survives a power loss once
     this returns (before a rename publishes the tree)."""
     folders = [root]
-    for path in sorted(root.rglob("*")):
+    for path in root.rglob("*"):
         if path.is_dir():
             folders.append(path)
         elif path.is_file():
