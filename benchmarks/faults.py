@@ -353,9 +353,8 @@ class Faults:
             from services.redis_local import wait_for_redis
             from services.startup import Unavailable
 
-            url = f"unix://:{self.redis_password()}@{self.run_dir / 'redis' / 'redis.sock'}"
             try:
-                wait_for_redis(load_settings(self.args.preset, redis={"url": url, "connect_timeout_s": 0.1}))
+                wait_for_redis(load_settings(self.args.preset, redis={"url": self.redis_url(), "connect_timeout_s": 0.1}))
                 return pid
             except Unavailable:
                 return None
@@ -367,10 +366,11 @@ class Faults:
         except httpx.HTTPError:
             return None
 
-    def redis_password(self) -> str:
-        from services.redis_local import saved_password
+    def redis_url(self) -> str:
+        """The run's embedded server (its saved password, its socket)."""
+        from services.redis_local import EmbeddedRedis
 
-        return saved_password(self.run_dir / "redis")
+        return EmbeddedRedis(self.run_dir / "redis").url
 
     # -- kills -----------------------------------------------------------------------------------------------
     def kill(self, round_: int, kind: str, name: str) -> Kill:
@@ -430,7 +430,7 @@ class Faults:
             from services.streams import Streams
 
             settings = load_settings(self.args.preset, token=self.token, redis={"run": RUN_NAME})
-            client = client_for(f"unix://:{self.redis_password()}@{self.run_dir / 'redis' / 'redis.sock'}")
+            client = client_for(self.redis_url())
             self._streams = (Streams(client, settings), settings)
         return self._streams
 

@@ -12,6 +12,7 @@ to (`tests/unit/test_redis_calls.py` checks that no other module builds a client
 from __future__ import annotations
 
 import atexit
+import hashlib
 import itertools
 import logging
 import os
@@ -20,6 +21,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 
@@ -35,6 +37,7 @@ from services.startup import Unavailable
 log = logging.getLogger(__name__)
 
 CONF_FILE = "redis.conf"
+MAX_SOCKET_PATH = 100  # a unix socket path holds at most 107 bytes (sun_path)
 # A reply this much later than the longest blocking read asked for (streams.block_ms) is a dead connection: a
 # partition or a frozen host leaves a half-open TCP socket that, without a timeout, blocks a service for ever.
 REPLY_TIMEOUT_S = 30.0
@@ -144,7 +147,13 @@ class EmbeddedRedis:
 
     @property
     def socket_path(self) -> Path:
-        return self.data_dir / "redis.sock"
+        """`redis.sock` in the data folder; from a deep folder, a short path derived from it (the same in every
+        process of the run), since a unix socket's path is limited to 107 bytes."""
+        beside = self.data_dir / "redis.sock"
+        if len(str(beside)) <= MAX_SOCKET_PATH:
+            return beside
+        digest = hashlib.sha256(str(self.data_dir).encode()).hexdigest()[:20]
+        return Path(tempfile.gettempdir()) / f"dapo-{os.getuid()}" / f"redis-{digest}.sock"
 
     @property
     def url(self) -> str:
@@ -156,8 +165,8 @@ class EmbeddedRedis:
 
     def start(self, timeout: float = 30.0) -> "EmbeddedRedis":
         self.data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-        if len(str(self.socket_path)) > 100:  # unix socket paths are limited to ~107 bytes
-            raise RuntimeError(f"embedded Redis socket path too long: {self.socket_path}")
+        if self.socket_path.parent != self.data_dir:
+            _private_dir(self.socket_path.parent)
         conf = self.data_dir / CONF_FILE  # the password stays off the command line (ps) and out of shared files
         conf.touch(mode=0o600)
         conf.chmod(0o600)
@@ -213,6 +222,14 @@ class EmbeddedRedis:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def _private_dir(folder: Path) -> None:
+    """`folder` exists, is ours and only ours (the short socket folder sits in the shared temp folder)."""
+    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    info = folder.stat()
+    if info.st_uid != os.getuid() or info.st_mode & 0o077:
+        raise RuntimeError(f"{folder} must belong to this user with mode 0700 to hold the embedded Redis socket")
 
 
 def embedded_dir(settings: Settings) -> Path:

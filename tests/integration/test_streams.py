@@ -396,6 +396,22 @@ def test_embedded_redis_requires_its_password_kept_in_an_owner_only_file(redis_s
     assert redis.Redis.from_url(redis_server.url).ping()
 
 
+def test_embedded_redis_in_a_deep_run_folder_listens_on_a_short_private_socket(tmp_path):
+    """A unix socket path holds 107 bytes: a run folder deeper than that still gets its server, on a socket every
+    process of the run derives from the folder alone."""
+    import redis
+
+    from services.redis_local import EmbeddedRedis
+
+    deep = tmp_path / ("a-run-folder-with-a-long-name-" * 4) / "redis"
+    with EmbeddedRedis(deep, aof=False) as server:
+        assert len(str(server.socket_path)) <= 100 and not str(server.socket_path).startswith(str(deep))
+        assert server.socket_path.parent.stat().st_mode & 0o777 == 0o700
+        assert EmbeddedRedis(deep).url == server.url  # another process of the run: same socket, saved password
+        assert redis.Redis.from_url(server.url).ping()
+    assert EmbeddedRedis(tmp_path / "redis").socket_path == (tmp_path / "redis" / "redis.sock").resolve()
+
+
 def test_a_generator_restarting_under_a_dead_ones_name_hands_its_tasks_back_before_its_engine(settings):
     """A SIGKILLed generator's tasks do not wait for its replacement's engine (minutes) or the visibility timeout:
     the replacement hands them back first thing, and a live generator takes them on its next read."""
