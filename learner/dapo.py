@@ -255,13 +255,14 @@ def token_loss(
 
 
 # -- metrics -----------------------------------------------------------------------------------------------------
-def clip_counts(surrogate: Surrogate, mask: Tensor) -> dict[str, float]:
+def clip_counts(surrogate: Surrogate, mask: Tensor) -> dict[str, Tensor]:
     """Loss tokens clipped at the low, the high and the dual bound (Clip-Higher diagnostics, Fig. 3).
 
     Counts, not fractions: the trainer sums them over micro-batches and ranks and divides by the token count.
+    0-d tensors on the loss's device: reading them would wait for the GPU, which the trainer does once a step.
     """
     return {
-        "clip_low": float((surrogate.clipped_low * mask).sum()),
-        "clip_high": float((surrogate.clipped_high * mask).sum()),
-        "clip_dual": float((surrogate.clipped_dual * mask).sum()),
+        "clip_low": (surrogate.clipped_low * mask).sum(),
+        "clip_high": (surrogate.clipped_high * mask).sum(),
+        "clip_dual": (surrogate.clipped_dual * mask).sum(),
     }

@@ -38,32 +38,25 @@ DeepSpeed is refused: its engine owns gradient accumulation and clipping, which 
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import logging
 import math
 import os
-import random
 import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
-import numpy as np
 import torch
-from safetensors import safe_open
-from safetensors.torch import load_file, save_file
 from torch import Tensor
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
 from torch.nn.utils.rnn import pad_sequence
 
-from learner import dapo
+from learner import dapo, packing, throughput
+from learner.checkpoint_io import load_training_state, save_training_state
+from learner.logprobs import HeadQuery, install_head
+from learner.packing import MicroBatch, Response
 from services.weights_layout import fsync_dir, fsync_tree
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -72,14 +65,8 @@ if TYPE_CHECKING:  # pragma: no cover
 
 log = logging.getLogger(__name__)
 
-CHECKPOINT_FORMAT = 3  # 1 was accelerate's save_state (pickles); 2 kept a policy version of its own
-STATE_DIR = "state"  # the exact training state, no pickle anywhere (a resume never unpickles):
-MODEL_STATE = "model.safetensors"  # fp32 master weights, full (gathered under FSDP)
-OPTIMIZER_STATE = "optimizer.safetensors"  # AdamW moments by parameter name; param groups as JSON metadata
-SCHEDULER_STATE = "scheduler.json"
-RNG_STATE = "rng-{rank}.safetensors"  # per rank: torch CPU/CUDA, numpy, python generators
-_GATHER = StateDictOptions(full_state_dict=True, cpu_offload=True)  # full tensors, on the main process
-_SCATTER = StateDictOptions(full_state_dict=True)  # every rank reads the full state and keeps its part
+CHECKPOINT_FORMAT = 4  # 1 accelerate's save_state (pickles); 2 a policy version of its own; 3 full-state gather
+STATE_DIR = "state"  # the exact training state, sharded per rank, no pickle anywhere (learner/checkpoint_io.py)
 MODEL_DIR = "model"  # save_pretrained in the served dtype + tokenizer: loadable by vLLM / transformers
 TRAINER_STATE = "trainer_state.json"  # format, extra_state (the caller's: step, policy version, ...)
 TOKENIZER_FILES = (
@@ -91,66 +78,12 @@ _MIXED_PRECISION = {torch.float32: "no", torch.bfloat16: "bf16", torch.float16: 
 
 
 @dataclass
-class _Response:
-    """One response to train on, with everything its loss needs except the model's own logprobs."""
-
-    group: int
-    prompt_ids: list[int]
-    response_ids: list[int]
-    behaviour_logprobs: Tensor  # [R] float32, mu
-    advantage: float
-    filtered: bool  # overlong-filtered: no token of it enters the loss (dapo.overlong_filter_mask)
-
-    @property
-    def length(self) -> int:
-        return len(self.prompt_ids) + len(self.response_ids)
-
-    @property
-    def loss_tokens(self) -> int:
-        return 0 if self.filtered else len(self.response_ids)
-
-
-@dataclass
 class _Batch:
-    responses: list[_Response]
+    responses: list[Response]
     groups: int
     response_length_mean: float
     old_logprobs: dict[int, Tensor] = field(default_factory=dict)  # response index -> [R] pi_old
     ref_logprobs: dict[int, Tensor] = field(default_factory=dict)  # response index -> [R] pi_ref (kl_coef > 0)
-
-
-@dataclass
-class _MicroBatch:
-    """Right-padded model inputs plus where each response token sits, flat and padded.
-
-    Two layouts. Whole rows: input_ids are prompt + response, and `token_source` indexes the row's logits.
-    Shared prompts (`prompt` set): input_ids are the responses alone, run on the KV cache of their prompt's pass;
-    the logits of a row are [its prompt's last logits, the response's logits], which `token_source` indexes."""
-
-    indices: list[int]
-    input_ids: Tensor  # [B, L]: whole rows, or the responses (L = R) after a shared prompt pass
-    attention_mask: Tensor  # [B, L], or [B, P + R] over the prompt block and the response
-    position_ids: Tensor  # [B, L]
-    token_row: Tensor  # [n] row of each response token
-    token_source: Tensor  # [n] position in the row's logits that predicts it (t predicts t + 1)
-    token_slot: Tensor  # [n] its index within the response (column of the padded [B, R] tensors)
-    targets: Tensor  # [n] the response token ids
-    response_mask: Tensor  # [B, R] 1.0 on response tokens
-    prompt: "_PromptBlock | None" = None
-
-
-@dataclass
-class _PromptBlock:
-    """The distinct prompts of a micro-batch, left-padded so every prompt's last token is the last column."""
-
-    input_ids: Tensor  # [G, P]
-    attention_mask: Tensor  # [G, P]
-    position_ids: Tensor  # [G, P]
-    of_row: Tensor  # [B] the prompt of each response row
-
-    def to(self, device) -> "_PromptBlock":
-        return _PromptBlock(*(t.to(device) for t in (self.input_ids, self.attention_mask, self.position_ids,
-                                                     self.of_row)))
 
 
 class Trainer:
@@ -189,30 +122,45 @@ class Trainer:
                 "model, so the importance weights are biased (the paper trains at top_p 1)", settings.sampling.top_p
             )
 
+        self.attention = attention_implementation(cfg.attention, cuda)
         model = AutoModelForCausalLM.from_pretrained(
-            self.model_path, dtype=torch.float32, trust_remote_code=settings.model.trust_remote_code
+            self.model_path, dtype=torch.float32, trust_remote_code=settings.model.trust_remote_code,
+            attn_implementation=self.attention,
         )
         if cfg.gradient_checkpointing:
             model.gradient_checkpointing_enable()
         self.pad_token_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
+        self.parameter_counts = throughput.parameter_counts(model)
+        # The head scores response positions only, in chunks (learner/logprobs.py); installed before any wrapping.
+        self.heads = {}
+        head = install_head(model, self.temperature, cfg.head_chunk_tokens)
         # Weight decay on every parameter, as verl (the paper's code) does.
         optimizer = torch.optim.AdamW(
             model.parameters(), lr=cfg.lr, betas=tuple(cfg.adam_betas), weight_decay=cfg.weight_decay
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, dapo.LinearWarmup(cfg.warmup_steps))
         self.model, self.optimizer = self.accelerator.prepare(model, optimizer)
+        self.heads[id(self.model)] = head
         # Two forward passes feed one backward: fine for DDP (each parameter's gradient hook fires once, on the
         # summed gradient); FSDP and gradient checkpointing (no KV cache in training) take whole rows.
         self.share_prompts = (cfg.share_prompt_pass and not cfg.gradient_checkpointing
                               and self.accelerator.distributed_type != DistributedType.FSDP)
+        packed = cfg.packing == "on" or (cfg.packing == "auto" and cuda)
+        self.layout: packing.Layout = "packed" if packed else "shared" if self.share_prompts else "padded"
+        # On a GPU, few distinct shapes (kernels are planned per shape): packs rounded up to an eighth of the
+        # budget, padded rows to 64 tokens. On a CPU nothing is planned and every padding token costs.
+        self.bucket = (max(1, cfg.micro_batch_tokens // 8) if packed else 64) if cuda else 1
+        self.peak_tflops = throughput.peak_tflops(self.accelerator.device, cfg.peak_tflops)
         self.reference = None
         if cfg.kl_coef:
             # A frozen copy of the starting policy, only when the KL penalty is on (paper: off). A full replica
             # per rank (not sharded): fine for the model sizes where one would turn it on.
             self.reference = AutoModelForCausalLM.from_pretrained(
-                self.model_path, dtype=self.compute_dtype, trust_remote_code=settings.model.trust_remote_code
-            ).to(self.accelerator.device)
-            self.reference.requires_grad_(False).eval()
+                self.model_path, dtype=self.compute_dtype, trust_remote_code=settings.model.trust_remote_code,
+                attn_implementation=self.attention,
+            )
+            self.heads[id(self.reference)] = install_head(self.reference, self.temperature, cfg.head_chunk_tokens)
+            self.reference.to(self.accelerator.device).requires_grad_(False).eval()
 
     @property
     def steps_done(self) -> int:
@@ -226,9 +174,9 @@ class Trainer:
         cfg = self.config
         batch = self._prepare(groups)
         mini_batches = self._mini_batches(batch)
-        stats = _Stats()
+        stats = _Stats(self.accelerator.device)
         recompute_started = time.perf_counter()
-        self._recompute(batch, mini_batches)
+        self._recompute(batch, mini_batches, stats)
         stats.seconds["forward"] += time.perf_counter() - recompute_started
         lr = self.scheduler.get_last_lr()[0]
 
@@ -239,7 +187,7 @@ class Trainer:
                     stats.skipped += 1
                     continue
                 self.optimizer.zero_grad(set_to_none=True)
-                stats.loss += self._backward_mini_batch(batch, mb, stats, first_epoch=epoch == 0)
+                self._backward_mini_batch(batch, mb, stats, first_epoch=epoch == 0)
                 max_norm = cfg.grad_clip if cfg.grad_clip > 0 else math.inf
                 grad_norm = float(self.accelerator.clip_grad_norm_(self.model.parameters(), max_norm))
                 stats.updates += 1
@@ -254,10 +202,11 @@ class Trainer:
                 self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
 
-        totals = stats.reduced(self.accelerator)
+        totals = stats.reduced(self.accelerator)  # waits for the device: the step's only read of its sums
         seconds = time.perf_counter() - started
         tokens = sum(r.loss_tokens for r in batch.responses)
         stepped = max(stats.updates - stats.skipped, 1)
+        flops = throughput.model_flops(*self.parameter_counts, **stats.model_tokens)  # this rank's
         return {
             "loss": totals["loss"] / max(stats.updates, 1),
             "clip_frac_low": totals["clip_low"] / max(totals["tokens"], 1.0),
@@ -265,7 +214,7 @@ class Trainer:
             "clip_frac_dual": totals["clip_dual"] / max(totals["tokens"], 1.0),
             "entropy": totals["entropy"] / max(totals["tokens"], 1.0),
             "approx_kl": totals["approx_kl"] / max(totals["tokens"], 1.0),
-            "log_ratio_max": stats.log_ratio_max(self.accelerator),
+            "log_ratio_max": totals["log_ratio_max"],
             "tis_mean": totals["tis"] / max(totals["tis_tokens"], 1.0),
             "tis_capped_frac": totals["tis_capped"] / max(totals["tis_tokens"], 1.0),
             "grad_norm": stats.grad_norm / stepped,
@@ -278,6 +227,7 @@ class Trainer:
             "samples": float(len(batch.responses)),
             "updates": float(stats.updates),
             "skipped_updates": float(stats.skipped),
+            **throughput.utilisation(flops, seconds, 1, self.peak_tflops),  # per device: this rank's FLOPs
             **{f"{phase}_seconds": value for phase, value in stats.seconds.items()},  # this rank's
         }
 
@@ -288,10 +238,10 @@ class Trainer:
         """
         batch = self._prepare(groups)
         indices = list(range(len(batch.responses)))
-        self._recompute(batch, [indices])
+        stats = _Stats(self.accelerator.device)
+        self._recompute(batch, [indices], stats)
         self.optimizer.zero_grad(set_to_none=True)
-        stats = _Stats()
-        stats.loss = self._backward_mini_batch(batch, indices, stats, first_epoch=True)
+        self._backward_mini_batch(batch, indices, stats, first_epoch=True)
         loss = stats.reduced(self.accelerator)["loss"]  # each rank returned its share
         model = self.accelerator.unwrap_model(self.model)
         grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
@@ -305,7 +255,7 @@ class Trainer:
         for g, group in enumerate(groups):
             prompt = _prompt_ids(group)
             for sample in group.rollout.samples:
-                responses.append(_Response(g, prompt, list(sample.token_ids), torch.zeros(0), 0.0, False))
+                responses.append(Response(g, prompt, list(sample.token_ids), torch.zeros(0), 0.0, False))
         values: dict[int, Tensor] = {}
         todo = [i for i, r in enumerate(responses) if r.response_ids]
         if not todo:
@@ -324,18 +274,25 @@ class Trainer:
         """HF parameter names -> CPU, contiguous tensors in the served dtype, copies (safe to serialize later).
 
         A tied alias (lm_head.weight of tied-embedding models) is dropped, as save_pretrained does. Under FSDP
-        every rank must call this; the full dictionary is on the main process.
+        every rank must call this; the main process gathers one parameter at a time and keeps only its served-dtype
+        copy (host memory: the served model, 2 bytes a parameter in bf16, plus one fp32 parameter), the other ranks
+        drop each gathered parameter at once. The full dictionary is on the main process.
         """
-        state = self.accelerator.get_state_dict(self.model)
+        from torch.distributed.tensor import DTensor
+
+        model = self.accelerator.unwrap_model(self.model)
+        main = self.accelerator.is_main_process
         out: dict[str, Tensor] = {}
-        seen: set[tuple] = set()
-        for name, tensor in (state or {}).items():
-            identity = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape),
-                        tuple(tensor.stride()))
-            if identity in seen:
+        seen: set[int] = set()
+        for name, tensor in model.state_dict(keep_vars=True).items():  # a tied alias is the same object
+            if id(tensor) in seen:
                 continue
-            seen.add(identity)
-            out[name] = tensor.detach().to("cpu", self.served_dtype, copy=True).contiguous()
+            seen.add(id(tensor))
+            value = tensor.detach()
+            if isinstance(value, DTensor):
+                value = value.full_tensor()  # a collective: every rank, in the same order
+            if main:
+                out[name] = value.to("cpu", self.served_dtype, copy=True).contiguous()
         return out
 
     def save_checkpoint(self, path: str | os.PathLike, extra_state: dict) -> None:
@@ -392,7 +349,7 @@ class Trainer:
     def _prepare(self, groups: Sequence["ScoredGroup"]) -> _Batch:
         if not groups:
             raise ValueError("train_step needs at least one group")
-        responses: list[_Response] = []
+        responses: list[Response] = []
         lengths: list[int] = []
         for g, group in enumerate(groups):
             samples, scores = group.rollout.samples, group.scores
@@ -409,7 +366,7 @@ class Trainer:
                 lengths.append(len(sample.token_ids))
                 if not sample.token_ids:
                     continue  # nothing to learn from an empty response (it still shaped the baseline)
-                responses.append(_Response(
+                responses.append(Response(
                     group=g,
                     prompt_ids=prompt,
                     response_ids=list(sample.token_ids),
@@ -433,7 +390,7 @@ class Trainer:
         return [mb for mb in mini if mb]
 
     @torch.no_grad()
-    def _recompute(self, batch: _Batch, mini_batches: list[list[int]]) -> None:
+    def _recompute(self, batch: _Batch, mini_batches: list[list[int]], stats: "_Stats") -> None:
         """pi_old of the responses this rank will train on in every mini-batch but the first (its training forward
         gives it: `_backward_mini_batch`), and pi_ref of all of them when kl_coef > 0; no grad."""
         recomputed = mini_batches if self.reference is not None else mini_batches[1:]
@@ -446,6 +403,7 @@ class Trainer:
         for micro, real in self._lockstep(per_rank, batch.responses):
             inputs = self._collate(batch.responses, micro)
             logp, _ = self._forward(self.model, inputs, entropy=False)
+            stats.count(inputs, trained=False)
             if self.reference is not None:
                 with self.accelerator.autocast():
                     ref, _ = self._forward(self.reference, inputs, entropy=False)
@@ -457,15 +415,14 @@ class Trainer:
                         batch.ref_logprobs[i] = ref[row, :n].float()
 
     # -- the update --------------------------------------------------------------------------------------------
-    def _backward_mini_batch(self, batch: _Batch, indices: list[int], stats: "_Stats", first_epoch: bool) -> float:
-        """Accumulate the gradient of one mini-batch's loss; returns the loss (this rank's share)."""
+    def _backward_mini_batch(self, batch: _Batch, indices: list[int], stats: "_Stats", first_epoch: bool) -> None:
+        """Accumulate the gradient of one mini-batch's loss; its loss (this rank's share) goes to `stats`."""
         cfg = self.config
         responses = batch.responses
         # Eq. (12): the normaliser is the whole mini-batch's (token | response) count, whatever the micro-batching.
         denominator = dapo.loss_denominator([responses[i].loss_tokens for i in indices], cfg.loss_agg)
         world = self.accelerator.num_processes
         plan = self._lockstep(self._shard(indices, responses), responses)
-        total = 0.0
         for k, (micro, real) in enumerate(plan):
             sync = k == len(plan) - 1
             with contextlib.nullcontext() if sync else self.accelerator.no_sync(self.model):
@@ -497,137 +454,72 @@ class Trainer:
                 self.accelerator.backward(loss * (world if real else 0.0))
                 stats.seconds["backward"] += time.perf_counter() - backward_started
             if real:
-                total += float(loss.detach())
-                stats.add_tokens(mask, surrogate, entropy, logp.detach(), behaviour, tis, cfg.tis_cap, first_epoch)
-        return total
+                stats.count(inputs, trained=True)
+                stats.add_tokens(loss, mask, surrogate, entropy, logp.detach(), behaviour, tis, cfg.tis_cap,
+                                 first_epoch)
 
     # -- model plumbing ----------------------------------------------------------------------------------------
-    def _forward(self, model, inputs: _MicroBatch, entropy: bool, entropy_grad: bool = False):
-        """Logprobs (and optionally entropies) of the response tokens, padded to [B, R]."""
+    def _forward(self, model, inputs: MicroBatch, entropy: bool, entropy_grad: bool = False):
+        """Logprobs (and optionally entropies) of the response tokens, padded to [B, R].
+
+        The model's head (learner/logprobs.py) scores only the positions that predict response tokens, in chunks:
+        the model's forward returns [n, 2] (logprob, entropy) instead of logits."""
         # Train mode only where a gradient is taken (it is what turns gradient checkpointing on); RL fine-tuning
         # assumes a dropout-free model (Qwen2/2.5: 0), so both modes compute the same policy.
         model.train(torch.is_grad_enabled())
-        prompt = inputs.prompt
+        head = self.heads[id(model)]
+        grad = entropy and entropy_grad
+        prompt, first = inputs.prompt, inputs.first_tokens
+
+        def query(part: slice) -> HeadQuery:
+            return HeadQuery(inputs.hidden_row[part], inputs.hidden_pos[part], inputs.targets[part], grad)
+
         if prompt is None:
-            out = model(input_ids=inputs.input_ids, attention_mask=inputs.attention_mask,
-                        position_ids=inputs.position_ids, use_cache=False)
-            row_logits = out.logits
+            with head.scoring(query(slice(None))):
+                scored = model(input_ids=inputs.input_ids, attention_mask=inputs.attention_mask,
+                               position_ids=inputs.position_ids, use_cache=False).logits
         else:
-            # Each prompt once; its KV cache (and its last logits, which predict the first response token) copied
-            # to its responses by index, so gradients from every response flow back into the one prompt pass.
-            head = model(input_ids=prompt.input_ids, attention_mask=prompt.attention_mask,
-                         position_ids=prompt.position_ids, use_cache=True, logits_to_keep=1)
-            cache = head.past_key_values
+            # Each prompt once; its KV cache copied to its responses by index, so gradients from every response flow
+            # back into the one prompt pass. The prompt's last position predicts each row's first response token.
+            with head.scoring(query(slice(0, first))):
+                out = model(input_ids=prompt.input_ids, attention_mask=prompt.attention_mask,
+                            position_ids=prompt.position_ids, use_cache=True)
+            cache = out.past_key_values
             cache.reorder_cache(prompt.of_row)
-            out = model(input_ids=inputs.input_ids, attention_mask=inputs.attention_mask,
-                        position_ids=inputs.position_ids, past_key_values=cache, use_cache=True)
-            row_logits = torch.cat([head.logits[prompt.of_row], out.logits], dim=1)
-        # Only the positions that predict response tokens: [n, V] in fp32, at the sampling temperature.
-        logits = row_logits[inputs.token_row, inputs.token_source].float() / self.temperature
-        token_logp = logits.gather(-1, inputs.targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
-        shape = inputs.response_mask.shape
-        logp = torch.zeros(shape, device=logits.device).index_put((inputs.token_row, inputs.token_slot), token_logp)
-        token_h = None
-        if entropy:
-            with contextlib.nullcontext() if entropy_grad else torch.no_grad():
-                h = dapo.token_entropy(logits)
-                token_h = torch.zeros(shape, device=logits.device).index_put((inputs.token_row, inputs.token_slot), h)
+            with head.scoring(query(slice(first, None))):
+                rest = model(input_ids=inputs.input_ids, attention_mask=inputs.attention_mask,
+                             position_ids=inputs.position_ids, past_key_values=cache, use_cache=True).logits
+            scored = torch.cat([out.logits, rest])
+        scored = scored.float()
+        shape, where = inputs.response_mask.shape, (inputs.token_response, inputs.token_slot)
+        logp = torch.zeros(shape, device=scored.device).index_put(where, scored[:, 0])
+        token_h = torch.zeros(shape, device=scored.device).index_put(where, scored[:, 1]) if entropy else None
         return logp, token_h
 
-    def _collate(self, responses: list[_Response], indices: list[int]) -> _MicroBatch:
-        device = self.accelerator.device
-        rows = [responses[i] for i in indices]
-        shared = self.share_prompts
-        # Whole rows carry their prompt; shared rows hold the response alone (its prompt is in the prompt block).
-        prefixes = [[] if shared else r.prompt_ids for r in rows]
-        width = max(len(p) + len(r.response_ids) for p, r in zip(prefixes, rows))
-        longest = max(len(r.response_ids) for r in rows)
-        input_ids = torch.full((len(rows), width), self.pad_token_id, dtype=torch.long)
-        attention = torch.zeros((len(rows), width), dtype=torch.long)
-        response_mask = torch.zeros((len(rows), longest))
-        token_row, token_source, token_slot, targets = [], [], [], []
-        for b, (prefix, r) in enumerate(zip(prefixes, rows)):
-            ids = prefix + r.response_ids
-            input_ids[b, : len(ids)] = torch.tensor(ids)
-            attention[b, : len(ids)] = 1
-            n, start = len(r.response_ids), len(prefix)
-            response_mask[b, :n] = 1.0
-            token_row.append(torch.full((n,), b))
-            # Logits at t predict token t + 1; shared rows' logits begin with the prompt's last position.
-            token_source.append(torch.arange(n) if shared else torch.arange(start - 1, start - 1 + n))
-            token_slot.append(torch.arange(n))
-            targets.append(torch.tensor(r.response_ids))
-        position_ids = (attention.cumsum(-1) - 1).clamp(min=0)  # right padding: 0..len-1, pads don't matter
-        prompt = None
-        if shared:
-            prompt = self._prompt_block(rows)
-            attention = torch.cat([prompt.attention_mask[prompt.of_row], attention], dim=1)
-            lengths = prompt.attention_mask.sum(-1)[prompt.of_row]
-            position_ids = position_ids + lengths.unsqueeze(-1)  # each response continues its own prompt
-            prompt = prompt.to(device)
-        return _MicroBatch(
-            indices=list(indices),
-            input_ids=input_ids.to(device), attention_mask=attention.to(device), position_ids=position_ids.to(device),
-            token_row=torch.cat(token_row).to(device), token_source=torch.cat(token_source).to(device),
-            token_slot=torch.cat(token_slot).to(device), targets=torch.cat(targets).to(device),
-            response_mask=response_mask.to(device), prompt=prompt,
-        )
-
-    def _prompt_block(self, rows: list[_Response]) -> _PromptBlock:
-        """The distinct prompts of `rows` (a group's responses share one), left-padded, and each row's prompt."""
-        slot: dict[tuple[int, ...], int] = {}
-        of_row = [slot.setdefault(tuple(r.prompt_ids), len(slot)) for r in rows]
-        prompts = list(slot)
-        width = max(len(p) for p in prompts)
-        input_ids = torch.full((len(prompts), width), self.pad_token_id, dtype=torch.long)
-        attention = torch.zeros((len(prompts), width), dtype=torch.long)
-        for g, ids in enumerate(prompts):
-            input_ids[g, width - len(ids):] = torch.tensor(ids)
-            attention[g, width - len(ids):] = 1
-        position_ids = (attention.cumsum(-1) - 1).clamp(min=0)  # left padding: the prompt's tokens are 0..len-1
-        return _PromptBlock(input_ids=input_ids, attention_mask=attention, position_ids=position_ids,
-                            of_row=torch.tensor(of_row))
+    def _collate(self, responses: list[Response], indices: list[int]) -> MicroBatch:
+        return packing.collate(responses, indices, self.layout, self.pad_token_id, self.bucket,
+                               self.accelerator.device)
 
     def _padded(self, values: list[Tensor], like: Tensor) -> Tensor:
         """Ragged [R_i] tensors -> [B, R] aligned with `like` (zeros beyond each length)."""
         out = torch.zeros_like(like, dtype=torch.float32)
-        padded = pad_sequence([v.to(like.device, torch.float32) for v in values], batch_first=True)
+        padded = pad_sequence([v.to(like.device, torch.float32, non_blocking=True) for v in values],
+                              batch_first=True)
         out[:, : padded.shape[1]] = padded
         return out
 
-    def _shard(self, indices: list[int], responses: list[_Response]) -> list[list[int]]:
-        """Deal responses to ranks longest first (balanced tokens); identical on every rank."""
-        world = self.accelerator.num_processes
-        ordered = sorted(indices, key=lambda i: -responses[i].length)
-        return [ordered[rank::world] for rank in range(world)]
+    def _plan(self, indices: list[int], responses: list[Response]) -> list[list[int]]:
+        """Micro-batches of one rank's responses (learner/packing.py)."""
+        return packing.plan(indices, responses, self.config.micro_batch_tokens, self.layout == "packed")
 
-    def _pack(self, indices: list[int], responses: list[_Response]) -> list[list[int]]:
-        """Micro-batches of at most micro_batch_tokens padded tokens (rows x longest row), longest first;
-        a single sequence longer than the budget still gets its own micro-batch."""
-        budget = self.config.micro_batch_tokens
-        packs: list[list[int]] = []
-        current: list[int] = []
-        width = 0
-        for i in sorted(indices, key=lambda i: -responses[i].length):
-            length = responses[i].length
-            if current and max(width, length) * (len(current) + 1) > budget:
-                packs.append(current)
-                current, width = [], 0
-            current.append(i)
-            width = max(width, length)
-        if current:
-            packs.append(current)
-        return packs
+    def _shard(self, indices: list[int], responses: list[Response]) -> list[list[int]]:
+        """Responses dealt to ranks by tokens; identical on every rank."""
+        return packing.balance(indices, responses, self.accelerator.num_processes)
 
-    def _lockstep(self, per_rank: list[list[int]], responses: list[_Response]) -> list[tuple[list[int], bool]]:
+    def _lockstep(self, per_rank: list[list[int]], responses: list[Response]) -> list[tuple[list[int], bool]]:
         """This rank's micro-batches, padded with weight-0 repeats to the busiest rank's count."""
-        plans = [self._pack(ix, responses) for ix in per_rank]
-        steps = max(len(p) for p in plans)
-        if steps == 0:
-            return []
-        mine = plans[self.accelerator.process_index]
-        filler = mine[0] if mine else next(p[0] for p in plans if p)
-        return [(mine[k], True) if k < len(mine) else (filler, False) for k in range(steps)]
+        return packing.lockstep(per_rank, responses, self.config.micro_batch_tokens, self.layout == "packed",
+                                self.accelerator.process_index)
 
     def _set_cpu_threads(self) -> None:
         """On CPU, the learner's CPUs (OMP_NUM_THREADS when set: the launcher's or the container's CPU limit, else
@@ -642,80 +534,68 @@ class Trainer:
 
 
 class _Stats:
-    """Running sums for the step's metrics (per-token sums over loss tokens; reduced over ranks at the end)."""
+    """Running sums for the step's metrics (per-token sums over loss tokens; reduced over ranks at the end).
+
+    The sums stay on the device until `reduced`: reading a GPU value waits for the GPU, so the micro-batch loop
+    never does (one read a step)."""
 
     KEYS = ("loss", "tokens", "clip_low", "clip_high", "clip_dual", "entropy", "approx_kl",
             "tis", "tis_capped", "tis_tokens")
 
-    def __init__(self):
-        self.sums = dict.fromkeys(self.KEYS, 0.0)
-        self.loss = 0.0
+    def __init__(self, device):
+        self.sums = torch.zeros(len(self.KEYS), dtype=torch.float64, device=device)
+        # max |log pi - log mu| over the loss tokens: few tokens or the whole policy?
+        self.largest_log_ratio = torch.zeros((), dtype=torch.float64, device=device)
         self.updates = 0
         self.skipped = 0
         self.grad_norm = 0.0
         self.seconds = {"forward": 0.0, "backward": 0.0, "optimizer": 0.0}  # forward includes pi_old's pass
-        self.largest_log_ratio = 0.0  # max |log pi - log mu| over the loss tokens: few tokens or the whole policy?
+        # Tokens through the model (padding excluded) and through its head, for the model FLOPs (host counts).
+        self.model_tokens = {"trained": 0, "trained_scored": 0, "forward": 0, "forward_scored": 0}
 
-    def add_tokens(self, mask, surrogate, entropy, logp, behaviour, tis, cap, first_epoch) -> None:
-        s = self.sums
-        s["tokens"] += float(mask.sum())
-        for key, count in dapo.clip_counts(surrogate, mask).items():
-            s[key] += count
-        s["entropy"] += float((entropy.detach() * mask).sum())
-        s["approx_kl"] += float((dapo.kl_k3(behaviour, logp) * mask).sum())  # KL(behaviour || current)
-        self.largest_log_ratio = max(self.largest_log_ratio, float(((logp - behaviour).abs() * mask).max()))
+    def count(self, inputs: MicroBatch, trained: bool) -> None:
+        kind = "trained" if trained else "forward"
+        self.model_tokens[kind] += inputs.real_tokens
+        self.model_tokens[f"{kind}_scored"] += inputs.targets.numel()  # a shape, not a read of the device
+
+    def add_tokens(self, loss, mask, surrogate, entropy, logp, behaviour, tis, cap, first_epoch) -> None:
+        values = {
+            "loss": loss.detach(), "tokens": mask.sum(), **dapo.clip_counts(surrogate, mask),
+            "entropy": (entropy.detach() * mask).sum(),
+            "approx_kl": (dapo.kl_k3(behaviour, logp) * mask).sum(),  # KL(behaviour || current)
+        }
         if first_epoch:  # the weights are constant over the step: count each token once
-            s["tis"] += float(((1.0 if tis is None else tis) * mask).sum())  # no weight (tis_cap null): 1
+            values["tis"] = ((1.0 if tis is None else tis) * mask).sum()  # no weight (tis_cap null): 1
             if tis is not None:
-                s["tis_capped"] += float(((tis >= cap * (1 - 1e-6)) * mask).sum())
-            s["tis_tokens"] += float(mask.sum())
-
-    def log_ratio_max(self, accelerator) -> float:
-        """The largest |log pi - log mu| of the step over all ranks. approx_kl is a mean, and k3 grows like the
-        ratio itself: one token the behaviour policy sampled at e^-10 of the learner's probability lifts it to
-        ~1 over 10^4 tokens. A spike with this near 10 is a few tokens; with this near 1, the policy drifted."""
-        if accelerator.num_processes == 1:
-            return self.largest_log_ratio
-        value = torch.tensor([self.largest_log_ratio], device=accelerator.device, dtype=torch.float64)
-        return float(accelerator.gather(value).max())
+                values["tis_capped"] = ((tis >= cap * (1 - 1e-6)) * mask).sum()
+            values["tis_tokens"] = mask.sum()
+        zero = mask.new_zeros(())
+        self.sums += torch.stack([values.get(key, zero).double() for key in self.KEYS])
+        ratio = ((logp - behaviour).abs() * mask).max().double()
+        self.largest_log_ratio = torch.maximum(self.largest_log_ratio, ratio)
 
     def reduced(self, accelerator) -> dict[str, float]:
-        values = dict(self.sums, loss=self.loss)
-        if accelerator.num_processes == 1:
-            return values
-        keys = list(values)
-        tensor = torch.tensor([values[k] for k in keys], device=accelerator.device, dtype=torch.float64)
-        tensor = accelerator.reduce(tensor, reduction="sum")
-        return dict(zip(keys, tensor.tolist()))
+        """The sums over all ranks, and log_ratio_max: the largest |log pi - log mu| of the step. approx_kl is a
+        mean, and k3 grows like the ratio itself: one token the behaviour policy sampled at e^-10 of the learner's
+        probability lifts it to ~1 over 10^4 tokens. A spike with this near 10 is a few tokens; near 1, a drift."""
+        sums, largest = self.sums, self.largest_log_ratio.reshape(1)
+        if accelerator.num_processes > 1:
+            sums = accelerator.reduce(sums, reduction="sum")
+            largest = accelerator.gather(largest)
+        values = dict(zip(self.KEYS, sums.tolist()))
+        values["log_ratio_max"] = float(largest.max())
+        return values
 
 
-def save_training_state(folder: Path, model, optimizer, scheduler, is_main: bool, rank: int) -> None:
-    """The exact training state as safetensors and JSON. Every rank takes part (under FSDP the full weights and
-    AdamW moments are gathered on the main process, which writes them); each rank writes its RNG state."""
-    model_state = get_model_state_dict(model, options=_GATHER)
-    optimizer_state = get_optimizer_state_dict(model, optimizer, options=_GATHER)
-    if is_main:
-        save_file(_unaliased(model_state), folder / MODEL_STATE)
-        tensors, meta = _flatten_optimizer_state(optimizer_state)
-        save_file(tensors, folder / OPTIMIZER_STATE, metadata={"json": json.dumps(meta)})
-        (folder / SCHEDULER_STATE).write_text(json.dumps(scheduler.state_dict()))
-    tensors, meta = _rng_state()
-    save_file(tensors, folder / RNG_STATE.format(rank=rank), metadata={"json": json.dumps(meta)})
-
-
-def load_training_state(folder: Path, model, optimizer, scheduler, rank: int) -> None:
-    """Every rank reads the full state and keeps its part (its shard under FSDP), and its own RNG state."""
-    set_model_state_dict(model, load_file(folder / MODEL_STATE), options=_SCATTER)
-    state = _unflatten_optimizer_state(*_read_tensors(folder / OPTIMIZER_STATE))
-    set_optimizer_state_dict(model, optimizer, state, options=_SCATTER)
-    scheduler.load_state_dict(json.loads((folder / SCHEDULER_STATE).read_text()))
-    rng = folder / RNG_STATE.format(rank=rank)
-    written_by = len(list(folder.glob(RNG_STATE.format(rank="*"))))
-    if rng.is_file() or rank < written_by:  # a rank that wrote the checkpoint must find its file (else: damaged)
-        _set_rng_state(*_read_tensors(rng))
-    else:  # resumed on more ranks than wrote the checkpoint: weights and optimizer are whole, this RNG is new
-        log.warning("%s: no RNG state for rank %d (written by %d ranks); it keeps its seeded one", folder, rank,
-                    written_by)
+def attention_implementation(choice: str, cuda: bool) -> str:
+    """The attention kernel the learner's model runs: `auto` is varlen FlashAttention-2 on a GPU where the
+    flash-attn package is installed (packed rows without a mask), else PyTorch's SDPA (on packed rows with a
+    block-diagonal mask built from the position ids)."""
+    if choice != "auto":
+        return choice
+    if cuda and importlib.util.find_spec("flash_attn") is not None:
+        return "flash_attention_2"
+    return "sdpa"
 
 
 def _prompt_ids(group: "ScoredGroup") -> list[int]:
@@ -736,70 +616,6 @@ def _complete_checkpoint(path: Path) -> Path:
     if (old / TRAINER_STATE).is_file():
         return old
     raise FileNotFoundError(f"no checkpoint at {path}")
-
-
-def _unaliased(state: dict[str, Tensor]) -> dict[str, Tensor]:
-    """Every name kept (a strict load needs them all); a tensor sharing storage with an earlier one (tied
-    weights) is cloned, as safetensors refuses shared storage."""
-    seen: set[int] = set()
-    out = {}
-    for name, tensor in state.items():
-        pointer = tensor.untyped_storage().data_ptr()
-        out[name] = tensor.clone() if pointer in seen else tensor.contiguous()
-        seen.add(pointer)
-    return out
-
-
-def _flatten_optimizer_state(state: dict) -> tuple[dict[str, Tensor], dict]:
-    """A name-keyed optimizer state dict as tensors (`{parameter}/{slot}`) and JSON (param groups, any
-    non-tensor slot)."""
-    tensors, other = {}, {}
-    for parameter, slots in state["state"].items():
-        for slot, value in slots.items():
-            if isinstance(value, Tensor):
-                tensors[f"{parameter}/{slot}"] = value.detach().cpu().contiguous()
-            else:
-                other.setdefault(parameter, {})[slot] = value
-    return tensors, {"param_groups": state["param_groups"], "other": other}
-
-
-def _unflatten_optimizer_state(tensors: dict[str, Tensor], meta: dict) -> dict:
-    state: dict[str, dict] = {}
-    for key, tensor in tensors.items():
-        parameter, slot = key.rsplit("/", 1)
-        state.setdefault(parameter, {})[slot] = tensor
-    for parameter, slots in meta["other"].items():
-        state.setdefault(parameter, {}).update(slots)
-    return {"state": state, "param_groups": meta["param_groups"]}
-
-
-def _rng_state() -> tuple[dict[str, Tensor], dict]:
-    """This process's random generators: torch (CPU, each CUDA device) and numpy as tensors, python's as JSON."""
-    tensors = {"torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        tensors.update({f"cuda.{i}": state for i, state in enumerate(torch.cuda.get_rng_state_all())})
-    kind, keys, position, has_gauss, gauss = np.random.get_state()
-    tensors["numpy"] = torch.from_numpy(keys.astype(np.int64))
-    version, internal, python_gauss = random.getstate()
-    return tensors, {"python": [version, list(internal), python_gauss],
-                     "numpy": [kind, int(position), int(has_gauss), float(gauss)]}
-
-
-def _set_rng_state(tensors: dict[str, Tensor], meta: dict) -> None:
-    torch.set_rng_state(tensors["torch"])
-    cuda = [tensors[f"cuda.{i}"] for i in range(torch.cuda.device_count()) if f"cuda.{i}" in tensors]
-    if cuda:
-        torch.cuda.set_rng_state_all(cuda)
-    kind, position, has_gauss, gauss = meta["numpy"]
-    np.random.set_state((kind, tensors["numpy"].numpy().astype(np.uint32), position, has_gauss, gauss))
-    version, internal, python_gauss = meta["python"]
-    random.setstate((version, tuple(internal), python_gauss))
-
-
-def _read_tensors(path: Path) -> tuple[dict[str, Tensor], dict]:
-    """A safetensors file written with `metadata={"json": ...}`: its tensors and that JSON."""
-    with safe_open(path, framework="pt") as handle:
-        return {key: handle.get_tensor(key) for key in handle.keys()}, json.loads(handle.metadata()["json"])
 
 
 def _set_config_dtype(model_dir: Path, dtype: torch.dtype) -> None:

@@ -255,7 +255,8 @@ class LearnerConfig(Section):
     clip_low: float = Field(0.2, description="epsilon_low of clip-higher (paper: 0.2).")
     clip_high: float = Field(0.28, description="epsilon_high of clip-higher (paper: 0.28; GRPO: 0.2).")
     dual_clip: float | None = Field(
-        None, description="Dual-clip bound c for negative advantages (paper: not used; verl: always 3.0)."
+        None, description="Dual-clip bound c for negative advantages (paper: not used; verl applies it always: 3.0 by "
+        "default, 10.0 in its DAPO scripts)."
     )
     loss_agg: Literal["token", "sample"] = Field("token", description="token = DAPO token-level loss (Eq. 12).")
     dynamic_sampling: bool = Field(True, description="Keep only groups with some but not all correct (Eq. 11).")
@@ -272,7 +273,14 @@ class LearnerConfig(Section):
         2.0, gt=0, description="Truncated importance weight cap for behaviour/learner mismatch (null: no weight, "
         "the paper's verl recipe, which trusts the recomputed pi_old alone)."
     )
-    max_refills: int = Field(10, description="Refill rounds per step before the refill limit applies.")
+    uncorrected_staleness: bool = Field(
+        False, description="Accept max_staleness > 0 with tis_cap null: stale groups train with no behaviour "
+        "correction (refused unless set: the ratio to pi_old alone ignores the policy that sampled them)."
+    )
+    max_refills: int = Field(
+        10, description="Refill rounds per step before the refill limit applies: rounds after the first push, each "
+        "sized from the informative ratio (verl's max_num_gen_batches counts every fixed-size batch, the first too)."
+    )
     on_refill_limit: Literal["train", "stop"] = Field("train", description="At the limit: train on what is in hand, or stop.")
     oversample_min: float = Field(1.0, description="Lower bound of the prompt over-sampling factor.")
     oversample_max: float = Field(4.0, description="Upper bound of the prompt over-sampling factor.")
@@ -284,6 +292,23 @@ class LearnerConfig(Section):
     micro_batch_tokens: int = Field(32768, description="Tokens per forward pass (gradient accumulation unit).")
     gradient_checkpointing: bool = Field(
         False, description="Recompute activations in backward: memory for long responses (paper's verl recipe: on)."
+    )
+    packing: Literal["auto", "on", "off"] = Field(
+        "auto", description="Pack rows without padding into micro-batches (attention confined to each row): on, "
+        "off (right-padded rows), or auto = on a GPU only (on a CPU the padded rows with the shared prompt pass are "
+        "faster)."
+    )
+    attention: Literal["auto", "flash_attention_2", "flex_attention", "sdpa", "eager"] = Field(
+        "auto", description="The learner's attention kernel (transformers' attn_implementation); auto = "
+        "flash_attention_2 on a GPU where flash-attn is installed, else sdpa."
+    )
+    head_chunk_tokens: int = Field(
+        1024, gt=0, description="Response tokens through the LM head at once (logprobs and entropy in chunks: no "
+        "[tokens x vocab] tensor; 1024 x 151,936 fp32 logits = 0.6 GB)."
+    )
+    peak_tflops: float | None = Field(
+        None, gt=0, description="Peak dense TFLOP/s of one learner device for the MFU (default: a table of known "
+        "GPUs, learner/throughput.py; none on a CPU)."
     )
     share_prompt_pass: bool = Field(
         True, description="Run a group's prompt once and its n responses on the prompt's KV cache (same values; "
@@ -445,6 +470,11 @@ def settings_conflicts(settings: Settings) -> list[str]:
         conflicts.append(f"reward.overlong_buffer {settings.reward.overlong_buffer} is not below sampling.max_tokens "
                          f"{settings.sampling.max_tokens}: the soft overlong punishment (Eq. 13) would start at the "
                          "first token")
+    learner = settings.learner
+    if learner.max_staleness > 0 and learner.tis_cap is None and not learner.uncorrected_staleness:
+        conflicts.append(f"learner.max_staleness {learner.max_staleness} trains groups sampled by an older policy, and "
+                         "learner.tis_cap null gives them no behaviour correction: set tis_cap (e.g. 2.0), "
+                         "max_staleness 0, or learner.uncorrected_staleness true to accept it")
     return conflicts
 
 

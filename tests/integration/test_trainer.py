@@ -211,7 +211,7 @@ def test_micro_batching_gives_the_gradient_of_the_whole_mini_batch(model_path, t
     loss_whole, grads_whole = whole.loss_gradients(groups)
     # A budget of 1 token: every response is its own micro-batch (12 forward/backward passes).
     split = Trainer(make_settings(tmp_path, loss_agg=loss_agg, micro_batch_tokens=1), model_path)
-    assert len(split._pack(list(range(12)), split._prepare(groups).responses)) == 12
+    assert len(split._plan(list(range(12)), split._prepare(groups).responses)) == 12
     loss_split, grads_split = split.loss_gradients(groups)
     assert loss_split == pytest.approx(loss_whole, rel=1e-5)
     assert grads_whole.keys() == grads_split.keys() and len(grads_whole) > 10
@@ -274,7 +274,7 @@ def test_without_a_tis_cap_the_behaviour_logprobs_do_not_weigh(model_path, tmp_p
     # tis_cap null (the paper's verl recipe): the loss is the clipped surrogate against the recomputed pi_old alone,
     # so how far the behaviour policy was from it changes nothing; with a cap the same groups weigh differently.
     groups = make_groups(n_groups=2, size=4, seed=11)
-    unweighted = Trainer(make_settings(tmp_path, tis_cap=None), model_path)
+    unweighted = Trainer(make_settings(tmp_path, max_staleness=0, tis_cap=None), model_path)
     on_policy = with_behaviour(groups, unweighted.logprobs(groups))
     off_policy = with_behaviour(groups, unweighted.logprobs(groups), random_offsets(groups, seed=4, scale=0.5))
     _, on = unweighted.loss_gradients(on_policy)
@@ -365,8 +365,9 @@ def test_checkpoint_round_trip(model_path, tmp_path, monkeypatch):
     assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= model_files
     assert json.loads((checkpoint / "model" / "config.json").read_text())["dtype"] == "float32"
     files = {p.relative_to(checkpoint).as_posix() for p in checkpoint.rglob("*") if p.is_file()}
-    assert {"state/model.safetensors", "state/optimizer.safetensors", "state/scheduler.json",
-            "state/rng-0.safetensors", "trainer_state.json"} <= files
+    assert {"state/optimizer.json", "state/scheduler.json", "state/rng-0.safetensors", "trainer_state.json"} <= files
+    shards = [f for f in files if f.startswith("state/shards/")]
+    assert shards and all(f.endswith(".safetensors") for f in shards), files  # DCP, safetensors, one per rank
     assert not [f for f in files if f.endswith((".pkl", ".bin", ".pt", ".pth"))], files
 
     second = Trainer(settings, model_path)

@@ -1,0 +1,159 @@
+"""Token logprobs and entropies through the LM head in chunks: no [tokens x vocab] tensor in fp32 ever exists.
+
+The policy's logprob of a response token is log softmax(h W^T / T)[target] for the hidden state h of the position
+before it. Computing it the plain way materialises the logits of every position (prompt and padding included) and
+then fp32 copies of them for logsumexp and the entropy's softmax: at Qwen2.5's vocabulary (151,936) and 32k tokens,
+about 20 GB per copy. Here only the selected positions reach the head, `chunk_tokens` at a time; the logsumexp,
+the target's logit and the entropy are computed per chunk, and the backward pass recomputes each chunk's logits
+instead of keeping them (the idea of Liger's fused linear cross-entropy). Peak memory of this part: one chunk's
+[chunk x V] logits and softmax, whatever the number of tokens.
+
+`LogprobHead` puts this inside the model's own forward (it replaces `lm_head`, sharing its parameters and names),
+so FSDP's hooks gather the head's weight as they would for the plain linear layer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+from torch.nn import functional as F
+
+
+def _matmul_dtype(weight: Tensor) -> torch.dtype:
+    """The dtype the head's matmul runs in: autocast's where it is on (bf16 on a GPU), else the weight's."""
+    device = weight.device.type
+    if torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    return weight.dtype
+
+
+class _ChunkedTokenLogprobs(torch.autograd.Function):
+    """(hidden [n, H], weight [V, H], bias [V] | None, targets [n]) -> (logp [n], entropy [n]), both fp32."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, temperature, chunk_tokens, dtype):
+        n = hidden.shape[0]
+        logp = torch.empty(n, device=hidden.device, dtype=torch.float32)
+        lse = torch.empty_like(logp)
+        entropy = torch.empty_like(logp)
+        w = weight.to(dtype)
+        b = None if bias is None else bias.to(dtype)
+        for start in range(0, n, chunk_tokens):
+            end = min(start + chunk_tokens, n)
+            z = F.linear(hidden[start:end].to(dtype), w, b).float() / temperature  # [c, V], this chunk only
+            chunk_lse = torch.logsumexp(z, dim=-1)
+            lse[start:end] = chunk_lse
+            logp[start:end] = z.gather(-1, targets[start:end, None]).squeeze(-1) - chunk_lse
+            # H = lse - sum_v p_v z_v (the softmax's entropy at temperature T)
+            entropy[start:end] = chunk_lse - (torch.softmax(z, dim=-1) * z).sum(-1)
+        ctx.save_for_backward(hidden, weight, bias, targets, lse, entropy)
+        ctx.temperature, ctx.chunk_tokens, ctx.dtype = temperature, chunk_tokens, dtype
+        ctx.set_materialize_grads(False)
+        ctx.mark_non_differentiable(targets)
+        return logp, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logp, grad_entropy):
+        hidden, weight, bias, targets, lse, entropy = ctx.saved_tensors
+        temperature, chunk_tokens, dtype = ctx.temperature, ctx.chunk_tokens, ctx.dtype
+        want_hidden, want_weight, want_bias = ctx.needs_input_grad[:3]
+        grad_hidden = torch.zeros_like(hidden) if want_hidden else None
+        grad_weight = torch.zeros_like(weight, dtype=torch.float32) if want_weight else None
+        grad_bias = torch.zeros_like(bias, dtype=torch.float32) if want_bias and bias is not None else None
+        if grad_logp is None and grad_entropy is None:
+            return grad_hidden, grad_weight, grad_bias, None, None, None, None
+        w = weight.to(dtype)
+        b = None if bias is None else bias.to(dtype)
+        for start in range(0, hidden.shape[0], chunk_tokens):
+            end = min(start + chunk_tokens, hidden.shape[0])
+            h = hidden[start:end].to(dtype)
+            z = F.linear(h, w, b).float() / temperature
+            log_p = z - lse[start:end, None]
+            p = log_p.exp()
+            # d logp_target / dz = onehot - p;  dH / dz = -p (log p + H)
+            grad_z = torch.zeros_like(z)
+            if grad_entropy is not None:
+                grad_z -= p * (log_p + entropy[start:end, None]) * grad_entropy[start:end, None]
+            if grad_logp is not None:
+                g = grad_logp[start:end, None]
+                grad_z -= p * g
+                grad_z.scatter_add_(-1, targets[start:end, None], g)
+            grad_z = (grad_z / temperature).to(dtype)  # through z = logits / T
+            if grad_hidden is not None:
+                grad_hidden[start:end] = (grad_z @ w).to(hidden.dtype)
+            if grad_weight is not None:
+                grad_weight += (grad_z.t() @ h).float()
+            if grad_bias is not None:
+                grad_bias += grad_z.float().sum(0)
+        if grad_weight is not None:
+            grad_weight = grad_weight.to(weight.dtype)
+        if grad_bias is not None:
+            grad_bias = grad_bias.to(bias.dtype)
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None
+
+
+def token_logprobs(hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, temperature: float = 1.0,
+                   chunk_tokens: int = 1024) -> tuple[Tensor, Tensor]:
+    """log softmax(hidden W^T + b) / T)[targets] and the softmax's entropy per token, [n] each in fp32,
+    differentiable in hidden, weight and bias, with at most `chunk_tokens` rows of logits alive at a time."""
+    if hidden.shape[0] == 0:
+        empty = hidden.new_zeros(0, dtype=torch.float32) + 0 * weight.sum()  # keeps the graph (FSDP's hooks)
+        return empty, empty
+    return _ChunkedTokenLogprobs.apply(hidden, weight, bias, targets, float(temperature), max(1, int(chunk_tokens)),
+                                       _matmul_dtype(weight))
+
+
+@dataclass
+class HeadQuery:
+    """Which hidden states to score: [n] (row, position) in the model's output and the token each predicts."""
+
+    rows: Tensor
+    positions: Tensor
+    targets: Tensor
+    entropy_grad: bool = False  # the entropy's gradient is taken only with an entropy bonus
+
+
+class LogprobHead(nn.Module):
+    """The model's LM head (same `weight`/`bias` parameters, so the same state-dict names and tied embeddings).
+
+    Plain logits while no query is set; inside `scoring(query)`, the model's forward returns `[n, 2]` instead of
+    logits: the logprob and the entropy of the queried tokens (fp32), computed in chunks by `token_logprobs`."""
+
+    def __init__(self, linear: nn.Linear, temperature: float, chunk_tokens: int):
+        super().__init__()
+        self.weight = linear.weight
+        self.bias = linear.bias
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.temperature = temperature
+        self.chunk_tokens = chunk_tokens
+        self.query: HeadQuery | None = None
+
+    @contextlib.contextmanager
+    def scoring(self, query: HeadQuery):
+        self.query = query
+        try:
+            yield
+        finally:
+            self.query = None
+
+    def forward(self, hidden: Tensor) -> Tensor:
+        if self.query is None:
+            return F.linear(hidden, self.weight, self.bias)
+        q = self.query
+        selected = hidden[q.rows, q.positions]  # [n, H]: response positions only
+        logp, entropy = token_logprobs(selected, self.weight, self.bias, q.targets, self.temperature,
+                                       self.chunk_tokens)
+        return torch.stack([logp, entropy if q.entropy_grad else entropy.detach()], dim=-1)
+
+
+def install_head(model: nn.Module, temperature: float, chunk_tokens: int) -> LogprobHead:
+    """Replace the model's output embedding with a `LogprobHead` over the same parameters (before any wrapping)."""
+    linear = model.get_output_embeddings()
+    if not isinstance(linear, nn.Linear):
+        raise TypeError(f"the learner needs a linear LM head, found {type(linear).__name__}")
+    head = LogprobHead(linear, temperature, chunk_tokens)
+    model.set_output_embeddings(head)
+    return head

@@ -1,0 +1,254 @@
+"""Responses into model inputs: micro-batch plans, rank balance and the three layouts of a forward pass.
+
+- **packed**: the rows (prompt + response) of a micro-batch concatenated into one sequence without padding,
+  position ids restarting at every row; with no attention mask, transformers confines attention to each row from
+  the position ids (varlen FlashAttention's cu_seqlens, flex_attention's document mask, or a block-diagonal mask
+  for SDPA/eager). A micro-batch holds at most `micro_batch_tokens` real tokens.
+- **padded**: rows right-padded to the longest of the micro-batch (rows x longest <= the budget).
+- **shared**: the padded layout without the prompts: each distinct prompt runs once (left-padded, `PromptBlock`)
+  and its responses run on its KV cache (the trainer's shared prompt pass).
+
+Whatever the layout, a micro-batch says where the hidden state that predicts each response token is
+(`hidden_row`, `hidden_pos`) and where its value goes in the `[B, R]` tensors of the loss (`token_response`,
+`token_slot`), so the loss code never sees the layout.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+Layout = Literal["packed", "padded", "shared"]
+
+
+@dataclass
+class Response:
+    """One response to train on, with everything its loss needs except the model's own logprobs."""
+
+    group: int
+    prompt_ids: list[int]
+    response_ids: list[int]
+    behaviour_logprobs: Tensor  # [R] float32, mu
+    advantage: float
+    filtered: bool  # overlong-filtered: no token of it enters the loss (dapo.overlong_filter_mask)
+
+    @property
+    def length(self) -> int:
+        return len(self.prompt_ids) + len(self.response_ids)
+
+    @property
+    def loss_tokens(self) -> int:
+        return 0 if self.filtered else len(self.response_ids)
+
+
+@dataclass
+class PromptBlock:
+    """The distinct prompts of a micro-batch, left-padded so every prompt's last token is the last column."""
+
+    input_ids: Tensor  # [G, P]
+    attention_mask: Tensor  # [G, P]
+    position_ids: Tensor  # [G, P]
+    of_row: Tensor  # [B] the prompt of each response row
+
+    def to(self, device) -> "PromptBlock":
+        return PromptBlock(*(t.to(device) for t in (self.input_ids, self.attention_mask, self.position_ids,
+                                                    self.of_row)))
+
+
+@dataclass
+class MicroBatch:
+    """Model inputs of one forward pass and where each response token's prediction sits.
+
+    Token order: in the shared layout the first `first_tokens` tokens (each row's first response token) are
+    predicted by the prompt pass (`hidden_row` indexes the prompt block there), the rest by the response pass."""
+
+    indices: list[int]  # response indices, in the order of the [B, R] tensors
+    input_ids: Tensor  # [rows, L]
+    attention_mask: Tensor | None  # [rows, L]; [B, P + R] in the shared layout; None when packed
+    position_ids: Tensor  # [rows, L]
+    hidden_row: Tensor  # [n] model row of the hidden state that predicts each response token
+    hidden_pos: Tensor  # [n] its position in that row (t predicts t + 1)
+    token_response: Tensor  # [n] which response of `indices` the token belongs to
+    token_slot: Tensor  # [n] its index within the response
+    targets: Tensor  # [n] the response token ids
+    response_mask: Tensor  # [B, R] 1.0 on response tokens
+    prompt: PromptBlock | None = None
+    first_tokens: int = 0
+    real_tokens: int = field(default=0)  # tokens that are not padding (throughput accounting)
+
+
+def bucketed(size: int, multiple: int) -> int:
+    """`size` rounded up to a multiple of `multiple`: few distinct shapes, so GPU kernels are not re-planned."""
+    return -(-size // multiple) * multiple if multiple > 1 else size
+
+
+def collate(responses: list[Response], indices: list[int], layout: Layout, pad_token_id: int,
+            bucket: int = 1, device: torch.device | str = "cpu") -> MicroBatch:
+    """The micro-batch of `indices` in `layout`; the model's sequence dimension rounded up to `bucket`."""
+    rows = [responses[i] for i in indices]
+    longest = max(len(r.response_ids) for r in rows)
+    response_mask = torch.zeros((len(rows), longest))
+    token_response, token_slot, targets = [], [], []
+    for b, r in enumerate(rows):
+        n = len(r.response_ids)
+        response_mask[b, :n] = 1.0
+        token_response.append(torch.full((n,), b))
+        token_slot.append(torch.arange(n))
+        targets.append(torch.tensor(r.response_ids))
+    token_response, token_slot, targets = torch.cat(token_response), torch.cat(token_slot), torch.cat(targets)
+    build = {"packed": _packed, "padded": _padded, "shared": _shared}[layout]
+    batch = build(rows, pad_token_id, bucket, token_response, token_slot, targets, response_mask)
+    batch.indices = list(indices)
+    return _on(batch, device)
+
+
+def _packed(rows, pad_token_id, bucket, token_response, token_slot, targets, response_mask) -> MicroBatch:
+    ids, positions, hidden_pos = [], [], []
+    offset = 0
+    for r in rows:
+        row = r.prompt_ids + r.response_ids
+        ids.extend(row)
+        positions.extend(range(len(row)))
+        start = offset + len(r.prompt_ids) - 1  # the prompt's last token predicts the first response token
+        hidden_pos.append(torch.arange(start, start + len(r.response_ids)))
+        offset += len(row)
+    tail = bucketed(offset, bucket) - offset
+    ids.extend([pad_token_id] * tail)  # a row of padding of its own: its positions restart, it attends to itself
+    positions.extend(range(tail))
+    hidden_pos = torch.cat(hidden_pos)
+    return MicroBatch(
+        indices=[], input_ids=torch.tensor([ids]), attention_mask=None, position_ids=torch.tensor([positions]),
+        hidden_row=torch.zeros_like(hidden_pos), hidden_pos=hidden_pos, token_response=token_response,
+        token_slot=token_slot, targets=targets, response_mask=response_mask, real_tokens=offset,
+    )
+
+
+def _right_padded(sequences: list[list[int]], pad_token_id: int, width: int) -> tuple[Tensor, Tensor]:
+    input_ids = torch.full((len(sequences), width), pad_token_id, dtype=torch.long)
+    attention = torch.zeros((len(sequences), width), dtype=torch.long)
+    for b, ids in enumerate(sequences):
+        input_ids[b, : len(ids)] = torch.tensor(ids)
+        attention[b, : len(ids)] = 1
+    return input_ids, attention
+
+
+def _padded(rows, pad_token_id, bucket, token_response, token_slot, targets, response_mask) -> MicroBatch:
+    width = bucketed(max(r.length for r in rows), bucket)
+    input_ids, attention = _right_padded([r.prompt_ids + r.response_ids for r in rows], pad_token_id, width)
+    prompt_lengths = torch.tensor([len(r.prompt_ids) for r in rows])
+    return MicroBatch(
+        indices=[], input_ids=input_ids, attention_mask=attention,
+        position_ids=(attention.cumsum(-1) - 1).clamp(min=0),  # right padding: 0..len-1, pads don't matter
+        hidden_row=token_response, hidden_pos=prompt_lengths[token_response] - 1 + token_slot,
+        token_response=token_response, token_slot=token_slot, targets=targets, response_mask=response_mask,
+        real_tokens=sum(r.length for r in rows),
+    )
+
+
+def _shared(rows, pad_token_id, bucket, token_response, token_slot, targets, response_mask) -> MicroBatch:
+    prompt = prompt_block(rows, pad_token_id)
+    width = bucketed(max(len(r.response_ids) for r in rows), bucket)
+    input_ids, attention = _right_padded([r.response_ids for r in rows], pad_token_id, width)
+    lengths = prompt.attention_mask.sum(-1)[prompt.of_row]
+    position_ids = (attention.cumsum(-1) - 1).clamp(min=0) + lengths.unsqueeze(-1)  # each continues its prompt
+    # First tokens (slot 0) come from the prompt block's last column; token t >= 1 from response position t - 1.
+    first = token_slot == 0
+    order = torch.cat([first.nonzero().squeeze(-1), (~first).nonzero().squeeze(-1)])
+    token_response, token_slot, targets = token_response[order], token_slot[order], targets[order]
+    count = int(first.sum())
+    hidden_row = torch.cat([prompt.of_row[token_response[:count]], token_response[count:]])
+    hidden_pos = torch.cat([torch.full((count,), prompt.input_ids.shape[1] - 1), token_slot[count:] - 1])
+    return MicroBatch(
+        indices=[], input_ids=input_ids,
+        attention_mask=torch.cat([prompt.attention_mask[prompt.of_row], attention], dim=1),
+        position_ids=position_ids, hidden_row=hidden_row, hidden_pos=hidden_pos, token_response=token_response,
+        token_slot=token_slot, targets=targets, response_mask=response_mask, prompt=prompt, first_tokens=count,
+        real_tokens=int(prompt.attention_mask.sum()) + sum(len(r.response_ids) for r in rows),
+    )
+
+
+def prompt_block(rows: list[Response], pad_token_id: int) -> PromptBlock:
+    """The distinct prompts of `rows` (a group's responses share one), left-padded, and each row's prompt."""
+    slot: dict[tuple[int, ...], int] = {}
+    of_row = [slot.setdefault(tuple(r.prompt_ids), len(slot)) for r in rows]
+    prompts = list(slot)
+    width = max(len(p) for p in prompts)
+    input_ids = torch.full((len(prompts), width), pad_token_id, dtype=torch.long)
+    attention = torch.zeros((len(prompts), width), dtype=torch.long)
+    for g, ids in enumerate(prompts):
+        input_ids[g, width - len(ids):] = torch.tensor(ids)
+        attention[g, width - len(ids):] = 1
+    position_ids = (attention.cumsum(-1) - 1).clamp(min=0)  # left padding: the prompt's tokens are 0..len-1
+    return PromptBlock(input_ids=input_ids, attention_mask=attention, position_ids=position_ids,
+                       of_row=torch.tensor(of_row))
+
+
+def _on(batch: MicroBatch, device) -> MicroBatch:
+    for name in ("input_ids", "attention_mask", "position_ids", "hidden_row", "hidden_pos", "token_response",
+                 "token_slot", "targets", "response_mask"):
+        value = getattr(batch, name)
+        if value is not None:
+            setattr(batch, name, value.to(device, non_blocking=True))
+    if batch.prompt is not None:
+        batch.prompt = batch.prompt.to(device)
+    return batch
+
+
+# -- plans ------------------------------------------------------------------------------------------------------
+def balance(indices: list[int], responses: list[Response], world: int) -> list[list[int]]:
+    """Responses dealt to `world` ranks by tokens: longest first, each to the least loaded rank (greedy LPT,
+    within 4/3 of the best split); identical on every rank."""
+    loads = [(0, rank) for rank in range(world)]
+    shards: list[list[int]] = [[] for _ in range(world)]
+    for i in sorted(indices, key=lambda i: (-responses[i].length, i)):
+        load, rank = heapq.heappop(loads)
+        shards[rank].append(i)
+        heapq.heappush(loads, (load + responses[i].length, rank))
+    return shards
+
+
+def plan(indices: list[int], responses: list[Response], budget: int, packed: bool) -> list[list[int]]:
+    """Micro-batches of at most `budget` tokens, longest first: real tokens when packed, rows x longest row when
+    padded. A single sequence longer than the budget still gets its own micro-batch."""
+    ordered = sorted(indices, key=lambda i: (-responses[i].length, i))
+    if packed:  # first fit, longest first: each pack filled close to the budget
+        packs, totals = [], []
+        for i in ordered:
+            length = responses[i].length
+            k = next((k for k, total in enumerate(totals) if total + length <= budget), len(packs))
+            if k == len(packs):
+                packs.append([])
+                totals.append(0)
+            packs[k].append(i)
+            totals[k] += length
+        return packs
+    padded: list[list[int]] = []
+    current: list[int] = []
+    width = 0
+    for i in ordered:
+        length = responses[i].length
+        if current and max(width, length) * (len(current) + 1) > budget:
+            padded.append(current)
+            current, width = [], 0
+        current.append(i)
+        width = max(width, length)
+    if current:
+        padded.append(current)
+    return padded
+
+
+def lockstep(per_rank: list[list[int]], responses: list[Response], budget: int, packed: bool,
+             rank: int) -> list[tuple[list[int], bool]]:
+    """This rank's micro-batches, padded with weight-0 repeats to the busiest rank's count (FSDP's collectives
+    need every rank to run the same number of forward passes)."""
+    plans = [plan(ix, responses, budget, packed) for ix in per_rank]
+    steps = max(len(p) for p in plans)
+    if steps == 0:
+        return []
+    mine = plans[rank]
+    filler = mine[0] if mine else next(p[0] for p in plans if p)
+    return [(mine[k], True) if k < len(mine) else (filler, False) for k in range(steps)]
