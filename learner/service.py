@@ -199,13 +199,14 @@ class LearnerService:
 
     def load(self) -> None:
         """The tokenizer and data (a bad data file fails here, in seconds), then the model and trainer (slow)."""
-        from transformers import AutoTokenizer
+        from transformers import AutoConfig, AutoTokenizer
 
         from learner.tracking import Tracking
 
         self.ready_reason = "loading the model"
         model_path = model_dir(self.settings)
         tokenizer = AutoTokenizer.from_pretrained(model_path)
+        self.work.vocab_size = AutoConfig.from_pretrained(model_path).vocab_size  # the embedding table's rows
         self.prompt_builder = PromptBuilder(tokenizer, self.settings)
         data = self.settings.data
         train = load_problems(data_spec(data.train, "train"), self.settings)
@@ -269,7 +270,7 @@ class LearnerService:
         result: dict[str, float] = {}
         publish_seconds = 0.0
         if batch.groups:
-            result = self.ranks.train_step(self.trainer, batch.groups)
+            result = self.train(batch)
             self.policy.advance()
             published = time.perf_counter()
             self.publish()
@@ -304,6 +305,17 @@ class LearnerService:
         if self.checkpoint_due(final):
             self.checkpoint()
         return not final
+
+    def train(self, batch: Batch) -> dict[str, float]:
+        """The update on every rank. One that raises counts against each group of the batch before the process
+        ends (learner/workset.py: after one retry such groups are quarantined, not re-admitted at every restart)."""
+        try:
+            result = self.ranks.train_step(self.trainer, batch.groups)
+        except Exception as err:
+            self.work.suspect(batch.task_ids, f"{type(err).__name__}: {err}"[:1000])
+            raise
+        self.work.trained(batch.task_ids)
+        return result
 
     def collect(self) -> Batch | None:
         """Push and refill until B informative groups are in hand (or the refill limit). None on stop."""

@@ -16,6 +16,13 @@ token ids, sampling, n samples and n scores), goes to `dead` with the reason (`p
 removed once the group is settled (dropped, evaluated, or trained and checkpointed). Task and record are
 written in one script, so after a Redis restart the tasks in flight missing from `issued` were lost with it.
 
+Admission. A group of the task as issued is also checked for what the trainer needs (`shape_error`: n samples and
+n scores, token ids in the model's vocabulary, at most max_tokens per sample, finite logprobs and rewards) before
+it is held; one that fails goes to `dead` (`malformed: ...`) and its task is given up. Quarantine: an update that
+raises counts a failure against every group of its batch (the hash `dapo:{run}:suspects`, in Redis: the process
+dies next); the restarted learner retries them once, and dead-letters a group with QUARANTINE_AFTER failures
+(`quarantined: ...`, with the error) instead of re-admitting it at every restart.
+
 Losses. Prompts that died in the pipeline (poison, too many deliveries) and tasks a Redis restart lost are no
 longer waited for: the batch assembler (and a running evaluation) stop counting on them.
 """
@@ -24,11 +31,13 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 from collections import deque
 from typing import Callable
 
 import msgpack
+import numpy as np
 
 from learner.batch import BatchAssembler, task_id_of
 from learner.evaluation import EvalRound
@@ -41,32 +50,63 @@ log = logging.getLogger(__name__)
 
 HELD = "held"
 ISSUED = "issued"
+SUSPECTS = "suspects"  # task id -> {"failures", "reason"}: updates that raised with the group in their batch
+QUARANTINE_AFTER = 2  # such failures before a held group is dead-lettered (`quarantined: ...`): one retry
 DATA_CURSOR = "data-cursor"  # where the training data stands after the last task pushed (TrainProblems.cursor)
 CONSUME_BATCH = 64
 DEAD_SCAN_SECONDS = 1.0
 DROP_KINDS = ("uninformative", "stale", "duplicate")
 
 
-def provenance_error(group: ScoredGroup, issued: PromptTask | None) -> str | None:
+def provenance_error(group: ScoredGroup, issued: PromptTask | None, vocab_size: int) -> str | None:
     """Why a scored group must not be trained (None if it may): the learner never issued its task id, the
     group's task or rollout does not match the task as issued (`provenance: ...`: the genuine group may still
-    come), or its samples are unusable (`malformed: ...`: the task is given up, as for a dead prompt)."""
-    task, rollout = group.rollout.task, group.rollout
+    come), or its samples are unusable (`malformed: ...`, `shape_error`: the task is given up, as for a dead
+    prompt)."""
+    task = group.rollout.task
     if issued is None:
         return f"provenance: unknown task id {task.task_id!r} (not issued by this run's learner)"
     if task != issued:
         changed = [name for name in PromptTask.model_fields if getattr(task, name) != getattr(issued, name)]
         return f"provenance: task {task.task_id} does not match the task as issued (differs in {', '.join(changed)})"
-    n = issued.sampling.n
+    return shape_error(group, vocab_size)
+
+
+def shape_error(group: ScoredGroup, vocab_size: int) -> str | None:
+    """Why the trainer could not use a group of the task as issued (`malformed: ...`), None if it can: n samples
+    and n scores, every token id in the embedding table [0, vocab_size), at most the task's max_tokens per
+    sample, one finite logprob per token, finite rewards. Signed, and for the task as issued: the generator that
+    took the prompt answered it so; none other will. Checked before the group is held, so no such group ever
+    reaches an update (an out-of-range id raises in the embedding lookup, a NaN poisons the weights)."""
+    rollout, task = group.rollout, group.rollout.task
+    n, max_tokens = task.sampling.n, task.sampling.max_tokens
     if len(rollout.samples) != n or len(group.scores) != n:
-        # Signed, and for the task as issued: the generator that took the prompt answered it so; none other will.
         return (f"malformed: task {task.task_id} asked for n={n} samples; the group has {len(rollout.samples)} "
                 f"samples and {len(group.scores)} scores")
-    for i, sample in enumerate(rollout.samples):
-        if len(sample.logprobs) != len(sample.token_ids):  # the trainer would refuse it, at every restart
-            return (f"malformed: task {task.task_id} sample {i} has {len(sample.token_ids)} token ids and "
-                    f"{len(sample.logprobs)} logprobs")
+    for i, (sample, score) in enumerate(zip(rollout.samples, group.scores)):
+        where = f"malformed: task {task.task_id} sample {i}"
+        ids = sample.token_ids
+        if len(sample.logprobs) != len(ids):
+            return f"{where} has {len(ids)} token ids and {len(sample.logprobs)} logprobs"
+        if len(ids) > max_tokens:
+            return f"{where} has {len(ids)} tokens, more than the task's max_tokens {max_tokens}"
+        if ids and not 0 <= min(ids) <= max(ids) < vocab_size:  # ids may be any int: no fixed-width array
+            position = next(j for j, token in enumerate(ids) if not 0 <= token < vocab_size)
+            return (f"{where} token id {ids[position]} at position {position} is outside the vocabulary "
+                    f"[0, {vocab_size})")
+        if not np.isfinite(sample.logprobs).all():
+            return f"{where} has a logprob that is not a finite number"
+        if not math.isfinite(score.reward):
+            return f"{where} has the reward {score.reward}, not a finite number"
     return None
+
+
+def quarantine_reason(suspect: dict | None) -> str | None:
+    """The dead letter's reason for a group that updates failed with QUARANTINE_AFTER times (None below that)."""
+    if suspect is None or suspect["failures"] < QUARANTINE_AFTER:
+        return None
+    return (f"quarantined: {suspect['failures']} updates failed with this group in their batch "
+            f"(the last: {suspect['reason']})")
 
 
 def task_id_in_payload(stream: str, payload: bytes) -> str | None:
@@ -94,6 +134,11 @@ class WorkingSet:
         self.scored = streams.stream("scored", ScoredGroup)
         self.held = streams.stream(HELD, ScoredGroup)
         self.issued_key = streams.key(ISSUED)
+        self.suspects_key = streams.key(SUSPECTS)
+        self.suspects: set[str] = set()  # held groups an update failed with (fewer than QUARANTINE_AFTER times)
+        # The model's embedding rows: the service sets them from the model's config before any group is read
+        # (0 refuses every token).
+        self.vocab_size = 0
         self.cursor_key = streams.key(DATA_CURSOR)
         self._cursor_after: dict[str, dict] = {}  # task id -> the data cursor once that task is pushed
         self.redis = streams.redis
@@ -164,7 +209,7 @@ class WorkingSet:
         group = delivery.message
         task_id = task_id_of(group)
         if task_id not in self.assembler.seen:  # a duplicate of a settled group is dropped below, not checked
-            reason = provenance_error(group, self.issued_task(task_id))
+            reason = provenance_error(group, self.issued_task(task_id), self.vocab_size)
             if reason is not None:
                 self.scored.reject(delivery, reason)
                 return
@@ -259,16 +304,23 @@ class WorkingSet:
         claimed = self.claim_pending()
         if any(outcome.values()) or claimed:
             log.info(
-                "working set: %d groups re-admitted, %d already consumed, %d dropped, %d garbled; %d pending claimed",
-                outcome["kept"], outcome["skipped"], outcome["dropped"], outcome["garbled"], claimed,
+                "working set: %d groups re-admitted, %d already consumed, %d dropped, %d garbled, %d refused "
+                "(malformed or quarantined); %d pending claimed",
+                outcome["kept"], outcome["skipped"], outcome["dropped"], outcome["garbled"], outcome["refused"],
+                claimed,
             )
 
     def readmit_held(self, skip: set[str], counted: set[str]) -> dict[str, int]:
         """Re-admit the working set after a restart: skip (and delete) what the checkpoint consumed; groups in
-        `counted` were already counted in the checkpointed statistics (carried), the others are counted again."""
-        outcome = {"kept": 0, "skipped": 0, "dropped": 0, "garbled": 0}
+        `counted` were already counted in the checkpointed statistics (carried), the others are counted again.
+        A group the trainer cannot use (`shape_error`), or that was in the batch of QUARANTINE_AFTER updates that
+        raised, is dead-lettered with the reason: a group that crashes every update is not re-admitted at every
+        restart."""
+        outcome = {"kept": 0, "skipped": 0, "dropped": 0, "garbled": 0, "refused": 0}
         doomed = []
         version = self.version()
+        suspects = {task_id.decode(): json.loads(raw) for task_id, raw in self.redis.hgetall(self.suspects_key).items()}
+        kept = set()
         for entry_id, fields in self.held.entries():
             payload = fields.get(FIELD, b"")
             forged = self.held.forged(fields)
@@ -291,15 +343,41 @@ class WorkingSet:
                 self.held.dead(entry_id, payload, f"unparseable held group: {err}"[:2000])
                 outcome["garbled"] += 1
                 continue
+            refused = shape_error(group, self.vocab_size) or quarantine_reason(suspects.get(task_id))
+            if refused:
+                self.held.dead(entry_id, payload, refused[:2000])
+                outcome["refused"] += 1
+                continue
             verdict = self.assembler.admit(group, version, fresh=task_id not in counted)
             if verdict == "informative":
                 outcome["kept"] += 1
+                kept.add(task_id)
             else:
                 doomed.append(entry_id)
                 outcome["dropped"] += 1
                 self.drops[verdict].append(task_id)
         self.held.delete(doomed)
+        self.suspects = kept & suspects.keys()
+        if settled := suspects.keys() - self.suspects:  # quarantined, or no longer held
+            self.redis.hdel(self.suspects_key, *settled)
         return outcome
+
+    # -- quarantine --------------------------------------------------------------------------------------------
+    def suspect(self, task_ids: list[str], reason: str) -> None:
+        """An update raised with these groups in its batch: count it against each, in Redis (the process ends
+        next). A group counted QUARANTINE_AFTER times is dead-lettered when the restarted learner reads `held`."""
+        known = self.redis.hmget(self.suspects_key, task_ids) if task_ids else []
+        counts = {task_id: json.dumps({"failures": (json.loads(raw)["failures"] if raw else 0) + 1, "reason": reason})
+                  for task_id, raw in zip(task_ids, known)}
+        if counts:
+            self.redis.hset(self.suspects_key, mapping=counts)
+
+    def trained(self, task_ids: list[str]) -> None:
+        """An update with these groups went through: an earlier failure with them was not theirs."""
+        cleared = self.suspects.intersection(task_ids)
+        if cleared:
+            self.redis.hdel(self.suspects_key, *cleared)
+            self.suspects -= cleared
 
     def claim_pending(self) -> int:
         """Take over every scored group a previous learner process was given and never settled (there is one

@@ -23,7 +23,7 @@ import msgpack
 import pytest
 import torch
 
-from learner.batch import Push
+from learner.batch import Push, task_id_of
 from learner.checkpoint_layout import CHECKPOINTS, STOPPED, recorded_stop
 from learner.records import LEDGER_FILE, METRICS_FILE, truncate_jsonl
 from learner.service import LearnerService, TrainProblems, data_spec
@@ -182,6 +182,7 @@ def learner_that_issued(settings) -> tuple[LearnerService, PromptTask]:
     """A connected learner service that pushed one task (recorded in `issued`, then produced; counted in flight)."""
     service = LearnerService(settings)
     service.connect()
+    service.work.vocab_size = 100  # load() reads it from the model's config
     issued = PromptTask(task_id="train-1", prompt_id="p1", prompt="1+1=", prompt_token_ids=[5, 6], ground_truth="2",
                         sampling=SamplingParams(n=2, max_tokens=8))
     service.work.outbox.append(issued)
@@ -270,6 +271,97 @@ def test_a_signed_group_of_its_own_task_with_the_wrong_number_of_samples_gives_t
     (dead,) = service.streams.dead_letters()
     assert dead["reason"] == "malformed: task train-1 asked for n=2 samples; the group has 3 samples and 3 scores"
     assert not service.assembler.ready and "train-1" not in service.assembler.in_flight
+
+
+def test_a_signed_group_outside_the_bounds_is_dead_lettered_before_it_is_held(settings):
+    """Token ids outside the vocabulary, more tokens than max_tokens, NaN logprobs: each would crash (or poison)
+    the update. Refused on arrival with the reason, never held, and the task given up."""
+    service, issued = learner_that_issued(settings)
+    huge = scored_group(issued, [True, False])
+    huge.rollout.samples[1].token_ids[0] = 10**9
+    service.work.scored.produce(huge)
+    long = scored_group(issued, [True, False])
+    long.rollout.samples[0].token_ids[:] = [1] * 1002
+    long.rollout.samples[0].logprobs[:] = [-0.1] * 1002
+    service.work.scored.produce(long)
+    nan = scored_group(issued, [True, False])
+    nan.rollout.samples[0].logprobs[0] = float("nan")
+    service.work.scored.produce(nan)
+    service.work.pump()
+    service.work.scan_dead_letters()
+    assert [d["reason"] for d in reversed(service.streams.dead_letters())] == [
+        "malformed: task train-1 sample 1 token id 1000000000 at position 0 is outside the vocabulary [0, 100)",
+        "malformed: task train-1 sample 0 has 1002 tokens, more than the task's max_tokens 8",
+        "malformed: task train-1 sample 0 has a logprob that is not a finite number",
+    ]
+    assert not service.assembler.ready and "train-1" not in service.assembler.in_flight
+    assert service.redis.xlen(service.work.held.key) == 0 and service.work.issued_task("train-1") is None
+
+
+class FailingRanks:
+    """The ranks of a learner whose update raises on a group (an embedding lookup out of range, say)."""
+
+    world = 1
+
+    def train_step(self, trainer, groups):
+        raise IndexError("index out of range in self")
+
+
+def test_a_group_that_crashes_the_update_is_quarantined_after_one_retry(settings):
+    """An update that raises counts against its batch's groups in Redis; the restarted learner retries them once,
+    then dead-letters them with the error instead of re-admitting them at every restart. A retry that goes
+    through clears the count."""
+    first, issued = learner_that_issued(settings)
+    first.ranks = FailingRanks()
+    first.work.scored.produce(scored_group(issued, [True, False]))
+    first.work.pump()
+    assert first.redis.xlen(first.work.held.key) == 1
+
+    def restart() -> LearnerService:
+        service = LearnerService(settings)
+        service.connect()
+        service.work.vocab_size = 100
+        service.work.restore(skip=set(), counted=set())
+        service.ranks = FailingRanks()
+        return service
+
+    def crash(service: LearnerService) -> None:
+        batch = service.assembler.take_batch(0, partial=True)
+        with pytest.raises(IndexError):
+            service.train(batch)
+
+    crash(first)
+    retried = restart()  # the retry: re-admitted once
+    assert [task_id_of(g) for _, _, g in retried.assembler.ready] == ["train-1"] and not retried.streams.dead_letters()
+    crash(retried)
+    quarantined = restart()
+    assert not quarantined.assembler.ready and quarantined.redis.xlen(quarantined.work.held.key) == 0
+    (dead,) = quarantined.streams.dead_letters()
+    assert dead["reason"] == ("quarantined: 2 updates failed with this group in their batch (the last: IndexError: "
+                              "index out of range in self)")
+    quarantined.work.scan_dead_letters()
+    assert quarantined.work.issued_task("train-1") is None  # given up: the task is settled
+    assert not quarantined.redis.exists(quarantined.work.suspects_key)
+
+
+def test_an_update_that_goes_through_on_retry_clears_the_failure(settings):
+    first, issued = learner_that_issued(settings)
+    first.work.scored.produce(scored_group(issued, [True, False]))
+    first.work.pump()
+    first.work.suspect(["train-1"], "RuntimeError: a transient fault")
+    retried = LearnerService(settings)
+    retried.connect()
+    retried.work.vocab_size = 100
+    retried.work.restore(skip=set(), counted=set())
+    assert retried.work.suspects == {"train-1"}
+
+    class Ranks:
+        def train_step(self, trainer, groups):
+            return {"loss": 0.0}
+
+    retried.ranks = Ranks()
+    retried.train(retried.assembler.take_batch(0, partial=True))
+    assert not retried.work.suspects and not retried.redis.exists(retried.work.suspects_key)
 
 
 def test_a_version_published_before_redis_lost_it_is_not_reused(settings):
