@@ -8,7 +8,9 @@ into the run folder.
 Nothing but the user (or the learner finishing) ends a run: a dead redis-server is restarted on its AOF (same
 socket, folder and password; the services' clients retry meanwhile), a learner that did not exit by itself
 (killed, crashed) is restarted and resumes from its checkpoint, a crashed worker is restarted. A process that
-keeps crashing right after its start is given up after RESTART_LIMIT tries (a bug, not bad luck).
+keeps crashing without progress is given up after RESTART_LIMIT tries (a bug, not bad luck): for the learner,
+progress is a training step beyond the furthest one recorded before (a slow-loading learner that crashes on the
+same step is not restarted for ever, however long each try lasts); for a worker, a run of STABLE_SECONDS.
 
 Each child is the leader of its own process group (its own session), and stopping or restarting a child kills
 that whole group: a SIGKILLed generator would otherwise leave its vLLM engine core running, orphaned.
@@ -29,6 +31,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 from rich.console import Console
 from rich.live import Live
@@ -38,7 +41,7 @@ from cli import cores
 from cli.cores import CpuPlan, Placement, cpu_seconds_by_group
 from learner.checkpoint_layout import CHECKPOINTS, EXIT_REFILL_LIMIT, recorded_stop
 from learner.lease import EXIT_FENCED, INSTANCE_ENV
-from learner.records import read_rows
+from learner.records import METRICS_FILE, read_rows
 from services.config import DEFAULT_TOKEN, Settings, dump_settings
 from services.http import free_port
 from services.redis_local import EmbeddedRedis, embedded_server, without_password
@@ -48,8 +51,8 @@ from services.weights_layout import write_atomic
 log = logging.getLogger(__name__)
 console = Console()
 
-RESTART_LIMIT = 5  # crashes in a row of one process (each within STABLE_SECONDS of its start) before giving up
-STABLE_SECONDS = 300.0  # a process that ran this long before dying starts a new count
+RESTART_LIMIT = 5  # crashes in a row of one process without progress before giving up
+STABLE_SECONDS = 300.0  # a worker that ran this long before dying starts a new count (the learner counts steps)
 RANKS_STOP_SECONDS = 120.0  # SIGTERM to SIGKILL for the learner's ranks: rank 0 finishes the step and checkpoints
 # The launcher's own SIGKILL reaches torchrun's process group only (each rank leads a session of its own), so it
 # comes after torchrun's (TORCH_ELASTIC_SHUTDOWN_TIMEOUT): no rank outlives the run.
@@ -72,6 +75,9 @@ class Child:
     placement: Placement | None = None  # its CPUs and priority (cli/cores.py)
     exit_file: Path | None = None  # where it records the exit code it chose ($DAPO_EXIT_FILE, services/startup.py)
     exit_path: Path | None = None  # exit_file of the current start: an orphaned rank of a start before writes elsewhere
+    # How far it got (the learner: its furthest step recorded); None: progress is a run of STABLE_SECONDS
+    progress: Callable[[], int] | None = None
+    progress_mark: int = -1  # the furthest progress seen when it last started
     restarts: int = 0
     gave_up: bool = False  # crashed RESTART_LIMIT times in a row: not started again
     started_at: float = field(default_factory=time.monotonic)
@@ -100,6 +106,8 @@ class Child:
         )
         log_file.close()
         self.started_at = time.monotonic()
+        if self.progress is not None:
+            self.progress_mark = max(self.progress_mark, self.progress())
 
     def sample_cpu(self, by_group: dict[int, float]) -> None:
         """Record its process group's CPU seconds (`cores.cpu_seconds_by_group`: it leads its own group)."""
@@ -128,19 +136,26 @@ class Child:
         """learner, reward or generator (the name without its index)."""
         return self.name.rsplit("-", 1)[0]
 
+    def progressed(self) -> bool:
+        """It got further than before its last start: a step beyond the furthest one (with `progress`), else a run
+        of STABLE_SECONDS."""
+        if self.progress is None:
+            return time.monotonic() - self.started_at >= STABLE_SECONDS
+        return self.progress() > self.progress_mark
+
     def restart(self) -> bool:
         """Start again after a crash, once the crashed child's whole process group is gone; False once it crashed
-        RESTART_LIMIT times in a row soon after starting, and from then on (its group is not killed again: the
-        pid may belong to another process by then)."""
+        RESTART_LIMIT times in a row without progress, and from then on (its group is not killed again: the pid
+        may belong to another process by then)."""
         if self.gave_up:
             return False
         self.kill_group()
-        if time.monotonic() - self.started_at >= STABLE_SECONDS:
+        if self.progressed():
             self.restarts = 0
         if self.restarts >= RESTART_LIMIT:
             self.gave_up = True
-            log.error("%s crashed %d times in a row within %.0f s of starting; not restarting it (see %s)",
-                      self.name, RESTART_LIMIT, STABLE_SECONDS, self.log_path)
+            log.error("%s crashed %d times in a row without progress; not restarting it (see %s)",
+                      self.name, RESTART_LIMIT, self.log_path)
             return False
         self.restarts += 1
         log.warning("%s exited with %s; restart %d", self.name, self.exit_code, self.restarts)
@@ -169,6 +184,11 @@ class Child:
             pass
         self.process.wait()
 
+
+
+def steps_recorded(metrics_path: Path) -> int:
+    """The furthest step in the learner's metrics.jsonl (0 before the first)."""
+    return max((int(row.get("step", 0)) for row in read_rows(metrics_path)), default=0)
 
 
 def learner_command(procs: int) -> list[str]:
@@ -220,7 +240,8 @@ def service_children(settings: Settings, config_path: Path, redis_url: str, gene
         learner_env.update(cores.learner_env(cpus.learner))
     children = [Child("learner", learner_command(learner_procs) + ["--config", str(config_path)], learner_env,
                       run_dir / "logs" / "learner.log", stop_seconds=LEARNER_STOP_SECONDS,
-                      placement=cpus.learner if cpus else None, exit_file=run_dir / "logs" / "learner.exit")]
+                      placement=cpus.learner if cpus else None, exit_file=run_dir / "logs" / "learner.exit",
+                      progress=lambda: steps_recorded(run_dir / METRICS_FILE))]
     for i in range(reward_workers):
         placed = cpus.reward[i] if cpus else None
         children.append(child(f"reward-{i}", "reward", DAPO_REWARD__PORT=str(free_port()),

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from cli.launcher import RESTART_LIMIT, Child, GaveUp, supervise
+from cli.launcher import RESTART_LIMIT, Child, GaveUp, steps_recorded, supervise
 
 REPO = str(Path(__file__).resolve().parents[2])
 
@@ -118,6 +118,32 @@ def test_a_worker_that_keeps_crashing_is_given_up_and_the_run_stops(tmp_path):
         assert learner.alive()  # the caller stops it (the learner checkpoints on SIGTERM)
     finally:
         learner.stop()
+
+
+def test_the_learner_is_given_up_after_crashes_without_a_step_however_long_each_lasted(tmp_path):
+    """The learner's back-off counts steps, not uptime: a learner that loads for longer than STABLE_SECONDS and
+    crashes before a new step is given up after RESTART_LIMIT tries; one that gets further each time never is."""
+    metrics = tmp_path / "metrics.jsonl"
+    learner = Child("learner", [sys.executable, "-c", "raise SystemExit(1)"], dict(os.environ),
+                    tmp_path / "learner.log", progress=lambda: steps_recorded(metrics))
+    metrics.write_text('{"step": 3}\n')
+    learner.start()
+    for _ in range(RESTART_LIMIT):
+        learner.process.wait()
+        learner.started_at -= 3600  # it ran for an hour: no longer a reason to start a new count
+        metrics.write_text('{"step": 2}\n{"step": 3}\n')  # resumed from step 2, crashed again on step 4
+        assert learner.restart()
+    learner.process.wait()
+    assert not learner.restart() and learner.gave_up and learner.restarts == RESTART_LIMIT
+
+    progressing = Child("learner", [sys.executable, "-c", "raise SystemExit(1)"], dict(os.environ),
+                        tmp_path / "learner.log", progress=lambda: steps_recorded(metrics))
+    progressing.start()
+    for step in range(4, 4 + 2 * RESTART_LIMIT):
+        progressing.process.wait()
+        metrics.write_text(f'{{"step": {step}}}\n')  # a step beyond the furthest before each crash
+        assert progressing.restart() and progressing.restarts == 1
+    progressing.process.wait()
 
 
 def test_a_fenced_learner_is_not_restarted(tmp_path):
