@@ -67,51 +67,112 @@ import sys
 sys.path[:0] = [{repo!r}]
 from pathlib import Path
 import torch, torch.distributed as dist
+from safetensors.torch import save_file
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 from transformers import AutoModelForCausalLM
+from learner import packing
+from learner.checkpoint_io import load_training_state, save_training_state
 from learner.dapo import LinearWarmup
-from learner.trainer import load_training_state, save_training_state
+from learner.logprobs import HeadQuery, install_head
 
 dist.init_process_group("gloo")
-rank, folder = dist.get_rank(), Path({tmp!r}) / "state"
+rank, tmp = dist.get_rank(), Path({tmp!r})
+folder = tmp / "state"
+FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
 
 def sharded():
     model = AutoModelForCausalLM.from_pretrained({model!r}, dtype=torch.float32)
+    head = install_head(model, temperature=0.7, chunk_tokens=5)  # inside the model's forward: FSDP gathers it
     for layer in model.model.layers:
         fully_shard(layer)
     fully_shard(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    return model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, LinearWarmup(3))
+    return model, head, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, LinearWarmup(3))
 
 
-def full(model):
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+def flat(model, optimizer):
+    weights, moments = get_state_dict(model, optimizer, options=FULL)  # on rank 0 only
+    if not moments:
+        return {{}}
+    out = {{"model/" + k: v.contiguous() for k, v in weights.items() if k != "lm_head.weight"}}
+    for fqn, slots in moments["state"].items():
+        out.update({{f"optimizer/{{fqn}}/{{slot}}": v.reshape(-1).contiguous() for slot, v in slots.items()}})
+    return out
 
 
-torch.manual_seed(rank)
-model, optimizer, scheduler = sharded()
-ids = torch.randint(2, 32, (2, 9))
-model(input_ids=ids, labels=ids).loss.backward()  # each rank its own data: FSDP reduces the gradients
+# Packed rows (positions restart, no mask) scored by the chunked head under FSDP2: every rank runs the same rows,
+# so the averaged gradient is the single-process gradient of the plain full-vocabulary formula.
+generator = torch.Generator().manual_seed(0)
+rows = []
+for i in range(5):
+    prompt = torch.randint(2, 32, (int(torch.randint(1, 6, (1,), generator=generator)),), generator=generator)
+    reply = torch.randint(2, 32, (int(torch.randint(1, 9, (1,), generator=generator)),), generator=generator)
+    rows.append(packing.Response(i, prompt.tolist(), reply.tolist(), torch.zeros(len(reply)), 0.0, False))
+batch = packing.collate(rows, list(range(5)), "packed", pad_token_id=0, bucket=16)
+weights = torch.linspace(-1, 1, batch.targets.numel())
+model, head, optimizer, scheduler = sharded()
+with head.scoring(HeadQuery(batch.hidden_row, batch.hidden_pos, batch.targets)):
+    scored = model(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False).logits
+(scored[:, 0] * weights).sum().backward()
+grads = {{n: p.grad.full_tensor() for n, p in model.named_parameters()}}
+if rank == 0:
+    plain = AutoModelForCausalLM.from_pretrained({model!r}, dtype=torch.float32)
+    for r, row in enumerate(rows):
+        ids = torch.tensor([row.prompt_ids + row.response_ids])
+        logits = (plain(input_ids=ids).logits[0] / 0.7).log_softmax(-1)
+        start = len(row.prompt_ids) - 1
+        logp = logits[start:start + len(row.response_ids)].gather(-1, torch.tensor(row.response_ids)[:, None])
+        (logp.squeeze(-1) * weights[batch.token_response == r]).sum().backward()
+    for name, param in plain.named_parameters():
+        assert torch.allclose(grads[name], param.grad, rtol=1e-4, atol=1e-5), name
 optimizer.step(), scheduler.step()
 if rank == 0:
     folder.mkdir()
 dist.barrier()
 save_training_state(folder, model, optimizer, scheduler, rank == 0, rank)
 dist.barrier()
-restored, restored_optimizer, restored_scheduler = sharded()
+restored, _, restored_optimizer, restored_scheduler = sharded()
 load_training_state(folder, restored, restored_optimizer, restored_scheduler, rank)
-a, b = full(model), full(restored)
+a, b = flat(model, optimizer), flat(restored, restored_optimizer)
 if rank == 0:
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), "weights differ"
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), "state differs"
     assert restored_scheduler.state_dict() == scheduler.state_dict()
-for p, q in zip(model.parameters(), restored.parameters()):  # this rank's shard of the AdamW moments
-    s, t = optimizer.state[p], restored_optimizer.state[q]
-    assert torch.equal(s["exp_avg"].to_local(), t["exp_avg"].to_local())
-    assert torch.equal(s["exp_avg_sq"].to_local(), t["exp_avg_sq"].to_local())
+    save_file(a, tmp / "full.safetensors")  # for the resume on one process
 print("rank %d ok" % rank, flush=True)  # one write: the two ranks share a pipe (print's pieces interleaved)
 dist.destroy_process_group()
+"""
+
+ONE_PROCESS_RESUME = """
+import sys
+sys.path[:0] = [{repo!r}]
+from pathlib import Path
+import torch
+from safetensors.torch import load_file
+from torch.distributed.checkpoint.state_dict import get_state_dict
+from transformers import AutoModelForCausalLM
+from learner.checkpoint_io import load_training_state
+from learner.dapo import LinearWarmup
+from learner.logprobs import install_head
+
+tmp = Path({tmp!r})
+model = AutoModelForCausalLM.from_pretrained({model!r}, dtype=torch.float32)
+install_head(model, temperature=0.7, chunk_tokens=5)
+optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, LinearWarmup(3))
+load_training_state(tmp / "state", model, optimizer, scheduler, rank=0)
+expected = load_file(tmp / "full.safetensors")
+weights, moments = get_state_dict(model, optimizer)
+for key, value in expected.items():
+    kind, name = key.split("/", 1)
+    if kind == "model":
+        assert torch.equal(weights[name], value), key
+    else:
+        fqn, slot = name.rsplit("/", 1)
+        assert torch.equal(moments["state"][fqn][slot].reshape(-1), value), key
+assert scheduler.last_epoch == 1
+print("one process ok", flush=True)
 """
 
 
@@ -168,18 +229,26 @@ def test_two_ranks_following_rank_zero_train_like_one(model_path, tmp_path):
 
 
 @pytest.mark.slow
-def test_fsdp2_checkpoint_round_trip_on_cpu(model_path, tmp_path):
+def test_fsdp2_head_packing_and_sharded_checkpoint_on_cpu(model_path, tmp_path):
     """PyTorch FSDP2 (`fully_shard`) runs on CPU over gloo, accelerate's FSDP does not (its multi-CPU mode is
-    DDP). So the trainer's FSDP code that torch can run here, the checkpoint (full-state gather of sharded
-    weights and AdamW moments on rank 0, scatter back to every rank's shard), is run on 2 sharded CPU ranks."""
-    script = tmp_path / "fsdp.py"
+    DDP). So the trainer's FSDP code that torch can run here is run on 2 sharded CPU ranks: packed rows scored by
+    the chunked head inside the sharded model (the gradient of the plain formula), and the sharded checkpoint
+    (each rank writes its own shard, nothing gathered), read back exactly on 2 ranks and on 1 process."""
     repo = Path(__file__).resolve().parents[2]
-    script.write_text(FSDP_WORKER.format(repo=str(repo), tmp=str(tmp_path), model=str(model_path)))
     env = dict(os.environ, OMP_NUM_THREADS="1")
+    script = tmp_path / "fsdp.py"
+    script.write_text(FSDP_WORKER.format(repo=str(repo), tmp=str(tmp_path), model=str(model_path)))
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
                 "--master_port", str(free_port())]
     done = subprocess.run(torchrun + [str(script)], env=env, timeout=300, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "rank 0 ok" in done.stdout and "rank 1 ok" in done.stdout, done.stdout[-2000:]
-    assert {p.name for p in (tmp_path / "state").iterdir()} >= {"model.safetensors", "optimizer.safetensors",
+    shards = sorted(p.name for p in (tmp_path / "state" / "shards").iterdir())
+    assert len([name for name in shards if name.endswith(".safetensors")]) == 2, shards  # one per rank
+    assert {p.name for p in (tmp_path / "state").iterdir()} >= {"optimizer.json", "scheduler.json",
                                                                  "rng-0.safetensors", "rng-1.safetensors"}
+    assert not list((tmp_path / "state").rglob(".metadata"))  # DCP's pickled metadata is never written
+    resume = tmp_path / "resume.py"
+    resume.write_text(ONE_PROCESS_RESUME.format(repo=str(repo), tmp=str(tmp_path), model=str(model_path)))
+    alone = subprocess.run([sys.executable, str(resume)], env=env, timeout=300, capture_output=True, text=True)
+    assert alone.returncode == 0 and "one process ok" in alone.stdout, alone.stderr[-3000:]

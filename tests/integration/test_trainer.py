@@ -88,14 +88,22 @@ def sequence_logprob(trainer, groups):
 
 
 # -- padding and logprobs ----------------------------------------------------------------------------------------
+LAYOUTS = {  # learner settings for each layout of a forward pass (learner/packing.py)
+    "shared": {"packing": "off", "share_prompt_pass": True},
+    "padded": {"packing": "off", "share_prompt_pass": False},
+    "packed": {"packing": "on"},
+}
+
+
 @pytest.mark.parametrize("temperature", [1.0, 0.6])
-@pytest.mark.parametrize("share_prompt_pass", [True, False])
-def test_logprobs_match_unpadded_forward(model_path, tmp_path, temperature, share_prompt_pass):
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_logprobs_match_unpadded_forward(model_path, tmp_path, temperature, layout):
     # The policy is the one the generator samples from: softmax(logits / T). Prompts of 2 to 6 tokens: the shared
-    # prompt pass left-pads them in one block.
+    # prompt pass left-pads them in one block; packing puts several rows in one sequence.
     settings = load_settings("tiny-cpu", run_dir=str(tmp_path), sampling={"temperature": temperature},
-                             learner={"micro_batch_tokens": 30, "share_prompt_pass": share_prompt_pass})
+                             learner={"micro_batch_tokens": 30, **LAYOUTS[layout]})
     trainer = Trainer(settings, model_path)
+    assert trainer.layout == layout
     groups = make_groups()
     batched = trainer.logprobs(groups)
     model = trainer.accelerator.unwrap_model(trainer.model)
@@ -103,7 +111,7 @@ def test_logprobs_match_unpadded_forward(model_path, tmp_path, temperature, shar
         for g, group in enumerate(groups):
             prompt = group.rollout.task.prompt_token_ids
             for i, sample in enumerate(group.rollout.samples):
-                ids = torch.tensor([prompt + sample.token_ids])
+                ids = torch.tensor([prompt + sample.token_ids], device=model.device)
                 logits = (model(input_ids=ids).logits[0] / temperature).log_softmax(-1)
                 # Logits at position t predict token t + 1.
                 expected = [logits[len(prompt) - 1 + t, tok].item() for t, tok in enumerate(sample.token_ids)]
@@ -236,6 +244,44 @@ def test_shared_prompt_pass_gives_the_gradient_of_whole_rows(model_path, tmp_pat
     assert shared.train_step(groups)["loss"] == pytest.approx(whole.train_step(groups)["loss"], rel=1e-4)
 
 
+@pytest.mark.parametrize("layout, budget", [("packed", 100_000), ("packed", 20), ("shared", 20)])
+def test_every_layout_gives_the_gradient_of_padded_rows(model_path, tmp_path, layout, budget):
+    # fp32: packed rows (attention confined to each row by the position ids) and the shared prompt pass give the
+    # padded rows' loss and gradient within 1e-5.
+    groups = make_groups(n_groups=4, size=4, seed=5)
+    padded = Trainer(make_settings(tmp_path, **LAYOUTS["padded"], micro_batch_tokens=budget), model_path)
+    other = Trainer(make_settings(tmp_path, **LAYOUTS[layout], micro_batch_tokens=budget), model_path)
+    assert (padded.layout, other.layout) == ("padded", layout)
+    groups = with_behaviour(groups, padded.logprobs(groups), random_offsets(groups, seed=4, scale=0.5))
+    loss_padded, grads_padded = padded.loss_gradients(groups)
+    loss_other, grads_other = other.loss_gradients(groups)
+    assert loss_other == pytest.approx(loss_padded, rel=1e-5, abs=1e-7)
+    assert grads_padded.keys() == grads_other.keys() and len(grads_padded) > 10
+    for name, grad in grads_padded.items():
+        torch.testing.assert_close(grads_other[name], grad, rtol=1e-5, atol=1e-5, msg=name)
+    assert any(g.abs().max() > 1e-4 for g in grads_padded.values())
+    a, b = padded.train_step(groups), other.train_step(groups)
+    for key in ("loss", "entropy", "approx_kl", "clip_frac_high", "tokens"):
+        assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), key
+
+
+def test_a_step_reports_its_model_flops(model_path, tmp_path):
+    trainer = Trainer(make_settings(tmp_path, **LAYOUTS["packed"], mini_batches=2), model_path)
+    groups = make_groups(n_groups=4, size=4, seed=5)
+    groups = with_behaviour(groups, trainer.logprobs(groups))
+    metrics = trainer.train_step(groups)
+    body, head = trainer.parameter_counts
+    tokens = sum(len(g.rollout.task.prompt_token_ids) + len(s.token_ids) for g in groups for s in g.rollout.samples)
+    scored = sum(len(s.token_ids) for g in groups for s in g.rollout.samples)
+    # Every token trained once; the second mini-batch's also had a no-grad pi_old pass (about half of them).
+    low = 6 * (body * tokens + head * scored)
+    assert low < metrics["model_tflops"] * 1e12 * metrics["step_seconds"] < low * (1 + 2 / 6)
+    assert "mfu" not in metrics  # no peak for a CPU
+    trainer = Trainer(make_settings(tmp_path, peak_tflops=0.5), model_path)
+    metrics = trainer.train_step(groups)
+    assert metrics["mfu"] == pytest.approx(metrics["model_tflops"] / 0.5)
+
+
 def test_warmup_is_counted_in_train_steps(model_path, tmp_path):
     # Three mini-batch updates per step, all at the step's rate; the rate rises once per step.
     trainer = Trainer(make_settings(tmp_path, lr=1e-3, warmup_steps=3, mini_batches=3), model_path)
@@ -327,7 +373,7 @@ def test_state_dict_for_publish(model_path, tmp_path):
     assert set(state) == set(params)
     for name, tensor in state.items():
         assert tensor.device.type == "cpu" and tensor.is_contiguous() and tensor.dtype == torch.float32
-        assert torch.equal(tensor, params[name].detach())
+        assert torch.equal(tensor, params[name].detach().cpu())
         assert tensor.data_ptr() != params[name].data_ptr()  # a copy: training on cannot change it
 
 

@@ -1,0 +1,108 @@
+"""Micro-batch plans, rank balance and the three layouts (learner/packing.py), without a model: every response
+token's prediction comes from the position before it, in its own row."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from learner.packing import Response, balance, bucketed, collate, lockstep, plan
+
+
+def responses(count=23, seed=0, shared_prompts=True):
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(2, 50) for _ in range(rng.randint(1, 7))] for _ in range(4)]
+    out = []
+    for i in range(count):
+        prompt = prompts[i % 4] if shared_prompts else [rng.randrange(2, 50) for _ in range(rng.randint(1, 7))]
+        ids = [rng.randrange(2, 50) for _ in range(rng.randint(1, 12))]
+        out.append(Response(i % 4, prompt, ids, torch.zeros(len(ids)), 0.0, False))
+    return out
+
+
+@pytest.mark.parametrize("packed", [True, False])
+@pytest.mark.parametrize("budget", [1, 20, 64, 10_000])
+def test_plans_cover_every_response_once_within_the_budget(packed, budget):
+    rows = responses()
+    micro = plan(list(range(len(rows))), rows, budget, packed)
+    assert sorted(i for m in micro for i in m) == list(range(len(rows)))
+    for m in micro:
+        lengths = [rows[i].length for i in m]
+        cost = sum(lengths) if packed else max(lengths) * len(m)
+        assert cost <= budget or len(m) == 1  # a sequence longer than the budget gets its own micro-batch
+    if budget == 10_000:
+        assert len(micro) == 1
+
+
+def test_packing_fills_micro_batches_better_than_padding():
+    rows = responses(count=64, seed=4)
+    assert len(plan(list(range(64)), rows, 64, True)) < len(plan(list(range(64)), rows, 64, False))
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 5])
+def test_balance_deals_tokens_evenly(world):
+    rows = responses(count=41, seed=2)
+    shards = balance(list(range(41)), rows, world)
+    assert sorted(i for s in shards for i in s) == list(range(41))
+    loads = [sum(rows[i].length for i in s) for s in shards]
+    longest = max(r.length for r in rows)
+    assert max(loads) - min(loads) <= longest  # greedy LPT: no rank more than one sequence ahead
+    assert shards == balance(list(range(41)), rows, world)  # identical on every rank
+
+
+def test_lockstep_gives_every_rank_the_same_number_of_passes():
+    rows = responses(count=9, seed=1)
+    per_rank = [[0, 1, 2, 3, 4, 5, 6, 7], [8]]
+    steps = [lockstep(per_rank, rows, 12, True, rank) for rank in range(2)]
+    assert len(steps[0]) == len(steps[1]) > 1
+    assert all(real for _, real in steps[0])
+    assert [real for _, real in steps[1]].count(True) == 1  # the rest are weight-0 repeats
+
+
+def check_predictions(batch, rows):
+    """Each response token is predicted by the position right before it, in its own row."""
+    indices = batch.indices
+    for k in range(batch.targets.numel()):
+        response = rows[indices[int(batch.token_response[k])]]
+        slot = int(batch.token_slot[k])
+        assert int(batch.targets[k]) == response.response_ids[slot]
+        assert batch.response_mask[int(batch.token_response[k]), slot] == 1.0
+        if batch.prompt is not None and k < batch.first_tokens:  # predicted by its prompt's last position
+            prompt = batch.prompt.input_ids[int(batch.hidden_row[k])].tolist()
+            assert prompt[-len(response.prompt_ids):] == response.prompt_ids
+            assert int(batch.hidden_pos[k]) == len(prompt) - 1
+            continue
+        row = batch.input_ids[int(batch.hidden_row[k])].tolist()
+        pos = int(batch.hidden_pos[k])
+        assert row[pos + 1] == response.response_ids[slot]
+        expected = response.response_ids[slot - 1] if slot else response.prompt_ids[-1]
+        assert row[pos] == expected
+
+
+@pytest.mark.parametrize("layout", ["packed", "padded", "shared"])
+@pytest.mark.parametrize("bucket", [1, 16])
+def test_layouts_point_at_the_position_before_each_token(layout, bucket):
+    rows = responses(count=11, seed=3)
+    batch = collate(rows, [4, 0, 7, 2, 9], layout, pad_token_id=0, bucket=bucket)
+    check_predictions(batch, rows)
+    assert batch.input_ids.shape[1] % bucket == 0
+    assert batch.response_mask.sum() == batch.targets.numel() == sum(len(rows[i].response_ids) for i in [4, 0, 7, 2, 9])
+
+
+def test_packed_rows_restart_their_positions_and_hold_no_padding_but_the_tail():
+    rows = responses(count=6, seed=5, shared_prompts=False)
+    batch = collate(rows, list(range(6)), "packed", pad_token_id=0, bucket=32)
+    assert batch.attention_mask is None and batch.input_ids.shape[0] == 1
+    positions = batch.position_ids[0].tolist()
+    starts = [i for i, p in enumerate(positions) if p == 0]
+    lengths = [b - a for a, b in zip(starts, starts[1:] + [len(positions)])]
+    real = [r.length for r in rows]
+    assert lengths[: len(rows)] == real and sum(real) == batch.real_tokens
+    assert len(positions) == bucketed(sum(real), 32)
+    assert all(positions[s + t] == t for s, n in zip(starts, lengths) for t in range(n))
+
+
+def test_bucketed():
+    assert bucketed(1, 64) == 64 and bucketed(64, 64) == 64 and bucketed(65, 64) == 128 and bucketed(7, 1) == 7
