@@ -144,10 +144,11 @@ def bench_hf(model, prompts, sampling: SamplingParams, stop_ids: list[int], pad_
 def serve_weights(settings, client) -> tuple[BackgroundServer, WeightPublisher]:
     """A learner's weights endpoint on a free port, and the publisher behind it."""
     app = create_app("learner", token=settings.token)
-    server = BackgroundServer(app, "127.0.0.1", free_port()).start(wait_s=10)
+    server = BackgroundServer(app, "127.0.0.1", free_port(), limit_concurrency=settings.http_max_connections).start(
+        wait_s=10)
     settings.learner.public_url = server.url  # generators pull from the configured learner only
     publisher = WeightPublisher(settings, client, server.url)
-    app.include_router(weights_router(publisher, app.state.require_token))
+    app.include_router(weights_router(publisher))
     return server, publisher
 
 

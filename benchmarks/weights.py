@@ -109,7 +109,8 @@ def main() -> None:
         )
     app = create_app("learner", token=settings["http"].token)
     counter = EgressCounter(app)
-    server = BackgroundServer(counter, "127.0.0.1", free_port()).start(wait_s=10)
+    server = BackgroundServer(counter, "127.0.0.1", free_port(),
+                              limit_concurrency=settings["http"].http_max_connections).start(wait_s=10)
     gen = torch.Generator().manual_seed(0)
     state = {f"model.layers.{i}.mlp.up_proj.weight": torch.randn(1024, 4096, generator=gen) for i in range(args.mb // 16)}
 
@@ -117,7 +118,7 @@ def main() -> None:
     for transport, cfg in settings.items():
         publisher = WeightPublisher(cfg, connect(cfg), server.url)
         if transport == "http":
-            app.include_router(weights_router(publisher, app.state.require_token))
+            app.include_router(weights_router(publisher))
         before, started = written_bytes(), time.perf_counter()
         announced[transport] = publisher.publish(state, version=1)
         publish_s[transport], publish_written[transport] = time.perf_counter() - started, written_bytes() - before

@@ -18,7 +18,7 @@ import threading
 import time
 from typing import Callable
 
-from fastapi import Depends, FastAPI
+from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 
 from services.config import Settings
@@ -56,9 +56,10 @@ def build_app(settings: Settings, get_worker: Callable[[], "object | None"]) -> 
         worker = get_worker()
         return worker.readiness() if worker is not None else (False, "starting the engine")
 
-    app = create_app("generator", token=settings.token, ready=ready, max_body_bytes=int(settings.max_body_mb * 2**20))
+    app = create_app("generator", token=settings.token, ready=ready, max_body_bytes=int(settings.max_body_mb * 2**20),
+                     docs=settings.http_docs)
 
-    @app.post("/v1/weights/sync", tags=["weights"], dependencies=[Depends(app.state.require_token)])
+    @app.post("/v1/weights/sync", tags=["weights"])
     def sync_now():
         worker = get_worker()
         if worker is None:
@@ -127,7 +128,8 @@ def main(settings: Settings) -> int:
         stopping.set()
 
     app = build_app(settings, lambda: holder["worker"])
-    http = BackgroundServer(app, settings.generator.host, settings.generator.port).start(wait_s=30)  # port taken: fail now
+    http = BackgroundServer(app, settings.generator.host, settings.generator.port,
+                            limit_concurrency=settings.http_max_connections).start(wait_s=30)  # port taken: fail now
 
     engine = None
     try:

@@ -178,8 +178,9 @@ class LearnerService:
             token=self.settings.token,
             ready=lambda: (self.ready, self.ready_reason),
             max_body_bytes=int(self.settings.max_body_mb * 1024 * 1024),
+            docs=self.settings.http_docs,
         )
-        app.include_router(weights_router(self.publisher, app.state.require_token))
+        app.include_router(weights_router(self.publisher))
 
         @app.get("/v1/status", tags=["learner"])
         def status() -> dict:
@@ -189,7 +190,8 @@ class LearnerService:
 
     def start_http(self) -> None:
         self.http = BackgroundServer(
-            self.create_app(), self.cfg.host, self.cfg.port, name="learner-http", lifespan="off"
+            self.create_app(), self.cfg.host, self.cfg.port, name="learner-http", lifespan="off",
+            limit_concurrency=self.settings.http_max_connections,
         ).start(wait_s=30)  # a port already taken fails the start here, not silently in uvicorn's thread
         log.info("learner HTTP on %s:%d (weights at %s)", self.cfg.host, self.cfg.port, self.cfg.public_base_url())
 

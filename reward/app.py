@@ -12,7 +12,7 @@ from __future__ import annotations
 import threading
 from typing import Callable
 
-from fastapi import Body, Depends, FastAPI, HTTPException
+from fastapi import Body, FastAPI, HTTPException
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.concurrency import run_in_threadpool
 
@@ -87,6 +87,7 @@ def create_reward_app(
         token=settings.token,
         ready=ready or default_ready,
         max_body_bytes=int(settings.max_body_mb * 1024 * 1024),
+        docs=settings.http_docs,
     )
     max_batch = settings.reward.max_batch
     share = PoolShare(scorer, settings.reward.http_pool_share)
@@ -96,7 +97,6 @@ def create_reward_app(
         response_model=list[Score],
         tags=["reward"],
         summary="Score a batch of responses",
-        dependencies=[Depends(app.state.require_token)],
         responses={
             400: {"description": "The body is not readable (e.g. not UTF-8)."},
             401: {"model": ErrorBody, "description": "No bearer token."},

@@ -56,7 +56,8 @@ def serve(settings: Settings, pool: VerifierPool) -> int:
         return True, f"{pool.ready_workers()}/{pool.size} verifier processes, {worker.groups_done} groups scored"
 
     app = create_reward_app(settings, scorer, ready=ready)
-    server = uvicorn.Server(uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="warning",
+                                           limit_concurrency=settings.http_max_connections))
 
     # uvicorn handles SIGTERM/SIGINT while it serves, then re-raises the signal to the handler that was there
     # before; with the default handler that would kill us before the worker and the pool are stopped.

@@ -356,8 +356,12 @@ class Settings(BaseSettings):
     )
 
     run_dir: str = Field("runs/default", description="Run folder: metrics.jsonl, checkpoints, weights, plots.")
-    token: str = Field(DEFAULT_TOKEN, description="Shared bearer token for state-changing and weight endpoints.")
+    token: str = Field(DEFAULT_TOKEN, description="Shared bearer token of every HTTP endpoint but /healthz, /readyz and /metrics.")
     max_body_mb: float = Field(64.0, description="Largest accepted HTTP request body.")
+    http_max_connections: int = Field(
+        256, ge=1, description="Open HTTP connections a service serves at once; uvicorn answers 503 beyond them."
+    )
+    http_docs: bool = Field(False, description="Serve /docs and /openapi.json (off: they describe every endpoint).")
     redis: RedisConfig = RedisConfig()
     streams: StreamsConfig = StreamsConfig()
     model: ModelConfig = ModelConfig()

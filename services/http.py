@@ -1,4 +1,14 @@
-"""The HTTP shell every service uses: health, readiness, metrics, bearer token, body limit, JSON errors."""
+"""The HTTP shell every service uses: health, readiness, metrics, bearer token, body limit, JSON errors.
+
+The bearer token is checked by `BearerGate`, a pure ASGI middleware in front of everything else, on the request's
+headers alone: a request without the token is answered 401 (403 with a wrong one) before a byte of its body is
+read or parsed. Every path needs it except the probes and the scrape (`OPEN_PATHS`: `/healthz`, `/readyz`, and
+`/metrics`, which Prometheus scrapes without credentials; it carries counters, no secret), and `/docs` and
+`/openapi.json`, which exist only when asked for (`http_docs`). Read-only endpoints such as the learner's
+`/v1/status` and a generator's `/v1/weights/version` take the token too: they describe the run to whoever asks.
+The probes are async and `/readyz` runs its check on threads of its own (a limiter apart from the shared one), so
+neither waits for the worker threads that synchronous handlers hold. uvicorn answers 503 above `http_max_connections` connections.
+"""
 
 from __future__ import annotations
 
@@ -10,19 +20,21 @@ import threading
 import time
 from typing import Callable
 
-from fastapi import Depends, FastAPI, HTTPException, Request
+import anyio
+from fastapi import FastAPI, Request
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from services import metrics as _metrics  # noqa: F401  (registers every dapo_* metric)
 from services.config import DEFAULT_TOKEN, ConfigError
 
 log = logging.getLogger(__name__)
 
-_bearer = HTTPBearer(auto_error=False)
+OPEN_PATHS = frozenset({"/healthz", "/readyz", "/metrics"})  # no token: probes and the Prometheus scrape
+DOCS_PATHS = frozenset({"/docs", "/docs/oauth2-redirect", "/openapi.json"})  # served (open) only with http_docs
 
 
 def is_loopback(host: str) -> bool:
@@ -44,16 +56,34 @@ def check_token(token: str, host: str) -> None:
         )
 
 
-def token_dependency(token: str) -> Callable:
-    """A FastAPI dependency that requires `Authorization: Bearer <token>` (constant-time comparison)."""
+def token_refusal(authorization: bytes | None, token: str) -> tuple[int, str] | None:
+    """Why an `Authorization` header value does not carry `Bearer <token>`: (401, reason) without a bearer token,
+    (403, reason) with a wrong one; None when it does (constant-time comparison)."""
+    scheme, _, credentials = (authorization or b"").partition(b" ")
+    if scheme.lower() != b"bearer" or not credentials.strip():
+        return 401, "missing bearer token"
+    if not hmac.compare_digest(credentials.strip(), token.encode()):
+        return 403, "wrong bearer token"
+    return None
 
-    def require_token(credentials: HTTPAuthorizationCredentials | None = Depends(_bearer)) -> None:
-        if credentials is None:
-            raise HTTPException(401, "missing bearer token", headers={"WWW-Authenticate": "Bearer"})
-        if not hmac.compare_digest(credentials.credentials.encode(), token.encode()):
-            raise HTTPException(403, "wrong bearer token")
 
-    return require_token
+class BearerGate:
+    """ASGI middleware: every HTTP request to a path outside `open_paths` needs the bearer token, checked on the
+    headers before the application (or anything that reads the body) sees the request."""
+
+    def __init__(self, app: ASGIApp, token: str, open_paths: frozenset[str]):
+        self.app, self.token, self.open_paths = app, token, open_paths
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"] not in self.open_paths:
+            authorization = next((v for k, v in scope["headers"] if k == b"authorization"), None)
+            refusal = token_refusal(authorization, self.token)
+            if refusal is not None:
+                status, reason = refusal
+                headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
+                await JSONResponse({"error": reason}, status_code=status, headers=headers)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 def create_app(
@@ -62,14 +92,17 @@ def create_app(
     token: str,
     ready: Callable[[], tuple[bool, str]] = lambda: (True, "ready"),
     max_body_bytes: int = 64 * 1024 * 1024,
+    docs: bool = False,
 ) -> FastAPI:
-    """A FastAPI app with /healthz, /readyz and /metrics, JSON error bodies and a request body limit.
+    """A FastAPI app with /healthz, /readyz and /metrics, JSON error bodies, a request body limit, and the bearer
+    token required on every other path (`BearerGate`); `/docs` and `/openapi.json` only with `docs`.
 
-    `app.state.require_token` is the dependency to put on every endpoint that changes state.
     `ready()` returns (is_ready, reason); /readyz answers 503 with the reason until it is ready.
     """
-    app = FastAPI(title=f"dapo {name}", version="1")
-    app.state.require_token = token_dependency(token)
+    app = FastAPI(title=f"dapo {name}", version="1", docs_url="/docs" if docs else None, redoc_url=None,
+                  openapi_url="/openapi.json" if docs else None)
+    # /readyz runs the service's check on threads of its own: never behind handlers holding the shared ones.
+    probe_threads = anyio.CapacityLimiter(2)
 
     @app.middleware("http")
     async def limit_body(request: Request, call_next):
@@ -111,18 +144,20 @@ def create_app(
         return JSONResponse({"error": f"internal error: {type(exc).__name__}"}, status_code=500)
 
     @app.get("/healthz", tags=["ops"])
-    def healthz() -> dict:
+    async def healthz() -> dict:
         return {"status": "ok", "service": name}
 
     @app.get("/readyz", tags=["ops"])
-    def readyz():
-        ok, reason = ready()
+    async def readyz():
+        ok, reason = await anyio.to_thread.run_sync(ready, limiter=probe_threads)
         return JSONResponse({"ready": ok, "reason": reason}, status_code=200 if ok else 503)
 
     @app.get("/metrics", tags=["ops"])
     def metrics() -> Response:
         return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
 
+    # Added last, so it is the outermost of the app's middleware: before the body limit reads a chunked body.
+    app.add_middleware(BearerGate, token=token, open_paths=OPEN_PATHS | (DOCS_PATHS if docs else frozenset()))
     return app
 
 
@@ -139,11 +174,12 @@ class BackgroundServer:
     uvicorn does not install signal handlers outside the main thread: the service owns SIGTERM/SIGINT.
     """
 
-    def __init__(self, app: FastAPI, host: str, port: int, name: str = "http", **config):
+    def __init__(self, app: FastAPI, host: str, port: int, name: str = "http", *, limit_concurrency: int, **config):
         import uvicorn
 
         self.host, self.port = host, port
-        self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", **config))
+        self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning",
+                                                    limit_concurrency=limit_concurrency, **config))
         self.thread = threading.Thread(target=self.server.run, name=name, daemon=True)
 
     @property

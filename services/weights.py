@@ -47,7 +47,7 @@ from typing import Callable, Iterator
 
 import httpx
 import torch
-from fastapi import APIRouter, Depends, HTTPException
+from fastapi import APIRouter, HTTPException
 from fastapi.responses import StreamingResponse
 
 from services.messages import WeightsAnnouncement, WeightsFile, announcement_signed, signing_key
@@ -320,9 +320,9 @@ class WeightPublisher:
                 shutil.rmtree(self.dir / f"v{version}", ignore_errors=True)
 
 
-def weights_router(publisher: WeightPublisher, require_token: Callable) -> APIRouter:
-    """`GET /v1/weights/latest` and `GET /v1/weights/{version}`, both behind the bearer token."""
-    router = APIRouter(prefix="/v1/weights", tags=["weights"], dependencies=[Depends(require_token)])
+def weights_router(publisher: WeightPublisher) -> APIRouter:
+    """`GET /v1/weights/latest` and `GET /v1/weights/{version}` (behind the app's bearer token, services/http.py)."""
+    router = APIRouter(prefix="/v1/weights", tags=["weights"])
 
     @router.get("/latest", response_model=WeightsAnnouncement)
     def latest() -> WeightsAnnouncement:

@@ -311,7 +311,7 @@ def service(settings, engine, models):
     with ServerThread(learner_app) as learner:
         settings.learner.public_url = learner.url  # the only URL the generator sends its token to
         publisher = WeightPublisher(settings, client, learner.url)
-        learner_app.include_router(weights_router(publisher, learner_app.state.require_token))
+        learner_app.include_router(weights_router(publisher))
         holder = {}
         with ServerThread(build_app(settings, lambda: holder.get("worker"))) as generator_http:
             yield dict(
@@ -349,13 +349,13 @@ def test_worker_versions_sync_refusals_and_late_join(service, engine, models):
             assert len(g.samples) == g.task.sampling.n
             assert all(len(s.token_ids) == len(s.logprobs) <= 16 for s in g.samples)
         base_greedy = greedy_once().samples[0]
-        assert httpx.get(f"{url}/v1/weights/version").json()["version"] == 0
+        assert httpx.get(f"{url}/v1/weights/version", headers=auth).json()["version"] == 0
         nothing = httpx.post(f"{url}/v1/weights/sync", headers=auth, timeout=60)
         assert nothing.status_code == 404 and nothing.json()["reason"] == "none"
 
         # a new version: announced on Redis, pulled over HTTP, loaded between batches
         publisher.publish(other_state, version=1)
-        wait_for(lambda: httpx.get(f"{url}/v1/weights/version").json()["version"] == 1, 60, "v1 served")
+        wait_for(lambda: httpx.get(f"{url}/v1/weights/version", headers=auth).json()["version"] == 1, 60, "v1 served")
         v1 = greedy_once(min_version=1)
         assert v1.policy_version == 1 and differs(v1.samples[0], base_greedy)
 
@@ -421,7 +421,7 @@ def test_worker_versions_sync_refusals_and_late_join(service, engine, models):
         # through all refusals the old version kept serving, with the same outputs
         still = greedy_once()
         assert still.policy_version == 1 and still.samples[0].token_ids == v1.samples[0].token_ids
-        assert httpx.get(f"{url}/v1/weights/version").json()["version"] == 1
+        assert httpx.get(f"{url}/v1/weights/version", headers=auth).json()["version"] == 1
 
         # the right token: v4 (the base weights) loads, and the outputs are the base model's again, exactly
         sync.token = settings.token

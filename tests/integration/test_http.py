@@ -1,22 +1,33 @@
-"""The service shell: health, readiness, metrics, bearer token, body limit, JSON errors."""
+"""The service shell: health, readiness, metrics, bearer token (before the body), body limit, JSON errors, docs
+off, probes that never wait for busy handlers, the connection limit."""
 
 from __future__ import annotations
 
-from fastapi import Depends
+import asyncio
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
 from fastapi.testclient import TestClient
 from pydantic import BaseModel
 
-from services.http import create_app
+from services.http import create_app, token_refusal
+from tests.servers import ServerThread
+
+AUTH = {"Authorization": "Bearer tok"}
 
 
 class Echo(BaseModel):
     value: int
 
 
-def make_client(ready=(True, "ready")):
-    app = create_app("test", token="tok", ready=lambda: ready, max_body_bytes=1000)
+def make_app(ready=(True, "ready"), **kwargs):
+    app = create_app("test", token="tok", ready=lambda: ready, **{"max_body_bytes": 1000, **kwargs})
 
-    @app.post("/v1/echo", dependencies=[Depends(app.state.require_token)])
+    @app.post("/v1/echo")
     def echo(body: Echo) -> Echo:
         return body
 
@@ -24,7 +35,11 @@ def make_client(ready=(True, "ready")):
     def boom():
         raise RuntimeError("secret detail")
 
-    return TestClient(app, raise_server_exceptions=False)
+    return app
+
+
+def make_client(ready=(True, "ready"), **kwargs):
+    return TestClient(make_app(ready, **kwargs), raise_server_exceptions=False)
 
 
 def test_health_ready_metrics():
@@ -40,13 +55,114 @@ def test_not_ready_is_503_with_reason():
     assert response.status_code == 503 and response.json()["reason"] == "loading weights"
 
 
-def test_token_required_for_state_changes():
+def test_token_required_everywhere_but_the_probes_and_the_scrape():
     client = make_client()
     assert client.post("/v1/echo", json={"value": 1}).status_code == 401
+    for path in ("/boom", "/no/such/route", "/docs", "/openapi.json"):
+        missing = client.get(path)
+        assert missing.status_code == 401 and missing.json() == {"error": "missing bearer token"}
+        assert missing.headers["www-authenticate"] == "Bearer"
+    basic = client.post("/v1/echo", json={"value": 1}, headers={"Authorization": "Basic dG9rOg=="})
+    assert basic.status_code == 401
     wrong = client.post("/v1/echo", json={"value": 1}, headers={"Authorization": "Bearer nope"})
     assert wrong.status_code == 403 and wrong.json() == {"error": "wrong bearer token"}
     ok = client.post("/v1/echo", json={"value": 1}, headers={"Authorization": "Bearer tok"})
     assert ok.status_code == 200 and ok.json() == {"value": 1}
+
+
+def test_token_refusal_reads_the_header_alone():
+    assert token_refusal(None, "tok") == (401, "missing bearer token")
+    assert token_refusal(b"Bearer ", "tok") == (401, "missing bearer token")
+    assert token_refusal(b"bearer tok", "tok") is None  # the scheme is case-insensitive (RFC 7235)
+    assert token_refusal(b"Bearer tok2", "tok") == (403, "wrong bearer token")
+    assert token_refusal(b"Bearer \xff", "tok") == (403, "wrong bearer token")
+
+
+def test_docs_only_when_asked_for():
+    client = make_client()
+    assert client.get("/docs", headers=AUTH).status_code == 404
+    assert client.get("/openapi.json", headers=AUTH).status_code == 404
+    asked = make_client(docs=True)
+    assert asked.get("/openapi.json").status_code == 200 and asked.get("/docs").status_code == 200
+    assert asked.post("/v1/echo", json={"value": 1}).status_code == 401  # the rest still takes the token
+
+
+def test_the_body_of_a_request_without_the_token_is_never_read():
+    """The gate answers from the headers: the application never receives a byte of the body (an unauthenticated
+    64 MB JSON array would otherwise be buffered and parsed before its 401)."""
+    app = make_app(max_body_bytes=64 * 2**20)
+    reads, sent = [], []
+
+    async def receive():
+        reads.append(1)
+        return {"type": "http.request", "body": b"[" + b"{}," * 1000 + b"{}]", "more_body": False}
+
+    async def send(message):
+        sent.append(message)
+
+    for headers in ([], [(b"authorization", b"Bearer nope")]):
+        sent.clear()
+        scope = {"type": "http", "method": "POST", "path": "/v1/echo", "raw_path": b"/v1/echo", "query_string": b"",
+                 "root_path": "", "scheme": "http", "server": ("127.0.0.1", 80), "client": ("127.0.0.1", 1),
+                 "http_version": "1.1", "asgi": {"version": "3.0"},
+                 "headers": [(b"content-type", b"application/json"), (b"content-length", b"67108864"), *headers]}
+        asyncio.run(app(scope, receive, send))
+        assert sent[0]["status"] in (401, 403) and not reads
+
+
+def test_a_server_answers_401_to_a_64_mb_body_before_it_is_sent():
+    """Over a real socket: the headers of a 64 MB upload, no body; the 401 comes back at once."""
+    with ServerThread(make_app(max_body_bytes=64 * 2**20)) as server, \
+            socket.create_connection((server.host, server.port), timeout=5) as sock:
+        started = time.perf_counter()
+        sock.sendall(b"POST /v1/echo HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 67108864\r\n\r\n[{},")
+        answer = sock.recv(4096)
+        assert answer.startswith(b"HTTP/1.1 401") and time.perf_counter() - started < 1.0
+
+
+def test_probes_answer_while_every_worker_thread_is_busy():
+    """Synchronous handlers hold the shared worker threads (40); /healthz and /readyz do not wait for them."""
+    release = threading.Event()
+    app = make_app()
+
+    @app.get("/v1/slow")
+    def slow() -> dict:
+        release.wait(30)
+        return {}
+
+    with ServerThread(app) as server, ThreadPoolExecutor(48) as pool:
+        busy = [pool.submit(httpx.get, f"{server.url}/v1/slow", headers=AUTH, timeout=60) for _ in range(48)]
+        time.sleep(1.0)  # every worker thread is taken by now
+        try:
+            assert not any(f.done() for f in busy)
+            started = time.perf_counter()
+            assert httpx.get(f"{server.url}/healthz", timeout=5).status_code == 200
+            assert httpx.get(f"{server.url}/readyz", timeout=5).status_code == 200
+            assert time.perf_counter() - started < 2.0
+        finally:
+            release.set()
+        assert all(f.result().status_code == 200 for f in busy)
+
+
+def test_connections_beyond_the_limit_get_503():
+    """uvicorn's limit counts the connection being answered: 2 = one served at a time."""
+    release = threading.Event()
+    app = make_app()
+
+    @app.get("/v1/slow")
+    async def slow() -> dict:
+        await asyncio.get_running_loop().run_in_executor(None, release.wait, 30)
+        return {}
+
+    with ServerThread(app, limit_concurrency=2) as server, ThreadPoolExecutor(1) as pool:
+        held = pool.submit(httpx.get, f"{server.url}/v1/slow", headers=AUTH, timeout=60)
+        time.sleep(0.5)
+        try:
+            assert httpx.get(f"{server.url}/healthz", timeout=5).status_code == 503
+        finally:
+            release.set()
+        assert held.result().status_code == 200
 
 
 def test_bad_body_is_422_with_details():
@@ -67,14 +183,14 @@ def test_body_limit_with_and_without_content_length():
 
 
 def test_unhandled_error_is_json_500_without_internals():
-    response = make_client().get("/boom")
+    response = make_client().get("/boom", headers=AUTH)
     assert response.status_code == 500
     assert response.json() == {"error": "internal error: RuntimeError"}
 
 
 def test_unknown_route_and_undecodable_body_get_json_errors():
     client = make_client()
-    assert client.get("/no/such/route").json() == {"error": "Not Found"}
+    assert client.get("/no/such/route", headers=AUTH).json() == {"error": "Not Found"}
     response = client.post("/v1/echo", content=b"\xff\xfe", headers={"Authorization": "Bearer tok",
                                                                        "Content-Type": "application/json"})
     assert response.status_code in (400, 422) and "error" in response.json()

@@ -754,7 +754,8 @@ def test_http_while_running_and_sigterm_checkpoints_then_exits(pipeline, tmp_pat
         assert process.poll() is None and time.monotonic() < deadline, pipeline.tail("learner-term")
         time.sleep(0.2)
     assert httpx.get(f"{base}/readyz").status_code == 200
-    status = httpx.get(f"{base}/v1/status").json()
+    assert httpx.get(f"{base}/v1/status").status_code == 401  # it describes the run: the token's holders only
+    status = httpx.get(f"{base}/v1/status", headers={"Authorization": "Bearer test-token"}).json()
     assert status["ready"] and status["step"] >= 1 and status["total_steps"] == 100
     assert httpx.get(f"{base}/v1/weights/latest").status_code == 401  # the token guards the weights
     latest = httpx.get(f"{base}/v1/weights/latest", headers={"Authorization": "Bearer test-token"}).json()

@@ -25,7 +25,8 @@ AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
 @pytest.fixture(scope="module")
 def app():
-    cfg = load_settings("tiny-cpu", reward={"max_batch": 8, "timeout_s": 2.0}, max_body_mb=0.5, token=TOKEN)
+    cfg = load_settings("tiny-cpu", reward={"max_batch": 8, "timeout_s": 2.0}, max_body_mb=0.5, token=TOKEN,
+                        http_docs=True)  # the OpenAPI document is tested below (off by default)
     with VerifierPool(workers=2, timeout_s=cfg.reward.timeout_s, memory_mb=cfg.reward.memory_mb) as pool:
         yield create_reward_app(cfg, Scorer(pool, cfg.reward))
 
@@ -42,6 +43,7 @@ def test_scoring_takes_the_token(app):
         assert anonymous.post("/v1/score", json=body).status_code == 401
         assert anonymous.post("/v1/score", json=body, headers={"Authorization": "Bearer nope"}).status_code == 403
         assert anonymous.get("/healthz").status_code == 200  # the ops endpoints stay open
+        assert anonymous.get("/openapi.json").status_code == 200  # asked for (http_docs): open, for /docs to read
 
 
 def test_pool_share_bounds_the_verifications_in_the_pool():

@@ -76,7 +76,7 @@ def learner(settings):
     app = create_app("learner", token=TOKEN)
     with ServerThread(app) as server:
         publisher = WeightPublisher(settings, client, server.url)
-        app.include_router(weights_router(publisher, app.state.require_token))
+        app.include_router(weights_router(publisher))
         yield publisher, server, client
 
 

@@ -147,7 +147,7 @@ def learner_with_model(settings, short_tmp):
     with ServerThread(app) as server:
         settings.learner.public_url = server.url
         publisher = WeightPublisher(settings, client, server.url)
-        app.include_router(weights_router(publisher, app.state.require_token))
+        app.include_router(weights_router(publisher))
         yield model_dir, publisher, client
 
 
