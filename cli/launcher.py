@@ -14,12 +14,16 @@ same step is not restarted for ever, however long each try lasts); for a worker,
 
 Each child is the leader of its own process group (its own session), and stopping or restarting a child kills
 that whole group: a SIGKILLed generator would otherwise leave its vLLM engine core running, orphaned.
+One launcher per run folder: `dapo run` holds an exclusive lock (flock) on `{run_dir}/.dapo-run.lock` for its
+whole life, which names its holder; a second one on the same folder exits 69 naming it, before it starts anything
+(a second redis-server on the same data, a second learner). SIGHUP stops a run as SIGTERM and SIGINT do.
 Secrets: without a configured token the run makes a random one; children get it in their environment, and
 `launch-config.yaml` (the settings they read) is written without it, mode 0600.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import os
@@ -31,7 +35,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import IO, Callable
 
 from rich.console import Console
 from rich.live import Live
@@ -45,7 +49,7 @@ from learner.records import METRICS_FILE, read_rows
 from services.config import DEFAULT_TOKEN, Settings, dump_settings
 from services.http import free_port
 from services.redis_local import EmbeddedRedis, embedded_server, without_password
-from services.startup import EXIT_DATA_ERROR, EXIT_FILE_ENV, recorded_exit
+from services.startup import EXIT_DATA_ERROR, EXIT_FILE_ENV, Unavailable, recorded_exit
 from services.weights_layout import write_atomic
 
 log = logging.getLogger(__name__)
@@ -60,6 +64,29 @@ LEARNER_STOP_SECONDS = RANKS_STOP_SECONDS + 20.0
 # The learner's own exits, not restarted: finished (or SIGTERM), refill limit with on_refill_limit=stop, fenced
 # (another learner took the run's lease, learner/lease.py: a restart would only wait for it and fail).
 LEARNER_DONE = (0, EXIT_REFILL_LIMIT, EXIT_FENCED, EXIT_DATA_ERROR)  # a restart would not change them
+RUN_LOCK = ".dapo-run.lock"  # in the run folder: held (flock) by the one launcher of that folder
+
+
+class RunFolderBusy(Unavailable):
+    """Another `dapo run` holds the run folder's lock (exit 69, one line naming it)."""
+
+
+def lock_run_folder(run_dir: Path) -> IO[str]:
+    """Take the run folder's exclusive lock and write the holder into it; held as long as the returned file stays
+    open (the kernel drops it when the launcher dies, however). RunFolderBusy, naming the holder, when taken."""
+    handle = open(run_dir / RUN_LOCK, "a+")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.seek(0)
+        holder = handle.read().strip() or "a process that has not written its name yet"
+        handle.close()
+        raise RunFolderBusy(f"{run_dir} is in use by another `dapo run` ({holder}); stop it, or choose another "
+                            "run_dir") from None
+    handle.truncate(0)
+    handle.write(f"dapo run pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+    handle.flush()
+    return handle
 
 
 @dataclass
@@ -388,6 +415,7 @@ def main(settings: Settings, generators: int = 1, reward_workers: int = 1, learn
 
     run_dir = Path(settings.run_dir).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
+    run_lock = lock_run_folder(run_dir)  # noqa: F841  (held while this function runs)
     settings.run_dir = str(run_dir)
     console.print(f"[bold]dapo run[/] -> {run_dir}")
     ensure_model(settings)
@@ -415,8 +443,9 @@ def main(settings: Settings, generators: int = 1, reward_workers: int = 1, learn
     def on_signal(signum, frame):
         raise KeyboardInterrupt
 
-    # SIGINT explicitly too: a shell that starts us in the background leaves SIGINT ignored.
-    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+    # SIGINT explicitly too: a shell that starts us in the background leaves SIGINT ignored. SIGHUP (the terminal
+    # closed): stopped in order too, not killed with the services orphaned.
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
     code = 1
     try:
         for child in children:
