@@ -37,7 +37,7 @@ from learner.trainer import Trainer
 state = PartialState(cpu=True, timeout=timedelta(seconds=120))
 if state.process_index == 1:  # the slower rank: its RNG file comes last, and the checkpoint must wait for it
     import time
-    import learner.trainer as trainer_module
+    import learner.checkpoint_io as trainer_module
     rng_state = trainer_module._rng_state
     trainer_module._rng_state = lambda: (time.sleep(2), rng_state())[1]
 tmp = Path({tmp!r})
