@@ -151,6 +151,8 @@ def step_record(step: int, version: int, batch: Batch, lags: list[int], result: 
         **{f"{phase}_seconds": result.get(f"{phase}_seconds") for phase in ("forward", "backward", "optimizer")},
         "tokens_per_second": (tokens / step_seconds) if tokens and step_seconds > 0 else None,
         "train_tokens_per_second": result.get("tokens_per_second"),
+        "model_tflops": result.get("model_tflops"),  # per learner device (learner/throughput.py)
+        "mfu": result.get("mfu"),  # None where the device's peak is unknown (a CPU)
         "batch_target": batch.target,  # B_t: below prompts_per_step during the batch warm-up
         "groups_trained": len(batch.groups),
         "refill_limit_hit": batch.refill_limit_hit,
@@ -232,6 +234,8 @@ class Records:
         for phase in PHASES:
             set_if(metrics.LEARNER_STEP_PHASE_SECONDS.labels(phase), record.get(f"{phase}_seconds"))
         set_if(metrics.LEARNER_TOKENS_PER_SECOND, record["tokens_per_second"])
+        set_if(metrics.LEARNER_MODEL_TFLOPS, record.get("model_tflops"))
+        set_if(metrics.LEARNER_MFU, record.get("mfu"))
         if batch.refill_limit_hit:
             metrics.LEARNER_REFILL_LIMIT.inc()
         if batch.stale_at_take:

@@ -202,11 +202,10 @@ class Trainer:
                 self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
 
-        totals = stats.reduced(self.accelerator)  # waits for the device: the step's only read of its sums
+        totals = stats.reduced(self.accelerator, self.parameter_counts)  # waits for the device: the step's only read of its sums
         seconds = time.perf_counter() - started
         tokens = sum(r.loss_tokens for r in batch.responses)
         stepped = max(stats.updates - stats.skipped, 1)
-        flops = throughput.model_flops(*self.parameter_counts, **stats.model_tokens)  # this rank's
         return {
             "loss": totals["loss"] / max(stats.updates, 1),
             "clip_frac_low": totals["clip_low"] / max(totals["tokens"], 1.0),
@@ -227,7 +226,8 @@ class Trainer:
             "samples": float(len(batch.responses)),
             "updates": float(stats.updates),
             "skipped_updates": float(stats.skipped),
-            **throughput.utilisation(flops, seconds, 1, self.peak_tflops),  # per device: this rank's FLOPs
+            **throughput.utilisation(totals["model_flops"], seconds, self.accelerator.num_processes,
+                                     self.peak_tflops),
             **{f"{phase}_seconds": value for phase, value in stats.seconds.items()},  # this rank's
         }
 
@@ -574,15 +574,17 @@ class _Stats:
         ratio = ((logp - behaviour).abs() * mask).max().double()
         self.largest_log_ratio = torch.maximum(self.largest_log_ratio, ratio)
 
-    def reduced(self, accelerator) -> dict[str, float]:
-        """The sums over all ranks, and log_ratio_max: the largest |log pi - log mu| of the step. approx_kl is a
+    def reduced(self, accelerator, parameter_counts: tuple[int, int] = (0, 0)) -> dict[str, float]:
+        """The sums over all ranks (model_flops: every rank's, learner/throughput.py), and log_ratio_max: the largest |log pi - log mu| of the step. approx_kl is a
         mean, and k3 grows like the ratio itself: one token the behaviour policy sampled at e^-10 of the learner's
         probability lifts it to ~1 over 10^4 tokens. A spike with this near 10 is a few tokens; near 1, a drift."""
-        sums, largest = self.sums, self.largest_log_ratio.reshape(1)
+        flops = throughput.model_flops(*parameter_counts, **self.model_tokens)
+        sums = torch.cat([self.sums, self.sums.new_tensor([flops])])
+        largest = self.largest_log_ratio.reshape(1)
         if accelerator.num_processes > 1:
             sums = accelerator.reduce(sums, reduction="sum")
             largest = accelerator.gather(largest)
-        values = dict(zip(self.KEYS, sums.tolist()))
+        values = dict(zip(self.KEYS + ("model_flops",), sums.tolist()))
         values["log_ratio_max"] = float(largest.max())
         return values
 

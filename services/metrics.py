@@ -66,4 +66,7 @@ LEARNER_STEP_PHASE_SECONDS = Gauge(
     "dapo_learner_step_phase_seconds", "Where the last step's time went (learner/records.py PHASES).", ["phase"]
 )
 LEARNER_TOKENS_PER_SECOND = Gauge("dapo_learner_tokens_per_second", "Trained tokens per second in the last step.")
+LEARNER_MODEL_TFLOPS = Gauge(
+    "dapo_learner_model_tflops", "Model TFLOP/s per learner device in the last update (6N per trained token).")
+LEARNER_MFU = Gauge("dapo_learner_mfu", "Model FLOPs utilisation of the last update: model TFLOP/s over the device's peak.")
 LEARNER_GRAD_NORM = Gauge("dapo_learner_grad_norm", "Gradient norm before clipping.")

@@ -24,7 +24,7 @@ def test_paper_recipe_values():
     assert s.sampling.temperature == 1.0 and s.eval_sampling.top_p == 0.7 and s.eval_sampling.n == 32
     assert s.learner.kl_coef == 0.0 and s.learner.entropy_coef == 0.0
     assert s.learner.loss_agg == "token" and s.learner.dynamic_sampling and s.learner.filter_metric == "acc"
-    assert s.learner.dual_clip == 3.0  # verl's clip_ratio_c
+    assert s.learner.dual_clip == 10.0  # clip_ratio_c of verl's run_dapo_qwen2.5_32b.sh
     assert s.generator.logprobs_mode == "processed_logprobs"  # mu of the distribution actually sampled
 
 
@@ -187,3 +187,14 @@ def test_a_list_variable_that_is_not_json_and_a_set_value_that_is_not_yaml_are_o
     assert main(["reward", "--set", "data.synthetic_ops=*+"]) == 2
     err = capsys.readouterr().err
     assert "--set data.synthetic_ops: the value '*+' is not valid YAML" in err and "Traceback" not in err
+
+
+def test_stale_groups_without_a_behaviour_correction_are_refused_unless_accepted():
+    mid = load_settings("dapo-qwen2.5-math-1.5b")
+    assert mid.learner.max_staleness == 1 and mid.learner.tis_cap == 2.0  # its stale groups get the TIS weight
+    with pytest.raises(ConfigError, match="max_staleness 1 .*tis_cap null"):
+        load_settings("dapo-qwen2.5-math-1.5b", learner={**mid.learner.model_dump(), "tis_cap": None})
+    accepted = load_settings("dapo-qwen2.5-math-1.5b",
+                             learner={**mid.learner.model_dump(), "tis_cap": None, "uncorrected_staleness": True})
+    assert accepted.learner.tis_cap is None
+    assert load_settings("dapo-qwen2.5-32b").learner.tis_cap is None  # synchronous: nothing stale to correct
