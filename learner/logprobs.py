@@ -31,7 +31,10 @@ def _matmul_dtype(weight: Tensor) -> torch.dtype:
 
 
 class _ChunkedTokenLogprobs(torch.autograd.Function):
-    """(hidden [n, H], weight [V, H], bias [V] | None, targets [n]) -> (logp [n], entropy [n]), both fp32."""
+    """(hidden [n, H], weight [V, H], bias [V] | None, targets [n]) -> (logp [n], entropy [n]), both fp32.
+
+    Per chunk of c tokens at most three [c, V] fp32 tensors are alive (the logits, their exponentials and
+    logsumexp's own); everything else is updated in place."""
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, temperature, chunk_tokens, dtype):
@@ -43,12 +46,13 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
         b = None if bias is None else bias.to(dtype)
         for start in range(0, n, chunk_tokens):
             end = min(start + chunk_tokens, n)
-            z = F.linear(hidden[start:end].to(dtype), w, b).float() / temperature  # [c, V], this chunk only
+            z = _chunk_logits(hidden[start:end], w, b, dtype, temperature)
             chunk_lse = torch.logsumexp(z, dim=-1)
             lse[start:end] = chunk_lse
             logp[start:end] = z.gather(-1, targets[start:end, None]).squeeze(-1) - chunk_lse
             # H = lse - sum_v p_v z_v (the softmax's entropy at temperature T)
-            entropy[start:end] = chunk_lse - (torch.softmax(z, dim=-1) * z).sum(-1)
+            p = (z - chunk_lse[:, None]).exp_()
+            entropy[start:end] = chunk_lse - p.mul_(z).sum(-1)
         ctx.save_for_backward(hidden, weight, bias, targets, lse, entropy)
         ctx.temperature, ctx.chunk_tokens, ctx.dtype = temperature, chunk_tokens, dtype
         ctx.set_materialize_grads(False)
@@ -70,29 +74,45 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
         for start in range(0, hidden.shape[0], chunk_tokens):
             end = min(start + chunk_tokens, hidden.shape[0])
             h = hidden[start:end].to(dtype)
-            z = F.linear(h, w, b).float() / temperature
-            log_p = z - lse[start:end, None]
+            log_p = _chunk_logits(h, w, b, dtype, temperature).sub_(lse[start:end, None])
             p = log_p.exp()
-            # d logp_target / dz = onehot - p;  dH / dz = -p (log p + H)
-            grad_z = torch.zeros_like(z)
+            # d logp_target / dz = onehot - p;  dH / dz = -p (log p + H):  grad_z = -p (g_logp + g_H (log p + H)),
+            # plus g_logp at the target. log_p becomes the bracket, p the gradient, in place.
             if grad_entropy is not None:
-                grad_z -= p * (log_p + entropy[start:end, None]) * grad_entropy[start:end, None]
+                log_p.add_(entropy[start:end, None]).mul_(grad_entropy[start:end, None])
+                if grad_logp is not None:
+                    log_p.add_(grad_logp[start:end, None])
+                p.mul_(log_p)
+            else:
+                p.mul_(grad_logp[start:end, None])
+            del log_p
+            grad_z = p.neg_()
             if grad_logp is not None:
-                g = grad_logp[start:end, None]
-                grad_z -= p * g
-                grad_z.scatter_add_(-1, targets[start:end, None], g)
-            grad_z = (grad_z / temperature).to(dtype)  # through z = logits / T
+                grad_z.scatter_add_(-1, targets[start:end, None], grad_logp[start:end, None])
+            grad_z = grad_z.div_(temperature).to(dtype)  # through z = logits / T
             if grad_hidden is not None:
                 grad_hidden[start:end] = (grad_z @ w).to(hidden.dtype)
             if grad_weight is not None:
-                grad_weight += (grad_z.t() @ h).float()
+                if grad_z.dtype == grad_weight.dtype:
+                    grad_weight.addmm_(grad_z.t(), h)
+                else:  # bf16 products accumulated in fp32
+                    grad_weight.add_(grad_z.t() @ h)
             if grad_bias is not None:
                 grad_bias += grad_z.float().sum(0)
+            del p, grad_z
         if grad_weight is not None:
             grad_weight = grad_weight.to(weight.dtype)
         if grad_bias is not None:
             grad_bias = grad_bias.to(bias.dtype)
         return grad_hidden, grad_weight, grad_bias, None, None, None, None
+
+
+def _chunk_logits(hidden: Tensor, weight: Tensor, bias: Tensor | None, dtype: torch.dtype,
+                  temperature: float) -> Tensor:
+    """z = (h W^T + b) / T of one chunk, a fresh fp32 tensor (safe to update in place)."""
+    z = F.linear(hidden.to(dtype), weight, bias)
+    z = z.float() if z.dtype != torch.float32 else z
+    return z.div_(temperature)
 
 
 def token_logprobs(hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, temperature: float = 1.0,
