@@ -24,12 +24,20 @@ KINDS = ("unit", "integration", "e2e")
 
 
 def pytest_collection_modifyitems(items):
-    """Mark every test with the kind of the folder it lives in."""
+    """Mark every test with the kind of the folder it lives in; skip `gpu` tests where no CUDA device is visible."""
+    cuda = None
     for item in items:
         kind = item.path.parent.name
         if kind not in KINDS:
             raise pytest.UsageError(f"{item.nodeid}: tests live in tests/unit, tests/integration or tests/e2e")
         item.add_marker(kind)
+        if item.get_closest_marker("gpu"):
+            if cuda is None:
+                import torch
+
+                cuda = torch.cuda.is_available()
+            if not cuda:
+                item.add_marker(pytest.mark.skip(reason="needs a CUDA device"))
 
 
 @pytest.fixture

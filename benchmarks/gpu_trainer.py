@@ -1,0 +1,303 @@
+"""The learner's update on a GPU: the project's `Trainer.train_step` against a plain padded loop, same tokens.
+
+One process, one device, the variants one after another on the same synthetic scored groups (a randomly
+initialised Qwen2.5-shaped model: nothing to download):
+
+- `project`: `Trainer.train_step` as the preset runs it on a GPU (packed rows, chunked head, bf16 autocast,
+  fp32 AdamW, gradient checkpointing, the preset's micro_batch_tokens and mini-batches);
+- `project-padded`: the same with `learner.packing: off` (right-padded rows, the layout before packing);
+- `plain`: a plain loop a user would write (rows right-padded to the longest of each micro-batch, sorted by
+  length, full logits and log_softmax, the PPO clipped token-mean loss, the same checkpointing, optimizer,
+  mini-batches and pi_old pass).
+
+Each variant: one warm-up step, then `--steps` timed steps (synchronized), seconds a step, response tokens/s,
+model TFLOP/s and MFU (learner/throughput.py: 6N per trained token, 2N per no-grad token, padding excluded, the
+same count for every variant), peak memory (torch.cuda.max_memory_allocated) and the GPU busy fraction of one
+more profiled step (CUDA kernel time / wall time, torch.profiler; the profiler's own host overhead lowers it).
+
+    python -m benchmarks.gpu_trainer --model 1.5b --write          # on a GPU (the issue's shape)
+    python -m benchmarks.gpu_trainer --model tiny --groups 2 --steps 1   # a CPU smoke run of the same code
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+
+# Qwen2.5 shapes (config.json of the released models); `tiny` is for a CPU smoke run.
+SHAPES = {
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=512, tie_word_embeddings=True),
+    "0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                 num_key_value_heads=2, vocab_size=151_936, tie_word_embeddings=True),
+    "1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+                 num_key_value_heads=2, vocab_size=151_936, tie_word_embeddings=True),
+    "7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+               num_key_value_heads=4, vocab_size=152_064, tie_word_embeddings=False),
+}
+
+
+def build_model(shape: str, folder: Path) -> Path:
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(**SHAPES[shape], max_position_embeddings=32768, rope_theta=1_000_000.0, pad_token_id=0,
+                         eos_token_id=1, bos_token_id=None)
+    torch.manual_seed(0)
+    Qwen2ForCausalLM(config).to(torch.bfloat16).save_pretrained(folder)
+    return folder
+
+
+def synthetic_groups(groups: int, n: int, vocab: int, prompt_range, response_range, seed: int = 0) -> list:
+    """Scored groups of the issue's shape: half of each group right (+1), half wrong (-1), behaviour logprobs
+    near the policy's own (a random policy's logprob is about -log V)."""
+    from services.messages import PromptTask, RolloutGroup, Sample, Score, ScoredGroup
+
+    rng = random.Random(seed)
+    out = []
+    for g in range(groups):
+        prompt = [rng.randrange(2, vocab) for _ in range(rng.randint(*prompt_range))]
+        task = PromptTask(prompt_id=f"p{g}", prompt="x", prompt_token_ids=prompt, ground_truth="1")
+        samples, scores = [], []
+        for i in range(n):
+            ids = [rng.randrange(2, vocab) for _ in range(rng.randint(*response_range))]
+            samples.append(Sample(token_ids=ids, logprobs=[-math.log(vocab)] * len(ids), text="",
+                                  finish_reason="stop"))
+            reward = 1.0 if i % 2 == 0 else -1.0
+            scores.append(Score(reward=reward, correct=reward > 0, overlong=False, rule="answer_line"))
+        rollout = RolloutGroup(task=task, policy_version=0, generator_id="bench", samples=samples)
+        out.append(ScoredGroup(rollout=rollout, scores=scores))
+    return out
+
+
+def step_flops(parameter_counts, groups, mini_batches: int, epochs: int) -> float:
+    """The model FLOPs of one step, counted the same way for every variant (learner/throughput.py): every row
+    trained `epochs` times, the rows of every mini-batch but the first also run once without a gradient."""
+    from learner.throughput import model_flops
+
+    rows = [(len(g.rollout.task.prompt_token_ids) + len(s.token_ids), len(s.token_ids))
+            for g in groups for s in g.rollout.samples]
+    tokens, scored = sum(r[0] for r in rows), sum(r[1] for r in rows)
+    recomputed = (mini_batches - 1) / mini_batches
+    return model_flops(*parameter_counts, trained=epochs * tokens, trained_scored=epochs * scored,
+                       forward=int(recomputed * tokens), forward_scored=int(recomputed * scored))
+
+
+class PlainLoop:
+    """What a user would write: padded rows sorted by length, full logits, the clipped token-mean loss."""
+
+    def __init__(self, settings, model_path: Path, device):
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        cfg = settings.learner
+        self.cfg, self.device = cfg, device
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(device)
+        if cfg.gradient_checkpointing:
+            self.model.gradient_checkpointing_enable()
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+        self.autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
+
+    def _micro_batches(self, rows):
+        rows = sorted(rows, key=lambda r: -len(r[0]))
+        out, current = [], []
+        for row in rows:
+            if current and len(current[0][0]) * (len(current) + 1) > self.cfg.micro_batch_tokens:
+                out.append(current)
+                current = []
+            current.append(row)
+        return out + ([current] if current else [])
+
+    def _logp(self, micro):
+        import torch
+
+        width = max(len(ids) for ids, _, _ in micro)
+        ids = torch.zeros((len(micro), width), dtype=torch.long)
+        mask = torch.zeros((len(micro), width), dtype=torch.long)
+        loss_mask = torch.zeros((len(micro), width - 1))
+        for b, (row, start, _) in enumerate(micro):
+            ids[b, : len(row)] = torch.tensor(row)
+            mask[b, : len(row)] = 1
+            loss_mask[b, start - 1: len(row) - 1] = 1.0
+        ids, mask, loss_mask = ids.to(self.device), mask.to(self.device), loss_mask.to(self.device)
+        with self.autocast:
+            logits = self.model(input_ids=ids, attention_mask=mask, use_cache=False).logits[:, :-1]
+        logp = logits.float().log_softmax(-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+        return logp, loss_mask
+
+    def train_step(self, groups) -> None:
+        import torch
+
+        from learner import dapo
+
+        rows = []
+        for group in groups:
+            prompt = group.rollout.task.prompt_token_ids
+            advantages = dapo.group_advantages([s.reward for s in group.scores]).tolist()
+            for sample, advantage in zip(group.rollout.samples, advantages):
+                rows.append((prompt + sample.token_ids, len(prompt), advantage))
+        count = max(1, min(self.cfg.mini_batches, len(groups)))
+        mini = [rows[k * len(rows) // count:(k + 1) * len(rows) // count] for k in range(count)]
+        old = {}
+        self.model.train(False)
+        with torch.no_grad():
+            for m, mb in enumerate(mini[1:], start=1):
+                old[m] = [self._logp(micro)[0] for micro in self._micro_batches(mb)]
+        self.model.train(True)
+        for _ in range(self.cfg.epochs):
+            for m, mb in enumerate(mini):
+                tokens = sum(len(r[0]) - r[1] for r in mb)
+                for k, micro in enumerate(self._micro_batches(mb)):
+                    logp, loss_mask = self._logp(micro)
+                    logp_old = old[m][k] if m in old else logp.detach()
+                    advantage = torch.tensor([r[2] for r in micro], device=self.device)[:, None]
+                    ratio = (logp - logp_old).exp()
+                    clipped = ratio.clamp(1 - self.cfg.clip_low, 1 + self.cfg.clip_high)
+                    loss = -(torch.minimum(ratio * advantage, clipped * advantage) * loss_mask).sum() / tokens
+                    loss.backward()
+                torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+                self.optimizer.step()
+                self.optimizer.zero_grad(set_to_none=True)
+
+
+def _sync(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def busy_fraction(step, device) -> float | None:
+    """CUDA kernel time over the wall time of one profiled step (None on a CPU)."""
+    if device.type != "cuda":
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        started = time.perf_counter()
+        step()
+        _sync(device)
+        wall = time.perf_counter() - started
+    kernel_us = sum(e.self_device_time_total for e in prof.key_averages())
+    return min(1.0, kernel_us / 1e6 / wall)
+
+
+def measure(shape: str, groups_count: int, steps: int, preset: str, variants: list[str], n: int,
+            prompt_range, response_range, micro_batch_tokens: int | None) -> dict:
+    import torch
+
+    from learner import throughput
+    from learner.trainer import Trainer
+    from services.config import load_settings
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    with tempfile.TemporaryDirectory() as tmp:
+        model_path = build_model(shape, Path(tmp) / "model")
+        learner = {"prompts_per_step": groups_count, "checkpoint_every": 0}
+        if micro_batch_tokens:
+            learner["micro_batch_tokens"] = micro_batch_tokens
+        base = load_settings(preset, run_dir=str(Path(tmp) / "run"), model={"name_or_path": str(model_path)},
+                             sampling={"n": n}, learner=learner)
+        groups = synthetic_groups(groups_count, n, SHAPES[shape]["vocab_size"], prompt_range, response_range)
+        response_tokens = sum(len(s.token_ids) for g in groups for s in g.rollout.samples)
+        rows = []
+        for variant in variants:
+            if variant == "plain":
+                runner = PlainLoop(base, model_path, device)
+                counts = throughput.parameter_counts(runner.model)
+            else:
+                packing = "auto" if variant == "project" else "off"
+                settings = load_settings(preset, run_dir=str(Path(tmp) / "run"),
+                                         model={"name_or_path": str(model_path)}, sampling={"n": n},
+                                         learner={**learner, "packing": packing})
+                runner = Trainer(settings, model_path)
+                counts = runner.parameter_counts
+            flops = step_flops(counts, groups, base.learner.mini_batches, base.learner.epochs)
+            runner.train_step(groups)  # warm-up
+            _sync(device)
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
+            seconds = []
+            for _ in range(steps):
+                started = time.perf_counter()
+                runner.train_step(groups)
+                _sync(device)
+                seconds.append(time.perf_counter() - started)
+            peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+            busy = busy_fraction(lambda: runner.train_step(groups), device)
+            step = statistics.median(seconds)
+            use = throughput.utilisation(flops, step, 1, throughput.peak_tflops(device))
+            rows.append({"variant": variant, "seconds": step, "all_seconds": seconds,
+                         "response_tokens_per_second": response_tokens / step, **use, "peak_gib": peak,
+                         "gpu_busy": busy})
+            print(rows[-1], flush=True)
+            del runner
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    card = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    memory = torch.cuda.get_device_properties(device).total_memory / 2**30 if device.type == "cuda" else None
+    return {"device": card, "device_gib": memory, "shape": shape, "groups": groups_count, "n": n,
+            "response_tokens": response_tokens, "preset": preset, "micro_batch_tokens": base.learner.micro_batch_tokens,
+            "mini_batches": base.learner.mini_batches, "steps": steps, "torch": torch.__version__, "rows": rows}
+
+
+def report(result: dict, command: str) -> str:
+    plain = next((r for r in result["rows"] if r["variant"] == "plain"), None)
+    lines = [
+        f"`{command}`", "",
+        f"{result['device']} (torch {result['torch']}); a random-init Qwen2.5-{result['shape']} shape, "
+        f"{result['groups']} groups x {result['n']} responses ({result['response_tokens']:,} response tokens), "
+        f"preset `{result['preset']}` (micro_batch_tokens {result['micro_batch_tokens']:,}, "
+        f"{result['mini_batches']} mini-batches); median of {result['steps']} steps after a warm-up.", "",
+        "| variant | s / step | vs plain | response tokens/s | model TFLOP/s | MFU | peak GiB | GPU busy |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+
+    def fmt(value, spec):
+        return "n/a" if value is None else format(value, spec)
+
+    for row in result["rows"]:
+        ratio = row["seconds"] / plain["seconds"] if plain else None
+        lines.append(f"| {row['variant']} | {row['seconds']:.2f} | {fmt(ratio, '.2f')} | "
+                     f"{row['response_tokens_per_second']:,.0f} | {row['model_tflops']:.1f} | "
+                     f"{fmt(row.get('mfu') and 100 * row['mfu'], '.1f')} % | {fmt(row['peak_gib'], '.1f')} | "
+                     f"{fmt(row['gpu_busy'] and 100 * row['gpu_busy'], '.0f')} % |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=sorted(SHAPES), default="1.5b")
+    parser.add_argument("--groups", type=int, default=32)
+    parser.add_argument("--n", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--preset", default="dapo-qwen2.5-math-1.5b")
+    parser.add_argument("--micro-batch-tokens", type=int, default=None, help="default: the preset's")
+    parser.add_argument("--prompt-tokens", type=int, nargs=2, default=[64, 320])
+    parser.add_argument("--response-tokens", type=int, nargs=2, default=[256, 2048])
+    parser.add_argument("--variants", nargs="+", default=["project", "project-padded", "plain"],
+                        choices=["project", "project-padded", "plain"])
+    parser.add_argument("--write", action="store_true", help="write benchmarks/results/gpu_trainer-<model>.json")
+    args = parser.parse_args()
+    result = measure(args.model, args.groups, args.steps, args.preset, args.variants, args.n,
+                     tuple(args.prompt_tokens), tuple(args.response_tokens), args.micro_batch_tokens)
+    text = report(result, "python -m benchmarks.gpu_trainer " + " ".join(sys.argv[1:]))
+    print(text)
+    if args.write:
+        (RESULTS / f"gpu_trainer-{args.model}.json").write_text(json.dumps({**result, "report": text}, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,24 @@
+"""benchmarks/gpu_trainer.py runs its three variants end to end (on a CPU here, with the tiny shape: the same code
+the device run takes) and reports every figure; the FLOP count is the same for every variant."""
+
+from __future__ import annotations
+
+from benchmarks.gpu_trainer import report, step_flops, synthetic_groups
+
+
+def test_the_benchmark_runs_its_variants_and_reports_them():
+    from benchmarks.gpu_trainer import measure
+
+    result = measure("tiny", 2, 1, "tiny-cpu", ["project", "project-padded", "plain"], 4, (4, 12), (8, 40), None)
+    assert [r["variant"] for r in result["rows"]] == ["project", "project-padded", "plain"]
+    for row in result["rows"]:
+        assert row["seconds"] > 0 and row["model_tflops"] > 0 and row["response_tokens_per_second"] > 0
+        assert row["gpu_busy"] is None and "mfu" not in row  # a CPU: no busy fraction, no peak to divide by
+    text = report(result, "python -m benchmarks.gpu_trainer --model tiny")
+    assert "| plain |" in text and "| 1.00 |" in text and "2 groups x 4 responses" in text
+
+
+def test_flops_count_every_trained_and_recomputed_token():
+    groups = synthetic_groups(3, 2, 100, (5, 5), (10, 10))
+    # 6 rows of 15 tokens (10 scored), one epoch, 3 mini-batches: 2/3 of the rows run once more without a gradient.
+    assert step_flops((7, 3), groups, 3, 1) == 6 * (7 * 90 + 3 * 60) + 2 * (7 * 60 + 3 * 40)

@@ -1,0 +1,75 @@
+"""The trainer on a CUDA device in bf16 against fp32 references (skipped where no GPU is visible; a few seconds on
+one): packed rows and the chunked head under autocast, the gradient, and the sharded checkpoint.
+
+Tolerances (stated): bf16 keeps 8 bits of mantissa, so logprobs of the tiny model (about -3.5 nats) agree within
+0.05 nats, and each weight matrix's gradient points the same way as the fp32 one (cosine > 0.99)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from test_trainer import make_groups, model_path, random_offsets, with_behaviour  # noqa: F401
+
+from learner.logprobs import token_logprobs
+from learner.trainer import Trainer
+from services.config import load_settings
+
+pytestmark = pytest.mark.gpu
+
+
+def settings(tmp_path, dtype, **learner):
+    base = {"lr": 1e-2, "warmup_steps": 0, "weight_decay": 0.0, "mini_batches": 2, "epochs": 1, "seed": 0,
+            "micro_batch_tokens": 64, "tis_cap": 2.0, **learner}
+    return load_settings("tiny-cpu", run_dir=str(tmp_path / "run"), model={"dtype": dtype}, learner=base)
+
+
+def test_chunked_head_under_bf16_autocast_matches_fp32():
+    generator = torch.Generator().manual_seed(0)
+    hidden = torch.randn(300, 64, generator=generator)
+    weight = torch.randn(5000, 64, generator=generator) * 0.1
+    targets = torch.randint(0, 5000, (300,), generator=generator)
+    ref_logp, ref_h = token_logprobs(hidden.double(), weight.double(), None, targets, 0.7, 1000)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        logp, entropy = token_logprobs(hidden.cuda(), weight.cuda(), None, targets.cuda(), 0.7, 64)
+    assert logp.dtype == torch.float32
+    torch.testing.assert_close(logp.cpu().double(), ref_logp, rtol=0, atol=0.05)
+    torch.testing.assert_close(entropy.cpu().double(), ref_h, rtol=0, atol=0.05)
+
+
+def test_packed_bf16_on_cuda_matches_the_fp32_reference(model_path, tmp_path):
+    gpu = Trainer(settings(tmp_path, "bfloat16"), model_path)
+    cpu_reference = Trainer(settings(tmp_path, "float32", packing="off"), model_path)
+    assert gpu.accelerator.device.type == "cuda" and gpu.layout == "packed" and gpu.compute_dtype == torch.bfloat16
+    groups = make_groups(n_groups=4, size=4, seed=5)
+    expected, got = cpu_reference.logprobs(groups), gpu.logprobs(groups)
+    for g_expected, g_got in zip(expected, got):
+        for a, b in zip(g_expected, g_got):
+            assert b == pytest.approx(a, abs=0.05)
+    groups = with_behaviour(groups, expected, random_offsets(groups, seed=4, scale=0.3))
+    loss_ref, grads_ref = cpu_reference.loss_gradients(groups)
+    loss_gpu, grads_gpu = gpu.loss_gradients(groups)
+    assert loss_gpu == pytest.approx(loss_ref, rel=0.05, abs=0.01)
+    for name, grad in grads_ref.items():
+        if grad.numel() >= 256:
+            cosine = torch.nn.functional.cosine_similarity(grads_gpu[name].float().cpu().flatten(), grad.flatten(), 0)
+            assert cosine > 0.99, (name, float(cosine))
+    metrics = gpu.train_step(groups)
+    assert metrics["model_tflops"] > 0 and 0 < metrics["mfu"] < 1  # a known card has a peak in the table
+
+
+def test_sharded_checkpoint_round_trip_on_cuda(model_path, tmp_path):
+    first = Trainer(settings(tmp_path, "bfloat16"), model_path)
+    groups = make_groups(n_groups=2, size=4, seed=5)
+    groups = with_behaviour(groups, first.logprobs(groups))
+    first.train_step(groups)
+    first.save_checkpoint(tmp_path / "ckpt", {"step": 1})
+    second = Trainer(settings(tmp_path, "bfloat16"), model_path)
+    assert second.load_checkpoint(tmp_path / "ckpt") == {"step": 1}
+    a, b = first.state_dict_for_publish(), second.state_dict_for_publish()
+    assert all(torch.equal(a[name], b[name]) for name in a)
+    state_a, state_b = first.optimizer.state_dict()["state"], second.optimizer.state_dict()["state"]
+    assert state_a.keys() == state_b.keys()
+    for key in state_a:
+        for slot, value in state_a[key].items():
+            assert torch.equal(value, state_b[key][slot]), (key, slot)
