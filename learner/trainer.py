@@ -10,12 +10,14 @@ One `train_step(groups)` is one rollout step of the paper (Algorithm 1, the inne
      tis_cap is null);
   3. the groups are shuffled and split into `mini_batches` mini-batches of whole groups (the paper's 512 prompts
      make 16 mini-batches of 32 prompts x 16 responses); one AdamW update per mini-batch, `epochs` passes;
-  4. each mini-batch is cut into micro-batches of at most `micro_batch_tokens` padded tokens; every micro-batch
-     loss is divided by the *mini-batch's* token count (Eq. 12) or response count (sample level), so the
-     accumulated gradient equals the gradient of the whole mini-batch at once. With `share_prompt_pass` a forward
-     pass runs the micro-batch's distinct prompts once (left-padded) and the responses on their prompt's KV cache:
-     the same logprobs and gradients as prompt + response rows, without computing each prompt n times (the
-     tiny default's 36-token prompt is 60 % of its rows);
+  4. each mini-batch is cut into micro-batches of at most `micro_batch_tokens` tokens (learner/packing.py): on a
+     GPU rows are packed without padding (attention confined to each row), on a CPU right-padded, where the
+     shared prompt pass runs each distinct prompt once and its responses on the prompt's KV cache (the tiny
+     default's 36-token prompt is 60 % of its rows). Every layout gives the same logprobs and gradients. Only the
+     positions that predict response tokens go through the LM head, in chunks (learner/logprobs.py). Every
+     micro-batch loss is divided by the *mini-batch's* token count (Eq. 12) or response count (sample level), so
+     the accumulated gradient equals the gradient of the whole mini-batch at once; the step's statistics stay on
+     the device until its end (no wait for the GPU inside the loop);
   5. gradient-norm clip, AdamW step per mini-batch (not for a mini-batch with no token in the loss, every response
      overlong-filtered: AdamW's momentum and weight decay would move the weights with no gradient); the
      learning-rate schedule (linear warm-up over `warmup_steps`, then constant) advances once per train_step:
@@ -29,10 +31,12 @@ represent one update: its relative resolution is ~4e-3). `model.dtype` is the co
 GPU "auto" means bf16 autocast (accelerate mixed precision) and bf16 published weights; on CPU, fp32 throughout.
 
 Distributed (`accelerate launch`, DDP or FSDP): every rank must call `train_step` with the same groups (the
-service's main process reads the streams and broadcasts them). Each mini-batch is dealt across ranks by length;
+service's main process reads the streams and broadcasts them). Each mini-batch is dealt across ranks by tokens;
 ranks run the same number of forward passes (a rank with less work repeats one micro-batch with weight 0) so
 FSDP's collectives stay in lockstep; the loss is scaled by the world size because DDP/FSDP average gradients.
 DeepSpeed is refused: its engine owns gradient accumulation and clipping, which this trainer does itself.
+Checkpoints are sharded per rank (learner/checkpoint_io.py); the HF weights for the generators are gathered one
+parameter at a time (`state_dict_for_publish`). Every step reports its model TFLOP/s and MFU (learner/throughput.py).
 """
 
 from __future__ import annotations
