@@ -41,6 +41,7 @@ from learner.lease import LearnerLease
 from learner.policy import PolicyVersion
 from learner.ranks import RankChannel, follow
 from learner.records import Records, step_record, wait_split
+from learner.redis_budget import MB, held_budget, largest_group_bytes, memory_pressed
 from learner.workset import WorkingSet
 from services import metrics
 from services.config import Settings
@@ -49,7 +50,7 @@ from services.http import BackgroundServer, create_app
 from services.messages import PromptTask, SamplingParams
 from services.models import TINY_NAME, model_dir
 from services.redis_local import connect, wait_for_redis
-from services.startup import raise_stopped
+from services.startup import Unavailable, raise_stopped
 from services.streams import Streams
 from services.weights import WeightPublisher, latest_announcement, weights_router
 from services.weights_layout import fsync_dir, write_atomic
@@ -171,6 +172,17 @@ class LearnerService:
         self.streams = Streams(self.redis, self.settings)
         self.work = WorkingSet(self.streams, self.assembler, lambda: self.policy.current)
         self.publisher = WeightPublisher(self.settings, self.redis, self.cfg.public_base_url())
+        self.check_held_budget()
+
+    def check_held_budget(self) -> None:
+        """The largest `held` these settings allow against Redis' maxmemory (learner/redis_budget.py): a step
+        that cannot fit refuses the start (Unavailable, with the figures), a checkpoint interval that may not fit
+        is a warning."""
+        _, maxmemory = self.work.redis_memory()
+        verdict, figures = held_budget(self.settings, maxmemory, largest_group_bytes(self.settings))
+        if verdict == "refuse":
+            raise Unavailable(f"Redis is too small for this run: {figures}")
+        log.log(logging.WARNING if verdict == "warn" else logging.INFO, "Redis memory: %s", figures)
 
     def create_app(self):
         app = create_app(
@@ -304,7 +316,7 @@ class LearnerService:
             ", LIMIT" if batch.refill_limit_hit else "", record["reward_all"] or 0.0, record["reward_trained"] or 0.0,
             step_seconds, f", eval {record['eval_accuracy']:.3f}" if record.get("eval_accuracy") is not None else "",
         )
-        if self.checkpoint_due(final):
+        if self.checkpoint_due(final) or self.held_memory_pressed():
             self.checkpoint()
         return not final
 
@@ -448,6 +460,17 @@ class LearnerService:
     def checkpoint_due(self, final: bool) -> bool:
         every = self.cfg.checkpoint_every
         return final or (every > 0 and self.step % every == 0)
+
+    def held_memory_pressed(self) -> bool:
+        """Redis uses redis.held_memory_share of its maxmemory: a checkpoint now releases from `held` the groups
+        consumed since the last one, before Redis refuses writes."""
+        used, maxmemory = self.work.redis_memory()
+        share = self.settings.redis.held_memory_share
+        if not memory_pressed(used, maxmemory, share):
+            return False
+        log.warning("Redis uses %.0f of its %.0f MB maxmemory (redis.held_memory_share %g): checkpoint step %d "
+                    "early to release `held`", used / MB, maxmemory / MB, share, self.step)
+        return True
 
     def finished(self) -> bool:
         """total_steps reached, or learner.time_limit_minutes of training (evaluations excluded) in this process."""

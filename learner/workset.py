@@ -44,7 +44,7 @@ from learner.evaluation import EvalRound
 from learner.records import GeneratorClocks
 from services import metrics
 from services.messages import PromptTask, ScoredGroup, from_wire
-from services.streams import FIELD, Delivery, Streams, consumer_name
+from services.streams import FIELD, Delivery, Streams, consumer_name, task_id_in_payload
 
 log = logging.getLogger(__name__)
 
@@ -107,20 +107,6 @@ def quarantine_reason(suspect: dict | None) -> str | None:
         return None
     return (f"quarantined: {suspect['failures']} updates failed with this group in their batch "
             f"(the last: {suspect['reason']})")
-
-
-def task_id_in_payload(stream: str, payload: bytes) -> str | None:
-    """The task id inside a raw stream payload (prompts: PromptTask, rollouts: RolloutGroup, scored/held:
-    ScoredGroup), read without schema validation; None if it cannot be found."""
-    try:
-        data = msgpack.unpackb(payload, raw=False)
-        if stream == "prompts":
-            return str(data["task_id"])
-        if stream == "rollouts":
-            return str(data["task"]["task_id"])
-        return str(data["rollout"]["task"]["task_id"])
-    except Exception:  # garbage in a dead letter: nothing to learn from it
-        return None
 
 
 class WorkingSet:
@@ -203,6 +189,7 @@ class WorkingSet:
         for delivery in self.scored.consume(self.consumer, count=CONSUME_BATCH):
             self.handle(delivery)
         if time.monotonic() - self._dead_scanned_at >= DEAD_SCAN_SECONDS:
+            self.redis_memory()
             self.scan_dead_letters()
 
     def handle(self, delivery: Delivery[ScoredGroup]) -> None:
@@ -271,9 +258,7 @@ class WorkingSet:
         for _, fields in letters:
             if fields.get(b"reason", b"").startswith((b"forged", b"provenance")):
                 continue
-            stream = fields.get(b"stream", b"").decode(errors="replace")
-            task_id = task_id_in_payload(stream, fields.get(b"data", b""))
-            if task_id is not None:
+            if task_id := fields.get(b"task_id", b"").decode(errors="replace"):  # read from the payload when written
                 lost.append(task_id)
         if lost:
             self.settle(lost)
@@ -283,6 +268,13 @@ class WorkingSet:
                 log.warning("%d train and %d eval tasks died in the pipeline (see the dead stream)", gone, eval_gone)
 
     # -- held: the durable working set -------------------------------------------------------------------------
+    def redis_memory(self) -> tuple[int, int]:
+        """Redis' used memory and maxmemory (0: no limit), bytes, also set on /metrics (the alerts watch them)."""
+        used, maxmemory = self.streams.memory()
+        metrics.REDIS_USED_MEMORY.set(used)
+        metrics.REDIS_MAXMEMORY.set(maxmemory)
+        return used, maxmemory
+
     def consumed(self, task_ids) -> None:
         """Groups trained (or aged out) by a step: released from `held` at the next checkpoint."""
         self.consumed_since_checkpoint.update(task_ids)

@@ -48,6 +48,15 @@ class RedisConfig(Section):
     password: str | None = Field(
         None, description="Redis AUTH password (from a Secret as DAPO_REDIS__PASSWORD; a password in `url` wins)."
     )
+    embedded_maxmemory_mb: int = Field(
+        1024, ge=1, description="Embedded Redis: maxmemory, MB, with the policy noeviction (a write beyond it is "
+        "refused, nothing is evicted). A Redis of your own: set maxmemory there (docs/deploy.md)."
+    )
+    held_memory_share: float = Field(
+        0.5, gt=0, le=1, description="Share of Redis' maxmemory the learner's `held` groups may take: a step of the "
+        "largest groups beyond it refuses the start; once Redis uses it, the learner checkpoints after the step "
+        "(releasing `held`) whatever learner.checkpoint_every says."
+    )
 
 
 class StreamsConfig(Section):
@@ -56,6 +65,13 @@ class StreamsConfig(Section):
     visibility_timeout_s: float = Field(120.0, description="A message pending this long is reclaimed from its consumer.")
     max_deliveries: int = Field(3, description="After this many deliveries a message goes to the dead stream.")
     block_ms: int = Field(1000, ge=1, description="How long an idle read blocks waiting for new messages.")
+    dead_maxlen: int = Field(
+        10_000, ge=1, description="The dead stream keeps about this many letters (XADD MAXLEN ~): older ones are trimmed."
+    )
+    dead_payload_max_bytes: int = Field(
+        65_536, ge=0, description="A dead letter's payload beyond this many bytes goes to a file under "
+        "run_dir/dead-letters (named by its sha256, which the letter records with its size), not into Redis."
+    )
 
 
 class ModelConfig(Section):

@@ -16,6 +16,9 @@ STREAM_DEAD = Counter("dapo_stream_dead_letters_total", "Messages moved to the d
 STREAM_BACKPRESSURE = Counter(
     "dapo_stream_backpressure_seconds_total", "Seconds producers waited above high water.", ["stream"]
 )
+# Redis itself, as the learner reads it (INFO memory, every second while it waits for groups).
+REDIS_USED_MEMORY = Gauge("dapo_redis_used_memory_bytes", "Bytes Redis has allocated (used_memory).")
+REDIS_MAXMEMORY = Gauge("dapo_redis_maxmemory_bytes", "Redis' maxmemory (0: no limit): beyond it writes are refused.")
 
 # Generator.
 GEN_TOKENS = Counter("dapo_generator_tokens_total", "Response tokens generated.")

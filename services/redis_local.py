@@ -3,7 +3,9 @@
 The embedded server listens on a unix socket inside the run folder (or, when that path would be too long for a
 socket, at a short private path derived from it), so every process of a local run (the launcher and the services
 it starts) finds the same server from the same settings. It requires a password,
-generated per run and kept in `redis.conf` (mode 0600) in its data folder; clients get it in the URL.
+generated per run and kept in `redis.conf` (mode 0600) in its data folder; clients get it in the URL. Its memory
+is bounded: `maxmemory` (redis.embedded_maxmemory_mb) with the policy `noeviction`, so a full server refuses
+writes (OOM errors) rather than grow until the machine kills it or evict the run's state.
 
 The retry layer lives here: every client this module hands out is a `RetryingRedis`, whose every command
 (scripts and pipelines included) retries with backoff while the server is away, so no call site can forget
@@ -32,7 +34,7 @@ from redis.client import Pipeline
 from redis.retry import Retry
 from tenacity import retry, retry_if_exception_type, stop_after_delay, wait_exponential
 
-from services.config import Settings
+from services.config import RedisConfig, Settings
 from services.startup import Unavailable
 
 log = logging.getLogger(__name__)
@@ -137,10 +139,11 @@ class EmbeddedRedis:
     """
 
     def __init__(self, data_dir: str | os.PathLike, aof: bool = True, port: int = 0, fsync: str = "everysec",
-                 password: str | None = None):
+                 password: str | None = None, maxmemory_mb: int = RedisConfig.model_fields["embedded_maxmemory_mb"].default):
         self.data_dir = Path(data_dir).resolve()
         self.aof = aof
         self.fsync = fsync
+        self.maxmemory_mb = maxmemory_mb
         self.port = port  # 0 = unix socket only; a TCP port when containers or other hosts must reach it
         # The password of a server of this folder that is still running, else the given or a new one.
         self.password = password or saved_password(self.data_dir) or secrets.token_hex(24)
@@ -184,6 +187,8 @@ class EmbeddedRedis:
             "--save", "",
             "--appendonly", "yes" if self.aof else "no",
             "--appendfsync", self.fsync,
+            "--maxmemory", f"{self.maxmemory_mb}mb",
+            "--maxmemory-policy", "noeviction",
             "--logfile", str(self.data_dir / "redis.log"),
             "--daemonize", "no",
         ]
@@ -204,7 +209,8 @@ class EmbeddedRedis:
             time.sleep(0.05)
         client.close()
         atexit.register(self.stop)
-        log.info("embedded Redis at %s (aof=%s, appendfsync %s)", self.socket_path, self.aof, self.fsync)
+        log.info("embedded Redis at %s (aof=%s, appendfsync %s, maxmemory %d MB)", self.socket_path, self.aof,
+                 self.fsync, self.maxmemory_mb)
         return self
 
     def stop(self, kill: bool = False) -> None:
@@ -278,7 +284,8 @@ def saved_password(data_dir: Path) -> str | None:
 
 def embedded_server(settings: Settings) -> EmbeddedRedis:
     """The run's embedded server as configured (not started)."""
-    return EmbeddedRedis(embedded_dir(settings), aof=settings.redis.embedded_aof, fsync=settings.redis.embedded_fsync)
+    return EmbeddedRedis(embedded_dir(settings), aof=settings.redis.embedded_aof, fsync=settings.redis.embedded_fsync,
+                         maxmemory_mb=settings.redis.embedded_maxmemory_mb)
 
 
 def connect(

@@ -7,7 +7,9 @@ learner). The life of a message:
 2. `consume` first reclaims entries another consumer has held longer than the visibility timeout (it died),
    then reads new ones. An entry delivered more than `max_deliveries` times, whose signature does not check
    out (`forged: ...`), or whose payload does not parse (bad msgpack, schema, unknown version), goes to the
-   `dead` stream with the reason and the original bytes.
+   `dead` stream with the reason, the task id and the original bytes (beyond streams.dead_payload_max_bytes: in
+   a file under run_dir/dead-letters, the letter records its sha256 and size). The dead stream is trimmed to
+   about streams.dead_maxlen letters.
 3. `forward` writes the result downstream and acknowledges the input in one Lua script, and only if this
    consumer still owns the input: a slow consumer whose message was reclaimed cannot write a second result.
    Acknowledged entries are deleted, so the stream length is exactly the backlog.
@@ -23,11 +25,16 @@ a server that came back without a consumer group (NOGROUP) gets it re-created an
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import os
+import tempfile
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Generic, Iterator, TypeVar
 
+import msgpack
 import redis
 from pydantic import BaseModel
 
@@ -355,11 +362,14 @@ class Stream(Generic[M]):
         self.dead(delivery.id, delivery.payload or to_wire(delivery.message), reason, delivery.deliveries)
 
     def dead(self, entry_id: str, payload: bytes, reason: str, deliveries: int = 0) -> None:
-        """Move an entry to the dead stream with the reason and its original bytes, and ack it here."""
+        """Move an entry to the dead stream with the reason, its task id and its original bytes (a large payload:
+        its file, sha256 and size, `Streams.letter_payload`), and ack it here. The dead stream keeps about
+        streams.dead_maxlen letters (the oldest are trimmed)."""
         pipe = self.redis.pipeline(transaction=True)
         letter = {b"stream": self.name, b"entry_id": entry_id, b"reason": reason, b"deliveries": deliveries,
-                  FIELD: payload}
-        pipe.xadd(self.streams.key("dead"), {**letter, SIG: self.streams.dead_letter_signature(letter)})
+                  b"task_id": task_id_in_payload(self.name, payload) or "", **self.streams.letter_payload(payload)}
+        pipe.xadd(self.streams.key("dead"), {**letter, SIG: self.streams.dead_letter_signature(letter)},
+                  maxlen=self.cfg.dead_maxlen, approximate=True)
         pipe.xack(self.key, self.group, entry_id)
         pipe.xdel(self.key, entry_id)
         pipe.execute()
@@ -412,6 +422,20 @@ def _entries(reply) -> list[tuple[bytes, dict]]:
     return [(eid, fields) for entries in streams for eid, fields in entries if fields]
 
 
+def task_id_in_payload(stream: str, payload: bytes) -> str | None:
+    """The task id inside a raw stream payload (prompts: PromptTask, rollouts: RolloutGroup, scored/held:
+    ScoredGroup), read without schema validation; None if it cannot be found."""
+    try:
+        data = msgpack.unpackb(payload, raw=False)
+        if stream == "prompts":
+            return str(data["task_id"])
+        if stream == "rollouts":
+            return str(data["task"]["task_id"])
+        return str(data["rollout"]["task"]["task_id"])
+    except Exception:  # garbage in a dead letter: nothing to learn from it
+        return None
+
+
 def run_prefix(settings: Settings) -> str:
     """The prefix of every key of a run, `dapo:{run}:`: built here only, so runs never share a key."""
     return f"dapo:{settings.redis.run}:"
@@ -425,12 +449,32 @@ class Streams:
         self.cfg = settings.streams
         self.prefix = run_prefix(settings)
         self.hmac_key = signing_key(settings.token)
+        self.dead_dir = Path(settings.run_dir) / "dead-letters"
 
     def key(self, *parts: str) -> str:
         return self.prefix + ":".join(parts)
 
     def stream(self, name: str, model: type[M]) -> Stream[M]:
         return Stream(self, name, model)
+
+    def letter_payload(self, payload: bytes) -> dict:
+        """A dead letter's payload fields: the bytes themselves up to streams.dead_payload_max_bytes; beyond, the
+        bytes go to dead_dir/<sha256>.msgpack (mode 0600) and the letter keeps `payload_sha256`, `payload_bytes` and
+        `payload_file` (empty when the file could not be written: the payload is then dropped)."""
+        if len(payload) <= self.cfg.dead_payload_max_bytes:
+            return {FIELD: payload}
+        digest = hashlib.sha256(payload).hexdigest()
+        path = self.dead_dir / f"{digest}.msgpack"
+        try:
+            self.dead_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+            with tempfile.NamedTemporaryFile(dir=self.dead_dir, prefix=".tmp-", delete=False) as out:
+                out.write(payload)  # NamedTemporaryFile creates it 0600
+            os.replace(out.name, path)
+        except OSError as err:
+            log.error("dead letter payload of %d bytes (sha256 %s) dropped: cannot write %s (%s)",
+                      len(payload), digest, path, err)
+            path = ""
+        return {FIELD: b"", b"payload_sha256": digest, b"payload_bytes": len(payload), b"payload_file": str(path)}
 
     def dead_letter_signature(self, letter: dict) -> str:
         """HMAC of a dead letter's stream, reason and payload. The learner acts on dead letters (it stops waiting
@@ -458,6 +502,11 @@ class Streams:
         """The Redis server's run id: it changes when the server restarts."""
         return self.redis.info("server")["run_id"]
 
+    def memory(self) -> tuple[int, int]:
+        """Redis' used memory and its maxmemory (0: no limit), bytes."""
+        info = self.redis.info("memory")
+        return int(info["used_memory"]), int(info["maxmemory"])
+
     def dead_letters(self, count: int = 100) -> list[dict]:
         """The most recent dead letters, newest first, decoded for inspection."""
         rows = self.redis.xrevrange(self.key("dead"), count=count)
@@ -468,8 +517,9 @@ class Streams:
 
 
 def _dead_letter_body(letter: dict) -> bytes:
-    """What a dead letter's signature covers: stream, reason, payload (str or bytes when written, bytes when read)."""
-    values = (letter.get(name, b"") for name in (b"stream", b"reason", FIELD))
+    """What a dead letter's signature covers: stream, reason, payload, task id and a kept payload's sha256 (str or
+    bytes when written, bytes when read)."""
+    values = (letter.get(name, b"") for name in (b"stream", b"reason", FIELD, b"task_id", b"payload_sha256"))
     return b"\n".join(v if isinstance(v, bytes) else str(v).encode() for v in values)
 
 

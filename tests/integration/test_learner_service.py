@@ -246,6 +246,43 @@ def test_only_dead_letters_a_service_signed_make_a_task_lost(settings):
     assert service.assembler.stats.lost == 1
 
 
+def test_a_dead_letter_whose_payload_went_to_a_file_still_names_its_task(settings):
+    """A large payload is kept out of Redis (streams.dead_payload_max_bytes): the letter's signed task id still
+    makes the learner stop waiting for the task."""
+    settings = settings.model_copy(update={"streams": settings.streams.model_copy(update={"dead_payload_max_bytes": 0})})
+    service = LearnerService(settings)
+    service.connect()
+    service.assembler.issued(["train-0"], 0)
+    service.work.outbox.append(PromptTask(task_id="train-0", prompt_id="p0", prompt="1+1=", ground_truth="2"))
+    service.work.flush_outbox()
+    prompts = service.streams.stream("prompts", PromptTask)
+    (delivery,) = prompts.consume("gen", count=10, block_ms=0)
+    prompts.dead(delivery.id, delivery.payload, "engine failure on this task alone: test")
+    (letter,) = service.streams.dead_letters()
+    assert letter["data"] == b"" and Path(letter["payload_file"]).read_bytes() == delivery.payload
+    service.work.scan_dead_letters()
+    assert not service.assembler.in_flight and service.assembler.stats.lost == 1
+
+
+def test_a_learner_refuses_a_redis_too_small_for_a_step_and_checkpoints_early_under_memory_pressure(settings):
+    """At start, a step of the largest groups beyond redis.held_memory_share of maxmemory is refused with the
+    figures; running, Redis past that share makes the step's checkpoint due (it releases `held`)."""
+    from learner.redis_budget import MB
+    from services import metrics
+    from services.startup import Unavailable
+
+    big = settings.model_copy(update={"learner": settings.learner.model_copy(update={"prompts_per_step": 100_000})})
+    with pytest.raises(Unavailable, match=r"Redis is too small for this run: one step's groups need up to 2,\d{3} MB "
+                                          r"\(100000 x 0.02 MB\) in `held`, against 0.5 of Redis' maxmemory 1,024 MB"):
+        LearnerService(big).connect()
+    service = LearnerService(settings.model_copy(deep=True))
+    service.connect()
+    assert metrics.REDIS_MAXMEMORY._value.get() == 1024 * MB and metrics.REDIS_USED_MEMORY._value.get() > 0
+    assert not service.held_memory_pressed()
+    service.settings.redis.held_memory_share = 1e-6  # an empty Redis uses about a megabyte
+    assert service.held_memory_pressed()
+
+
 def test_a_group_whose_samples_the_trainer_cannot_use_is_refused_and_its_task_given_up(settings):
     """A sample with fewer logprobs than token ids would make every train step on it fail, at every restart (it
     stays held): refused on arrival, and its task is not waited for (no genuine group of it will come)."""

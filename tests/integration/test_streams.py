@@ -14,6 +14,7 @@ from pathlib import Path
 import msgpack
 import pytest
 
+from services.config import load_settings
 from services.messages import PromptTask, RolloutGroup, Sample, to_wire
 from services.redis_local import EmbeddedRedis, connect
 from services.streams import BackPressureTimeout, Streams
@@ -433,3 +434,68 @@ def test_a_generator_restarting_under_a_dead_ones_name_hands_its_tasks_back_befo
     assert sorted(d.message.task_id for d in taken) == ["t0", "t1", "t2"]
     assert all(d.deliveries == 2 for d in taken)  # as a recovery by the replacement itself would count them
     assert hand_back_previous(streams.redis, settings, "generator-0") == 0
+
+
+# -- bounded Redis --------------------------------------------------------------------------------------------
+def test_embedded_redis_is_bounded_and_refuses_writes_beyond_maxmemory_without_evicting(short_tmp):
+    """maxmemory with noeviction, at a small scale: a full server refuses writes (OOM) and keeps every key."""
+    import redis
+
+    with EmbeddedRedis(Path(short_tmp) / "small", aof=False, maxmemory_mb=4) as server:
+        client = redis.Redis.from_url(server.url)
+        assert client.config_get("maxmemory-policy") == {"maxmemory-policy": "noeviction"}
+        used, maxmemory = Streams(client, load_settings("tiny-cpu", run_dir=short_tmp)).memory()
+        assert maxmemory == 4 * 1024 * 1024 and 0 < used < maxmemory
+        written = 0
+        with pytest.raises(redis.exceptions.OutOfMemoryError):
+            for written in range(100):
+                client.set(f"k{written}", b"x" * 256 * 1024)
+        assert 4 <= written < 20 and client.exists(*[f"k{i}" for i in range(written)]) == written  # none evicted
+
+
+def test_the_dead_stream_is_trimmed_to_about_its_maxlen(settings):
+    settings = settings.model_copy(update={"streams": settings.streams.model_copy(update={"dead_maxlen": 10})})
+    streams = Streams(connect(settings), settings)
+    prompts = streams.stream("prompts", PromptTask)
+    prompts.produce(task(0))  # the group
+    payloads = [to_wire(task(i)) for i in range(250)]
+    for i, payload in enumerate(payloads):
+        prompts.dead(f"{i}-0", payload, "test")
+    # MAXLEN ~ trims whole macro nodes (stream-node-max-entries: 100): at most one node beyond the maxlen stays
+    assert 10 <= streams.redis.xlen(streams.key("dead")) <= 110
+    newest = streams.dead_letters(count=1)[0]
+    assert newest["task_id"] == "t249" and newest["data"] == payloads[-1]
+
+
+def test_a_large_dead_payload_goes_to_a_file_named_by_its_sha256_and_the_letter_stays_signed(settings):
+    import hashlib
+
+    settings = settings.model_copy(update={"streams": settings.streams.model_copy(update={"dead_payload_max_bytes": 64})})
+    streams = Streams(connect(settings), settings)
+    rollouts = streams.stream("rollouts", RolloutGroup)
+    payload = to_wire(group_for(task(7)))
+    assert len(payload) > 64
+    rollouts.dead("1-0", payload, "delivered 4 times (max 3)", 4)
+    _, [(_, fields)] = streams.dead_letters_after("0-0")  # the signature covers the task id and the sha256
+    digest = hashlib.sha256(payload).hexdigest()
+    path = Path(settings.run_dir) / "dead-letters" / f"{digest}.msgpack"
+    assert fields[b"data"] == b"" and fields[b"task_id"] == b"t7"
+    assert fields[b"payload_sha256"].decode() == digest and int(fields[b"payload_bytes"]) == len(payload)
+    assert fields[b"payload_file"].decode() == str(path)
+    assert path.read_bytes() == payload and path.stat().st_mode & 0o077 == 0
+    streams.redis.xadd(streams.key("dead"), {**fields, b"task_id": b"t8"})  # another task id under the same signature
+    assert [letter[b"task_id"] for _, letter in streams.dead_letters_after("0-0")[1]] == [b"t7"]
+
+
+def test_a_large_dead_payload_that_cannot_be_written_is_dropped_with_its_sha256_and_size(settings):
+    import hashlib
+
+    settings = settings.model_copy(update={"streams": settings.streams.model_copy(update={"dead_payload_max_bytes": 0})})
+    Path(settings.run_dir).mkdir(parents=True, exist_ok=True)
+    (Path(settings.run_dir) / "dead-letters").write_text("a file where the folder should be")
+    streams = Streams(connect(settings), settings)
+    payload = to_wire(task(3))
+    streams.stream("prompts", PromptTask).dead("1-0", payload, "test")
+    (letter,) = streams.dead_letters()
+    assert letter["data"] == b"" and letter["payload_file"] == "" and letter["task_id"] == "t3"
+    assert letter["payload_sha256"] == hashlib.sha256(payload).hexdigest() and int(letter["payload_bytes"]) == len(payload)

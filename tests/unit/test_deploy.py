@@ -31,6 +31,7 @@ import pytest
 import redis
 import yaml
 
+from learner.redis_budget import held_budget, largest_group_bytes
 from services.config import Settings, load_settings
 from services.data import NAMED_SETS
 from services.messages import PromptTask
@@ -645,6 +646,37 @@ def test_redis_requires_a_password_and_only_dapo_pods_reach_it(overlay):
     assert sources == [sources[0]] + ([keda] if overlay == "overlays/gpu" else [])
     for deployment in _by_kind(resources, "Deployment").values():  # every dapo pod carries the label it allows
         assert deployment["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/name"] == "dapo"
+
+
+def _memory_bytes(size: str) -> int:
+    """A memory size as Redis (1536mb, 9gb), Kubernetes (2Gi) or Compose (2g) write it: powers of 1024."""
+    number, unit = re.fullmatch(r"(\d+)([kmgKMG])(?:b|i|B)?", size).groups()
+    return int(number) * 1024 ** "kmg".index(unit.lower()) * 1024
+
+
+def test_compose_redis_memory_is_bounded_below_its_container_limit():
+    redis_service = _compose_resolved()["services"]["redis"]
+    command = redis_service["command"][-1]
+    assert "--maxmemory-policy noeviction" in command
+    maxmemory = _memory_bytes(re.search(r"--maxmemory (\S+)", command).group(1))
+    assert maxmemory <= 0.75 * int(redis_service["mem_limit"])  # room for the AOF rewrite's fork, client buffers
+    assert held_budget(load_settings("tiny-cpu"), maxmemory, largest_group_bytes(load_settings("tiny-cpu")))[0] == "ok"
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_k8s_redis_memory_is_bounded_below_its_limit_and_fits_a_step_of_the_recipe(overlay):
+    resources = _render(overlay)
+    (container,) = _by_kind(resources, "Deployment")["redis"]["spec"]["template"]["spec"]["containers"]
+    args, env = container["args"], {e["name"]: e for e in container["env"]}
+    assert args[args.index("--maxmemory-policy") + 1] == "noeviction"
+    assert args[args.index("--maxmemory") + 1] == "$(REDIS_MAXMEMORY)"
+    maxmemory = _memory_bytes(env["REDIS_MAXMEMORY"]["value"])
+    assert maxmemory <= 0.75 * _memory_bytes(container["resources"]["limits"]["memory"])
+    if overlay == RECIPE:  # the learner would refuse a Redis that cannot hold one step of the longest groups
+        settings = load_settings("dapo-qwen2.5-32b")
+        assert held_budget(settings, maxmemory, largest_group_bytes(settings))[0] != "refuse"
+        volume = _by_kind(resources, "PersistentVolumeClaim")["redis-data"]["spec"]["resources"]["requests"]
+        assert _memory_bytes(volume["storage"]) >= 3 * maxmemory  # the AOF (up to twice the data) and its rewrite
 
 
 def test_keda_authenticates_to_redis_with_the_password():
