@@ -441,7 +441,7 @@ class Faults:
 
         streams, settings = self.streams()
         r = streams.redis
-        outsider = signing_key("a-guess")
+        outsider = signing_key("a-guess", RUN_NAME)
         s = settings.sampling
         sampling = SamplingParams(n=s.n, temperature=s.temperature, top_p=s.top_p, max_tokens=s.max_tokens)
 

@@ -143,7 +143,7 @@ def bench_hf(model, prompts, sampling: SamplingParams, stop_ids: list[int], pad_
 
 def serve_weights(settings, client) -> tuple[BackgroundServer, WeightPublisher]:
     """A learner's weights endpoint on a free port, and the publisher behind it."""
-    app = create_app("learner", token=settings.token)
+    app = create_app("learner", token=settings.token.get_secret_value())
     server = BackgroundServer(app, "127.0.0.1", free_port(), limit_concurrency=settings.http_max_connections).start(
         wait_s=10)
     settings.learner.public_url = server.url  # generators pull from the configured learner only
@@ -167,7 +167,7 @@ def bench_sync(settings, engine, model_dir, rounds: int) -> dict:
         t0 = time.perf_counter()
         announcement = publisher.publish(state, version)
         t1 = time.perf_counter()
-        folder = pull_weights(announcement, settings.token, sync.dir)
+        folder = pull_weights(announcement, settings.token.get_secret_value(), sync.dir)
         t2 = time.perf_counter()
         check_schema(model_schema(folder), sync.expected, sync.optional)
         t3 = time.perf_counter()

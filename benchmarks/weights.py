@@ -107,7 +107,7 @@ def main() -> None:
             weights={"transport": transport, "shared_dir": str(tmp / "shared"), "shard_mb": args.shard_mb,
                      "pull_concurrency": args.concurrency},
         )
-    app = create_app("learner", token=settings["http"].token)
+    app = create_app("learner", token=settings["http"].token.get_secret_value())
     counter = EgressCounter(app)
     server = BackgroundServer(counter, "127.0.0.1", free_port(),
                               limit_concurrency=settings["http"].http_max_connections).start(wait_s=10)
@@ -132,7 +132,8 @@ def main() -> None:
 
     scratch = tmp / "generators"
     scratch.mkdir()
-    token, shared_dir, http_dir = settings["http"].token, str(tmp / "shared"), str(tmp / "run" / "weights")
+    token = settings["http"].token.get_secret_value()
+    shared_dir, http_dir = str(tmp / "shared"), str(tmp / "run" / "weights")
     times: dict[tuple[str, int], list[float]] = {}
     egress: dict[tuple[str, int], int] = {}
     order = ["copy", "http", "shared-fs"]

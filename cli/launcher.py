@@ -17,8 +17,8 @@ that whole group: a SIGKILLed generator would otherwise leave its vLLM engine co
 One launcher per run folder: `dapo run` holds an exclusive lock (flock) on `{run_dir}/.dapo-run.lock` for its
 whole life, which names its holder; a second one on the same folder exits 69 naming it, before it starts anything
 (a second redis-server on the same data, a second learner). SIGHUP stops a run as SIGTERM and SIGINT do.
-Secrets: without a configured token the run makes a random one; children get it in their environment, and
-`launch-config.yaml` (the settings they read) is written without it, mode 0600.
+Secrets: without a configured token the run makes a random one; children get it, the Redis URL and password in
+their environment, and `launch-config.yaml` (the settings they read) is written without them, mode 0600.
 """
 
 from __future__ import annotations
@@ -46,9 +46,9 @@ from cli.cores import CpuPlan, Placement, cpu_seconds_by_group
 from learner.checkpoint_layout import CHECKPOINTS, EXIT_REFILL_LIMIT, recorded_stop
 from learner.lease import EXIT_FENCED, INSTANCE_ENV
 from learner.records import METRICS_FILE, read_rows
-from services.config import DEFAULT_TOKEN, Settings, dump_settings
+from services.config import DEFAULT_TOKEN, Settings, dump_settings, without_password
 from services.http import free_port
-from services.redis_local import EmbeddedRedis, embedded_server, without_password
+from services.redis_local import EmbeddedRedis, embedded_server
 from services.startup import EXIT_DATA_ERROR, EXIT_FILE_ENV, Unavailable, recorded_exit
 from services.weights_layout import write_atomic
 
@@ -241,8 +241,10 @@ def service_children(settings: Settings, config_path: Path, redis_url: str, gene
     run_dir = Path(settings.run_dir)
     base_env = {
         **{k: v for k, v in os.environ.items() if k != EXIT_FILE_ENV},  # `dapo run`'s own, if it has one
-        "DAPO_TOKEN": settings.token,  # not in the config file
+        # The secrets: not in the config file (dump_settings without_secrets).
+        "DAPO_TOKEN": settings.token.get_secret_value(),
         "DAPO_REDIS__URL": redis_url,
+        **({"DAPO_REDIS__PASSWORD": settings.redis.password.get_secret_value()} if settings.redis.password else {}),
         # Every service needs it: the learner serves there, generators send their token nowhere else.
         "DAPO_LEARNER__PUBLIC_URL": f"http://127.0.0.1:{learner_port}",
         "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", str(settings.generator.kv_cache_gib)),
@@ -285,9 +287,9 @@ def service_children(settings: Settings, config_path: Path, redis_url: str, gene
 
 
 def write_launch_config(settings: Settings, run_dir: Path) -> Path:
-    """The settings the children read, without the token (they get it in their environment), mode 0600."""
+    """The settings the children read, without the secrets (they get them in their environment), mode 0600."""
     path = run_dir / "launch-config.yaml"
-    write_atomic(path, dump_settings(settings, exclude={"token"}), mode=0o600)
+    write_atomic(path, dump_settings(settings, without_secrets=True), mode=0o600)
     return path
 
 
@@ -421,12 +423,12 @@ def main(settings: Settings, generators: int = 1, reward_workers: int = 1, learn
     ensure_model(settings)
 
     redis_server = None
-    redis_url = settings.redis.url
+    redis_url = settings.redis.url and settings.redis.url.get_secret_value()
     if not redis_url:
         redis_server = embedded_server(settings)
         redis_server.password = secrets.token_hex(24)  # a new one per run, handed to the services in their environment
         redis_url = redis_server.start().url
-    if settings.token == DEFAULT_TOKEN:
+    if settings.token.get_secret_value() == DEFAULT_TOKEN:
         settings.token = secrets.token_urlsafe(32)  # this run's own: no process or file carries the placeholder
     config_path = write_launch_config(settings, run_dir)
 

@@ -94,7 +94,7 @@ def settings_from_args(args: argparse.Namespace):
     if args.command in ("run", "learner"):
         check_installed(settings.learner.report_to)
     if args.command in ("learner", "generator", "reward"):
-        check_token(settings.token, getattr(settings, args.command).host)
+        check_token(settings.token.get_secret_value(), getattr(settings, args.command).host)
     return settings
 
 

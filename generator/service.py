@@ -56,8 +56,8 @@ def build_app(settings: Settings, get_worker: Callable[[], "object | None"]) -> 
         worker = get_worker()
         return worker.readiness() if worker is not None else (False, "starting the engine")
 
-    app = create_app("generator", token=settings.token, ready=ready, max_body_bytes=int(settings.max_body_mb * 2**20),
-                     docs=settings.http_docs)
+    app = create_app("generator", token=settings.token.get_secret_value(), ready=ready,
+                     max_body_bytes=int(settings.max_body_mb * 2**20), docs=settings.http_docs)
 
     @app.post("/v1/weights/sync", tags=["weights"])
     def sync_now():

@@ -17,8 +17,8 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from services.config import Settings
-from services.messages import WeightsAnnouncement, signing_key
-from services.streams import run_prefix
+from services.messages import WeightsAnnouncement
+from services.streams import run_key, run_prefix
 from services.weights import (
     AnnouncementWatcher,
     WeightsError,
@@ -39,7 +39,7 @@ class WeightSync:
 
     def __init__(self, settings: Settings, model_dir: str | Path, redis_client, generator_id: str):
         self.settings = settings
-        self.token = settings.token
+        self.token = settings.token.get_secret_value()
         self.timeout = settings.generator.pull_timeout_s
         self.dir = Path(settings.generator.weights_dir or Path(settings.run_dir) / "generators" / generator_id)
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -54,7 +54,7 @@ class WeightSync:
         self.optional = tied_aliases(model_dir)
         self.redis = redis_client
         self.prefix = run_prefix(settings)
-        self.key = signing_key(settings.token)
+        self.key = run_key(settings)
         # The only place this generator sends its token to: the configured learner, whatever Redis says.
         self.learner_url = settings.learner.public_base_url()
         self.watcher = AnnouncementWatcher(redis_client, self.prefix, self.key, poll_s=settings.generator.sync_poll_s)

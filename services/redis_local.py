@@ -85,12 +85,6 @@ def retrying(client: redis.Redis) -> RetryingRedis:
     return RetryingRedis(connection_pool=client.connection_pool)
 
 
-def without_password(url: str) -> str:
-    """A Redis URL fit for a file others may read (credentials dropped)."""
-    scheme, sep, rest = url.partition("://")
-    return f"{scheme}{sep}{rest.rpartition('@')[2]}" if "@" in rest else url
-
-
 def _keepalive_options() -> dict[int, int]:
     """Probe an idle connection after 30 s, every 10 s, 3 times: a dead peer is found in a minute, not in the
     kernel's default two hours."""
@@ -245,13 +239,15 @@ def embedded_dir(settings: Settings) -> Path:
 
 def wait_for_redis(settings: Settings) -> None:
     """Ping the configured Redis until it answers, for at most redis.connect_timeout_s (startup check)."""
-    url, timeout = settings.redis.url, settings.redis.connect_timeout_s
-    if not url:
+    cfg, timeout = settings.redis, settings.redis.connect_timeout_s
+    if not cfg.url:
         return  # the embedded server: started by whoever connects first
-    shown = without_password(url)
+    shown = str(cfg.url)  # without its password
     deadline = time.monotonic() + timeout
+    password = cfg.password.get_secret_value() if cfg.password else None
     for attempt in itertools.count():
-        client = redis.Redis.from_url(url, password=settings.redis.password, socket_connect_timeout=2, socket_timeout=2)
+        client = redis.Redis.from_url(cfg.url.get_secret_value(), password=password, socket_connect_timeout=2,
+                                      socket_timeout=2)
         try:
             client.ping()
             return
@@ -295,8 +291,9 @@ def connect(
     `reply_timeout_s` and `retrying` as in `client_for` (default: 30 s past the longest blocking read)."""
     if reply_timeout_s is None:
         reply_timeout_s = REPLY_TIMEOUT_S + settings.streams.block_ms / 1000  # a blocking read waits that long
-    if settings.redis.url:
-        return client_for(settings.redis.url, settings.redis.password, reply_timeout_s, retrying)
+    if (cfg := settings.redis).url:
+        password = cfg.password.get_secret_value() if cfg.password else None
+        return client_for(cfg.url.get_secret_value(), password, reply_timeout_s, retrying)
     server = embedded_server(settings)
     probe = redis.Redis(unix_socket_path=str(server.socket_path), password=server.password)
     try:

@@ -14,9 +14,11 @@ learner). The life of a message:
    consumer still owns the input: a slow consumer whose message was reclaimed cannot write a second result.
    Acknowledged entries are deleted, so the stream length is exactly the backlog.
 
-Provenance: every entry carries `sig`, an HMAC-SHA256 of its payload and stream key under the key derived
-from the shared token (`services.messages.sign`), written by the producer and checked on every read, so a
-process that can reach Redis but does not know the token cannot inject or alter work.
+Provenance: every entry carries `sig`, an HMAC-SHA256 of its stream key and payload under the run's key (derived
+from the shared token and the run name: `run_key`, `services.messages.sign`), written by the producer and checked
+on every read, so a process that can reach Redis but does not know the token cannot inject or alter work, nor
+move an entry to another stream or run. A dead letter's `sig` covers every field of the letter (stream, entry id,
+delivery count, reason, payload...) each length-prefixed, so none can be re-split, swapped or left out.
 
 Every Redis call retries with exponential backoff while the server is unreachable (the client is a
 `services.redis_local.RetryingRedis`), so a Redis restart (with AOF) pauses consumers instead of killing them;
@@ -141,7 +143,7 @@ class Stream(Generic[M]):
         signature = fields.get(SIG)
         if not signature:
             return "forged: no signature"
-        if not verify(self.streams.hmac_key, self.key, fields.get(FIELD, b""), signature.decode(errors="replace")):
+        if not verify(self.streams.hmac_key, signature.decode(errors="replace"), self.key, fields.get(FIELD, b"")):
             return "forged: bad HMAC signature (tampered, or written without the shared token)"
         return None
 
@@ -441,6 +443,11 @@ def run_prefix(settings: Settings) -> str:
     return f"dapo:{settings.redis.run}:"
 
 
+def run_key(settings: Settings) -> bytes:
+    """The run's signing key (stream entries, dead letters, weight announcements): built here only."""
+    return signing_key(settings.token.get_secret_value(), settings.redis.run)
+
+
 class Streams:
     """The run's streams and keys, all under `run_prefix`."""
 
@@ -448,7 +455,7 @@ class Streams:
         self.redis = retrying(client)
         self.cfg = settings.streams
         self.prefix = run_prefix(settings)
-        self.hmac_key = signing_key(settings.token)
+        self.hmac_key = run_key(settings)
         self.dead_dir = Path(settings.run_dir) / "dead-letters"
 
     def key(self, *parts: str) -> str:
@@ -477,9 +484,9 @@ class Streams:
         return {FIELD: b"", b"payload_sha256": digest, b"payload_bytes": len(payload), b"payload_file": str(path)}
 
     def dead_letter_signature(self, letter: dict) -> str:
-        """HMAC of a dead letter's stream, reason and payload. The learner acts on dead letters (it stops waiting
-        for the task one names), so it must know a service wrote them, not anyone who can write to Redis."""
-        return sign(self.hmac_key, self.key("dead"), _dead_letter_body(letter))
+        """HMAC of every field of a dead letter. The learner acts on dead letters (it stops waiting for the task one
+        names), so it must know a service wrote this letter, as it reads, not anyone who can write to Redis."""
+        return sign(self.hmac_key, self.key("dead"), *_dead_letter_fields(letter))
 
     def dead_letters_after(self, cursor: str, count: int = 1000) -> tuple[str, list[tuple[str, dict]]]:
         """Dead letters added after entry id `cursor` ("0-0": all), oldest first, as (entry id, raw fields), and
@@ -488,7 +495,7 @@ class Streams:
         for eid, fields in self.redis.xrange(self.key("dead"), min=f"({cursor}", max="+", count=count):
             cursor = eid.decode()
             signature = fields.get(SIG, b"").decode(errors="replace")
-            if verify(self.hmac_key, self.key("dead"), _dead_letter_body(fields), signature):
+            if verify(self.hmac_key, signature, self.key("dead"), *_dead_letter_fields(fields)):
                 letters.append((cursor, fields))
             else:
                 log.warning("ignoring dead letter %s: not signed by a service of this run", cursor)
@@ -516,11 +523,12 @@ class Streams:
         ]
 
 
-def _dead_letter_body(letter: dict) -> bytes:
-    """What a dead letter's signature covers: stream, reason, payload, task id and a kept payload's sha256 (str or
-    bytes when written, bytes when read)."""
-    values = (letter.get(name, b"") for name in (b"stream", b"reason", FIELD, b"task_id", b"payload_sha256"))
-    return b"\n".join(v if isinstance(v, bytes) else str(v).encode() for v in values)
+def _dead_letter_fields(letter: dict) -> list:
+    """What a dead letter's signature covers: every field but `sig`, name then value, in name order (str or int
+    when written, bytes when read: `framed` encodes both alike)."""
+    named = {name if isinstance(name, bytes) else name.encode(): value for name, value in letter.items()}
+    named.pop(SIG, None)
+    return [part for name in sorted(named) for part in (name, named[name])]
 
 
 def consumer_name(kind: str) -> str:

@@ -11,10 +11,10 @@ Learner side (`WeightPublisher`, `weights_router`):
     all behind the shared bearer token. A version the server cannot read (a disk error, a garbled file) is a 500
     with the error's type, not a 404: generators must not take a fault of the server for a pruned version.
 
-Announcements are signed (`services.messages.sign_announcement`, HMAC under the key derived from the shared
-token); `parse_announcement` refuses an unsigned or badly signed one, so a process that can write to Redis but
-does not know the token cannot point generators (and their bearer token) at its own URL. Generators also pull
-only from the configured learner URL (generator/sync.py).
+Announcements are signed (`services.messages.sign_announcement`, HMAC under the run's key, derived from the shared
+token and the run name: another run's announcement does not verify); `parse_announcement` refuses an unsigned or
+badly signed one, so a process that can write to Redis but does not know the token cannot point generators (and
+their bearer token) at its own URL. Generators also pull only from the configured learner URL (generator/sync.py).
 
 Generator side (`latest_announcement`, `AnnouncementWatcher`, `pull_weights`, `check_shared`, `check_schema`):
     learn of versions from pub/sub plus the latest key (late joiners, missed messages). HTTP: download the files
@@ -50,9 +50,9 @@ import torch
 from fastapi import APIRouter, HTTPException
 from fastapi.responses import StreamingResponse
 
-from services.messages import WeightsAnnouncement, WeightsFile, announcement_signed, signing_key
+from services.messages import WeightsAnnouncement, WeightsFile, announcement_signed
 from services.redis_local import retrying
-from services.streams import run_prefix
+from services.streams import run_key, run_prefix
 from services.weights_layout import (
     ANNOUNCEMENT_FILE,
     CHUNK,
@@ -218,7 +218,7 @@ class WeightPublisher:
         self.shard_bytes = int(cfg.shard_mb * 1024 * 1024)
         self.redis = retrying(redis_client)
         self.prefix = run_prefix(settings)
-        self.key = signing_key(settings.token)
+        self.key = run_key(settings)
         self.base_url = base_url.rstrip("/")
         self._lock = threading.Lock()
         self._served: dict[int, float] = {}  # version -> when a generator last asked for it or a download ended

@@ -306,7 +306,7 @@ def service(settings, engine, models):
     engine.reload(base)  # a fresh generator serves the model folder's weights as version 0
     client = connect(settings)
     streams = Streams(client, settings)
-    learner_app = create_app("learner", token=settings.token)
+    learner_app = create_app("learner", token=settings.token.get_secret_value())
     settings.weights.shard_mb = 0.1  # the 0.5 MB model in several shards
     with ServerThread(learner_app) as learner:
         settings.learner.public_url = learner.url  # the only URL the generator sends its token to
@@ -324,7 +324,7 @@ def test_worker_versions_sync_refusals_and_late_join(service, engine, models):
     settings, client, streams, publisher = (service[k] for k in ("settings", "client", "streams", "publisher"))
     _, _, other_state = models
     prompts, rollouts = streams.stream("prompts", PromptTask), streams.stream("rollouts", RolloutGroup)
-    auth = {"Authorization": f"Bearer {settings.token}"}
+    auth = {"Authorization": f"Bearer {settings.token.get_secret_value()}"}
     url = service["generator_url"]
     ids = prompts_of(engine)
 
@@ -424,7 +424,7 @@ def test_worker_versions_sync_refusals_and_late_join(service, engine, models):
         assert httpx.get(f"{url}/v1/weights/version", headers=auth).json()["version"] == 1
 
         # the right token: v4 (the base weights) loads, and the outputs are the base model's again, exactly
-        sync.token = settings.token
+        sync.token = settings.token.get_secret_value()
         answer = httpx.post(f"{url}/v1/weights/sync", headers=auth, timeout=120)
         assert answer.status_code == 200 and answer.json()["version"] == 4 and answer.json()["changed"], answer.text
         back = greedy_once()
@@ -505,11 +505,11 @@ def test_sigkilled_generator_task_is_finished_once_by_another(service, engine, s
     port = free_port()
     env = {
         **os.environ,
-        "DAPO_REDIS__URL": settings.redis.url, "DAPO_REDIS__RUN": settings.redis.run,
+        "DAPO_REDIS__URL": settings.redis.url.get_secret_value(), "DAPO_REDIS__RUN": settings.redis.run,
         "DAPO_STREAMS__VISIBILITY_TIMEOUT_S": str(settings.streams.visibility_timeout_s),
         "DAPO_MODEL__NAME_OR_PATH": str(service["base"]), "DAPO_RUN_DIR": os.path.join(short_tmp, "doomed"),
         "DAPO_GENERATOR__HOST": "127.0.0.1", "DAPO_GENERATOR__PORT": str(port), "DAPO_WORKER_ID": "doomed",
-        "DAPO_GENERATOR__MAX_MODEL_LEN": "256", "DAPO_TOKEN": settings.token,
+        "DAPO_GENERATOR__MAX_MODEL_LEN": "256", "DAPO_TOKEN": settings.token.get_secret_value(),
     }
     log_path = Path(short_tmp) / "doomed.log"
     with open(log_path, "wb") as log_file:
@@ -611,10 +611,10 @@ def test_sigkilled_generator_leaves_no_orphan_engine(service, short_tmp):
     port = free_port()
     env = {
         **os.environ,
-        "DAPO_REDIS__URL": settings.redis.url, "DAPO_REDIS__RUN": settings.redis.run,
+        "DAPO_REDIS__URL": settings.redis.url.get_secret_value(), "DAPO_REDIS__RUN": settings.redis.run,
         "DAPO_MODEL__NAME_OR_PATH": str(service["base"]), "DAPO_RUN_DIR": os.path.join(short_tmp, "orphans"),
         "DAPO_GENERATOR__HOST": "127.0.0.1", "DAPO_GENERATOR__PORT": str(port), "DAPO_WORKER_ID": "killed",
-        "DAPO_GENERATOR__MAX_MODEL_LEN": "256", "DAPO_TOKEN": settings.token,
+        "DAPO_GENERATOR__MAX_MODEL_LEN": "256", "DAPO_TOKEN": settings.token.get_secret_value(),
         "DAPO_GENERATOR__IN_PROCESS_ENGINE": "false",
     }
     command = [sys.executable, "-m", "cli", "generator", "--config", "tiny-cpu"]

@@ -22,6 +22,7 @@ from pathlib import Path
 import msgpack
 import pytest
 import torch
+from pydantic import SecretStr
 
 from learner.batch import Push, task_id_of
 from learner.checkpoint_layout import CHECKPOINTS, STOPPED, recorded_stop
@@ -235,7 +236,7 @@ def test_only_dead_letters_a_service_signed_make_a_task_lost(settings):
     letter = {b"stream": b"prompts", b"entry_id": b"1-0", b"reason": b"delivered 4 times (max 3)",
               b"deliveries": b"4", b"data": to_wire(tasks[0])}
     service.redis.xadd(dead_key, letter)  # unsigned
-    outsider = Streams(service.redis, settings.model_copy(update={"token": "a-guess"}))
+    outsider = Streams(service.redis, settings.model_copy(update={"token": SecretStr("a-guess")}))
     service.redis.xadd(dead_key, {**letter, b"data": to_wire(tasks[1]), b"sig": outsider.dead_letter_signature(
         {**letter, b"data": to_wire(tasks[1])})})
     prompts = service.streams.stream("prompts", PromptTask)
@@ -244,6 +245,47 @@ def test_only_dead_letters_a_service_signed_make_a_task_lost(settings):
     service.work.scan_dead_letters()
     assert sorted(service.assembler.in_flight) == ["train-0", "train-1"]
     assert service.assembler.stats.lost == 1
+
+
+def test_no_re_split_splice_or_replay_of_a_signed_dead_letter_makes_a_task_lost(settings):
+    """The attack on the old signature (stream, reason, data joined by newlines), with only Redis access: write a
+    victim task's bytes unsigned into `prompts`, let a generator dead-letter them (a letter a service signed, but
+    `forged:`, which the learner ignores), then move its text between fields, change any field, drop one, or copy in
+    a letter of another run with the same token. None verifies: every victim stays in flight, still issued."""
+    service = LearnerService(settings)
+    service.connect()
+    victims = [PromptTask(task_id=f"train-{i}", prompt_id=f"p{i}", prompt="1+1=", ground_truth="2") for i in range(2)]
+    service.assembler.issued([t.task_id for t in victims], 0)
+    service.work.outbox.extend(victims)
+    service.work.flush_outbox()
+    prompts = service.streams.stream("prompts", PromptTask)
+    service.redis.xadd(prompts.key, {b"data": b"junk\n" + to_wire(victims[0])})  # unsigned: dead-lettered as forged
+    assert [d.message.task_id for d in prompts.consume("gen", count=10, block_ms=0)] == ["train-0", "train-1"]
+    dead_key = service.streams.key("dead")
+    ((genuine_id, genuine),) = service.redis.xrange(dead_key)
+    assert genuine[b"reason"] == b"forged: no signature"
+    stream, reason = genuine[b"stream"], genuine[b"reason"]
+    re_split = {**genuine, b"stream": stream + b"\n" + reason, b"reason": b"junk", b"data": to_wire(victims[0])}
+    old_body = [b"stream", b"reason", b"data"]  # what the old signature covered, joined by newlines: the same bytes
+    assert b"\n".join(re_split[k] for k in old_body) == b"\n".join(genuine[k] for k in old_body)
+    variants = [
+        re_split,
+        {**genuine, b"reason": b"delivered 4 times (max 3)"},  # spliced
+        {k: v for k, v in genuine.items() if k != b"reason"},  # a field left out
+        {**genuine, b"entry_id": b"1-0"}, {**genuine, b"deliveries": b"9"},
+        {**genuine, b"data": to_wire(victims[1])},
+    ]
+    other = Streams(service.redis, settings.model_copy(update={"redis": settings.redis.model_copy(
+        update={"run": "other-run"})}))  # the same token: its letters are genuine there, not here
+    other_prompts = other.stream("prompts", PromptTask)
+    other_prompts.dead("1-0", to_wire(victims[1]), "delivered 4 times (max 3)", 4)
+    variants += [fields for _, fields in service.redis.xrange(other.key("dead"))]
+    for fields in variants:
+        service.redis.xadd(dead_key, fields)
+    assert [eid for eid, _ in service.streams.dead_letters_after("0-0")[1]] == [genuine_id.decode()]
+    service.work.scan_dead_letters()
+    assert sorted(service.assembler.in_flight) == ["train-0", "train-1"] and service.assembler.stats.lost == 0
+    assert all(service.redis.hexists(service.work.issued_key, t.task_id) for t in victims)
 
 
 def test_a_dead_letter_whose_payload_went_to_a_file_still_names_its_task(settings):
@@ -419,7 +461,7 @@ def test_tasks_lost_with_a_redis_crash_are_no_longer_waited_for(settings, redis_
     service = LearnerService(settings)
     service.connect()
     written = (Path(settings.run_dir) / "config.yaml").read_text()
-    assert redis_server.password in settings.redis.url and redis_server.password not in written  # no secrets
+    assert redis_server.password in settings.redis.url.get_secret_value() and redis_server.password not in written
     tasks = [PromptTask(task_id=f"train-{i}", prompt_id=f"p{i}", prompt="1+1=", ground_truth="2") for i in range(3)]
     service.assembler.issued([t.task_id for t in tasks], 0)
     service.work.outbox.extend(tasks[:2])
@@ -469,7 +511,7 @@ class Pipeline:
             # A SIGKILLed learner holds the run's lease one TTL: the restarted one waits that long (learner/lease.py).
             "learner": {"public_url": f"http://127.0.0.1:{self.learner_port}", "lease_ttl_s": 5},
             "streams": {"visibility_timeout_s": 30, "block_ms": 200, "high_water": 256},
-            "token": "test-token",
+            "token": "test-token-0123456789abcdef",
         }
 
     @property
@@ -792,10 +834,11 @@ def test_http_while_running_and_sigterm_checkpoints_then_exits(pipeline, tmp_pat
         time.sleep(0.2)
     assert httpx.get(f"{base}/readyz").status_code == 200
     assert httpx.get(f"{base}/v1/status").status_code == 401  # it describes the run: the token's holders only
-    status = httpx.get(f"{base}/v1/status", headers={"Authorization": "Bearer test-token"}).json()
+    auth = {"Authorization": f"Bearer {pipeline.common['token']}"}
+    status = httpx.get(f"{base}/v1/status", headers=auth).json()
     assert status["ready"] and status["step"] >= 1 and status["total_steps"] == 100
     assert httpx.get(f"{base}/v1/weights/latest").status_code == 401  # the token guards the weights
-    latest = httpx.get(f"{base}/v1/weights/latest", headers={"Authorization": "Bearer test-token"}).json()
+    latest = httpx.get(f"{base}/v1/weights/latest", headers=auth).json()
     assert latest["version"] >= status["version"] - 1
     assert "dapo_learner_step" in httpx.get(f"{base}/metrics").text
     process.send_signal(signal.SIGTERM)

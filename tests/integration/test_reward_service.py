@@ -26,7 +26,7 @@ def test_dapo_reward_process(settings, short_tmp):
     port = free_port()
     env = {
         **os.environ,
-        "DAPO_REDIS__URL": settings.redis.url,
+        "DAPO_REDIS__URL": settings.redis.url.get_secret_value(),
         "DAPO_REDIS__RUN": settings.redis.run,
         "DAPO_REWARD__PORT": str(port),
         "DAPO_REWARD__HOST": "127.0.0.1",
@@ -52,10 +52,10 @@ def test_dapo_reward_process(settings, short_tmp):
             time.sleep(0.2)
 
         scores = httpx.post(f"{base}/v1/score", json=[{"response": "Answer: 1,000", "ground_truth": "1000"}],
-                            headers={"Authorization": f"Bearer {settings.token}"}).json()
+                            headers={"Authorization": f"Bearer {settings.token.get_secret_value()}"}).json()
         assert scores[0]["correct"] and scores[0]["rule"] == "answer_line"
 
-        streams = Streams(redis.Redis.from_url(settings.redis.url), settings)
+        streams = Streams(redis.Redis.from_url(settings.redis.url.get_secret_value()), settings)
         task = PromptTask(task_id="svc", prompt_id="p", prompt="q", ground_truth="42")
         sample = Sample(token_ids=[1, 2], logprobs=[-0.1, -0.2], text="\\boxed{42}", finish_reason="stop")
         streams.stream("rollouts", RolloutGroup).produce(

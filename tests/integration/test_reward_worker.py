@@ -29,7 +29,7 @@ def pool():
 
 @pytest.fixture
 def streams(settings):
-    client = redis.Redis.from_url(settings.redis.url)
+    client = redis.Redis.from_url(settings.redis.url.get_secret_value())
     yield Streams(client, settings)
     client.close()
 

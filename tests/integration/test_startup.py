@@ -16,8 +16,10 @@ from pathlib import Path
 import pytest
 
 from benchmarks.faults import children_of
+from services.config import load_settings
 from services.http import free_port
-from services.startup import EXIT_UNAVAILABLE
+from services.redis_local import wait_for_redis
+from services.startup import EXIT_UNAVAILABLE, Unavailable
 
 SERVICES = ["learner", "generator", "reward"]
 
@@ -36,7 +38,7 @@ def closed_port_url() -> str:
 
 def start(service: str, tmp: Path, *overrides: str) -> tuple[subprocess.Popen, Path]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("DAPO_")}
-    env.update(PYTHONUNBUFFERED="1", DAPO_RUN_DIR=str(tmp / "run"), DAPO_TOKEN="startup-test-token")
+    env.update(PYTHONUNBUFFERED="1", DAPO_RUN_DIR=str(tmp / "run"), DAPO_TOKEN="startup-test-token-0123456789")
     sets = [arg for o in (f"{service}.port={free_port()}", *overrides) for arg in ("--set", o)]
     stderr = tmp / f"{service}.err"
     with open(stderr, "wb") as err:
@@ -69,6 +71,24 @@ def test_unreachable_redis_ends_the_service_with_one_line(service, model, tmp_pa
     (line,) = message_lines(stderr)
     assert line.startswith(f"dapo {service}: Redis at {url} did not answer within 2 s") and "redis.url" in line
     assert "Traceback" not in stderr.read_text()
+
+
+def test_the_redis_password_is_in_no_startup_message(redis_server, caplog):
+    """Neither a password in redis.url nor redis.password reaches a log line or the one-line error, whether Redis
+    refuses it or does not answer."""
+    wrong = "wrong-pass-0c6d1f"
+    refused = load_settings("tiny-cpu", redis={"url": redis_server.url.replace(redis_server.password, wrong)})
+    silent = load_settings("tiny-cpu", redis={"url": f"redis://dapo:{wrong}@127.0.0.1:{free_port()}/0",
+                                              "password": redis_server.password, "connect_timeout_s": 0.3})
+    caplog.set_level("INFO")
+    messages = []
+    for settings in (refused, silent):
+        with pytest.raises(Unavailable) as err:
+            wait_for_redis(settings)
+        messages.append(str(err.value))
+    assert "refused the password" in messages[0] and "did not answer" in messages[1]
+    assert "does not answer" in caplog.text
+    assert not [s for s in (wrong, redis_server.password) for text in (*messages, caplog.text) if s in text]
 
 
 @pytest.mark.parametrize("service", ["learner", "generator"])

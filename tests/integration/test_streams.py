@@ -13,6 +13,7 @@ from pathlib import Path
 
 import msgpack
 import pytest
+from pydantic import SecretStr
 
 from services.config import load_settings
 from services.messages import PromptTask, RolloutGroup, Sample, to_wire
@@ -98,17 +99,21 @@ def test_forged_or_tampered_entries_go_to_dead_with_the_reason(streams, settings
     streams.redis.xadd(prompts.key, {b"data": good})  # no signature
     tampered = to_wire(task(1).model_copy(update={"ground_truth": "999"}))
     streams.redis.xadd(prompts.key, {b"data": tampered, b"sig": prompts.signature(good)})  # altered after signing
-    outsider = Streams(streams.redis, settings.model_copy(update={"token": "a-guess"})).stream("prompts", PromptTask)
+    outsider = Streams(streams.redis, settings.model_copy(update={"token": SecretStr("a-guess")}))
+    outsider = outsider.stream("prompts", PromptTask)
     outsider.produce(task(2))  # signed, with another key
     replayed = to_wire(group_for(task(3)))
     streams.redis.xadd(prompts.key, {b"data": replayed, b"sig": rollouts.signature(replayed)})  # from another stream
+    other_run = Streams(streams.redis, settings.model_copy(update={"redis": settings.redis.model_copy(
+        update={"run": "other"})})).stream("prompts", PromptTask)  # the same token, another run
+    streams.redis.xadd(prompts.key, {b"data": good, b"sig": other_run.signature(good)})
     for junk in ("é".encode(), b"\xff\xfe"):  # not even ASCII: refused like any other bad signature, no TypeError
         streams.redis.xadd(prompts.key, {b"data": good, b"sig": junk})
     prompts.produce(task(4))
     assert [d.message.task_id for d in prompts.consume("c1", count=10)] == ["t0", "t4"]
     reasons = [d["reason"] for d in reversed(streams.dead_letters())]
     bad = "forged: bad HMAC signature (tampered, or written without the shared token)"
-    assert reasons == ["forged: no signature", bad, bad, bad, bad, bad]
+    assert reasons == ["forged: no signature", bad, bad, bad, bad, bad, bad]
 
 
 def test_a_forged_entry_is_dead_lettered_as_forged_whatever_its_delivery_count(streams):
@@ -309,7 +314,8 @@ def test_sigkilled_consumer_work_is_completed_once_by_another(streams, settings)
     prompts, rollouts = streams.stream("prompts", PromptTask), streams.stream("rollouts", RolloutGroup)
     prompts.produce(task(7))
     proc = subprocess.Popen(
-        [sys.executable, "-c", CONSUMER_SCRIPT, settings.redis.url], stdout=subprocess.PIPE, text=True
+        [sys.executable, "-c", CONSUMER_SCRIPT, settings.redis.url.get_secret_value()], stdout=subprocess.PIPE,
+        text=True
     )
     try:
         assert proc.stdout.readline().strip() == "claimed t7"

@@ -34,10 +34,11 @@ GROUPS = [_group("2+2=?", ["Answer: 4", "Answer: 5", "Answer: 3"], [1.0, -1.0, -
           _group("1+3=?", ["x | y\nAnswer: 4"], [1.0])]
 
 
-def _track(tmp_path, names: list[str], records: list[dict] = RECORDS, resume_step: int | None = None) -> tuple:
+def _track(tmp_path, names: list[str], records: list[dict] = RECORDS, resume_step: int | None = None,
+           **overrides) -> tuple:
     from accelerate import Accelerator
 
-    settings = load_settings("tiny-cpu", run_dir=str(tmp_path / "run"), learner={"report_to": names})
+    settings = load_settings("tiny-cpu", run_dir=str(tmp_path / "run"), learner={"report_to": names}, **overrides)
     accelerator = Accelerator(cpu=True, **accelerator_kwargs(settings))
     tracking = Tracking(accelerator, settings, resume_step)
     for record in records:
@@ -105,6 +106,27 @@ def test_wandb_offline_run_holds_the_steps_and_the_samples_table(tmp_path, monke
     assert table["data"][0] == ["2+2=?", "Answer: 4", 1.0, True] and len(table["data"]) == 3
 
 
+def test_no_tracker_gets_a_secret(tmp_path, monkeypatch):
+    """The token, a password in redis.url and redis.password: in no file any tracker wrote (TensorBoard's hparams.yml,
+    W&B's offline run, MLflow's params), nor on /metrics; the hyperparameters show them redacted."""
+    from prometheus_client import generate_latest
+
+    secrets = ("token-tracked-5e0a1c77", "url-pass-tracked-93bd", "redis-pass-tracked-14fa")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", (tmp_path / "mlruns").as_uri())
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    _track(tmp_path, list(TRACKER_MODULES), token=secrets[0],
+           redis={"url": f"redis://dapo:{secrets[1]}@redis:6379/0", "password": secrets[2]})
+    written = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    hparams = next(data for p, data in written.items() if p.name == "hparams.yml")
+    assert b"redis.url: redis://redis:6379/0" in hparams and b"token: '**********'" in hparams
+    assert any(p.parent.name == "params" and p.name == "redis.password" for p in written)  # MLflow's params
+    leaked = {str(p.relative_to(tmp_path)): s for p, data in written.items() for s in secrets if s.encode() in data}
+    assert leaked == {}
+    assert not [s for s in secrets if s.encode() in generate_latest()]
+
+
 def test_no_trackers_means_no_tracking_files(tmp_path):
     settings, accelerator = _track(tmp_path, [])
     assert accelerator_kwargs(settings) == {} and accelerator.trackers == []
@@ -120,7 +142,7 @@ def test_a_missing_tracker_is_one_line_naming_the_extra(monkeypatch):
 
 
 def test_report_to_from_the_command_line_the_environment_and_its_choices(monkeypatch):
-    monkeypatch.setenv("DAPO_TOKEN", "a-real-token")  # `dapo learner` on 0.0.0.0 refuses the placeholder
+    monkeypatch.setenv("DAPO_TOKEN", "a-real-token-0123456789abcdef")  # 0.0.0.0 refuses weak tokens
     args = build_parser().parse_args(["learner", "--report-to", "tensorboard", "wandb"])
     assert settings_from_args(args).learner.report_to == ["tensorboard", "wandb"]
     args = build_parser().parse_args(["run", "--report-to", "tensorboard", "--set", "learner.total_steps=3"])
@@ -145,7 +167,7 @@ def test_mlflow_run_holds_the_step_metrics_the_config_and_the_samples_table(tmp_
     (run,) = mlflow.search_runs(experiment_names=[settings.redis.run], output_format="list")
     history = mlflow.MlflowClient().get_metric_history(run.info.run_id, "reward_all")
     assert [(m.step, m.value) for m in history] == [(1, -0.5), (2, 0.25)]
-    assert run.data.params["learner.report_to"] == "['mlflow']" and "token" not in run.data.params
+    assert run.data.params["learner.report_to"] == "['mlflow']" and run.data.params["token"] == "**********"
     table = mlflow.artifacts.load_dict(f"{run.info.artifact_uri}/{SAMPLES_KEY}/step-2.json")
     assert table["columns"] == ["prompt", "response", "reward", "correct"]
     assert table["data"][0] == ["2+2=?", "Answer: 4", 1.0, True] and len(table["data"]) == 3

@@ -284,7 +284,7 @@ def test_compose_environment_configures_the_settings(name, monkeypatch):
     for variable, value in environment.items():
         if variable.startswith("DAPO_") and variable not in NON_FIELD_DAPO_VARIABLES:
             assert str(_lookup(settings, _settings_path(variable))) == value, variable
-    assert settings.redis.url == "redis://redis:6379/0"
+    assert settings.redis.url.get_secret_value() == "redis://redis:6379/0"
     assert settings.learner.public_url == f"http://learner:{DEFAULT_PORTS['learner']}"
     assert settings.run_dir == "/data/run"
 
@@ -564,7 +564,7 @@ def test_config_map_is_a_preset_plus_where_things_live(overlay, tmp_path, monkey
     differs = _without(settings.model_dump(mode="json"), DEPLOYMENT_KEYS) != \
         _without(load_settings(preset).model_dump(mode="json"), DEPLOYMENT_KEYS)
     assert not differs, f"{overlay}: config.yaml changes more than where things live; put that in a preset"
-    assert settings.redis.url == "redis://redis:6379/0"
+    assert settings.redis.url.get_secret_value() == "redis://redis:6379/0"
     assert settings.learner.public_url == f"http://learner:{DEFAULT_PORTS['learner']}"
     # Every dapo container mounts the config where DAPO_CONFIG points and the run folder where run_dir says.
     for name, spec, container in _dapo_containers(resources):

@@ -143,7 +143,7 @@ def learner_with_model(settings, short_tmp):
     """A model folder, and a learner-like app publishing weight versions over real HTTP and Redis."""
     model_dir = build_model_folder(Path(short_tmp) / "model", seed=0)
     client = connect(settings)
-    app = create_app("learner", token=settings.token)
+    app = create_app("learner", token=settings.token.get_secret_value())
     with ServerThread(app) as server:
         settings.learner.public_url = server.url
         publisher = WeightPublisher(settings, client, server.url)
@@ -198,7 +198,10 @@ def test_announcements_with_a_bad_signature_or_an_unconfigured_url_are_refused(l
     for forged in (
         good.model_copy(update={"signature": ""}),                                      # unsigned
         good.model_copy(update={"version": 9}),                                         # tampered after signing
-        sign_announcement(good.model_copy(update={"version": 9}), signing_key("guess")),  # another key
+        sign_announcement(good.model_copy(update={"version": 9}), signing_key("guess", settings.redis.run)),
+        # another run with the same token: its announcements never pin this run's generators
+        sign_announcement(good.model_copy(update={"version": 9}),
+                          signing_key(settings.token.get_secret_value(), "another-run")),
     ):
         client.set(latest_key(publisher.prefix), forged.model_dump_json())
         assert sync.latest() is None

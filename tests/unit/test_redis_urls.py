@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from services.redis_local import without_password
+from services.config import without_password
 
 
 def test_service_map_urls_carry_no_password():

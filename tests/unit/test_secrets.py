@@ -1,8 +1,10 @@
-"""Secrets: the placeholder token never serves a reachable address, `dapo run` makes its own token, and files
-that could hold a secret are 0600."""
+"""Secrets: the placeholder token, or a weak one, never serves a reachable address, `dapo run` makes its own token,
+files that could hold a secret are 0600, and no secret is shown: one place (the config's types) decides what is
+secret, and every dump of the settings (config.yaml, the trackers' hyperparameters, logs, reprs) redacts it."""
 
 from __future__ import annotations
 
+import json
 import stat
 from pathlib import Path
 
@@ -11,8 +13,10 @@ import yaml
 
 from cli.launcher import service_children, write_launch_config
 from cli.main import main as dapo
-from services.config import DEFAULT_TOKEN, ConfigError, load_settings
-from services.http import check_token, is_loopback
+from learner.records import Records
+from learner.tracking import flat_config
+from services.config import DEFAULT_TOKEN, ConfigError, dump_settings, load_settings, secret_fields
+from services.http import MIN_TOKEN_CHARS, check_token, is_loopback
 from services.weights_layout import write_atomic
 
 
@@ -31,7 +35,14 @@ def test_default_token_is_refused_on_a_reachable_address(host):
     assert not is_loopback(host)
     with pytest.raises(ConfigError, match="default token 'change-me'.*DAPO_TOKEN"):
         check_token(DEFAULT_TOKEN, host)
-    check_token("a-real-secret", host)  # any other token is the operator's choice
+    check_token("3f1c9a7be02d4c58a6e1f0b9d27c4e83", host)  # a random one is fine
+
+
+@pytest.mark.parametrize("token", ["a-real-secret", "x" * 64, "abcabcabcabcabcabc", "p" * (MIN_TOKEN_CHARS - 1)])
+def test_a_weak_token_is_refused_on_a_reachable_address_only(token):
+    with pytest.raises(ConfigError, match="weak token.*DAPO_TOKEN"):
+        check_token(token, "0.0.0.0")
+    check_token(token, "127.0.0.1")
 
 
 def test_service_command_refuses_to_start_with_one_line(monkeypatch, capsys):
@@ -51,10 +62,54 @@ def test_write_atomic_mode(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["secret.yaml"]
 
 
-def test_launch_config_has_no_token_and_children_get_it_in_their_environment(tmp_path):
-    settings = load_settings("tiny-cpu", run_dir=str(tmp_path), token="run-secret")
+TOKEN, URL_PASSWORD, PASSWORD = "token-7c1e0f3a9b2d", "url-pass-51d0c8e2", "redis-pass-9e4b27a6"
+SECRETS = (TOKEN, URL_PASSWORD, PASSWORD)
+
+
+def secret_settings(tmp_path: Path):
+    return load_settings("tiny-cpu", run_dir=str(tmp_path), token=TOKEN,
+                         redis={"url": f"redis://dapo:{URL_PASSWORD}@redis:6379/0", "password": PASSWORD})
+
+
+def leaks(text: str) -> list[str]:
+    return [secret for secret in SECRETS if secret in text]
+
+
+def test_the_config_types_decide_what_is_secret():
+    settings = secret_settings(Path("run"))
+    assert secret_fields(settings) == {"token": True, "redis": {"url": True, "password": True}}
+    assert settings.token.get_secret_value() == TOKEN and settings.redis.password.get_secret_value() == PASSWORD
+    assert settings.redis.url.get_secret_value() == f"redis://dapo:{URL_PASSWORD}@redis:6379/0"
+    assert str(settings.redis.url) == "redis://redis:6379/0"  # where it is, not who logs in
+
+
+def test_no_dump_of_the_settings_shows_a_secret(tmp_path):
+    settings = secret_settings(tmp_path)
+    Records.write_config(settings)
+    config_yaml = (tmp_path / "config.yaml").read_text()
+    hyperparameters = flat_config(settings)
+    shown = {
+        "repr": repr(settings), "str": str(settings), "json": settings.model_dump_json(),
+        "dump_settings": dump_settings(settings), "config.yaml": config_yaml,
+        "trackers": json.dumps(hyperparameters), "redis section": f"{settings.redis!r} {settings.redis}",
+    }
+    assert {where: leaks(text) for where, text in shown.items() if leaks(text)} == {}
+    # Redacted, not dropped: a reader of the run sees that a secret was set, and where Redis is.
+    redis_shown = yaml.safe_load(config_yaml)["redis"]
+    assert (redis_shown["url"], redis_shown["password"]) == ("redis://redis:6379/0", "**********")
+    assert hyperparameters["token"] == "**********" and hyperparameters["redis.url"] == "redis://redis:6379/0"
+
+
+def test_launch_config_has_no_secret_and_children_get_them_in_their_environment(tmp_path, monkeypatch):
+    settings = secret_settings(tmp_path)
     path = write_launch_config(settings, tmp_path)
     assert mode_of(path) == 0o600
-    assert "token" not in yaml.safe_load(path.read_text()) and "run-secret" not in path.read_text()
-    children = service_children(settings, path, "redis://127.0.0.1:1", 1, 1, 8000)
-    assert {c.env["DAPO_TOKEN"] for c in children} == {"run-secret"}
+    launch = yaml.safe_load(path.read_text())
+    assert "token" not in launch and {"url", "password"}.isdisjoint(launch["redis"]) and not leaks(path.read_text())
+    redis_url = settings.redis.url.get_secret_value()
+    children = service_children(settings, path, redis_url, 1, 1, 8000)
+    environments = {(c.env["DAPO_TOKEN"], c.env["DAPO_REDIS__URL"], c.env["DAPO_REDIS__PASSWORD"]) for c in children}
+    assert environments == {(TOKEN, redis_url, PASSWORD)}
+    for name, value in zip(("DAPO_TOKEN", "DAPO_REDIS__URL", "DAPO_REDIS__PASSWORD"), environments.pop()):
+        monkeypatch.setenv(name, value)
+    assert load_settings(path) == settings  # what a child reads: the file, then its environment
