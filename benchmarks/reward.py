@@ -118,9 +118,9 @@ def run_worker(pool, groups, workers: int) -> float:
     from reward.scoring import Scorer
     from reward.worker import RewardWorker
     from services.config import load_settings
-    from services.messages import PromptTask, RolloutGroup, Sample, SamplingParams
+    from services.messages import PromptTask, RolloutGroup, Sample, SamplingParams, to_wire
     from services.redis_local import EmbeddedRedis, client_for
-    from services.streams import Streams
+    from services.streams import ISSUED, Streams
 
     with tempfile.TemporaryDirectory(prefix="dapo-bench-") as tmp, EmbeddedRedis(Path(tmp) / "redis") as server:
         settings = load_settings(
@@ -135,8 +135,9 @@ def run_worker(pool, groups, workers: int) -> float:
         for index, (truth, samples) in enumerate(groups):
             task = PromptTask(task_id=f"g{index}", prompt_id="p", prompt="q", ground_truth=truth,
                               sampling=SamplingParams(n=GROUP, max_tokens=4096))
+            streams.redis.hset(streams.key(ISSUED), task.task_id, to_wire(task))  # as the learner issues it
             rollouts.produce(RolloutGroup(
-                task=task, policy_version=0, generator_id="bench",
+                task=task.for_generators(), policy_version=0, generator_id="bench",
                 samples=[Sample(token_ids=list(range(512)), logprobs=[-0.5] * 512, text=response,
                                 finish_reason="stop") for response, _, _ in samples],
             ))

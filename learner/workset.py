@@ -44,12 +44,11 @@ from learner.evaluation import EvalRound
 from learner.records import GeneratorClocks
 from services import metrics
 from services.messages import PromptTask, ScoredGroup, from_wire
-from services.streams import FIELD, Delivery, Streams, consumer_name, task_id_in_payload
+from services.streams import FIELD, ISSUED, Delivery, Streams, consumer_name, task_id_in_payload
 
 log = logging.getLogger(__name__)
 
 HELD = "held"
-ISSUED = "issued"
 SUSPECTS = "suspects"  # task id -> {"failures", "reason"}: updates that raised with the group in their batch
 QUARANTINE_AFTER = 2  # such failures before a held group is dead-lettered (`quarantined: ...`): one retry
 DATA_CURSOR = "data-cursor"  # where the training data stands after the last task pushed (TrainProblems.cursor)
@@ -166,7 +165,8 @@ class WorkingSet:
         room = self.prompts.room() if self.outbox else 0
         while self.outbox and room > 0:
             task = self.outbox.popleft()
-            self.prompts.produce(task, register=(self.issued_key, task.task_id))  # recorded as issued, atomically
+            # recorded as issued (ground truth included), atomically; generators get no ground truth
+            self.prompts.produce(task.for_generators(), register=(self.issued_key, task.task_id, task))
             room -= 1
             cursor = self._cursor_after.pop(task.task_id, None)
             if cursor is not None:  # a crash just before this line draws this push's problems again: rare, harmless

@@ -11,6 +11,10 @@ that somehow always meets a failing pool must still end in `dead`, not loop). An
 back with its delivery counted, so a group that fails whoever scores it reaches `dead` after
 `streams.max_deliveries`. Between groups the worker renews its claim on those of the read still to score. On stop,
 groups not yet forwarded are released at once.
+
+Ground truth: generators never get it (the `prompts` stream carries tasks without it). The worker reads each
+group's from the learner's `issued` hash and scores against that; a group whose task is not there (never issued,
+or already settled: a late duplicate) goes to `dead` as `provenance: ...`, which makes no task lost.
 """
 
 from __future__ import annotations
@@ -20,8 +24,8 @@ import threading
 import time
 
 from services.config import Settings
-from services.messages import RolloutGroup, ScoredGroup
-from services.streams import Delivery, Streams, consumer_name
+from services.messages import PromptTask, RolloutGroup, ScoredGroup, from_wire
+from services.streams import ISSUED, Delivery, Streams, consumer_name
 
 from reward.sandbox import VerifierUnavailable
 from reward.scoring import Scorer, group_items
@@ -37,6 +41,7 @@ class RewardWorker:
         self.scorer = scorer
         self.rollouts = streams.stream("rollouts", RolloutGroup)
         self.scored = streams.stream("scored", ScoredGroup)
+        self.redis, self.issued_key = streams.redis, streams.key(ISSUED)
         self.consumer = consumer or consumer_name("reward")
         # Two groups per verifier process keep every process busy while the previous group is forwarded.
         self.groups_per_read = max(2, 2 * settings.reward.workers)
@@ -79,19 +84,33 @@ class RewardWorker:
             return 0
         return self.process(deliveries)
 
+    def with_ground_truth(self, deliveries: list[Delivery[RolloutGroup]]) -> list[RolloutGroup | None]:
+        """Each delivery's group with its task's ground truth as the learner issued it (None: not issued)."""
+        task_ids = [delivery.message.task.task_id for delivery in deliveries]
+        issued = self.redis.hmget(self.issued_key, task_ids) if task_ids else []
+        return [
+            None if raw is None else delivery.message.model_copy(update={"task": delivery.message.task.model_copy(
+                update={"ground_truth": from_wire(PromptTask, raw).ground_truth})})
+            for delivery, raw in zip(deliveries, issued)
+        ]
+
     def process(self, deliveries: list[Delivery[RolloutGroup]]) -> int:
         started = time.perf_counter()
         in_flight = []
-        for delivery in deliveries:
-            items = group_items(delivery.message)
-            in_flight.append((delivery, items, self.scorer.submit(items)))
+        for delivery, group in zip(deliveries, self.with_ground_truth(deliveries)):
+            if group is None:
+                self.rollouts.reject(delivery, f"provenance: unknown task id {delivery.message.task.task_id!r} (not "
+                                               "issued by this run's learner, or settled)")
+                continue
+            items = group_items(group)
+            in_flight.append((delivery, group, items, self.scorer.submit(items)))
         forwarded, pool_failed, touched = 0, False, time.monotonic()
-        for index, (delivery, items, pending) in enumerate(in_flight):
+        for index, (delivery, group, items, pending) in enumerate(in_flight):
             if time.monotonic() - touched >= self.touch_every_s:
-                self.rollouts.touch(self.consumer, [rest.id for rest, _, _ in in_flight[index:]])
+                self.rollouts.touch(self.consumer, [rest.id for rest, _, _, _ in in_flight[index:]])
                 touched = time.monotonic()
             if self._stop.is_set():
-                for rest, _, rest_pending in in_flight[index:]:
+                for rest, _, _, rest_pending in in_flight[index:]:
                     rest_pending.cancel()
                     self.rollouts.release(rest)
                 break
@@ -110,7 +129,7 @@ class RewardWorker:
                 self.rollouts.release(delivery)
                 continue
             self._pool_failures.pop(delivery.id, None)
-            result = ScoredGroup(rollout=delivery.message, scores=scores, reward_worker_id=self.consumer)
+            result = ScoredGroup(rollout=group, scores=scores, reward_worker_id=self.consumer)
             if self.rollouts.forward(delivery, self.scored, result):
                 forwarded += 1
             started = time.perf_counter()

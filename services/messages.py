@@ -69,6 +69,11 @@ class PromptTask(Message):
     min_version: int = Field(0, ge=0, description="Sample with a policy at least this new.")
     created_at: float = Field(default_factory=time.time)
 
+    def for_generators(self) -> "PromptTask":
+        """The task as generators get it: without the ground truth, which only the reward role reads (from the
+        learner's `issued` hash)."""
+        return self.model_copy(update={"ground_truth": ""})
+
     @field_serializer("prompt_token_ids")
     def _pack_prompt(self, v: list[int] | None, info: SerializationInfo) -> Any:
         return np.asarray(v, dtype="<i4").tobytes() if (v is not None and _wire(info)) else v

@@ -52,6 +52,9 @@ M = TypeVar("M", bound=BaseModel)
 # The stage (consumer group) that reads each stream.
 CONSUMER_GROUPS = {"prompts": "generator", "rollouts": "reward", "scored": "learner"}
 RELEASED = "released"  # pseudo-consumer that holds entries handed back by a shutting-down consumer
+# The learner's hash of the tasks it issued (task id -> PromptTask, ground truth included): the reward role reads a
+# task's ground truth there, the `prompts` stream carries none (PromptTask.for_generators).
+ISSUED = "issued"
 FIELD = b"data"
 SIG = b"sig"
 
@@ -71,11 +74,11 @@ return 1
 """
 FORWARD_MARKER_MS = 600_000  # longer than the client retries a command (services.redis_local: 5 minutes)
 
-# KEYS: stream [, register hash]. ARGV: high water, payload, signature [, register field]. Append unless the
-# stream is full (one round trip); with a register, also record the payload there, in the same atomic write.
+# KEYS: stream [, register hash]. ARGV: high water, payload, signature [, register field, registered payload].
+# Append unless the stream is full (one round trip); with a register, also record there, in the same atomic write.
 _PRODUCE = """
 if redis.call('XLEN', KEYS[1]) >= tonumber(ARGV[1]) then return false end
-if #KEYS > 1 then redis.call('HSET', KEYS[2], ARGV[4], ARGV[2]) end
+if #KEYS > 1 then redis.call('HSET', KEYS[2], ARGV[4], ARGV[5]) end
 return redis.call('XADD', KEYS[1], '*', 'data', ARGV[2], 'sig', ARGV[3])
 """
 
@@ -171,16 +174,18 @@ class Stream(Generic[M]):
             self._ensure_group()
             return fn(*args, **kwargs)
 
-    def produce(self, message: M, timeout: float | None = None, register: tuple[str, str] | None = None) -> str:
+    def produce(self, message: M, timeout: float | None = None,
+                register: tuple[str, str, BaseModel] | None = None) -> str:
         """Append a message; wait while the stream is at its high-water mark (never trims unread entries).
 
-        `register=(hash key, field)` also stores the payload in that hash, atomically with the append (so after
+        `register=(hash key, field, record)` also stores `record` in that hash, atomically with the append (so after
         a Redis crash either both survived in the AOF or neither did)."""
         self._ensure_group()
         payload = to_wire(message)
+        registered = None if register is None else (register[0], register[1], to_wire(register[2]))
         timeout = self.cfg.produce_timeout_s if timeout is None else timeout
         waited, delay = 0.0, 0.01
-        while (entry_id := self._xadd(payload, register)) is None:
+        while (entry_id := self._xadd(payload, registered)) is None:
             if waited >= timeout:
                 raise BackPressureTimeout(
                     f"stream {self.key} stayed at {self.cfg.high_water}+ entries for {timeout:.0f}s"
@@ -196,12 +201,12 @@ class Stream(Generic[M]):
         """How many messages can be produced now without waiting."""
         return max(0, self.cfg.high_water - self._depth())
 
-    def _xadd(self, payload: bytes, register: tuple[str, str] | None = None) -> str | None:
+    def _xadd(self, payload: bytes, register: tuple[str, str, bytes] | None = None) -> str | None:
         """XADD below high water (and HSET into the register); None when the stream is full."""
         keys, args = [self.key], [self.cfg.high_water, payload, self.signature(payload)]
         if register is not None:
             keys.append(register[0])
-            args.append(register[1])
+            args += register[1:]
         entry_id = self._produce(keys=keys, args=args)
         return entry_id.decode() if entry_id else None
 

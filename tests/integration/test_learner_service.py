@@ -288,6 +288,17 @@ def test_no_re_split_splice_or_replay_of_a_signed_dead_letter_makes_a_task_lost(
     assert all(service.redis.hexists(service.work.issued_key, t.task_id) for t in victims)
 
 
+def test_generators_get_no_ground_truth_the_issued_task_keeps_it(settings):
+    service = LearnerService(settings)
+    service.connect()
+    task = PromptTask(task_id="train-0", prompt_id="p0", prompt="1+1=", ground_truth="2")
+    service.work.outbox.append(task)
+    service.work.flush_outbox()
+    (delivery,) = service.streams.stream("prompts", PromptTask).consume("gen", count=10, block_ms=0)
+    assert delivery.message == task.for_generators() and delivery.message.ground_truth == ""
+    assert service.work.issued_task("train-0") == task  # where the reward workers read it
+
+
 def test_a_dead_letter_whose_payload_went_to_a_file_still_names_its_task(settings):
     """A large payload is kept out of Redis (streams.dead_payload_max_bytes): the letter's signed task id still
     makes the learner stop waiting for the task."""

@@ -12,8 +12,8 @@ import time
 import httpx
 import redis
 
-from services.messages import PromptTask, RolloutGroup, Sample, ScoredGroup
-from services.streams import Streams
+from services.messages import PromptTask, RolloutGroup, Sample, ScoredGroup, to_wire
+from services.streams import ISSUED, Streams
 
 
 def free_port() -> int:
@@ -57,9 +57,10 @@ def test_dapo_reward_process(settings, short_tmp):
 
         streams = Streams(redis.Redis.from_url(settings.redis.url.get_secret_value()), settings)
         task = PromptTask(task_id="svc", prompt_id="p", prompt="q", ground_truth="42")
+        streams.redis.hset(streams.key(ISSUED), task.task_id, to_wire(task))  # as the learner issues it
         sample = Sample(token_ids=[1, 2], logprobs=[-0.1, -0.2], text="\\boxed{42}", finish_reason="stop")
         streams.stream("rollouts", RolloutGroup).produce(
-            RolloutGroup(task=task, policy_version=0, generator_id="g", samples=[sample]))
+            RolloutGroup(task=task.for_generators(), policy_version=0, generator_id="g", samples=[sample]))
         scored = []
         deadline = time.monotonic() + 30
         while not scored and time.monotonic() < deadline:

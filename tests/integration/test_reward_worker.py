@@ -15,8 +15,8 @@ from reward.sandbox import VerifierPool
 from reward.scoring import Scorer
 import reward.worker as reward_worker_module
 from reward.worker import RewardWorker
-from services.messages import PromptTask, RolloutGroup, Sample, SamplingParams, ScoredGroup
-from services.streams import Streams
+from services.messages import PromptTask, RolloutGroup, Sample, SamplingParams, ScoredGroup, to_wire
+from services.streams import ISSUED, Streams
 
 HANG = "Answer: $(x+y+z)^{999}$"  # sympy expands ~500k terms: only the sandbox's time limit ends it
 
@@ -46,6 +46,13 @@ def rollout(task_id: str, truth: str, texts: list[str], max_tokens: int = 64, le
     return RolloutGroup(task=task, policy_version=3, generator_id="gen-test", samples=samples)
 
 
+def issued(streams: Streams, group: RolloutGroup) -> RolloutGroup:
+    """Record the group's task as the learner issues it (ground truth included); the group as a generator writes it
+    (its task without the ground truth, as the generator got it)."""
+    streams.redis.hset(streams.key(ISSUED), group.task.task_id, to_wire(group.task))
+    return group.model_copy(update={"task": group.task.for_generators()})
+
+
 def drain(worker: RewardWorker, expected: int, timeout: float = 30.0) -> int:
     done, deadline = 0, time.monotonic() + timeout
     while done < expected and time.monotonic() < deadline:
@@ -61,7 +68,7 @@ def test_rollouts_in_scored_out_and_acked(settings, streams, pool):
         rollout("t3", "7", [HANG, "Answer: 7"]),
     ]
     for group in groups:
-        rollouts.produce(group)
+        rollouts.produce(issued(streams, group))
 
     worker = RewardWorker(settings, Scorer(pool, settings.reward), streams, consumer="reward-test")
     assert drain(worker, 3) == 3
@@ -87,11 +94,29 @@ def test_rollouts_in_scored_out_and_acked(settings, streams, pool):
     t3 = scored["t3"]
     assert [s.rule for s in t3.scores] == ["timeout", "answer_line"]
     assert [s.correct for s in t3.scores] == [False, True]
+    assert [g.rollout.task.ground_truth for g in scored.values()] == ["25", "\\frac{1}{2}", "7"]  # from `issued`
+
+
+def test_the_ground_truth_comes_from_the_learner_not_the_rollout(settings, streams, pool):
+    """Generators get no ground truth: the worker scores against the one the learner issued, whatever a rollout
+    says, and a rollout of a task the learner never issued (or already settled) goes to `dead` as provenance."""
+    rollouts = streams.stream("rollouts", RolloutGroup)
+    claimed = issued(streams, rollout("truth", "7", ["Answer: 9", "Answer: 7"]))
+    rollouts.produce(claimed.model_copy(update={"task": claimed.task.model_copy(update={"ground_truth": "9"})}))
+    rollouts.produce(rollout("never-issued", "1", ["Answer: 1"]))
+    worker = RewardWorker(settings, Scorer(pool, settings.reward), streams, consumer="reward-test")
+    assert drain(worker, 1) == 1
+    (scored,) = streams.stream("scored", ScoredGroup).consume("learner-test", count=10, block_ms=200)
+    assert scored.message.rollout.task.ground_truth == "7"
+    assert [s.correct for s in scored.message.scores] == [False, True]
+    (dead,) = streams.dead_letters()
+    assert dead["reason"].startswith("provenance: unknown task id 'never-issued'")
+    assert rollouts.pending() == 0 and streams.redis.xlen(rollouts.key) == 0
 
 
 def test_a_malformed_rollout_goes_to_dead(settings, streams, pool):
     rollouts = streams.stream("rollouts", RolloutGroup)
-    rollouts.produce(rollout("good", "1", ["Answer: 1"]))
+    rollouts.produce(issued(streams, rollout("good", "1", ["Answer: 1"])))
     garbage = b"\xc1 not msgpack"
     streams.redis.xadd(rollouts.key, {b"data": garbage, b"sig": rollouts.signature(garbage)})  # signed garbage
     bad_schema = rollout("bad", "1", ["Answer: 1"]).model_dump()
@@ -115,7 +140,7 @@ def test_run_in_a_thread_and_stop(settings, streams, pool):
     worker = RewardWorker(settings, Scorer(pool, settings.reward), streams, consumer="reward-test")
     thread = threading.Thread(target=worker.run, daemon=True)
     thread.start()
-    streams.stream("rollouts", RolloutGroup).produce(rollout("bg", "2", ["Answer: 2"]))
+    streams.stream("rollouts", RolloutGroup).produce(issued(streams, rollout("bg", "2", ["Answer: 2"])))
     deadline = time.monotonic() + 20
     while worker.groups_done < 1 and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -127,8 +152,8 @@ def test_run_in_a_thread_and_stop(settings, streams, pool):
 
 def test_stop_releases_the_groups_not_yet_forwarded(settings, streams, pool):
     worker = RewardWorker(settings, Scorer(pool, settings.reward), streams, consumer="reward-test")
-    worker.rollouts.produce(rollout("a", "1", ["Answer: 1"]))
-    worker.rollouts.produce(rollout("b", "2", ["Answer: 2"]))
+    worker.rollouts.produce(issued(streams, rollout("a", "1", ["Answer: 1"])))
+    worker.rollouts.produce(issued(streams, rollout("b", "2", ["Answer: 2"])))
     deliveries = worker.rollouts.consume("reward-test", count=2, block_ms=100)
     assert len(deliveries) == 2
     worker.stop()
@@ -142,7 +167,7 @@ def test_a_group_whose_verifier_pool_fails_is_handed_back_not_scored_wrong(setti
     """A verifier child dies while idle, just as a group comes in: its answers get no verdict, not `wrong`."""
     with VerifierPool(workers=1, timeout_s=30, memory_mb=1024) as alone:
         worker = RewardWorker(settings, Scorer(alone, settings.reward), streams, consumer="reward-test")
-        worker.rollouts.produce(rollout("f", "4", ["Answer: 4", "Answer: 5"]))
+        worker.rollouts.produce(issued(streams, rollout("f", "4", ["Answer: 4", "Answer: 5"])))
         deliveries = worker.rollouts.consume("reward-test", count=1, block_ms=100)
         (idle_pid,) = alone.worker_pids()
         os.kill(idle_pid, signal.SIGKILL)
@@ -158,7 +183,7 @@ def test_a_pool_failure_hands_the_group_back_without_counting_a_delivery(setting
     from reward.sandbox import VerifierUnavailable
 
     worker = RewardWorker(settings, Scorer(pool, settings.reward), streams, consumer="reward-test")
-    worker.rollouts.produce(rollout("u", "1", ["Answer: 1", "Answer: 2"]))
+    worker.rollouts.produce(issued(streams, rollout("u", "1", ["Answer: 1", "Answer: 2"])))
     collect = worker.scorer.collect
     failures = settings.streams.max_deliveries + 1
 
@@ -178,7 +203,7 @@ def test_a_pool_failure_hands_the_group_back_without_counting_a_delivery(setting
     # A group that meets a failing pool every time still ends in `dead` once its uncounted hand-backs are spent.
     monkeypatch.setattr(reward_worker_module, "UNCOUNTED_POOL_FAILURES", 1)
     failures = 100
-    worker.rollouts.produce(rollout("v", "1", ["Answer: 1"]))
+    worker.rollouts.produce(issued(streams, rollout("v", "1", ["Answer: 1"])))
     deadline = time.monotonic() + 30
     while not streams.dead_letters() and time.monotonic() < deadline:
         worker.run_once(block_ms=100)
@@ -192,7 +217,7 @@ def test_a_long_read_renews_its_claim_on_the_groups_still_to_score(settings, str
     worker = RewardWorker(settings, Scorer(pool, settings.reward), streams, consumer="reward-test")
     worker.touch_every_s = 0.05
     for name in ("x", "y", "z"):
-        worker.rollouts.produce(rollout(name, "1", ["Answer: 1", "Answer: 3"]))
+        worker.rollouts.produce(issued(streams, rollout(name, "1", ["Answer: 1", "Answer: 3"])))
     deliveries = worker.rollouts.consume("reward-test", count=3, block_ms=100)
     collect, touch, touches = worker.scorer.collect, worker.rollouts.touch, []
 
