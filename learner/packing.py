@@ -16,7 +16,7 @@ Whatever the layout, a micro-batch says where the hidden state that predicts eac
 from __future__ import annotations
 
 import heapq
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -78,7 +78,7 @@ class MicroBatch:
     response_mask: Tensor  # [B, R] 1.0 on response tokens
     prompt: PromptBlock | None = None
     first_tokens: int = 0
-    real_tokens: int = field(default=0)  # tokens that are not padding (throughput accounting)
+    real_tokens: int = 0  # tokens the model runs that are not padding (throughput accounting)
 
 
 def bucketed(size: int, multiple: int) -> int:
