@@ -223,15 +223,21 @@ def test_learner_trains_only_groups_it_issued_and_that_match(settings):
     assert service.redis.xlen(service.work.held.key) == 1 and service.redis.xlen(scored.key) == 0
 
 
+def issue_tasks(service, count: int) -> list[PromptTask]:
+    """`count` train tasks issued by the learner and pushed to `prompts` (train-0, train-1, ...)."""
+    tasks = [PromptTask(task_id=f"train-{i}", prompt_id=f"p{i}", prompt="1+1=", ground_truth="2") for i in range(count)]
+    service.assembler.issued([t.task_id for t in tasks], 0)
+    service.work.outbox.extend(tasks)
+    service.work.flush_outbox()
+    return tasks
+
+
 def test_only_dead_letters_a_service_signed_make_a_task_lost(settings):
     """A dead prompt makes the learner stop waiting for its task; a dead letter that anyone with Redis access
     added (unsigned, or signed with another key) must not, or it could cancel any task whose id it read."""
     service = LearnerService(settings)
     service.connect()
-    tasks = [PromptTask(task_id=f"train-{i}", prompt_id=f"p{i}", prompt="1+1=", ground_truth="2") for i in range(3)]
-    service.assembler.issued([t.task_id for t in tasks], 0)
-    service.work.outbox.extend(tasks)
-    service.work.flush_outbox()
+    tasks = issue_tasks(service, 3)
     dead_key = service.streams.key("dead")
     letter = {b"stream": b"prompts", b"entry_id": b"1-0", b"reason": b"delivered 4 times (max 3)",
               b"deliveries": b"4", b"data": to_wire(tasks[0])}
@@ -254,10 +260,7 @@ def test_no_re_split_splice_or_replay_of_a_signed_dead_letter_makes_a_task_lost(
     a letter of another run with the same token. None verifies: every victim stays in flight, still issued."""
     service = LearnerService(settings)
     service.connect()
-    victims = [PromptTask(task_id=f"train-{i}", prompt_id=f"p{i}", prompt="1+1=", ground_truth="2") for i in range(2)]
-    service.assembler.issued([t.task_id for t in victims], 0)
-    service.work.outbox.extend(victims)
-    service.work.flush_outbox()
+    victims = issue_tasks(service, 2)
     prompts = service.streams.stream("prompts", PromptTask)
     service.redis.xadd(prompts.key, {b"data": b"junk\n" + to_wire(victims[0])})  # unsigned: dead-lettered as forged
     assert [d.message.task_id for d in prompts.consume("gen", count=10, block_ms=0)] == ["train-0", "train-1"]
@@ -305,9 +308,7 @@ def test_a_dead_letter_whose_payload_went_to_a_file_still_names_its_task(setting
     settings = settings.model_copy(update={"streams": settings.streams.model_copy(update={"dead_payload_max_bytes": 0})})
     service = LearnerService(settings)
     service.connect()
-    service.assembler.issued(["train-0"], 0)
-    service.work.outbox.append(PromptTask(task_id="train-0", prompt_id="p0", prompt="1+1=", ground_truth="2"))
-    service.work.flush_outbox()
+    issue_tasks(service, 1)
     prompts = service.streams.stream("prompts", PromptTask)
     (delivery,) = prompts.consume("gen", count=10, block_ms=0)
     prompts.dead(delivery.id, delivery.payload, "engine failure on this task alone: test")
