@@ -7,8 +7,10 @@ AutoTokenizer) and vLLM; services only look it up (`services.models.model_dir`).
   PreTrainedTokenizerFast) and a small Qwen2 causal LM, warmed up by supervised training on synthetic
   arithmetic written in the DAPO answer format, until its sampled (temperature 1) accuracy on problems it
   never trained on reaches `tiny.warmup_target_accuracy`: good enough to produce some correct answers, far
-  enough from perfect for RL to show. Deterministic from `tiny.seed`; cached in `services.models.tiny_model_dir`;
-  built under a file lock, so processes starting together build it once.
+  enough from perfect for RL to show. Deterministic from `tiny.seed` on one machine (floats differ between
+  CPUs); cached in `services.models.tiny_model_dir`; built under a file lock, so processes starting together
+  build it once. With the default settings the model shipped with the package is used instead (the same
+  weights on every machine); `--force` rebuilds it here and says whether the rebuild matches it.
 * anything else: `services.models.resolve_pretrained`.
 """
 
@@ -33,9 +35,11 @@ from services.models import (
     BUILD_VERSION,
     TINY_NAME,
     resolve_pretrained,
+    shipped_tiny_applies,
     tiny_cache_key,
     tiny_model_dir,
     tiny_task,
+    verified_shipped_tiny,
 )
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -71,14 +75,16 @@ def main(settings: Settings, *, force: bool = False, measure: bool = False) -> i
     console = Console(stderr=True)
     if settings.model.name_or_path == TINY_NAME:
         path = ensure_tiny_model(settings, force=force)
-        info = json.loads((path / BUILD_INFO).read_text())
-        warm = info["warmup"]
-        console.print(
-            f"[bold]tiny model[/bold] {path}\n"
-            f"  {info['parameters']:,} parameters, vocabulary {info['vocab_size']}\n"
-            f"  warm-up: {warm['steps']} steps in {warm['seconds']:.0f} s, loss {warm['final_loss']:.3f}, "
-            f"sampled accuracy {warm['validation_accuracy']:.1%} on {warm['validation_problems']} unseen problems"
-        )
+        console.print(f"[bold]tiny model[/bold] {path}\n{describe_tiny(path)}")
+        if force and shipped_tiny_applies(settings):
+            shipped = verified_shipped_tiny()
+            same = (shipped / "model.safetensors").read_bytes() == (path / "model.safetensors").read_bytes()
+            console.print(
+                f"shipped model {shipped}\n{describe_tiny(shipped)}\n"
+                + ("  the rebuild is byte-identical to it" if same else
+                   "  the rebuild differs from it (float results differ between CPUs); runs keep using the "
+                   "shipped one: set tiny.shipped=false to use this build")
+            )
     else:
         path = resolve_pretrained(settings.model.name_or_path)
         console.print(f"[bold]model[/bold] {settings.model.name_or_path} -> {path}")
@@ -89,6 +95,14 @@ def main(settings: Settings, *, force: bool = False, measure: bool = False) -> i
         console.print_json(data=report)
     print(path)
     return 0
+
+
+def describe_tiny(path: Path) -> str:
+    info = json.loads((path / BUILD_INFO).read_text())
+    warm = info["warmup"]
+    return (f"  {info['parameters']:,} parameters, vocabulary {info['vocab_size']}\n"
+            f"  warm-up: {warm['steps']} steps in {warm['seconds']:.0f} s, loss {warm['final_loss']:.3f}, "
+            f"sampled accuracy {warm['validation_accuracy']:.1%} on {warm['validation_problems']} unseen problems")
 
 
 @contextlib.contextmanager
@@ -103,7 +117,10 @@ def _file_lock(path: Path) -> Iterator[None]:
 
 
 def ensure_tiny_model(settings: Settings, *, force: bool = False, progress: bool = True) -> Path:
-    """The cached tiny model folder; built (once, under a lock) when missing or when `force` is set."""
+    """The shipped tiny model when it is the one the settings describe, else the cached folder, built (once,
+    under a lock) when missing. `force` rebuilds into the cache whichever applies."""
+    if not force and shipped_tiny_applies(settings):
+        return verified_shipped_tiny()
     target = tiny_model_dir(settings)
     if not force and (target / BUILD_INFO).is_file():
         return target

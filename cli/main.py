@@ -21,7 +21,7 @@ TRACKERS = ("wandb", "tensorboard", "mlflow")  # learner.report_to (accelerate's
 # command -> (module, function, help). Each function takes the loaded Settings.
 COMMANDS = {
     "run": ("cli.launcher", "main", "run the whole system locally (embedded Redis, all services)"),
-    "bootstrap": ("cli.bootstrap", "main", "build the embedded tiny model (cached)"),
+    "bootstrap": ("cli.bootstrap", "main", "find the embedded tiny model (shipped, or built and cached)"),
     "learner": ("learner.service", "main", "run the learner service"),
     "generator": ("generator.service", "main", "run a generator service (vLLM)"),
     "reward": ("reward.service", "main", "run a reward worker service"),

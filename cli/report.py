@@ -67,8 +67,41 @@ def summary(rows: list[dict]) -> dict:
     }
 
 
+# Below the reference's worst seed by more than this at a step, a run is reported as learning less than the README
+# (the held-out evaluation itself varies by about 1.1 points at 500 problems x 4 samples).
+REFERENCE_TOLERANCE = 0.03
+
+
+def against_reference(rows: list[dict], reference: dict) -> dict:
+    """The run's held-out accuracy against the reference curves for the same base model, step by step (steps,
+    not minutes: a slower machine takes longer per step but should learn as much per step).
+
+    `reference`: {"command", "seeds", "steps", "median", "worst", "best"} (benchmarks/learning.py --reference).
+    Returns the last step both measured, the run's accuracy there, the band, and a plain verdict.
+    """
+    band = {step: (worst, median, best) for step, worst, median, best
+            in zip(reference["steps"], reference["worst"], reference["median"], reference["best"])}
+    shared = [r for r in rows if r.get("eval_accuracy") is not None and r.get("step") in band and r["step"] > 0]
+    if not shared:
+        return {"verdict": "no evaluation at a step the reference measured", "command": reference["command"]}
+    last = shared[-1]
+    worst, median, best = band[last["step"]]
+    accuracy = last["eval_accuracy"]
+    if accuracy < worst - REFERENCE_TOLERANCE:
+        verdict = (f"below: {accuracy:.1%} at step {last['step']} against {worst:.1%} for the reference's worst seed "
+                   f"(median {median:.1%}, {len(reference['seeds'])} seeds) from the same base model; "
+                   "docs/tiny-model.md lists what makes a run learn less")
+    elif accuracy > best + REFERENCE_TOLERANCE:
+        verdict = f"above: {accuracy:.1%} at step {last['step']}, past the reference's best seed {best:.1%}"
+    else:
+        verdict = f"within: {accuracy:.1%} at step {last['step']}, reference {worst:.1%} to {best:.1%} (median {median:.1%})"
+    return {"step": last["step"], "accuracy": accuracy, "worst": worst, "median": median, "best": best,
+            "verdict": verdict, "command": reference["command"]}
+
+
 def write_report(rows: list[dict], run_dir: Path, extra: dict | None = None) -> Table:
-    """Plots, and summary.json: `summary(rows)` plus `extra` (the launcher's: CPU plan and use per service)."""
+    """Plots, and summary.json: `summary(rows)` plus `extra` (the launcher's: CPU plan and use per service; the
+    comparison with the reference curves when the run starts from the shipped model)."""
     import json
 
     write_plots(rows, run_dir / "plots")
@@ -78,7 +111,9 @@ def write_report(rows: list[dict], run_dir: Path, extra: dict | None = None) -> 
     table.add_column("metric")
     table.add_column("value", justify="right")
     for key, value in result.items():
-        if isinstance(value, dict):
+        if isinstance(value, dict) and "verdict" in value:
+            value = value["verdict"]
+        elif isinstance(value, dict):
             value = ", ".join(f"{k} {v:.0f}" if isinstance(v, float) else f"{k} {v}" for k, v in value.items())
         table.add_row(key, "-" if value is None else (f"{value:.4g}" if isinstance(value, float) else str(value)))
     return table

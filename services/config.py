@@ -143,6 +143,10 @@ class TinyModelConfig(Section):
     )
     seed: int = Field(0, description="Seed of the tokenizer, weights and warm-up data.")
     cache_dir: str | None = Field(None, description="Where built models are cached (default ~/.cache/dapo).")
+    shipped: bool = Field(
+        True, description="Use the model shipped with the package when these settings are the ones it was built "
+        "with (false: this machine's own `dapo bootstrap` build, whose floats differ between CPUs)."
+    )
 
 
 class DataConfig(Section):

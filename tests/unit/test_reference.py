@@ -1,0 +1,34 @@
+"""A run's held-out curve against the shipped model's reference curves (cli/report.py), step by step."""
+
+from __future__ import annotations
+
+from cli.report import against_reference
+
+REFERENCE = {"command": "python -m benchmarks.learning ...", "seeds": [11, 12, 13],
+             "steps": [0, 10, 20], "worst": [0.22, 0.35, 0.45], "median": [0.24, 0.38, 0.50],
+             "best": [0.26, 0.41, 0.55]}
+
+
+def rows(*points: tuple[int, float]) -> list[dict]:
+    return [{"step": step, "eval_accuracy": accuracy} for step, accuracy in points] + [{"step": 25}]
+
+
+def test_the_last_step_both_measured_decides():
+    result = against_reference(rows((0, 0.2), (10, 0.30), (20, 0.47)), REFERENCE)
+    assert result["step"] == 20 and result["verdict"].startswith("within")
+
+
+def test_a_run_below_the_worst_seed_says_so_plainly():
+    result = against_reference(rows((0, 0.2), (10, 0.36), (20, 0.40)), REFERENCE)
+    assert result["verdict"].startswith("below: 40.0% at step 20 against 45.0%")
+    assert "same base model" in result["verdict"]
+
+
+def test_the_tolerance_covers_evaluation_noise():
+    assert against_reference(rows((20, 0.425)), REFERENCE)["verdict"].startswith("within")
+    assert against_reference(rows((20, 0.60)), REFERENCE)["verdict"].startswith("above")
+
+
+def test_no_shared_step_is_no_verdict():
+    result = against_reference(rows((0, 0.2), (15, 0.5)), REFERENCE)
+    assert "no evaluation" in result["verdict"] and "step" not in result
