@@ -17,13 +17,14 @@ that whole group: a SIGKILLed generator would otherwise leave its vLLM engine co
 One launcher per run folder: `dapo run` holds an exclusive lock (flock) on `{run_dir}/.dapo-run.lock` for its
 whole life, which names its holder; a second one on the same folder exits 69 naming it, before it starts anything
 (a second redis-server on the same data, a second learner). SIGHUP stops a run as SIGTERM and SIGINT do.
+Children die with the launcher: each gets SIGTERM when it dies, even by SIGKILL (PR_SET_PDEATHSIG, Linux), and
+the embedded redis-server holds a lock on its data folder that a second server is refused (naming the holder).
 Secrets: without a configured token the run makes a random one; children get it, the Redis URL and password in
 their environment, and `launch-config.yaml` (the settings they read) is written without them, mode 0600.
 """
 
 from __future__ import annotations
 
-import fcntl
 import json
 import logging
 import os
@@ -48,8 +49,11 @@ from learner.lease import EXIT_FENCED, INSTANCE_ENV
 from learner.records import METRICS_FILE, read_rows
 from services.config import DEFAULT_TOKEN, Settings, dump_settings, without_password
 from services.http import free_port
+from services.models import SHIPPED_TINY_REFERENCE, shipped_tiny_applies
 from services.redis_local import EmbeddedRedis, embedded_server
-from services.startup import EXIT_DATA_ERROR, EXIT_FILE_ENV, Unavailable, recorded_exit
+from services.startup import (
+    EXIT_DATA_ERROR, EXIT_FILE_ENV, LockHeld, Unavailable, die_with_parent, recorded_exit, take_lock,
+)
 from services.weights_layout import write_atomic
 
 log = logging.getLogger(__name__)
@@ -74,16 +78,11 @@ class RunFolderBusy(Unavailable):
 def lock_run_folder(run_dir: Path) -> IO[str]:
     """Take the run folder's exclusive lock and write the holder into it; held as long as the returned file stays
     open (the kernel drops it when the launcher dies, however). RunFolderBusy, naming the holder, when taken."""
-    handle = open(run_dir / RUN_LOCK, "a+")
     try:
-        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        handle.seek(0)
-        holder = handle.read().strip() or "a process that has not written its name yet"
-        handle.close()
-        raise RunFolderBusy(f"{run_dir} is in use by another `dapo run` ({holder}); stop it, or choose another "
+        handle = take_lock(run_dir / RUN_LOCK)
+    except LockHeld as held:
+        raise RunFolderBusy(f"{run_dir} is in use by another `dapo run` ({held.holder}); stop it, or choose another "
                             "run_dir") from None
-    handle.truncate(0)
     handle.write(f"dapo run pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
     handle.flush()
     return handle
@@ -120,8 +119,10 @@ class Child:
             self.env = {**self.env, EXIT_FILE_ENV: str(self.exit_path)}
         log_file = open(self.log_path, "ab")
         placement = self.placement
+        orphaned = die_with_parent()
 
-        def place() -> None:  # in the child, before exec: every thread it starts inherits the CPU set
+        def prepare() -> None:  # in the child, before exec: every thread it starts inherits the CPU set
+            orphaned()  # SIGTERM when the launcher dies (SIGKILL included): no service outlives its run
             if placement is not None:
                 os.sched_setaffinity(0, placement.cpus)
                 os.nice(placement.nice)
@@ -129,7 +130,7 @@ class Child:
         # A new session: Ctrl-C reaches only the launcher, which then stops children in order.
         self.process = subprocess.Popen(
             self.command, env=self.env, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True,
-            preexec_fn=place if placement is not None else None,
+            preexec_fn=prepare,
         )
         log_file.close()
         self.started_at = time.monotonic()
@@ -413,7 +414,7 @@ def reported_exit(code: int, run_dir: Path) -> int:
 def main(settings: Settings, generators: int = 1, reward_workers: int = 1, learner_procs: int = 1,
          display: bool = True) -> int:
     from cli.bootstrap import ensure_model  # builds the tiny model when it is missing
-    from cli.report import write_report
+    from cli.report import against_reference, write_report
 
     run_dir = Path(settings.run_dir).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -427,6 +428,7 @@ def main(settings: Settings, generators: int = 1, reward_workers: int = 1, learn
     if not redis_url:
         redis_server = embedded_server(settings)
         redis_server.password = secrets.token_hex(24)  # a new one per run, handed to the services in their environment
+        redis_server.die_with_parent = True  # a killed launcher leaves no server on the run's data
         redis_url = redis_server.start().url
     if settings.token.get_secret_value() == DEFAULT_TOKEN:
         settings.token = secrets.token_urlsafe(32)  # this run's own: no process or file carries the placeholder
@@ -469,9 +471,12 @@ def main(settings: Settings, generators: int = 1, reward_workers: int = 1, learn
 
     rows = read_rows(run_dir / "metrics.jsonl")
     if rows:
-        summary = write_report(rows, run_dir, {"cpus": cpus.describe(),
-                                               "cpu_seconds": {c.name: round(c.cpu_total, 1) for c in children}})
-        console.print(summary)
+        extra = {"cpus": cpus.describe(), "cpu_seconds": {c.name: round(c.cpu_total, 1) for c in children}}
+        if shipped_tiny_applies(settings) and SHIPPED_TINY_REFERENCE.is_file():
+            extra["reference"] = against_reference(rows, json.loads(SHIPPED_TINY_REFERENCE.read_text()))
+            if extra["reference"]["verdict"].startswith("below"):
+                console.print(f"[yellow]this run learned less than the shipped reference: {extra['reference']['verdict']}[/]")
+        console.print(write_report(rows, run_dir, extra))
     if interrupted:
         return 130
     if gave_up:

@@ -35,11 +35,12 @@ from redis.retry import Retry
 from tenacity import retry, retry_if_exception_type, stop_after_delay, wait_exponential
 
 from services.config import RedisConfig, Settings
-from services.startup import Unavailable
+from services.startup import LockHeld, Unavailable, die_with_parent, take_lock
 
 log = logging.getLogger(__name__)
 
 CONF_FILE = "redis.conf"
+DATA_LOCK = "redis.lock"  # in the data folder: held (flock) by the one redis-server serving it, which it names
 MAX_SOCKET_PATH = 100  # a unix socket path holds at most 107 bytes (sun_path)
 # A reply this much later than the longest blocking read asked for (streams.block_ms) is a dead connection: a
 # partition or a frozen host leaves a half-open TCP socket that, without a timeout, blocks a service for ever.
@@ -142,6 +143,7 @@ class EmbeddedRedis:
         # The password of a server of this folder that is still running, else the given or a new one.
         self.password = password or saved_password(self.data_dir) or secrets.token_hex(24)
         self.process: subprocess.Popen | None = None
+        self.die_with_parent = False  # SIGTERM to the server when the process that started it dies (the launcher)
 
     @property
     def socket_path(self) -> Path:
@@ -163,6 +165,11 @@ class EmbeddedRedis:
 
     def start(self, timeout: float = 30.0) -> "EmbeddedRedis":
         self.data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        try:  # before anything in the folder is touched: two servers on one AOF would split the run
+            lock = take_lock(self.data_dir / DATA_LOCK)
+        except LockHeld as held:
+            raise Unavailable(f"the embedded Redis data folder {self.data_dir} is in use by another server "
+                              f"({held.holder}); stop it, or choose another redis.embedded_dir") from None
         if self.socket_path.parent != self.data_dir:
             _private_dir(self.socket_path.parent)
         conf = self.data_dir / CONF_FILE  # the password stays off the command line (ps) and out of shared files
@@ -187,9 +194,14 @@ class EmbeddedRedis:
             "--daemonize", "no",
         ]
         # Its own session: a Ctrl-C in the terminal must not stop Redis before the services that use it.
-        self.process = subprocess.Popen(
-            args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
-        )
+        # The server inherits the lock and holds it alone from then on: the lock goes when the server goes.
+        with lock:
+            self.process = subprocess.Popen(
+                args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+                pass_fds=(lock.fileno(),), preexec_fn=die_with_parent() if self.die_with_parent else None,
+            )
+            lock.write(f"redis-server pid {self.process.pid} started by pid {os.getpid()} on {socket.gethostname()} "
+                       f"at {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
         client = redis.Redis(unix_socket_path=str(self.socket_path), password=self.password)
         deadline = time.monotonic() + timeout
         while True:

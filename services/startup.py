@@ -7,9 +7,13 @@ one line and an exit code; a service replaces the handlers with its graceful sto
 
 from __future__ import annotations
 
+import ctypes
+import fcntl
 import os
 import signal
+import sys
 from pathlib import Path
+from typing import IO, Callable
 
 EXIT_UNAVAILABLE = 69  # sysexits EX_UNAVAILABLE: a dependency is missing; fix it and start again
 EXIT_DATA_ERROR = 65  # sysexits EX_DATAERR: a data file cannot be used; a restart would fail the same way
@@ -17,6 +21,7 @@ EXIT_DATA_ERROR = 65  # sysexits EX_DATAERR: a data file cannot be used; a resta
 # launch` torchrun reports any rank's failure as 1 (and a SIGTERMed run's as 1 too), so a learner fenced or
 # stopped at the refill limit would look like a crash and be restarted (cli/launcher.py reads the file).
 EXIT_FILE_ENV = "DAPO_EXIT_FILE"
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
 def record_exit(code: int) -> None:
@@ -64,3 +69,40 @@ def raise_on_signals() -> None:
     as ignored, as a shell does for a background job)."""
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, raise_stopped)
+
+
+def die_with_parent(signum: int = signal.SIGTERM) -> Callable[[], None]:
+    """A `preexec_fn` for subprocess.Popen: the child gets `signum` when this process dies, even by SIGKILL
+    (Linux's PR_SET_PDEATHSIG; elsewhere it does nothing). Start the child from a thread that lives as long as the
+    process: the signal comes when the thread that started the child ends."""
+    parent = os.getpid()
+    libc = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None  # loaded before the fork
+
+    def arm() -> None:
+        if libc is not None and libc.prctl(PR_SET_PDEATHSIG, int(signum), 0, 0, 0) == 0 and os.getppid() != parent:
+            os.kill(os.getpid(), signum)  # the parent died before the prctl: no one else will send it
+
+    return arm
+
+
+class LockHeld(RuntimeError):
+    """Another process holds the lock; `holder` is what it wrote into the lock file."""
+
+    def __init__(self, holder: str):
+        super().__init__(holder)
+        self.holder = holder
+
+
+def take_lock(path: Path) -> IO[str]:
+    """An exclusive flock on `path`, the file emptied for the new holder to write its name; held while the returned
+    file (or a child's inherited copy) stays open, dropped by the kernel when its holders die. LockHeld if taken."""
+    handle = open(path, "a+")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.seek(0)
+        holder = handle.read().strip() or "a process that has not written its name yet"
+        handle.close()
+        raise LockHeld(holder) from None
+    handle.truncate(0)
+    return handle

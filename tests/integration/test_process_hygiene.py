@@ -317,3 +317,48 @@ def test_a_child_runs_on_its_cpus_and_its_cpu_time_is_counted(tmp_path):
         assert child.log_path.read_text().split() == [f"[{cpu}]", "5"]
     finally:
         child.kill_group()
+
+
+# A launcher in miniature: the embedded redis-server and one child started as `dapo run` starts them; prints both
+# pids, then waits to be killed.
+LAUNCHER_LIKE = """
+import os, sys, time
+from pathlib import Path
+sys.path.insert(0, {repo!r})
+from cli.launcher import Child
+from services.redis_local import EmbeddedRedis
+
+server = EmbeddedRedis({data!r})
+server.die_with_parent = True
+server.start()
+child = Child("sleeper", [sys.executable, "-c", "import time; time.sleep(600)"], dict(os.environ), Path({log!r}))
+child.start()
+print(child.process.pid, server.process.pid, flush=True)
+time.sleep(600)
+"""
+
+
+def test_children_and_the_embedded_redis_die_with_a_sigkilled_launcher(tmp_path):
+    from services.redis_local import EmbeddedRedis
+    from services.startup import Unavailable
+
+    data = tmp_path / "redis"
+    script = LAUNCHER_LIKE.format(repo=REPO, data=str(data), log=str(tmp_path / "sleeper.log"))
+    launcher = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    child, server = map(int, launcher.stdout.readline().split())
+    try:
+        assert alive(child) and alive(server)
+        # While the server lives, a second one on its data folder is refused, the holder named.
+        with pytest.raises(Unavailable, match=rf"in use by another server \(redis-server pid {server} started by "
+                                              rf"pid {launcher.pid} "):
+            EmbeddedRedis(data).start()
+        launcher.kill()  # SIGKILL: no handler runs, no one stops the children
+        launcher.wait()
+        assert wait_gone(child, 10), "the child outlived its launcher"
+        assert wait_gone(server, 10), "redis-server outlived its launcher"
+        with EmbeddedRedis(data) as again:  # its lock went with it: the next run's server starts
+            assert again.process.pid != server
+    finally:
+        for pid in (child, server):
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
