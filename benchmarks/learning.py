@@ -1,13 +1,18 @@
 """Learning that reproduces: the default `dapo run` over several seeds, median and worst held-out curves.
 
-    python -m benchmarks.learning --seeds 0 1 2 [--steps 60] [--preset tiny-cpu] [--set key=value ...]
+    python -m benchmarks.learning --seeds 11 12 13 14 15 --minutes 10 --reference     # the README headline
+    python -m benchmarks.learning --seeds 11 --minutes 5 --label base-weak \
+        --set tiny.seed=1 --set tiny.warmup_target_accuracy=0.2                            # another base model
 
-Each seed is one fresh `dapo run` (one at a time: they would share the cores). Reported, into
-benchmarks/README.md between the `learning` markers, and as benchmarks/results/learning.{json,png}:
-  * per seed: the held-out accuracy it started from (step 0), where it ended, its best, the mean step time, and
-    its largest fall between two evaluations after step 10 (the stability figure: goal at most 5 points);
-  * across seeds: the median and the worst accuracy against minutes of training (a step function: what each run
-    had measured by that minute), as one table and one plot.
+Each seed is one fresh `dapo run` (one at a time: they would share the cores), stopped after `--minutes` of
+training (evaluations excluded) or `--steps`, whichever comes first. Reported, into benchmarks/README.md between
+the `<label>` markers, and as benchmarks/results/<label>.{json,png}:
+  * per seed: the held-out accuracy it started from (step 0), its gain at 2, 5 and 10 minutes of training, where
+    it ended, its best, the mean step time, and its largest fall between two evaluations after step 10 (the
+    stability figure: goal at most 5 points);
+  * across seeds: the median and the worst gain at each mark, and accuracy against minutes and against steps;
+  * `--reference`: the curves by step (worst, median, best) written beside the shipped model
+    (services/tiny_model/reference.json), which every `dapo run` from that model is compared with in its summary.
 """
 
 from __future__ import annotations
@@ -17,9 +22,12 @@ import json
 import statistics
 from pathlib import Path
 
-from benchmarks.runs import ROOT, Curve, grid, median_and_worst, read_curve, replace_section, run_seeded, spread
+from benchmarks.runs import (
+    ROOT, Curve, grid, machine, median_and_worst, read_curve, replace_section, run_seeded,
+)
 
 STABILITY_GOAL = 0.05  # no seed loses more than 5 points between two evaluations after step 10
+MARKS = (2.0, 5.0, 10.0)  # minutes of training at which every seed's gain is reported
 
 
 def plot(curves: list[Curve], minutes: list[float], median: list[float], worst: list[float], path: Path) -> None:
@@ -50,20 +58,29 @@ def report(curves: list[Curve], command: str) -> str:
     drops = [c.max_drop(after_step=10) for c in curves]
     common_steps = sorted(set.intersection(*(set(c.steps) for c in curves)))
     by_step = {k: [c.accuracy[c.steps.index(k)] for c in curves] for k in common_steps}
+    marks = [m for m in MARKS if m <= max(c.minutes[-1] for c in curves) + 0.5]
+    gains_at = {m: [c.at_minute(m) - c.base for c in curves] for m in marks}
     lines = [
-        f"`{command}`", "",
-        "| seed | start (step 0) | end | best | gain | steps | mean step (s) | largest fall after step 10 |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        f"`{command}`, on {machine()}. Gains are in points of held-out accuracy over the run's own step 0, at "
+        "minutes of training (evaluations excluded): what each run had measured by then.", "",
+        "| seed | start (step 0) | " + " | ".join(f"gain at {m:g} min" for m in marks)
+        + " | end | best | steps | minutes | mean step (s) | largest fall after step 10 |",
+        "| --- | ---: |" + " ---: |" * len(marks) + " ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
-    for c, drop in zip(curves, drops):
+    for i, (c, drop) in enumerate(zip(curves, drops)):
         lines.append(
-            f"| {c.seed} | {100 * c.base:.1f} | {100 * c.accuracy[-1]:.1f} | {100 * max(c.accuracy):.1f} | "
-            f"{100 * (c.accuracy[-1] - c.base):+.1f} | {c.steps[-1]} | {c.step_seconds:.1f} | {100 * drop:.1f} |"
+            f"| {c.seed} | {100 * c.base:.1f} | " + " | ".join(f"{100 * gains_at[m][i]:+.1f}" for m in marks)
+            + f" | {100 * c.accuracy[-1]:.1f} | {100 * max(c.accuracy):.1f} | {c.steps[-1]} | {c.minutes[-1]:.1f} | "
+            f"{c.step_seconds:.1f} | {100 * drop:.1f} |"
         )
-    gains = [c.accuracy[-1] - c.base for c in curves]
     lines += [
-        f"| **all** | {spread([c.base for c in curves])} | {spread([c.accuracy[-1] for c in curves])} | | "
-        f"{spread(gains)} | | {statistics.fmean(c.step_seconds for c in curves):.1f} | worst {100 * max(drops):.1f} |",
+        f"| **median** | {100 * statistics.median(c.base for c in curves):.1f} | "
+        + " | ".join(f"**{100 * statistics.median(gains_at[m]):+.1f}**" for m in marks)
+        + f" | {100 * statistics.median(c.accuracy[-1] for c in curves):.1f} | | | | "
+        f"{statistics.fmean(c.step_seconds for c in curves):.1f} | |",
+        f"| **worst** | {100 * min(c.base for c in curves):.1f} | "
+        + " | ".join(f"**{100 * min(gains_at[m]):+.1f}**" for m in marks)
+        + f" | {100 * min(c.accuracy[-1] for c in curves):.1f} | | | | | {100 * max(drops):.1f} |",
         "", "Held-out accuracy (%) against minutes of training, across seeds:", "",
         "| minute | " + " | ".join(f"{m:.1f}" for m in minutes) + " |",
         "| --- |" + " ---: |" * len(minutes),
@@ -82,19 +99,32 @@ def report(curves: list[Curve], command: str) -> str:
     return "\n".join(lines)
 
 
+def reference(curves: list[Curve], command: str) -> dict:
+    """The curves by step across seeds (machine-independent), for `dapo run` summaries to be held to."""
+    common = sorted(set.intersection(*(set(c.steps) for c in curves)))
+    by_step = [[c.accuracy[c.steps.index(k)] for c in curves] for k in common]
+    return {"command": command, "seeds": [c.seed for c in curves], "steps": common,
+            "worst": [min(v) for v in by_step], "median": [statistics.median(v) for v in by_step],
+            "best": [max(v) for v in by_step], "machine": machine(),
+            "minutes_per_step": statistics.fmean(c.minutes[-1] / max(1, c.steps[-1]) for c in curves)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--steps", type=int, default=60, help="learner.total_steps of each run")
+    parser.add_argument("--steps", type=int, default=1000, help="learner.total_steps of each run")
+    parser.add_argument("--minutes", type=float, default=10.0, help="learner.time_limit_minutes of each run")
     parser.add_argument("--preset", default="tiny-cpu")
     parser.add_argument("--set", action="append", default=[], help="extra override for every run (key=value)")
     parser.add_argument("--label", default="learning", help="names the run folders and the README section")
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "bench-learning")
     parser.add_argument("--timeout-minutes", type=float, default=60.0, help="per run")
     parser.add_argument("--report-only", action="store_true", help="rewrite the report from the runs' metrics")
+    parser.add_argument("--reference", action="store_true",
+                        help="write the curves by step beside the shipped model (runs from the shipped model only)")
     args = parser.parse_args()
 
-    overrides = [f"learner.total_steps={args.steps}", *args.set]
+    overrides = [f"learner.total_steps={args.steps}", f"learner.time_limit_minutes={args.minutes}", *args.set]
     folders = {seed: args.out / f"{args.label}-seed{seed}" for seed in args.seeds}
     if args.report_only:
         curves = [read_curve(args.label, seed, folder / "metrics.jsonl") for seed, folder in folders.items()]
@@ -111,7 +141,11 @@ def main() -> None:
     (results / f"{args.label}.json").write_text(json.dumps([c.to_json() for c in curves], indent=1))
     extra = "".join(f" --set {s}" for s in args.set)
     command = (f"python -m benchmarks.learning --seeds {' '.join(map(str, args.seeds))} --steps {args.steps} "
-               f"--preset {args.preset} --label {args.label}{extra}")
+               f"--minutes {args.minutes:g} --preset {args.preset} --label {args.label}{extra}")
+    if args.reference:
+        from services.models import SHIPPED_TINY_REFERENCE
+
+        SHIPPED_TINY_REFERENCE.write_text(json.dumps(reference(curves, command + " --reference"), indent=1) + "\n")
     body = report(curves, command) + f"\n\n![{args.label}](results/{args.label}.png)"
     print(body)
     replace_section(ROOT / "benchmarks" / "README.md", args.label, body)

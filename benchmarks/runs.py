@@ -67,6 +67,14 @@ def first_minute_at(minutes: list[float], accuracy: list[float], target: float) 
     return next((m for m, a in zip(minutes, accuracy) if a >= target - 1e-9), None)
 
 
+def machine() -> str:
+    """The CPU model and the cores this process may use: what a minutes figure was measured on."""
+    cpuinfo = Path("/proc/cpuinfo")
+    names = [line.split(":", 1)[1].strip() for line in cpuinfo.read_text().splitlines()
+             if line.startswith("model name")] if cpuinfo.exists() else []
+    return f"{names[0] if names else 'unknown CPU'}, {len(os.sched_getaffinity(0))} cores"
+
+
 def seed_overrides(seed: int) -> list[str]:
     return [f"data.seed={seed}", f"generator.seed={seed}", f"learner.seed={seed}"]
 

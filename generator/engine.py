@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from generator.vllm_logs import quiet_expected_vllm_records
 from services.config import Settings
 from services.messages import PromptTask, Sample, SamplingParams
 
@@ -241,6 +242,8 @@ class VllmEngine:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if self.settings.generator.in_process_engine else "1"
         from vllm import LLM
 
+        hf_config = json.loads((Path(self.model_dir) / "config.json").read_text())
+        quiet_expected_vllm_records(tied_lm_head=bool(hf_config.get("tie_word_embeddings")))
         started = time.perf_counter()
         self.llm = LLM(**self._engine_kwargs())
         if weights_folder is not None:

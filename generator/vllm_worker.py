@@ -87,6 +87,10 @@ class WeightReloadExtension:
     def reload_weights_from(self, weights_path: str) -> dict:
         from vllm.platforms import current_platform
 
+        from generator.vllm_logs import quiet_expected_vllm_records
+
+        # In this process: the engine's worker may be one of its own (generator.in_process_engine false).
+        quiet_expected_vllm_records(tied_lm_head=self.model_config.hf_config.tie_word_embeddings)
         started = time.perf_counter()
         self.reload_weights(weights_path=weights_path)
         refreshed = []

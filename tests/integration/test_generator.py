@@ -9,6 +9,7 @@ engine process left behind by a SIGKILLed generator.
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import subprocess
@@ -42,6 +43,7 @@ from services.messages import (
     sign_announcement,
 )
 from services.redis_local import connect
+from services.keys import ROLES
 from services.streams import Streams
 from services.weights import WeightPublisher, WeightsError, channel, latest_key, shareable_state_dict, weights_router
 from services.weights_layout import write_version
@@ -65,8 +67,26 @@ def models(tmp_path_factory):
     return base, root / "v1", other_state
 
 
+class Recorded(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record):
+        self.records.append(record)
+
+
 @pytest.fixture(scope="module")
-def engine(models, tmp_path_factory):
+def vllm_records():
+    """Every record vLLM's loggers let through while this module's engine starts, reloads and samples."""
+    recorded, root = Recorded(), logging.getLogger("vllm")
+    root.addHandler(recorded)
+    yield recorded.records
+    root.removeHandler(recorded)
+
+
+@pytest.fixture(scope="module")
+def engine(models, tmp_path_factory, vllm_records):
     base, _, _ = models
     settings = load_settings(
         "tiny-cpu", run_dir=str(tmp_path_factory.mktemp("run")), generator={"max_model_len": 256}
@@ -177,6 +197,17 @@ def test_reload_changes_outputs_and_round_trip_restores_them(engine, models):
     assert [s.token_ids for g in restored for s in g] == [s.token_ids for g in before for s in g]
     for got, want in zip([s for g in restored for s in g], [s for g in before for s in g]):
         assert got.logprobs == pytest.approx(want.logprobs, abs=1e-6)
+
+
+def test_a_healthy_start_and_reload_log_no_traceback_and_no_failed_load(engine, models, vllm_records):
+    """What every generator did before (a chat-template traceback at start, "Failed to load weights" for the
+    rotary embedding and the tied head at every reload) is expected here and left out of the log."""
+    base, other, _ = models
+    engine.reload(other)
+    engine.reload(base)
+    noisy = [r.getMessage() for r in vllm_records
+             if r.exc_info or r.getMessage().endswith("Failed to load weights")]
+    assert noisy == []
 
 
 def test_shared_fs_version_loads_in_place_and_a_bad_shard_leaves_the_old_one_serving(engine, models, settings, short_tmp):
@@ -305,7 +336,7 @@ def service(settings, engine, models):
     settings.generator.tasks_per_batch = 4
     engine.reload(base)  # a fresh generator serves the model folder's weights as version 0
     client = connect(settings)
-    streams = Streams(client, settings)
+    streams = Streams(client, settings, signs_as=ROLES)
     learner_app = create_app("learner", token=settings.token.get_secret_value())
     settings.weights.shard_mb = 0.1  # the 0.5 MB model in several shards
     with ServerThread(learner_app) as learner:
