@@ -22,7 +22,7 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 
 from services.config import Settings
-from services.http import BackgroundServer, create_app
+from services.http import BackgroundServer, create_app, server_options
 from services.messages import PromptTask
 from services.models import model_dir
 from services.redis_local import connect, wait_for_redis
@@ -129,7 +129,7 @@ def main(settings: Settings) -> int:
 
     app = build_app(settings, lambda: holder["worker"])
     http = BackgroundServer(app, settings.generator.host, settings.generator.port,
-                            limit_concurrency=settings.http_max_connections).start(wait_s=30)  # port taken: fail now
+                            **server_options(settings)).start(wait_s=30)  # port taken: fail now
 
     engine = None
     try:

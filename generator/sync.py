@@ -17,6 +17,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from services.config import Settings
+from services.http import client_verify
 from services.messages import WeightsAnnouncement
 from services.streams import run_key, run_prefix
 from services.weights import (
@@ -81,7 +82,7 @@ class WeightSync:
             )
         folder = pull_weights(
             announcement, self.token, self.dir, timeout=self.timeout, concurrency=self.weights.pull_concurrency,
-            cancel=self.cancel,
+            cancel=self.cancel, verify=client_verify(self.settings),
         )
         try:
             check_schema(model_schema(folder), self.expected, self.optional)

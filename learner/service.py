@@ -46,7 +46,7 @@ from learner.workset import WorkingSet
 from services import metrics
 from services.config import Settings
 from services.data import Problem, check_alphabet, load_problems, render_prompt, shared_problems
-from services.http import BackgroundServer, create_app
+from services.http import BackgroundServer, create_app, server_options
 from services.messages import PromptTask, SamplingParams
 from services.models import TINY_NAME, model_dir
 from services.redis_local import connect, wait_for_redis
@@ -203,7 +203,7 @@ class LearnerService:
     def start_http(self) -> None:
         self.http = BackgroundServer(
             self.create_app(), self.cfg.host, self.cfg.port, name="learner-http", lifespan="off",
-            limit_concurrency=self.settings.http_max_connections,
+            **server_options(self.settings),
         ).start(wait_s=30)  # a port already taken fails the start here, not silently in uvicorn's thread
         log.info("learner HTTP on %s:%d (weights at %s)", self.cfg.host, self.cfg.port, self.cfg.public_base_url())
 

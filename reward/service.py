@@ -10,6 +10,7 @@ import time
 import uvicorn
 
 from services.config import Settings
+from services.http import server_options
 from services.redis_local import connect, wait_for_redis
 from services.streams import Streams
 
@@ -57,7 +58,7 @@ def serve(settings: Settings, pool: VerifierPool) -> int:
 
     app = create_reward_app(settings, scorer, ready=ready)
     server = uvicorn.Server(uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="warning",
-                                           limit_concurrency=settings.http_max_connections))
+                                           **server_options(settings)))
 
     # uvicorn handles SIGTERM/SIGINT while it serves, then re-raises the signal to the handler that was there
     # before; with the default handler that would kill us before the worker and the pool are stopped.

@@ -414,6 +414,13 @@ class Settings(BaseSettings):
         256, ge=1, description="Open HTTP connections a service serves at once; uvicorn answers 503 beyond them."
     )
     http_docs: bool = Field(False, description="Serve /docs and /openapi.json (off: they describe every endpoint).")
+    http_tls_certfile: str | None = Field(
+        None, description="HTTPS: the service's certificate chain (PEM file); unset = plain HTTP (docs/deploy.md, TLS)."
+    )
+    http_tls_keyfile: str | None = Field(None, description="HTTPS: the private key of http_tls_certfile (PEM file).")
+    http_tls_ca: str | None = Field(
+        None, description="CA bundle (PEM file) generators trust for the learner's HTTPS; unset = the system's CAs."
+    )
     redis: RedisConfig = RedisConfig()
     streams: StreamsConfig = StreamsConfig()
     model: ModelConfig = ModelConfig()

@@ -8,6 +8,7 @@ read or parsed. Every path needs it except the probes and the scrape (`OPEN_PATH
 `/v1/status` and a generator's `/v1/weights/version` take the token too: they describe the run to whoever asks.
 The probes are async and `/readyz` runs its check on threads of its own (a limiter apart from the shared one), so
 neither waits for the worker threads that synchronous handlers hold. uvicorn answers 503 above `http_max_connections` connections.
+With `http_tls_certfile` (and its key) every service serves HTTPS (`server_options`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import hmac
 import ipaddress
 import logging
 import socket
+import ssl
 import threading
 import time
 from typing import Callable
@@ -29,7 +31,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from services import metrics as _metrics  # noqa: F401  (registers every dapo_* metric)
-from services.config import DEFAULT_TOKEN, ConfigError
+from services.config import DEFAULT_TOKEN, ConfigError, Settings
 
 log = logging.getLogger(__name__)
 
@@ -181,6 +183,17 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def server_options(settings: Settings) -> dict:
+    """uvicorn's options from the settings: the connection limit, and the certificate and key for HTTPS."""
+    return dict(limit_concurrency=settings.http_max_connections, ssl_certfile=settings.http_tls_certfile,
+                ssl_keyfile=settings.http_tls_keyfile)
+
+
+def client_verify(settings: Settings) -> ssl.SSLContext | bool:
+    """What an HTTP client checks a service's certificate against: the CA file http_tls_ca, else the system's CAs."""
+    return ssl.create_default_context(cafile=settings.http_tls_ca) if settings.http_tls_ca else True
+
+
 class BackgroundServer:
     """uvicorn serving `app` from a daemon thread, so the service's own loop keeps the main thread.
 
@@ -191,13 +204,14 @@ class BackgroundServer:
         import uvicorn
 
         self.host, self.port = host, port
+        self.scheme = "https" if config.get("ssl_certfile") else "http"
         self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning",
                                                     limit_concurrency=limit_concurrency, **config))
         self.thread = threading.Thread(target=self.server.run, name=name, daemon=True)
 
     @property
     def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
+        return f"{self.scheme}://{self.host}:{self.port}"
 
     def start(self, wait_s: float = 0.0) -> "BackgroundServer":
         """Start serving; with `wait_s`, block until the socket listens (RuntimeError after that long)."""

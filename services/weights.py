@@ -37,6 +37,7 @@ import json
 import logging
 import os
 import shutil
+import ssl
 import struct
 import tempfile
 import threading
@@ -389,8 +390,10 @@ def pull_weights(
     timeout: float = 60.0,
     concurrency: int = 4,
     cancel: threading.Event | None = None,
+    verify: ssl.SSLContext | bool = True,
 ) -> Path:
     """Download the announced files into `dest_dir/v{version}/`, `concurrency` at a time; return that folder.
+    `verify`: what an HTTPS learner's certificate is checked against (services.http.client_verify).
 
     The bytes stream into a temporary folder and are hashed on the way; the folder is renamed into place only
     if every file's sha256 and size match the announcement, the index names exactly the announced shards and
@@ -403,7 +406,7 @@ def pull_weights(
     tmp = Path(tempfile.mkdtemp(prefix=f"{PULLING_PREFIX}{announcement.version}-", dir=dest_dir))
     started = time.perf_counter()
     try:
-        with httpx.Client(headers={"Authorization": f"Bearer {token}"}, timeout=timeout) as client:
+        with httpx.Client(headers={"Authorization": f"Bearer {token}"}, timeout=timeout, verify=verify) as client:
             _each(concurrency, lambda f: _download(client, announcement, f, tmp, cancel), announcement.files)
         _check_layout(tmp, announcement)
         final = dest_dir / f"v{announcement.version}"
