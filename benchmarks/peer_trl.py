@@ -3,8 +3,10 @@
     pip install -e '.[cpu,bench]'
     python -m benchmarks.peer_trl [--seeds 0 1 2] [--minutes 4] [--systems project trl-small trl-matched]
                                   [--snapshot-seconds 10] [--set key=value ...]  (project overrides)
+                                  [--base tiny.seed=1 ...]  (another base model, for both systems)
 
-Everything but the system is the same: the embedded tiny model (the cached `dapo bootstrap` build), the
+Everything but the system is the same: the embedded tiny model (the shipped one, or with `--base` the build of
+those tiny settings: `dapo bootstrap --set ...` first), the
 synthetic training problems in each seed's order, the prompt text, the verifier and reward rule
 (`reward.verify` + `reward.shaping.shape`: +1/-1 with the soft overlong punishment), the sampling (T = 1,
 top_p = 1, 64 new tokens) and the held-out set (all problems of `data.eval`, `eval_sampling.n` samples each,
@@ -111,18 +113,21 @@ def held_out_accuracy(model, tokenizer, prompts: list[str], answers: list[str], 
 
 
 def run_trl(setting: str, seed: int, minutes: float, preset: str, out: Path,
-            snapshot_seconds: float = SNAPSHOT_SECONDS) -> None:
+            snapshot_seconds: float = SNAPSHOT_SECONDS, base: list[str] = ()) -> None:
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
     from cli.bootstrap import ensure_model
+    from cli.main import parse_overrides
     from learner.service import TrainProblems, data_spec, held_out_problems
     from services.config import load_settings
     from services.data import load_problems, render_prompt
 
-    settings = load_settings(preset, data={"seed": seed})
+    overrides = parse_overrides(list(base))
+    overrides.setdefault("data", {})["seed"] = seed
+    settings = load_settings(preset, **overrides)
     cpus = len(os.sched_getaffinity(0))
     torch.set_num_threads(cpus)  # one process generates and trains in turn: it gets every CPU
     model_dir = ensure_model(settings, progress=False)
@@ -285,12 +290,12 @@ def one_run(system: str, seed: int, args: argparse.Namespace) -> Curve:
     """One system on one seed, run now, or read back from --out with --reuse when it finished before."""
     if system == "project":
         return timed_project_run(system, seed, args.out / f"project-seed{seed}", args.preset, args.minutes,
-                                 args.overrides, args.reuse)
+                                 [*args.base, *args.overrides], args.reuse)
     out = args.out / f"{system}-seed{seed}.json"
     if not (args.reuse and out.exists()):
         cmd = [sys.executable, "-m", "benchmarks.peer_trl", "trl", "--setting", system.removeprefix("trl-"),
                "--seed", str(seed), "--minutes", str(args.minutes), "--preset", args.preset, "--out", str(out),
-               "--snapshot-seconds", str(args.snapshot_seconds)]
+               "--snapshot-seconds", str(args.snapshot_seconds), *(f"--base={b}" for b in args.base)]
         print(f"[{system} seed {seed}] {' '.join(cmd)}", flush=True)
         with open(args.out / f"{system}-seed{seed}.out", "w") as log:
             subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, check=True,
@@ -313,6 +318,7 @@ def main() -> None:
     one.add_argument("--preset", default="tiny-cpu")
     one.add_argument("--out", type=Path, required=True)
     one.add_argument("--snapshot-seconds", type=float, default=SNAPSHOT_SECONDS)
+    one.add_argument("--base", action="append", default=[], help="a setting of the base model (key=value)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--minutes", type=float, default=4.0, help="training minutes of every run")
     parser.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS))
@@ -320,6 +326,8 @@ def main() -> None:
     parser.add_argument("--snapshot-seconds", type=float, default=SNAPSHOT_SECONDS,
                         help="TRL's evaluation cadence in seconds of training (the project's: --set learner.eval_every=K)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], help="project override key=value")
+    parser.add_argument("--base", action="append", default=[],
+                        help="a tiny.* setting that selects another base model, for both systems (key=value)")
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "bench-peer-trl")
     parser.add_argument("--reuse", action="store_true", help="read back the runs that already finished in --out")
     parser.add_argument("--report-only", action="store_true", help="rebuild the report from results/<section>.json")
@@ -329,7 +337,7 @@ def main() -> None:
     if args.snapshot_seconds <= 0:
         parser.error("--snapshot-seconds must be positive")
     if args.command == "trl":
-        run_trl(args.setting, args.seed, args.minutes, args.preset, args.out, args.snapshot_seconds)
+        run_trl(args.setting, args.seed, args.minutes, args.preset, args.out, args.snapshot_seconds, args.base)
         return
 
     stem = args.section.replace("-", "_")
@@ -346,7 +354,7 @@ def main() -> None:
         command = (f"python -m benchmarks.peer_trl --seeds {' '.join(map(str, args.seeds))} --minutes {args.minutes:g}"
                    f" --systems {' '.join(args.systems)} --preset {args.preset}"
                    + (f" --snapshot-seconds {args.snapshot_seconds:g}" if args.snapshot_seconds != SNAPSHOT_SECONDS else "")
-                   + "".join(f" --set {o}" for o in args.overrides)
+                   + "".join(f" --set {o}" for o in args.overrides) + "".join(f" --base {b}" for b in args.base)
                    + (f" --section {args.section}" if args.section != "peer-trl" else ""))
         results_path.write_text(json.dumps({"command": command, "runs": {s: [c.to_json() for c in cs]
                                                                          for s, cs in results.items()}}, indent=1))
