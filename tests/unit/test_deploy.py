@@ -355,6 +355,21 @@ def test_compose_bind_mounts_exist():
 
 
 @pytest.mark.parametrize("paths", [(COMPOSE,), (COMPOSE, COMPOSE_GPU)], ids=["cpu", "gpu"])
+def test_compose_services_run_read_only_without_capabilities(paths):
+    services = _compose_resolved(*paths)["services"]
+    for name in ("bootstrap", *SERVICES, "redis"):
+        service = services[name]
+        assert service["read_only"] is True and service["cap_drop"] == ["ALL"], name
+        assert "no-new-privileges:true" in service["security_opt"], name
+    for name in ("bootstrap", *SERVICES):  # what they write: volumes, and /tmp and $HOME in memory
+        assert {"/tmp", "/home/dapo"} <= set(services[name]["tmpfs"]), name
+        assert "/data/run" in {volume["target"] for volume in services[name]["volumes"]}, name
+        assert "cap_add" not in services[name], name
+    # Redis's entry point needs these to hand /data to the redis user, then drops to it (and them).
+    assert set(services["redis"]["cap_add"]) <= {"CHOWN", "DAC_OVERRIDE", "SETUID", "SETGID"}
+
+
+@pytest.mark.parametrize("paths", [(COMPOSE,), (COMPOSE, COMPOSE_GPU)], ids=["cpu", "gpu"])
 def test_docker_compose_accepts_the_files(paths):
     result = _compose_run(*paths, args=("-q",))
     assert result.returncode == 0, result.stderr
