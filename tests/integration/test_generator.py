@@ -27,6 +27,7 @@ from servers import ServerThread, free_port
 from tiny_qwen import build_model_folder, random_qwen2
 
 from generator.engine import EngineFailure, VllmEngine
+from generator.vllm_logs import RELOAD_LOGGER, WARMUP_LOGGER
 from generator.service import build_app
 from generator.sync import WeightSync
 from generator.worker import RolloutWorker
@@ -43,7 +44,9 @@ from services.messages import (
     sign_announcement,
 )
 from services.redis_local import connect
-from services.keys import ROLES
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from services.keys import ROLES, Signer
 from services.streams import Streams
 from services.weights import WeightPublisher, WeightsError, channel, latest_key, shareable_state_dict, weights_router
 from services.weights_layout import write_version
@@ -62,27 +65,28 @@ def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("models")
     base = build_model_folder(root / "base", seed=0)
     other_state = random_qwen2(seed=1).state_dict()
-    announcement = write_version(root, 1, shareable_state_dict(other_state), 256 * 1024, "http://unused", b"unused")
+    announcement = write_version(root, 1, shareable_state_dict(other_state), 256 * 1024, "http://unused",
+                                 Signer("learner", Ed25519PrivateKey.generate()), "dapo:unused:weights")
     assert len(announcement.files) > 3  # several shards + the index: vLLM must follow the index
     return base, root / "v1", other_state
 
 
-class Recorded(logging.Handler):
-    def __init__(self):
-        super().__init__(logging.DEBUG)
-        self.records: list[logging.LogRecord] = []
-
-    def emit(self, record):
-        self.records.append(record)
-
-
 @pytest.fixture(scope="module")
 def vllm_records():
-    """Every record vLLM's loggers let through while this module's engine starts, reloads and samples."""
-    recorded, root = Recorded(), logging.getLogger("vllm")
-    root.addHandler(recorded)
-    yield recorded.records
-    root.removeHandler(recorded)
+    """What the two vLLM loggers that used to fill every generator log let through (past their filters, to their
+    handlers) while this module's engine starts, reloads and samples. Recorded at `Logger.callHandlers`: vLLM
+    reconfigures its loggers' handlers when an engine starts."""
+    records: list[logging.LogRecord] = []
+    call_handlers = logging.Logger.callHandlers
+
+    def recording(logger, record):
+        if logger.name in (WARMUP_LOGGER, RELOAD_LOGGER):
+            records.append(record)
+        call_handlers(logger, record)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(logging.Logger, "callHandlers", recording)
+        yield records
 
 
 @pytest.fixture(scope="module")
@@ -435,7 +439,7 @@ def test_worker_versions_sync_refusals_and_late_join(service, engine, models):
         good = publisher.announcement(1)
         bad_shard = good.files[0].model_copy(update={"sha256": "ab" * 32})  # one shard's checksum is wrong
         forged = sign_announcement(good.model_copy(update={"version": 3, "files": [bad_shard, *good.files[1:]]}),
-                                   publisher.key)
+                                   publisher.signer, channel(publisher.prefix))
         client.set(latest_key(publisher.prefix), forged.model_dump_json())
         client.publish(channel(publisher.prefix), forged.model_dump_json())
         answer = httpx.post(f"{url}/v1/weights/sync", headers=auth, timeout=120)
