@@ -19,6 +19,7 @@ import hashlib
 import itertools
 import logging
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -165,11 +166,7 @@ class EmbeddedRedis:
 
     def start(self, timeout: float = 30.0) -> "EmbeddedRedis":
         self.data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-        try:  # before anything in the folder is touched: two servers on one AOF would split the run
-            lock = take_lock(self.data_dir / DATA_LOCK)
-        except LockHeld as held:
-            raise Unavailable(f"the embedded Redis data folder {self.data_dir} is in use by another server "
-                              f"({held.holder}); stop it, or choose another redis.embedded_dir") from None
+        lock = self._lock_data_dir(timeout)  # before anything in the folder is touched
         if self.socket_path.parent != self.data_dir:
             _private_dir(self.socket_path.parent)
         conf = self.data_dir / CONF_FILE  # the password stays off the command line (ps) and out of shared files
@@ -219,6 +216,21 @@ class EmbeddedRedis:
                  self.fsync, self.maxmemory_mb)
         return self
 
+    def _lock_data_dir(self, timeout: float):
+        """The data folder's lock (two servers on one AOF would split the run); Unavailable, naming the holder,
+        while another server serves the folder. A dead server's lock may outlive it for a moment in a child it
+        forked (an AOF rewrite), which is waited for, up to `timeout`."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                return take_lock(self.data_dir / DATA_LOCK)
+            except LockHeld as held:
+                server = re.match(r"redis-server pid (\d+) ", held.holder)
+                if server is None or _running(int(server.group(1))) or time.monotonic() > deadline:
+                    raise Unavailable(f"the embedded Redis data folder {self.data_dir} is in use by another server "
+                                      f"({held.holder}); stop it, or choose another redis.embedded_dir") from None
+            time.sleep(0.1)
+
     def stop(self, kill: bool = False) -> None:
         """Stop the server: SIGTERM lets it flush the AOF; `kill=True` simulates a crash (SIGKILL)."""
         if self.process is None or self.process.poll() is not None:
@@ -235,6 +247,16 @@ class EmbeddedRedis:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's
+        pass
+    return True
 
 
 def _private_dir(folder: Path) -> None:

@@ -362,3 +362,23 @@ def test_children_and_the_embedded_redis_die_with_a_sigkilled_launcher(tmp_path)
         for pid in (child, server):
             if alive(pid):
                 os.kill(pid, signal.SIGKILL)
+
+
+def test_a_dead_servers_lock_held_by_its_forked_child_is_waited_for(tmp_path):
+    """A killed redis-server's AOF-rewrite child keeps the data folder's lock (an inherited descriptor) for a
+    moment: the restart waits for it rather than refusing; a live holder is refused at once (test above)."""
+    from services.redis_local import DATA_LOCK, EmbeddedRedis
+
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    data = tmp_path / "redis"
+    data.mkdir()
+    holder = (f"import fcntl, time\nlock = open({str(data / DATA_LOCK)!r}, 'a+')\nfcntl.flock(lock, fcntl.LOCK_EX)\n"
+              f"lock.write('redis-server pid {gone.pid} started by pid 1 on host at now\\n'); lock.flush()\n"
+              "print('held', flush=True)\ntime.sleep(1.5)\n")
+    child = subprocess.Popen([sys.executable, "-c", holder], stdout=subprocess.PIPE, text=True)
+    assert child.stdout.readline() == "held\n"
+    started = time.monotonic()
+    with EmbeddedRedis(data) as server:
+        assert server.alive() and time.monotonic() - started >= 0.5
+    child.wait()
