@@ -221,7 +221,7 @@ def test_hub_id_resolves_from_the_local_cache(small_model, tmp_path, monkeypatch
 
 @pytest.mark.slow
 def test_default_tiny_model_through_vllm(monkeypatch):
-    """The default model (built once, then cached): vLLM loads it, its tokenizer round-trips prompts, it
+    """The default model (the shipped one): vLLM loads it, its tokenizer round-trips prompts, it
     samples with per-token logprobs, and its held-out accuracy at temperature 1 lies in the wide band that
     leaves RL room (measured over 300 problems x 4 samples; the documented number is in docs/tiny-model.md)."""
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))
