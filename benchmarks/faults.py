@@ -8,7 +8,8 @@ catches up, the same generator killed again) only show when they happen to the s
 models once, which is what lets 12 kills fit the budget of 2 shared cores.
 
 Kills. `dapo run --generators 2` (one reward worker, the learner, the embedded redis-server) is started with a
-token made here (so this script can sign messages like a service) and its own Redis prefix. Then 3 rounds, each
+token made here and its own Redis prefix; this script reads the run's role keys (run_dir/keys), so it can sign
+messages as any role, as an insider holding a stolen key would. Then 3 rounds, each
 killing a generator (the one holding the most prompt tasks then, waiting up to 60 s for one to hold any), the
 reward worker, the learner and redis-server, in that order (SIGKILL of the process itself, not its group: what a
 crash or the OOM killer does). Each kill waits for a step completed since the
@@ -22,8 +23,14 @@ For each kill it measures, from the moment of the kill:
 
 Bad messages, written into the streams while the run goes on (one wave at the start of each round): poison
 prompts (signed, schema-valid, but no engine can serve them), malformed entries (signed garbage, an unknown
-schema_version, an entry without payload), and forged ones (wrong key, no signature, a genuine group tampered
-with, groups and prompts with made-up task ids signed with the real token, so only provenance can refuse them).
+schema_version, an entry without payload), and forged ones (no signature, a genuine group tampered with, groups
+and prompts with made-up task ids signed with the real keys, so only provenance can refuse them), and the
+attacks on the roles (services/keys.py): a `scored` group of a real issued task signed with a generator's key, a
+task signed with the reward role's key, messages under a retired key id (a key the run does not trust: replayed
+after a rotation removed it). Each wave also has the generator's Redis user (its password read from the run's
+redis.conf, as a compromised generator pod holds it) try commands outside its ACL (services/redis_users.py):
+write `scored`, read `issued`, overwrite the weights announcement, FLUSHALL, CONFIG SET, a script writing
+`scored`; every one must be refused.
 
 Counting, after the run (the pure part is `analyze`, unit-tested on synthetic inputs): the final ledger.jsonl
 (steps 1..N each once, no task id trained twice); every ledger row seen while polling (steps cut back and
@@ -80,6 +87,15 @@ class Injection:
     task_id: str | None = None  # the task id inside, when it has one
     real_task: bool = False  # names a task the learner really issued (its genuine group is trained, rightly)
     at: float = 0.0
+
+
+@dataclass
+class AclAttempt:
+    """One Redis command a role's user tried outside its ACL, and whether the server refused it."""
+
+    role: str
+    command: str
+    refused: bool
 
 
 @dataclass
@@ -168,7 +184,7 @@ def match_dead(dead: list[dict], injections: list[Injection]) -> tuple[list[tupl
 
 
 def analyze(final: list[dict], seen: list[dict], metrics_rows: list[dict], dead: list[dict],
-            injections: list[Injection], kills: list[Kill]) -> dict:
+            injections: list[Injection], kills: list[Kill], acl_attempts: list[AclAttempt]) -> dict:
     ledger = ledger_check(final)
     pairs, unmatched = match_dead(dead, injections)
     trained_ever = {task for row in [*final, *seen] for task in row.get("trained", [])}
@@ -220,10 +236,38 @@ def analyze(final: list[dict], seen: list[dict], metrics_rows: list[dict], dead:
         "dead_letters": len(dead),
         "dead_reasons": dict(Counter(r.get("reason", "").split(":", 1)[0] for r in dead)),
         "per_kind": per_kind,
+        "acl_attempts": len(acl_attempts),
+        "acl_accepted": sorted({f"{a.role}: {a.command}" for a in acl_attempts if not a.refused}),
     }
 
 
 # -- the live part -------------------------------------------------------------------------------------------
+def outside_acl(client, role: str, streams) -> list[AclAttempt]:
+    """Try, as `role`'s Redis user (`client`), the commands a compromised generator would: each one is recorded
+    with whether the server refused it (NOPERM). Writes nothing the run uses when refused."""
+    import redis
+
+    key = streams.key
+    tries = {
+        "XADD scored": lambda: client.xadd(key("scored"), {"data": b"forged", "sig": b"-"}),
+        "HGET issued (ground truth)": lambda: client.hgetall(key("issued")),
+        "SET weights:latest": lambda: client.set(key("weights:latest"), b"{}"),
+        "EVAL XADD scored": lambda: client.eval("return redis.call('XADD', KEYS[1], '*', 'data', 'x')", 1,
+                                                key("scored")),
+        "FLUSHALL": lambda: client.execute_command("FLUSHALL"),
+        "CONFIG SET appendonly no": lambda: client.execute_command("CONFIG", "SET", "appendonly", "no"),
+        "DEBUG SLEEP": lambda: client.execute_command("DEBUG", "SLEEP", "0"),
+    }
+    attempts = []
+    for command, attempt in tries.items():
+        try:
+            attempt()
+            attempts.append(AclAttempt(role, command, refused=False))
+        except redis.exceptions.NoPermissionError:
+            attempts.append(AclAttempt(role, command, refused=True))
+    return attempts
+
+
 def children_of(pid: int) -> dict[int, str]:
     """pid -> command line of the direct children of `pid` (from /proc)."""
     found = {}
@@ -286,6 +330,7 @@ class Faults:
         self.run_dir = Path(args.run_dir).resolve()
         self.token = "faults-" + uuid.uuid4().hex
         self.injections: list[Injection] = []
+        self.acl_attempts: list[AclAttempt] = []
         self.kills: list[Kill] = []
         self.seen: dict[tuple, dict] = {}  # every ledger row ever read
         self.timeline: list[tuple[float, int]] = []
@@ -372,6 +417,13 @@ class Faults:
 
         return EmbeddedRedis(self.run_dir / "redis").url
 
+    def generator_client(self):
+        """A client as the run's generator Redis user (its password from the server's redis.conf)."""
+        from services.redis_local import EmbeddedRedis, client_for, saved_password
+
+        server = EmbeddedRedis(self.run_dir / "redis")
+        return client_for(f"unix://generator:{saved_password(server.data_dir, 'generator')}@{server.socket_path}")
+
     # -- kills -----------------------------------------------------------------------------------------------
     def kill(self, round_: int, kind: str, name: str) -> Kill:
         """Wait for a step beyond the one the previous kill happened at, then the round's phase of a step; SIGKILL.
@@ -427,21 +479,27 @@ class Faults:
         if self._streams is None:
             from services.config import load_settings
             from services.redis_local import client_for
+            from services.keys import ROLES
             from services.streams import Streams
 
-            settings = load_settings(self.args.preset, token=self.token, redis={"run": RUN_NAME})
+            settings = load_settings(self.args.preset, token=self.token, run_dir=str(self.run_dir),
+                                     redis={"run": RUN_NAME})
             client = client_for(self.redis_url())
-            self._streams = (Streams(client, settings), settings)
+            self._streams = (Streams(client, settings, signs_as=ROLES), settings)
         return self._streams
 
     def inject(self, wave: int) -> None:
         """One wave of poison, malformed and forged messages (15 entries)."""
+        from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+        from services.keys import ROLES, SIGNER_OF, Signer
         from services.messages import (PromptTask, RolloutGroup, Sample, SamplingParams, Score, ScoredGroup,
-                                       from_wire, signing_key, sign, to_wire)
+                                       from_wire, to_wire)
 
         streams, settings = self.streams()
         r = streams.redis
-        outsider = signing_key("a-guess", RUN_NAME)
+        # Keys of the right roles whose ids the run does not trust: what a rotation retired (or nobody issued).
+        retired = {role: Signer(role, Ed25519PrivateKey.generate()) for role in ROLES}
         s = settings.sampling
         sampling = SamplingParams(n=s.n, temperature=s.temperature, top_p=s.top_p, max_tokens=s.max_tokens)
 
@@ -464,8 +522,10 @@ class Faults:
             self.injections.append(Injection(kind, label, stream, expect, digest(fields.get(b"data", b"")),
                                              task_id, real_task, time.time()))
 
-        def signed(stream: str, payload: bytes, key: bytes | None = None) -> dict:
-            return {b"data": payload, b"sig": sign(key or streams.hmac_key, streams.key(stream), payload)}
+        def signed(stream: str, payload: bytes, signer: Signer | None = None) -> dict:
+            """Signed by `signer`, by default the key of the role that signs `stream` (the run's own)."""
+            signer = signer or streams.signers[SIGNER_OF[stream]]
+            return {b"data": payload, b"sig": signer.sign(streams.key(stream), payload)}
 
         def task_entry(kind, label, expect, task: PromptTask) -> None:
             write(kind, label, "prompts", expect, signed("prompts", to_wire(task)), task.task_id)
@@ -491,13 +551,13 @@ class Faults:
         write("malformed", "garbage bytes (scored)", "scored", "unparseable ScoredGroup", signed("scored", garbage))
         write("malformed", "entry without a payload (scored)", "scored", "forged: no signature",
               {b"other": uuid.uuid4().hex.encode()})
-        # Forged: without the token, or with it but for tasks the learner never issued.
+        # Forged: without a trusted key, with another role's key, or with the right key for tasks never issued.
         fake = made_up("forged")
         write("forged", "scored group, unknown task id, signed", "scored", "provenance: unknown task id",
               signed("scored", to_wire(group(fake))), fake.task_id)
         fake = made_up("forged")
-        write("forged", "scored group, wrong key", "scored", "forged: bad HMAC",
-              signed("scored", to_wire(group(fake)), outsider), fake.task_id)
+        write("forged", "scored group, under a retired kid", "scored", "forged: key id",
+              signed("scored", to_wire(group(fake)), retired["reward"]), fake.task_id)
         fake = made_up("forged")
         write("forged", "scored group, no signature", "scored", "forged: no signature",
               {b"data": to_wire(group(fake))}, fake.task_id)
@@ -505,18 +565,25 @@ class Faults:
         task_entry("forged", "prompt with a made-up task id, signed (through the pipeline)",
                    "provenance: unknown task id", fake)
         fake = made_up("forged")
-        write("forged", "prompt, wrong key", "prompts", "forged: bad HMAC",
-              signed("prompts", to_wire(fake), outsider), fake.task_id)
+        write("forged", "prompt, under a retired kid", "prompts", "forged: key id",
+              signed("prompts", to_wire(fake), retired["learner"]), fake.task_id)
         fake = made_up("forged")
-        write("forged", "rollout group, wrong key", "rollouts", "forged: bad HMAC",
-              signed("rollouts", to_wire(group(fake).rollout), outsider), fake.task_id)
+        write("forged", "rollout group, under a retired kid", "rollouts", "forged: key id",
+              signed("rollouts", to_wire(group(fake).rollout), retired["generator"]), fake.task_id)
+        fake = made_up("forged")
+        write("forged", "prompt signed with the reward role's key", "prompts", "forged: signed by the reward role",
+              signed("prompts", to_wire(fake), streams.signers["reward"]), fake.task_id)
         # A genuine issued task's group, altered after signing: refused on its bytes (its real group trains).
         issued = [(k, v) for k, v in r.hscan_iter(streams.key("issued"), count=100) if k.startswith(b"train-")]
         if issued:
             task = from_wire(PromptTask, issued[-1][1])
             genuine, tampered = to_wire(group(task)), to_wire(group(task.model_copy(update={"ground_truth": "-1"})))
-            write("forged", "issued task's group, tampered after signing", "scored", "forged: bad HMAC",
+            write("forged", "issued task's group, tampered after signing", "scored", "forged: bad signature",
                   {b"data": tampered, b"sig": signed("scored", genuine)[b"sig"]}, task.task_id, real_task=True)
+            write("forged", "issued task's group, signed with a generator's key", "scored",
+                  "forged: signed by the generator role", signed("scored", genuine, streams.signers["generator"]),
+                  task.task_id, real_task=True)
+        self.acl_attempts += outside_acl(self.generator_client(), "generator", streams)
         print(f"[faults] wave {wave}: {len(self.injections)} bad messages written so far", flush=True)
 
     # -- the end ---------------------------------------------------------------------------------------------
@@ -568,6 +635,9 @@ def report(result: dict) -> str:
     bad = sum(v["injected"] for v in a["injections"].values())
     ok = sum(v["dead_as_expected"] for v in a["injections"].values())
     row("every bad message dead-lettered with its exact reason", f"{ok} of {bad}", ok == bad)
+    row("0 Redis commands outside a role's ACL accepted",
+        f"{len(a['acl_accepted'])} of {a['acl_attempts']}" + (f" ({', '.join(a['acl_accepted'])})" if a["acl_accepted"] else ""),
+        not a["acl_accepted"] and a["acl_attempts"] > 0)
     row("no process left behind by a killed one", f"{len(result['orphans'])} left", not result["orphans"])
     lines += ["", "Work redone after each kill (seconds from the SIGKILL; the median step took "
               f"{metrics_['median_step_s']:.1f} s in this run):", "",
@@ -658,7 +728,7 @@ def main(argv: list[str] | None = None) -> int:
     final = read_rows(faults.run_dir / "ledger.jsonl")
     dead = faults.dead_letters()
     analysis = analyze(final, list(faults.seen.values()), read_rows(faults.run_dir / "metrics.jsonl"), dead,
-                       faults.injections, faults.kills)
+                       faults.injections, faults.kills, faults.acl_attempts)
     load_end = os.getloadavg()
     result = {
         "command": faults.command,
@@ -670,6 +740,7 @@ def main(argv: list[str] | None = None) -> int:
                        f"start, {load_end[0]:.1f} at the end)."),
         "kills": [asdict(k) for k in faults.kills],
         "injections": [asdict(i) for i in faults.injections],
+        "acl_attempts": [asdict(a) for a in faults.acl_attempts],
         "dead_letters": [{k: v for k, v in row.items() if k != "data"} for row in dead],
         "orphans": orphans,
         "analysis": analysis,

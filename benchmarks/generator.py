@@ -45,6 +45,7 @@ from services.config import load_settings  # noqa: E402
 from services.http import BackgroundServer, create_app, free_port  # noqa: E402
 from services.messages import PromptTask, RolloutGroup, SamplingParams  # noqa: E402
 from services.redis_local import EmbeddedRedis, connect  # noqa: E402
+from services.keys import ROLES
 from services.streams import Streams  # noqa: E402
 from services.weights import WeightPublisher, check_schema, model_schema, pull_weights, weights_router  # noqa: E402
 
@@ -87,7 +88,7 @@ def bench_service(settings, engine, model_dir, prompts, sampling: SamplingParams
     settings = settings.model_copy(deep=True)
     settings.redis.run = run
     client = connect(settings)
-    streams = Streams(client, settings)
+    streams = Streams(client, settings, signs_as=ROLES)
     source, sink = streams.stream("prompts", PromptTask), streams.stream("rollouts", RolloutGroup)
     for i, ids in enumerate(prompts):
         source.produce(PromptTask(prompt_id=f"p{i}", prompt="", prompt_token_ids=ids, ground_truth="0", sampling=sampling))
@@ -194,7 +195,7 @@ def bench_live_sync(settings, engine, model_dir, rounds: int) -> dict:
     settings.redis.run = "live-sync"
     client = connect(settings)
     server, publisher = serve_weights(settings, client)
-    worker = RolloutWorker(settings, engine, Streams(client, settings), WeightSync(settings, model_dir, client, "live"), "live")
+    worker = RolloutWorker(settings, engine, Streams(client, settings, signs_as=ROLES), WeightSync(settings, model_dir, client, "live"), "live")
     thread = threading.Thread(target=worker.run, daemon=True)
     thread.start()
     while not worker.ready:

@@ -120,6 +120,7 @@ def run_worker(pool, groups, workers: int) -> float:
     from services.config import load_settings
     from services.messages import PromptTask, RolloutGroup, Sample, SamplingParams, to_wire
     from services.redis_local import EmbeddedRedis, client_for
+    from services.keys import ROLES
     from services.streams import ISSUED, Streams
 
     with tempfile.TemporaryDirectory(prefix="dapo-bench-") as tmp, EmbeddedRedis(Path(tmp) / "redis") as server:
@@ -130,7 +131,7 @@ def run_worker(pool, groups, workers: int) -> float:
             reward={"workers": workers},
             streams={"high_water": 100_000},
         )
-        streams = Streams(client_for(server.url), settings)
+        streams = Streams(client_for(server.url), settings, signs_as=ROLES)
         rollouts = streams.stream("rollouts", RolloutGroup)
         for index, (truth, samples) in enumerate(groups):
             task = PromptTask(task_id=f"g{index}", prompt_id="p", prompt="q", ground_truth=truth,

@@ -23,6 +23,7 @@ import redis
 from services.config import load_settings
 from services.messages import PromptTask, RolloutGroup, Sample, from_wire, to_wire
 from services.redis_local import EmbeddedRedis, client_for
+from services.keys import ROLES
 from services.streams import Streams
 
 
@@ -95,7 +96,7 @@ def main() -> None:
             url = f"redis://:{server.password}@127.0.0.1:{port}/0"
             client = client_for(url)
             settings = load_settings("tiny-cpu", redis={"url": url, "run": "bench"})
-            streams = Streams(client, settings)
+            streams = Streams(client, settings, signs_as=ROLES)
             raw, service = [], []
             for _ in range(args.rounds):  # interleaved rounds, so drift hits both paths alike
                 raw.append(bench_raw(client, payload, args.groups))

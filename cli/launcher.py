@@ -20,7 +20,9 @@ whole life, which names its holder; a second one on the same folder exits 69 nam
 Children die with the launcher: each gets SIGTERM when it dies, even by SIGKILL (PR_SET_PDEATHSIG, Linux), and
 the embedded redis-server holds a lock on its data folder that a second server is refused (naming the holder).
 Secrets: without a configured token the run makes a random one; children get it, the Redis URL and password in
-their environment, and `launch-config.yaml` (the settings they read) is written without them, mode 0600.
+their environment, and `launch-config.yaml` (the settings they read) is written without them, mode 0600. The
+embedded server has a Redis user per role with a password made for this run: each child's URL is its role's user
+(services/redis_users.py). The run's role keys (services/keys.py) are made once under run_dir/keys.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Callable
+from typing import IO, Callable, Mapping
 
 from rich.console import Console
 from rich.live import Live
@@ -49,8 +51,10 @@ from learner.lease import EXIT_FENCED, INSTANCE_ENV
 from learner.records import METRICS_FILE, read_rows
 from services.config import DEFAULT_TOKEN, Settings, dump_settings, without_password
 from services.http import free_port
+from services.keys import ROLES, Role, create_keys, keys_dir
 from services.models import SHIPPED_TINY_REFERENCE, shipped_tiny_applies
 from services.redis_local import EmbeddedRedis, embedded_server
+from services.redis_users import REDIS_USERS
 from services.startup import (
     EXIT_DATA_ERROR, EXIT_FILE_ENV, LockHeld, Unavailable, die_with_parent, recorded_exit, take_lock,
 )
@@ -236,15 +240,16 @@ def _has_gpu() -> bool:
     return torch.cuda.is_available()
 
 
-def service_children(settings: Settings, config_path: Path, redis_url: str, generators: int, reward_workers: int,
-                     learner_port: int, learner_procs: int = 1, cpus: CpuPlan | None = None) -> list[Child]:
-    """The service processes of a run, each on its CPUs with matching threads when `cpus` is given."""
+def service_children(settings: Settings, config_path: Path, redis_urls: Mapping[Role, str], generators: int,
+                     reward_workers: int, learner_port: int, learner_procs: int = 1,
+                     cpus: CpuPlan | None = None) -> list[Child]:
+    """The service processes of a run, each on its CPUs with matching threads when `cpus` is given, each with its
+    role's Redis URL (`redis_urls`: the role's own user in an embedded run) and no other role's."""
     run_dir = Path(settings.run_dir)
     base_env = {
         **{k: v for k, v in os.environ.items() if k != EXIT_FILE_ENV},  # `dapo run`'s own, if it has one
         # The secrets: not in the config file (dump_settings without_secrets).
         "DAPO_TOKEN": settings.token.get_secret_value(),
-        "DAPO_REDIS__URL": redis_url,
         **({"DAPO_REDIS__PASSWORD": settings.redis.password.get_secret_value()} if settings.redis.password else {}),
         # Every service needs it: the learner serves there, generators send their token nowhere else.
         "DAPO_LEARNER__PUBLIC_URL": f"http://127.0.0.1:{learner_port}",
@@ -254,11 +259,11 @@ def service_children(settings: Settings, config_path: Path, redis_url: str, gene
     }
     python = [sys.executable, "-m", "cli"]
 
-    def child(name: str, service: str, **env: str) -> Child:
-        return Child(name, python + [service, "--config", str(config_path)], {**base_env, **env},
-                     run_dir / "logs" / f"{name}.log")
+    def child(name: str, service: Role, **env: str) -> Child:
+        return Child(name, python + [service, "--config", str(config_path)],
+                     {**base_env, "DAPO_REDIS__URL": redis_urls[service], **env}, run_dir / "logs" / f"{name}.log")
 
-    learner_env = {**base_env, "DAPO_LEARNER__PORT": str(learner_port), "DAPO_LEARNER__HOST": "127.0.0.1",
+    learner_env = {**base_env, "DAPO_REDIS__URL": redis_urls["learner"], "DAPO_LEARNER__PORT": str(learner_port), "DAPO_LEARNER__HOST": "127.0.0.1",
                    # one lease identity for every restart of this run's learner: a restart after a crash takes the
                    # run back at once, a learner of another launcher still waits (learner/lease.py)
                    INSTANCE_ENV: f"{socket.gethostname()}-launcher{os.getpid()}-{secrets.token_hex(4)}",
@@ -428,18 +433,22 @@ def main(settings: Settings, generators: int = 1, reward_workers: int = 1, learn
     if not redis_url:
         redis_server = embedded_server(settings)
         redis_server.password = secrets.token_hex(24)  # a new one per run, handed to the services in their environment
+        # a user per role (services/redis_users.py), each child gets its own; the default user keeps no dangerous command
+        redis_server.users = {user: secrets.token_hex(24) for user in REDIS_USERS}
         redis_server.die_with_parent = True  # a killed launcher leaves no server on the run's data
         redis_url = redis_server.start().url
     if settings.token.get_secret_value() == DEFAULT_TOKEN:
         settings.token = secrets.token_urlsafe(32)  # this run's own: no process or file carries the placeholder
     config_path = write_launch_config(settings, run_dir)
+    create_keys(keys_dir(settings))  # the role keys of the run (services/keys.py), made once, kept for a resume
+    redis_urls = {role: redis_server.role_url(role) if redis_server else redis_url for role in ROLES}
 
     cpus = cores.plan(settings.cpus, generators, reward_workers)
     console.print("CPUs: " + ", ".join(f"{name} {cpu_list}" for name, cpu_list in cpus.describe().items()))
     if cpus.oversubscribed():
         console.print(f"[yellow]CPUs {cpus.oversubscribed()} each run more than one compute thread: fewer "
                       f"generators, or more CPUs, would run faster[/]")
-    children = service_children(settings, config_path, redis_url, generators, reward_workers, free_port(),
+    children = service_children(settings, config_path, redis_urls, generators, reward_workers, free_port(),
                                 learner_procs, cpus)
     write_service_map(children, redis_url, run_dir / "services.json")
     interrupted, gave_up = False, None

@@ -97,7 +97,7 @@ def hand_back_previous(client, settings: Settings, name: str) -> int:
     """Tasks a dead generator of this name held: handed back now, before this one's engine starts (a minute or
     more), so a live generator serves them at once instead of after the visibility timeout. The launcher and a
     pod keep the name across restarts; a delivery is counted either way (reclaimed here, or recovered later)."""
-    handed = Streams(client, settings).stream("prompts", PromptTask).release_all(name)
+    handed = Streams(client, settings, signs_as=("generator",)).stream("prompts", PromptTask).release_all(name)
     if handed:
         log.info("handed back %d tasks a previous %s held (to whichever generator is up first)", handed, name)
     return handed
@@ -135,7 +135,7 @@ def main(settings: Settings) -> int:
     try:
         sync = WeightSync(settings, folder, client, name)
         engine = VllmEngine(folder, settings)
-        worker = RolloutWorker(settings, engine, Streams(client, settings), sync, name)
+        worker = RolloutWorker(settings, engine, Streams(client, settings, signs_as=("generator",)), sync, name)
         holder["worker"] = worker
         signal.signal(signal.SIGTERM, on_signal)
         signal.signal(signal.SIGINT, on_signal)

@@ -19,7 +19,8 @@ from urllib.parse import urlsplit
 from services.config import Settings
 from services.http import client_verify
 from services.messages import WeightsAnnouncement
-from services.streams import run_key, run_prefix
+from services.keys import load_keyring
+from services.streams import run_prefix
 from services.weights import (
     AnnouncementWatcher,
     WeightsError,
@@ -55,15 +56,15 @@ class WeightSync:
         self.optional = tied_aliases(model_dir)
         self.redis = redis_client
         self.prefix = run_prefix(settings)
-        self.key = run_key(settings)
+        self.keyring = load_keyring(settings)
         # The only place this generator sends its token to: the configured learner, whatever Redis says.
         self.learner_url = settings.learner.public_base_url()
-        self.watcher = AnnouncementWatcher(redis_client, self.prefix, self.key, poll_s=settings.generator.sync_poll_s)
+        self.watcher = AnnouncementWatcher(redis_client, self.prefix, self.keyring, poll_s=settings.generator.sync_poll_s)
         self.cancel = threading.Event()  # set when the generator stops: a download under way ends at its next chunk
 
     def latest(self) -> WeightsAnnouncement | None:
         """Read the latest key now (and tell the watcher)."""
-        announcement = latest_announcement(self.redis, self.prefix, self.key)
+        announcement = latest_announcement(self.redis, self.prefix, self.keyring)
         self.watcher.offer(announcement)
         return announcement
 

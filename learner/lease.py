@@ -2,7 +2,7 @@
 write checkpoints into the same run (a second `dapo learner`, or a pod left running on a partitioned node while
 its replacement starts: `strategy: Recreate` does not cover that).
 
-The lease is the Redis key `learner-lease` of the run (`Streams.key`), holding the holder's instance,
+The lease is the Redis key `learner-lease` of the run (under `streams.run_prefix`), holding the holder's instance,
 `identity@host:pid`, with a TTL of `learner.lease_ttl_s`. The identity is random, or `$DAPO_LEARNER_INSTANCE`: a
 supervisor that restarts its own learner gives every restart the same one, so that a restart after a crash can
 take its predecessor's lease back at once instead of one TTL later.
@@ -40,7 +40,7 @@ import redis
 from services.config import Settings
 from services.redis_local import connect, retry_redis
 from services.startup import Unavailable, record_exit
-from services.streams import Streams
+from services.streams import run_prefix
 
 log = logging.getLogger(__name__)
 
@@ -128,7 +128,7 @@ class LearnerLease:
         self.interval_s = self.ttl_s / 6
         # One attempt per command within one renewal interval: a renewal must fail in time, not retry past the TTL.
         self.redis = connect(settings, reply_timeout_s=self.interval_s, retrying=False)
-        self.key = Streams(self.redis, settings).key(LEASE_KEY)  # the owner of the run's key names
+        self.key = run_prefix(settings) + LEASE_KEY  # streams.run_prefix: the owner of the run's key names
         self.run = settings.redis.run
         self.identity = identity()
         self.instance = f"{self.identity}@{socket.gethostname()}:{os.getpid()}"

@@ -169,7 +169,7 @@ class LearnerService:
         self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
         Records.write_config(self.settings)
         self.redis = connect(self.settings)
-        self.streams = Streams(self.redis, self.settings)
+        self.streams = Streams(self.redis, self.settings, signs_as=("learner",))
         self.work = WorkingSet(self.streams, self.assembler, lambda: self.policy.current)
         self.publisher = WeightPublisher(self.settings, self.redis, self.cfg.public_base_url())
         self.check_held_budget()
@@ -438,7 +438,7 @@ class LearnerService:
     def ensure_monotonic_version(self) -> None:
         """Generators may have been told of any version announced in Redis or published in the weights folder (a
         Redis that lost its last writes forgot the newest): the restored policy is published after all of them."""
-        announced = latest_announcement(self.redis, self.streams.prefix, self.publisher.key)
+        announced = latest_announcement(self.redis, self.streams.prefix, self.publisher.keyring)
         newest = max([*self.publisher.versions(), *([announced.version] if announced else [])], default=-1)
         if newest > self.policy.current:
             log.warning(

@@ -42,7 +42,7 @@ def serve(settings: Settings, pool: VerifierPool) -> int:
         log.error("reward: %s", pool.broken)
         return 1
     scorer = Scorer(pool, cfg)
-    worker = RewardWorker(settings, scorer, Streams(connect(settings), settings))
+    worker = RewardWorker(settings, scorer, Streams(connect(settings), settings, signs_as=("reward",)))
     thread = threading.Thread(target=worker.run, name="reward-worker", daemon=True)
     thread.start()
 

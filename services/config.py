@@ -88,6 +88,21 @@ class RedisConfig(Section):
     )
 
 
+class KeysConfig(Section):
+    """The role keys that sign the wire (services/keys.py)."""
+
+    dir: str | None = Field(
+        None, description="Key folder of a local run: private/{role}.key (0600) and public/ (default run_dir/keys)."
+    )
+    public_dir: str | None = Field(
+        None, description="Folder of the trusted public keys, one {role}-{id}.pub each (default: keys.dir/public)."
+    )
+    private_key: SecretStr | None = Field(
+        None, description="This process's role key (base64 Ed25519) from its role's Secret as DAPO_KEYS__PRIVATE_KEY; "
+        "unset: keys.dir/private/{role}.key."
+    )
+
+
 class StreamsConfig(Section):
     high_water: int = Field(2048, description="Back-pressure: a producer waits while a stream holds this many.")
     produce_timeout_s: float = Field(600.0, description="How long a producer waits above high water, then fails.")
@@ -422,6 +437,7 @@ class Settings(BaseSettings):
         None, description="CA bundle (PEM file) generators trust for the learner's HTTPS; unset = the system's CAs."
     )
     redis: RedisConfig = RedisConfig()
+    keys: KeysConfig = KeysConfig()
     streams: StreamsConfig = StreamsConfig()
     model: ModelConfig = ModelConfig()
     tiny: TinyModelConfig = TinyModelConfig()

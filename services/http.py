@@ -55,7 +55,8 @@ MIN_TOKEN_DISTINCT = 8
 
 def check_token(token: str, host: str) -> None:
     """Refuse to serve on a reachable address with the presets' placeholder token (anyone could change state) or a
-    weak one: every signature in Redis lets its reader test guesses of the token offline."""
+    weak one that a client on the network can guess (the token guards the weights and every endpoint that changes
+    state; the wire's signatures use the role keys of services/keys.py, not the token)."""
     if is_loopback(host):
         return
     if token == DEFAULT_TOKEN:

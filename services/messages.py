@@ -6,26 +6,29 @@ float32 bytes (`to_wire` / `from_wire`). That is about 8 bytes per sampled token
 
 Every message carries `schema_version`; a consumer rejects any other version to the dead stream.
 
-Provenance: stream entries, dead letters and weight announcements are signed with an HMAC-SHA256 (`sign`,
-`verify`) under a key derived from the shared token and the run name (`signing_key`), so nothing signed for one
-run verifies in another. What is signed is a list of fields, each length-prefixed (`framed`), the first naming
-what it is (a stream key, the dead stream's key, `weights-announcement`): no re-split of the fields, splice or
-shift of bytes between them gives the same signed bytes. The signature travels next to the payload (the stream
-field `sig`, the announcement's `signature`), so the payload schema, and `schema_version`, are unchanged.
+Provenance: stream entries, dead letters and weight announcements are signed with the key of the role that
+produced them (services/keys.py: Ed25519, a key id in every signature, verifiers hold public keys only). What is
+signed is a list of fields, each length-prefixed (`services.keys.framed`), the first naming what it is (a stream
+key, the dead stream's key, the run's weights channel): no re-split of the fields, splice or shift of bytes
+between them, nor a replay into another stream or run, gives the same signed bytes. The signature travels next to
+the payload (the stream field `sig`, the announcement's `signature`), so the payload schema, and
+`schema_version`, are unchanged.
 """
 
 from __future__ import annotations
 
-import functools
-import hashlib
-import hmac
 import time
 import uuid
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import msgpack
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, SerializationInfo, field_serializer, field_validator
+
+from services.keys import SIGNER_OF
+
+if TYPE_CHECKING:
+    from services.keys import Keyring, Signer
 
 SCHEMA_VERSION = 1
 
@@ -174,57 +177,24 @@ class WeightsAnnouncement(BaseModel):
         min_length=1, description="The HF sharded layout: model-0000k-of-0000N.safetensors + model.safetensors.index.json."
     )
     published_at: float = Field(default_factory=time.time)
-    signature: str = Field("", description="HMAC-SHA256 of the other fields (`sign_announcement`); empty = unsigned.")
-
-
-ANNOUNCEMENT_CONTEXT = "weights-announcement"
-SIGNING_VERSION = "dapo-hmac-v2"
-# scrypt's cost (2^14 x 8 x 128 B = 16 MiB, about 0.1 s, once per process and run): every signature in Redis lets
-# its reader test guesses of the token offline, each guess costs this much.
-SCRYPT_COST = {"n": 2**14, "r": 8, "p": 1}
-
-
-def framed(*fields: str | bytes | int) -> bytes:
-    """Fields as one unambiguous byte string: each as its length (8 bytes, big-endian) then its bytes (a str as
-    UTF-8, an int in decimal, as Redis stores it). No other list of fields gives the same bytes."""
-    out = bytearray()
-    for field in fields:
-        data = field if isinstance(field, bytes) else str(field).encode()
-        out += len(data).to_bytes(8, "big") + data
-    return bytes(out)
-
-
-@functools.lru_cache(maxsize=16)
-def signing_key(token: str, run: str) -> bytes:
-    """The HMAC key of one run's stream entries, dead letters and announcements: scrypt of the shared token, salted
-    with the run name. Never the token itself (a signature reveals nothing usable as a bearer token), and another
-    run's key even with the same token (its signatures do not verify here)."""
-    return hashlib.scrypt(token.encode(), salt=framed(SIGNING_VERSION, run), dklen=32, **SCRYPT_COST)
-
-
-def sign(key: bytes, context: str, *fields: str | bytes | int) -> str:
-    """HMAC-SHA256 of `fields` bound to `context` (a stream key, the dead stream's, ANNOUNCEMENT_CONTEXT), so a
-    signature made for one place or kind of message does not verify in another."""
-    return hmac.new(key, framed(context, *fields), hashlib.sha256).hexdigest()
-
-
-def verify(key: bytes, signature: str, context: str, *fields: str | bytes | int) -> bool:
-    # Bytes, not str: compare_digest raises TypeError on a non-ASCII str, and a signature is whatever the wire held.
-    return hmac.compare_digest(sign(key, context, *fields).encode(), signature.encode(errors="replace"))
+    signature: str = Field(
+        "", description="The learner's signature of the other fields, `{kid}:{base64}` (`sign_announcement`); empty = unsigned."
+    )
 
 
 def _announcement_bytes(announcement: WeightsAnnouncement) -> bytes:
     return announcement.model_dump_json(exclude={"signature"}).encode()
 
 
-def sign_announcement(announcement: WeightsAnnouncement, key: bytes) -> WeightsAnnouncement:
-    return announcement.model_copy(
-        update={"signature": sign(key, ANNOUNCEMENT_CONTEXT, _announcement_bytes(announcement))}
-    )
+def sign_announcement(announcement: WeightsAnnouncement, signer: "Signer", context: str) -> WeightsAnnouncement:
+    """The announcement signed by the learner's key under `context` (the run's weights channel: bound to the run)."""
+    return announcement.model_copy(update={"signature": signer.sign(context, _announcement_bytes(announcement))})
 
 
-def announcement_signed(announcement: WeightsAnnouncement, key: bytes) -> bool:
-    return verify(key, announcement.signature, ANNOUNCEMENT_CONTEXT, _announcement_bytes(announcement))
+def announcement_refusal(announcement: WeightsAnnouncement, keyring: "Keyring", context: str) -> str | None:
+    """Why the announcement is not the learner's for this run (None: it is)."""
+    return keyring.refusal(announcement.signature, SIGNER_OF["weights"], "weight announcements", context,
+                           _announcement_bytes(announcement))
 
 
 def to_wire(message: BaseModel) -> bytes:

@@ -3,7 +3,9 @@
 The embedded server listens on a unix socket inside the run folder (or, when that path would be too long for a
 socket, at a short private path derived from it), so every process of a local run (the launcher and the services
 it starts) finds the same server from the same settings. It requires a password,
-generated per run and kept in `redis.conf` (mode 0600) in its data folder; clients get it in the URL. Its memory
+generated per run and kept in `redis.conf` (mode 0600) in its data folder; clients get it in the URL. Given role
+passwords (`users`, from `dapo run`), it also has the role users of services/redis_users.py, and the default user
+(the launcher's) loses the dangerous commands; each service gets its own user's URL (`role_url`). Its memory
 is bounded: `maxmemory` (redis.embedded_maxmemory_mb) with the policy `noeviction`, so a full server refuses
 writes (OOM errors) rather than grow until the machine kills it or evict the run's state.
 
@@ -36,6 +38,7 @@ from redis.retry import Retry
 from tenacity import retry, retry_if_exception_type, stop_after_delay, wait_exponential
 
 from services.config import RedisConfig, Settings
+from services.redis_users import OPERATOR_RULES, role_lines, user_line
 from services.startup import LockHeld, Unavailable, die_with_parent, take_lock
 
 log = logging.getLogger(__name__)
@@ -135,7 +138,8 @@ class EmbeddedRedis:
     """
 
     def __init__(self, data_dir: str | os.PathLike, aof: bool = True, port: int = 0, fsync: str = "everysec",
-                 password: str | None = None, maxmemory_mb: int = RedisConfig.model_fields["embedded_maxmemory_mb"].default):
+                 password: str | None = None, maxmemory_mb: int = RedisConfig.model_fields["embedded_maxmemory_mb"].default,
+                 users: dict[str, str] | None = None):
         self.data_dir = Path(data_dir).resolve()
         self.aof = aof
         self.fsync = fsync
@@ -143,6 +147,7 @@ class EmbeddedRedis:
         self.port = port  # 0 = unix socket only; a TCP port when containers or other hosts must reach it
         # The password of a server of this folder that is still running, else the given or a new one.
         self.password = password or saved_password(self.data_dir) or secrets.token_hex(24)
+        self.users = users  # role -> password (services/redis_users.py); None: the default user only, unrestricted
         self.process: subprocess.Popen | None = None
         self.die_with_parent = False  # SIGTERM to the server when the process that started it dies (the launcher)
 
@@ -161,6 +166,12 @@ class EmbeddedRedis:
         """The URL with the password: hand it over in the environment, never write it to a shared file."""
         return f"unix://:{self.password}@{self.socket_path}"
 
+    def role_url(self, role: str) -> str:
+        """The URL of a role's user, with its password: for that role's processes only."""
+        if not self.users or role not in self.users:
+            raise ValueError(f"this embedded server has no Redis user {role!r}")
+        return f"unix://{role}:{self.users[role]}@{self.socket_path}"
+
     def alive(self) -> bool:
         return self.process is not None and self.process.poll() is None
 
@@ -172,7 +183,11 @@ class EmbeddedRedis:
         conf = self.data_dir / CONF_FILE  # the password stays off the command line (ps) and out of shared files
         conf.touch(mode=0o600)
         conf.chmod(0o600)
-        conf.write_text(f"requirepass {self.password}\n")
+        if self.users:
+            lines = [user_line("default", self.password, OPERATOR_RULES), *role_lines(self.users)]
+        else:
+            lines = [f"requirepass {self.password}"]
+        conf.write_text("\n".join(lines) + "\n")
         args = [
             redis_server_binary(),
             str(conf),
@@ -303,13 +318,19 @@ def wait_for_redis(settings: Settings) -> None:
             client.close()
 
 
-def saved_password(data_dir: Path) -> str | None:
-    """The password in an embedded server's `redis.conf` (readable by its owner only), if there is one."""
+def saved_password(data_dir: Path, user: str = "default") -> str | None:
+    """The password of `user` in an embedded server's `redis.conf` (readable by its owner only), if there is one."""
     try:
-        line = (data_dir / CONF_FILE).read_text().strip()
+        lines = (data_dir / CONF_FILE).read_text().splitlines()
     except OSError:
         return None
-    return line.split(" ", 1)[1] if line.startswith("requirepass ") else None
+    for line in lines:
+        words = line.split()
+        if user == "default" and words[:1] == ["requirepass"] and len(words) == 2:
+            return words[1]
+        if words[:2] == ["user", user]:  # `user NAME reset resetchannels on >PASSWORD ...` (services/redis_users.py)
+            return next((word[1:] for word in words if word.startswith(">")), None)
+    return None
 
 
 def embedded_server(settings: Settings) -> EmbeddedRedis:

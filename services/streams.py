@@ -14,11 +14,14 @@ learner). The life of a message:
    consumer still owns the input: a slow consumer whose message was reclaimed cannot write a second result.
    Acknowledged entries are deleted, so the stream length is exactly the backlog.
 
-Provenance: every entry carries `sig`, an HMAC-SHA256 of its stream key and payload under the run's key (derived
-from the shared token and the run name: `run_key`, `services.messages.sign`), written by the producer and checked
-on every read, so a process that can reach Redis but does not know the token cannot inject or alter work, nor
-move an entry to another stream or run. A dead letter's `sig` covers every field of the letter (stream, entry id,
-delivery count, reason, payload...) each length-prefixed, so none can be re-split, swapped or left out.
+Provenance: every entry carries `sig`, the signature of its stream key and payload by the key of the role that
+signs that stream (services/keys.py: SIGNER_OF, `{kid}:{signature}`), written by the producer and checked on every
+read against the keyring, so a process that can reach Redis but holds no key cannot inject or alter work, nor move
+an entry to another stream or run, and a generator's key cannot write a `scored` group nor a reward worker's a
+task. A dead letter's `sig` covers every field of the letter (stream, entry id, delivery count, reason,
+payload...) each length-prefixed, so none can be re-split, swapped or left out; it is the key of the role that
+consumes the stream the letter names (DEAD_LETTER_SIGNER_OF). A `Streams` signs only as the roles it is opened
+for (a service: its own).
 
 Every Redis call retries with exponential backoff while the server is unreachable (the client is a
 `services.redis_local.RetryingRedis`), so a Redis restart (with AOF) pauses consumers instead of killing them;
@@ -34,7 +37,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Generic, Iterator, TypeVar
+from typing import Collection, Generic, Iterator, TypeVar
 
 import msgpack
 import redis
@@ -42,7 +45,8 @@ from pydantic import BaseModel
 
 from services import metrics
 from services.config import Settings, StreamsConfig
-from services.messages import from_wire, sign, signing_key, to_wire, verify
+from services.keys import DEAD_LETTER_SIGNER_OF, SIGNER_OF, KeysError, Role, Signer, load_keyring, load_signer
+from services.messages import from_wire, to_wire
 from services.redis_local import retrying
 
 log = logging.getLogger(__name__)
@@ -139,16 +143,12 @@ class Stream(Generic[M]):
         self._reclaim_from: bytes | str = "0-0"  # where the next scan of the pending entries starts
 
     def signature(self, payload: bytes) -> str:
-        return sign(self.streams.hmac_key, self.key, payload)
+        return self.streams.signer(SIGNER_OF[self.name], f"entries of {self.name}").sign(self.key, payload)
 
     def forged(self, fields: dict) -> str | None:
-        """Why an entry's signature does not check out (None when it does)."""
-        signature = fields.get(SIG)
-        if not signature:
-            return "forged: no signature"
-        if not verify(self.streams.hmac_key, signature.decode(errors="replace"), self.key, fields.get(FIELD, b"")):
-            return "forged: bad HMAC signature (tampered, or written without the shared token)"
-        return None
+        """Why an entry's signature does not show that the role which signs this stream wrote it (None: it does)."""
+        return self.streams.keyring.refusal(fields.get(SIG), SIGNER_OF[self.name], self.name, self.key,
+                                            fields.get(FIELD, b""))
 
     # -- producing -------------------------------------------------------------------------------------
     def _ensure_group(self) -> None:
@@ -448,20 +448,24 @@ def run_prefix(settings: Settings) -> str:
     return f"dapo:{settings.redis.run}:"
 
 
-def run_key(settings: Settings) -> bytes:
-    """The run's signing key (stream entries, dead letters, weight announcements): built here only."""
-    return signing_key(settings.token.get_secret_value(), settings.redis.run)
-
-
 class Streams:
     """The run's streams and keys, all under `run_prefix`."""
 
-    def __init__(self, client: redis.Redis, settings: Settings):
+    def __init__(self, client: redis.Redis, settings: Settings, signs_as: Collection[Role]):
+        """`signs_as`: the roles whose keys this process holds (a service: its own role; services/keys.py)."""
         self.redis = retrying(client)
         self.cfg = settings.streams
         self.prefix = run_prefix(settings)
-        self.hmac_key = run_key(settings)
+        self.keyring = load_keyring(settings)
+        self.signers = {role: load_signer(settings, role, self.keyring) for role in signs_as}
         self.dead_dir = Path(settings.run_dir) / "dead-letters"
+
+    def signer(self, role: Role, what: str) -> Signer:
+        """This process's key of `role`, to sign `what`; KeysError if it does not hold it."""
+        if role not in self.signers:
+            raise KeysError(f"only the {role} role signs {what}: this process holds the keys of "
+                            f"{', '.join(self.signers) or 'no role'}")
+        return self.signers[role]
 
     def key(self, *parts: str) -> str:
         return self.prefix + ":".join(parts)
@@ -489,21 +493,32 @@ class Streams:
         return {FIELD: b"", b"payload_sha256": digest, b"payload_bytes": len(payload), b"payload_file": str(path)}
 
     def dead_letter_signature(self, letter: dict) -> str:
-        """HMAC of every field of a dead letter. The learner acts on dead letters (it stops waiting for the task one
-        names), so it must know a service wrote this letter, as it reads, not anyone who can write to Redis."""
-        return sign(self.hmac_key, self.key("dead"), *_dead_letter_fields(letter))
+        """The signature of every field of a dead letter, by the role that consumes the stream it names. The learner
+        acts on dead letters (it stops waiting for the task one names), so it must know that role wrote this
+        letter, as it reads, not anyone who can write to Redis or holds another role's key."""
+        stream = letter[b"stream"]
+        return self.signer(DEAD_LETTER_SIGNER_OF[stream], f"dead letters of {stream}").sign(
+            self.key("dead"), *_dead_letter_fields(letter))
+
+    def dead_letter_refusal(self, fields: dict) -> str | None:
+        """Why a dead letter read back was not written by the role that consumes the stream it names (None: it was)."""
+        stream = fields.get(b"stream", b"").decode(errors="replace")
+        if stream not in DEAD_LETTER_SIGNER_OF:
+            return f"forged: a dead letter of an unknown stream {stream[:80]!r}"
+        return self.keyring.refusal(fields.get(SIG), DEAD_LETTER_SIGNER_OF[stream], f"dead letters of {stream}",
+                                    self.key("dead"), *_dead_letter_fields(fields))
 
     def dead_letters_after(self, cursor: str, count: int = 1000) -> tuple[str, list[tuple[str, dict]]]:
         """Dead letters added after entry id `cursor` ("0-0": all), oldest first, as (entry id, raw fields), and
-        the cursor to read on from; letters not signed by a service of this run are skipped (and logged)."""
+        the cursor to read on from; letters not signed by the role that consumes their stream are skipped (logged)."""
         letters = []
         for eid, fields in self.redis.xrange(self.key("dead"), min=f"({cursor}", max="+", count=count):
             cursor = eid.decode()
-            signature = fields.get(SIG, b"").decode(errors="replace")
-            if verify(self.hmac_key, signature, self.key("dead"), *_dead_letter_fields(fields)):
+            refusal = self.dead_letter_refusal(fields)
+            if refusal is None:
                 letters.append((cursor, fields))
             else:
-                log.warning("ignoring dead letter %s: not signed by a service of this run", cursor)
+                log.warning("ignoring dead letter %s: %s", cursor, refusal)
         return cursor, letters
 
     def last_dead_letter_id(self) -> str:

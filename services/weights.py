@@ -11,10 +11,10 @@ Learner side (`WeightPublisher`, `weights_router`):
     all behind the shared bearer token. A version the server cannot read (a disk error, a garbled file) is a 500
     with the error's type, not a 404: generators must not take a fault of the server for a pruned version.
 
-Announcements are signed (`services.messages.sign_announcement`, HMAC under the run's key, derived from the shared
-token and the run name: another run's announcement does not verify); `parse_announcement` refuses an unsigned or
-badly signed one, so a process that can write to Redis but does not know the token cannot point generators (and
-their bearer token) at its own URL. Generators also pull only from the configured learner URL (generator/sync.py).
+Announcements are signed by the learner's key (`services.messages.sign_announcement`, Ed25519, services/keys.py)
+under the run's channel name (another run's announcement does not verify); `parse_announcement` refuses an
+unsigned one, or one signed by any other key (a worker's, a retired one), so a process that can write to Redis
+but holds no learner key cannot point generators (and their bearer token) at its own URL. Generators also pull only from the configured learner URL (generator/sync.py).
 
 Generator side (`latest_announcement`, `AnnouncementWatcher`, `pull_weights`, `check_shared`, `check_schema`):
     learn of versions from pub/sub plus the latest key (late joiners, missed messages). HTTP: download the files
@@ -51,9 +51,10 @@ import torch
 from fastapi import APIRouter, HTTPException
 from fastapi.responses import StreamingResponse
 
-from services.messages import WeightsAnnouncement, WeightsFile, announcement_signed
+from services.keys import Keyring, load_keyring, load_signer
+from services.messages import WeightsAnnouncement, WeightsFile, announcement_refusal
 from services.redis_local import retrying
-from services.streams import run_key, run_prefix
+from services.streams import run_prefix
 from services.weights_layout import (
     ANNOUNCEMENT_FILE,
     CHUNK,
@@ -219,7 +220,8 @@ class WeightPublisher:
         self.shard_bytes = int(cfg.shard_mb * 1024 * 1024)
         self.redis = retrying(redis_client)
         self.prefix = run_prefix(settings)
-        self.key = run_key(settings)
+        self.keyring = load_keyring(settings)
+        self.signer = load_signer(settings, "learner", self.keyring)
         self.base_url = base_url.rstrip("/")
         self._lock = threading.Lock()
         self._served: dict[int, float] = {}  # version -> when a generator last asked for it or a download ended
@@ -231,7 +233,8 @@ class WeightPublisher:
         # Written into a temporary folder renamed at the end: downloads of older versions go on meanwhile (a 32B
         # version takes minutes to write); only the prune must not remove a folder a download is opening.
         announcement = write_version(
-            self.dir, version, tensors, self.shard_bytes, f"{self.base_url}/v1/weights/{version}", self.key
+            self.dir, version, tensors, self.shard_bytes, f"{self.base_url}/v1/weights/{version}", self.signer,
+            channel(self.prefix),
         )
         with self._lock:
             self._prune(keep_also=version)
@@ -363,24 +366,24 @@ def weights_router(publisher: WeightPublisher) -> APIRouter:
 
 
 # -- generator side -----------------------------------------------------------------------------------------
-def parse_announcement(raw: bytes | str, key: bytes) -> WeightsAnnouncement | None:
-    """An announcement read from Redis, or None (logged) if it is malformed or not signed with `key`."""
+def parse_announcement(raw: bytes | str, keyring: Keyring, streams_or_prefix) -> WeightsAnnouncement | None:
+    """An announcement read from Redis, or None (logged) if it is malformed or not signed by a learner key of the
+    keyring for this run."""
     try:
         announcement = WeightsAnnouncement.model_validate_json(raw)
     except ValueError:
         log.error("ignoring a malformed weights announcement: %r", raw[:200])
         return None
-    if not announcement_signed(announcement, key):
-        log.error("refusing a weights announcement with a bad signature (v%d at %s)", announcement.version,
-                  announcement.url)
+    if refusal := announcement_refusal(announcement, keyring, channel(streams_or_prefix)):
+        log.error("refusing a weights announcement (v%d at %s): %s", announcement.version, announcement.url, refusal)
         return None
     return announcement
 
 
-def latest_announcement(redis_client, streams_or_prefix, key: bytes) -> WeightsAnnouncement | None:
+def latest_announcement(redis_client, streams_or_prefix, keyring: Keyring) -> WeightsAnnouncement | None:
     """The announcement in `dapo:{run}:weights:latest`; None if nothing was published, or it is garbled or forged."""
     raw = retrying(redis_client).get(latest_key(streams_or_prefix))
-    return parse_announcement(raw, key) if raw else None
+    return parse_announcement(raw, keyring, streams_or_prefix) if raw else None
 
 
 def pull_weights(
@@ -500,10 +503,10 @@ class AnnouncementWatcher:
     than `version` is known. Pub/sub messages can be lost (reconnects), the key poll makes that harmless.
     """
 
-    def __init__(self, redis_client, streams_or_prefix, key: bytes, poll_s: float = 5.0):
+    def __init__(self, redis_client, streams_or_prefix, keyring: Keyring, poll_s: float = 5.0):
         self.redis = retrying(redis_client)
         self.prefix = _prefix(streams_or_prefix)
-        self.key = key
+        self.keyring = keyring
         self.poll_s = poll_s
         self.newest: WeightsAnnouncement | None = None
         self._changed = threading.Condition()
@@ -511,7 +514,7 @@ class AnnouncementWatcher:
         self._thread: threading.Thread | None = None
 
     def start(self) -> "AnnouncementWatcher":
-        self.offer(latest_announcement(self.redis, self.prefix, self.key))
+        self.offer(latest_announcement(self.redis, self.prefix, self.keyring))
         self._thread = threading.Thread(target=self._run, name="weights-watcher", daemon=True)
         self._thread.start()
         return self
@@ -542,13 +545,13 @@ class AnnouncementWatcher:
                 if pubsub is None:
                     pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
                     pubsub.subscribe(channel(self.prefix))
-                    self.offer(latest_announcement(self.redis, self.prefix, self.key))  # anything missed while away
+                    self.offer(latest_announcement(self.redis, self.prefix, self.keyring))  # anything missed while away
                 message = pubsub.get_message(timeout=min(1.0, self.poll_s))
                 if message and message.get("type") == "message":
-                    self.offer(parse_announcement(message["data"], self.key))
+                    self.offer(parse_announcement(message["data"], self.keyring, self.prefix))
                 if time.monotonic() >= next_poll:
                     next_poll = time.monotonic() + self.poll_s
-                    self.offer(latest_announcement(self.redis, self.prefix, self.key))
+                    self.offer(latest_announcement(self.redis, self.prefix, self.keyring))
             except Exception as err:  # Redis restart or network: resubscribe after a pause
                 log.warning("weights watcher: %s; resubscribing", err)
                 if pubsub is not None:

@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save
 
+from services.keys import Signer
 from services.messages import WeightsAnnouncement, WeightsFile, sign_announcement
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -55,9 +56,10 @@ def shard_name(index: int, count: int) -> str:
 
 
 def write_version(
-    root: Path, version: int, tensors: dict[str, torch.Tensor], shard_bytes: int, url: str, key: bytes
+    root: Path, version: int, tensors: dict[str, torch.Tensor], shard_bytes: int, url: str, signer: Signer,
+    context: str,
 ) -> WeightsAnnouncement:
-    """Write `root/v{version}/` (shards, index, announcement signed under `key`) atomically; returns the
+    """Write `root/v{version}/` (shards, index, announcement signed by `signer` under `context`, the run's weights channel) atomically; returns the
     announcement.
 
     Each shard is serialized in memory, hashed from those bytes (no read back), written and fsynced.
@@ -81,7 +83,7 @@ def write_version(
         files.append(WeightsFile(name=INDEX_FILE, sha256=hashlib.sha256(index_bytes).hexdigest(), size=len(index_bytes)))
         announcement = sign_announcement(WeightsAnnouncement(
             version=version, sha256=files_digest(files), size=sum(f.size for f in files), url=url, files=files
-        ), key)
+        ), signer, context)
         write_atomic(tmp / ANNOUNCEMENT_FILE, announcement.model_dump_json().encode())
         fsync_dir(tmp)
         final = root / f"v{version}"

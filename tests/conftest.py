@@ -18,6 +18,7 @@ os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from services.config import load_settings  # noqa: E402
+from services.keys import create_keys, keys_dir  # noqa: E402
 from services.redis_local import EmbeddedRedis  # noqa: E402
 
 KINDS = ("unit", "integration", "e2e")
@@ -57,10 +58,12 @@ def redis_server(short_tmp):
 
 @pytest.fixture
 def settings(redis_server, short_tmp):
-    """Test settings: the tiny preset, the embedded Redis, short timeouts."""
-    return load_settings(
+    """Test settings: the tiny preset, the embedded Redis, short timeouts, the run's role keys made."""
+    settings = load_settings(
         "tiny-cpu",
         run_dir=os.path.join(short_tmp, "run"),
         redis={"url": redis_server.url, "run": "test"},
         streams={"visibility_timeout_s": 1.0, "block_ms": 100, "high_water": 64, "max_deliveries": 3},
     )
+    create_keys(keys_dir(settings))
+    return settings

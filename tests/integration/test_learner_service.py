@@ -22,7 +22,6 @@ from pathlib import Path
 import msgpack
 import pytest
 import torch
-from pydantic import SecretStr
 
 from learner.batch import Push, task_id_of
 from learner.checkpoint_layout import CHECKPOINTS, STOPPED, recorded_stop
@@ -33,7 +32,8 @@ from services.config import load_settings
 from services.data import Problem
 from services.http import free_port
 from services.messages import PromptTask, RolloutGroup, Sample, SamplingParams, Score, ScoredGroup, to_wire
-from services.streams import Streams
+from services.keys import ROLES
+from services.streams import Streams, _dead_letter_fields
 from services.weights import latest_key
 
 REPO = Path(__file__).resolve().parents[2]
@@ -179,6 +179,11 @@ def test_a_resume_does_not_draw_again_the_problems_issued_after_the_checkpoint(s
     assert fresh.train_problems.next().id == issued[0]
 
 
+def reward_stream(service, settings):
+    """The `scored` stream as a reward worker writes it (signed with the reward role's key)."""
+    return Streams(service.redis, settings, signs_as=("reward",)).stream("scored", ScoredGroup)
+
+
 def learner_that_issued(settings) -> tuple[LearnerService, PromptTask]:
     """A connected learner service that pushed one task (recorded in `issued`, then produced; counted in flight)."""
     service = LearnerService(settings)
@@ -193,13 +198,13 @@ def learner_that_issued(settings) -> tuple[LearnerService, PromptTask]:
 
 
 def test_learner_trains_only_groups_it_issued_and_that_match(settings):
-    """Forged scored groups (unknown task id, bad HMAC, a rollout that does not fit its task) are dead-lettered
+    """Forged scored groups (unknown task id, bad signature, a rollout that does not fit its task) are dead-lettered
     with the exact reason and never reach the batch; the genuine group does."""
     service, issued = learner_that_issued(settings)
     assert service.work.issued_task("train-1") == issued
     assert service.redis.hexists(service.streams.key(ISSUED), "train-1")
 
-    scored = service.work.scored
+    scored = reward_stream(service, settings)
     made_up = issued.model_copy(update={"task_id": "train-made-up"})
     scored.produce(scored_group(made_up, [True, False]))
     other_prompt = issued.model_copy(update={"prompt_token_ids": [7, 8]})
@@ -215,7 +220,7 @@ def test_learner_trains_only_groups_it_issued_and_that_match(settings):
 
     reasons = [d["reason"] for d in reversed(service.streams.dead_letters())]
     assert reasons == [  # the signature is checked on reading, before the learner looks at the group
-        "forged: bad HMAC signature (tampered, or written without the shared token)",
+        f"forged: bad signature under {scored.streams.signers['reward'].kid} (tampered, or not signed with that key)",
         "provenance: unknown task id 'train-made-up' (not issued by this run's learner)",
         "provenance: task train-1 does not match the task as issued (differs in prompt_token_ids)",
     ]
@@ -242,12 +247,13 @@ def test_only_dead_letters_a_service_signed_make_a_task_lost(settings):
     letter = {b"stream": b"prompts", b"entry_id": b"1-0", b"reason": b"delivered 4 times (max 3)",
               b"deliveries": b"4", b"data": to_wire(tasks[0])}
     service.redis.xadd(dead_key, letter)  # unsigned
-    outsider = Streams(service.redis, settings.model_copy(update={"token": SecretStr("a-guess")}))
-    service.redis.xadd(dead_key, {**letter, b"data": to_wire(tasks[1]), b"sig": outsider.dead_letter_signature(
-        {**letter, b"data": to_wire(tasks[1])})})
-    prompts = service.streams.stream("prompts", PromptTask)
+    # signed, by a role that does not consume `prompts` (the reward worker's key): not the generators' word
+    outsider = Streams(service.redis, settings, signs_as=("reward",))
+    body = {**letter, b"stream": b"prompts", b"data": to_wire(tasks[1])}
+    service.redis.xadd(dead_key, {**body, b"sig": outsider.signer("reward", "test").sign(dead_key, *_dead_letter_fields(body))})
+    prompts = Streams(service.redis, settings, signs_as=("generator",)).stream("prompts", PromptTask)
     (delivery,) = [d for d in prompts.consume("gen", count=10, block_ms=0) if d.message.task_id == "train-2"]
-    prompts.dead(delivery.id, delivery.payload, "engine failure on this task alone: test")  # a service's own
+    prompts.dead(delivery.id, delivery.payload, "engine failure on this task alone: test")  # a generator's own
     service.work.scan_dead_letters()
     assert sorted(service.assembler.in_flight) == ["train-0", "train-1"]
     assert service.assembler.stats.lost == 1
@@ -261,7 +267,7 @@ def test_no_re_split_splice_or_replay_of_a_signed_dead_letter_makes_a_task_lost(
     service = LearnerService(settings)
     service.connect()
     victims = issue_tasks(service, 2)
-    prompts = service.streams.stream("prompts", PromptTask)
+    prompts = Streams(service.redis, settings, signs_as=("generator",)).stream("prompts", PromptTask)
     service.redis.xadd(prompts.key, {b"data": b"junk\n" + to_wire(victims[0])})  # unsigned: dead-lettered as forged
     assert [d.message.task_id for d in prompts.consume("gen", count=10, block_ms=0)] == ["train-0", "train-1"]
     dead_key = service.streams.key("dead")
@@ -279,7 +285,7 @@ def test_no_re_split_splice_or_replay_of_a_signed_dead_letter_makes_a_task_lost(
         {**genuine, b"data": to_wire(victims[1])},
     ]
     other = Streams(service.redis, settings.model_copy(update={"redis": settings.redis.model_copy(
-        update={"run": "other-run"})}))  # the same token: its letters are genuine there, not here
+        update={"run": "other-run"})}), signs_as=ROLES)  # the same token: its letters are genuine there, not here
     other_prompts = other.stream("prompts", PromptTask)
     other_prompts.dead("1-0", to_wire(victims[1]), "delivered 4 times (max 3)", 4)
     variants += [fields for _, fields in service.redis.xrange(other.key("dead"))]
@@ -309,7 +315,7 @@ def test_a_dead_letter_whose_payload_went_to_a_file_still_names_its_task(setting
     service = LearnerService(settings)
     service.connect()
     issue_tasks(service, 1)
-    prompts = service.streams.stream("prompts", PromptTask)
+    prompts = Streams(service.redis, settings, signs_as=("generator",)).stream("prompts", PromptTask)
     (delivery,) = prompts.consume("gen", count=10, block_ms=0)
     prompts.dead(delivery.id, delivery.payload, "engine failure on this task alone: test")
     (letter,) = service.streams.dead_letters()
@@ -343,7 +349,7 @@ def test_a_group_whose_samples_the_trainer_cannot_use_is_refused_and_its_task_gi
     service, issued = learner_that_issued(settings)
     short = scored_group(issued, [True, False])
     short.rollout.samples[0].logprobs.pop()
-    service.work.scored.produce(short)
+    reward_stream(service, settings).produce(short)
     service.work.pump()
     service.work.scan_dead_letters()
     (dead,) = service.streams.dead_letters()
@@ -356,7 +362,7 @@ def test_a_signed_group_of_its_own_task_with_the_wrong_number_of_samples_gives_t
     """The generator that took the prompt answered it with n=3 samples for n=2 (version skew, an engine fault): no
     other group of the task will come, so the learner must not wait for one (an evaluation's drain would hang)."""
     service, issued = learner_that_issued(settings)
-    service.work.scored.produce(scored_group(issued, [True, False, False]))
+    reward_stream(service, settings).produce(scored_group(issued, [True, False, False]))
     service.work.pump()
     service.work.scan_dead_letters()
     (dead,) = service.streams.dead_letters()
@@ -370,14 +376,14 @@ def test_a_signed_group_outside_the_bounds_is_dead_lettered_before_it_is_held(se
     service, issued = learner_that_issued(settings)
     huge = scored_group(issued, [True, False])
     huge.rollout.samples[1].token_ids[0] = 10**9
-    service.work.scored.produce(huge)
+    reward_stream(service, settings).produce(huge)
     long = scored_group(issued, [True, False])
     long.rollout.samples[0].token_ids[:] = [1] * 1002
     long.rollout.samples[0].logprobs[:] = [-0.1] * 1002
-    service.work.scored.produce(long)
+    reward_stream(service, settings).produce(long)
     nan = scored_group(issued, [True, False])
     nan.rollout.samples[0].logprobs[0] = float("nan")
-    service.work.scored.produce(nan)
+    reward_stream(service, settings).produce(nan)
     service.work.pump()
     service.work.scan_dead_letters()
     assert [d["reason"] for d in reversed(service.streams.dead_letters())] == [
@@ -404,7 +410,7 @@ def test_a_group_that_crashes_the_update_is_quarantined_after_one_retry(settings
     through clears the count."""
     first, issued = learner_that_issued(settings)
     first.ranks = FailingRanks()
-    first.work.scored.produce(scored_group(issued, [True, False]))
+    reward_stream(first, settings).produce(scored_group(issued, [True, False]))
     first.work.pump()
     assert first.redis.xlen(first.work.held.key) == 1
 
@@ -437,7 +443,7 @@ def test_a_group_that_crashes_the_update_is_quarantined_after_one_retry(settings
 
 def test_an_update_that_goes_through_on_retry_clears_the_failure(settings):
     first, issued = learner_that_issued(settings)
-    first.work.scored.produce(scored_group(issued, [True, False]))
+    reward_stream(first, settings).produce(scored_group(issued, [True, False]))
     first.work.pump()
     first.work.suspect(["train-1"], "RuntimeError: a transient fault")
     retried = LearnerService(settings)

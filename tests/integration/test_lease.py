@@ -12,6 +12,7 @@ import pytest
 
 from learner.lease import INSTANCE_ENV, LEASE_KEY, LeaseHeld, LearnerLease
 from services.startup import Unavailable
+from services.keys import ROLES
 from services.streams import Streams
 
 TTL = 1.0
@@ -39,7 +40,7 @@ def for_run(settings, run: str):
 
 def test_the_key_is_the_runs_own(settings):
     first = lease(settings)
-    assert first.key == Streams(first.redis, settings).key(LEASE_KEY) == "dapo:test:learner-lease"
+    assert first.key == Streams(first.redis, settings, signs_as=ROLES).key(LEASE_KEY) == "dapo:test:learner-lease"
 
 
 def test_a_second_learner_cannot_take_a_live_lease_and_is_told_who_holds_it(settings):
@@ -156,7 +157,7 @@ def test_the_learner_service_claims_the_run_before_it_writes_and_releases_it(set
             LearnerService(settings).claim_run()
     finally:
         service.release_run()
-    assert client.get(Streams(client, settings).key(LEASE_KEY)) is None and service.lease is None
+    assert client.get(Streams(client, settings, signs_as=ROLES).key(LEASE_KEY)) is None and service.lease is None
 
 
 def test_a_restart_under_the_same_supervisor_takes_its_own_lease_back_at_once(settings, monkeypatch):

@@ -13,6 +13,7 @@ import httpx
 import redis
 
 from services.messages import PromptTask, RolloutGroup, Sample, ScoredGroup, to_wire
+from services.keys import ROLES
 from services.streams import ISSUED, Streams
 
 
@@ -55,7 +56,7 @@ def test_dapo_reward_process(settings, short_tmp):
                             headers={"Authorization": f"Bearer {settings.token.get_secret_value()}"}).json()
         assert scores[0]["correct"] and scores[0]["rule"] == "answer_line"
 
-        streams = Streams(redis.Redis.from_url(settings.redis.url.get_secret_value()), settings)
+        streams = Streams(redis.Redis.from_url(settings.redis.url.get_secret_value()), settings, signs_as=ROLES)
         task = PromptTask(task_id="svc", prompt_id="p", prompt="q", ground_truth="42")
         streams.redis.hset(streams.key(ISSUED), task.task_id, to_wire(task))  # as the learner issues it
         sample = Sample(token_ids=[1, 2], logprobs=[-0.1, -0.2], text="\\boxed{42}", finish_reason="stop")

@@ -16,6 +16,7 @@ from reward.scoring import Scorer
 import reward.worker as reward_worker_module
 from reward.worker import RewardWorker
 from services.messages import PromptTask, RolloutGroup, Sample, SamplingParams, ScoredGroup, to_wire
+from services.keys import ROLES
 from services.streams import ISSUED, Streams
 
 HANG = "Answer: $(x+y+z)^{999}$"  # sympy expands ~500k terms: only the sandbox's time limit ends it
@@ -30,7 +31,7 @@ def pool():
 @pytest.fixture
 def streams(settings):
     client = redis.Redis.from_url(settings.redis.url.get_secret_value())
-    yield Streams(client, settings)
+    yield Streams(client, settings, signs_as=ROLES)
     client.close()
 
 

@@ -13,11 +13,11 @@ from pathlib import Path
 
 import msgpack
 import pytest
-from pydantic import SecretStr
 
-from services.config import load_settings
+from services.config import KeysConfig, load_settings
 from services.messages import PromptTask, RolloutGroup, Sample, to_wire
 from services.redis_local import EmbeddedRedis, connect
+from services.keys import ROLES, create_keys, keys_dir
 from services.streams import BackPressureTimeout, Streams
 
 
@@ -32,7 +32,7 @@ def group_for(t: PromptTask) -> RolloutGroup:
 
 @pytest.fixture
 def streams(settings):
-    return Streams(connect(settings), settings)
+    return Streams(connect(settings), settings, signs_as=ROLES)
 
 
 def test_produce_consume_forward_ack(streams):
@@ -99,21 +99,31 @@ def test_forged_or_tampered_entries_go_to_dead_with_the_reason(streams, settings
     streams.redis.xadd(prompts.key, {b"data": good})  # no signature
     tampered = to_wire(task(1).model_copy(update={"ground_truth": "999"}))
     streams.redis.xadd(prompts.key, {b"data": tampered, b"sig": prompts.signature(good)})  # altered after signing
-    outsider = Streams(streams.redis, settings.model_copy(update={"token": SecretStr("a-guess")}))
-    outsider = outsider.stream("prompts", PromptTask)
-    outsider.produce(task(2))  # signed, with another key
+    elsewhere = settings.model_copy(update={"keys": KeysConfig(dir=str(Path(settings.run_dir) / "other-keys"))})
+    create_keys(keys_dir(elsewhere))
+    outsider = Streams(streams.redis, elsewhere, signs_as=ROLES).stream("prompts", PromptTask)
+    outsider.produce(task(2))  # signed, with a learner key this run does not trust
     replayed = to_wire(group_for(task(3)))
     streams.redis.xadd(prompts.key, {b"data": replayed, b"sig": rollouts.signature(replayed)})  # from another stream
     other_run = Streams(streams.redis, settings.model_copy(update={"redis": settings.redis.model_copy(
-        update={"run": "other"})})).stream("prompts", PromptTask)  # the same token, another run
+        update={"run": "other"})}), signs_as=ROLES).stream("prompts", PromptTask)  # the same keys, another run
     streams.redis.xadd(prompts.key, {b"data": good, b"sig": other_run.signature(good)})
     for junk in ("é".encode(), b"\xff\xfe"):  # not even ASCII: refused like any other bad signature, no TypeError
         streams.redis.xadd(prompts.key, {b"data": good, b"sig": junk})
     prompts.produce(task(4))
     assert [d.message.task_id for d in prompts.consume("c1", count=10)] == ["t0", "t4"]
     reasons = [d["reason"] for d in reversed(streams.dead_letters())]
-    bad = "forged: bad HMAC signature (tampered, or written without the shared token)"
-    assert reasons == ["forged: no signature", bad, bad, bad, bad, bad, bad]
+    unknown = "forged: key id {!r} is not in the keyring (retired by a rotation, or never issued)"
+    learner_kid = streams.signers["learner"].kid
+    assert reasons == [
+        "forged: no signature",
+        f"forged: bad signature under {learner_kid} (tampered, or not signed with that key)",
+        unknown.format(outsider.streams.signers["learner"].kid),
+        f"forged: signed by the generator role's key {streams.signers['generator'].kid}, and only the learner role "
+        "signs prompts",
+        f"forged: bad signature under {learner_kid} (tampered, or not signed with that key)",
+        unknown.format("é"), unknown.format("\ufffd\ufffd"),
+    ]
 
 
 def test_a_forged_entry_is_dead_lettered_as_forged_whatever_its_delivery_count(streams):
@@ -137,7 +147,7 @@ def test_a_dead_consumers_entries_behind_many_live_ones_are_reclaimed(streams, s
     """One XAUTOCLAIM looks at 10 x count pending entries; the scan goes on from call to call, so entries of a dead
     consumer queued behind many that live consumers are working on are reclaimed without waiting for those."""
     slow = settings.model_copy(update={"streams": settings.streams.model_copy(update={"visibility_timeout_s": 60.0})})
-    prompts = Streams(streams.redis, slow).stream("prompts", PromptTask)
+    prompts = Streams(streams.redis, slow, signs_as=ROLES).stream("prompts", PromptTask)
     for i in range(40):
         prompts.produce(task(i))
     prompts.consume("alive", count=35, block_ms=0)  # being worked on: not idle
@@ -301,8 +311,8 @@ CONSUMER_SCRIPT = textwrap.dedent(
     from services.messages import PromptTask
     from services.redis_local import connect
     from services.streams import Streams
-    settings = load_settings("tiny-cpu", redis={"url": sys.argv[1], "run": "test"})
-    prompts = Streams(connect(settings), settings).stream("prompts", PromptTask)
+    settings = load_settings("tiny-cpu", run_dir=sys.argv[2], redis={"url": sys.argv[1], "run": "test"})
+    prompts = Streams(connect(settings), settings, signs_as=("generator",)).stream("prompts", PromptTask)
     got = prompts.consume("doomed", count=1, block_ms=5000)
     print("claimed", got[0].message.task_id, flush=True)
     time.sleep(600)  # holds the message until SIGKILL
@@ -314,7 +324,7 @@ def test_sigkilled_consumer_work_is_completed_once_by_another(streams, settings)
     prompts, rollouts = streams.stream("prompts", PromptTask), streams.stream("rollouts", RolloutGroup)
     prompts.produce(task(7))
     proc = subprocess.Popen(
-        [sys.executable, "-c", CONSUMER_SCRIPT, settings.redis.url.get_secret_value()], stdout=subprocess.PIPE,
+        [sys.executable, "-c", CONSUMER_SCRIPT, settings.redis.url.get_secret_value(), settings.run_dir], stdout=subprocess.PIPE,
         text=True
     )
     try:
@@ -336,7 +346,7 @@ def test_sigkilled_consumer_work_is_completed_once_by_another(streams, settings)
 
 def test_redis_restart_mid_consumption_loses_nothing(redis_server, settings):
     """Kill redis-server (SIGKILL) while a consumer works; restart it from its AOF; everything arrives once."""
-    streams = Streams(connect(settings), settings)
+    streams = Streams(connect(settings), settings, signs_as=ROLES)
     prompts, rollouts = streams.stream("prompts", PromptTask), streams.stream("rollouts", RolloutGroup)
     total = 40
     for i in range(total):
@@ -346,7 +356,7 @@ def test_redis_restart_mid_consumption_loses_nothing(redis_server, settings):
 
     def worker():
         try:
-            own = Streams(connect(settings), settings)
+            own = Streams(connect(settings), settings, signs_as=ROLES)
             src, dst = own.stream("prompts", PromptTask), own.stream("rollouts", RolloutGroup)
             while len(forwarded) < total:
                 for d in src.consume("worker", count=2, block_ms=100):
@@ -425,7 +435,7 @@ def test_a_generator_restarting_under_a_dead_ones_name_hands_its_tasks_back_befo
     from generator.service import hand_back_previous
 
     settings = settings.model_copy(update={"streams": settings.streams.model_copy(update={"visibility_timeout_s": 600})})
-    streams = Streams(connect(settings), settings)
+    streams = Streams(connect(settings), settings, signs_as=ROLES)
     prompts = streams.stream("prompts", PromptTask)
     for i in range(3):
         prompts.produce(task(i))
@@ -450,7 +460,7 @@ def test_embedded_redis_is_bounded_and_refuses_writes_beyond_maxmemory_without_e
     with EmbeddedRedis(Path(short_tmp) / "small", aof=False, maxmemory_mb=4) as server:
         client = redis.Redis.from_url(server.url)
         assert client.config_get("maxmemory-policy") == {"maxmemory-policy": "noeviction"}
-        used, maxmemory = Streams(client, load_settings("tiny-cpu", run_dir=short_tmp)).memory()
+        used, maxmemory = Streams(client, load_settings("tiny-cpu", run_dir=short_tmp), signs_as=()).memory()
         assert maxmemory == 4 * 1024 * 1024 and 0 < used < maxmemory
         written = 0
         with pytest.raises(redis.exceptions.OutOfMemoryError):
@@ -461,7 +471,7 @@ def test_embedded_redis_is_bounded_and_refuses_writes_beyond_maxmemory_without_e
 
 def test_the_dead_stream_is_trimmed_to_about_its_maxlen(settings):
     settings = settings.model_copy(update={"streams": settings.streams.model_copy(update={"dead_maxlen": 10})})
-    streams = Streams(connect(settings), settings)
+    streams = Streams(connect(settings), settings, signs_as=ROLES)
     prompts = streams.stream("prompts", PromptTask)
     prompts.produce(task(0))  # the group
     payloads = [to_wire(task(i)) for i in range(250)]
@@ -477,7 +487,7 @@ def test_a_large_dead_payload_goes_to_a_file_named_by_its_sha256_and_the_letter_
     import hashlib
 
     settings = settings.model_copy(update={"streams": settings.streams.model_copy(update={"dead_payload_max_bytes": 64})})
-    streams = Streams(connect(settings), settings)
+    streams = Streams(connect(settings), settings, signs_as=ROLES)
     rollouts = streams.stream("rollouts", RolloutGroup)
     payload = to_wire(group_for(task(7)))
     assert len(payload) > 64
@@ -499,7 +509,7 @@ def test_a_large_dead_payload_that_cannot_be_written_is_dropped_with_its_sha256_
     settings = settings.model_copy(update={"streams": settings.streams.model_copy(update={"dead_payload_max_bytes": 0})})
     Path(settings.run_dir).mkdir(parents=True, exist_ok=True)
     (Path(settings.run_dir) / "dead-letters").write_text("a file where the folder should be")
-    streams = Streams(connect(settings), settings)
+    streams = Streams(connect(settings), settings, signs_as=ROLES)
     payload = to_wire(task(3))
     streams.stream("prompts", PromptTask).dead("1-0", payload, "test")
     (letter,) = streams.dead_letters()

@@ -19,6 +19,7 @@ from services.config import WeightsConfig, load_settings
 from services.http import create_app
 from services.messages import WeightsAnnouncement
 from services.redis_local import connect
+from services.keys import ROLES
 from services.streams import Streams
 import services.weights as weights_module
 from services.weights import (
@@ -100,7 +101,7 @@ def test_publish_pull_round_trip_with_announcement(learner, settings, short_tmp)
     assert [f.name for f in announced.files] == ["model-00001-of-00001.safetensors", SAFE_WEIGHTS_INDEX_NAME]
 
     # announced both ways: the latest key and the channel
-    assert latest_announcement(client, Streams(client, settings), publisher.key) == announced
+    assert latest_announcement(client, Streams(client, settings, signs_as=ROLES), publisher.keyring) == announced
     message = None
     for _ in range(50):
         message = pubsub.get_message(timeout=0.1)
@@ -311,7 +312,7 @@ def test_schema_check_names_and_shapes(short_tmp):
 def test_watcher_sees_pubsub_and_latest_key(learner, settings):
     publisher, _, client = learner
     publisher.publish(tiny_state_dict(), version=0)  # before the watcher starts: found via the key
-    watcher = AnnouncementWatcher(client, Streams(client, settings), publisher.key, poll_s=30).start()
+    watcher = AnnouncementWatcher(client, Streams(client, settings, signs_as=ROLES), publisher.keyring, poll_s=30).start()
     try:
         assert watcher.newest.version == 0
         assert watcher.wait_newer(0, timeout=0.1) is None

@@ -9,8 +9,8 @@ from pathlib import Path
 import msgpack
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from benchmarks.faults import (Injection, Kill, analyze, digest, ledger_check, match_dead, recovery,  # noqa: E402
-                               redone, report)
+from benchmarks.faults import (AclAttempt, Injection, Kill, analyze, digest, ledger_check,  # noqa: E402
+                               match_dead, recovery, redone, report)
 
 
 def row(step: int, trained: list[str], **dropped) -> dict:
@@ -50,15 +50,15 @@ def test_dead_letters_are_matched_by_bytes_or_task_id_and_the_rest_are_legitimat
     prompt = msgpack.packb({"task_id": "train-forged-2"})
     injections = [
         Injection("malformed", "garbage", "scored", "unparseable", digest(garbage)),
-        Injection("forged", "wrong key", "scored", "forged: bad HMAC", digest(forged), "train-forged-1"),
+        Injection("forged", "wrong key", "scored", "forged: bad signature", digest(forged), "train-forged-1"),
         # a forged prompt comes back as a scored group: matched by its task id
         Injection("forged", "made-up prompt", "prompts", "provenance: unknown", digest(prompt), "train-forged-2"),
         # a tampered group of a real task: only its own bytes match it, never the real task's other letters
-        Injection("forged", "tampered", "scored", "forged: bad HMAC", digest(b"tampered"), "train-real",
+        Injection("forged", "tampered", "scored", "forged: bad signature", digest(b"tampered"), "train-real",
                   real_task=True),
     ]
     dead = [
-        {"stream": "scored", "reason": "forged: bad HMAC signature", "data": forged},
+        {"stream": "scored", "reason": "forged: bad signature under reward-0123456789abcdef", "data": forged},
         {"stream": "scored", "reason": "unparseable ScoredGroup: ...", "data": garbage},
         {"stream": "scored", "reason": "provenance: unknown task id 'train-forged-2'",
          "data": scored_payload("train-forged-2")},
@@ -81,7 +81,8 @@ def test_analyze_and_report_state_each_goal():
              Kill(1, "redis", "redis-server", 11, 200.0, 2, 3.0, back_up_s=1.5, next_step_s=8.0, rolled_back_to=2)]
     metrics = [{"step": 1, "step_seconds": 10.0, "duplicates": 1, "lost": 0},
                {"step": 2, "step_seconds": 20.0, "duplicates": 0, "lost": 2}]
-    a = analyze(final, final + [row(2, ["z"])], metrics, dead, injections, kills)
+    acl = [AclAttempt("generator", "FLUSHALL", refused=True), AclAttempt("generator", "XADD scored", refused=False)]
+    a = analyze(final, final + [row(2, ["z"])], metrics, dead, injections, kills, acl)
     assert a["forged_trained"] == 1 and a["forged_injected"] == 1
     assert a["injections"]["token id"]["dead_as_expected"] == 1 and a["injections"]["signed, unknown id"][
         "dead_as_expected"] == 0
@@ -94,3 +95,4 @@ def test_analyze_and_report_state_each_goal():
     assert "| 0 forged messages trained | 1 of 1 | **no** |" in text
     assert "| the run finishes by itself | exit 0 after 3.0 min | yes |" in text
     assert "| learner | 1 | 12.0 | 30.0 | 1 |" in text
+    assert "| 0 Redis commands outside a role's ACL accepted | 1 of 2 (generator: XADD scored) | **no** |" in text

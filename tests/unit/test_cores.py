@@ -7,6 +7,7 @@ import pytest
 from cli import cores
 from cli.launcher import service_children
 from services.config import CpusConfig, load_settings
+from services.keys import ROLES
 
 
 @pytest.mark.parametrize("n, generators, reward_workers", [(2, 1, 1), (2, 2, 1), (8, 1, 1), (8, 3, 2), (64, 4, 2)])
@@ -53,7 +54,7 @@ def test_explicit_cpu_lists_win():
 def test_the_launcher_hands_each_service_its_cpus_and_threads(tmp_path):
     settings = load_settings("tiny-cpu", run_dir=str(tmp_path))
     plan = cores.plan(settings.cpus, 2, 1, cpus=(0, 1, 2, 3, 4, 5, 6, 7))
-    children = service_children(settings, tmp_path / "c.yaml", "redis://127.0.0.1:1", 2, 1, 8000,
+    children = service_children(settings, tmp_path / "c.yaml", dict.fromkeys(ROLES, "redis://127.0.0.1:1"), 2, 1, 8000,
                                 learner_procs=2, cpus=plan)
     by_name = {child.name: child for child in children}
     assert by_name["learner"].placement.cpus == (0, 1, 2) and by_name["learner"].env["OMP_NUM_THREADS"] == "3"

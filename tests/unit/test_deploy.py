@@ -37,6 +37,7 @@ from learner.redis_budget import held_budget, largest_group_bytes
 from services.config import Settings, load_settings
 from services.data import NAMED_SETS
 from services.messages import PromptTask
+from services.keys import ROLES
 from services.streams import Streams
 from services.weights_layout import HOLDS_DIR
 
@@ -623,7 +624,7 @@ def test_keda_scales_generators_on_the_prompts_stream(tmp_path):
     config = tmp_path / "config.yaml"
     config.write_text(_by_kind(resources, "ConfigMap")["dapo-config"]["data"]["config.yaml"])
     settings = load_settings(config)
-    prompts = Streams(redis.Redis(), settings).stream("prompts", PromptTask)  # key naming only: no connection
+    prompts = Streams(redis.Redis(), settings, signs_as=ROLES).stream("prompts", PromptTask)  # key naming only: no connection
     redis_service = _by_kind(resources, "Service")["redis"]
     triggers = scaled["spec"]["triggers"]
     assert {"pendingEntriesCount", "lagCount"} <= {k for t in triggers for k in t["metadata"]}

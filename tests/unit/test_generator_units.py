@@ -26,11 +26,13 @@ from generator.sync import WeightSync, pulls_from
 from generator.worker import _Rates, entry_time, halves
 from services.config import load_settings
 from services.http import create_app
-from services.messages import PromptTask, SamplingParams, sign_announcement, signing_key
+from services.keys import load_signer
+from services.messages import PromptTask, SamplingParams, sign_announcement
 from services.redis_local import connect
 from services.weights import (
     WeightPublisher,
     WeightsError,
+    channel,
     latest_announcement,
     latest_key,
     parse_announcement,
@@ -190,7 +192,7 @@ def test_announcements_with_a_bad_signature_or_an_unconfigured_url_are_refused(l
     assert good.signature and sync.latest() == good
 
     elsewhere = sign_announcement(good.model_copy(update={"url": "http://collector.example:9/v1/weights/1"}),
-                                  publisher.key)  # even signed: the token goes to the configured learner only
+                                  publisher.signer, channel(publisher.prefix))  # even signed: the token goes to the configured learner only
     with pytest.raises(WeightsError, match="not under the configured learner URL") as err:
         sync.prepare(elsewhere)
     assert err.value.reason == "untrusted_url"
@@ -198,15 +200,16 @@ def test_announcements_with_a_bad_signature_or_an_unconfigured_url_are_refused(l
     for forged in (
         good.model_copy(update={"signature": ""}),                                      # unsigned
         good.model_copy(update={"version": 9}),                                         # tampered after signing
-        sign_announcement(good.model_copy(update={"version": 9}), signing_key("guess", settings.redis.run)),
-        # another run with the same token: its announcements never pin this run's generators
-        sign_announcement(good.model_copy(update={"version": 9}),
-                          signing_key(settings.token.get_secret_value(), "another-run")),
+        # a generator's key (the role's own, trusted for rollouts): never the learner's word
+        sign_announcement(good.model_copy(update={"version": 9}), load_signer(settings, "generator"),
+                          channel(publisher.prefix)),
+        # another run with the same keys: its announcements never pin this run's generators
+        sign_announcement(good.model_copy(update={"version": 9}), publisher.signer, "dapo:another-run:weights"),
     ):
         client.set(latest_key(publisher.prefix), forged.model_dump_json())
         assert sync.latest() is None
-        assert latest_announcement(client, publisher.prefix, publisher.key) is None
-        assert parse_announcement(forged.model_dump_json(), publisher.key) is None
+        assert latest_announcement(client, publisher.prefix, publisher.keyring) is None
+        assert parse_announcement(forged.model_dump_json(), publisher.keyring, publisher.prefix) is None
 
 
 def test_pulls_from_only_the_configured_learner():

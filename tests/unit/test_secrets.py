@@ -16,6 +16,7 @@ from cli.main import main as dapo
 from learner.records import Records
 from learner.tracking import flat_config
 from services.config import DEFAULT_TOKEN, ConfigError, dump_settings, load_settings, secret_fields
+from services.keys import ROLES
 from services.http import MIN_TOKEN_CHARS, check_token, is_loopback
 from services.weights_layout import write_atomic
 
@@ -107,7 +108,7 @@ def test_launch_config_has_no_secret_and_children_get_them_in_their_environment(
     launch = yaml.safe_load(path.read_text())
     assert "token" not in launch and {"url", "password"}.isdisjoint(launch["redis"]) and not leaks(path.read_text())
     redis_url = settings.redis.url.get_secret_value()
-    children = service_children(settings, path, redis_url, 1, 1, 8000)
+    children = service_children(settings, path, dict.fromkeys(ROLES, redis_url), 1, 1, 8000)
     environments = {(c.env["DAPO_TOKEN"], c.env["DAPO_REDIS__URL"], c.env["DAPO_REDIS__PASSWORD"]) for c in children}
     assert environments == {(TOKEN, redis_url, PASSWORD)}
     for name, value in zip(("DAPO_TOKEN", "DAPO_REDIS__URL", "DAPO_REDIS__PASSWORD"), environments.pop()):

@@ -1,18 +1,40 @@
-"""Signatures that mean one thing (services/messages.py): what is signed is a list of length-prefixed fields under a
-context, with a key bound to the run, so no re-split of the fields, splice or replay into another place or run
-verifies."""
+"""Signatures that mean one thing, by the role that may sign (services/keys.py): what is signed is a list of
+length-prefixed fields under a context (a stream key, a run's weights channel), each role signs with its own Ed25519
+key, and verifiers hold public keys only; so no re-split of the fields, splice, replay into another place or run,
+nor a signature by another role's key verifies."""
 
 from __future__ import annotations
 
+import os
+import stat
+
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from services.messages import (
-    WeightsAnnouncement, WeightsFile, announcement_signed, framed, sign, sign_announcement, signing_key, verify,
+from services.config import load_settings
+from services.keys import (
+    ROLES, Keyring, KeysError, create_keys, framed, load_keyring, load_signer, private_key_file, retire, rotate,
 )
+from services.messages import WeightsAnnouncement, WeightsFile, announcement_refusal, sign_announcement
 
-KEY = signing_key("a-token-for-the-tests-0123456789", "run-a")
 fields = st.lists(st.binary(max_size=12), max_size=6)
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    path = tmp_path_factory.mktemp("keys")
+    create_keys(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def keyring(folder):
+    return Keyring(folder / "public")
+
+
+def signer(folder, role):
+    return load_signer(load_settings("tiny-cpu", keys={"dir": str(folder)}), role)
 
 
 @given(fields, fields)
@@ -21,38 +43,82 @@ def test_framing_is_injective(a, b):
 
 
 @given(fields, st.data())
-def test_no_re_split_of_the_same_bytes_verifies(parts, data):
+def test_no_re_split_of_the_same_bytes_verifies(folder, keyring, parts, data):
     """Any other cut of the fields' concatenation (the dead-letter attack moved text from one field to the next)."""
     joined = b"\n".join(parts)
     cuts = sorted(data.draw(st.sets(st.integers(0, len(joined)), max_size=len(parts) + 1)))
     resplit = [joined[i:j] for i, j in zip([0, *cuts], [*cuts, len(joined)])]
-    signature = sign(KEY, "dapo:run-a:dead", *parts)
-    assert verify(KEY, signature, "dapo:run-a:dead", *parts)
+    signature = signer(folder, "learner").sign("dapo:run-a:dead", *parts)
+    assert keyring.refusal(signature, "learner", "dead letters", "dapo:run-a:dead", *parts) is None
     if resplit != parts:
-        assert not verify(KEY, signature, "dapo:run-a:dead", *resplit)
+        assert keyring.refusal(signature, "learner", "dead letters", "dapo:run-a:dead", *resplit)
 
 
-def test_str_int_and_bytes_fields_sign_alike_as_redis_returns_them():
+def test_str_int_and_bytes_fields_sign_alike_as_redis_returns_them(folder, keyring):
     """A dead letter is signed from str and int values and verified from the bytes Redis hands back."""
-    written = sign(KEY, "dapo:run-a:dead", b"deliveries", 4, b"reason", "délivré")
-    assert verify(KEY, written, "dapo:run-a:dead", b"deliveries", b"4", b"reason", "délivré".encode())
+    written = signer(folder, "learner").sign("dapo:run-a:dead", b"deliveries", 4, b"reason", "délivré")
+    assert keyring.refusal(written, "learner", "x", "dapo:run-a:dead", b"deliveries", b"4", b"reason",
+                           "délivré".encode()) is None
 
 
-def test_a_signature_binds_its_context_and_its_run():
-    signature = sign(KEY, "dapo:run-a:scored", b"payload")
-    assert not verify(KEY, signature, "dapo:run-a:prompts", b"payload")  # another stream
-    assert not verify(KEY, signature, "dapo:run-a:scored", b"payload", b"")  # a field added
-    same_token_other_run = signing_key("a-token-for-the-tests-0123456789", "run-b")
-    assert same_token_other_run != KEY
-    assert not verify(same_token_other_run, signature, "dapo:run-a:scored", b"payload")
-    assert not verify(KEY, "é" + signature[1:], "dapo:run-a:scored", b"payload")  # junk on the wire: False
+def test_a_signature_binds_its_context_its_run_and_its_role(folder, keyring):
+    reward = signer(folder, "reward")
+    signature = reward.sign("dapo:run-a:scored", b"payload")
+    assert keyring.refusal(signature, "reward", "scored", "dapo:run-a:scored", b"payload") is None
+    assert keyring.refusal(signature, "reward", "scored", "dapo:run-a:prompts", b"payload")  # another stream
+    assert keyring.refusal(signature, "reward", "scored", "dapo:run-b:scored", b"payload")  # another run
+    assert keyring.refusal(signature, "reward", "scored", "dapo:run-a:scored", b"payload", b"")  # a field added
+    assert "is not in the keyring" in keyring.refusal("é" + signature[1:], "reward", "scored", "dapo:run-a:scored",
+                                                      b"payload")  # junk on the wire: a reason, no exception
+    # The same bytes signed by a generator key: a generator cannot make a scored group.
+    forged = signer(folder, "generator").sign("dapo:run-a:scored", b"payload")
+    assert keyring.refusal(forged, "reward", "scored", "dapo:run-a:scored", b"payload") == (
+        f"forged: signed by the generator role's key {signer(folder, 'generator').kid}, and only the reward role "
+        "signs scored")
+    # A signature moved under another kid's label does not verify either.
+    relabelled = signer(folder, "reward").kid + ":" + forged.partition(":")[2]
+    assert keyring.refusal(relabelled, "reward", "scored", "dapo:run-a:scored", b"payload").startswith(
+        "forged: bad signature")
 
 
-def test_an_announcement_verifies_in_its_run_only():
+def test_an_announcement_is_the_learners_and_verifies_in_its_run_only(folder, keyring):
     files = [WeightsFile(name="model.safetensors", sha256="0" * 64, size=1)]
-    announcement = sign_announcement(
-        WeightsAnnouncement(version=3, sha256="1" * 64, size=1, url="http://learner:8000/v1/weights/3", files=files), KEY
-    )
-    assert announcement_signed(announcement, KEY)
-    assert not announcement_signed(announcement, signing_key("a-token-for-the-tests-0123456789", "run-b"))
-    assert not announcement_signed(announcement.model_copy(update={"version": 4}), KEY)
+    plain = WeightsAnnouncement(version=3, sha256="1" * 64, size=1, url="http://learner:8000/v1/weights/3", files=files)
+    announcement = sign_announcement(plain, signer(folder, "learner"), "dapo:run-a:weights")
+    assert announcement_refusal(announcement, keyring, "dapo:run-a:weights") is None
+    assert announcement_refusal(announcement, keyring, "dapo:run-b:weights")
+    assert announcement_refusal(announcement.model_copy(update={"version": 4}), keyring, "dapo:run-a:weights")
+    by_generator = sign_announcement(plain, signer(folder, "generator"), "dapo:run-a:weights")
+    assert "only the learner role signs" in announcement_refusal(by_generator, keyring, "dapo:run-a:weights")
+
+
+def test_run_keys_are_private_files_and_a_key_of_another_role_is_refused(tmp_path):
+    kids = create_keys(tmp_path)
+    assert sorted(kids) == sorted(ROLES) and create_keys(tmp_path) == kids  # made once, then read
+    for role in ROLES:
+        assert stat.S_IMODE(os.stat(private_key_file(tmp_path, role)).st_mode) == 0o600
+    assert stat.S_IMODE(os.stat(tmp_path / "private").st_mode) == 0o700
+    generator_key = private_key_file(tmp_path, "generator").read_text().strip()
+    mixed_up = load_settings("tiny-cpu", keys={"dir": str(tmp_path), "private_key": generator_key})
+    with pytest.raises(KeysError, match="a key of another role"):
+        load_signer(mixed_up, "learner")  # a learner pod given the generator's Secret
+    assert load_signer(mixed_up, "generator").kid == kids["generator"]
+    with pytest.raises(KeysError, match="no reward key"):
+        load_signer(load_settings("tiny-cpu", keys={"dir": str(tmp_path / "none")}), "reward")
+
+
+def test_rotation_keeps_the_previous_kid_until_it_is_retired(tmp_path):
+    old = create_keys(tmp_path)["generator"]
+    keyring = load_keyring(load_settings("tiny-cpu", keys={"dir": str(tmp_path)}))
+    signed_before = signer(tmp_path, "generator").sign("ctx", b"x")
+    new = rotate(tmp_path, "generator")
+    assert new != old and signer(tmp_path, "generator").kid == new
+    signed_after = signer(tmp_path, "generator").sign("ctx", b"x")
+    for signature in (signed_before, signed_after):  # the new kid is found at once (an unknown kid re-reads)
+        assert keyring.refusal(signature, "generator", "rollouts", "ctx", b"x") is None
+    with pytest.raises(KeysError, match="current key"):
+        retire(tmp_path, new)
+    retire(tmp_path, old)
+    keyring.refresh()
+    assert keyring.refusal(signed_before, "generator", "rollouts", "ctx", b"x").startswith(f"forged: key id '{old}'")
+    assert keyring.refusal(signed_after, "generator", "rollouts", "ctx", b"x") is None

@@ -1,0 +1,59 @@
+"""Redis users, one per role, each with the commands and keys its work needs and no more (Redis ACL, 6.2+).
+
+A role's user can reach only its run-agnostic key patterns (`dapo:*:<name>`) and run only the commands its code
+sends; no user gets the dangerous ones (FLUSHALL, FLUSHDB, CONFIG, DEBUG, KEYS, SHUTDOWN, MONITOR, ACL...), INFO
+excepted for the learner (its memory gauges). Commands a Lua script runs are checked against the caller's user
+as well, so a generator cannot write `scored` through a script either. What each can do:
+
+- learner: every key and channel of the runs (`dapo:*`), every command but the dangerous ones (+INFO).
+- generator: read and acknowledge `prompts` (and its forward markers), write `rollouts` and `dead`, read (GET, SUBSCRIBE) the weights
+  announcement. Not `issued` (the ground truth), not `scored`.
+- reward: read and acknowledge `rollouts` (and its forward markers), write `scored` and `dead`, read `issued` (HMGET only).
+- autoscaler (KEDA's redis-streams scaler): XPENDING, XINFO GROUPS and XLEN on `prompts`, nothing else.
+- default: off (compose, Kubernetes); in an embedded run, the launcher's operator user: every key, no dangerous
+  command (+INFO).
+
+Passwords are per role: an embedded run makes them per run (the launcher hands each child its own); compose and
+Kubernetes take them from Secrets (`acl_file` writes the users with sha256 password hashes, so the file holds no
+password; `dapo secrets` makes both).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Literal, get_args
+
+RedisUser = Literal["learner", "generator", "reward", "autoscaler"]
+REDIS_USERS: tuple[RedisUser, ...] = get_args(RedisUser)
+
+_CONNECTION = "+ping +auth +hello"
+# Reading a stream through its consumer group, reclaiming, acknowledging and deleting what was handled, and the
+# scripts of services/streams.py (EVALSHA; SCRIPT LOAD when the server lost them).
+_CONSUMER = "+xreadgroup +xack +xdel +xclaim +xautoclaim +xpending +xgroup|create +xlen +xadd +evalsha +script|load"
+_RULES: dict[str, str] = {
+    "learner": "~dapo:* &dapo:* +@all -@dangerous +info",
+    "generator": f"~dapo:*:prompts ~dapo:*:prompts:forwarded:* ~dapo:*:rollouts ~dapo:*:dead ~dapo:*:weights:latest &dapo:*:weights "
+                 f"{_CONNECTION} {_CONSUMER} +get +subscribe +unsubscribe",
+    "reward": f"~dapo:*:rollouts ~dapo:*:rollouts:forwarded:* ~dapo:*:scored ~dapo:*:dead ~dapo:*:issued {_CONNECTION} {_CONSUMER} +hmget",
+    "autoscaler": f"~dapo:*:prompts {_CONNECTION} +xpending +xinfo|groups +xlen",
+}
+OPERATOR_RULES = "~* &* +@all -@dangerous +info"  # the embedded run's default user (the launcher, `dapo` reports)
+
+
+def user_line(user: str, password: str, rules: str, hashed: bool = False) -> str:
+    """One `user` directive: on, only this password (or its sha256), no key, channel or command beyond `rules`."""
+    secret = f"#{hashlib.sha256(password.encode()).hexdigest()}" if hashed else f">{password}"
+    return f"user {user} reset resetchannels on {secret} {rules}"
+
+
+def role_lines(passwords: dict[str, str], hashed: bool = False) -> list[str]:
+    """The `user` directives of the role users, each with its password."""
+    if missing := [user for user in REDIS_USERS if not passwords.get(user)]:
+        raise ValueError(f"no Redis password for the users {', '.join(missing)}")
+    return [user_line(user, passwords[user], _RULES[user], hashed) for user in REDIS_USERS]
+
+
+def acl_file(passwords: dict[str, str]) -> str:
+    """An ACL file (redis-server --aclfile) for compose and Kubernetes: the role users with hashed passwords, the
+    default user off."""
+    return "\n".join(["user default off", *role_lines(passwords, hashed=True)]) + "\n"

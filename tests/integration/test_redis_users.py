@@ -1,0 +1,134 @@
+"""Redis users per role (services/redis_users.py) against the real redis-server: each role can do its job through
+the project's own code, and cannot do the others' (or anything dangerous), even through a Lua script."""
+
+from __future__ import annotations
+
+import os
+import secrets
+
+import pytest
+import redis
+
+from services.keys import create_keys, keys_dir
+from services.messages import PromptTask, RolloutGroup, Sample, Score, ScoredGroup
+from services.redis_local import EmbeddedRedis, client_for
+from services.redis_users import REDIS_USERS, acl_file
+from services.streams import ISSUED, Streams
+
+DANGEROUS = (("FLUSHALL",), ("FLUSHDB",), ("CONFIG", "SET", "appendonly", "no"), ("DEBUG", "SLEEP", "0"),
+             ("KEYS", "*"), ("SHUTDOWN", "NOSAVE"), ("ACL", "LIST"), ("MONITOR",))
+
+
+@pytest.fixture
+def server(short_tmp):
+    users = {user: secrets.token_hex(16) for user in REDIS_USERS}
+    server = EmbeddedRedis(os.path.join(short_tmp, "acl-redis"), aof=False, users=users).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def as_role(server, settings):
+    create_keys(keys_dir(settings))
+
+    def connect(role: str, signs_as: tuple = ()) -> tuple[redis.Redis, Streams]:
+        client = client_for(server.role_url(role))
+        return client, Streams(client, settings, signs_as=signs_as)
+
+    return connect
+
+
+def refused(call, *args, **kwargs) -> bool:
+    try:
+        call(*args, **kwargs)
+    except redis.exceptions.NoPermissionError:
+        return True
+    return False
+
+
+def test_each_role_does_its_job_and_nothing_of_the_others(server, as_role):
+    task = PromptTask(task_id="t1", prompt_id="p1", prompt="1+1=", ground_truth="2")
+    learner, learner_streams = as_role("learner", ("learner",))
+    generator, generator_streams = as_role("generator", ("generator",))
+    reward, reward_streams = as_role("reward", ("reward",))
+    autoscaler, _ = as_role("autoscaler")
+
+    # The pipeline, each stage under its own user.
+    issued_key = learner_streams.key(ISSUED)
+    learner_streams.stream("prompts", PromptTask).produce(task.for_generators(), register=(issued_key, "t1", task))
+    learner.set(learner_streams.key("weights:latest"), b"{}")
+    (delivery,) = generator_streams.stream("prompts", PromptTask).consume("g", count=1, block_ms=0)
+    assert generator.get(generator_streams.key("weights:latest")) == b"{}"
+    watching = generator.pubsub()
+    watching.subscribe(generator_streams.key("weights"))  # the announcements channel (services/weights.py)
+    assert watching.get_message(timeout=1)["type"] == "subscribe"
+    watching.close()
+    sample = Sample(token_ids=[1], logprobs=[-0.1], text="Answer: 2", finish_reason="stop")
+    group = RolloutGroup(task=delivery.message, policy_version=0, generator_id="g", samples=[sample])
+    assert generator_streams.stream("prompts", PromptTask).forward(
+        delivery, generator_streams.stream("rollouts", RolloutGroup), group)
+    (rolled,) = reward_streams.stream("rollouts", RolloutGroup).consume("r", count=1, block_ms=0)
+    assert reward.hmget(reward_streams.key(ISSUED), ["t1"])[0]
+    scored = ScoredGroup(rollout=rolled.message, scores=[Score(reward=1.0, correct=True, overlong=False, rule="boxed")])
+    assert reward_streams.stream("rollouts", RolloutGroup).forward(
+        rolled, reward_streams.stream("scored", ScoredGroup), scored)
+    (got,) = learner_streams.stream("scored", ScoredGroup).consume("l", count=1, block_ms=0)
+    assert got.message.rollout.task.task_id == "t1"
+    assert learner.info("memory")["used_memory"] > 0  # its gauges
+    assert autoscaler.xpending(learner_streams.key("prompts"), "generator")["pending"] == 0
+    assert autoscaler.xinfo_groups(learner_streams.key("prompts"))[0]["name"] == b"generator"
+    assert autoscaler.xlen(learner_streams.key("prompts")) == 0
+
+    # What each must not do.
+    key = learner_streams.key
+    assert refused(generator.xadd, key("scored"), {"data": b"x", "sig": b"y"})  # a scored group
+    assert refused(generator.hget, key(ISSUED), "t1")  # the ground truth
+    assert refused(generator.set, key("weights:latest"), b"{}")  # an announcement
+    assert refused(generator.eval, "return redis.call('XADD', KEYS[1], '*', 'data', 'x')", 1, key("scored"))
+    assert refused(generator_streams.stream("rollouts", RolloutGroup).forward, rolled,
+                   generator_streams.stream("scored", ScoredGroup), scored)  # the forward script into `scored`
+    assert refused(reward.xadd, key("prompts"), {"data": b"x", "sig": b"y"})  # a task
+    assert refused(reward.hset, key(ISSUED), "t1", b"x")  # issued is read-only to it
+    assert refused(reward.get, key("weights:latest"))
+    assert refused(reward.publish, key("weights"), b"{}")  # channels: the generators' and the learner's only
+    assert refused(autoscaler.xreadgroup, "generator", "a", {key("prompts"): ">"})
+    assert refused(autoscaler.xlen, key("scored"))
+    assert refused(learner.set, "not-a-run-key", b"x")
+    for client in (learner, generator, reward, autoscaler):
+        for command in DANGEROUS:
+            assert refused(client.execute_command, *command), command
+    operator = client_for(server.url)  # the default user of an embedded run: the launcher's
+    assert operator.info("server")["run_id"]
+    for command in DANGEROUS:
+        assert refused(operator.execute_command, *command), command
+
+
+def test_the_deployment_acl_file_has_no_password_and_no_default_user(short_tmp):
+    passwords = {user: secrets.token_hex(16) for user in REDIS_USERS}
+    text = acl_file(passwords)
+    assert "user default off" in text and not any(p in text for p in passwords.values())
+    path = os.path.join(short_tmp, "users.acl")
+    with open(path, "w") as out:
+        out.write(text)
+    import subprocess
+
+    from services.redis_local import redis_server_binary
+
+    sock = os.path.join(short_tmp, "acl.sock")
+    proc = subprocess.Popen([redis_server_binary(), "--port", "0", "--unixsocket", sock, "--aclfile", path,
+                             "--save", "", "--dir", short_tmp], stdout=subprocess.DEVNULL)
+    try:
+        for _ in range(100):
+            if os.path.exists(sock):
+                break
+            import time
+
+            time.sleep(0.05)
+        with pytest.raises(redis.exceptions.AuthenticationError):
+            redis.Redis(unix_socket_path=sock).ping()  # the default user is off
+        assert redis.Redis(unix_socket_path=sock, username="generator", password=passwords["generator"]).ping()
+        assert refused(redis.Redis(unix_socket_path=sock, username="reward", password=passwords["reward"]).xadd,
+                       "dapo:r:prompts", {"data": b"x"})
+    finally:
+        proc.terminate()
+        proc.wait()

@@ -1,0 +1,83 @@
+"""The attacks on the roles of benchmarks/faults.py, one by one against the real server and the learner's own
+admission (the fault benchmark itself is a long run): a `scored` group of a real issued task signed with a
+generator's key, a task signed with the reward role's key, a replay under a retired key id, and a generator's
+Redis user trying commands outside its ACL. 0 accepted: each is dead-lettered with its reason (or refused by
+Redis), and the task it names stays in flight, its genuine group still trained."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import sys
+from pathlib import Path
+
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from learner.service import LearnerService
+from services.keys import Signer
+from services.messages import PromptTask, RolloutGroup, Sample, SamplingParams, Score, ScoredGroup, to_wire
+from services.redis_local import EmbeddedRedis, client_for
+from services.redis_users import REDIS_USERS
+from services.streams import Streams
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from benchmarks.faults import outside_acl  # noqa: E402
+
+
+def group(task: PromptTask) -> ScoredGroup:
+    samples = [Sample(token_ids=[5], logprobs=[-0.1], text="Answer: 2", finish_reason="stop")] * task.sampling.n
+    scores = [Score(reward=r, correct=r > 0, overlong=False, rule="answer_line") for r in (1.0, -1.0)]
+    return ScoredGroup(rollout=RolloutGroup(task=task, policy_version=0, generator_id="g", samples=samples),
+                       scores=scores)
+
+
+def test_signed_attacks_on_the_roles_are_dead_lettered_and_the_genuine_group_trains(settings):
+    service = LearnerService(settings)
+    service.connect()
+    service.work.vocab_size = 100
+    issued = PromptTask(task_id="train-1", prompt_id="p1", prompt="1+1=", prompt_token_ids=[5, 6], ground_truth="2",
+                        sampling=SamplingParams(n=2, max_tokens=8))
+    service.work.outbox.append(issued)
+    service.assembler.issued(["train-1"], 0)
+    service.work.flush_outbox()
+    generator = Streams(service.redis, settings, signs_as=("generator",))
+    reward = Streams(service.redis, settings, signs_as=("reward",))
+    scored_key, prompts_key = service.streams.key("scored"), service.streams.key("prompts")
+    payload = to_wire(group(issued))
+
+    # A scored group of the real issued task, signed with a generator's key (a compromised generator pod).
+    service.redis.xadd(scored_key, {b"data": payload, b"sig": generator.signers["generator"].sign(scored_key, payload)})
+    # A task signed with the reward role's key (a compromised reward pod issuing work).
+    made_up = to_wire(issued.model_copy(update={"task_id": "train-made-up"}).for_generators())
+    service.redis.xadd(prompts_key, {b"data": made_up, b"sig": reward.signers["reward"].sign(prompts_key, made_up)})
+    # Replays under a kid the run no longer trusts (retired by a rotation): a group and a task.
+    retired = {role: Signer(role, Ed25519PrivateKey.generate()) for role in ("reward", "learner")}
+    service.redis.xadd(scored_key, {b"data": payload, b"sig": retired["reward"].sign(scored_key, payload)})
+    service.redis.xadd(prompts_key, {b"data": made_up, b"sig": retired["learner"].sign(prompts_key, made_up)})
+
+    service.work.pump()
+    tasks = generator.stream("prompts", PromptTask).consume("gen", count=10, block_ms=0)
+    assert [d.message.task_id for d in tasks] == ["train-1"]  # only the learner's own task reaches a generator
+    assert "train-1" in service.assembler.in_flight and not service.assembler.ready  # no forged group admitted
+    reward.stream("scored", ScoredGroup).produce(group(issued))  # the genuine group, by the reward role
+    service.work.pump()
+    assert [g.rollout.task for _, _, g in service.assembler.ready] == [issued]
+
+    reasons = sorted(d["reason"] for d in service.streams.dead_letters())
+    kids = {role: s.signers[role].kid for role, s in (("generator", generator), ("reward", reward))}
+    assert reasons == sorted([
+        f"forged: signed by the generator role's key {kids['generator']}, and only the reward role signs scored",
+        f"forged: signed by the reward role's key {kids['reward']}, and only the learner role signs prompts",
+        f"forged: key id {retired['reward'].kid!r} is not in the keyring (retired by a rotation, or never issued)",
+        f"forged: key id {retired['learner'].kid!r} is not in the keyring (retired by a rotation, or never issued)",
+    ])
+    service.work.scan_dead_letters()
+    assert service.assembler.stats.lost == 0  # forged letters never make a task lost
+
+
+def test_a_generator_user_gets_no_command_outside_its_acl(settings, short_tmp):
+    users = {user: secrets.token_hex(16) for user in REDIS_USERS}
+    with EmbeddedRedis(os.path.join(short_tmp, "acl"), aof=False, users=users) as server:
+        streams = Streams(client_for(server.url), settings, signs_as=())
+        attempts = outside_acl(client_for(server.role_url("generator")), "generator", streams)
+        assert len(attempts) == 7 and [a.command for a in attempts if not a.refused] == []
