@@ -77,6 +77,10 @@ class RedisConfig(Section):
     password: SecretStr | None = Field(
         None, description="Redis AUTH password (from a Secret as DAPO_REDIS__PASSWORD; a password in `url` wins)."
     )
+    username: str | None = Field(
+        None, description="Redis ACL user, the process's role's (services/redis_users.py; a user in `url` wins); "
+        "unset: the default user."
+    )
     embedded_maxmemory_mb: int = Field(
         1024, ge=1, description="Embedded Redis: maxmemory, MB, with the policy noeviction (a write beyond it is "
         "refused, nothing is evicted). A Redis of your own: set maxmemory there (docs/deploy.md)."

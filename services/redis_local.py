@@ -98,7 +98,8 @@ def _keepalive_options() -> dict[int, int]:
 
 
 def client_for(
-    url: str, password: str | None = None, reply_timeout_s: float = REPLY_TIMEOUT_S, retrying: bool = True
+    url: str, password: str | None = None, reply_timeout_s: float = REPLY_TIMEOUT_S, retrying: bool = True,
+    username: str | None = None,
 ) -> redis.Redis:
     """A retrying client for a Redis URL (`unix://:password@/path.sock` for the embedded server); a password in
     the URL beats `password`. A reply that takes over `reply_timeout_s` drops the connection and the command is
@@ -108,7 +109,7 @@ def client_for(
     matters more than the answer: the learner's lease, whose renewal must fail in time rather than retry for
     minutes while another learner takes the run."""
     tcp = {} if url.startswith("unix:") else {"socket_keepalive": True, "socket_keepalive_options": _keepalive_options()}
-    options = dict(password=password, health_check_interval=30, socket_timeout=reply_timeout_s,
+    options = dict(username=username, password=password, health_check_interval=30, socket_timeout=reply_timeout_s,
                    socket_connect_timeout=min(10.0, reply_timeout_s), **tcp)
     if retrying:
         return RetryingRedis.from_url(url, **options)
@@ -295,15 +296,15 @@ def wait_for_redis(settings: Settings) -> None:
     deadline = time.monotonic() + timeout
     password = cfg.password.get_secret_value() if cfg.password else None
     for attempt in itertools.count():
-        client = redis.Redis.from_url(cfg.url.get_secret_value(), password=password, socket_connect_timeout=2,
-                                      socket_timeout=2)
+        client = redis.Redis.from_url(cfg.url.get_secret_value(), username=cfg.username, password=password,
+                                      socket_connect_timeout=2, socket_timeout=2)
         try:
             client.ping()
             return
         except redis.AuthenticationError as err:
             raise Unavailable(
-                f"Redis at {shown} refused the password ({err}); set redis.password (DAPO_REDIS__PASSWORD) to the "
-                "server's requirepass"
+                f"Redis at {shown} refused the user or password ({err}); set redis.username and redis.password "
+                "(DAPO_REDIS__USERNAME, DAPO_REDIS__PASSWORD) to the role's Redis user (docs/deploy.md)"
             ) from None
         except (redis.RedisError, OSError) as err:
             if attempt == 0:
@@ -348,7 +349,7 @@ def connect(
         reply_timeout_s = REPLY_TIMEOUT_S + settings.streams.block_ms / 1000  # a blocking read waits that long
     if (cfg := settings.redis).url:
         password = cfg.password.get_secret_value() if cfg.password else None
-        return client_for(cfg.url.get_secret_value(), password, reply_timeout_s, retrying)
+        return client_for(cfg.url.get_secret_value(), password, reply_timeout_s, retrying, cfg.username)
     server = embedded_server(settings)
     probe = redis.Redis(unix_socket_path=str(server.socket_path), password=server.password)
     try:

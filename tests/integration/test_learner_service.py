@@ -515,10 +515,12 @@ class Pipeline:
     RUN = "lt"
 
     def __init__(self, root: Path):
+        from services.keys import create_keys
         from services.redis_local import EmbeddedRedis
 
         self.root = root
         self.redis_server = EmbeddedRedis(root / "redis", aof=True).start()
+        create_keys(root / "keys")  # every service has a run folder of its own: the role keys are shared
         self.processes: list[subprocess.Popen] = []
         self.logs = root / "logs"
         self.logs.mkdir()
@@ -526,6 +528,7 @@ class Pipeline:
         self.learner_port = free_port()
         self.common = {
             "redis": {"url": self.redis_server.url, "run": self.RUN},
+            "keys": {"dir": str(root / "keys")},
             # A SIGKILLed learner holds the run's lease one TTL: the restarted one waits that long (learner/lease.py).
             "learner": {"public_url": f"http://127.0.0.1:{self.learner_port}", "lease_ttl_s": 5},
             "streams": {"visibility_timeout_s": 30, "block_ms": 200, "high_water": 256},

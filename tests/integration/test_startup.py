@@ -86,7 +86,7 @@ def test_the_redis_password_is_in_no_startup_message(redis_server, caplog):
         with pytest.raises(Unavailable) as err:
             wait_for_redis(settings)
         messages.append(str(err.value))
-    assert "refused the password" in messages[0] and "did not answer" in messages[1]
+    assert "refused the user or password" in messages[0] and "did not answer" in messages[1]
     assert "does not answer" in caplog.text
     assert not [s for s in (wrong, redis_server.password) for text in (*messages, caplog.text) if s in text]
 
