@@ -25,6 +25,7 @@ COMMANDS = {
     "learner": ("learner.service", "main", "run the learner service"),
     "generator": ("generator.service", "main", "run a generator service (vLLM)"),
     "reward": ("reward.service", "main", "run a reward worker service"),
+    "keys": ("cli.keys", "main", "make or rotate the role keys and Redis users of a deployment (cli/keys.py)"),
 }
 
 
@@ -45,6 +46,10 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "bootstrap":
             cmd.add_argument("--force", action="store_true", help="rebuild even if a cached model exists")
             cmd.add_argument("--measure", action="store_true", help="then measure tokens/s and accuracy through vLLM")
+        if name == "keys":
+            cmd.add_argument("action", choices=["init", "rotate", "retire", "redis-users"])
+            cmd.add_argument("name", nargs="?", help="rotate: the role; retire: the key id")
+            cmd.add_argument("--dir", default=None, help="the key folder (default keys.dir, run_dir/keys)")
         if name in ("run", "learner"):
             cmd.add_argument("--report-to", nargs="+", choices=TRACKERS, metavar="TRACKER",
                              help=f"also log to experiment trackers: {', '.join(TRACKERS)} (learner.report_to)")
@@ -142,4 +147,6 @@ def run_command(args: argparse.Namespace, settings) -> int:
                      learner_procs=args.learner_procs, display=not args.no_display) or 0
     if args.command == "bootstrap":
         return entry(settings, force=args.force, measure=args.measure) or 0
+    if args.command == "keys":
+        return entry(settings, args.action, args.name, args.dir)
     return entry(settings) or 0

@@ -41,6 +41,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 from cryptography.hazmat.primitives.serialization import Encoding, PrivateFormat, PublicFormat, NoEncryption
 
 from services.config import Settings
+from services.startup import Unavailable
 
 Role = Literal["learner", "generator", "reward"]
 ROLES: tuple[Role, ...] = get_args(Role)
@@ -53,8 +54,8 @@ DEAD_LETTER_SIGNER_OF: dict[str, Role] = {"prompts": "generator", "rollouts": "r
 KEYRING_REFRESH_S = 1.0  # a verifier looks for added or retired public keys at most this often
 
 
-class KeysError(ValueError):
-    """A key that is missing, malformed or not what the configuration says it is."""
+class KeysError(Unavailable):
+    """A key that is missing, malformed or not what the configuration says it is (a service exits saying so, 69)."""
 
 
 def key_id(role: Role, public: Ed25519PublicKey) -> str:
@@ -202,7 +203,8 @@ def load_signer(settings: Settings, role: Role, keyring: Keyring | None = None) 
     return signer
 
 
-def _write_private(path: Path, text: str) -> None:
+def write_secret(path: Path, text: str) -> None:
+    """`text` in `path`, mode 0600 from its creation (in a folder made 0700), replaced atomically."""
     path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=".tmp-", delete=False) as out:  # created 0600
         out.write(text + "\n")
@@ -217,7 +219,7 @@ def new_key(folder: Path, role: Role) -> str:
     public = folder / "public"
     public.mkdir(mode=0o755, parents=True, exist_ok=True)
     (public / f"{kid}.pub").write_text(_b64(private.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw)) + "\n")
-    _write_private(private_key_file(folder, role),
+    write_secret(private_key_file(folder, role),
                    _b64(private.private_bytes(Encoding.Raw, PrivateFormat.Raw, NoEncryption())))
     return kid
 

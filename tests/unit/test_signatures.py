@@ -33,6 +33,11 @@ def keyring(folder):
     return Keyring(folder / "public")
 
 
+@pytest.fixture(scope="module")
+def signers(folder):
+    return {role: signer(folder, role) for role in ROLES}
+
+
 def signer(folder, role):
     return load_signer(load_settings("tiny-cpu", keys={"dir": str(folder)}), role)
 
@@ -43,12 +48,12 @@ def test_framing_is_injective(a, b):
 
 
 @given(fields, st.data())
-def test_no_re_split_of_the_same_bytes_verifies(folder, keyring, parts, data):
+def test_no_re_split_of_the_same_bytes_verifies(signers, keyring, parts, data):
     """Any other cut of the fields' concatenation (the dead-letter attack moved text from one field to the next)."""
     joined = b"\n".join(parts)
     cuts = sorted(data.draw(st.sets(st.integers(0, len(joined)), max_size=len(parts) + 1)))
     resplit = [joined[i:j] for i, j in zip([0, *cuts], [*cuts, len(joined)])]
-    signature = signer(folder, "learner").sign("dapo:run-a:dead", *parts)
+    signature = signers["learner"].sign("dapo:run-a:dead", *parts)
     assert keyring.refusal(signature, "learner", "dead letters", "dapo:run-a:dead", *parts) is None
     if resplit != parts:
         assert keyring.refusal(signature, "learner", "dead letters", "dapo:run-a:dead", *resplit)
@@ -122,3 +127,16 @@ def test_rotation_keeps_the_previous_kid_until_it_is_retired(tmp_path):
     keyring.refresh()
     assert keyring.refusal(signed_before, "generator", "rollouts", "ctx", b"x").startswith(f"forged: key id '{old}'")
     assert keyring.refusal(signed_after, "generator", "rollouts", "ctx", b"x") is None
+
+
+def test_dapo_keys_makes_the_deployment_secrets(tmp_path):
+    from cli.keys import main as keys
+
+    settings = load_settings("tiny-cpu", run_dir=str(tmp_path))
+    assert keys(settings, "init", None, None) == 0 and len(list((tmp_path / "keys" / "public").glob("*.pub"))) == 3
+    assert keys(settings, "redis-users", None, str(tmp_path / "deploy")) == 0
+    acl = (tmp_path / "deploy" / "redis" / "users.acl").read_text()
+    passwords = {p.stem: p.read_text() for p in (tmp_path / "deploy" / "redis").glob("*.password")}
+    assert sorted(passwords) == ["autoscaler", "generator", "learner", "reward"]
+    assert acl.startswith("user default off\n") and not any(p in acl for p in passwords.values())
+    assert all(stat.S_IMODE(os.stat(p).st_mode) == 0o600 for p in (tmp_path / "deploy" / "redis").iterdir())
