@@ -624,7 +624,7 @@ def test_keda_scales_generators_on_the_prompts_stream(tmp_path):
     config = tmp_path / "config.yaml"
     config.write_text(_by_kind(resources, "ConfigMap")["dapo-config"]["data"]["config.yaml"])
     settings = load_settings(config)
-    prompts = Streams(redis.Redis(), settings, signs_as=ROLES).stream("prompts", PromptTask)  # key naming only: no connection
+    prompts = Streams(redis.Redis(), settings, signs_as=()).stream("prompts", PromptTask)  # key naming only: no connection
     redis_service = _by_kind(resources, "Service")["redis"]
     triggers = scaled["spec"]["triggers"]
     assert {"pendingEntriesCount", "lagCount"} <= {k for t in triggers for k in t["metadata"]}
@@ -640,21 +640,37 @@ def test_keda_scales_generators_on_the_prompts_stream(tmp_path):
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
-def test_redis_requires_a_password_and_only_dapo_pods_reach_it(overlay):
+def test_redis_has_a_user_per_role_and_each_pod_gets_only_its_own_secrets(overlay):
     resources = _render(overlay)
-    secret_ref = {"name": "dapo-redis", "key": "password"}
-    (redis_container,) = _by_kind(resources, "Deployment")["redis"]["spec"]["template"]["spec"]["containers"]
+    (redis_pod,) = [_by_kind(resources, "Deployment")["redis"]["spec"]["template"]["spec"]]
+    (redis_container,) = redis_pod["containers"]
     args, env = redis_container["args"], {e["name"]: e for e in redis_container["env"]}
-    assert args[args.index("--requirepass") + 1] == "$(REDIS_PASSWORD)"
-    assert args[args.index("--appendfsync") + 1] == "everysec"
-    assert env["REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"] == secret_ref
-    assert env["REDISCLI_AUTH"]["valueFrom"]["secretKeyRef"] == secret_ref  # for the probes' redis-cli
-    for name, _, container in _dapo_containers(resources):
+    assert "--requirepass" not in args and args[args.index("--appendfsync") + 1] == "everysec"
+    acl_mount = next(m for m in redis_container["volumeMounts"] if m["name"] == "acl")
+    assert args[args.index("--aclfile") + 1] == acl_mount["mountPath"] + "/users.acl" and acl_mount["readOnly"]
+    assert {"name": "acl", "secret": {"secretName": "dapo-redis-acl", "defaultMode": 0o440}} in redis_pod["volumes"]
+    # the probes authenticate as the autoscaler user, which may PING and read stream lengths, nothing more
+    assert env["REDISCLI_AUTH"]["valueFrom"]["secretKeyRef"] == {"name": "dapo-redis-autoscaler", "key": "password"}
+    assert redis_container["readinessProbe"]["exec"]["command"][-3:] == ["--user", "autoscaler", "ping"]
+    for role, _, container in _dapo_containers(resources):  # the workloads are named after their roles
         if container["args"][1] == "bootstrap":
             continue
+        assert role in ROLES
+        name = role
         dapo_env = {e["name"]: e for e in container.get("env", [])}
-        assert dapo_env["DAPO_REDIS__PASSWORD"]["valueFrom"]["secretKeyRef"] == secret_ref, name
-    assert "dapo-redis" not in _by_kind(resources, "Secret")  # no overlay ships a secret: created beforehand
+        assert dapo_env["DAPO_REDIS__USERNAME"]["value"] == role, name
+        assert dapo_env["DAPO_REDIS__PASSWORD"]["valueFrom"]["secretKeyRef"] == {
+            "name": f"dapo-redis-{role}", "key": "password"}, name
+        assert dapo_env["DAPO_KEYS__PRIVATE_KEY"]["valueFrom"]["secretKeyRef"] == {
+            "name": f"dapo-key-{role}", "key": "private.key"}, name
+        secrets_named = {e["valueFrom"]["secretKeyRef"]["name"] for e in container.get("env", [])
+                         if "secretKeyRef" in e.get("valueFrom", {})}
+        assert secrets_named == {"dapo-token", f"dapo-redis-{role}", f"dapo-key-{role}"}, name  # no other role's
+        mounts = {m["name"]: m for m in container["volumeMounts"]}
+        assert mounts["public-keys"]["mountPath"] == _by_kind(resources, "ConfigMap")["dapo-env"]["data"][
+            "DAPO_KEYS__PUBLIC_DIR"] and mounts["public-keys"]["readOnly"], name
+    # no overlay ships a secret or the keys: created beforehand (`dapo keys`), never reset by `kubectl apply -k`
+    assert not _by_kind(resources, "Secret") and "dapo-public-keys" not in _by_kind(resources, "ConfigMap")
     # Who reaches it (the learner, generators, reward workers, KEDA): test_network_policies_allow_exactly_the_flows...
     for deployment in _by_kind(resources, "Deployment").values():  # every dapo pod carries the label it allows
         assert deployment["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/name"] == "dapo"
@@ -691,14 +707,15 @@ def test_k8s_redis_memory_is_bounded_below_its_limit_and_fits_a_step_of_the_reci
         assert _memory_bytes(volume["storage"]) >= 3 * maxmemory  # the AOF (up to twice the data) and its rewrite
 
 
-def test_keda_authenticates_to_redis_with_the_password():
+def test_keda_authenticates_to_redis_as_the_autoscaler_user():
     resources = _render("overlays/gpu")
     (scaled,) = _by_kind(resources, "ScaledObject").values()
     auth = _by_kind(resources, "TriggerAuthentication")
     for trigger in scaled["spec"]["triggers"]:
         assert trigger["authenticationRef"]["name"] in auth
     (spec,) = (a["spec"] for a in auth.values())
-    assert spec["secretTargetRef"] == [{"parameter": "password", "name": "dapo-redis", "key": "password"}]
+    assert spec["secretTargetRef"] == [{"parameter": "username", "name": "dapo-redis-autoscaler", "key": "username"},
+                                       {"parameter": "password", "name": "dapo-redis-autoscaler", "key": "password"}]
 
 
 def test_crd_schemas_reject_numbers_for_strings_and_misspelt_fields():
