@@ -76,6 +76,17 @@ def start_dockerd(log: Path) -> subprocess.Popen | None:
     return proc
 
 
+def project_secrets(folder: Path) -> dict[str, str]:
+    """The role keys and Redis users of a fresh project (`dapo keys init`, `redis-users`), as docker-compose.yml
+    reads them: DAPO_SECRETS_DIR (the public keys) and the variables of `dapo keys compose-env`."""
+    from cli.keys import compose_secrets, main as keys
+    from services.config import load_settings
+
+    for action in ("init", "redis-users"):
+        keys(load_settings("tiny-cpu"), action, None, str(folder))
+    return {"DAPO_SECRETS_DIR": str(folder), **compose_secrets(folder)}
+
+
 class Stack:
     """One Compose project of docker-compose.yml plus a small override (bench settings, host ports)."""
 
@@ -94,9 +105,10 @@ class Stack:
         self.override.write_text(json.dumps(body, indent=1))
         self.env = {
             **os.environ,
+            # fresh role keys and Redis users unless given (--no-reset: the ones the project started with)
+            **({} if os.environ.get("DAPO_SECRETS_DIR") else project_secrets(workdir / "secrets")),
             # fresh secrets unless given (--no-reset onto a running project needs the ones it started with)
             "DAPO_TOKEN": os.environ.get("DAPO_TOKEN") or secrets.token_hex(32),
-            "REDIS_PASSWORD": os.environ.get("REDIS_PASSWORD") or secrets.token_hex(32),
             "DAPO_RUN": "bench",
             "DAPO_LEARNER_PORT": str(LEARNER_PORT),
             "PROMETHEUS_PORT": str(PROMETHEUS_PORT),
@@ -338,7 +350,7 @@ def main() -> int:
     parser.add_argument("--down-at", type=int, default=6, help="compose down, then up, after this step")
     parser.add_argument("--timeout", type=float, default=2400, help="seconds for each wait")
     parser.add_argument("--no-reset", action="store_true",
-                        help="go on with the project as it runs (same DAPO_TOKEN and REDIS_PASSWORD in the environment)")
+                        help="go on with the project as it runs (same DAPO_TOKEN and DAPO_SECRETS_DIR in the environment)")
     parser.add_argument("--model-cache", default=str(Path("~/.cache/dapo").expanduser()),
                         help="host folder of built tiny models to seed the volume with ('' to let bootstrap build)")
     parser.add_argument("--build", action="store_true", help="run deploy/local-images.sh first and time it")

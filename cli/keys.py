@@ -5,6 +5,7 @@ of services/keys.py and services/redis_users.py; docs/deploy.md, "Roles, keys an
     dapo keys rotate ROLE [--dir DIR]   a new current key for ROLE, the previous one still trusted
     dapo keys retire KID [--dir DIR]    stop trusting KID (once nothing signed under it is in flight)
     dapo keys redis-users [--dir DIR]   DIR/redis/{user}.password and DIR/redis/users.acl (hashed, default user off)
+    dapo keys compose-env [--dir DIR]   `export` lines of those for docker-compose.yml (eval "$(dapo keys ...)")
 
 DIR defaults to keys.dir (run_dir/keys). Secrets are written mode 0600 in folders 0700.
 """
@@ -12,11 +13,21 @@ DIR defaults to keys.dir (run_dir/keys). Secrets are written mode 0600 in folder
 from __future__ import annotations
 
 import secrets
+import shlex
 from pathlib import Path
 
 from services.config import Settings
-from services.keys import ROLES, create_keys, keys_dir, retire, rotate, write_secret
+from services.keys import ROLES, create_keys, keys_dir, private_key_file, retire, rotate, write_secret
 from services.redis_users import REDIS_USERS, acl_file
+
+
+def compose_secrets(root: Path) -> dict[str, str]:
+    """The secrets docker-compose.yml reads from the environment, by variable name."""
+    values = {"REDIS_ACL": (root / "redis" / "users.acl").read_text()}
+    values |= {f"REDIS_{user.upper()}_PASSWORD": (root / "redis" / f"{user}.password").read_text().strip()
+               for user in REDIS_USERS}
+    values |= {f"DAPO_{role.upper()}_KEY": private_key_file(root, role).read_text().strip() for role in ROLES}
+    return values
 
 
 def main(settings: Settings, action: str, name: str | None, folder: str | None) -> int:
@@ -33,6 +44,8 @@ def main(settings: Settings, action: str, name: str | None, folder: str | None) 
             raise SystemExit("dapo keys retire: name the key id to retire (a file name in public/, without .pub)")
         retire(root, name)
         print(f"retired {name}")
+    elif action == "compose-env":
+        print("\n".join(f"export {name}={shlex.quote(value)}" for name, value in compose_secrets(root).items()))
     else:  # redis-users
         passwords = {user: secrets.token_hex(32) for user in REDIS_USERS}
         redis_dir = root / "redis"

@@ -55,7 +55,8 @@ SERVICES = ("learner", "generator", "reward")
 DEFAULT_PORTS = {name: getattr(Settings(), name).port for name in SERVICES}
 # DAPO_ variables that are not Settings fields: the preset (read by load_settings), the token file (read by
 # deploy/docker-entrypoint.sh, as the Redis password file), the stream consumer name (services/streams.py), the log level (cli/main.py).
-NON_FIELD_DAPO_VARIABLES = {"DAPO_CONFIG", "DAPO_TOKEN_FILE", "DAPO_REDIS_PASSWORD_FILE", "DAPO_WORKER_ID",
+NON_FIELD_DAPO_VARIABLES = {"DAPO_CONFIG", "DAPO_TOKEN_FILE", "DAPO_REDIS_PASSWORD_FILE", "DAPO_KEYS_PRIVATE_KEY_FILE",
+                            "DAPO_WORKER_ID",
                             "DAPO_LOG_LEVEL", "DAPO_DATA_DIR"}
 # Settings a deployment sets on top of a preset (where things live), nothing about the algorithm.
 DEPLOYMENT_KEYS = {("run_dir",), ("token",), ("redis", "url"), ("redis", "run"), ("learner", "public_url"),
@@ -106,8 +107,10 @@ def _compose() -> dict:
 
 def _compose_run(*paths: Path, args: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
     """`docker-compose -f ... config`: Compose's own parsing, merging and interpolation (no engine needed).
-    Only the token is set, so every other variable takes the file's default."""
-    env = {"PATH": os.environ["PATH"], "HOME": os.environ.get("HOME", "/tmp"), "DAPO_TOKEN": "test"}
+    Only the token and the secrets' folder are set (both required), so every other variable takes the file's
+    default."""
+    env = {"PATH": os.environ["PATH"], "HOME": os.environ.get("HOME", "/tmp"), "DAPO_TOKEN": "test",
+           "DAPO_SECRETS_DIR": "/secrets"}
     command = [_docker_compose(), *(a for p in paths for a in ("-f", str(p))), "config", *args]
     return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
 
@@ -252,18 +255,34 @@ def test_redis_keeps_an_append_only_file_on_a_volume_and_is_health_checked():
     assert "redis-cli" in " ".join(redis_service["healthcheck"]["test"])
 
 
-def test_compose_redis_requires_the_password_every_dapo_service_gets_as_a_secret():
-    compose = _compose()
-    assert compose["secrets"]["redis_password"] == {"environment": "REDIS_PASSWORD"}
+def test_compose_redis_has_a_user_per_role_and_each_service_gets_only_its_own_secrets():
+    compose = _compose_resolved()
     redis_service = compose["services"]["redis"]
-    assert redis_service["secrets"] == ["redis_password"]
-    assert '--requirepass "$$(cat /run/secrets/redis_password)"' in redis_service["command"][-1]
-    assert "REDISCLI_AUTH" in redis_service["healthcheck"]["test"][-1]  # the health check authenticates
-    for name in ("bootstrap",) + SERVICES:
+    assert [s["source"] for s in redis_service["secrets"]] == ["redis_acl", "redis_autoscaler_password"]
+    assert "--aclfile /run/secrets/redis_acl" in redis_service["command"][-1]
+    assert "--requirepass" not in redis_service["command"][-1]
+    assert "--user autoscaler" in redis_service["healthcheck"]["test"][-1]  # the health check authenticates
+    # no defaults: from the environment (`dapo keys compose-env`); an empty ACL stops Redis with a message
+    assert compose["secrets"]["redis_acl"]["environment"] == "REDIS_ACL"
+    assert "[ -s /run/secrets/redis_acl ] ||" in redis_service["command"][-1]
+    for name in SERVICES:
         service = compose["services"][name]
-        assert "redis_password" in service["secrets"]
-        assert service["environment"]["DAPO_REDIS_PASSWORD_FILE"] == "/run/secrets/redis_password"
-        assert "DAPO_REDIS__PASSWORD" not in service["environment"]
+        assert {s["source"] for s in service["secrets"]} == {"dapo_token", f"redis_{name}_password", f"{name}_key"}
+        env = service["environment"]
+        assert env["DAPO_REDIS__USERNAME"] == name
+        assert env["DAPO_REDIS_PASSWORD_FILE"] == f"/run/secrets/redis_{name}_password"
+        assert env["DAPO_KEYS_PRIVATE_KEY_FILE"] == f"/run/secrets/{name}_key"
+        assert "DAPO_REDIS__PASSWORD" not in env and "DAPO_KEYS__PRIVATE_KEY" not in env
+        public = next(v for v in service["volumes"] if v["target"] == env["DAPO_KEYS__PUBLIC_DIR"])
+        assert public["source"] == "/secrets/public" and public["read_only"]
+    assert {s["source"] for s in compose["services"]["bootstrap"]["secrets"]} == {"dapo_token"}
+
+
+def test_compose_refuses_to_start_without_the_secrets_folder():
+    env = {"PATH": os.environ["PATH"], "HOME": os.environ.get("HOME", "/tmp"), "DAPO_TOKEN": "test"}
+    result = subprocess.run([_docker_compose(), "-f", str(COMPOSE), "config"], cwd=ROOT, env=env,
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode != 0 and "DAPO_SECRETS_DIR" in result.stderr
 
 
 def test_compose_token_is_a_secret_shared_by_every_dapo_service():
@@ -1221,9 +1240,13 @@ def test_entrypoint_reads_the_token_file_and_refuses_an_empty_one(tmp_path):
     password_file = tmp_path / "password"
     password_file.write_text("p4ss")
     env["DAPO_REDIS_PASSWORD_FILE"] = str(password_file)
-    result = subprocess.run(["sh", entrypoint, "sh", "-c", 'printf %s/%s "$DAPO_TOKEN" "$DAPO_REDIS__PASSWORD"'],
+    key_file = tmp_path / "key"
+    key_file.write_text("k3y")
+    env["DAPO_KEYS_PRIVATE_KEY_FILE"] = str(key_file)
+    result = subprocess.run(["sh", entrypoint, "sh", "-c",
+                             'printf %s/%s/%s "$DAPO_TOKEN" "$DAPO_REDIS__PASSWORD" "$DAPO_KEYS__PRIVATE_KEY"'],
                             env=env, capture_output=True, text=True, timeout=30)
-    assert (result.returncode, result.stdout) == (0, "s3cret/p4ss")
+    assert (result.returncode, result.stdout) == (0, "s3cret/p4ss/k3y")
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -130,7 +130,7 @@ def test_rotation_keeps_the_previous_kid_until_it_is_retired(tmp_path):
 
 
 def test_dapo_keys_makes_the_deployment_secrets(tmp_path):
-    from cli.keys import main as keys
+    from cli.keys import compose_secrets, main as keys
 
     settings = load_settings("tiny-cpu", run_dir=str(tmp_path))
     assert keys(settings, "init", None, None) == 0 and len(list((tmp_path / "keys" / "public").glob("*.pub"))) == 3
@@ -140,3 +140,8 @@ def test_dapo_keys_makes_the_deployment_secrets(tmp_path):
     assert sorted(passwords) == ["autoscaler", "generator", "learner", "reward"]
     assert acl.startswith("user default off\n") and not any(p in acl for p in passwords.values())
     assert all(stat.S_IMODE(os.stat(p).st_mode) == 0o600 for p in (tmp_path / "deploy" / "redis").iterdir())
+    assert keys(settings, "init", None, str(tmp_path / "deploy")) == 0
+    compose = compose_secrets(tmp_path / "deploy")  # what docker-compose.yml reads from the environment
+    assert compose["REDIS_ACL"] == acl and compose["REDIS_GENERATOR_PASSWORD"] == passwords["generator"].strip()
+    assert sorted(name for name in compose if name.endswith("_KEY")) == ["DAPO_GENERATOR_KEY", "DAPO_LEARNER_KEY",
+                                                                          "DAPO_REWARD_KEY"]
