@@ -27,9 +27,11 @@ RedisUser = Literal["learner", "generator", "reward", "autoscaler"]
 REDIS_USERS: tuple[RedisUser, ...] = get_args(RedisUser)
 
 _CONNECTION = "+ping +auth +hello"
-# Reading a stream through its consumer group, reclaiming, acknowledging and deleting what was handled, and the
-# scripts of services/streams.py (EVALSHA; SCRIPT LOAD when the server lost them).
-_CONSUMER = "+xreadgroup +xack +xdel +xclaim +xautoclaim +xpending +xgroup|create +xlen +xadd +evalsha +script|load"
+# Reading a stream through its consumer group, reclaiming, acknowledging and deleting what was handled, dead
+# letters (XADD, XACK and XDEL in one MULTI), and the scripts of services/streams.py (EVALSHA; SCRIPT LOAD when
+# the server lost them).
+_CONSUMER = ("+xreadgroup +xack +xdel +xclaim +xautoclaim +xpending +xgroup|create +xlen +xadd +multi +exec +discard "
+             "+evalsha +script|load")
 _RULES: dict[str, str] = {
     "learner": "~dapo:* &dapo:* +@all -@dangerous +info",
     "generator": f"~dapo:*:prompts ~dapo:*:prompts:forwarded:* ~dapo:*:rollouts ~dapo:*:dead ~dapo:*:weights:latest &dapo:*:weights "

@@ -78,6 +78,21 @@ def test_each_role_does_its_job_and_nothing_of_the_others(server, as_role):
     assert autoscaler.xpending(learner_streams.key("prompts"), "generator")["pending"] == 0
     assert autoscaler.xinfo_groups(learner_streams.key("prompts"))[0]["name"] == b"generator"
     assert autoscaler.xlen(learner_streams.key("prompts")) == 0
+    # Dead letters (one MULTI), hand-backs and reclaims, each by the role that consumes the stream.
+    for i, (streams, name, model, consumer) in enumerate([(generator_streams, "prompts", PromptTask, "g"),
+                                                          (reward_streams, "rollouts", RolloutGroup, "r"),
+                                                          (learner_streams, "scored", ScoredGroup, "l")]):
+        writer = {"prompts": learner_streams, "rollouts": generator_streams, "scored": reward_streams}[name]
+        sent = {"prompts": task, "rollouts": group, "scored": scored}[name]
+        writer.stream(name, model).produce(sent)
+        writer.stream(name, model).produce(sent)
+        stream, consumer = streams.stream(name, model), f"{consumer}-{i}"
+        first, second = stream.consume(consumer, count=2, block_ms=0)
+        stream.release(first)
+        assert stream.release_all(consumer) == 1  # the other was handed back already
+        stream.reject(stream.consume(consumer + "b", count=2, block_ms=0)[0], "test: a letter by its consumer")
+    assert [d["stream"] for d in learner_streams.dead_letters()] == ["scored", "rollouts", "prompts"]
+    assert len(learner_streams.dead_letters_after("0-0")[1]) == 3  # each signed by the stream's consumer role
 
     # What each must not do.
     key = learner_streams.key
