@@ -45,7 +45,7 @@ from services.config import load_settings  # noqa: E402
 from services.http import BackgroundServer, create_app, free_port  # noqa: E402
 from services.messages import PromptTask, RolloutGroup, SamplingParams  # noqa: E402
 from services.redis_local import EmbeddedRedis, connect  # noqa: E402
-from services.keys import ROLES
+from services.keys import ROLES, create_keys, keys_dir
 from services.streams import Streams  # noqa: E402
 from services.weights import WeightPublisher, check_schema, model_schema, pull_weights, weights_router  # noqa: E402
 
@@ -334,6 +334,7 @@ def main() -> None:
         "tiny-cpu", run_dir=os.path.join(tmp, "run"), redis={"url": redis_server.url, "run": "bench"},
         streams={"high_water": 100_000},
     )
+    create_keys(keys_dir(settings))  # this process writes as every role
     sampling = SamplingParams(n=args.n or settings.sampling.n, temperature=1.0, top_p=1.0,
                               max_tokens=args.max_tokens or settings.sampling.max_tokens)
     model_dir = ensure_model(settings)

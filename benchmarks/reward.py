@@ -120,7 +120,7 @@ def run_worker(pool, groups, workers: int) -> float:
     from services.config import load_settings
     from services.messages import PromptTask, RolloutGroup, Sample, SamplingParams, to_wire
     from services.redis_local import EmbeddedRedis, client_for
-    from services.keys import ROLES
+    from services.keys import ROLES, create_keys, keys_dir
     from services.streams import ISSUED, Streams
 
     with tempfile.TemporaryDirectory(prefix="dapo-bench-") as tmp, EmbeddedRedis(Path(tmp) / "redis") as server:
@@ -131,6 +131,7 @@ def run_worker(pool, groups, workers: int) -> float:
             reward={"workers": workers},
             streams={"high_water": 100_000},
         )
+        create_keys(keys_dir(settings))  # this process writes as every role
         streams = Streams(client_for(server.url), settings, signs_as=ROLES)
         rollouts = streams.stream("rollouts", RolloutGroup)
         for index, (truth, samples) in enumerate(groups):

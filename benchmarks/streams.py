@@ -23,7 +23,7 @@ import redis
 from services.config import load_settings
 from services.messages import PromptTask, RolloutGroup, Sample, from_wire, to_wire
 from services.redis_local import EmbeddedRedis, client_for
-from services.keys import ROLES
+from services.keys import ROLES, create_keys, keys_dir
 from services.streams import Streams
 
 
@@ -95,7 +95,8 @@ def main() -> None:
         try:
             url = f"redis://:{server.password}@127.0.0.1:{port}/0"
             client = client_for(url)
-            settings = load_settings("tiny-cpu", redis={"url": url, "run": "bench"})
+            settings = load_settings("tiny-cpu", run_dir=tmp, redis={"url": url, "run": "bench"})
+            create_keys(keys_dir(settings))  # this process writes as every role
             streams = Streams(client, settings, signs_as=ROLES)
             raw, service = [], []
             for _ in range(args.rounds):  # interleaved rounds, so drift hits both paths alike

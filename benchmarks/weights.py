@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from services.config import load_settings
+from services.keys import create_keys, keys_dir
 from services.http import BackgroundServer, create_app, free_port
 from services.redis_local import EmbeddedRedis, connect
 from services.weights import WeightPublisher, check_shared, model_schema, pull_weights, weights_router
@@ -107,6 +108,7 @@ def main() -> None:
             weights={"transport": transport, "shared_dir": str(tmp / "shared"), "shard_mb": args.shard_mb,
                      "pull_concurrency": args.concurrency},
         )
+    create_keys(keys_dir(settings["http"]))  # both transports share run_dir, so its keys
     app = create_app("learner", token=settings["http"].token.get_secret_value())
     counter = EgressCounter(app)
     server = BackgroundServer(counter, "127.0.0.1", free_port(),
