@@ -81,6 +81,14 @@ def report(curves: list[Curve], command: str) -> str:
         f"| **worst** | {100 * min(c.base for c in curves):.1f} | "
         + " | ".join(f"**{100 * min(gains_at[m]):+.1f}**" for m in marks)
         + f" | {100 * min(c.accuracy[-1] for c in curves):.1f} | | | | | {100 * max(drops):.1f} |",
+        "| median, between evaluations¹ | | " + " | ".join(
+            f"{100 * statistics.median(c.interpolated(m) - c.base for c in curves):+.1f}" for m in marks)
+        + " | | | | | | |",
+        "| worst, between evaluations¹ | | " + " | ".join(
+            f"{100 * min(c.interpolated(m) - c.base for c in curves):+.1f}" for m in marks) + " | | | | | | |",
+        "", "¹ The rows above count what each run had measured by the minute (its last evaluation at or before it, up "
+        "to one evaluation interval back); these read the curve at the minute, linear between the evaluations on "
+        "either side.",
         "", "Held-out accuracy (%) against minutes of training, across seeds:", "",
         "| minute | " + " | ".join(f"{m:.1f}" for m in minutes) + " |",
         "| --- |" + " ---: |" * len(minutes),

@@ -48,6 +48,14 @@ class Curve:
                 value = a
         return value
 
+    def interpolated(self, minute: float) -> float:
+        """The accuracy at `minute`, linear between the evaluations on either side (the last one past the end)."""
+        points = list(zip(self.minutes, self.accuracy))
+        for (m0, a0), (m1, a1) in zip(points, points[1:]):
+            if m0 <= minute <= m1:
+                return a0 + (a1 - a0) * (minute - m0) / (m1 - m0) if m1 > m0 else a1
+        return points[-1][1] if minute > points[-1][0] else points[0][1]
+
     def minutes_to(self, target: float) -> float | None:
         """Minutes of the first evaluation at or above `target` (None: never reached)."""
         return first_minute_at(self.minutes, self.accuracy, target)

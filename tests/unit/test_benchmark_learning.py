@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from benchmarks.learning import reference, report
 from benchmarks.runs import Curve
 
@@ -34,3 +36,9 @@ def test_reference_is_by_step_over_the_steps_every_seed_measured():
     ref = reference([*CURVES, curve(3, [0.2, 0.3], [0.0, 2.0])], "cmd")
     assert ref["steps"] == [0, 10] and ref["seeds"] == [1, 2, 3]
     assert ref["worst"] == [0.2, 0.3] and ref["best"] == [0.25, 0.4] and ref["median"] == [0.2, 0.3]
+
+
+def test_between_evaluations_the_curve_is_read_linearly():
+    first = CURVES[0]
+    assert first.interpolated(3.5) == pytest.approx(0.475) and first.interpolated(12.0) == 0.60
+    assert "| median, between evaluations¹ | | +12.0 | +28.3 | +42.5 |" in report(CURVES, "cmd")
