@@ -9,6 +9,7 @@ import secrets
 import pytest
 import redis
 
+from services.config import RedisUrl
 from services.keys import create_keys, keys_dir
 from services.messages import PromptTask, RolloutGroup, Sample, Score, ScoredGroup
 from services.redis_local import EmbeddedRedis, client_for
@@ -147,3 +148,27 @@ def test_the_deployment_acl_file_has_no_password_and_no_default_user(short_tmp):
     finally:
         proc.terminate()
         proc.wait()
+
+
+def test_the_learner_service_runs_under_its_own_user(server, settings):
+    """The learner's own calls (lease, memory gauges, issued, held, dead letters, the announcement) as its user."""
+    import torch
+
+    from learner.lease import LearnerLease
+    from learner.service import LearnerService
+
+    create_keys(keys_dir(settings))
+    as_learner = settings.model_copy(update={"redis": settings.redis.model_copy(
+        update={"url": RedisUrl(server.role_url("learner"))})})
+    lease = LearnerLease(as_learner, ttl_s=5, on_fenced=print, on_lost=print)
+    assert lease.try_acquire() and lease.renew() == "renewed"
+    service = LearnerService(as_learner)
+    service.connect()  # INFO memory, the keyring, the publisher
+    task = PromptTask(task_id="train-0", prompt_id="p0", prompt="1+1=", ground_truth="2")
+    service.assembler.issued(["train-0"], 0)
+    service.work.outbox.append(task)
+    service.work.pump()  # issued + prompts in one script, scored read, dead letters scanned
+    assert service.work.issued_task("train-0") == task
+    service.publisher.publish({"w": torch.zeros(2)}, version=0)  # SET weights:latest, PUBLISH
+    assert service.streams.server_run_id()
+    assert lease.release()
