@@ -114,3 +114,14 @@ def test_launch_config_has_no_secret_and_children_get_them_in_their_environment(
     for name, value in zip(("DAPO_TOKEN", "DAPO_REDIS__URL", "DAPO_REDIS__PASSWORD"), environments.pop()):
         monkeypatch.setenv(name, value)
     assert load_settings(path) == settings  # what a child reads: the file, then its environment
+
+
+def test_each_child_gets_its_own_roles_redis_url(tmp_path):
+    """`dapo run`'s embedded server has a Redis user per role: a child's URL is its role's, no other role's."""
+    settings = load_settings("tiny-cpu", run_dir=str(tmp_path))
+    urls = {role: f"unix://{role}:pw-{role}@/run/redis.sock" for role in ROLES}
+    children = service_children(settings, tmp_path / "c.yaml", urls, 2, 1, 8000)
+    for child in children:
+        role = child.name.split("-")[0]
+        assert child.env["DAPO_REDIS__URL"] == urls[role], child.name
+        assert not any(f"pw-{other}" in value for other in ROLES if other != role for value in child.env.values())
