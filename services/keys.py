@@ -120,10 +120,14 @@ class Keyring:
         self._checked_at = time.monotonic()
         try:
             listing = tuple(sorted((p.name, p.stat().st_mtime_ns) for p in self.dir.glob("*.pub")))
+            if listing != self._listing:
+                self._keys, self._listing = self._read(listing), listing
+        except FileNotFoundError:
+            return  # a key retired while the folder was read: the keys so far until the next look
         except OSError as err:
             raise KeysError(f"cannot read the public keys in {self.dir}: {err}") from None
-        if listing == self._listing:
-            return
+
+    def _read(self, listing: tuple) -> dict[str, tuple[Role, Ed25519PublicKey]]:
         keys = {}
         for name, _ in listing:
             kid = name[: -len(".pub")]
@@ -134,7 +138,7 @@ class Keyring:
             if key_id(role, public) != kid:
                 raise KeysError(f"{self.dir / name}: the file name is not the key's id ({key_id(role, public)})")
             keys[kid] = (role, public)
-        self._keys, self._listing = keys, listing
+        return keys
 
     def kids(self, role: Role) -> list[str]:
         self._maybe_refresh(force=False)

@@ -145,3 +145,23 @@ def test_dapo_keys_makes_the_deployment_secrets(tmp_path):
     assert compose["REDIS_ACL"] == acl and compose["REDIS_GENERATOR_PASSWORD"] == passwords["generator"].strip()
     assert sorted(name for name in compose if name.endswith("_KEY")) == ["DAPO_GENERATOR_KEY", "DAPO_LEARNER_KEY",
                                                                           "DAPO_REWARD_KEY"]
+
+
+def test_a_key_retired_while_the_keyring_reads_the_folder_is_no_crash(tmp_path, monkeypatch):
+    create_keys(tmp_path)
+    keyring = Keyring(tmp_path / "public")
+    before = keyring.kids("reward")
+    rotate(tmp_path, "reward")
+    real_read_text = type(tmp_path).read_text
+
+    def vanished(path, *args, **kwargs):  # the retire's unlink lands between the listing and the read
+        if path.name.startswith("reward-"):
+            raise FileNotFoundError(path)
+        return real_read_text(path, *args, **kwargs)
+
+    monkeypatch.setattr(type(tmp_path), "read_text", vanished)
+    keyring.refresh()
+    assert keyring.kids("reward") == before  # the keys so far
+    monkeypatch.undo()
+    keyring.refresh()
+    assert len(keyring.kids("reward")) == 2
