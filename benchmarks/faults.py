@@ -163,6 +163,17 @@ def recovery(kill_at: float, step_at_kill: int, timeline: list[tuple[float, int]
     return {"next_step_s": next_s, "rolled_back_to": lowest}
 
 
+def with_spilled_payload(row: dict) -> dict:
+    """A dead letter whose payload was too large for Redis keeps it in `payload_file` (services/streams.py
+    letter_payload): read it back, checked against `payload_sha256`, so it is matched like any other."""
+    path = Path(row.get("payload_file") or "")
+    if not row.get("data") and path.is_file():
+        payload = path.read_bytes()
+        if digest(payload) == row.get("payload_sha256"):
+            return {**row, "data": payload}
+    return row
+
+
 def match_dead(dead: list[dict], injections: list[Injection]) -> tuple[list[tuple[dict, Injection]], list[dict]]:
     """Pair each dead letter with the injection it came from (same stream and bytes, else the same task id: a
     poison prompt re-encoded by the generator, a forged prompt dead-lettered as a scored group). Returns the
@@ -598,7 +609,7 @@ class Faults:
             out = []
             for eid, fields in rows:
                 row = {k.decode(): (v if k == b"data" else v.decode(errors="replace")) for k, v in fields.items()}
-                out.append({"id": eid.decode(), **row})
+                out.append({"id": eid.decode(), **with_spilled_payload(row)})
             client.close()
             return out
         finally:

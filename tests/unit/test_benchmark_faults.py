@@ -96,3 +96,18 @@ def test_analyze_and_report_state_each_goal():
     assert "| the run finishes by itself | exit 0 after 3.0 min | yes |" in text
     assert "| learner | 1 | 12.0 | 30.0 | 1 |" in text
     assert "| 0 Redis commands outside a role's ACL accepted | 1 of 2 (generator: XADD scored) | **no** |" in text
+
+
+def test_a_spilled_payload_is_read_back_and_matched(tmp_path):
+    from benchmarks.faults import with_spilled_payload
+
+    big = msgpack.packb({"task_id": "train-poison-1", "prompt": "x" * 1000})
+    spilled = tmp_path / f"{digest(big)}.msgpack"
+    spilled.write_bytes(big)
+    letter = {"stream": "prompts", "reason": "invalid task: prompt text of 1000 bytes cannot fit", "data": b"",
+              "payload_sha256": digest(big), "payload_file": str(spilled)}
+    injected = Injection("poison", "big prompt", "prompts", "invalid task", digest(big), "train-poison-1")
+    pairs, unmatched = match_dead([with_spilled_payload(letter)], [injected])
+    assert [i.label for _, i in pairs] == ["big prompt"] and unmatched == []
+    spilled.write_bytes(b"changed")  # a file that is not the payload it names is not read back
+    assert with_spilled_payload(letter)["data"] == b""
