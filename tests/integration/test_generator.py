@@ -46,7 +46,7 @@ from services.messages import (
 from services.redis_local import connect
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from services.keys import ROLES, Signer
+from services.keys import ROLES, Signer, keys_dir
 from services.streams import Streams
 from services.weights import WeightPublisher, WeightsError, channel, latest_key, shareable_state_dict, weights_router
 from services.weights_layout import write_version
@@ -545,6 +545,7 @@ def test_sigkilled_generator_task_is_finished_once_by_another(service, engine, s
         "DAPO_MODEL__NAME_OR_PATH": str(service["base"]), "DAPO_RUN_DIR": os.path.join(short_tmp, "doomed"),
         "DAPO_GENERATOR__HOST": "127.0.0.1", "DAPO_GENERATOR__PORT": str(port), "DAPO_WORKER_ID": "doomed",
         "DAPO_GENERATOR__MAX_MODEL_LEN": "256", "DAPO_TOKEN": settings.token.get_secret_value(),
+        "DAPO_KEYS__DIR": str(keys_dir(settings)),  # the run's keys: its own run folder, the run's generator key
     }
     log_path = Path(short_tmp) / "doomed.log"
     with open(log_path, "wb") as log_file:
@@ -651,6 +652,7 @@ def test_sigkilled_generator_leaves_no_orphan_engine(service, short_tmp):
         "DAPO_GENERATOR__HOST": "127.0.0.1", "DAPO_GENERATOR__PORT": str(port), "DAPO_WORKER_ID": "killed",
         "DAPO_GENERATOR__MAX_MODEL_LEN": "256", "DAPO_TOKEN": settings.token.get_secret_value(),
         "DAPO_GENERATOR__IN_PROCESS_ENGINE": "false",
+        "DAPO_KEYS__DIR": str(keys_dir(settings)),
     }
     command = [sys.executable, "-m", "cli", "generator", "--config", "tiny-cpu"]
     child = Child("generator-0", command, env, Path(short_tmp) / "killed.log")
