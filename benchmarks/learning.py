@@ -1,6 +1,6 @@
 """Learning that reproduces: the default `dapo run` over several seeds, median and worst held-out curves.
 
-    python -m benchmarks.learning --seeds 11 12 13 14 15 --minutes 10 --reference     # the README headline
+    python -m benchmarks.learning --seeds 16 17 18 19 20 --minutes 10 --reference --headline   # the README headline
     python -m benchmarks.learning --seeds 11 --minutes 5 --label base-weak \
         --set tiny.seed=1 --set tiny.warmup_target_accuracy=0.2                            # another base model
 
@@ -12,7 +12,9 @@ the `<label>` markers, and as benchmarks/results/<label>.{json,png}:
     stability figure: goal at most 5 points);
   * across seeds: the median and the worst gain at each mark, and accuracy against minutes and against steps;
   * `--reference`: the curves by step (worst, median, best) written beside the shipped model
-    (services/tiny_model/reference.json), which every `dapo run` from that model is compared with in its summary.
+    (services/tiny_model/reference.json), which every `dapo run` from that model is compared with in its summary;
+  * `--headline`: the median and worst gains, the machine, the step time and the goals' verdict written into the
+    top README.md between the `headline` markers.
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ from benchmarks.runs import (
 
 STABILITY_GOAL = 0.05  # no seed loses more than 5 points between two evaluations after step 10
 MARKS = (2.0, 5.0, 10.0)  # minutes of training at which every seed's gain is reported
+# issue 36's goals on the shipped base: minute -> (median gain, worst seed's gain); None where no goal is set
+GOALS = {5.0: (0.35, 0.30), 10.0: (0.40, None)}
 
 
 def plot(curves: list[Curve], minutes: list[float], median: list[float], worst: list[float], path: Path) -> None:
@@ -107,6 +111,45 @@ def report(curves: list[Curve], command: str) -> str:
     return "\n".join(lines)
 
 
+def headline(curves: list[Curve], command: str) -> str:
+    """The top README's claim: median and worst gains at each mark, read both ways, and the goals' verdict."""
+    marks = [m for m in MARKS if m <= max(c.minutes[-1] for c in curves) + 0.5]
+    by_eval = {m: [c.at_minute(m) - c.base for c in curves] for m in marks}
+    between = {m: [c.interpolated(m) - c.base for c in curves] for m in marks}
+    seconds = [c.step_seconds for c in curves]
+    drops = [c.max_drop(after_step=10) for c in curves]
+    lines = [
+        f"`{command}`: {len(curves)} fresh `dapo run`s of the default, one at a time, on {machine()} "
+        f"({min(seconds):.1f} to {max(seconds):.1f} s a step), each stopped after {max(marks):g} minutes of training "
+        "(evaluations excluded). Gain over the run's own step 0, in points of held-out accuracy:", "",
+        "| gain over step 0, points | " + " | ".join(f"{m:g} min" for m in marks) + " |",
+        "| --- |" + " ---: |" * len(marks),
+        f"| median of {len(curves)} seeds | " + " | ".join(f"**{100 * statistics.median(by_eval[m]):+.1f}**"
+                                                           for m in marks) + " |",
+        "| worst seed | " + " | ".join(f"**{100 * min(by_eval[m]):+.1f}**" for m in marks) + " |",
+        "| median / worst, read between evaluations | " + " | ".join(
+            f"{100 * statistics.median(between[m]):+.1f} / {100 * min(between[m]):+.1f}" for m in marks) + " |",
+        "",
+        f"Every seed went from {100 * min(c.base for c in curves):.0f} to {100 * max(c.base for c in curves):.0f} % "
+        f"to {100 * min(c.accuracy[-1] for c in curves):.0f} to {100 * max(c.accuracy[-1] for c in curves):.0f} % "
+        f"({min(c.steps[-1] for c in curves)} to {max(c.steps[-1] for c in curves)} steps); the largest fall "
+        f"between two evaluations after step 10 was {100 * max(drops):.1f} points (goal {100 * STABILITY_GOAL:.0f}).",
+    ]
+    verdicts = []
+    for minute, (median_goal, worst_goal) in GOALS.items():
+        if minute not in by_eval:
+            continue
+        for name, goal, values in (("median", median_goal, by_eval[minute]), ("worst", worst_goal, by_eval[minute])):
+            if goal is None:
+                continue
+            got = statistics.median(values) if name == "median" else min(values)
+            verdicts.append(f"{name} {100 * goal:+.0f} at {minute:g} minutes: {100 * got:+.1f}, "
+                            + ("met" if got >= goal - 1e-9 else f"missed by {100 * (goal - got):.1f}"))
+    if verdicts:
+        lines[-1] += " Goals (the last evaluation at or before the minute): " + "; ".join(verdicts) + "."
+    return "\n".join(lines)
+
+
 def reference(curves: list[Curve], command: str) -> dict:
     """The curves by step across seeds (machine-independent), for `dapo run` summaries to be held to."""
     common = sorted(set.intersection(*(set(c.steps) for c in curves)))
@@ -130,6 +173,7 @@ def main() -> None:
     parser.add_argument("--report-only", action="store_true", help="rewrite the report from the runs' metrics")
     parser.add_argument("--reference", action="store_true",
                         help="write the curves by step beside the shipped model (runs from the shipped model only)")
+    parser.add_argument("--headline", action="store_true", help="write the top README's headline from these runs")
     args = parser.parse_args()
 
     overrides = [f"learner.total_steps={args.steps}", f"learner.time_limit_minutes={args.minutes}", *args.set]
@@ -154,6 +198,8 @@ def main() -> None:
         from services.models import SHIPPED_TINY_REFERENCE
 
         SHIPPED_TINY_REFERENCE.write_text(json.dumps(reference(curves, command + " --reference"), indent=1) + "\n")
+    if args.headline:
+        replace_section(ROOT / "README.md", "headline", headline(curves, command + " --reference --headline"))
     body = report(curves, command) + f"\n\n![{args.label}](results/{args.label}.png)"
     print(body)
     replace_section(ROOT / "benchmarks" / "README.md", args.label, body)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.learning import reference, report
+from benchmarks.learning import headline, reference, report
 from benchmarks.runs import Curve
 
 
@@ -42,3 +42,13 @@ def test_between_evaluations_the_curve_is_read_linearly():
     first = CURVES[0]
     assert first.interpolated(3.5) == pytest.approx(0.475) and first.interpolated(12.0) == 0.60
     assert "| median, between evaluations¹ | | +12.0 | +28.3 | +42.5 |" in report(CURVES, "cmd")
+
+
+def test_headline_states_median_and_worst_and_judges_each_goal():
+    text = headline(CURVES, "cmd")
+    assert "| median of 2 seeds | **+10.0** | **+20.0** | **+42.5** |" in text
+    assert "| worst seed | **+0.0** | **+5.0** | **+40.0** |" in text
+    assert "2 cores" in text and "4.0 to 4.0 s a step" in text
+    assert "median +35 at 5 minutes: +20.0, missed by 15.0" in text
+    assert "worst +30 at 5 minutes: +5.0, missed by 25.0" in text
+    assert "median +40 at 10 minutes: +42.5, met" in text
