@@ -3,6 +3,7 @@
     python -m benchmarks.learning --seeds 16 17 18 19 20 --minutes 10 --reference --headline   # the README headline
     python -m benchmarks.learning --seeds 11 --minutes 5 --label base-weak \
         --set tiny.seed=1 --set tiny.warmup_target_accuracy=0.2                            # another base model
+(the three other bases against TRL on each, over seeds: benchmarks/bases.py)
 
 Each seed is one fresh `dapo run` (one at a time: they would share the cores), stopped after `--minutes` of
 training (evaluations excluded) or `--steps`, whichever comes first. Reported, into benchmarks/README.md between
