@@ -151,11 +151,11 @@ def main() -> None:
                     curve = one_run(system, seed, one)
                     systems[system] = [c for c in systems[system] if c.seed != seed] + [curve]
                     save(command, runs)  # after each run: an interrupted command keeps what finished
-        seeds = sorted({c.seed for systems in runs.values() for cs in systems.values() for c in cs})
-        command = (f"python -m benchmarks.bases --seeds {' '.join(map(str, seeds))} --minutes {args.minutes:g} "
-                   f"--preset {args.preset}"
-                   f" --snapshot-seconds {args.snapshot_seconds:g}")
-        save(command, runs)
+        this = (f"python -m benchmarks.bases --seeds {' '.join(map(str, args.seeds))}"
+                + ("" if args.bases == list(BASES) else f" --bases {' '.join(args.bases)}")
+                + f" --minutes {args.minutes:g} --preset {args.preset} --snapshot-seconds {args.snapshot_seconds:g}")
+        command = this if not command else command if this in command.split("; ") else f"{command}; {this}"
+        save(command, runs)  # every command that added runs, in order: what the table was made by
     plot(runs, RESULTS.with_suffix(".png"))
     body = report(runs, command) + "\n\n![bases](results/bases.png)"
     replace_section(ROOT / "benchmarks" / "README.md", "bases", body)
