@@ -40,10 +40,6 @@ MARKS = (2.0, 5.0)
 RESULTS = ROOT / "benchmarks" / "results" / "bases.json"
 
 
-def gain(curve: Curve, minute: float) -> float:
-    return curve.at_minute(minute) - curve.base
-
-
 def report(runs: dict[str, dict[str, list[Curve]]], command: str) -> str:
     """Per base and seed the two systems' gains side by side; per base the median and worst; the goals' verdict."""
     lines = [
@@ -60,23 +56,23 @@ def report(runs: dict[str, dict[str, list[Curve]]], command: str) -> str:
         margins, gains5 = [], []
         for seed in sorted(ours):
             c, t = ours[seed], theirs.get(seed)
-            gains5.append(gain(c, 5.0))
-            margin = None if t is None else gain(c, 5.0) - gain(t, 5.0)
+            gains5.append(c.gain(5.0))
+            margin = None if t is None else gains5[-1] - t.gain(5.0)
             if margin is not None:
                 margins.append(margin)
             lines.append(
                 f"| {name} | {' '.join(BASES.get(name, []))} | {seed} | {100 * c.base:.1f} / "
                 + (f"{100 * t.base:.1f}" if t else "-") + " | "
-                + " / ".join(f"{100 * gain(c, m):+.1f}" for m in MARKS) + " | "
-                + (" / ".join(f"{100 * gain(t, m):+.1f}" for m in MARKS) if t else "-") + " | "
+                + " / ".join(f"{100 * c.gain(m):+.1f}" for m in MARKS) + " | "
+                + (" / ".join(f"{100 * t.gain(m):+.1f}" for m in MARKS) if t else "-") + " | "
                 + (f"{100 * margin:+.1f}" if margin is not None else "-") + " |")
         if not gains5:
             continue
         lines.append(
             f"| **{name}: median / worst** | | | {100 * statistics.median(c.base for c in ours.values()):.1f} | "
             f"**{100 * statistics.median(gains5):+.1f} / {100 * min(gains5):+.1f}** at 5 | "
-            + (f"{100 * statistics.median(gain(t, 5.0) for t in theirs.values()):+.1f} / "
-               f"{100 * min(gain(t, 5.0) for t in theirs.values()):+.1f} at 5" if theirs else "-") + " | "
+            + (f"{100 * statistics.median(t.gain(5.0) for t in theirs.values()):+.1f} / "
+               f"{100 * min(t.gain(5.0) for t in theirs.values()):+.1f} at 5" if theirs else "-") + " | "
             + (f"{100 * min(margins):+.1f} (worst)" if margins else "-") + " |")
         verdicts.append(
             f"{name}: worst seed {100 * min(gains5):+.1f} at 5 minutes "

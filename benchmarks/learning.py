@@ -57,14 +57,19 @@ def plot(curves: list[Curve], minutes: list[float], median: list[float], worst: 
     plt.close(fig)
 
 
+def marks_within(curves: list[Curve]) -> list[float]:
+    """The MARKS the runs lasted to (half a minute of slack: a run stops at the first step past its limit)."""
+    return [m for m in MARKS if m <= max(c.minutes[-1] for c in curves) + 0.5]
+
+
 def report(curves: list[Curve], command: str) -> str:
     minutes = grid(curves, points=7)
     median, worst = median_and_worst(curves, minutes)
     drops = [c.max_drop(after_step=10) for c in curves]
     common_steps = sorted(set.intersection(*(set(c.steps) for c in curves)))
     by_step = {k: [c.accuracy[c.steps.index(k)] for c in curves] for k in common_steps}
-    marks = [m for m in MARKS if m <= max(c.minutes[-1] for c in curves) + 0.5]
-    gains_at = {m: [c.at_minute(m) - c.base for c in curves] for m in marks}
+    marks = marks_within(curves)
+    gains_at = {m: [c.gain(m) for c in curves] for m in marks}
     lines = [
         f"`{command}`, on {machine()}. Gains are in points of held-out accuracy over the run's own step 0, at "
         "minutes of training (evaluations excluded): what each run had measured by then.", "",
@@ -87,10 +92,10 @@ def report(curves: list[Curve], command: str) -> str:
         + " | ".join(f"**{100 * min(gains_at[m]):+.1f}**" for m in marks)
         + f" | {100 * min(c.accuracy[-1] for c in curves):.1f} | | | | | {100 * max(drops):.1f} |",
         "| median, between evaluations¹ | | " + " | ".join(
-            f"{100 * statistics.median(c.interpolated(m) - c.base for c in curves):+.1f}" for m in marks)
+            f"{100 * statistics.median(c.gain(m, between=True) for c in curves):+.1f}" for m in marks)
         + " | | | | | | |",
         "| worst, between evaluations¹ | | " + " | ".join(
-            f"{100 * min(c.interpolated(m) - c.base for c in curves):+.1f}" for m in marks) + " | | | | | | |",
+            f"{100 * min(c.gain(m, between=True) for c in curves):+.1f}" for m in marks) + " | | | | | | |",
         "", "¹ The rows above count what each run had measured by the minute (its last evaluation at or before it, up "
         "to one evaluation interval back); these read the curve at the minute, linear between the evaluations on "
         "either side.",
@@ -114,9 +119,9 @@ def report(curves: list[Curve], command: str) -> str:
 
 def headline(curves: list[Curve], command: str) -> str:
     """The top README's claim: median and worst gains at each mark, read both ways, and the goals' verdict."""
-    marks = [m for m in MARKS if m <= max(c.minutes[-1] for c in curves) + 0.5]
-    by_eval = {m: [c.at_minute(m) - c.base for c in curves] for m in marks}
-    between = {m: [c.interpolated(m) - c.base for c in curves] for m in marks}
+    marks = marks_within(curves)
+    by_eval = {m: [c.gain(m) for c in curves] for m in marks}
+    between = {m: [c.gain(m, between=True) for c in curves] for m in marks}
     seconds = [c.step_seconds for c in curves]
     drops = [c.max_drop(after_step=10) for c in curves]
     lines = [
@@ -138,12 +143,12 @@ def headline(curves: list[Curve], command: str) -> str:
     ]
     verdicts = []
     for minute, (median_goal, worst_goal) in GOALS.items():
-        if minute not in by_eval:
+        values = by_eval.get(minute)
+        if values is None:
             continue
-        for name, goal, values in (("median", median_goal, by_eval[minute]), ("worst", worst_goal, by_eval[minute])):
+        for name, goal, got in (("median", median_goal, statistics.median(values)), ("worst", worst_goal, min(values))):
             if goal is None:
                 continue
-            got = statistics.median(values) if name == "median" else min(values)
             verdicts.append(f"{name} {100 * goal:+.0f} at {minute:g} minutes: {100 * got:+.1f}, "
                             + ("met" if got >= goal - 1e-9 else f"missed by {100 * (goal - got):.1f}"))
     if verdicts:
@@ -195,12 +200,13 @@ def main() -> None:
     extra = "".join(f" --set {s}" for s in args.set)
     command = (f"python -m benchmarks.learning --seeds {' '.join(map(str, args.seeds))} --steps {args.steps} "
                f"--minutes {args.minutes:g} --preset {args.preset} --label {args.label}{extra}")
+    written_by = command + "".join(f" --{flag}" for flag in ("reference", "headline") if getattr(args, flag))
     if args.reference:
         from services.models import SHIPPED_TINY_REFERENCE
 
-        SHIPPED_TINY_REFERENCE.write_text(json.dumps(reference(curves, command + " --reference"), indent=1) + "\n")
+        SHIPPED_TINY_REFERENCE.write_text(json.dumps(reference(curves, written_by), indent=1) + "\n")
     if args.headline:
-        replace_section(ROOT / "README.md", "headline", headline(curves, command + " --reference --headline"))
+        replace_section(ROOT / "README.md", "headline", headline(curves, written_by))
     body = report(curves, command) + f"\n\n![{args.label}](results/{args.label}.png)"
     print(body)
     replace_section(ROOT / "benchmarks" / "README.md", args.label, body)

@@ -56,6 +56,10 @@ class Curve:
                 return a0 + (a1 - a0) * (minute - m0) / (m1 - m0) if m1 > m0 else a1
         return points[-1][1] if minute > points[-1][0] else points[0][1]
 
+    def gain(self, minute: float, between: bool = False) -> float:
+        """Accuracy over step 0 at `minute`: what the run had measured by then, or read between evaluations."""
+        return (self.interpolated(minute) if between else self.at_minute(minute)) - self.base
+
     def minutes_to(self, target: float) -> float | None:
         """Minutes of the first evaluation at or above `target` (None: never reached)."""
         return first_minute_at(self.minutes, self.accuracy, target)

@@ -25,8 +25,8 @@ def test_report_puts_both_systems_side_by_side_and_judges_each_base_by_its_worst
 
 def test_a_gain_is_what_the_run_had_measured_by_the_minute():
     c = curve(0, [0, 1.5, 4.0, 6.0], [0.2, 0.3, 0.4, 0.5])
-    assert bases.gain(c, 2.0) == 0.3 - 0.2
-    assert abs(bases.gain(c, 5.0) - 0.2) < 1e-12  # the 6-minute evaluation is not counted at 5
+    assert c.gain(2.0) == 0.3 - 0.2
+    assert abs(c.gain(5.0) - 0.2) < 1e-12  # the 6-minute evaluation is not counted at 5
 
 
 def test_results_round_trip_so_a_later_command_only_adds_missing_seeds(tmp_path):
