@@ -3,8 +3,9 @@
 One process, one device, the variants one after another on the same synthetic scored groups (a randomly
 initialised Qwen2.5-shaped model: nothing to download):
 
-- `project`: `Trainer.train_step` as the preset runs it on a GPU (packed rows, chunked head, bf16 autocast,
-  fp32 AdamW, gradient checkpointing, the preset's micro_batch_tokens and mini-batches);
+- `project`: `Trainer.train_step` as the preset runs it on a GPU (packed rows on the varlen flash kernel, chunked
+  head, bf16 autocast, fp32 AdamW, gradient checkpointing, the preset's micro_batch_tokens and mini-batches);
+- `project-sdpa`: the same packed rows on SDPA with a block-diagonal mask (`learner.attention: sdpa`);
 - `project-padded`: the same with `learner.packing: off` (right-padded rows, the layout before packing);
 - `plain`: a plain loop a user would write (rows right-padded to the longest of each micro-batch, sorted by
   length, full logits and log_softmax, the PPO clipped token-mean loss, the same checkpointing, optimizer,
@@ -193,12 +194,15 @@ def busy_fraction(step, device) -> float | None:
     return min(1.0, kernel_us / 1e6 / wall)
 
 
+VARIANT_SETTINGS = {"project": {"packing": "auto"}, "project-sdpa": {"packing": "auto", "attention": "sdpa"},
+                    "project-padded": {"packing": "off"}}
+
+
 def measure(shape: str, groups_count: int, steps: int, preset: str, variants: list[str], n: int,
-            prompt_range, response_range, micro_batch_tokens: int | None) -> dict:
+            prompt_range, response_range, micro_batch_tokens: int | None, progress=None) -> dict:
+    """Every variant's row; `progress(result)` after each (a partial result survives a run cut short)."""
     import torch
 
-    from learner import throughput
-    from learner.trainer import Trainer
     from services.config import load_settings
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -211,50 +215,64 @@ def measure(shape: str, groups_count: int, steps: int, preset: str, variants: li
                              sampling={"n": n}, learner=learner)
         groups = synthetic_groups(groups_count, n, SHAPES[shape]["vocab_size"], prompt_range, response_range)
         response_tokens = sum(len(s.token_ids) for g in groups for s in g.rollout.samples)
-        rows = []
+        card = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+        memory = torch.cuda.get_device_properties(device).total_memory / 2**30 if device.type == "cuda" else None
+        result = {"device": card, "device_gib": memory, "shape": shape, "groups": groups_count, "n": n,
+                  "response_tokens": response_tokens, "preset": preset,
+                  "micro_batch_tokens": base.learner.micro_batch_tokens, "mini_batches": base.learner.mini_batches,
+                  "steps": steps, "torch": torch.__version__, "rows": []}
         for variant in variants:
-            if variant == "plain":
-                runner = PlainLoop(base, model_path, device)
-                counts = throughput.parameter_counts(runner.model)
-            else:
-                packing = "auto" if variant == "project" else "off"
-                settings = load_settings(preset, run_dir=str(Path(tmp) / "run"),
-                                         model={"name_or_path": str(model_path)}, sampling={"n": n},
-                                         learner={**learner, "packing": packing})
-                runner = Trainer(settings, model_path)
-                counts = runner.parameter_counts
-            flops = step_flops(counts, groups, base.learner.mini_batches, base.learner.epochs)
-            runner.train_step(groups)  # warm-up
-            _sync(device)
-            if device.type == "cuda":
-                torch.cuda.reset_peak_memory_stats(device)
-            seconds = []
-            for _ in range(steps):
-                started = time.perf_counter()
-                runner.train_step(groups)
-                _sync(device)
-                seconds.append(time.perf_counter() - started)
-            peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
-            busy = busy_fraction(lambda: runner.train_step(groups), device)
-            step = statistics.median(seconds)
-            use = throughput.utilisation(flops, step, 1, throughput.peak_tflops(device))
-            rows.append({"variant": variant, "seconds": step, "all_seconds": seconds,
-                         "response_tokens_per_second": response_tokens / step, **use, "peak_gib": peak,
-                         "gpu_busy": busy})
-            print(rows[-1], flush=True)
-            del runner
+            try:
+                result["rows"].append(measure_variant(variant, base, preset, model_path, n, learner, groups, steps,
+                                                      response_tokens, device))
+            except Exception as error:  # a variant that cannot run here is reported, the others still measured
+                result["rows"].append({"variant": variant, "error": f"{type(error).__name__}: {error}"})
+            print(result["rows"][-1], flush=True)
             gc.collect()
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-    card = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    memory = torch.cuda.get_device_properties(device).total_memory / 2**30 if device.type == "cuda" else None
-    return {"device": card, "device_gib": memory, "shape": shape, "groups": groups_count, "n": n,
-            "response_tokens": response_tokens, "preset": preset, "micro_batch_tokens": base.learner.micro_batch_tokens,
-            "mini_batches": base.learner.mini_batches, "steps": steps, "torch": torch.__version__, "rows": rows}
+            if progress:
+                progress(result)
+    return result
+
+
+def measure_variant(variant, base, preset, model_path, n, learner, groups, steps, response_tokens, device) -> dict:
+    import torch
+
+    from learner import throughput
+    from learner.trainer import Trainer
+    from services.config import load_settings
+
+    if variant == "plain":
+        runner = PlainLoop(base, model_path, device)
+        counts = throughput.parameter_counts(runner.model)
+        attention = "sdpa"
+    else:
+        settings = load_settings(preset, run_dir=base.run_dir, model={"name_or_path": str(model_path)},
+                                 sampling={"n": n}, learner={**learner, **VARIANT_SETTINGS[variant]})
+        runner = Trainer(settings, model_path)
+        counts, attention = runner.parameter_counts, runner.attention
+    flops = step_flops(counts, groups, base.learner.mini_batches, base.learner.epochs)
+    runner.train_step(groups)  # warm-up
+    _sync(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    seconds = []
+    for _ in range(steps):
+        started = time.perf_counter()
+        runner.train_step(groups)
+        _sync(device)
+        seconds.append(time.perf_counter() - started)
+    peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+    busy = busy_fraction(lambda: runner.train_step(groups), device)
+    step = statistics.median(seconds)
+    use = throughput.utilisation(flops, step, 1, throughput.peak_tflops(device))
+    return {"variant": variant, "attention": attention, "seconds": step, "all_seconds": seconds,
+            "response_tokens_per_second": response_tokens / step, **use, "peak_gib": peak, "gpu_busy": busy}
 
 
 def report(result: dict, command: str) -> str:
-    plain = next((r for r in result["rows"] if r["variant"] == "plain"), None)
+    plain = next((r for r in result["rows"] if r["variant"] == "plain" and "error" not in r), None)
     lines = [
         f"`{command}`", "",
         f"{result['device']} (torch {result['torch']}); a random-init Qwen2.5-{result['shape']} shape, "
@@ -269,8 +287,11 @@ def report(result: dict, command: str) -> str:
         return "n/a" if value is None else format(value, spec)
 
     for row in result["rows"]:
+        if "error" in row:
+            lines.append(f"| {row['variant']} | {row['error']} |||||||")
+            continue
         ratio = row["seconds"] / plain["seconds"] if plain else None
-        lines.append(f"| {row['variant']} | {row['seconds']:.2f} | {fmt(ratio, '.2f')} | "
+        lines.append(f"| {row['variant']} ({row['attention']}) | {row['seconds']:.2f} | {fmt(ratio, '.2f')} | "
                      f"{row['response_tokens_per_second']:,.0f} | {row['model_tflops']:.1f} | "
                      f"{fmt(row.get('mfu') and 100 * row['mfu'], '.1f')} % | {fmt(row['peak_gib'], '.1f')} | "
                      f"{fmt(row['gpu_busy'] and 100 * row['gpu_busy'], '.0f')} % |")
@@ -287,16 +308,22 @@ def main() -> None:
     parser.add_argument("--micro-batch-tokens", type=int, default=None, help="default: the preset's")
     parser.add_argument("--prompt-tokens", type=int, nargs=2, default=[64, 320])
     parser.add_argument("--response-tokens", type=int, nargs=2, default=[256, 2048])
-    parser.add_argument("--variants", nargs="+", default=["project", "project-padded", "plain"],
-                        choices=["project", "project-padded", "plain"])
-    parser.add_argument("--write", action="store_true", help="write benchmarks/results/gpu_trainer-<model>.json")
+    parser.add_argument("--variants", nargs="+", default=["project", "plain", "project-padded", "project-sdpa"],
+                        choices=["project", "project-sdpa", "project-padded", "plain"])
+    parser.add_argument("--write", action="store_true",
+                        help="write benchmarks/results/gpu_trainer-<model>.json (after every variant)")
     args = parser.parse_args()
+    command = "python -m benchmarks.gpu_trainer " + " ".join(sys.argv[1:])
+
+    def write(result: dict) -> None:
+        if args.write:
+            text = report(result, command)
+            (RESULTS / f"gpu_trainer-{args.model}.json").write_text(json.dumps({**result, "report": text},
+                                                                                indent=2) + "\n")
+
     result = measure(args.model, args.groups, args.steps, args.preset, args.variants, args.n,
-                     tuple(args.prompt_tokens), tuple(args.response_tokens), args.micro_batch_tokens)
-    text = report(result, "python -m benchmarks.gpu_trainer " + " ".join(sys.argv[1:]))
-    print(text)
-    if args.write:
-        (RESULTS / f"gpu_trainer-{args.model}.json").write_text(json.dumps({**result, "report": text}, indent=2) + "\n")
+                     tuple(args.prompt_tokens), tuple(args.response_tokens), args.micro_batch_tokens, write)
+    print(report(result, command))
 
 
 if __name__ == "__main__":

@@ -79,6 +79,8 @@ class MicroBatch:
     prompt: PromptBlock | None = None
     first_tokens: int = 0
     real_tokens: int = 0  # tokens the model runs that are not padding (throughput accounting)
+    cu_seqlens: Tensor | None = None  # packed: [rows + 1] int32, where each row (the padding tail one) starts
+    longest_row: int = 0  # packed: the longest row of the pack
 
 
 def bucketed(size: int, multiple: int) -> int:
@@ -107,7 +109,7 @@ def collate(responses: list[Response], indices: list[int], layout: Layout, pad_t
 
 
 def _packed(rows, pad_token_id, bucket, token_response, token_slot, targets, response_mask) -> MicroBatch:
-    ids, positions, hidden_pos = [], [], []
+    ids, positions, hidden_pos, starts = [], [], [], [0]
     offset = 0
     for r in rows:
         row = r.prompt_ids + r.response_ids
@@ -116,14 +118,18 @@ def _packed(rows, pad_token_id, bucket, token_response, token_slot, targets, res
         start = offset + len(r.prompt_ids) - 1  # the prompt's last token predicts the first response token
         hidden_pos.append(torch.arange(start, start + len(r.response_ids)))
         offset += len(row)
+        starts.append(offset)
     tail = bucketed(offset, bucket) - offset
     ids.extend([pad_token_id] * tail)  # a row of padding of its own: its positions restart, it attends to itself
     positions.extend(range(tail))
+    if tail:
+        starts.append(offset + tail)
     hidden_pos = torch.cat(hidden_pos)
     return MicroBatch(
         indices=[], input_ids=torch.tensor([ids]), attention_mask=None, position_ids=torch.tensor([positions]),
         hidden_row=torch.zeros_like(hidden_pos), hidden_pos=hidden_pos, token_response=token_response,
         token_slot=token_slot, targets=targets, response_mask=response_mask, real_tokens=offset,
+        cu_seqlens=torch.tensor(starts, dtype=torch.int32), longest_row=max(max(r.length for r in rows), tail),
     )
 
 
@@ -189,7 +195,7 @@ def prompt_block(rows: list[Response], pad_token_id: int) -> PromptBlock:
 
 def _on(batch: MicroBatch, device) -> MicroBatch:
     for name in ("input_ids", "attention_mask", "position_ids", "hidden_row", "hidden_pos", "token_response",
-                 "token_slot", "targets", "response_mask"):
+                 "token_slot", "targets", "response_mask", "cu_seqlens"):
         value = getattr(batch, name)
         if value is not None:
             setattr(batch, name, value.to(device, non_blocking=True))

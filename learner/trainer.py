@@ -57,7 +57,7 @@ import torch
 from torch import Tensor
 from torch.nn.utils.rnn import pad_sequence
 
-from learner import dapo, packing, throughput
+from learner import attention, dapo, packing, throughput
 from learner.checkpoint_io import load_training_state, save_training_state
 from learner.logprobs import HeadQuery, install_head
 from learner.packing import MicroBatch, Response
@@ -126,7 +126,8 @@ class Trainer:
                 "model, so the importance weights are biased (the paper trains at top_p 1)", settings.sampling.top_p
             )
 
-        self.attention = attention_implementation(cfg.attention, cuda)
+        packed = cfg.packing == "on" or (cfg.packing == "auto" and cuda)
+        self.attention = attention_implementation(cfg.attention, cuda, packed, self.compute_dtype)
         model = AutoModelForCausalLM.from_pretrained(
             self.model_path, dtype=torch.float32, trust_remote_code=settings.model.trust_remote_code,
             attn_implementation=self.attention,
@@ -149,7 +150,6 @@ class Trainer:
         # summed gradient); FSDP and gradient checkpointing (no KV cache in training) take whole rows.
         self.share_prompts = (cfg.share_prompt_pass and not cfg.gradient_checkpointing
                               and self.accelerator.distributed_type != DistributedType.FSDP)
-        packed = cfg.packing == "on" or (cfg.packing == "auto" and cuda)
         self.layout: packing.Layout = "packed" if packed else "shared" if self.share_prompts else "padded"
         # On a GPU, few distinct shapes (kernels are planned per shape): packs rounded up to an eighth of the
         # budget, padded rows to 64 tokens. On a CPU nothing is planned and every padding token costs.
@@ -479,9 +479,11 @@ class Trainer:
             return HeadQuery(inputs.hidden_row[part], inputs.hidden_pos[part], inputs.targets[part], grad)
 
         if prompt is None:
+            rows = (attention.packed_kwargs(inputs.cu_seqlens, inputs.longest_row)
+                    if self.attention == attention.VARLEN else {})
             with head.scoring(query(slice(None))):
                 scored = model(input_ids=inputs.input_ids, attention_mask=inputs.attention_mask,
-                               position_ids=inputs.position_ids, use_cache=False).logits
+                               position_ids=inputs.position_ids, use_cache=False, **rows).logits
         else:
             # Each prompt once; its KV cache copied to its responses by index, so gradients from every response flow
             # back into the one prompt pass. The prompt's last position predicts each row's first response token.
@@ -593,15 +595,22 @@ class _Stats:
         return values
 
 
-def attention_implementation(choice: str, cuda: bool) -> str:
-    """The attention kernel the learner's model runs: `auto` is varlen FlashAttention-2 on a GPU where the
-    flash-attn package is installed (packed rows without a mask), else PyTorch's SDPA (on packed rows with a
-    block-diagonal mask built from the position ids)."""
-    if choice != "auto":
-        return choice
-    if cuda and importlib.util.find_spec("flash_attn") is not None:
-        return "flash_attention_2"
-    return "sdpa"
+def attention_implementation(choice: str, cuda: bool, packed: bool, dtype: torch.dtype) -> str:
+    """The attention kernel the learner's model runs. `auto`, on a GPU in half precision: varlen FlashAttention-2
+    where the flash-attn package is installed, else for packed rows PyTorch's own varlen flash kernel
+    (learner/attention.py); both see the rows' boundaries, no mask. Otherwise PyTorch's SDPA (on packed rows with
+    a block-diagonal mask built from the position ids: correct, but every query visits the whole pack)."""
+    if choice == "varlen":
+        if not (packed and attention.available(cuda, dtype)):
+            raise ValueError("learner.attention=varlen needs packed rows on a GPU in bf16/fp16 and torch >= 2.10")
+        choice = attention.VARLEN
+    elif choice == "auto":
+        if attention.available(cuda, dtype) and importlib.util.find_spec("flash_attn") is not None:
+            return "flash_attention_2"
+        choice = attention.VARLEN if packed and attention.available(cuda, dtype) else "sdpa"
+    if choice == attention.VARLEN:
+        attention.register()
+    return choice
 
 
 def _prompt_ids(group: "ScoredGroup") -> list[int]:

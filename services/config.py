@@ -366,9 +366,10 @@ class LearnerConfig(Section):
         "off (right-padded rows), or auto = on a GPU only (on a CPU the padded rows with the shared prompt pass are "
         "faster)."
     )
-    attention: Literal["auto", "flash_attention_2", "flex_attention", "sdpa", "eager"] = Field(
-        "auto", description="The learner's attention kernel (transformers' attn_implementation); auto = "
-        "flash_attention_2 on a GPU where flash-attn is installed, else sdpa."
+    attention: Literal["auto", "varlen", "flash_attention_2", "flex_attention", "sdpa", "eager"] = Field(
+        "auto", description="The learner's attention kernel (transformers' attn_implementation, or varlen: "
+        "PyTorch's own varlen FlashAttention on packed rows); auto = on a GPU with packed rows in bf16/fp16, "
+        "flash_attention_2 where flash-attn is installed, else varlen where torch has it; otherwise sdpa."
     )
     head_chunk_tokens: int = Field(
         1024, gt=0, description="Response tokens through the LM head at once (logprobs and entropy in chunks: no "

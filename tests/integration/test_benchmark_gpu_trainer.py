@@ -9,13 +9,16 @@ from benchmarks.gpu_trainer import report, step_flops, synthetic_groups
 def test_the_benchmark_runs_its_variants_and_reports_them():
     from benchmarks.gpu_trainer import measure
 
-    result = measure("tiny", 2, 1, "tiny-cpu", ["project", "project-padded", "plain"], 4, (4, 12), (8, 40), None)
+    partial = []
+    result = measure("tiny", 2, 1, "tiny-cpu", ["project", "project-padded", "plain"], 4, (4, 12), (8, 40), None,
+                     progress=lambda r: partial.append(len(r["rows"])))
     assert [r["variant"] for r in result["rows"]] == ["project", "project-padded", "plain"]
+    assert partial == [1, 2, 3]  # written after every variant: a run cut short keeps what it measured
     for row in result["rows"]:
         assert row["seconds"] > 0 and row["model_tflops"] > 0 and row["response_tokens_per_second"] > 0
         assert row["gpu_busy"] is None and "mfu" not in row  # a CPU: no busy fraction, no peak to divide by
     text = report(result, "python -m benchmarks.gpu_trainer --model tiny")
-    assert "| plain |" in text and "| 1.00 |" in text and "2 groups x 4 responses" in text
+    assert "| plain (sdpa) |" in text and "| 1.00 |" in text and "2 groups x 4 responses" in text
 
 
 def test_flops_count_every_trained_and_recomputed_token():

@@ -3,6 +3,7 @@ hand formula, checkpoints, micro-batching, padding."""
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import pickle
@@ -531,3 +532,60 @@ def test_two_process_ddp_matches_one_process(model_path, tmp_path):
                 "tokens", "tis_mean"):
         assert two["metrics"][key] == pytest.approx(one["metrics"][key], rel=1e-4, abs=1e-7), key
     assert (tmp_path / "ckpt-2" / "trainer_state.json").is_file()
+
+
+# -- the varlen kernel's plumbing on CPU (the kernel itself is CUDA-only: tests/integration/test_trainer_gpu.py) ---
+def _segments(q, k, v, cu, scale, causal, gqa):
+    """What torch.nn.attention.varlen.varlen_attn computes, row by row with SDPA: [T, H, D] in and out."""
+    starts = cu.tolist()
+    out = []
+    for a, b in zip(starts, starts[1:]):
+        rows = [t[a:b].transpose(0, 1)[None] for t in (q, k, v)]
+        out.append(torch.nn.functional.scaled_dot_product_attention(*rows, is_causal=causal, scale=scale,
+                                                                    enable_gqa=gqa)[0].transpose(0, 1))
+    return torch.cat(out)
+
+
+def varlen_today(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None, window_size=(-1, -1), enable_gqa=False):
+    assert torch.equal(cu_seq_q, cu_seq_k) and max_q == max_k == int(cu_seq_q.diff().max())
+    return _segments(q, k, v, cu_seq_q, scale, window_size == (-1, 0), enable_gqa)
+
+
+def varlen_torch_2_10(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None, is_causal=False):
+    assert q.shape[1] == k.shape[1], "no grouped-query support in this signature: heads repeated by the caller"
+    return _segments(q, k, v, cu_seq_q, scale, is_causal, False)
+
+
+@pytest.mark.parametrize("kernel", [varlen_today, varlen_torch_2_10])
+@pytest.mark.parametrize("budget", [100_000, 20])
+def test_packed_rows_through_the_varlen_interface_match_padded_rows(model_path, tmp_path, monkeypatch, kernel,
+                                                                     budget):
+    # The varlen attention (learner/attention.py) with a CPU stand-in of the kernel: the boundaries the trainer
+    # passes, the head layout, grouped-query heads and either signature of the kernel give the padded gradient.
+    from learner import attention
+
+    monkeypatch.setattr(attention, "available", lambda cuda, dtype: True)
+    calls = []
+
+    @functools.wraps(kernel)  # the same signature
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return kernel(*args, **kwargs)
+
+    monkeypatch.setattr(attention, "_kernel", lambda: counted)
+    groups = make_groups(n_groups=4, size=4, seed=5)
+    padded = Trainer(make_settings(tmp_path, **LAYOUTS["padded"], micro_batch_tokens=budget), model_path)
+    varlen = Trainer(make_settings(tmp_path, packing="on", attention="varlen", micro_batch_tokens=budget), model_path)
+    assert (varlen.layout, varlen.attention) == ("packed", attention.VARLEN)
+    groups = with_behaviour(groups, padded.logprobs(groups), random_offsets(groups, seed=4, scale=0.5))
+    loss_padded, grads_padded = padded.loss_gradients(groups)
+    loss_varlen, grads_varlen = varlen.loss_gradients(groups)
+    assert loss_varlen == pytest.approx(loss_padded, rel=1e-5, abs=1e-7)
+    for name, grad in grads_padded.items():
+        torch.testing.assert_close(grads_varlen[name], grad, rtol=1e-5, atol=1e-5, msg=name)
+    assert calls  # the kernel ran (not SDPA on a block mask, which gives the same values)
+
+
+def test_varlen_attention_is_refused_where_it_cannot_run(model_path, tmp_path):
+    with pytest.raises(ValueError, match="varlen needs packed rows on a GPU"):
+        Trainer(make_settings(tmp_path, packing="on", attention="varlen"), model_path)

@@ -1,0 +1,78 @@
+"""Attention confined to each row of a packed micro-batch, through PyTorch's own varlen FlashAttention.
+
+A packed micro-batch (learner/packing.py) is one sequence holding many rows. Without the flash-attn package,
+transformers' SDPA path confines attention to each row with a dense `[T x T]` block-diagonal mask: every query
+still visits every key of the pack (at 16k tokens that doubles the model's FLOPs) and the mask itself is
+`T^2` bytes. `torch.nn.attention.varlen.varlen_attn` (PyTorch >= 2.10, CUDA, fp16/bf16) runs the flash kernel on
+the rows' boundaries (`cu_seqlens`) instead: no mask, no wasted block. It is registered with transformers as the
+attention implementation `VARLEN`, and the trainer passes each pack's boundaries, computed on the host when the
+pack is built, as keyword arguments of the forward (`cu_seq_lens_q`, ... : the names transformers gives them for
+FlashAttention), so the step never reads a length back from the device.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+
+import torch
+from torch import Tensor
+
+VARLEN = "dapo_varlen"
+
+
+def _kernel():
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return varlen_attn
+
+
+def available(cuda: bool, dtype: torch.dtype) -> bool:
+    """Whether packed rows can run on the varlen kernel: a GPU, a half-precision compute dtype, a torch with it."""
+    return cuda and dtype in (torch.bfloat16, torch.float16) and _kernel() is not None
+
+
+@functools.cache
+def _options(kernel) -> tuple[bool, dict]:
+    """(native grouped-query support, the keyword that makes it causal): the signature changed across torch
+    releases (2.10 took `is_causal`, later ones a `window_size` of (-1, 0) and `enable_gqa`)."""
+    parameters = inspect.signature(kernel).parameters
+    causal = {"window_size": (-1, 0)} if "window_size" in parameters else {"is_causal": True}
+    return "enable_gqa" in parameters, causal
+
+
+def varlen_attention_forward(module, query: Tensor, key: Tensor, value: Tensor, attention_mask, *, scaling=None,
+                             cu_seq_lens_q: Tensor | None = None, max_length_q: int | None = None, **kwargs):
+    """transformers' attention interface: query [1, Hq, T, D], key/value [1, Hkv, T, D] -> ([1, T, Hq, D], None)."""
+    if cu_seq_lens_q is None or max_length_q is None:
+        raise ValueError(f"attention {VARLEN!r} runs packed rows only: the forward needs cu_seq_lens_q and "
+                         "max_length_q (learner/packing.py builds them)")
+    if query.shape[0] != 1:
+        raise ValueError(f"attention {VARLEN!r}: a packed micro-batch is one sequence, got {query.shape[0]}")
+    # Under autocast the rotary embedding leaves q and k in fp32 (SDPA is cast by autocast; this op is not).
+    dtype = torch.get_autocast_dtype(query.device.type) if torch.is_autocast_enabled(query.device.type) \
+        else value.dtype
+    q, k, v = (t[0].transpose(0, 1).to(dtype).contiguous() for t in (query, key, value))  # [T, H, D]
+    kernel = _kernel()
+    native_gqa, causal = _options(kernel)
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1 and not native_gqa:
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    gqa = {"enable_gqa": True} if groups > 1 and native_gqa else {}
+    out = kernel(q, k, v, cu_seq_lens_q, cu_seq_lens_q, max_length_q, max_length_q, scale=scaling, **causal, **gqa)
+    return out.unsqueeze(0), None
+
+
+def register() -> None:
+    """Make `VARLEN` a valid `attn_implementation` (with no mask: the rows' boundaries replace it)."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(VARLEN, varlen_attention_forward)
+
+
+def packed_kwargs(cu_seqlens: Tensor, longest_row: int) -> dict:
+    """The forward's keyword arguments for a pack whose rows start at `cu_seqlens` (int32, on the device)."""
+    return {"cu_seq_lens_q": cu_seqlens, "cu_seq_lens_k": cu_seqlens, "max_length_q": longest_row,
+            "max_length_k": longest_row}

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# The learner's checks on one CUDA machine, in a few minutes: the gpu-marked tests, then benchmarks/gpu_trainer.py
+# (results in benchmarks/results/gpu_trainer-<model>.json, written after every variant; copied to $OUT where set).
+# Needs torch, transformers and accelerate; the project's other dependencies are pure Python (or manylinux wheels):
+# where the machine cannot reach an index, put them as wheels in .whl/ (benchmarks/README.md, "GPU trainer").
+#
+#     scripts/gpu_check.sh [all | tests | bench] [model shape: 0.5b | 1.5b | 7b]
+#     (BENCH_SECONDS bounds the benchmark, default 420; BENCH_STEPS the timed steps a variant, default 2)
+set -u
+what=${1:-all}
+model=${2:-1.5b}
+logs=${OUT:-/tmp}
+export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
+if [ -d .whl ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        && export PYTHONPATH=/tmp/site || exit 1
+fi
+nvidia-smi -L
+python3 -c "import torch, transformers, accelerate; from learner import attention
+print('torch', torch.__version__, 'transformers', transformers.__version__, 'accelerate', accelerate.__version__,
+      torch.cuda.get_device_name(), 'varlen kernel:', attention.available(True, torch.bfloat16))"
+if [ "$what" != bench ]; then
+    timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests 2>&1 | tee "$logs/gpu_tests.log"
+fi
+if [ "$what" != tests ]; then
+    timeout "${BENCH_SECONDS:-420}" python3 -m benchmarks.gpu_trainer --model "$model" --steps "${BENCH_STEPS:-2}" \
+        --write 2>&1 | tee "$logs/gpu_trainer.log"
+    if [ -n "${OUT:-}" ]; then cp "benchmarks/results/gpu_trainer-$model.json" "$OUT/" 2>/dev/null; fi
+fi
+exit 0
