@@ -13,8 +13,8 @@ initialised Qwen2.5-shaped model: nothing to download):
 
 Each variant: one warm-up step, then `--steps` timed steps (synchronized), seconds a step, response tokens/s,
 model TFLOP/s and MFU (learner/throughput.py: 6N per trained token, 2N per no-grad token, padding excluded, the
-same count for every variant), peak memory (torch.cuda.max_memory_allocated) and the GPU busy fraction of one
-more profiled step (CUDA kernel time / wall time, torch.profiler; the profiler's own host overhead lowers it).
+same count for every variant), peak memory (torch.cuda.max_memory_allocated) and the GPU busy fraction over the
+timed steps (NVML's utilisation, sampled from a thread: `BusySampler`).
 
     python -m benchmarks.gpu_trainer --model 1.5b --write          # on a GPU (the issue's shape)
     python -m benchmarks.gpu_trainer --model tiny --groups 2 --steps 1   # a CPU smoke run of the same code
@@ -30,6 +30,7 @@ import random
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -56,7 +57,9 @@ def build_model(shape: str, folder: Path) -> Path:
     config = Qwen2Config(**SHAPES[shape], max_position_embeddings=32768, rope_theta=1_000_000.0, pad_token_id=0,
                          eos_token_id=1, bos_token_id=None)
     torch.manual_seed(0)
-    Qwen2ForCausalLM(config).to(torch.bfloat16).save_pretrained(folder)
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):  # a 7B random init on a host is slow
+        model = Qwen2ForCausalLM(config).to(torch.bfloat16)
+    model.save_pretrained(folder)
     return folder
 
 
@@ -179,19 +182,38 @@ def _sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def busy_fraction(step, device) -> float | None:
-    """CUDA kernel time over the wall time of one profiled step (None on a CPU)."""
-    if device.type != "cuda":
-        return None
-    from torch.profiler import ProfilerActivity, profile
+class BusySampler:
+    """The GPU busy fraction over the timed steps, as NVML reports it (torch.cuda.utilization: the share of each
+    sample period, 1/6 to 1 s, in which a kernel ran), sampled from a thread: no profiler, no extra step, no
+    overhead on the steps it watches. None on a CPU or where NVML cannot be read."""
 
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        started = time.perf_counter()
-        step()
-        _sync(device)
-        wall = time.perf_counter() - started
-    kernel_us = sum(e.self_device_time_total for e in prof.key_averages())
-    return min(1.0, kernel_us / 1e6 / wall)
+    def __init__(self, device, every: float = 0.1):
+        self.device, self.every, self.samples = device, every, []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def _sample(self) -> None:
+        import torch
+
+        while not self._stop.wait(self.every):
+            try:
+                self.samples.append(torch.cuda.utilization(self.device) / 100)
+            except Exception:  # no NVML (pynvml / nvidia-ml-py) here: no figure rather than a wrong one
+                return
+
+    def __enter__(self) -> "BusySampler":
+        if self.device.type == "cuda":
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+
+    @property
+    def fraction(self) -> float | None:
+        return statistics.fmean(self.samples) if self.samples else None
 
 
 VARIANT_SETTINGS = {"project": {"packing": "auto"}, "project-sdpa": {"packing": "auto", "attention": "sdpa"},
@@ -243,6 +265,7 @@ def measure_variant(variant, base, preset, model_path, n, learner, groups, steps
     from learner.trainer import Trainer
     from services.config import load_settings
 
+    started = time.perf_counter()
     if variant == "plain":
         runner = PlainLoop(base, model_path, device)
         counts = throughput.parameter_counts(runner.model)
@@ -255,20 +278,22 @@ def measure_variant(variant, base, preset, model_path, n, learner, groups, steps
     flops = step_flops(counts, groups, base.learner.mini_batches, base.learner.epochs)
     runner.train_step(groups)  # warm-up
     _sync(device)
+    setup = time.perf_counter() - started  # load and warm-up: what a run cut short spent before its first figure
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     seconds = []
-    for _ in range(steps):
-        started = time.perf_counter()
-        runner.train_step(groups)
-        _sync(device)
-        seconds.append(time.perf_counter() - started)
+    with BusySampler(device) as busy:
+        for _ in range(steps):
+            started = time.perf_counter()
+            runner.train_step(groups)
+            _sync(device)
+            seconds.append(time.perf_counter() - started)
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
-    busy = busy_fraction(lambda: runner.train_step(groups), device)
     step = statistics.median(seconds)
     use = throughput.utilisation(flops, step, 1, throughput.peak_tflops(device))
     return {"variant": variant, "attention": attention, "seconds": step, "all_seconds": seconds,
-            "response_tokens_per_second": response_tokens / step, **use, "peak_gib": peak, "gpu_busy": busy}
+            "response_tokens_per_second": response_tokens / step, **use, "peak_gib": peak,
+            "gpu_busy": busy.fraction, "setup_seconds": setup}
 
 
 def report(result: dict, command: str) -> str:

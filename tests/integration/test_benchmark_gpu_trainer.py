@@ -25,3 +25,39 @@ def test_flops_count_every_trained_and_recomputed_token():
     groups = synthetic_groups(3, 2, 100, (5, 5), (10, 10))
     # 6 rows of 15 tokens (10 scored), one epoch, 3 mini-batches: 2/3 of the rows run once more without a gradient.
     assert step_flops((7, 3), groups, 3, 1) == 6 * (7 * 90 + 3 * 60) + 2 * (7 * 60 + 3 * 40)
+
+
+def test_the_busy_fraction_is_nvml_utilisation_sampled_over_the_steps(monkeypatch):
+    import time
+    import types
+
+    import torch
+
+    from benchmarks.gpu_trainer import BusySampler
+
+    readings = iter([90, 100, 80] + [85] * 1000)
+    monkeypatch.setattr(torch.cuda, "utilization", lambda device: next(readings))
+    with BusySampler(types.SimpleNamespace(type="cuda"), every=0.01) as sampler:
+        time.sleep(0.1)
+    assert len(sampler.samples) >= 3 and sampler.samples[:3] == [0.9, 1.0, 0.8]
+    assert 0.8 <= sampler.fraction <= 1.0
+    with BusySampler(torch.device("cpu")) as cpu:
+        time.sleep(0.02)
+    assert cpu.fraction is None  # a CPU: no figure
+
+
+def test_without_nvml_there_is_no_busy_figure(monkeypatch):
+    import time
+    import types
+
+    import torch
+
+    from benchmarks.gpu_trainer import BusySampler
+
+    def unreadable(device):
+        raise ModuleNotFoundError("pynvml")
+
+    monkeypatch.setattr(torch.cuda, "utilization", unreadable)
+    with BusySampler(types.SimpleNamespace(type="cuda"), every=0.01) as sampler:
+        time.sleep(0.05)
+    assert sampler.fraction is None

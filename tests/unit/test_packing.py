@@ -102,6 +102,11 @@ def test_packed_rows_restart_their_positions_and_hold_no_padding_but_the_tail():
     assert lengths[: len(rows)] == real and sum(real) == batch.real_tokens
     assert len(positions) == bucketed(sum(real), 32)
     assert all(positions[s + t] == t for s, n in zip(starts, lengths) for t in range(n))
+    # The varlen kernel's boundaries (learner/attention.py) are the same rows, the padding tail one of its own.
+    assert batch.cu_seqlens.dtype == torch.int32
+    assert batch.cu_seqlens.tolist() == starts + [len(positions)] and batch.longest_row == max(lengths)
+    exact = collate(rows, list(range(6)), "packed", pad_token_id=0, bucket=1)
+    assert exact.cu_seqlens.tolist() == [0, *torch.tensor(real).cumsum(0).tolist()]  # no tail: no empty row
 
 
 def test_bucketed():
