@@ -30,38 +30,50 @@ def _kernel():
 
 
 def available(cuda: bool, dtype: torch.dtype) -> bool:
-    """Whether packed rows can run on the varlen kernel: a GPU, a half-precision compute dtype, a torch with it."""
-    return cuda and dtype in (torch.bfloat16, torch.float16) and _kernel() is not None
+    """Whether packed rows can run on the varlen kernel: a torch with it, a half-precision compute dtype, and a GPU
+    its flash kernel runs on (Ampere or newer; a T4 or V100 keeps SDPA)."""
+    if not (cuda and dtype in (torch.bfloat16, torch.float16) and _kernel() is not None):
+        return False
+    return torch.backends.cuda.is_flash_attention_available() and torch.cuda.get_device_capability() >= (8, 0)
 
 
 @functools.cache
-def _options(kernel) -> tuple[bool, dict]:
-    """(native grouped-query support, the keyword that makes it causal): the signature changed across torch
-    releases (2.10 took `is_causal`, later ones a `window_size` of (-1, 0) and `enable_gqa`)."""
+def _options(kernel) -> tuple[bool, bool, dict]:
+    """(native grouped-query support, a `scale` argument, the keyword that makes it causal): the signature changed
+    across torch releases (2.10 took `is_causal` and no scale, later ones `scale`, a `window_size` of (-1, 0) and
+    then `enable_gqa`)."""
     parameters = inspect.signature(kernel).parameters
     causal = {"window_size": (-1, 0)} if "window_size" in parameters else {"is_causal": True}
-    return "enable_gqa" in parameters, causal
+    return "enable_gqa" in parameters, "scale" in parameters, causal
 
 
 def varlen_attention_forward(module, query: Tensor, key: Tensor, value: Tensor, attention_mask, *, scaling=None,
-                             cu_seq_lens_q: Tensor | None = None, max_length_q: int | None = None, **kwargs):
+                             cu_seq_lens_q: Tensor | None = None, max_length_q: int | None = None,
+                             sliding_window=None, softcap=None, s_aux=None, **kwargs):
     """transformers' attention interface: query [1, Hq, T, D], key/value [1, Hkv, T, D] -> ([1, T, Hq, D], None)."""
     if cu_seq_lens_q is None or max_length_q is None:
         raise ValueError(f"attention {VARLEN!r} runs packed rows only: the forward needs cu_seq_lens_q and "
                          "max_length_q (learner/packing.py builds them)")
     if query.shape[0] != 1:
         raise ValueError(f"attention {VARLEN!r}: a packed micro-batch is one sequence, got {query.shape[0]}")
+    if sliding_window is not None or softcap is not None or s_aux is not None:
+        raise ValueError(f"attention {VARLEN!r} is plain causal attention: this model asks for a sliding window, "
+                         "a softcap or attention sinks (set learner.attention: sdpa)")
     # Under autocast the rotary embedding leaves q and k in fp32 (SDPA is cast by autocast; this op is not).
     dtype = torch.get_autocast_dtype(query.device.type) if torch.is_autocast_enabled(query.device.type) \
         else value.dtype
     q, k, v = (t[0].transpose(0, 1).to(dtype).contiguous() for t in (query, key, value))  # [T, H, D]
     kernel = _kernel()
-    native_gqa, causal = _options(kernel)
+    native_gqa, takes_scale, causal = _options(kernel)
     groups = q.shape[1] // k.shape[1]
     if groups > 1 and not native_gqa:
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    gqa = {"enable_gqa": True} if groups > 1 and native_gqa else {}
-    out = kernel(q, k, v, cu_seq_lens_q, cu_seq_lens_q, max_length_q, max_length_q, scale=scaling, **causal, **gqa)
+    options = {**causal, **({"enable_gqa": True} if groups > 1 and native_gqa else {})}
+    if takes_scale:
+        options["scale"] = scaling
+    elif scaling is not None:  # the kernel's own scale is D^-1/2: fold the model's into the queries
+        q = q * (scaling * q.shape[-1] ** 0.5)
+    out = kernel(q, k, v, cu_seq_lens_q, cu_seq_lens_q, max_length_q, max_length_q, **options)
     return out.unsqueeze(0), None
 
 

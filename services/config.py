@@ -368,8 +368,8 @@ class LearnerConfig(Section):
     )
     attention: Literal["auto", "varlen", "flash_attention_2", "flex_attention", "sdpa", "eager"] = Field(
         "auto", description="The learner's attention kernel (transformers' attn_implementation, or varlen: "
-        "PyTorch's own varlen FlashAttention on packed rows); auto = on a GPU with packed rows in bf16/fp16, "
-        "flash_attention_2 where flash-attn is installed, else varlen where torch has it; otherwise sdpa."
+        "PyTorch's own varlen FlashAttention on packed rows); auto = on a GPU in bf16/fp16, flash_attention_2 where "
+        "flash-attn is installed, else varlen for packed rows where torch and the GPU have it; otherwise sdpa."
     )
     head_chunk_tokens: int = Field(
         1024, gt=0, description="Response tokens through the LM head at once (logprobs and entropy in chunks: no "

@@ -551,17 +551,19 @@ def varlen_today(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None, windo
     return _segments(q, k, v, cu_seq_q, scale, window_size == (-1, 0), enable_gqa)
 
 
-def varlen_torch_2_10(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None, is_causal=False):
+def varlen_torch_2_10(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, *, is_causal=False, return_aux=None):
     assert q.shape[1] == k.shape[1], "no grouped-query support in this signature: heads repeated by the caller"
-    return _segments(q, k, v, cu_seq_q, scale, is_causal, False)
+    return _segments(q, k, v, cu_seq_q, None, is_causal, False)  # no scale argument: D^-1/2
 
 
 @pytest.mark.parametrize("kernel", [varlen_today, varlen_torch_2_10])
-@pytest.mark.parametrize("budget", [100_000, 20])
+@pytest.mark.parametrize("budget, bucket, checkpointing", [(100_000, 1, False), (20, 16, True)])
 def test_packed_rows_through_the_varlen_interface_match_padded_rows(model_path, tmp_path, monkeypatch, kernel,
-                                                                     budget):
+                                                                     budget, bucket, checkpointing):
     # The varlen attention (learner/attention.py) with a CPU stand-in of the kernel: the boundaries the trainer
-    # passes, the head layout, grouped-query heads and either signature of the kernel give the padded gradient.
+    # passes (a padding tail as a row of its own where packs are rounded up, as on a GPU), the head layout,
+    # grouped-query heads, gradient checkpointing's recompute and either signature of the kernel give the padded
+    # gradient.
     from learner import attention
 
     monkeypatch.setattr(attention, "available", lambda cuda, dtype: True)
@@ -575,8 +577,10 @@ def test_packed_rows_through_the_varlen_interface_match_padded_rows(model_path, 
     monkeypatch.setattr(attention, "_kernel", lambda: counted)
     groups = make_groups(n_groups=4, size=4, seed=5)
     padded = Trainer(make_settings(tmp_path, **LAYOUTS["padded"], micro_batch_tokens=budget), model_path)
-    varlen = Trainer(make_settings(tmp_path, packing="on", attention="varlen", micro_batch_tokens=budget), model_path)
+    varlen = Trainer(make_settings(tmp_path, packing="on", attention="varlen", micro_batch_tokens=budget,
+                                   gradient_checkpointing=checkpointing), model_path)
     assert (varlen.layout, varlen.attention) == ("packed", attention.VARLEN)
+    varlen.bucket = bucket
     groups = with_behaviour(groups, padded.logprobs(groups), random_offsets(groups, seed=4, scale=0.5))
     loss_padded, grads_padded = padded.loss_gradients(groups)
     loss_varlen, grads_varlen = varlen.loss_gradients(groups)

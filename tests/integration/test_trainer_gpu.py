@@ -11,6 +11,7 @@ import torch
 
 from test_trainer import make_groups, model_path, random_offsets, with_behaviour  # noqa: F401
 
+from learner import attention
 from learner.logprobs import token_logprobs
 from learner.trainer import Trainer
 from services.config import load_settings
@@ -57,6 +58,7 @@ def test_packed_bf16_on_cuda_matches_the_fp32_reference(model_path, tmp_path):
     fresh_accelerator_state()
     gpu = Trainer(settings(tmp_path, "bfloat16"), model_path)
     assert gpu.accelerator.device.type == "cuda" and gpu.layout == "packed" and gpu.compute_dtype == torch.bfloat16
+    assert gpu.attention in (attention.VARLEN, "flash_attention_2"), gpu.attention  # rows' boundaries, no mask
     for g_expected, g_got in zip(expected, gpu.logprobs(groups)):
         for a, b in zip(g_expected, g_got):
             assert b == pytest.approx(a, abs=0.05)
