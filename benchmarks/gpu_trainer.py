@@ -223,7 +223,7 @@ VARIANT_SETTINGS = {"project": {"packing": "auto"}, "project-sdpa": {"packing": 
                     # Not in the default list: what the recompute costs, at half the micro-batch to fit an 80 GB card
                     # (about 120 KB of activations a token and layer at the 1.5B shape without checkpointing).
                     "project-no-recompute": {"packing": "auto", "gradient_checkpointing": False,
-                                             "micro_batch_tokens": 8192}}
+                                             "micro_batch_fraction": 0.5}}
 
 
 def measure(shape: str, groups_count: int, steps: int, preset: str, variants: list[str], n: int,
@@ -277,8 +277,11 @@ def measure_variant(variant, base, preset, model_path, n, learner, groups, steps
         counts = throughput.parameter_counts(runner.model)
         attention = "sdpa"
     else:
+        overrides = dict(VARIANT_SETTINGS[variant])
+        fraction = overrides.pop("micro_batch_fraction", 1)
+        overrides["micro_batch_tokens"] = int(fraction * base.learner.micro_batch_tokens)
         settings = load_settings(preset, run_dir=base.run_dir, model={"name_or_path": str(model_path)},
-                                 sampling={"n": n}, learner={**learner, **VARIANT_SETTINGS[variant]})
+                                 sampling={"n": n}, learner={**learner, **overrides})
         runner = Trainer(settings, model_path)
         counts, attention = runner.parameter_counts, runner.attention
     flops = step_flops(counts, groups, base.learner.mini_batches, base.learner.epochs)

@@ -603,14 +603,16 @@ def attention_implementation(choice: str, cuda: bool, packed: bool, dtype: torch
     where the flash-attn package is installed, else for packed rows PyTorch's own varlen flash kernel
     (learner/attention.py); both see the rows' boundaries, no mask. Otherwise PyTorch's SDPA (on packed rows with
     a block-diagonal mask built from the position ids: correct, but every query visits the whole pack)."""
+    varlen = attention.available(cuda, dtype)
     if choice == "varlen":
-        if not (packed and attention.available(cuda, dtype)):
+        if not (packed and varlen):
             raise ValueError("learner.attention=varlen needs packed rows on a GPU in bf16/fp16 and torch >= 2.10")
         choice = attention.VARLEN
     elif choice == "auto":
-        if attention.available(cuda, dtype) and importlib.util.find_spec("flash_attn") is not None:
+        # flash-attn brings its own kernel: it needs no torch >= 2.10, only a GPU and half precision
+        if cuda and dtype in (torch.bfloat16, torch.float16) and importlib.util.find_spec("flash_attn") is not None:
             return "flash_attention_2"
-        choice = attention.VARLEN if packed and attention.available(cuda, dtype) else "sdpa"
+        choice = attention.VARLEN if packed and varlen else "sdpa"
     if choice == attention.VARLEN:
         attention.register()
     return choice

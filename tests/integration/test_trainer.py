@@ -593,3 +593,20 @@ def test_packed_rows_through_the_varlen_interface_match_padded_rows(model_path, 
 def test_varlen_attention_is_refused_where_it_cannot_run(model_path, tmp_path):
     with pytest.raises(ValueError, match="varlen needs packed rows on a GPU"):
         Trainer(make_settings(tmp_path, packing="on", attention="varlen"), model_path)
+
+
+def test_the_attention_kernel_auto_picks(monkeypatch):
+    from learner import attention
+    from learner import trainer as trainer_module
+
+    bf16 = torch.bfloat16
+    monkeypatch.setattr(attention, "available", lambda cuda, dtype: False)  # a torch before 2.10, or an old GPU
+    assert trainer_module.attention_implementation("auto", True, True, bf16) == "sdpa"
+    monkeypatch.setattr(trainer_module.importlib.util, "find_spec", lambda name: object())  # flash-attn installed
+    assert trainer_module.attention_implementation("auto", True, True, bf16) == "flash_attention_2"
+    assert trainer_module.attention_implementation("auto", True, False, torch.float32) == "sdpa"
+    assert trainer_module.attention_implementation("auto", False, True, bf16) == "sdpa"
+    monkeypatch.setattr(trainer_module.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(attention, "available", lambda cuda, dtype: cuda)
+    assert trainer_module.attention_implementation("auto", True, True, bf16) == attention.VARLEN
+    assert trainer_module.attention_implementation("auto", True, False, bf16) == "sdpa"  # padded rows: a mask
