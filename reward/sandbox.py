@@ -35,6 +35,7 @@ from typing import Callable
 from pebble import ProcessExpired, ProcessPool
 
 from services.config import RewardConfig
+from services.startup import signals_deferred
 
 from reward.reference import verify_dapo
 from reward.verify import RULE_ERROR, RULE_TIMEOUT, Verdict, verify
@@ -119,11 +120,14 @@ class VerifierPool:
     # ---- lifecycle ---------------------------------------------------------------------------------------
 
     def start(self, wait_ready: bool = True) -> "VerifierPool":
-        with self._lock:
+        # A signal's exception never lands inside the launch thread's start (it could leave one of threading's locks
+        # held, and the launch, holding ours, would wait on it forever); it may cut the wait short, and close()
+        # stops what was launched.
+        with signals_deferred(), self._lock:
             if self._launched is None:
                 self._launched = self._launch(replacing=None)
             launched = self._launched
-        launched.wait()  # a signal may cut this wait short, never the launch: close() stops what it launched
+        launched.wait()
         if wait_ready:
             self.wait_ready()
         return self

@@ -7,11 +7,13 @@ one line and an exit code; a service replaces the handlers with its graceful sto
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import fcntl
 import os
 import signal
 import sys
+import threading
 from pathlib import Path
 from typing import IO, Callable
 
@@ -69,6 +71,30 @@ def raise_on_signals() -> None:
     as ignored, as a shell does for a background job)."""
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, raise_stopped)
+
+
+@contextlib.contextmanager
+def signals_deferred():
+    """Hold the Python signal handlers back while the block runs, then run them for what arrived. `raise_on_signals`
+    raises wherever the main thread is: inside threading's own bookkeeping (a `Thread.start`, an `Event.wait` under
+    a lock) the exception can leave a lock held that a later thread start then waits on forever. A block that
+    starts threads runs under this, and the exception lands after it. (Blocking the signals instead would not do:
+    another thread receives them, and Python still runs the handler in the main thread at once.)"""
+    if threading.current_thread() is not threading.main_thread():  # handlers only ever run in the main thread
+        yield
+        return
+    arrived: list[int] = []
+    held = {}
+    for signum in signal.valid_signals():
+        if callable(signal.getsignal(signum)):
+            held[signum] = signal.signal(signum, lambda received, _frame: arrived.append(received))
+    try:
+        yield
+    finally:
+        for signum, handler in held.items():
+            signal.signal(signum, handler)
+        for signum in arrived:
+            signal.raise_signal(signum)  # handled now, as it would have been
 
 
 def die_with_parent(signum: int = signal.SIGTERM) -> Callable[[], None]:

@@ -130,3 +130,26 @@ def test_a_signal_stops_the_reward_service_while_its_verifier_processes_start(re
         assert time.monotonic() < deadline, f"left behind: {children}"
         time.sleep(0.1)
 
+
+
+def test_a_signal_during_a_deferred_block_lands_after_it():
+    from services.startup import signals_deferred
+
+    class Alarm(Exception):
+        pass
+
+    def raise_alarm(_signum, _frame):
+        raise Alarm
+
+    previous = signal.signal(signal.SIGALRM, raise_alarm)
+    reached_end = False
+    try:
+        with pytest.raises(Alarm):
+            with signals_deferred():
+                os.kill(os.getpid(), signal.SIGALRM)
+                time.sleep(0.05)  # a handler allowed to run would raise here
+                reached_end = True
+        assert reached_end
+        assert signal.getsignal(signal.SIGALRM) is raise_alarm  # the handler is back
+    finally:
+        signal.signal(signal.SIGALRM, previous)
