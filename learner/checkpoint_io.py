@@ -51,6 +51,10 @@ def load_training_state(folder: Path, model, optimizer, scheduler, rank: int) ->
     tensors, _ = _training_tensors(model, optimizer)  # this rank's tensors, the shapes and shards to fill
     dcp.load(tensors, storage_reader=HuggingFaceStorageReader(str(folder / SHARDS_DIR)))
     meta = json.loads((folder / OPTIMIZER_META).read_text())
+    # Which kernel AdamW runs (fused on a GPU, foreach) is this process's choice, not the checkpoint's: a GPU run
+    # resumed on a CPU, or a checkpoint written before the fused kernel, keeps the live optimizer's.
+    for saved, live in zip(meta["param_groups"], optimizer.param_groups):
+        saved.update({key: live[key] for key in ("fused", "foreach", "capturable") if key in live})
     model_state = {key.removeprefix("model/"): value for key, value in tensors.items() if key.startswith("model/")}
     optimizer_state = _unflatten_optimizer_state(
         {key.removeprefix("optimizer/"): value for key, value in tensors.items() if key.startswith("optimizer/")},

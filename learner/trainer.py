@@ -57,7 +57,7 @@ import torch
 from torch import Tensor
 from torch.nn.utils.rnn import pad_sequence
 
-from learner import attention, dapo, packing, throughput
+from learner import attention, dapo, packing, recompute, throughput
 from learner.checkpoint_io import load_training_state, save_training_state
 from learner.logprobs import HeadQuery, install_head
 from learner.packing import MicroBatch, Response
@@ -115,6 +115,10 @@ class Trainer:
                 "DeepSpeed is not supported by the DAPO trainer (its engine owns gradient accumulation and "
                 "clipping); use an FSDP accelerate config instead"
             )
+        plugin = getattr(self.accelerator.state, "fsdp_plugin", None)
+        if plugin is not None and plugin.activation_checkpointing:  # a wrapper around each layer: a second recompute
+            raise ValueError("accelerate's fsdp_activation_checkpointing is on: set it to false, the learner "
+                             "checkpoints its layers itself (learner.gradient_checkpointing: full, selective or off)")
         self._set_cpu_threads()
         set_seed(cfg.seed)  # python, numpy, torch (the brief's torch.manual_seed, and the others)
         # Sampling temperature: the behaviour policy samples from softmax(z / T), so that is the policy whose
@@ -132,23 +136,25 @@ class Trainer:
             self.model_path, dtype=torch.float32, trust_remote_code=settings.model.trust_remote_code,
             attn_implementation=self.attention,
         )
-        if cfg.gradient_checkpointing:
-            model.gradient_checkpointing_enable()
+        recompute.prepare_layers(model, cfg.gradient_checkpointing, cfg.compile)
         self.pad_token_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
         self.parameter_counts = throughput.parameter_counts(model)
         # The head scores response positions only, in chunks (learner/logprobs.py); installed before any wrapping.
         self.heads = {}
         head = install_head(model, self.temperature, cfg.head_chunk_tokens)
-        # Weight decay on every parameter, as verl (the paper's code) does.
+        # Weight decay on every parameter, as verl (the paper's code) does. On a GPU the fused kernel: one pass
+        # over weights, gradients and moments instead of a foreach kernel for each AdamW operation.
         optimizer = torch.optim.AdamW(
-            model.parameters(), lr=cfg.lr, betas=tuple(cfg.adam_betas), weight_decay=cfg.weight_decay
+            model.parameters(), lr=cfg.lr, betas=tuple(cfg.adam_betas), weight_decay=cfg.weight_decay,
+            fused=True if cuda else None,
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, dapo.LinearWarmup(cfg.warmup_steps))
         self.model, self.optimizer = self.accelerator.prepare(model, optimizer)
         self.heads[id(self.model)] = head
         # Two forward passes feed one backward: fine for DDP (each parameter's gradient hook fires once, on the
-        # summed gradient); FSDP and gradient checkpointing (no KV cache in training) take whole rows.
-        self.share_prompts = (cfg.share_prompt_pass and not cfg.gradient_checkpointing
+        # summed gradient); FSDP and gradient checkpointing (no KV cache in training) take whole rows, and so do
+        # compiled layers (a KV cache of every prompt length recompiles them past torch's limit).
+        self.share_prompts = (cfg.share_prompt_pass and cfg.gradient_checkpointing == "off" and not cfg.compile
                               and self.accelerator.distributed_type != DistributedType.FSDP)
         self.layout: packing.Layout = "packed" if packed else "shared" if self.share_prompts else "padded"
         # On a GPU, few distinct shapes where kernels are planned per shape (cuDNN's SDPA): packs on a mask rounded
@@ -471,8 +477,8 @@ class Trainer:
 
         The model's head (learner/logprobs.py) scores only the positions that predict response tokens, in chunks:
         the model's forward returns [n, 2] (logprob, entropy) instead of logits."""
-        # Train mode only where a gradient is taken (it is what turns gradient checkpointing on); RL fine-tuning
-        # assumes a dropout-free model (Qwen2/2.5: 0), so both modes compute the same policy.
+        # Train mode only where a gradient is taken; RL fine-tuning assumes a dropout-free model (Qwen2/2.5: 0), so
+        # both modes compute the same policy.
         model.train(torch.is_grad_enabled())
         head = self.heads[id(model)]
         grad = entropy and entropy_grad
@@ -482,8 +488,10 @@ class Trainer:
             return HeadQuery(inputs.hidden_row[part], inputs.hidden_pos[part], inputs.targets[part], grad)
 
         if prompt is None:
+            # The varlen kernels get the pack's row boundaries from the host (flash-attn would otherwise derive them
+            # from the position ids in every layer, reading the longest row back from the GPU each time).
             rows = (attention.packed_kwargs(inputs.cu_seqlens, inputs.longest_row)
-                    if self.attention == attention.VARLEN else {})
+                    if self.attention in (attention.VARLEN, "flash_attention_2") else {})
             with head.scoring(query(slice(None))):
                 scored = model(input_ids=inputs.input_ids, attention_mask=inputs.attention_mask,
                                position_ids=inputs.position_ids, use_cache=False, **rows).logits

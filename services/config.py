@@ -358,8 +358,15 @@ class LearnerConfig(Section):
     )
     # Bookkeeping.
     micro_batch_tokens: int = Field(32768, description="Tokens per forward pass (gradient accumulation unit).")
-    gradient_checkpointing: bool = Field(
-        False, description="Recompute activations in backward: memory for long responses (paper's verl recipe: on)."
+    gradient_checkpointing: Literal["off", "full", "selective"] = Field(
+        "off", description="What the decoder layers recompute in backward (learner/recompute.py): off, full = each "
+        "whole layer (least memory, 8N FLOPs a token instead of 6N; the paper's verl recipe; true means full), "
+        "selective = only the elementwise work between matrix products and attention (no extra FLOPs, about 3/4 of "
+        "off's activation memory)."
+    )
+    compile: bool = Field(
+        False, description="torch.compile each decoder layer (fuses the norms, rotary and activations; compiles on "
+        "the first steps and for new pack lengths)."
     )
     packing: Literal["auto", "on", "off"] = Field(
         "auto", description="Pack rows without padding into micro-batches (attention confined to each row): on, "
@@ -398,6 +405,12 @@ class LearnerConfig(Section):
     report_to: list[Literal["wandb", "tensorboard", "mlflow"]] = Field(
         default_factory=list, description="Experiment trackers that also get each step's numbers and eval samples."
     )
+
+    @field_validator("gradient_checkpointing", mode="before")
+    @classmethod
+    def _checkpointing_from_bool(cls, value: Any) -> Any:
+        """true / false (the setting was a switch before selective checkpointing) mean full / off."""
+        return {True: "full", False: "off"}.get(value, value) if isinstance(value, bool) else value
 
     def public_base_url(self) -> str:
         """Where generators reach the learner's weights: public_url, else http://host:port (a wildcard bind

@@ -1,4 +1,4 @@
-"""benchmarks/gpu_trainer.py runs its three variants end to end (on a CPU here, with the tiny shape: the same code
+"""benchmarks/gpu_trainer.py runs its variants end to end (on a CPU here, with the tiny shape: the same code
 the device run takes) and reports every figure; the FLOP count is the same for every variant."""
 
 from __future__ import annotations
@@ -10,10 +10,11 @@ def test_the_benchmark_runs_its_variants_and_reports_them():
     from benchmarks.gpu_trainer import measure
 
     partial = []
-    result = measure("tiny", 2, 1, "tiny-cpu", ["project", "project-padded", "plain"], 4, (4, 12), (8, 40), None,
+    variants = ["project", "project-padded", "project-selective", "plain"]
+    result = measure("tiny", 2, 1, "tiny-cpu", variants, 4, (4, 12), (8, 40), None,
                      progress=lambda r: partial.append(len(r["rows"])))
-    assert [r["variant"] for r in result["rows"]] == ["project", "project-padded", "plain"]
-    assert partial == [1, 2, 3]  # written after every variant: a run cut short keeps what it measured
+    assert [r["variant"] for r in result["rows"]] == variants
+    assert partial == [1, 2, 3, 4]  # written after every variant: a run cut short keeps what it measured
     for row in result["rows"]:
         assert row["seconds"] > 0 and row["model_tflops"] > 0 and row["response_tokens_per_second"] > 0
         assert row["gpu_busy"] is None and "mfu" not in row  # a CPU: no busy fraction, no peak to divide by

@@ -75,6 +75,7 @@ from learner import packing
 from learner.checkpoint_io import load_training_state, save_training_state
 from learner.dapo import LinearWarmup
 from learner.logprobs import HeadQuery, install_head
+from learner.recompute import prepare_layers
 
 dist.init_process_group("gloo")
 rank, tmp = dist.get_rank(), Path({tmp!r})
@@ -85,6 +86,7 @@ FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
 def sharded():
     model = AutoModelForCausalLM.from_pretrained({model!r}, dtype=torch.float32)
     head = install_head(model, temperature=0.7, chunk_tokens=5)  # inside the model's forward: FSDP gathers it
+    prepare_layers(model, "selective")  # as the trainer does, before sharding: backward gathers again to recompute
     for layer in model.model.layers:
         fully_shard(layer)
     fully_shard(model)
@@ -232,7 +234,8 @@ def test_two_ranks_following_rank_zero_train_like_one(model_path, tmp_path):
 def test_fsdp2_head_packing_and_sharded_checkpoint_on_cpu(model_path, tmp_path):
     """PyTorch FSDP2 (`fully_shard`) runs on CPU over gloo, accelerate's FSDP does not (its multi-CPU mode is
     DDP). So the trainer's FSDP code that torch can run here is run on 2 sharded CPU ranks: packed rows scored by
-    the chunked head inside the sharded model (the gradient of the plain formula), and the sharded checkpoint
+    the chunked head inside the sharded model, selectively checkpointed layers (the gradient of the plain formula),
+    and the sharded checkpoint
     (each rank writes its own shard, nothing gathered), read back exactly on 2 ranks and on 1 process."""
     repo = Path(__file__).resolve().parents[2]
     env = dict(os.environ, OMP_NUM_THREADS="1")

@@ -266,6 +266,82 @@ def test_every_layout_gives_the_gradient_of_padded_rows(model_path, tmp_path, la
         assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), key
 
 
+@pytest.mark.parametrize("layout", ["packed", "padded"])
+def test_checkpointed_layers_give_the_same_gradient_at_their_cost_in_flops(model_path, tmp_path, layout):
+    # learner/recompute.py: full recomputes each layer's forward in backward, selective keeps the matrix products
+    # and attention (counted: no FLOP beyond the uncheckpointed step's), and both give its gradient.
+    from torch.utils.flop_counter import FlopCounterMode
+
+    groups = make_groups(n_groups=4, size=4, seed=5)
+    results = {}
+    for mode in ("off", "full", "selective"):
+        trainer = Trainer(make_settings(tmp_path, **LAYOUTS[layout], micro_batch_tokens=20,
+                                        gradient_checkpointing=mode), model_path)
+        assert trainer.layout == layout
+        if mode == "off":
+            groups = with_behaviour(groups, trainer.logprobs(groups), random_offsets(groups, seed=4, scale=0.5))
+        with FlopCounterMode(display=False) as flops:
+            loss, grads = trainer.loss_gradients(groups)
+        results[mode] = loss, grads, flops.get_total_flops()
+    loss_off, grads_off, flops_off = results["off"]
+    for mode in ("full", "selective"):
+        loss, grads, _ = results[mode]
+        assert loss == pytest.approx(loss_off, rel=1e-6)
+        for name, grad in grads_off.items():
+            torch.testing.assert_close(grads[name], grad, rtol=1e-5, atol=1e-6, msg=name)
+    assert results["selective"][2] == flops_off
+    assert results["full"][2] > 1.15 * flops_off  # the layers' forward again (the head is chunked alike in all)
+
+
+def test_accelerate_checkpointing_the_layers_again_is_refused(model_path, tmp_path, monkeypatch):
+    # An accelerate FSDP config with fsdp_activation_checkpointing would wrap every layer in a second checkpoint.
+    import types
+
+    import accelerate
+
+    class FsdpAccelerator(accelerate.Accelerator):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            plugin = types.SimpleNamespace(activation_checkpointing=True)
+            monkeypatch.setattr(self.state, "fsdp_plugin", plugin, raising=False)  # undone after the test
+
+    monkeypatch.setattr(accelerate, "Accelerator", FsdpAccelerator)
+    with pytest.raises(ValueError, match="fsdp_activation_checkpointing is on: set it to false"):
+        Trainer(make_settings(tmp_path, gradient_checkpointing="full"), model_path)
+
+
+@pytest.mark.slow
+def test_compiled_checkpointed_layers_give_the_eager_gradient(model_path, tmp_path):
+    # learner.compile on a 10-layer model, packs of several lengths: the layers share their compiled graphs (past
+    # 8 recompiles dynamo would run the rest eagerly, silently), no graph break, the eager gradient (about a minute
+    # of compiling here).
+    import shutil
+
+    from torch._dynamo.utils import counters
+    from transformers import AutoConfig, Qwen2ForCausalLM
+
+    deep = tmp_path / "deep"
+    config = AutoConfig.from_pretrained(model_path)
+    config.num_hidden_layers, config.layer_types = 10, ["full_attention"] * 10
+    torch.manual_seed(0)
+    Qwen2ForCausalLM(config).save_pretrained(deep)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(model_path / name, deep / name)
+    groups = make_groups(n_groups=4, size=4, seed=5)
+    eager = Trainer(make_settings(tmp_path, **LAYOUTS["packed"], micro_batch_tokens=20), deep)
+    compiled = Trainer(make_settings(tmp_path, packing="on", micro_batch_tokens=20, gradient_checkpointing="selective",
+                                     compile=True), deep)
+    groups = with_behaviour(groups, eager.logprobs(groups), random_offsets(groups, seed=4, scale=0.5))
+    graphs, breaks = counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
+    loss_eager, grads_eager = eager.loss_gradients(groups)
+    loss_compiled, grads_compiled = compiled.loss_gradients(groups)
+    assert 0 < counters["stats"]["unique_graphs"] - graphs <= 3  # static, then dynamic lengths: not one per layer
+    assert sum(counters["graph_break"].values()) == breaks, dict(counters["graph_break"])
+    assert loss_compiled == pytest.approx(loss_eager, rel=1e-5)
+    for name, grad in grads_eager.items():
+        torch.testing.assert_close(grads_compiled[name], grad, rtol=1e-5, atol=1e-5, msg=name)
+
+
 def test_a_step_reports_its_model_flops(model_path, tmp_path):
     trainer = Trainer(make_settings(tmp_path, **LAYOUTS["packed"], mini_batches=2), model_path)
     groups = make_groups(n_groups=4, size=4, seed=5)
@@ -448,6 +524,23 @@ def test_checkpoint_round_trip(model_path, tmp_path, monkeypatch):
     exported = dict(AutoModelForCausalLM.from_pretrained(checkpoint / "model").named_parameters())
     assert exported.keys() == at_save.keys()
     assert all(torch.equal(exported[name], tensor) for name, tensor in at_save.items())
+
+
+def test_a_resume_keeps_the_resuming_process_adamw_kernel(model_path, tmp_path):
+    # A checkpoint written with the foreach kernel (a CPU, or before the fused one) resumed where AdamW is fused (a
+    # GPU) stays fused, and the other way round: the kernel is the process's choice, the state is the checkpoint's.
+    settings = make_settings(tmp_path)
+    groups = make_groups(n_groups=2, size=4, seed=5)
+    first = Trainer(settings, model_path)
+    first.train_step(with_behaviour(groups, first.logprobs(groups)))
+    first.save_checkpoint(tmp_path / "ckpt" / "step-1", {"step": 1})
+    assert not first.optimizer.param_groups[0]["fused"]
+    for fused in (True, None):
+        second = Trainer(settings, model_path)
+        second.optimizer.param_groups[0]["fused"] = fused
+        second.load_checkpoint(tmp_path / "ckpt" / "step-1")
+        assert second.optimizer.param_groups[0]["fused"] is fused
+        assert second.optimizer.param_groups[0]["lr"] == first.optimizer.param_groups[0]["lr"]
 
 
 def test_bad_groups_are_refused(model_path, tmp_path):

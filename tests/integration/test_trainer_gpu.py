@@ -45,9 +45,10 @@ def fresh_accelerator_state() -> None:
     AcceleratorState._reset_state(reset_partial_state=True)
 
 
-def test_packed_bf16_on_cuda_matches_the_fp32_reference(model_path, tmp_path):
+@pytest.mark.parametrize("checkpointing", ["full", "selective"])
+def test_packed_bf16_on_cuda_matches_the_fp32_reference(model_path, tmp_path, checkpointing):
     # The reference first (padded rows, fp32, SDPA), then the preset's GPU path (packed rows, bf16 autocast, the
-    # varlen flash kernel where torch has it) from the same weights.
+    # varlen flash kernel where torch has it, checkpointed layers, fused AdamW) from the same weights.
     groups = make_groups(n_groups=4, size=4, seed=5)
     fresh_accelerator_state()
     reference = Trainer(settings(tmp_path, "float32", packing="off"), model_path)
@@ -56,8 +57,9 @@ def test_packed_bf16_on_cuda_matches_the_fp32_reference(model_path, tmp_path):
     loss_ref, grads_ref = reference.loss_gradients(groups)
     del reference
     fresh_accelerator_state()
-    gpu = Trainer(settings(tmp_path, "bfloat16"), model_path)
+    gpu = Trainer(settings(tmp_path, "bfloat16", gradient_checkpointing=checkpointing), model_path)
     assert gpu.accelerator.device.type == "cuda" and gpu.layout == "packed" and gpu.compute_dtype == torch.bfloat16
+    assert gpu.optimizer.param_groups[0]["fused"]
     assert gpu.attention in (attention.VARLEN, "flash_attention_2"), gpu.attention  # rows' boundaries, no mask
     for g_expected, g_got in zip(expected, gpu.logprobs(groups)):
         for a, b in zip(g_expected, g_got):

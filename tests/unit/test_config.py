@@ -203,3 +203,12 @@ def test_stale_groups_without_a_behaviour_correction_are_refused_unless_accepted
                              learner={**mid.learner.model_dump(), "tis_cap": None, "uncorrected_staleness": True})
     assert accepted.learner.tis_cap is None
     assert load_settings("dapo-qwen2.5-32b").learner.tis_cap is None  # synchronous: nothing stale to correct
+
+
+def test_gradient_checkpointing_takes_a_mode_and_the_old_switch():
+    assert load_settings("dapo-qwen2.5-32b").learner.gradient_checkpointing == "full"
+    assert load_settings("tiny-cpu").learner.gradient_checkpointing == "off"
+    for value, mode in ((True, "full"), (False, "off"), ("selective", "selective")):
+        assert load_settings("tiny-cpu", learner={"gradient_checkpointing": value}).learner.gradient_checkpointing == mode
+    with pytest.raises(ConfigError, match="gradient_checkpointing"):
+        load_settings("tiny-cpu", learner={"gradient_checkpointing": "some"})
