@@ -18,12 +18,11 @@ On a CPU, in fp32; a GPU's bf16 logits halve the full formula's first tensor, no
 from __future__ import annotations
 
 import argparse
-import json
-import multiprocessing
 import resource
 import sys
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
+
+from benchmarks.runs import in_fresh_process, print_report
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "head_memory.json"
@@ -62,11 +61,9 @@ def peak_mb(method: str, tokens: int, chunk: int) -> dict:
 
 def measure(token_counts: list[int], chunk: int) -> list[dict]:
     rows = []
-    context = multiprocessing.get_context("spawn")
     for tokens in token_counts:
         for method in ("full", "chunked"):
-            with ProcessPoolExecutor(1, mp_context=context) as child:
-                rows.append(child.submit(peak_mb, method, tokens, chunk).result())
+            rows.append(in_fresh_process(peak_mb, method, tokens, chunk))
             print(rows[-1], flush=True)
     return rows
 
@@ -97,10 +94,8 @@ def main() -> None:
     parser.add_argument("--write", action="store_true", help="write benchmarks/results/head_memory.json")
     args = parser.parse_args()
     rows = measure(args.tokens, args.chunk)
-    text = report(rows, "python -m benchmarks.head_memory " + " ".join(sys.argv[1:]))
-    print(text)
-    if args.write:
-        RESULTS.write_text(json.dumps({"rows": rows, "report": text}, indent=2) + "\n")
+    print_report(rows, report(rows, "python -m benchmarks.head_memory " + " ".join(sys.argv[1:])),
+                 RESULTS if args.write else None)
 
 
 if __name__ == "__main__":

@@ -16,15 +16,14 @@ layers, not the head, dominate), fp32 on the CPU. Reported per setting:
 from __future__ import annotations
 
 import argparse
-import json
-import multiprocessing
 import os
 import statistics
 import sys
 import tempfile
 import time
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
+
+from benchmarks.runs import in_fresh_process, print_report
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "recompute.json"
@@ -89,11 +88,9 @@ def measure(args) -> list[dict]:
     # Every large block from mmap, given back when freed (glibc otherwise raises its mmap threshold after the
     # warm-up's frees and keeps freed blocks in the heap: the resident size would no longer follow the live tensors).
     os.environ["MALLOC_MMAP_THRESHOLD_"] = str(128 * 1024)
-    context = multiprocessing.get_context("spawn")
     for name in args.settings:
-        with ProcessPoolExecutor(1, mp_context=context) as child:
-            rows.append(child.submit(one, name, args.layers, args.vocab, args.groups, args.n, args.response_tokens,
-                                     args.rounds).result())
+        rows.append(in_fresh_process(one, name, args.layers, args.vocab, args.groups, args.n, args.response_tokens,
+                                     args.rounds))
         print(rows[-1], flush=True)
     return rows
 
@@ -133,10 +130,8 @@ def main() -> None:
     if "off" not in args.settings:
         parser.error("--settings needs off (the ratios are to it)")
     rows = measure(args)
-    text = report(rows, "python -m benchmarks.recompute " + " ".join(sys.argv[1:]))
-    print(text)
-    if args.write:
-        RESULTS.write_text(json.dumps({"rows": rows, "report": text}, indent=2) + "\n")
+    print_report(rows, report(rows, "python -m benchmarks.recompute " + " ".join(sys.argv[1:])),
+                 RESULTS if args.write else None)
 
 
 if __name__ == "__main__":

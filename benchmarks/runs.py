@@ -1,4 +1,5 @@
-"""Shared by the learning benchmarks: run `dapo run` with a seed, read its curve, summarise over seeds.
+"""Shared by the benchmarks: run `dapo run` with a seed, read its curve, summarise over seeds (the learning
+benchmarks); measure in a fresh process and write a report (the memory benchmarks).
 
 A seed moves everything chance enters through in a run: the order of the training data (`data.seed`), vLLM's
 sampling (`generator.seed`, the engine seed) and the learner's RNG (`learner.seed`: torch, the mini-batch
@@ -9,12 +10,14 @@ held-out accuracy each seed starts from is reported anyway (step 0 is measured, 
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import shutil
 import statistics
 import subprocess
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -176,3 +179,16 @@ def replace_section(readme: Path, name: str, body: str) -> None:
     else:
         text = text.rstrip() + "\n\n" + block + "\n"
     readme.write_text(text)
+
+
+def in_fresh_process(function, *args):
+    """`function(*args)` in a new interpreter (spawn), so that its peak resident memory is its own."""
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as child:
+        return child.submit(function, *args).result()
+
+
+def print_report(rows: list[dict], text: str, results: Path | None) -> None:
+    """Print a benchmark's report and, where asked, write it with its rows to `results` (JSON)."""
+    print(text)
+    if results:
+        results.write_text(json.dumps({"rows": rows, "report": text}, indent=2) + "\n")
