@@ -21,7 +21,7 @@ print('torch', torch.__version__, 'transformers', transformers.__version__, 'acc
       torch.cuda.get_device_name(), 'varlen kernel:', attention.available(True, torch.bfloat16))"
 if [ "$what" != bench ]; then
     # Modules that need the services' dependencies (fastapi, ...) may fail to collect where those are not carried.
-    timeout 240 python3 -m pytest -q -p no:cacheprovider --continue-on-collection-errors -m gpu tests 2>&1 | tee "$logs/gpu_tests.log"
+    timeout 150 python3 -m pytest -q -p no:cacheprovider --continue-on-collection-errors -m gpu tests 2>&1 | tee "$logs/gpu_tests.log"
 fi
 if [ "$what" != tests ]; then
     timeout "${BENCH_SECONDS:-420}" python3 -m benchmarks.gpu_trainer --model "$model" --steps "${BENCH_STEPS:-2}" \
