@@ -55,11 +55,12 @@ SHAPES = {
 }
 
 
-def build_model(shape: str, folder: Path) -> Path:
+def build_model(shape: str, folder: Path, **changes) -> Path:
+    """A random-init model of a Qwen2.5 shape (`changes` override its config: fewer layers, another vocabulary)."""
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    config = Qwen2Config(**SHAPES[shape], max_position_embeddings=32768, rope_theta=1_000_000.0, pad_token_id=0,
+    config = Qwen2Config(**{**SHAPES[shape], **changes}, max_position_embeddings=32768, rope_theta=1_000_000.0, pad_token_id=0,
                          eos_token_id=1, bos_token_id=None)
     torch.manual_seed(0)
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):  # a 7B random init on a host is slow
@@ -226,7 +227,7 @@ VARIANT_SETTINGS = {"project": {"packing": "auto"}, "project-sdpa": {"packing": 
                     "project-selective": {"packing": "auto", "gradient_checkpointing": "selective"},
                     "project-compiled": {"packing": "auto", "gradient_checkpointing": "selective", "compile": True},
                     # Not in the default list: what the recompute costs, at half the micro-batch to fit an 80 GB card
-                    # (about 120 KB of activations a token and layer at the 1.5B shape without checkpointing).
+                    # (activations a token and layer without checkpointing: benchmarks/recompute.py).
                     "project-no-recompute": {"packing": "auto", "gradient_checkpointing": "off",
                                              "micro_batch_fraction": 0.5}}
 

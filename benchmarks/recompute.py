@@ -54,9 +54,8 @@ def one(name: str, layers: int, vocab: int, groups: int, n: int, response_tokens
     from services.config import load_settings
 
     checkpointing, compile_layers = SETTINGS[name]
-    gpu_trainer.SHAPES["cut"] = {**gpu_trainer.SHAPES["1.5b"], "num_hidden_layers": layers, "vocab_size": vocab}
     with tempfile.TemporaryDirectory() as tmp:
-        model_path = gpu_trainer.build_model("cut", Path(tmp) / "model")
+        model_path = gpu_trainer.build_model("1.5b", Path(tmp) / "model", num_hidden_layers=layers, vocab_size=vocab)
         rows = gpu_trainer.synthetic_groups(groups, n, vocab, (64, 64), (response_tokens, response_tokens))
         settings = load_settings("tiny-cpu", run_dir=str(Path(tmp) / "run"), model={"name_or_path": str(model_path)},
                                  sampling={"n": n}, learner={

@@ -3,8 +3,9 @@
 A packed micro-batch (learner/packing.py) is one sequence holding many rows. Without the flash-attn package,
 transformers' SDPA path confines attention to each row with a dense `[T x T]` block-diagonal mask: every query
 still visits every key of the pack (by count, at a 16k-token pack of the 1.5B shape about as many FLOPs as all
-its linear layers: 4 T^2 d L = 4.6e13 against 2 N T = 5.0e13) and the mask itself is `T^2` bytes. `torch.nn.attention.varlen.varlen_attn` (PyTorch >= 2.10, CUDA, fp16/bf16) runs the flash kernel on
-the rows' boundaries (`cu_seqlens`) instead: no mask, no wasted block. It is registered with transformers as the
+its linear layers: 4 T^2 d L = 4.6e13 against 2 N T = 5.0e13) and the mask itself is `T^2` bytes.
+`torch.nn.attention.varlen.varlen_attn` (PyTorch >= 2.10, CUDA, fp16/bf16) runs the flash kernel on the rows'
+boundaries (`cu_seqlens`) instead: no mask, no wasted block. It is registered with transformers as the
 attention implementation `VARLEN`, and the trainer passes each pack's boundaries, computed on the host when the
 pack is built, as keyword arguments of the forward (`cu_seq_lens_q`, ... : the names transformers gives them for
 FlashAttention), so the step never reads a length back from the device.

@@ -131,7 +131,6 @@ def test_a_signal_stops_the_reward_service_while_its_verifier_processes_start(re
         time.sleep(0.1)
 
 
-
 def test_a_signal_during_a_deferred_block_lands_after_it():
     from services.startup import signals_deferred
 

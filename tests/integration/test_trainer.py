@@ -89,6 +89,11 @@ def sequence_logprob(trainer, groups):
 
 
 # -- padding and logprobs ----------------------------------------------------------------------------------------
+def assert_same_gradients(got: dict, expected: dict, atol: float = 1e-5) -> None:
+    for name, grad in expected.items():
+        torch.testing.assert_close(got[name], grad, rtol=1e-5, atol=atol, msg=name)
+
+
 LAYOUTS = {  # learner settings for each layout of a forward pass (learner/packing.py)
     "shared": {"packing": "off", "share_prompt_pass": True},
     "padded": {"packing": "off", "share_prompt_pass": False},
@@ -258,8 +263,7 @@ def test_every_layout_gives_the_gradient_of_padded_rows(model_path, tmp_path, la
     loss_other, grads_other = other.loss_gradients(groups)
     assert loss_other == pytest.approx(loss_padded, rel=1e-5, abs=1e-7)
     assert grads_padded.keys() == grads_other.keys() and len(grads_padded) > 10
-    for name, grad in grads_padded.items():
-        torch.testing.assert_close(grads_other[name], grad, rtol=1e-5, atol=1e-5, msg=name)
+    assert_same_gradients(grads_other, grads_padded)
     assert any(g.abs().max() > 1e-4 for g in grads_padded.values())
     a, b = padded.train_step(groups), other.train_step(groups)
     for key in ("loss", "entropy", "approx_kl", "clip_frac_high", "tokens"):
@@ -287,8 +291,7 @@ def test_checkpointed_layers_give_the_same_gradient_at_their_cost_in_flops(model
     for mode in ("full", "selective"):
         loss, grads, _ = results[mode]
         assert loss == pytest.approx(loss_off, rel=1e-6)
-        for name, grad in grads_off.items():
-            torch.testing.assert_close(grads[name], grad, rtol=1e-5, atol=1e-6, msg=name)
+        assert_same_gradients(grads, grads_off, atol=1e-6)
     assert results["selective"][2] == flops_off
     assert results["full"][2] > 1.15 * flops_off  # the layers' forward again (the head is chunked alike in all)
 
@@ -338,8 +341,7 @@ def test_compiled_checkpointed_layers_give_the_eager_gradient(model_path, tmp_pa
     assert 0 < counters["stats"]["unique_graphs"] - graphs <= 3  # static, then dynamic lengths: not one per layer
     assert sum(counters["graph_break"].values()) == breaks, dict(counters["graph_break"])
     assert loss_compiled == pytest.approx(loss_eager, rel=1e-5)
-    for name, grad in grads_eager.items():
-        torch.testing.assert_close(grads_compiled[name], grad, rtol=1e-5, atol=1e-5, msg=name)
+    assert_same_gradients(grads_compiled, grads_eager)
 
 
 def test_a_step_reports_its_model_flops(model_path, tmp_path):
@@ -650,7 +652,7 @@ def varlen_torch_2_10(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, *, is_causal=Fa
 
 
 @pytest.mark.parametrize("kernel", [varlen_today, varlen_torch_2_10])
-@pytest.mark.parametrize("budget, bucket, checkpointing", [(100_000, 1, False), (20, 16, True)])
+@pytest.mark.parametrize("budget, bucket, checkpointing", [(100_000, 1, "off"), (20, 16, "full")])
 def test_packed_rows_through_the_varlen_interface_match_padded_rows(model_path, tmp_path, monkeypatch, kernel,
                                                                      budget, bucket, checkpointing):
     # The varlen attention (learner/attention.py) with a CPU stand-in of the kernel: the boundaries the trainer
@@ -678,8 +680,7 @@ def test_packed_rows_through_the_varlen_interface_match_padded_rows(model_path, 
     loss_padded, grads_padded = padded.loss_gradients(groups)
     loss_varlen, grads_varlen = varlen.loss_gradients(groups)
     assert loss_varlen == pytest.approx(loss_padded, rel=1e-5, abs=1e-7)
-    for name, grad in grads_padded.items():
-        torch.testing.assert_close(grads_varlen[name], grad, rtol=1e-5, atol=1e-5, msg=name)
+    assert_same_gradients(grads_varlen, grads_padded)
     assert calls  # the kernel ran (not SDPA on a block mask, which gives the same values)
 
 
