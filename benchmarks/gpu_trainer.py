@@ -9,7 +9,10 @@ initialised Qwen2.5-shaped model: nothing to download):
 - `project-padded`: the project's step with `learner.packing: off` (right-padded rows, the layout before packing);
 - `project-selective`: the project's step with selective checkpointing (matrix products and attention kept, only
   the elementwise work recomputed: learner/recompute.py);
-- `project-compiled`: selective checkpointing with each decoder layer compiled (`learner.compile`);
+- `project-compiled`: selective checkpointing with each decoder layer and the head's chunks compiled
+  (`learner.compile`);
+- `project-compiled-off`: compiled, no checkpointing (what the activations of the preset's micro-batch cost when
+  every one is kept);
 - `project-no-recompute` (asked for by name): the project's step without gradient checkpointing, at half the
   micro-batch;
 - `plain`: a plain loop a user would write (rows right-padded to the longest of each micro-batch, sorted by
@@ -226,6 +229,7 @@ VARIANT_SETTINGS = {"project": {"packing": "auto"}, "project-sdpa": {"packing": 
                     "project-padded": {"packing": "off"},
                     "project-selective": {"packing": "auto", "gradient_checkpointing": "selective"},
                     "project-compiled": {"packing": "auto", "gradient_checkpointing": "selective", "compile": True},
+                    "project-compiled-off": {"packing": "auto", "gradient_checkpointing": "off", "compile": True},
                     # Not in the default list: what the recompute costs, at half the micro-batch to fit an 80 GB card
                     # (activations a token and layer without checkpointing: benchmarks/recompute.py).
                     "project-no-recompute": {"packing": "auto", "gradient_checkpointing": "off",
@@ -349,8 +353,9 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, nargs=2, default=[64, 320])
     parser.add_argument("--response-tokens", type=int, nargs=2, default=[256, 2048])
     # In the order a lease that runs out first should cut them.
-    parser.add_argument("--variants", nargs="+", default=["project", "plain", "project-selective", "project-compiled",
-                                                          "project-padded", "project-sdpa"],
+    parser.add_argument("--variants", nargs="+", default=["plain", "project-compiled", "project-selective",
+                                                          "project-compiled-off", "project", "project-padded",
+                                                          "project-sdpa"],
                         choices=["plain", *VARIANT_SETTINGS])
     parser.add_argument("--write", action="store_true",
                         help="write benchmarks/results/gpu_trainer-<model>.json (after every variant)")

@@ -37,24 +37,20 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
     logsumexp's own); everything else is updated in place."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, temperature, chunk_tokens, dtype):
+    def forward(ctx, hidden, weight, bias, targets, temperature, chunk_tokens, dtype, compiled):
         n = hidden.shape[0]
         logp = torch.empty(n, device=hidden.device, dtype=torch.float32)
         lse = torch.empty_like(logp)
         entropy = torch.empty_like(logp)
         w = weight.to(dtype)
         b = None if bias is None else bias.to(dtype)
+        chunk_stats = _COMPILED_STATS if compiled else _chunk_stats
         for start in range(0, n, chunk_tokens):
             end = min(start + chunk_tokens, n)
-            z = _chunk_logits(hidden[start:end], w, b, dtype, temperature)
-            chunk_lse = torch.logsumexp(z, dim=-1)
-            lse[start:end] = chunk_lse
-            logp[start:end] = z.gather(-1, targets[start:end, None]).squeeze(-1) - chunk_lse
-            # H = lse - sum_v p_v z_v (the softmax's entropy at temperature T)
-            p = (z - chunk_lse[:, None]).exp_()
-            entropy[start:end] = chunk_lse - p.mul_(z).sum(-1)
+            logp[start:end], lse[start:end], entropy[start:end] = chunk_stats(hidden[start:end], w, b,
+                                                                              targets[start:end], temperature, dtype)
         ctx.save_for_backward(hidden, weight, bias, targets, lse, entropy)
-        ctx.temperature, ctx.chunk_tokens, ctx.dtype = temperature, chunk_tokens, dtype
+        ctx.temperature, ctx.chunk_tokens, ctx.dtype, ctx.compiled = temperature, chunk_tokens, dtype, compiled
         ctx.set_materialize_grads(False)
         ctx.mark_non_differentiable(targets)
         return logp, entropy
@@ -68,28 +64,17 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
         grad_weight = torch.zeros_like(weight, dtype=torch.float32) if want_weight else None
         grad_bias = torch.zeros_like(bias, dtype=torch.float32) if want_bias and bias is not None else None
         if grad_logp is None and grad_entropy is None:
-            return grad_hidden, grad_weight, grad_bias, None, None, None, None
+            return grad_hidden, grad_weight, grad_bias, None, None, None, None, None
         w = weight.to(dtype)
         b = None if bias is None else bias.to(dtype)
+        chunk_logit_grads = _COMPILED_LOGIT_GRADS if ctx.compiled else _chunk_logit_grads
         for start in range(0, hidden.shape[0], chunk_tokens):
             end = min(start + chunk_tokens, hidden.shape[0])
             h = hidden[start:end].to(dtype)
-            log_p = _chunk_logits(h, w, b, dtype, temperature).sub_(lse[start:end, None])
-            p = log_p.exp()
-            # d logp_target / dz = onehot - p;  dH / dz = -p (log p + H):  grad_z = -p (g_logp + g_H (log p + H)),
-            # plus g_logp at the target. log_p becomes the bracket, p the gradient, in place.
-            if grad_entropy is not None:
-                log_p.add_(entropy[start:end, None]).mul_(grad_entropy[start:end, None])
-                if grad_logp is not None:
-                    log_p.add_(grad_logp[start:end, None])
-                p.mul_(log_p)
-            else:
-                p.mul_(grad_logp[start:end, None])
-            del log_p
-            grad_z = p.neg_()
-            if grad_logp is not None:
-                grad_z.scatter_add_(-1, targets[start:end, None], grad_logp[start:end, None])
-            grad_z = grad_z.div_(temperature).to(dtype)  # through z = logits / T
+            grad_z = chunk_logit_grads(
+                h, w, b, targets[start:end], lse[start:end], entropy[start:end],
+                None if grad_logp is None else grad_logp[start:end],
+                None if grad_entropy is None else grad_entropy[start:end], temperature, dtype)
             if grad_hidden is not None:
                 grad_hidden[start:end] = (grad_z @ w).to(hidden.dtype)
             if grad_weight is not None:
@@ -99,12 +84,51 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
                     grad_weight.add_(grad_z.t() @ h)
             if grad_bias is not None:
                 grad_bias += grad_z.float().sum(0)
-            del p, grad_z
+            del grad_z
         if grad_weight is not None:
             grad_weight = grad_weight.to(weight.dtype)
         if grad_bias is not None:
             grad_bias = grad_bias.to(bias.dtype)
-        return grad_hidden, grad_weight, grad_bias, None, None, None, None
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None
+
+
+def _chunk_stats(hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, temperature: float,
+                 dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
+    """(logp of the targets, logsumexp, entropy) of one chunk, [c] each in fp32."""
+    z = _chunk_logits(hidden, weight, bias, dtype, temperature)
+    lse = torch.logsumexp(z, dim=-1)
+    logp = z.gather(-1, targets[:, None]).squeeze(-1) - lse
+    # H = lse - sum_v p_v z_v (the softmax's entropy at temperature T)
+    p = (z - lse[:, None]).exp_()
+    return logp, lse, lse - p.mul_(z).sum(-1)
+
+
+def _chunk_logit_grads(hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, lse: Tensor,
+                       entropy: Tensor, grad_logp: Tensor | None, grad_entropy: Tensor | None, temperature: float,
+                       dtype: torch.dtype) -> Tensor:
+    """The loss's gradient in one chunk's logits h W^T + b, [c, V] in `dtype`, from the logits recomputed."""
+    log_p = _chunk_logits(hidden, weight, bias, dtype, temperature).sub_(lse[:, None])
+    p = log_p.exp()
+    # d logp_target / dz = onehot - p;  dH / dz = -p (log p + H):  grad_z = -p (g_logp + g_H (log p + H)),
+    # plus g_logp at the target. log_p becomes the bracket, p the gradient, in place.
+    if grad_entropy is not None:
+        log_p.add_(entropy[:, None]).mul_(grad_entropy[:, None])
+        if grad_logp is not None:
+            log_p.add_(grad_logp[:, None])
+        p.mul_(log_p)
+    else:
+        p.mul_(grad_logp[:, None])
+    del log_p
+    grad_z = p.neg_()
+    if grad_logp is not None:
+        grad_z.scatter_add_(-1, targets[:, None], grad_logp[:, None])
+    return grad_z.div_(temperature).to(dtype)  # through z = logits / T
+
+
+# learner.compile: the same per-chunk work fused by inductor (a few passes over the bf16 logits instead of a dozen
+# over fp32 copies of them). Lengths are dynamic from the start: every call's last chunk is ragged.
+_COMPILED_STATS = torch.compile(_chunk_stats, dynamic=True)
+_COMPILED_LOGIT_GRADS = torch.compile(_chunk_logit_grads, dynamic=True)
 
 
 def _chunk_logits(hidden: Tensor, weight: Tensor, bias: Tensor | None, dtype: torch.dtype,
@@ -116,14 +140,15 @@ def _chunk_logits(hidden: Tensor, weight: Tensor, bias: Tensor | None, dtype: to
 
 
 def token_logprobs(hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, temperature: float = 1.0,
-                   chunk_tokens: int = 1024) -> tuple[Tensor, Tensor]:
+                   chunk_tokens: int = 1024, compiled: bool = False) -> tuple[Tensor, Tensor]:
     """log softmax(hidden W^T + b) / T)[targets] and the softmax's entropy per token, [n] each in fp32,
-    differentiable in hidden, weight and bias, with at most `chunk_tokens` rows of logits alive at a time."""
+    differentiable in hidden, weight and bias, with at most `chunk_tokens` rows of logits alive at a time
+    (`compiled`: each chunk's work through torch.compile)."""
     if hidden.shape[0] == 0:
         empty = hidden.new_zeros(0, dtype=torch.float32) + 0 * weight.sum()  # keeps the graph (FSDP's hooks)
         return empty, empty
     return _ChunkedTokenLogprobs.apply(hidden, weight, bias, targets, float(temperature), max(1, int(chunk_tokens)),
-                                       _matmul_dtype(weight))
+                                       _matmul_dtype(weight), compiled)
 
 
 @dataclass
@@ -142,13 +167,14 @@ class LogprobHead(nn.Module):
     Plain logits while no query is set; inside `scoring(query)`, the model's forward returns `[n, 2]` instead of
     logits: the logprob and the entropy of the queried tokens (fp32), computed in chunks by `token_logprobs`."""
 
-    def __init__(self, linear: nn.Linear, temperature: float, chunk_tokens: int):
+    def __init__(self, linear: nn.Linear, temperature: float, chunk_tokens: int, compiled: bool = False):
         super().__init__()
         self.weight = linear.weight
         self.bias = linear.bias
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.temperature = temperature
         self.chunk_tokens = chunk_tokens
+        self.compiled = compiled
         self.query: HeadQuery | None = None
 
     @contextlib.contextmanager
@@ -165,15 +191,15 @@ class LogprobHead(nn.Module):
         q = self.query
         selected = hidden[q.rows, q.positions]  # [n, H]: response positions only
         logp, entropy = token_logprobs(selected, self.weight, self.bias, q.targets, self.temperature,
-                                       self.chunk_tokens)
+                                       self.chunk_tokens, self.compiled)
         return torch.stack([logp, entropy if q.entropy_grad else entropy.detach()], dim=-1)
 
 
-def install_head(model: nn.Module, temperature: float, chunk_tokens: int) -> LogprobHead:
+def install_head(model: nn.Module, temperature: float, chunk_tokens: int, compiled: bool = False) -> LogprobHead:
     """Replace the model's output embedding with a `LogprobHead` over the same parameters (before any wrapping)."""
     linear = model.get_output_embeddings()
     if not isinstance(linear, nn.Linear):
         raise TypeError(f"the learner needs a linear LM head, found {type(linear).__name__}")
-    head = LogprobHead(linear, temperature, chunk_tokens)
+    head = LogprobHead(linear, temperature, chunk_tokens, compiled)
     model.set_output_embeddings(head)
     return head

@@ -70,11 +70,11 @@ def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
 def prepare_layers(model: torch.nn.Module, checkpointing: Checkpointing, compile: bool = False) -> None:
     """Route each decoder layer's forward through `run_layer` (compiled when asked), before any accelerate/FSDP
     wrapping. Every layer calls the same function with itself as an argument: torch.compile traces it for all of
-    them (a graph for the first pack length, one with dynamic lengths after, not one per layer), and the module
+    them (one graph with dynamic lengths, as packs differ in length by design; not one per layer), and the module
     hooks (FSDP2's gathers) stay outside the compiled code."""
     if checkpointing == "off" and not compile:
         return
-    run = torch.compile(run_layer) if compile else run_layer
+    run = torch.compile(run_layer, dynamic=True) if compile else run_layer
     for layer in decoder_layers(model):
         layer.forward = functools.partial(run, layer, type(layer).forward, checkpointing)
 

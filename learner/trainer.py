@@ -141,7 +141,7 @@ class Trainer:
         self.parameter_counts = throughput.parameter_counts(model)
         # The head scores response positions only, in chunks (learner/logprobs.py); installed before any wrapping.
         self.heads = {}
-        head = install_head(model, self.temperature, cfg.head_chunk_tokens)
+        head = install_head(model, self.temperature, cfg.head_chunk_tokens, cfg.compile)
         # Weight decay on every parameter, as verl (the paper's code) does. On a GPU the fused kernel: one pass
         # over weights, gradients and moments instead of a foreach kernel for each AdamW operation.
         optimizer = torch.optim.AdamW(
@@ -172,7 +172,8 @@ class Trainer:
                 self.model_path, dtype=self.compute_dtype, trust_remote_code=settings.model.trust_remote_code,
                 attn_implementation=self.attention,
             )
-            self.heads[id(self.reference)] = install_head(self.reference, self.temperature, cfg.head_chunk_tokens)
+            self.heads[id(self.reference)] = install_head(self.reference, self.temperature, cfg.head_chunk_tokens,
+                                                           cfg.compile)
             self.reference.to(self.accelerator.device).requires_grad_(False).eval()
 
     @property

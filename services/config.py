@@ -365,8 +365,8 @@ class LearnerConfig(Section):
         "off's activation memory)."
     )
     compile: bool = Field(
-        False, description="torch.compile each decoder layer (fuses the norms, rotary and activations; compiles on "
-        "the first steps and for new pack lengths)."
+        False, description="torch.compile each decoder layer and the LM head's per-chunk work (fuses the norms, "
+        "rotary, activations and the softmax's passes over the logits; compiles on the first steps)."
     )
     packing: Literal["auto", "on", "off"] = Field(
         "auto", description="Pack rows without padding into micro-batches (attention confined to each row): on, "

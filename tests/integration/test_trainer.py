@@ -338,7 +338,9 @@ def test_compiled_checkpointed_layers_give_the_eager_gradient(model_path, tmp_pa
     graphs, breaks = counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
     loss_eager, grads_eager = eager.loss_gradients(groups)
     loss_compiled, grads_compiled = compiled.loss_gradients(groups)
-    assert 0 < counters["stats"]["unique_graphs"] - graphs <= 3  # static, then dynamic lengths: not one per layer
+    # Dynamic lengths from the start: one graph for every layer and pack length (one more where a no-grad pass
+    # runs) and one for each of the head's two chunk functions; not one per layer or per length.
+    assert 0 < counters["stats"]["unique_graphs"] - graphs <= 4
     assert sum(counters["graph_break"].values()) == breaks, dict(counters["graph_break"])
     assert loss_compiled == pytest.approx(loss_eager, rel=1e-5)
     assert_same_gradients(grads_compiled, grads_eager)

@@ -25,14 +25,15 @@ def settings(tmp_path, dtype, **learner):
     return load_settings("tiny-cpu", run_dir=str(tmp_path / "run"), model={"dtype": dtype}, learner=base)
 
 
-def test_chunked_head_under_bf16_autocast_matches_fp32():
+@pytest.mark.parametrize("compiled", [False, True])
+def test_chunked_head_under_bf16_autocast_matches_fp32(compiled):
     generator = torch.Generator().manual_seed(0)
     hidden = torch.randn(300, 64, generator=generator)
     weight = torch.randn(5000, 64, generator=generator) * 0.1
     targets = torch.randint(0, 5000, (300,), generator=generator)
     ref_logp, ref_h = token_logprobs(hidden.double(), weight.double(), None, targets, 0.7, 1000)
     with torch.autocast("cuda", dtype=torch.bfloat16):
-        logp, entropy = token_logprobs(hidden.cuda(), weight.cuda(), None, targets.cuda(), 0.7, 64)
+        logp, entropy = token_logprobs(hidden.cuda(), weight.cuda(), None, targets.cuda(), 0.7, 64, compiled)
     assert logp.dtype == torch.float32
     torch.testing.assert_close(logp.cpu().double(), ref_logp.double(), rtol=0, atol=0.05)
     torch.testing.assert_close(entropy.cpu().double(), ref_h.double(), rtol=0, atol=0.05)
@@ -45,8 +46,8 @@ def fresh_accelerator_state() -> None:
     AcceleratorState._reset_state(reset_partial_state=True)
 
 
-@pytest.mark.parametrize("checkpointing", ["full", "selective"])
-def test_packed_bf16_on_cuda_matches_the_fp32_reference(model_path, tmp_path, checkpointing):
+@pytest.mark.parametrize("checkpointing, compiled", [("full", False), ("selective", False), ("selective", True)])
+def test_packed_bf16_on_cuda_matches_the_fp32_reference(model_path, tmp_path, checkpointing, compiled):
     # The reference first (padded rows, fp32, SDPA), then the preset's GPU path (packed rows, bf16 autocast, the
     # varlen flash kernel where torch has it, checkpointed layers, fused AdamW) from the same weights.
     groups = make_groups(n_groups=4, size=4, seed=5)
@@ -57,7 +58,7 @@ def test_packed_bf16_on_cuda_matches_the_fp32_reference(model_path, tmp_path, ch
     loss_ref, grads_ref = reference.loss_gradients(groups)
     del reference
     fresh_accelerator_state()
-    gpu = Trainer(settings(tmp_path, "bfloat16", gradient_checkpointing=checkpointing), model_path)
+    gpu = Trainer(settings(tmp_path, "bfloat16", gradient_checkpointing=checkpointing, compile=compiled), model_path)
     assert gpu.accelerator.device.type == "cuda" and gpu.layout == "packed" and gpu.compute_dtype == torch.bfloat16
     assert gpu.optimizer.param_groups[0]["fused"]
     assert gpu.attention in (attention.VARLEN, "flash_attention_2"), gpu.attention  # rows' boundaries, no mask

@@ -28,12 +28,12 @@ def inputs(n=37, hidden=16, vocab=53, bias=True, seed=0):
 
 @pytest.mark.parametrize("chunk", [1, 5, 37, 1000])
 @pytest.mark.parametrize("temperature, bias", [(1.0, False), (0.6, True)])
-def test_chunked_equals_full_in_values_and_gradients(chunk, temperature, bias):
+def test_chunked_equals_full_in_values_and_gradients(chunk, temperature, bias, compiled=False):
     h, w, b, targets = inputs(bias=bias)
     weights = torch.randn(h.shape[0], generator=torch.Generator().manual_seed(3))
     grads = []
     for fn in (lambda: reference(h, w, b, targets, temperature),
-               lambda: token_logprobs(h, w, b, targets, temperature, chunk)):
+               lambda: token_logprobs(h, w, b, targets, temperature, chunk, compiled)):
         logp, entropy = fn()
         # A loss through both outputs, as the entropy bonus makes it (the policy loss alone is the first term).
         ((logp * weights).sum() + 0.3 * (entropy * weights.flip(0)).sum()).backward()
@@ -48,9 +48,17 @@ def test_chunked_equals_full_in_values_and_gradients(chunk, temperature, bias):
         torch.testing.assert_close(new, ref, rtol=1e-5, atol=1e-5)
 
 
-def test_logprob_alone_takes_no_entropy_gradient():
+@pytest.mark.slow
+def test_compiled_chunks_equal_full_in_values_and_gradients():
+    # learner.compile: each chunk's work through torch.compile, ragged last chunks included (37 = 7 x 5 + 2)
+    # (about 30 s of compiling here).
+    test_chunked_equals_full_in_values_and_gradients(5, 0.6, True, compiled=True)
+    test_logprob_alone_takes_no_entropy_gradient(compiled=True)
+
+
+def test_logprob_alone_takes_no_entropy_gradient(compiled=False):
     h, w, b, targets = inputs(bias=False)
-    logp, entropy = token_logprobs(h, w, None, targets, 1.0, 8)
+    logp, entropy = token_logprobs(h, w, None, targets, 1.0, 8, compiled)
     logp.sum().backward()
     expected_h, expected_w = h.grad.clone(), w.grad.clone()
     h.grad = w.grad = None
