@@ -4,17 +4,18 @@ One process, one device, the variants one after another on the same synthetic sc
 initialised Qwen2.5-shaped model: nothing to download):
 
 - `project`: `Trainer.train_step` as the preset runs it on a GPU (packed rows on the varlen flash kernel, chunked
-  head, bf16 autocast, fp32 AdamW, gradient checkpointing, the preset's micro_batch_tokens and mini-batches);
-- `project-sdpa`: the same packed rows on SDPA with a block-diagonal mask (`learner.attention: sdpa`);
-- `project-padded`: the project's step with `learner.packing: off` (right-padded rows, the layout before packing);
-- `project-selective`: the project's step with selective checkpointing (matrix products and attention kept, only
-  the elementwise work recomputed: learner/recompute.py);
+  head, bf16 autocast, fp32 AdamW, selective checkpointing and compiled layers in the 1.5B preset, its
+  micro_batch_tokens and mini-batches);
 - `project-compiled`: selective checkpointing with each decoder layer and the head's chunks compiled
-  (`learner.compile`);
+  (`learner.compile`), whatever the preset says;
+- `project-selective`: selective checkpointing uncompiled (the matrix products and attention kept, only the
+  elementwise work recomputed: learner/recompute.py);
+- `project-full`: full checkpointing uncompiled (each layer's forward again in backward);
 - `project-compiled-off`: compiled, no checkpointing (what the activations of the preset's micro-batch cost when
   every one is kept);
-- `project-no-recompute` (asked for by name): the project's step without gradient checkpointing, at half the
-  micro-batch;
+- `project-sdpa`: the preset's step on SDPA with a block-diagonal mask (`learner.attention: sdpa`);
+- `project-padded`: the preset's step with `learner.packing: off` (right-padded rows, the layout before packing);
+- `project-no-recompute` (asked for by name): no checkpointing uncompiled, at half the micro-batch;
 - `plain`: a plain loop a user would write (rows right-padded to the longest of each micro-batch, sorted by
   length, full logits and log_softmax, the PPO clipped token-mean loss, the same checkpointing, optimizer,
   mini-batches and pi_old pass).
@@ -227,12 +228,13 @@ class BusySampler:
 
 VARIANT_SETTINGS = {"project": {"packing": "auto"}, "project-sdpa": {"packing": "auto", "attention": "sdpa"},
                     "project-padded": {"packing": "off"},
-                    "project-selective": {"packing": "auto", "gradient_checkpointing": "selective"},
                     "project-compiled": {"packing": "auto", "gradient_checkpointing": "selective", "compile": True},
+                    "project-selective": {"packing": "auto", "gradient_checkpointing": "selective", "compile": False},
+                    "project-full": {"packing": "auto", "gradient_checkpointing": "full", "compile": False},
                     "project-compiled-off": {"packing": "auto", "gradient_checkpointing": "off", "compile": True},
-                    # Not in the default list: what the recompute costs, at half the micro-batch to fit an 80 GB card
-                    # (activations a token and layer without checkpointing: benchmarks/recompute.py).
-                    "project-no-recompute": {"packing": "auto", "gradient_checkpointing": "off",
+                    # Not in the default list: what the recompute costs uncompiled, at half the micro-batch to fit
+                    # an 80 GB card (activations a token and layer without checkpointing: benchmarks/recompute.py).
+                    "project-no-recompute": {"packing": "auto", "gradient_checkpointing": "off", "compile": False,
                                              "micro_batch_fraction": 0.5}}
 
 
@@ -353,9 +355,8 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, nargs=2, default=[64, 320])
     parser.add_argument("--response-tokens", type=int, nargs=2, default=[256, 2048])
     # In the order a lease that runs out first should cut them.
-    parser.add_argument("--variants", nargs="+", default=["plain", "project-compiled", "project-selective",
-                                                          "project-compiled-off", "project", "project-padded",
-                                                          "project-sdpa"],
+    parser.add_argument("--variants", nargs="+", default=["plain", "project", "project-selective", "project-full",
+                                                          "project-compiled-off", "project-padded", "project-sdpa"],
                         choices=["plain", *VARIANT_SETTINGS])
     parser.add_argument("--write", action="store_true",
                         help="write benchmarks/results/gpu_trainer-<model>.json (after every variant)")
