@@ -85,8 +85,8 @@ FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
 def sharded():
     model = AutoModelForCausalLM.from_pretrained({model!r}, dtype=torch.float32)
-    head = install_head(model, temperature=0.7, chunk_tokens=5)  # inside the model's forward: FSDP gathers it
-    prepare_layers(model, "selective")  # as the trainer does, before sharding: backward gathers again to recompute
+    head = install_head(model, temperature=0.7, chunk_tokens=5, compiled={compiled})  # in the forward: FSDP gathers it
+    prepare_layers(model, {checkpointing!r}, {compiled})  # as the trainer does, before sharding: backward gathers again
     for layer in model.model.layers:
         fully_shard(layer)
     fully_shard(model)
@@ -119,6 +119,9 @@ with head.scoring(HeadQuery(batch.hidden_row, batch.hidden_pos, batch.targets)):
     scored = model(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False).logits
 (scored[:, 0] * weights).sum().backward()
 grads = {{n: p.grad.full_tensor() for n, p in model.named_parameters()}}
+if {compiled}:  # compiled for real: FSDP2's hooks stay outside the compiled layer, so nothing breaks the graph
+    from torch._dynamo.utils import counters
+    assert counters["stats"]["unique_graphs"] >= 3 and not counters["graph_break"], dict(counters["graph_break"])
 if rank == 0:
     plain = AutoModelForCausalLM.from_pretrained({model!r}, dtype=torch.float32)
     for r, row in enumerate(rows):
@@ -231,16 +234,19 @@ def test_two_ranks_following_rank_zero_train_like_one(model_path, tmp_path):
 
 
 @pytest.mark.slow
-def test_fsdp2_head_packing_and_sharded_checkpoint_on_cpu(model_path, tmp_path):
+@pytest.mark.parametrize("checkpointing, compiled", [("selective", True), ("full", False)],
+                         ids=["as-the-1.5b-preset", "as-the-32b-preset"])
+def test_fsdp2_head_packing_and_sharded_checkpoint_on_cpu(model_path, tmp_path, checkpointing, compiled):
     """PyTorch FSDP2 (`fully_shard`) runs on CPU over gloo, accelerate's FSDP does not (its multi-CPU mode is
     DDP). So the trainer's FSDP code that torch can run here is run on 2 sharded CPU ranks: packed rows scored by
-    the chunked head inside the sharded model, selectively checkpointed layers (the gradient of the plain formula),
-    and the sharded checkpoint
-    (each rank writes its own shard, nothing gathered), read back exactly on 2 ranks and on 1 process."""
+    the chunked head inside the sharded model, the layers checkpointed (and compiled) as each Qwen preset has them
+    (the gradient of the plain formula), and the sharded checkpoint (each rank writes its own shard, nothing
+    gathered), read back exactly on 2 ranks and on 1 process."""
     repo = Path(__file__).resolve().parents[2]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     script = tmp_path / "fsdp.py"
-    script.write_text(FSDP_WORKER.format(repo=str(repo), tmp=str(tmp_path), model=str(model_path)))
+    script.write_text(FSDP_WORKER.format(repo=str(repo), tmp=str(tmp_path), model=str(model_path),
+                                         checkpointing=checkpointing, compiled=compiled))
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
                 "--master_port", str(free_port())]
     done = subprocess.run(torchrun + [str(script)], env=env, timeout=300, capture_output=True, text=True)
