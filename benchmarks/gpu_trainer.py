@@ -17,8 +17,8 @@ initialised Qwen2.5-shaped model: nothing to download):
 - `project-padded`: the preset's step with `learner.packing: off` (right-padded rows, the layout before packing);
 - `project-no-recompute` (asked for by name): no checkpointing uncompiled, at half the micro-batch;
 - `plain`: a plain loop a user would write (rows right-padded to the longest of each micro-batch, sorted by
-  length, full logits and log_softmax, the PPO clipped token-mean loss, the same checkpointing, optimizer,
-  mini-batches and pi_old pass).
+  length, full logits and log_softmax, the PPO clipped token-mean loss, transformers' whole-layer checkpointing
+  wherever the preset checkpoints, the same optimizer, mini-batches and pi_old pass).
 
 Each variant: one warm-up step, then `--steps` timed steps (synchronized), seconds a step, response tokens/s,
 model TFLOP/s and MFU (learner/throughput.py: 6N per trained token, 2N per no-grad token, padding excluded, the
@@ -241,7 +241,9 @@ VARIANT_SETTINGS = {"project": {"packing": "auto"}, "project-sdpa": {"packing": 
 def measure(shape: str, groups_count: int, steps: int, preset: str, variants: list[str], n: int,
             prompt_range, response_range, micro_batch_tokens: int | None, progress=None) -> dict:
     """Every variant's row; `progress(result)` after each (a partial result survives a run cut short)."""
+    import accelerate
     import torch
+    import transformers
 
     from services.config import load_settings
 
@@ -260,7 +262,8 @@ def measure(shape: str, groups_count: int, steps: int, preset: str, variants: li
         result = {"device": card, "device_gib": memory, "shape": shape, "groups": groups_count, "n": n,
                   "response_tokens": response_tokens, "preset": preset,
                   "micro_batch_tokens": base.learner.micro_batch_tokens, "mini_batches": base.learner.mini_batches,
-                  "steps": steps, "torch": torch.__version__, "rows": []}
+                  "steps": steps, "torch": torch.__version__, "transformers": transformers.__version__,
+                  "accelerate": accelerate.__version__, "rows": []}
         for variant in variants:
             try:
                 result["rows"].append(measure_variant(variant, base, preset, model_path, n, learner, groups, steps,
@@ -321,7 +324,8 @@ def report(result: dict, command: str) -> str:
     plain = next((r for r in result["rows"] if r["variant"] == "plain" and "error" not in r), None)
     lines = [
         f"`{command}`", "",
-        f"{result['device']} (torch {result['torch']}); a random-init Qwen2.5-{result['shape']} shape, "
+        f"{result['device']} (torch {result['torch']}, transformers {result.get('transformers', 'n/a')}); "
+        f"a random-init Qwen2.5-{result['shape']} shape, "
         f"{result['groups']} groups x {result['n']} responses ({result['response_tokens']:,} response tokens), "
         f"preset `{result['preset']}` (micro_batch_tokens {result['micro_batch_tokens']:,}, "
         f"{result['mini_batches']} mini-batches); median of {result['steps']} steps after a warm-up.", "",

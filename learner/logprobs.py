@@ -15,6 +15,7 @@ so FSDP's hooks gather the head's weight as they would for the plain linear laye
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -44,7 +45,7 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
         entropy = torch.empty_like(logp)
         w = weight.to(dtype)
         b = None if bias is None else bias.to(dtype)
-        chunk_stats = _COMPILED_STATS if compiled else _chunk_stats
+        chunk_stats = _compiled(_chunk_stats) if compiled else _chunk_stats
         for start in range(0, n, chunk_tokens):
             end = min(start + chunk_tokens, n)
             logp[start:end], lse[start:end], entropy[start:end] = chunk_stats(hidden[start:end], w, b,
@@ -67,7 +68,7 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
             return grad_hidden, grad_weight, grad_bias, None, None, None, None, None
         w = weight.to(dtype)
         b = None if bias is None else bias.to(dtype)
-        chunk_logit_grads = _COMPILED_LOGIT_GRADS if ctx.compiled else _chunk_logit_grads
+        chunk_logit_grads = _compiled(_chunk_logit_grads) if ctx.compiled else _chunk_logit_grads
         for start in range(0, hidden.shape[0], chunk_tokens):
             end = min(start + chunk_tokens, hidden.shape[0])
             h = hidden[start:end].to(dtype)
@@ -125,10 +126,12 @@ def _chunk_logit_grads(hidden: Tensor, weight: Tensor, bias: Tensor | None, targ
     return grad_z.div_(temperature).to(dtype)  # through z = logits / T
 
 
-# learner.compile: the same per-chunk work fused by inductor (a few passes over the bf16 logits instead of a dozen
-# over fp32 copies of them). Lengths are dynamic from the start: every call's last chunk is ragged.
-_COMPILED_STATS = torch.compile(_chunk_stats, dynamic=True)
-_COMPILED_LOGIT_GRADS = torch.compile(_chunk_logit_grads, dynamic=True)
+@functools.cache
+def _compiled(chunk_function):
+    """learner.compile: the same per-chunk work fused by inductor (a few passes over the bf16 logits instead of a
+    dozen over fp32 copies of them), made on first use. Lengths are dynamic from the start: every last chunk is
+    ragged."""
+    return torch.compile(chunk_function, dynamic=True)
 
 
 def _chunk_logits(hidden: Tensor, weight: Tensor, bias: Tensor | None, dtype: torch.dtype,
