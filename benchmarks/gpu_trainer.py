@@ -64,8 +64,8 @@ def build_model(shape: str, folder: Path, **changes) -> Path:
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    config = Qwen2Config(**{**SHAPES[shape], **changes}, max_position_embeddings=32768, rope_theta=1_000_000.0, pad_token_id=0,
-                         eos_token_id=1, bos_token_id=None)
+    config = Qwen2Config(**{**SHAPES[shape], **changes}, max_position_embeddings=32768, rope_theta=1_000_000.0,
+                         pad_token_id=0, eos_token_id=1, bos_token_id=None)
     torch.manual_seed(0)
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):  # a 7B random init on a host is slow
         model = Qwen2ForCausalLM(config).to(torch.bfloat16)
