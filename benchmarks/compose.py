@@ -1,6 +1,7 @@
 """The docker-compose deployment end to end, on a real Docker engine: learns, scraped, survives a kill, scales, resumes.
 
     python -m benchmarks.compose [--generators 3] [--steps 12] [--build]
+    python -m benchmarks.compose --check --generators 2 --steps 10 --build     # CI (scripts/compose_check.sh)
 
 Needs root (or a docker group member), Docker Compose v2 (`docker compose`), and the images: dapo:0.1.0-cpu and,
 without Docker Hub, the local Redis and Prometheus images that `deploy/local-images.sh` builds (`--build` runs
@@ -12,16 +13,22 @@ Compose project (`dapo-bench`, host ports 18000/19090, fresh volumes):
    and `docker compose up -d --scale generator=N` of redis, bootstrap, learner, generator, reward, prometheus;
 2. waits until Prometheus lists the N generator targets as up and has scraped `dapo_generator_tokens_total`
    above 0 from each (its HTTP API);
-3. `docker kill` of one generator container after step `--kill-at`, then `docker compose up -d --scale
-   generator=1` after step `--scale-at`, and checks the steps go on and Prometheus drops the removed targets;
+3. `docker kill` of one generator container after step `--kill-at`; SIGKILL of redis-server after step
+   `--kill-redis-at` (from the host, so Docker sees a crash and restarts it: a `docker kill` is a stop it would
+   honour), and checks that the learner lost no task with it; then `docker compose up -d --scale generator=1`
+   after step `--scale-at`, and checks the steps go on and Prometheus drops the removed targets;
 4. `docker compose down` after step `--down-at` (volumes kept), `up` again, and checks that the learner
    resumed from the checkpoint on the volume ("resuming from" in its log);
 5. waits for the learner to finish `--steps` and exit 0, and checks Compose does not restart it; then reads
    the run's ledger.jsonl and metrics.jsonl from the volume: every step once, no task id trained twice,
    held-out accuracy at step 0 and at the end.
 
+Every service's logs are read before each `down` and at the end: a `Traceback`, `ERROR` or `CRITICAL` line fails the
+run. At the end `down -v` must leave no volume behind.
+
 It writes benchmarks/results/compose.json and the report between the `compose` markers of benchmarks/README.md,
-and removes what it started (containers, network, volumes; `--keep` leaves them for inspection).
+and removes what it started (containers, network, volumes; `--keep` leaves them for inspection). `--check` (CI)
+writes neither and exits 1 when any check failed, after printing each check and the logs of the failing services.
 """
 
 from __future__ import annotations
@@ -29,8 +36,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import secrets
+import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -45,6 +53,8 @@ PROJECT = "dapo-bench"
 LEARNER_PORT = 18000
 PROMETHEUS_PORT = 19090
 SERVICES = ["redis", "bootstrap", "learner", "generator", "reward", "prometheus"]
+BAD_LINE = re.compile(r"Traceback|\bERROR\b|\bCRITICAL\b")
+LOST = re.compile(r"Redis restarted \(run id \w+\); (\d+) tasks in flight were lost")
 T0 = time.monotonic()
 
 
@@ -77,14 +87,12 @@ def start_dockerd(log: Path) -> subprocess.Popen | None:
 
 
 def project_secrets(folder: Path) -> dict[str, str]:
-    """The role keys and Redis users of a fresh project (`dapo keys init`, `redis-users`), as docker-compose.yml
-    reads them: DAPO_SECRETS_DIR (the public keys) and the variables of `dapo keys compose-env`."""
-    from cli.keys import compose_secrets, main as keys
-    from services.config import load_settings
+    """The role keys, Redis users and token of a fresh project, as docker-compose.yml mounts them (`dapo keys
+    compose`): DAPO_SECRETS_DIR, and DAPO_TOKEN for the learner's authenticated routes."""
+    from cli.keys import write_compose_secrets
 
-    for action in ("init", "redis-users"):
-        keys(load_settings("tiny-cpu"), action, None, str(folder))
-    return {"DAPO_SECRETS_DIR": str(folder), **compose_secrets(folder)}
+    made = write_compose_secrets(folder)
+    return {"DAPO_SECRETS_DIR": str(folder), "DAPO_TOKEN": (made / "dapo_token").read_text().strip()}
 
 
 class Stack:
@@ -105,10 +113,8 @@ class Stack:
         self.override.write_text(json.dumps(body, indent=1))
         self.env = {
             **os.environ,
-            # fresh role keys and Redis users unless given (--no-reset: the ones the project started with)
-            **({} if os.environ.get("DAPO_SECRETS_DIR") else project_secrets(workdir / "secrets")),
             # fresh secrets unless given (--no-reset onto a running project needs the ones it started with)
-            "DAPO_TOKEN": os.environ.get("DAPO_TOKEN") or secrets.token_hex(32),
+            **({} if os.environ.get("DAPO_SECRETS_DIR") else project_secrets(workdir / "secrets")),
             "DAPO_RUN": "bench",
             "DAPO_LEARNER_PORT": str(LEARNER_PORT),
             "PROMETHEUS_PORT": str(PROMETHEUS_PORT),
@@ -129,6 +135,10 @@ class Stack:
     def containers(self, service: str, all_states: bool = False) -> list[str]:
         flags = ["-a"] if all_states else []
         return self.compose("ps", *flags, "-q", service).split()
+
+    def logs(self) -> str:
+        """Every service's logs as Compose prints them (`service-N | line`), while its containers exist."""
+        return self.compose("logs", "--no-color", check=False, timeout=300)
 
     def inspect(self, container: str) -> dict:
         return json.loads(run("docker", "inspect", container))[0]
@@ -240,6 +250,22 @@ def scenario(stack: Stack, args: argparse.Namespace, result: dict) -> None:
     state = stack.inspect(victim)["State"]
     event("killed container after 15 s", status=state["Status"], restart_count=stack.inspect(victim)["RestartCount"])
 
+    if args.kill_redis_at:
+        wait(f"step {args.kill_redis_at}", lambda: steps() >= args.kill_redis_at, args.timeout)
+        (redis_container,) = stack.containers("redis")
+        os.kill(stack.inspect(redis_container)["State"]["Pid"], signal.SIGKILL)  # a crash, which Docker restarts
+        killed_at = steps()
+        event("redis-server SIGKILLed", at_step=killed_at)
+
+        def redis_back():
+            info = stack.inspect(redis_container)
+            return info["RestartCount"] >= 1 and info["State"].get("Health", {}).get("Status") == "healthy"
+
+        wait("Docker to restart Redis, healthy", redis_back, 120, every=2)
+        event("redis restarted by Docker", restart_count=stack.inspect(redis_container)["RestartCount"])
+        wait("a step after the Redis restart", lambda: steps() > killed_at, args.timeout)
+        event("step after the Redis restart", steps=steps())
+
     wait(f"step {args.scale_at}", lambda: steps() >= args.scale_at, args.timeout)
     stack.compose("up", "-d", "--no-build", "--no-recreate", "--scale", "generator=1", "--scale", "reward=1",
                   *SERVICES, timeout=600)
@@ -254,6 +280,8 @@ def scenario(stack: Stack, args: argparse.Namespace, result: dict) -> None:
     wait(f"step {args.down_at}", lambda: steps() >= args.down_at, args.timeout)
     before_down = steps()
     started = time.monotonic()
+    stack.compose("stop", "--timeout", "60", timeout=600)  # the shutdown lines too, before `down` removes them
+    result["logs"].append(stack.logs())
     stack.compose("down", timeout=600)
     event("compose down", at_step=before_down, seconds=round(time.monotonic() - started, 1))
     event("up again", seconds=round(stack.up(1), 1))
@@ -278,6 +306,33 @@ def scenario(stack: Stack, args: argparse.Namespace, result: dict) -> None:
     event("learner 30 s later", status=after["State"]["Status"], restart_count=after["RestartCount"])
     result["learner_stays_down"] = after["State"]["Status"] == "exited" and after["RestartCount"] == 0
     result["learner_exit_code"] = state["ExitCode"]
+    stack.compose("stop", "--timeout", "60", timeout=600)
+    result["logs"].append(stack.logs())
+
+
+def checks(result: dict, args: argparse.Namespace) -> dict[str, bool]:
+    """What CI requires of the run (issue 44): each check by name, True when it held."""
+    ledger = result.get("ledger", {})
+    logs = "\n".join(result.get("logs", []))
+    lost = [int(n) for n in LOST.findall(logs)]
+    named = {event["event"] for event in result["events"]}
+    found = {
+        "the run finished without an error": not result.get("error"),
+        f"steps 1..{args.steps} trained, each once": ledger.get("steps") == list(range(1, args.steps + 1)),
+        "no task trained twice": bool(ledger) and ledger["tasks_trained"] == ledger["distinct_tasks_trained"],
+        "held-out accuracy reported at the start and the end": len(result.get("eval_accuracy", [])) >= 2,
+        f"Prometheus: {args.generators} generator targets up, each scraped": bool(result.get("prometheus_full")),
+        "a killed generator: the steps went on": "killed container after 15 s" in named,
+        "the learner resumed after down and up": "learner resumed" in named,
+        "the finished learner exited 0 and stayed down": bool(result.get("learner_stays_down"))
+                                                          and result.get("learner_exit_code") == 0,
+        "no Traceback, ERROR or CRITICAL line in any service's logs": not result.get("bad_log_lines"),
+        "down -v left no volume": result.get("volumes_left") == 0,
+    }
+    if args.kill_redis_at:
+        found["a SIGKILLed Redis: restarted, no task lost (the learner's count)"] = \
+            "step after the Redis restart" in named and bool(lost) and not any(lost)
+    return found
 
 
 def summarize(stack: Stack, result: dict) -> None:
@@ -297,6 +352,8 @@ def summarize(stack: Stack, result: dict) -> None:
     listing = run("docker", "run", "--rm", "--entrypoint", "sh", "-v", f"{stack.volume('learner-run')}:/r:ro", stack.image,
                "-c", "ls /r/checkpoints 2>/dev/null || true", timeout=60)
     result["checkpoints"] = listing.split()
+    result["bad_log_lines"] = [line for text in result.get("logs", []) for line in text.splitlines()
+                               if BAD_LINE.search(line)]
 
 
 def report(result: dict, command: str) -> str:
@@ -319,6 +376,7 @@ def report(result: dict, command: str) -> str:
                      f"`dapo_generator_tokens_total` from each: {tokens} |")
     for event in result["events"]:
         if event["event"] in ("docker kill", "killed container after 15 s", "scaled to 1 generator",
+                              "redis-server SIGKILLed", "redis restarted by Docker", "step after the Redis restart",
                               "prometheus lists 1 generator target", "compose down", "learner resumed",
                               "learner exited", "learner 30 s later", "up", "first step", "up again",
                               "attached to the running project", "model cache seeded"):
@@ -331,6 +389,8 @@ def report(result: dict, command: str) -> str:
     if "learner_stays_down" in result:
         lines.append(f"| finished learner not restarted (restart: on-failure) | {result['learner_stays_down']} "
                      f"(exit code {result['learner_exit_code']}) |")
+    if "bad_log_lines" in result:
+        lines.append(f"| `Traceback`, `ERROR` or `CRITICAL` lines in the services' logs | {len(result['bad_log_lines'])} |")
     if "volumes_left" in result:
         lines.append(f"| volumes left after `down -v` (named and anonymous) | {result['volumes_left']} |")
     if result.get("error"):
@@ -347,6 +407,8 @@ def main() -> int:
     parser.add_argument("--checkpoint-every", type=int, default=2)
     parser.add_argument("--kill-at", type=int, default=2, help="docker kill a generator after this step")
     parser.add_argument("--scale-at", type=int, default=4, help="scale the generators to 1 after this step")
+    parser.add_argument("--kill-redis-at", type=int, default=3,
+                        help="SIGKILL redis-server after this step (0: never)")
     parser.add_argument("--down-at", type=int, default=6, help="compose down, then up, after this step")
     parser.add_argument("--timeout", type=float, default=2400, help="seconds for each wait")
     parser.add_argument("--no-reset", action="store_true",
@@ -355,26 +417,32 @@ def main() -> int:
                         help="host folder of built tiny models to seed the volume with ('' to let bootstrap build)")
     parser.add_argument("--build", action="store_true", help="run deploy/local-images.sh first and time it")
     parser.add_argument("--keep", action="store_true", help="leave the containers and volumes")
+    parser.add_argument("--check", action="store_true",
+                        help="CI: print each check, exit 1 if one failed; write no result and no report")
     parser.add_argument("--conditions", default="2 shared CPU cores (other jobs running), 24 GiB, no GPU")
     args = parser.parse_args()
 
     workdir = Path(tempfile.mkdtemp(prefix="dapo-compose-"))
     dockerd = start_dockerd(workdir / "dockerd.log")
-    result: dict = {"generators": args.generators, "steps": args.steps, "events": [], "conditions": args.conditions}
+    result: dict = {"generators": args.generators, "steps": args.steps, "events": [], "logs": [],
+                    "conditions": args.conditions}
+    if args.build:  # its last line: `export DAPO_IMAGE=... REDIS_IMAGE=... PROMETHEUS_IMAGE=...`
+        started = time.monotonic()
+        exports = subprocess.run([str(ROOT / "deploy" / "local-images.sh")], stdout=subprocess.PIPE, text=True,
+                                 check=True, timeout=7200).stdout
+        os.environ.update(pair.split("=", 1) for pair in exports.split("export ")[-1].split())
+        result["build"] = f"{(time.monotonic() - started) / 60:.1f} min"
     stack = Stack(args, workdir)
     volumes_before = set(run("docker", "volume", "ls", "-q").split())
     try:
-        if args.build:
-            started = time.monotonic()
-            run(str(ROOT / "deploy" / "local-images.sh"), capture=False, timeout=7200)
-            result["build"] = f"{(time.monotonic() - started) / 60:.1f} min"
         size = run("docker", "image", "inspect", "-f", "{{.Size}}", stack.image).strip()
         result["image_size"] = f"{int(size) / 1e9:.2f} GB"
         scenario(stack, args, result)
     except Exception as error:  # noqa: BLE001 - reported, then the stack is still cleaned up
         result["error"] = f"{type(error).__name__}: {error}"[:500]
         say(f"FAILED: {result['error']}")
-        for service in ("learner", "generator", "bootstrap"):
+        result["logs"].append(stack.logs())
+        for service in ("learner", "generator", "reward", "redis", "bootstrap"):
             print(stack.compose("logs", "--tail", "40", service, check=False)[-6000:], file=sys.stderr)
     finally:
         try:
@@ -390,8 +458,20 @@ def main() -> int:
             dockerd.wait(timeout=60)
         shutil.rmtree(workdir, ignore_errors=True)
 
+    if args.check:
+        found = checks(result, args)
+        for line in result.get("bad_log_lines", [])[:40]:
+            print(f"  log: {line[:300]}", file=sys.stderr)
+        evals = ", ".join(f"step {step}: {100 * accuracy:.1f} %" for step, accuracy in result.get("eval_accuracy", []))
+        print(f"[compose check] held-out accuracy: {evals or 'none'}; ledger: {result.get('ledger')}")
+        for name, held in found.items():
+            print(f"[compose check] {'ok    ' if held else 'FAILED'} {name}")
+        print(f"[compose check] {sum(found.values())} of {len(found)} held in {time.monotonic() - T0:.0f} s")
+        return 0 if all(found.values()) else 1
+
     results = ROOT / "benchmarks" / "results"
     results.mkdir(parents=True, exist_ok=True)
+    result.pop("logs")  # kept in memory for the checks; the report keeps the offending lines
     (results / "compose.json").write_text(json.dumps(result, indent=1))
     command = (f"python -m benchmarks.compose --generators {args.generators} --steps {args.steps}"
                f"{' --build' if args.build else ''}")

@@ -5,52 +5,94 @@ of services/keys.py and services/redis_users.py; docs/deploy.md, "Roles, keys an
     dapo keys rotate ROLE [--dir DIR]   a new current key for ROLE, the previous one still trusted
     dapo keys retire KID [--dir DIR]    stop trusting KID (once nothing signed under it is in flight)
     dapo keys redis-users [--dir DIR]   DIR/redis/{user}.password and DIR/redis/users.acl (hashed, default user off)
-    dapo keys compose-env [--dir DIR]   `export` lines of those for docker-compose.yml (eval "$(dapo keys ...)")
+    dapo keys compose [--dir DIR]       every secret docker-compose.yml mounts, as files in DIR/compose/ (keys and
+                                        Redis users made first where missing; the bearer token from $DAPO_TOKEN,
+                                        else the one there, else a new one)
+    dapo keys compose-env [--dir DIR]   the old name of `compose` (it wrote environment variables, which Compose
+                                        cannot mount into a read-only container): does the same, says so
 
-DIR defaults to keys.dir (run_dir/keys). Secrets are written mode 0600 in folders 0700.
+DIR defaults to keys.dir (run_dir/keys). Secrets are written mode 0600 in folders 0700, except DIR/compose/: Compose
+bind-mounts a file secret with its host mode (its uid, gid and mode options apply only under Swarm), and each
+service reads its secrets as its own user (uid 10001, redis), so those files are 0444 in a folder 0700. A wrong
+argument exits 2, as any other usage error of `dapo`.
 """
 
 from __future__ import annotations
 
+import os
 import secrets
-import shlex
+import sys
 from pathlib import Path
 
 from services.config import Settings
 from services.keys import ROLES, create_keys, keys_dir, private_key_file, retire, rotate, write_secret
 from services.redis_users import REDIS_USERS, acl_file
 
+EXIT_USAGE = 2  # as argparse's, and `dapo`'s for a bad configuration
+COMPOSE_DIR = "compose"  # DIR/compose/<secret>: the files docker-compose.yml's `secrets:` name
+
 
 def compose_secrets(root: Path) -> dict[str, str]:
-    """The secrets docker-compose.yml reads from the environment, by variable name."""
-    values = {"REDIS_ACL": (root / "redis" / "users.acl").read_text()}
-    values |= {f"REDIS_{user.upper()}_PASSWORD": (root / "redis" / f"{user}.password").read_text().strip()
+    """The secrets docker-compose.yml mounts, by their name there (`secrets:`), from the key folder."""
+    values = {"redis_acl": (root / "redis" / "users.acl").read_text()}
+    values |= {f"redis_{user}_password": (root / "redis" / f"{user}.password").read_text().strip()
                for user in REDIS_USERS}
-    values |= {f"DAPO_{role.upper()}_KEY": private_key_file(root, role).read_text().strip() for role in ROLES}
+    values |= {f"{role}_key": private_key_file(root, role).read_text().strip() for role in ROLES}
     return values
+
+
+def make_redis_users(root: Path) -> str:
+    passwords = {user: secrets.token_hex(32) for user in REDIS_USERS}
+    redis_dir = root / "redis"
+    for user, password in passwords.items():
+        write_secret(redis_dir / f"{user}.password", password)
+    write_secret(redis_dir / "users.acl", acl_file(passwords).rstrip("\n"))
+    return f"{redis_dir}: users.acl and {', '.join(f'{u}.password' for u in REDIS_USERS)}"
+
+
+def write_compose_secrets(root: Path) -> Path:
+    """DIR/compose/: every file secret of docker-compose.yml, made from the key folder (keys and Redis users first
+    where missing). The token: $DAPO_TOKEN, else the file's, else a new one."""
+    create_keys(root)
+    if not (root / "redis" / "users.acl").exists():
+        make_redis_users(root)
+    folder = root / COMPOSE_DIR
+    token_file = folder / "dapo_token"
+    token = os.environ.get("DAPO_TOKEN") or (token_file.read_text().strip() if token_file.exists() else "")
+    values = {"dapo_token": token or secrets.token_hex(32), **compose_secrets(root)}
+    for name, value in values.items():
+        write_secret(folder / name, value.rstrip("\n"))
+        (folder / name).chmod(0o444)  # read by the service's own user through the bind mount (module docstring)
+    return folder
 
 
 def main(settings: Settings, action: str, name: str | None, folder: str | None) -> int:
     root = Path(folder) if folder else keys_dir(settings)
+    usage = None
     if action == "init":
         for role, kid in create_keys(root).items():
             print(f"{role}: {kid}")
     elif action == "rotate":
         if name not in ROLES:
-            raise SystemExit(f"dapo keys rotate: name a role, one of {', '.join(ROLES)}")
-        print(f"{name}: {rotate(root, name)} (the previous key stays trusted until `dapo keys retire` names it)")
+            usage = f"name a role, one of {', '.join(ROLES)}"
+        else:
+            print(f"{name}: {rotate(root, name)} (the previous key stays trusted until `dapo keys retire` names it)")
     elif action == "retire":
-        if not name:
-            raise SystemExit("dapo keys retire: name the key id to retire (a file name in public/, without .pub)")
-        retire(root, name)
-        print(f"retired {name}")
-    elif action == "compose-env":
-        print("\n".join(f"export {name}={shlex.quote(value)}" for name, value in compose_secrets(root).items()))
+        if not name or not (root / "public" / f"{name}.pub").exists():
+            known = ", ".join(sorted(path.stem for path in (root / "public").glob("*.pub"))) or "none"
+            usage = f"name the key id to retire, one of: {known} (the files of {root / 'public'}, without .pub)"
+        else:
+            retire(root, name)
+            print(f"retired {name}")
+    elif action in ("compose", "compose-env"):
+        made = write_compose_secrets(root)
+        # compose-env's output was eval'ed by a shell: the old name prints nothing there
+        print(f"{made}: the secrets docker-compose.yml mounts (DAPO_SECRETS_DIR={root})"
+              + (" (`dapo keys compose-env` is now `dapo keys compose`: files, not variables)"
+                 if action == "compose-env" else ""), file=sys.stderr if action == "compose-env" else sys.stdout)
     else:  # redis-users
-        passwords = {user: secrets.token_hex(32) for user in REDIS_USERS}
-        redis_dir = root / "redis"
-        for user, password in passwords.items():
-            write_secret(redis_dir / f"{user}.password", password)
-        write_secret(redis_dir / "users.acl", acl_file(passwords).rstrip("\n"))
-        print(f"{redis_dir}: users.acl and {', '.join(f'{u}.password' for u in REDIS_USERS)}")
+        print(make_redis_users(root))
+    if usage:
+        print(f"dapo keys {action}: {usage}", file=sys.stderr)
+        return EXIT_USAGE
     return 0

@@ -47,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
             cmd.add_argument("--force", action="store_true", help="rebuild even if a cached model exists")
             cmd.add_argument("--measure", action="store_true", help="then measure tokens/s and accuracy through vLLM")
         if name == "keys":
-            cmd.add_argument("action", choices=["init", "rotate", "retire", "redis-users", "compose-env"])
+            cmd.add_argument("action", choices=["init", "rotate", "retire", "redis-users", "compose", "compose-env"])
             cmd.add_argument("name", nargs="?", help="rotate: the role; retire: the key id")
             cmd.add_argument("--dir", default=None, help="the key folder (default keys.dir, run_dir/keys)")
         if name in ("run", "learner"):

@@ -24,7 +24,8 @@
 # (default .venv/bin/python), DOCKER (a client whose `build` honours DOCKER_BUILDKIT=1: BuildKit reads
 # deploy/Dockerfile.cpu.dockerignore; the Docker 20.10 client does without buildx), DAPO_IMAGE (dapo:0.1.0-cpu),
 # DAPO_FORCE_LOCAL=1 (build the local images even when the official ones can be pulled), DAPO_PIP_OPTIONS
-# (the host pip's extra options for the wheelhouse; default: PyTorch's CPU index).
+# (the host pip's extra options for the wheelhouse; default: PyTorch's CPU index when it answers within 5 s, else
+# none, leaving pip's own configuration to find torch; pip itself gives up on an index after 15 s and one retry).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -33,13 +34,22 @@ python="${DAPO_PYTHON:-.venv/bin/python}"
 docker="${DOCKER:-docker}"
 image="${DAPO_IMAGE:-dapo:0.1.0-cpu}"
 force="${DAPO_FORCE_LOCAL:-0}"
-# Where the host's pip finds torch 2.13.0+cpu (not on PyPI): PyTorch's CPU index unless pip is configured already.
-pip_options="${DAPO_PIP_OPTIONS---extra-index-url https://download.pytorch.org/whl/cpu}"
+# Where the host's pip finds torch 2.13.0+cpu (not on PyPI): PyTorch's CPU index, when it can be reached. An
+# unreachable index is dropped at once rather than retried by pip for minutes.
+torch_index=https://download.pytorch.org/whl/cpu/
 base=local/debian:12
 mkdir -p "$cache"
 export DOCKER_BUILDKIT=1
 
 log() { printf '[local-images %s] %s\n' "$(date +%H:%M:%S)" "$*" >&2; }
+if [ -n "${DAPO_PIP_OPTIONS+set}" ]; then
+    pip_options="$DAPO_PIP_OPTIONS"
+elif "$python" -c "import sys, urllib.request; urllib.request.urlopen(sys.argv[1], timeout=5)" "$torch_index" 2>/dev/null; then
+    pip_options="--extra-index-url $torch_index"
+else
+    log "PyTorch's CPU index ($torch_index) does not answer: pip's own configuration must find torch 2.13.0+cpu"
+    pip_options=""
+fi
 have_image() { "$docker" image inspect "$1" >/dev/null 2>&1; }
 # The official image if it can be pulled (and DAPO_FORCE_LOCAL is not set), else nothing.
 pullable() { [ "$force" != 1 ] && "$docker" pull -q "$1" >/dev/null 2>&1; }
@@ -85,7 +95,7 @@ stamp="$(cat "$wheels/requirements.lock" "$wheels/build-requirements.txt" | sha2
 if [ "$(cat "$wheels/.stamp" 2>/dev/null)" != "$stamp" ]; then
     # shellcheck disable=SC2086
     "$python" -m pip wheel -q --no-deps -r "$wheels/requirements.lock" -r "$wheels/build-requirements.txt" \
-        --wheel-dir "$wheels" $pip_options
+        --wheel-dir "$wheels" --timeout 15 --retries 1 $pip_options
     echo "$stamp" >"$wheels/.stamp"
 fi
 # Named by its hash: the build caches the dependency layer by the RUN line, which holds this name.

@@ -26,6 +26,7 @@ from services.http import BackgroundServer, create_app, server_options
 from services.messages import PromptTask
 from services.models import model_dir
 from services.redis_local import connect, wait_for_redis
+from services.keys import load_signer
 from services.startup import raise_stopped
 from services.streams import Streams, consumer_name
 
@@ -106,6 +107,7 @@ def hand_back_previous(client, settings: Settings, name: str) -> int:
 def main(settings: Settings) -> int:
     """`dapo generator`. Until the engine is up a signal stops it at once (`services.startup`); then the first one
     lets in-flight tasks finish (generator.shutdown_grace_s), a second one stops at once."""
+    load_signer(settings, "generator")  # its key first: a missing one fails before anything starts
     folder = model_dir(settings)  # the dependencies first: fail in a second, not after loading vLLM
     wait_for_redis(settings)
     name = generator_id(settings)

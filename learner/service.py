@@ -50,6 +50,7 @@ from services.http import BackgroundServer, create_app, server_options
 from services.messages import PromptTask, SamplingParams
 from services.models import TINY_NAME, model_dir
 from services.redis_local import connect, wait_for_redis
+from services.keys import load_signer
 from services.startup import Unavailable, raise_stopped
 from services.streams import Streams
 from services.weights import WeightPublisher, latest_announcement, weights_router
@@ -612,6 +613,7 @@ def main(settings: Settings) -> int:
     import torch
     from accelerate import PartialState
 
+    load_signer(settings, "learner")  # its key first: a missing one fails before Redis, the lease or the model
     model_dir(settings)  # the dependencies first: fail in a second, not after loading
     # The process group first (gloo on CPU, NCCL on GPUs), with the timeout every collective gets.
     timeout = timedelta(seconds=settings.learner.collective_timeout_seconds)

@@ -10,8 +10,11 @@ as well, so a generator cannot write `scored` through a script either. What each
   announcement. Not `issued` (the ground truth), not `scored`.
 - reward: read and acknowledge `rollouts` (and its forward markers), write `scored` and `dead`, read `issued` (HMGET only).
 - autoscaler (KEDA's redis-streams scaler): XPENDING, XINFO GROUPS and XLEN on `prompts`, nothing else.
-- default: off (compose, Kubernetes); in an embedded run, the launcher's operator user: every key, no dangerous
-  command (+INFO).
+- default: off (compose, Kubernetes): no client can log in as it. It still holds every key and command, because
+  Redis replays the append-only file as the default user and re-checks its permissions at each EXEC: a default
+  user without them drops every transaction of the file on restart (NOPERM, redis/redis#14541, fixed only in
+  releases after 7.4; valkey#3983), and this project writes its forwards, acknowledgements and dead letters in
+  transactions. In an embedded run, the launcher's operator user: every key, no dangerous command (+INFO).
 
 Passwords are per role: an embedded run makes them per run (the launcher hands each child its own); compose and
 Kubernetes take them from Secrets (`acl_file` writes the users with sha256 password hashes, so the file holds no
@@ -55,7 +58,12 @@ def role_lines(passwords: dict[str, str], hashed: bool = False) -> list[str]:
     return [user_line(user, passwords[user], _RULES[user], hashed) for user in REDIS_USERS]
 
 
+# The default user of a deployment: off, so no connection authenticates as it, with the permissions the AOF
+# replay checks (the module docstring says why). `nopass` is absent: off and no password, nothing logs in.
+DEPLOYMENT_DEFAULT = "user default reset resetchannels off ~* &* +@all"
+
+
 def acl_file(passwords: dict[str, str]) -> str:
     """An ACL file (redis-server --aclfile) for compose and Kubernetes: the role users with hashed passwords, the
-    default user off."""
-    return "\n".join(["user default off", *role_lines(passwords, hashed=True)]) + "\n"
+    default user off (but able to replay the AOF)."""
+    return "\n".join([DEPLOYMENT_DEFAULT, *role_lines(passwords, hashed=True)]) + "\n"

@@ -19,6 +19,7 @@ from benchmarks.faults import children_of
 from services.config import load_settings
 from services.http import free_port
 from services.redis_local import wait_for_redis
+from services.keys import create_keys
 from services.startup import EXIT_UNAVAILABLE, Unavailable
 
 SERVICES = ["learner", "generator", "reward"]
@@ -36,7 +37,9 @@ def closed_port_url() -> str:
     return f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there
 
 
-def start(service: str, tmp: Path, *overrides: str) -> tuple[subprocess.Popen, Path]:
+def start(service: str, tmp: Path, *overrides: str, keys: bool = True) -> tuple[subprocess.Popen, Path]:
+    if keys:
+        create_keys(tmp / "run" / "keys")
     env = {k: v for k, v in os.environ.items() if not k.startswith("DAPO_")}
     env.update(PYTHONUNBUFFERED="1", DAPO_RUN_DIR=str(tmp / "run"), DAPO_TOKEN="startup-test-token-0123456789")
     sets = [arg for o in (f"{service}.port={free_port()}", *overrides) for arg in ("--set", o)]
@@ -89,6 +92,17 @@ def test_the_redis_password_is_in_no_startup_message(redis_server, caplog):
     assert "refused the user or password" in messages[0] and "did not answer" in messages[1]
     assert "does not answer" in caplog.text
     assert not [s for s in (wrong, redis_server.password) for text in (*messages, caplog.text) if s in text]
+
+
+@pytest.mark.parametrize("service", SERVICES)
+def test_a_missing_key_ends_the_service_before_anything_starts(service, tmp_path):
+    """No Redis waited for (nor an embedded one started), no lease, no model: the key is checked first."""
+    process, stderr = start(service, tmp_path, f"redis.url={closed_port_url()}", "redis.connect_timeout_s=25",
+                            f"model.name_or_path={tmp_path / 'no-such-model'}", keys=False)
+    assert process.wait(timeout=20) == EXIT_UNAVAILABLE, stderr.read_text()
+    (line,) = message_lines(stderr)
+    assert line.startswith(f"dapo {service}: no {service} key: ") and "dapo keys init" in line
+    assert not (tmp_path / "run").exists()
 
 
 @pytest.mark.parametrize("service", ["learner", "generator"])

