@@ -55,13 +55,15 @@ import sys
 import time
 import uuid
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import msgpack
 
 from learner.records import read_rows  # skips a line being written
-from learner.workset import task_id_in_payload  # the learner's own reading of a raw payload
+from learner.workset import (
+    task_id_in_payload,  # the learner's own reading of a raw payload
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 KINDS = ("generator", "reward", "learner", "redis")
@@ -406,8 +408,8 @@ class Faults:
             return None
         if name == "redis-server":  # one PING, no retries (the services' clients retry; this only looks)
             from services.config import load_settings
+            from services.errors import Unavailable
             from services.redis_local import wait_for_redis
-            from services.startup import Unavailable
 
             try:
                 wait_for_redis(load_settings(self.args.preset, redis={"url": self.redis_url(), "connect_timeout_s": 0.1}))
@@ -489,8 +491,8 @@ class Faults:
     def streams(self):
         if self._streams is None:
             from services.config import load_settings
-            from services.redis_local import client_for
             from services.keys import ROLES
+            from services.redis_local import client_for
             from services.streams import Streams
 
             settings = load_settings(self.args.preset, token=self.token, run_dir=str(self.run_dir),
@@ -504,8 +506,16 @@ class Faults:
         from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
         from services.keys import ROLES, SIGNER_OF, Signer
-        from services.messages import (PromptTask, RolloutGroup, Sample, SamplingParams, Score, ScoredGroup,
-                                       from_wire, to_wire)
+        from services.messages import (
+            PromptTask,
+            RolloutGroup,
+            Sample,
+            SamplingParams,
+            Score,
+            ScoredGroup,
+            from_wire,
+            to_wire,
+        )
 
         streams, settings = self.streams()
         r = streams.redis

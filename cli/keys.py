@@ -25,10 +25,18 @@ import sys
 from pathlib import Path
 
 from services.config import Settings
-from services.keys import ROLES, create_keys, keys_dir, private_key_file, retire, rotate, write_secret
+from services.errors import ExitCode
+from services.keys import (
+    ROLES,
+    create_keys,
+    keys_dir,
+    private_key_file,
+    retire,
+    rotate,
+    write_secret,
+)
 from services.redis_users import REDIS_USERS, acl_file
 
-EXIT_USAGE = 2  # as argparse's, and `dapo`'s for a bad configuration
 COMPOSE_DIR = "compose"  # DIR/compose/<secret>: the files docker-compose.yml's `secrets:` name
 
 
@@ -94,5 +102,5 @@ def main(settings: Settings, action: str, name: str | None, folder: str | None) 
         print(make_redis_users(root))
     if usage:
         print(f"dapo keys {action}: {usage}", file=sys.stderr)
-        return EXIT_USAGE
+        return ExitCode.USAGE
     return 0

@@ -46,19 +46,24 @@ from rich.table import Table
 
 from cli import cores
 from cli.cores import CpuPlan, Placement, cpu_seconds_by_group
-from learner.checkpoint_layout import CHECKPOINTS, EXIT_REFILL_LIMIT, recorded_stop
-from learner.lease import EXIT_FENCED, INSTANCE_ENV
+from learner.checkpoint_layout import CHECKPOINTS, recorded_stop
+from learner.lease import INSTANCE_ENV
 from learner.records import METRICS_FILE, read_rows
 from services.config import DEFAULT_TOKEN, Settings, dump_settings, without_password
+from services.errors import ExitCode, Unavailable
+from services.files import write_atomic
 from services.http import free_port
 from services.keys import ROLES, Role, create_keys, keys_dir
 from services.models import SHIPPED_TINY_REFERENCE, shipped_tiny_applies
 from services.redis_local import EmbeddedRedis, embedded_server
 from services.redis_users import REDIS_USERS
 from services.startup import (
-    EXIT_DATA_ERROR, EXIT_FILE_ENV, LockHeld, Unavailable, die_with_parent, recorded_exit, take_lock,
+    EXIT_FILE_ENV,
+    LockHeld,
+    die_with_parent,
+    recorded_exit,
+    take_lock,
 )
-from services.weights_layout import write_atomic
 
 log = logging.getLogger(__name__)
 console = Console()
@@ -71,7 +76,7 @@ RANKS_STOP_SECONDS = 120.0  # SIGTERM to SIGKILL for the learner's ranks: rank 0
 LEARNER_STOP_SECONDS = RANKS_STOP_SECONDS + 20.0
 # The learner's own exits, not restarted: finished (or SIGTERM), refill limit with on_refill_limit=stop, fenced
 # (another learner took the run's lease, learner/lease.py: a restart would only wait for it and fail).
-LEARNER_DONE = (0, EXIT_REFILL_LIMIT, EXIT_FENCED, EXIT_DATA_ERROR)  # a restart would not change them
+LEARNER_DONE = (0, ExitCode.REFILL_LIMIT, ExitCode.FENCED, ExitCode.DATA_ERROR)  # a restart would not change them
 RUN_LOCK = ".dapo-run.lock"  # in the run folder: held (flock) by the one launcher of that folder
 
 
@@ -413,7 +418,7 @@ def reported_exit(code: int, run_dir: Path) -> int:
     if stop is None:
         return code
     console.print(f"[red]the refill limit stopped this run at step {stop['step']}: {stop['reason']}[/]")
-    return EXIT_REFILL_LIMIT
+    return ExitCode.REFILL_LIMIT
 
 
 def main(settings: Settings, generators: int = 1, reward_workers: int = 1, learner_procs: int = 1,

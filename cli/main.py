@@ -15,7 +15,8 @@ from importlib.metadata import version
 
 from services.config import ConfigError, load_settings
 from services.data import DataError
-from services.startup import EXIT_DATA_ERROR, EXIT_UNAVAILABLE, Stopped, Unavailable, raise_on_signals, record_exit
+from services.errors import ExitCode, Unavailable
+from services.startup import Stopped, raise_on_signals, record_exit
 
 TRACKERS = ("wandb", "tensorboard", "mlflow")  # learner.report_to (accelerate's tracker names)
 # command -> (module, function, help). Each function takes the loaded Settings.
@@ -130,10 +131,10 @@ def run_main(argv: list[str] | None) -> int:
         return run_command(args, settings)
     except Unavailable as err:
         print(f"dapo {args.command}: {' '.join(str(err).split())}", file=sys.stderr)  # one line
-        return EXIT_UNAVAILABLE
+        return ExitCode.UNAVAILABLE
     except DataError as err:  # a data file that cannot be used: its name and line, not a traceback
         print(f"dapo {args.command}: {err}", file=sys.stderr)
-        return EXIT_DATA_ERROR
+        return ExitCode.DATA_ERROR
     except Stopped as stop:
         print(f"dapo {args.command}: stopped by {stop}", file=sys.stderr)
         return 128 + stop.signum

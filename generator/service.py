@@ -23,10 +23,10 @@ from fastapi.responses import JSONResponse
 
 from services.config import Settings
 from services.http import BackgroundServer, create_app, server_options
+from services.keys import load_signer
 from services.messages import PromptTask
 from services.models import model_dir
 from services.redis_local import connect, wait_for_redis
-from services.keys import load_signer
 from services.startup import raise_stopped
 from services.streams import Streams, consumer_name
 

@@ -18,8 +18,8 @@ from urllib.parse import urlsplit
 
 from services.config import Settings
 from services.http import client_verify
-from services.messages import WeightsAnnouncement
 from services.keys import load_keyring
+from services.messages import WeightsAnnouncement
 from services.streams import run_prefix
 from services.weights import (
     AnnouncementWatcher,

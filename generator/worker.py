@@ -47,14 +47,14 @@ from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from generator.engine import EngineFailure, InvalidTask, VllmEngine
+from generator.sync import WeightSync
 from services import metrics
 from services.config import Settings
+from services.errors import ExitCode
 from services.messages import PromptTask, RolloutGroup, WeightsAnnouncement, to_wire
 from services.streams import Delivery, Streams
 from services.weights import WeightsError
-
-from generator.engine import EngineFailure, InvalidTask, VllmEngine
-from generator.sync import WeightSync
 
 log = logging.getLogger(__name__)
 
@@ -63,13 +63,12 @@ TRANSIENT = {"unreachable", "http", "not_found"}  # a late joiner retries these 
 BAD_VERSION = {"checksum", "shape", "format", "untrusted_url"}  # refusals of the version itself: every generator's
 RETRY_FAILED_SYNC_S = 30.0  # a refused version is not retried automatically before this (POST /sync forces it)
 IDLE_BLOCK_MS = 100  # longest wait for new tasks while idle: bounds how late an announcement or a stop is seen
-STALLED_EXIT_CODE = 70  # EX_SOFTWARE: the rollout loop hung (generator.stall_timeout_s)
 
 
 def exit_stalled(seconds: float) -> None:
     """The process cannot stop a thread stuck inside the engine: end it (its supervisor starts a fresh one)."""
     sys.stderr.flush()
-    os._exit(STALLED_EXIT_CODE)
+    os._exit(ExitCode.STALLED)
 
 
 @dataclass

@@ -44,7 +44,7 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Iterable, Literal, Sequence
+from typing import Iterable, Literal
 
 from learner.dapo import FilterMetric, LinearWarmup, filter_values, is_informative
 from learner.policy import PolicyVersion

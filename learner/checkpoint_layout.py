@@ -14,14 +14,13 @@ import json
 import logging
 from pathlib import Path
 
-from services.weights_layout import write_atomic
+from services.files import write_atomic
 
 log = logging.getLogger(__name__)
 
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"
 STOPPED = "stopped.json"
-EXIT_REFILL_LIMIT = 3  # the exit of the learner the refill limit stopped
 PREFIX = "step-"  # checkpoints/step-N
 
 

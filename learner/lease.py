@@ -11,13 +11,13 @@ take its predecessor's lease back at once instead of one TTL later.
   one TTL (a learner that just died holds it until then), then fail (`LeaseHeld`, exit 69) naming the holder.
 - **renew** from a daemon thread every TTL/6, compare-and-set: PEXPIRE only while the value is ours. Each
   renewal is one attempt on a client of its own (no retries: they would outlast the lease).
-- **lost**: a watchdog thread, which does no I/O, ends the process (`os._exit(EXIT_LEASE_LOST)`) once no renewal
+- **lost**: a watchdog thread, which does no I/O, ends the process (`os._exit(ExitCode.LEASE_LOST)`) once no renewal
   has got through for TTL/2, whatever a renewal under way is blocked on (Redis unreachable, this learner cut off
   from it while the disk is still there, the process frozen): before the TTL can run out and another learner
   take the run. A renewal that finds the key gone (it lapsed: the process was frozen past it, or Redis lost it)
   is lost too, never taken again. Its supervisor restarts it, and it resumes once Redis is back.
 - **fence**: the key holds another instance's id (this learner lost the lease, and another one took the run):
-  log critical and end the process at once (`os._exit(EXIT_FENCED)`), writing nothing more.
+  log critical and end the process at once (`os._exit(ExitCode.FENCED)`), writing nothing more.
 - **release** on a clean exit (delete only if ours), so a restart does not wait one TTL.
 - **own identity** (a restart under the same supervisor): taken over (compare-and-set) at once when the
   predecessor's process is gone (this host, no such pid); a predecessor that may be alive (a rank 0 outliving its
@@ -38,15 +38,14 @@ from typing import Callable
 import redis
 
 from services.config import Settings
+from services.errors import ExitCode, Unavailable
 from services.redis_local import connect, retry_redis
-from services.startup import Unavailable, record_exit
+from services.startup import record_exit
 from services.streams import run_prefix
 
 log = logging.getLogger(__name__)
 
 LEASE_KEY = "learner-lease"
-EXIT_FENCED = 75  # sysexits EX_TEMPFAIL: another learner took the run; this one stopped without writing more
-EXIT_LEASE_LOST = 74  # sysexits EX_IOERR: no renewal reached Redis for TTL/2; restarted, it resumes
 
 # KEYS: lease. ARGV: instance id, TTL ms. Ours: extend it (1). Gone: put ours back (2; the caller is lost and
 # exits, and no other learner takes the run before it is gone). Else: the holder's id.
@@ -112,13 +111,13 @@ def process_gone(place: str) -> bool:
 
 def exit_fenced(holder: str) -> None:
     """The default reaction to a fence: end the process at once (no atexit, no finally: nothing more written)."""
-    record_exit(EXIT_FENCED)
-    os._exit(EXIT_FENCED)
+    record_exit(ExitCode.FENCED)
+    os._exit(ExitCode.FENCED)
 
 
 def exit_lost(seconds: float) -> None:
     """The default reaction to a lease that could not be renewed in time: end the process at once, as above."""
-    os._exit(EXIT_LEASE_LOST)  # not recorded (no I/O on the watchdog's path): 74 and torchrun's 1 both restart
+    os._exit(ExitCode.LEASE_LOST)  # not recorded (no I/O on the watchdog's path): 74 and torchrun's 1 both restart
 
 
 class LearnerLease:
@@ -208,7 +207,7 @@ class LearnerLease:
             return "lapsed"
         holder = result.decode(errors="replace") if isinstance(result, bytes) else str(result)
         log.critical("FENCED: learner %s lost the run %s to learner %s; exiting at once with code %d, writing "
-                     "nothing more", self.instance, self.run, holder, EXIT_FENCED)
+                     "nothing more", self.instance, self.run, holder, ExitCode.FENCED)
         self.on_fenced(holder)
         return "fenced"
 
@@ -234,7 +233,7 @@ class LearnerLease:
         silent_s = now() - self._renewed_at
         log.critical("LEASE LOST: %s (learner %s, TTL %.0f s): another learner may take the run; exiting at once "
                      "with code %d, writing nothing more (restarted, it resumes once Redis is back)",
-                     why, self.instance, self.ttl_s, EXIT_LEASE_LOST)
+                     why, self.instance, self.ttl_s, ExitCode.LEASE_LOST)
         self.on_lost(silent_s)
 
     def stop_renewing(self) -> None:

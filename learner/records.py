@@ -15,10 +15,10 @@ from typing import Any
 
 from learner.batch import Batch, task_id_of
 from learner.tracking import Tracking
-from services.messages import ScoredGroup
 from services import metrics
 from services.config import Settings, dump_settings
-from services.weights_layout import write_atomic
+from services.files import write_atomic
+from services.messages import ScoredGroup
 
 # Where a step's time goes (each `{phase}_seconds` in metrics.jsonl and a label of dapo_learner_step_phase_seconds):
 # the learner's wait for groups (split: generation, verification), its update (forward, backward, optimizer),

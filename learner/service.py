@@ -33,8 +33,15 @@ from pathlib import Path
 
 from learner.batch import Batch, BatchAssembler, Push, RefillLimitReached, task_id_of
 from learner.checkpoint_layout import (
-    CHECKPOINTS, EXIT_REFILL_LIMIT, LATEST, STOPPED, checkpoint_name, checkpoint_steps, clear_stop, latest_step,
-    record_stop, recorded_stop,
+    CHECKPOINTS,
+    LATEST,
+    STOPPED,
+    checkpoint_name,
+    checkpoint_steps,
+    clear_stop,
+    latest_step,
+    record_stop,
+    recorded_stop,
 )
 from learner.evaluation import EvalRound
 from learner.lease import LearnerLease
@@ -45,16 +52,23 @@ from learner.redis_budget import MB, held_budget, largest_group_bytes, memory_pr
 from learner.workset import WorkingSet
 from services import metrics
 from services.config import Settings
-from services.data import Problem, check_alphabet, load_problems, render_prompt, shared_problems
+from services.data import (
+    Problem,
+    check_alphabet,
+    load_problems,
+    render_prompt,
+    shared_problems,
+)
+from services.errors import ExitCode, Unavailable
+from services.files import fsync_dir, write_atomic
 from services.http import BackgroundServer, create_app, server_options
+from services.keys import load_signer
 from services.messages import PromptTask, SamplingParams
 from services.models import TINY_NAME, model_dir
 from services.redis_local import connect, wait_for_redis
-from services.keys import load_signer
-from services.startup import Unavailable, raise_stopped
+from services.startup import raise_stopped
 from services.streams import Streams
 from services.weights import WeightPublisher, latest_announcement, weights_router
-from services.weights_layout import fsync_dir, write_atomic
 
 log = logging.getLogger(__name__)
 
@@ -262,7 +276,7 @@ class LearnerService:
             self.checkpoint_if_new()
             record_stop(self.checkpoint_dir, self.step, self.cfg.max_refills, str(err))
             self.ranks.stop()
-            return EXIT_REFILL_LIMIT
+            return ExitCode.REFILL_LIMIT
         self.checkpoint_if_new()
         self.ranks.stop()
         if self.stopping.is_set():

@@ -61,7 +61,7 @@ from learner import attention, dapo, packing, recompute, throughput
 from learner.checkpoint_io import load_training_state, save_training_state
 from learner.logprobs import HeadQuery, install_head
 from learner.packing import MicroBatch, Response
-from services.weights_layout import fsync_dir, fsync_tree
+from services.files import fsync_dir, fsync_tree
 
 if TYPE_CHECKING:  # pragma: no cover
     from services.config import Settings

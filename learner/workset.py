@@ -44,7 +44,14 @@ from learner.evaluation import EvalRound
 from learner.records import GeneratorClocks
 from services import metrics
 from services.messages import PromptTask, ScoredGroup, from_wire
-from services.streams import FIELD, ISSUED, Delivery, Streams, consumer_name, task_id_in_payload
+from services.streams import (
+    FIELD,
+    ISSUED,
+    Delivery,
+    Streams,
+    consumer_name,
+    task_id_in_payload,
+)
 
 log = logging.getLogger(__name__)
 

@@ -16,12 +16,11 @@ from fastapi import Body, FastAPI, HTTPException
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.concurrency import run_in_threadpool
 
+from reward.sandbox import VerifierUnavailable
+from reward.scoring import ScoreItem, Scorer
 from services.config import Settings
 from services.http import create_app
 from services.messages import Score
-
-from reward.sandbox import VerifierUnavailable
-from reward.scoring import Scorer, ScoreItem
 
 MAX_RESPONSE_CHARS = 1_000_000  # ~250k tokens: longer than any L_max in the presets
 MAX_GROUND_TRUTH_CHARS = 10_000

@@ -34,11 +34,10 @@ from typing import Callable
 
 from pebble import ProcessExpired, ProcessPool
 
-from services.config import RewardConfig
-from services.startup import signals_deferred
-
 from reward.reference import verify_dapo
 from reward.verify import RULE_ERROR, RULE_TIMEOUT, Verdict, verify
+from services.config import RewardConfig
+from services.startup import signals_deferred
 
 log = logging.getLogger(__name__)
 

@@ -6,13 +6,12 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass
 
-from services import metrics
-from services.config import RewardConfig
-from services.messages import RolloutGroup, Score
-
 from reward.sandbox import VerifierPool
 from reward.shaping import shape
 from reward.verify import RULE_ERROR, RULE_TIMEOUT, Verdict
+from services import metrics
+from services.config import RewardConfig
+from services.messages import RolloutGroup, Score
 
 
 @dataclass(frozen=True)

@@ -9,16 +9,15 @@ import time
 
 import uvicorn
 
+from reward.app import create_reward_app
+from reward.sandbox import VerifierPool
+from reward.scoring import Scorer
+from reward.worker import RewardWorker
 from services.config import Settings
 from services.http import server_options
 from services.keys import load_signer
 from services.redis_local import connect, wait_for_redis
 from services.streams import Streams
-
-from reward.app import create_reward_app
-from reward.sandbox import VerifierPool
-from reward.scoring import Scorer
-from reward.worker import RewardWorker
 
 log = logging.getLogger(__name__)
 

@@ -16,9 +16,8 @@ The overlong flag marks a truncated response, so the learner can mask it out of 
 
 from __future__ import annotations
 
-from services.messages import Score
-
 from reward.verify import Verdict
+from services.messages import Score
 
 
 def rule_reward(correct: bool) -> float:

@@ -23,12 +23,11 @@ import logging
 import threading
 import time
 
+from reward.sandbox import VerifierUnavailable
+from reward.scoring import Scorer, group_items
 from services.config import Settings
 from services.messages import PromptTask, RolloutGroup, ScoredGroup, from_wire
 from services.streams import ISSUED, Delivery, Streams, consumer_name
-
-from reward.sandbox import VerifierUnavailable
-from reward.scoring import Scorer, group_items
 
 log = logging.getLogger(__name__)
 POOL_FAILURE_PAUSE_S = 0.5  # after the verifier pool failed under a read: its restart, not a busy loop of reclaims

@@ -30,18 +30,25 @@ from __future__ import annotations
 
 import base64
 import hashlib
-import os
-import tempfile
 import time
 from pathlib import Path
 from typing import Literal, get_args
 
 from cryptography.exceptions import InvalidSignature
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
-from cryptography.hazmat.primitives.serialization import Encoding, PrivateFormat, PublicFormat, NoEncryption
+from cryptography.hazmat.primitives.asymmetric.ed25519 import (
+    Ed25519PrivateKey,
+    Ed25519PublicKey,
+)
+from cryptography.hazmat.primitives.serialization import (
+    Encoding,
+    NoEncryption,
+    PrivateFormat,
+    PublicFormat,
+)
 
 from services.config import Settings
-from services.startup import Unavailable
+from services.errors import Unavailable
+from services.files import write_atomic
 
 Role = Literal["learner", "generator", "reward"]
 ROLES: tuple[Role, ...] = get_args(Role)
@@ -210,9 +217,7 @@ def load_signer(settings: Settings, role: Role, keyring: Keyring | None = None) 
 def write_secret(path: Path, text: str) -> None:
     """`text` in `path`, mode 0600 from its creation (in a folder made 0700), replaced atomically."""
     path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=".tmp-", delete=False) as out:  # created 0600
-        out.write(text + "\n")
-    os.replace(out.name, path)
+    write_atomic(path, text + "\n", mode=0o600)
 
 
 def new_key(folder: Path, role: Role) -> str:

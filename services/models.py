@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from services.data import SyntheticTask
-from services.startup import Unavailable
+from services.errors import Unavailable
 
 if TYPE_CHECKING:  # pragma: no cover
     from services.config import Settings

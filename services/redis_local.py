@@ -38,8 +38,9 @@ from redis.retry import Retry
 from tenacity import retry, retry_if_exception_type, stop_after_delay, wait_exponential
 
 from services.config import RedisConfig, Settings
+from services.errors import Unavailable
 from services.redis_users import OPERATOR_RULES, role_lines, user_line
-from services.startup import LockHeld, Unavailable, die_with_parent, take_lock
+from services.startup import LockHeld, die_with_parent, take_lock
 
 log = logging.getLogger(__name__)
 

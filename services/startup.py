@@ -17,8 +17,8 @@ import threading
 from pathlib import Path
 from typing import IO, Callable
 
-EXIT_UNAVAILABLE = 69  # sysexits EX_UNAVAILABLE: a dependency is missing; fix it and start again
-EXIT_DATA_ERROR = 65  # sysexits EX_DATAERR: a data file cannot be used; a restart would fail the same way
+from services.files import write_atomic
+
 # Where a service writes the code it chose to exit with, for a supervisor that cannot see it: under `accelerate
 # launch` torchrun reports any rank's failure as 1 (and a SIGTERMed run's as 1 too), so a learner fenced or
 # stopped at the refill limit would look like a crash and be restarted (cli/launcher.py reads the file).
@@ -33,7 +33,6 @@ def record_exit(code: int) -> None:
     path = os.environ.get(EXIT_FILE_ENV)
     if not path or os.environ.get("RANK", "0") != "0":
         return
-    from services.weights_layout import write_atomic  # lazily: it imports torch, which a config error never needs
 
     try:
         write_atomic(Path(path), f"{code}\n")
@@ -48,10 +47,6 @@ def recorded_exit(path: Path, returncode: int) -> int:
         return int(path.read_text())
     except (OSError, ValueError):
         return returncode
-
-
-class Unavailable(RuntimeError):
-    """A dependency is not there; the message says what was tried and what to do."""
 
 
 class Stopped(KeyboardInterrupt):

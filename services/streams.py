@@ -32,8 +32,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,7 +43,16 @@ from pydantic import BaseModel
 
 from services import metrics
 from services.config import Settings, StreamsConfig
-from services.keys import DEAD_LETTER_SIGNER_OF, SIGNER_OF, KeysError, Role, Signer, load_keyring, load_signer
+from services.files import write_atomic
+from services.keys import (
+    DEAD_LETTER_SIGNER_OF,
+    SIGNER_OF,
+    KeysError,
+    Role,
+    Signer,
+    load_keyring,
+    load_signer,
+)
 from services.messages import from_wire, to_wire
 from services.redis_local import retrying
 
@@ -483,9 +490,7 @@ class Streams:
         path = self.dead_dir / f"{digest}.msgpack"
         try:
             self.dead_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-            with tempfile.NamedTemporaryFile(dir=self.dead_dir, prefix=".tmp-", delete=False) as out:
-                out.write(payload)  # NamedTemporaryFile creates it 0600
-            os.replace(out.name, path)
+            write_atomic(path, payload, mode=0o600)
         except OSError as err:
             log.error("dead letter payload of %d bytes (sha256 %s) dropped: cannot write %s (%s)",
                       len(payload), digest, path, err)

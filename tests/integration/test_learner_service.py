@@ -31,8 +31,16 @@ from learner.workset import ISSUED, task_id_in_payload
 from services.config import load_settings
 from services.data import Problem
 from services.http import free_port
-from services.messages import PromptTask, RolloutGroup, Sample, SamplingParams, Score, ScoredGroup, to_wire
 from services.keys import ROLES
+from services.messages import (
+    PromptTask,
+    RolloutGroup,
+    Sample,
+    SamplingParams,
+    Score,
+    ScoredGroup,
+    to_wire,
+)
 from services.streams import Streams, _dead_letter_fields
 from services.weights import latest_key
 
@@ -329,7 +337,7 @@ def test_a_learner_refuses_a_redis_too_small_for_a_step_and_checkpoints_early_un
     figures; running, Redis past that share makes the step's checkpoint due (it releases `held`)."""
     from learner.redis_budget import MB
     from services import metrics
-    from services.startup import Unavailable
+    from services.errors import Unavailable
 
     big = settings.model_copy(update={"learner": settings.learner.model_copy(update={"prompts_per_step": 100_000})})
     with pytest.raises(Unavailable, match=r"Redis is too small for this run: one step's groups need up to 2,\d{3} MB "

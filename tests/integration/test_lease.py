@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from learner.lease import INSTANCE_ENV, LEASE_KEY, LeaseHeld, LearnerLease
-from services.startup import Unavailable
+from learner.lease import INSTANCE_ENV, LEASE_KEY, LearnerLease, LeaseHeld
+from services.errors import Unavailable
 from services.keys import ROLES
 from services.streams import Streams
 

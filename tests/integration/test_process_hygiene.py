@@ -148,12 +148,12 @@ def test_the_learner_is_given_up_after_crashes_without_a_step_however_long_each_
 
 def test_a_fenced_learner_is_not_restarted(tmp_path):
     """Exit 75: another learner took the run's lease (learner/lease.py); a restart would only wait and fail."""
-    from learner.lease import EXIT_FENCED
+    from services.errors import ExitCode
 
-    learner = Child("learner", [sys.executable, "-c", f"raise SystemExit({EXIT_FENCED})"], dict(os.environ),
+    learner = Child("learner", [sys.executable, "-c", f"raise SystemExit({ExitCode.FENCED})"], dict(os.environ),
                     tmp_path / "learner.log")
     learner.start()
-    assert supervise([learner], tmp_path / "metrics.jsonl", total_steps=10, display=False) == EXIT_FENCED
+    assert supervise([learner], tmp_path / "metrics.jsonl", total_steps=10, display=False) == ExitCode.FENCED
     assert learner.restarts == 0
 
 
@@ -174,7 +174,7 @@ dist.barrier()
 def test_a_fenced_learner_under_torchrun_is_not_restarted(tmp_path):
     """torchrun reports rank 0's exit 75 as its own 1; the code the learner recorded tells the launcher."""
     from cli.launcher import learner_finished
-    from learner.lease import EXIT_FENCED
+    from services.errors import ExitCode
     from services.http import free_port
 
     script = tmp_path / "fenced.py"
@@ -186,12 +186,12 @@ def test_a_fenced_learner_under_torchrun_is_not_restarted(tmp_path):
     learner.start()
     learner.process.wait(timeout=120)
     assert learner.process.returncode == 1  # torchrun's own code, which would restart it
-    assert learner.exit_code == EXIT_FENCED and learner_finished(learner) and learner.restarts == 0
+    assert learner.exit_code == ExitCode.FENCED and learner_finished(learner) and learner.restarts == 0
 
 
 def test_dapo_ranks_exits_with_the_code_rank_0_chose_under_torchrun(tmp_path):
     """The container entry of a multi-rank learner (cli/ranks.py): rank 0's 75, not torchrun's 1."""
-    from learner.lease import EXIT_FENCED
+    from services.errors import ExitCode
     from services.http import free_port
 
     script = tmp_path / "fenced.py"
@@ -199,7 +199,7 @@ def test_dapo_ranks_exits_with_the_code_rank_0_chose_under_torchrun(tmp_path):
     command = [sys.executable, "-m", "cli", "ranks", "--", sys.executable, "-m", "torch.distributed.run",
                "--nproc_per_node", "2", "--master_port", str(free_port()), str(script)]
     env = {**os.environ, "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "2", "OMP_NUM_THREADS": "1"}
-    assert subprocess.run(command, cwd=REPO, env=env, timeout=120).returncode == EXIT_FENCED
+    assert subprocess.run(command, cwd=REPO, env=env, timeout=120).returncode == ExitCode.FENCED
 
 
 # Stops on SIGTERM as the learner does: it records the code it chose (0: checkpointed), exits as torchrun would (1).
@@ -339,8 +339,8 @@ time.sleep(600)
 
 
 def test_children_and_the_embedded_redis_die_with_a_sigkilled_launcher(tmp_path):
+    from services.errors import Unavailable
     from services.redis_local import EmbeddedRedis
-    from services.startup import Unavailable
 
     data = tmp_path / "redis"
     script = LAUNCHER_LIKE.format(repo=REPO, data=str(data), log=str(tmp_path / "sleeper.log"))

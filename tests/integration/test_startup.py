@@ -17,10 +17,10 @@ import pytest
 
 from benchmarks.faults import children_of
 from services.config import load_settings
+from services.errors import ExitCode, Unavailable
 from services.http import free_port
-from services.redis_local import wait_for_redis
 from services.keys import create_keys
-from services.startup import EXIT_UNAVAILABLE, Unavailable
+from services.redis_local import wait_for_redis
 
 SERVICES = ["learner", "generator", "reward"]
 
@@ -69,7 +69,7 @@ def test_unreachable_redis_ends_the_service_with_one_line(service, model, tmp_pa
     started = time.monotonic()
     process, stderr = start(service, tmp_path, f"redis.url={url}", "redis.connect_timeout_s=2",
                             f"model.name_or_path={model}")
-    assert process.wait(timeout=60) == EXIT_UNAVAILABLE, stderr.read_text()
+    assert process.wait(timeout=60) == ExitCode.UNAVAILABLE, stderr.read_text()
     assert time.monotonic() - started < 60
     (line,) = message_lines(stderr)
     assert line.startswith(f"dapo {service}: Redis at {url} did not answer within 2 s") and "redis.url" in line
@@ -99,7 +99,7 @@ def test_a_missing_key_ends_the_service_before_anything_starts(service, tmp_path
     """No Redis waited for (nor an embedded one started), no lease, no model: the key is checked first."""
     process, stderr = start(service, tmp_path, f"redis.url={closed_port_url()}", "redis.connect_timeout_s=25",
                             f"model.name_or_path={tmp_path / 'no-such-model'}", keys=False)
-    assert process.wait(timeout=20) == EXIT_UNAVAILABLE, stderr.read_text()
+    assert process.wait(timeout=20) == ExitCode.UNAVAILABLE, stderr.read_text()
     (line,) = message_lines(stderr)
     assert line.startswith(f"dapo {service}: no {service} key: ") and "dapo keys init" in line
     assert not (tmp_path / "run").exists()
@@ -110,7 +110,7 @@ def test_a_missing_model_ends_the_service_before_it_waits_for_redis(service, tmp
     missing = tmp_path / "no-such-model"
     process, stderr = start(service, tmp_path, f"redis.url={closed_port_url()}", "redis.connect_timeout_s=25",
                             f"model.name_or_path={missing}")
-    assert process.wait(timeout=20) == EXIT_UNAVAILABLE, stderr.read_text()  # before the 25 s Redis wait
+    assert process.wait(timeout=20) == ExitCode.UNAVAILABLE, stderr.read_text()  # before the 25 s Redis wait
     (line,) = message_lines(stderr)
     assert line.startswith(f"dapo {service}: model folder '{missing}' does not exist") and "model.name_or_path" in line
 

@@ -6,9 +6,17 @@ import logging
 
 from cli.launcher import reported_exit
 from learner.checkpoint_layout import (
-    CHECKPOINTS, EXIT_REFILL_LIMIT, LATEST, STOPPED, checkpoint_name, checkpoint_steps, clear_stop, latest_step,
-    record_stop, recorded_stop,
+    CHECKPOINTS,
+    LATEST,
+    STOPPED,
+    checkpoint_name,
+    checkpoint_steps,
+    clear_stop,
+    latest_step,
+    record_stop,
+    recorded_stop,
 )
+from services.errors import ExitCode
 
 
 def checkpointed(run_dir, step: int):
@@ -46,8 +54,8 @@ def test_dapo_run_reports_a_run_that_stayed_stopped_as_the_stop(tmp_path):
     folder = checkpointed(tmp_path, 3)
     assert reported_exit(0, tmp_path) == 0  # finished
     record_stop(folder, 3, max_refills=2, reason="no informative group")
-    assert reported_exit(0, tmp_path) == EXIT_REFILL_LIMIT == 3  # stayed stopped where it would resume
-    assert reported_exit(EXIT_REFILL_LIMIT, tmp_path) == EXIT_REFILL_LIMIT
+    assert reported_exit(0, tmp_path) == ExitCode.REFILL_LIMIT == 3  # stayed stopped where it would resume
+    assert reported_exit(ExitCode.REFILL_LIMIT, tmp_path) == ExitCode.REFILL_LIMIT
     assert reported_exit(75, tmp_path) == 75  # any other exit is its own
 
 

@@ -15,10 +15,16 @@ from cli.launcher import service_children, write_launch_config
 from cli.main import main as dapo
 from learner.records import Records
 from learner.tracking import flat_config
-from services.config import DEFAULT_TOKEN, ConfigError, dump_settings, load_settings, secret_fields
-from services.keys import ROLES
+from services.config import (
+    DEFAULT_TOKEN,
+    ConfigError,
+    dump_settings,
+    load_settings,
+    secret_fields,
+)
+from services.files import write_atomic
 from services.http import MIN_TOKEN_CHARS, check_token, is_loopback
-from services.weights_layout import write_atomic
+from services.keys import ROLES
 
 
 def mode_of(path: Path) -> int:

@@ -1,0 +1,24 @@
+"""The kernel's error types and every exit code of `dapo`, in one place that imports nothing of the project.
+
+A service exits with one of `ExitCode`; a supervisor (the launcher, Compose, Kubernetes) reads it to decide
+whether to restart. sysexits(3) codes where one fits.
+"""
+
+from __future__ import annotations
+
+import enum
+
+
+class ExitCode(enum.IntEnum):
+    OK = 0
+    USAGE = 2  # a bad argument or configuration (argparse's own code): fix the command
+    REFILL_LIMIT = 3  # the learner stopped at learner.max_refills (on_refill_limit: stop); the stop is recorded
+    DATA_ERROR = 65  # EX_DATAERR: a data file cannot be used; a restart would fail the same way
+    UNAVAILABLE = 69  # EX_UNAVAILABLE: a dependency (Redis, a key, the model) is missing; fix it and start again
+    STALLED = 70  # EX_SOFTWARE: the generator's rollout loop hung (generator.stall_timeout_s); restart it
+    LEASE_LOST = 74  # EX_IOERR: no lease renewal reached Redis for TTL/2; restarted, the learner resumes
+    FENCED = 75  # EX_TEMPFAIL: another learner took the run; this one stopped without writing more
+
+
+class Unavailable(RuntimeError):
+    """A dependency is not there; the message says what was tried and what to do (exit ExitCode.UNAVAILABLE)."""
