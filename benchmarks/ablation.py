@@ -6,9 +6,9 @@ The rows are `configs/ablations/*.yaml` (written for the 32B recipe). What a row
 (SWITCHES below); those are read from the row and laid over the tiny preset, so the tiny ladder is the paper's
 ladder and nothing else: same base model, data, batch shape and learning rate in every row. Each run trains
 for `--minutes` of training, evaluations excluded (learner.time_limit_minutes: the same compute for every row,
-as in the paper's figure of accuracy against steps at equal cost) and is evaluated at the end. Reported into benchmarks/README.md
-between the `ablation` markers and as benchmarks/results/ablation.{json,png}: held-out accuracy at the end,
-mean and spread over seeds, and the gain over the row's own step-0 accuracy.
+as in the paper's figure of accuracy against steps at equal cost) and is evaluated at the end. Reported into
+benchmarks/README.md between the `ablation` markers and as benchmarks/results/ablation.{json,png}: held-out
+accuracy at the end, mean and spread over seeds, and the gain over the row's own step-0 accuracy.
 
 Order. A fixed time makes every row sensitive to how fast the shared machine is while it runs, and the ladder
 takes an hour: run row by row and a drift in machine speed becomes a trend down the ladder. So the runs go seed
@@ -24,7 +24,6 @@ import statistics
 from pathlib import Path
 
 from benchmarks.runs import ROOT, Curve, replace_section, run_seeded, spread
-
 from services.config import CONFIG_DIR, load_settings
 
 # What the rows of Table 1 switch (README, "The DAPO techniques are switches").
@@ -116,7 +115,8 @@ def main() -> None:
         )
     out = ROOT / "benchmarks" / "results"
     plot(results, out / f"{args.label}.png")
-    (out / f"{args.label}.json").write_text(json.dumps({r: [c.to_json() for c in cs] for r, cs in results.items()}, indent=1))
+    (out / f"{args.label}.json").write_text(json.dumps({r: [c.to_json() for c in cs] for r, cs in results.items()},
+                                                       indent=1))
     extra = "".join(f" --set {s}" for s in args.set)
     rows_arg = f" --rows {' '.join(args.rows)}" if args.rows else ""
     out_arg = args.out.relative_to(ROOT) if args.out.is_relative_to(ROOT) else args.out

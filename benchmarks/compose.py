@@ -319,7 +319,8 @@ def checks(result: dict, args: argparse.Namespace) -> dict[str, bool]:
     found = {
         "the run finished without an error": not result.get("error"),
         f"steps 1..{args.steps} trained, each once": ledger.get("steps") == list(range(1, args.steps + 1)),
-        "no task trained twice": bool(ledger) and ledger["tasks_trained"] == ledger["distinct_tasks_trained"],
+        "no task trained twice": ledger.get("tasks_trained", 0) > 0
+                                 and ledger["tasks_trained"] == ledger["distinct_tasks_trained"],
         "held-out accuracy reported at the start and the end": len(result.get("eval_accuracy", [])) >= 2,
         f"Prometheus: {args.generators} generator targets up, each scraped": bool(result.get("prometheus_full")),
         "a killed generator: the steps went on": "killed container after 15 s" in named,
@@ -349,8 +350,8 @@ def summarize(stack: Stack, result: dict) -> None:
     result["eval_accuracy"] = evals
     step_seconds = [m["step_seconds"] for m in metrics if m.get("step", 0) > 0 and m.get("step_seconds")]
     result["mean_step_seconds"] = round(sum(step_seconds) / len(step_seconds), 1) if step_seconds else None
-    listing = run("docker", "run", "--rm", "--entrypoint", "sh", "-v", f"{stack.volume('learner-run')}:/r:ro", stack.image,
-               "-c", "ls /r/checkpoints 2>/dev/null || true", timeout=60)
+    listing = run("docker", "run", "--rm", "--entrypoint", "sh", "-v", f"{stack.volume('learner-run')}:/r:ro",
+                  stack.image, "-c", "ls /r/checkpoints 2>/dev/null || true", timeout=60)
     result["checkpoints"] = listing.split()
     result["bad_log_lines"] = [line for text in result.get("logs", []) for line in text.splitlines()
                                if BAD_LINE.search(line)]
@@ -390,7 +391,8 @@ def report(result: dict, command: str) -> str:
         lines.append(f"| finished learner not restarted (restart: on-failure) | {result['learner_stays_down']} "
                      f"(exit code {result['learner_exit_code']}) |")
     if "bad_log_lines" in result:
-        lines.append(f"| `Traceback`, `ERROR` or `CRITICAL` lines in the services' logs | {len(result['bad_log_lines'])} |")
+        lines.append(f"| `Traceback`, `ERROR` or `CRITICAL` lines in the services' logs "
+                     f"| {len(result['bad_log_lines'])} |")
     if "volumes_left" in result:
         lines.append(f"| volumes left after `down -v` (named and anonymous) | {result['volumes_left']} |")
     if result.get("error"):
@@ -412,7 +414,8 @@ def main() -> int:
     parser.add_argument("--down-at", type=int, default=6, help="compose down, then up, after this step")
     parser.add_argument("--timeout", type=float, default=2400, help="seconds for each wait")
     parser.add_argument("--no-reset", action="store_true",
-                        help="go on with the project as it runs (same DAPO_TOKEN and DAPO_SECRETS_DIR in the environment)")
+                        help="go on with the project as it runs "
+                             "(same DAPO_TOKEN and DAPO_SECRETS_DIR in the environment)")
     parser.add_argument("--model-cache", default=str(Path("~/.cache/dapo").expanduser()),
                         help="host folder of built tiny models to seed the volume with ('' to let bootstrap build)")
     parser.add_argument("--build", action="store_true", help="run deploy/local-images.sh first and time it")

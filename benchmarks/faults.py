@@ -412,7 +412,8 @@ class Faults:
             from services.redis_local import wait_for_redis
 
             try:
-                wait_for_redis(load_settings(self.args.preset, redis={"url": self.redis_url(), "connect_timeout_s": 0.1}))
+                wait_for_redis(load_settings(self.args.preset,
+                                             redis={"url": self.redis_url(), "connect_timeout_s": 0.1}))
                 return pid
             except Unavailable:
                 return None
@@ -657,7 +658,8 @@ def report(result: dict) -> str:
     ok = sum(v["dead_as_expected"] for v in a["injections"].values())
     row("every bad message dead-lettered with its exact reason", f"{ok} of {bad}", ok == bad)
     row("0 Redis commands outside a role's ACL accepted",
-        f"{len(a['acl_accepted'])} of {a['acl_attempts']}" + (f" ({', '.join(a['acl_accepted'])})" if a["acl_accepted"] else ""),
+        f"{len(a['acl_accepted'])} of {a['acl_attempts']}"
+        + (f" ({', '.join(a['acl_accepted'])})" if a["acl_accepted"] else ""),
         not a["acl_accepted"] and a["acl_attempts"] > 0)
     row("no process left behind by a killed one", f"{len(result['orphans'])} left", not result["orphans"])
     lines += ["", "Work redone after each kill (seconds from the SIGKILL; the median step took "
@@ -667,7 +669,8 @@ def report(result: dict) -> str:
     for kind, k in a["per_kind"].items():
         lines.append(f"| {kind} | {k['kills']} | {fmt(k['back_up_s'])} | {fmt(k['next_step_s'])} | "
                      f"{fmt(k['steps_redone'], 'd')} |")
-    lines += ["", "Each kill: the last step in the ledger at the kill, and how long after that step was seen the kill came:", "",
+    lines += ["", "Each kill: the last step in the ledger at the kill, and how long after that step was seen the kill "
+              "came:", "",
               "| round | SIGKILL | at step | s after the step | back up (s) | next step done (s) | steps cut back |",
               "| ---: | --- | ---: | ---: | ---: | ---: | ---: |"]
     for k in result["kills"]:

@@ -43,9 +43,9 @@ from safetensors.torch import load_file  # noqa: E402
 
 from services.config import load_settings  # noqa: E402
 from services.http import BackgroundServer, create_app, free_port  # noqa: E402
+from services.keys import ROLES, create_keys, keys_dir
 from services.messages import PromptTask, RolloutGroup, SamplingParams  # noqa: E402
 from services.redis_local import EmbeddedRedis, connect  # noqa: E402
-from services.keys import ROLES, create_keys, keys_dir
 from services.streams import Streams  # noqa: E402
 from services.weights import WeightPublisher, check_schema, model_schema, pull_weights, weights_router  # noqa: E402
 
@@ -91,7 +91,8 @@ def bench_service(settings, engine, model_dir, prompts, sampling: SamplingParams
     streams = Streams(client, settings, signs_as=ROLES)
     source, sink = streams.stream("prompts", PromptTask), streams.stream("rollouts", RolloutGroup)
     for i, ids in enumerate(prompts):
-        source.produce(PromptTask(prompt_id=f"p{i}", prompt="", prompt_token_ids=ids, ground_truth="0", sampling=sampling))
+        source.produce(PromptTask(prompt_id=f"p{i}", prompt="", prompt_token_ids=ids, ground_truth="0",
+                                  sampling=sampling))
     worker = RolloutWorker(settings, engine, streams, WeightSync(settings, model_dir, client, "bench"), "bench")
     thread = threading.Thread(target=worker.run, daemon=True)
     samples: list[tuple[int, int]] = []
@@ -195,7 +196,8 @@ def bench_live_sync(settings, engine, model_dir, rounds: int) -> dict:
     settings.redis.run = "live-sync"
     client = connect(settings)
     server, publisher = serve_weights(settings, client)
-    worker = RolloutWorker(settings, engine, Streams(client, settings, signs_as=ROLES), WeightSync(settings, model_dir, client, "live"), "live")
+    worker = RolloutWorker(settings, engine, Streams(client, settings, signs_as=ROLES),
+                           WeightSync(settings, model_dir, client, "live"), "live")
     thread = threading.Thread(target=worker.run, daemon=True)
     thread.start()
     while not worker.ready:
@@ -252,7 +254,8 @@ def report(result: dict) -> str:
         "",
         "- **raw**: `LLM.generate(all prompts, SamplingParams(n, logprobs=0, detokenize=False))`: vLLM alone, every",
         "  request submitted at once.",
-        "- **service**: the tasks wait in the `prompts` Redis stream; a `RolloutWorker` reads them through the consumer",
+        "- **service**: the tasks wait in the `prompts` Redis stream; "
+        "a `RolloutWorker` reads them through the consumer",
         "  group, keeps `tasks_per_batch` of them in the engine (a finished group is written and its slot refilled at",
         "  once), decodes the ids, builds a `RolloutGroup` with the behaviour logprobs and writes it with the atomic",
         "  forward + ack. Timed until the last group is in the `rollouts` stream.",
@@ -263,7 +266,8 @@ def report(result: dict) -> str:
         "- **batch fill**: the worker's in-flight tasks over `tasks_per_batch`, sampled every 5 ms of the service run",
         "  while tasks were still waiting to be admitted (the drained tail is in the whole-run figure below).",
         "",
-        "| round | first | raw tok/s | service tok/s | HF + logprobs tok/s | HF tok/s | service / raw | raw / HF + logprobs | batch fill |",
+        "| round | first | raw tok/s | service tok/s | HF + logprobs tok/s | HF tok/s "
+        "| service / raw | raw / HF + logprobs | batch fill |",
         "|---|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for k, r in enumerate(rounds):
@@ -376,7 +380,8 @@ def main() -> None:
         print(f"| {key} | {1000 * sync[key]:.1f} |")
     print(f"| total / plain copy | {sync['total'] / sync['copy']:.1f}x |")
     live = bench_live_sync(settings, engine, model_dir, args.sync_rounds)
-    print(f"\nrunning worker, publish -> new version serving: median {1000 * live['latency']:.0f} ms, max {1000 * live['max']:.0f} ms")
+    print(f"\nrunning worker, publish -> new version serving: median {1000 * live['latency']:.0f} ms, "
+          f"max {1000 * live['max']:.0f} ms")
     setup = {
         "model": f"Qwen2, {sum(p.numel() for p in hf.parameters()):,} parameters", "vllm": vllm.__version__,
         "torch": torch.__version__, "transformers": transformers.__version__, "threads": threads,

@@ -26,7 +26,14 @@ import statistics
 from pathlib import Path
 
 from benchmarks.runs import (
-    ROOT, Curve, grid, machine, median_and_worst, read_curve, replace_section, run_seeded,
+    ROOT,
+    Curve,
+    grid,
+    machine,
+    median_and_worst,
+    read_curve,
+    replace_section,
+    run_seeded,
 )
 
 STABILITY_GOAL = 0.05  # no seed loses more than 5 points between two evaluations after step 10

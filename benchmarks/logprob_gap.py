@@ -20,7 +20,6 @@ from pathlib import Path
 import torch
 
 from benchmarks.runs import ROOT, replace_section
-
 from services.config import load_settings
 from services.data import load_problems
 from services.messages import PromptTask, RolloutGroup, SamplingParams, Score, ScoredGroup
@@ -44,10 +43,11 @@ def gap_summary(log_pi: torch.Tensor, log_mu: torch.Tensor) -> dict[str, float]:
 
 
 def measure(run: Path, pairs: list[tuple[int, int]], prompts: int) -> list[dict]:
+    from safetensors.torch import load_file
+
     from generator.engine import VllmEngine
     from learner.service import PromptBuilder, data_spec
     from learner.trainer import Trainer
-    from safetensors.torch import load_file
 
     settings = load_settings(str(run / "config.yaml"), run_dir=str(ROOT / "runs" / "bench-logprob-gap"))
     folder = model_dir(settings)
@@ -69,8 +69,8 @@ def measure(run: Path, pairs: list[tuple[int, int]], prompts: int) -> list[dict]
             trainer.model.load_state_dict({k: v.float() for k, v in state.items()}, strict=False)
             scored = [
                 ScoredGroup(
-                    rollout=RolloutGroup(task=PromptTask(task_id=f"t{i}", prompt_id="p", prompt="", prompt_token_ids=ids,
-                                                         ground_truth="0", sampling=params),
+                    rollout=RolloutGroup(task=PromptTask(task_id=f"t{i}", prompt_id="p", prompt="",
+                                                         prompt_token_ids=ids, ground_truth="0", sampling=params),
                                          policy_version=sampled_by, generator_id="bench", samples=samples),
                     scores=[Score(reward=0.0, correct=False, overlong=False, rule="none") for _ in samples],
                 )
@@ -96,7 +96,8 @@ def report(results: list[dict], command: str) -> str:
     for r in results:
         lines.append(
             f"| v{r['sampled_by']} | v{r['learner']} | {r['tokens']:,} | {r['max_rise']:.2g} | {r['max_fall']:.2g} | "
-            f"{r['q999_abs']:.2g} | {100 * r['over_1_nat']:.2f} % | {r['k3_mean']:.2g} | {100 * r['k3_top10_share']:.0f} % |"
+            f"{r['q999_abs']:.2g} | {100 * r['over_1_nat']:.2f} % | {r['k3_mean']:.2g} | "
+            f"{100 * r['k3_top10_share']:.0f} % |"
         )
     return "\n".join(lines)
 
@@ -111,7 +112,8 @@ def main() -> None:
     pairs = [tuple(int(v) for v in pair.split(":")) for pair in args.pairs]
     results = measure(args.run, pairs, args.prompts)
     run_arg = args.run.relative_to(ROOT) if args.run.is_absolute() and args.run.is_relative_to(ROOT) else args.run
-    command = f"python -m benchmarks.logprob_gap --run {run_arg} --pairs {' '.join(args.pairs)} --prompts {args.prompts}"
+    command = (f"python -m benchmarks.logprob_gap --run {run_arg} --pairs {' '.join(args.pairs)} "
+               f"--prompts {args.prompts}")
     body = report(results, command)
     print(body)
     if args.write:

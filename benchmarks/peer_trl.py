@@ -49,7 +49,8 @@ GOAL = 0.5
 # the lowest lie within one evaluation interval of the base (10 s, 3 project steps), where the cadence decides
 TARGETS = (0.28, 0.32, 0.36, 0.40, 0.44, 0.48, 0.52)
 SYSTEMS = ("project", "trl-small", "trl-matched")
-SNAPSHOT_SECONDS = 10.0  # TRL: an evaluation point every this many seconds of training (the project's eval_every=3: ~10 s);
+SNAPSHOT_SECONDS = 10.0  # TRL: an evaluation point every this many seconds of training (the project's
+# eval_every=3: ~10 s);
 # --snapshot-seconds with the project's learner.eval_every=1 measures the low targets at a project step's resolution
 # trl-small's learning rate, the best of a sweep on seed 0 (runs/tune, 2.5 minutes each): at the project's 3e-4,
 # 16-completion steps collapsed (24 % -> 1 %); 1e-4 reached 35 % in 0.25 minutes and 42 % in 1.75; 3e-5 reached
@@ -59,8 +60,8 @@ SMALL_LR = 1e-4
 
 # -- the TRL side (runs in its own process: `python -m benchmarks.peer_trl trl ...`) ------------------------------
 def trl_shape(setting: str, learner, n: int) -> dict:
-    """GRPOConfig batch fields and learning rate for a setting. matched: one generation = prompts_per_step x n completions, cut
-    into mini_batches optimizer steps, `epochs` passes over it (TRL's num_iterations)."""
+    """GRPOConfig batch fields and learning rate for a setting. matched: one generation = prompts_per_step x n
+    completions, cut into mini_batches optimizer steps, `epochs` passes over it (TRL's num_iterations)."""
     if setting == "matched":
         per_step = learner.prompts_per_step * n // learner.mini_batches
         return {"num_generations": n, "per_device_train_batch_size": per_step,
@@ -144,8 +145,8 @@ def run_trl(setting: str, seed: int, minutes: float, preset: str, out: Path,
     cfg, s = settings.learner, settings.sampling
     args = GRPOConfig(
         output_dir=str(out.parent / f"{out.stem}-trainer"), seed=seed, use_cpu=True, bf16=False,
-        report_to=[], save_strategy="no", logging_steps=10, disable_tqdm=True, max_steps=1_000_000, shuffle_dataset=False,
-        max_completion_length=s.max_tokens, temperature=s.temperature, top_p=s.top_p, top_k=0,
+        report_to=[], save_strategy="no", logging_steps=10, disable_tqdm=True, max_steps=1_000_000,
+        shuffle_dataset=False, max_completion_length=s.max_tokens, temperature=s.temperature, top_p=s.top_p, top_k=0,
         lr_scheduler_type="constant_with_warmup", weight_decay=cfg.weight_decay,
         adam_beta1=cfg.adam_betas[0], adam_beta2=cfg.adam_betas[1], max_grad_norm=cfg.grad_clip,
         beta=0.0, loss_type="dapo", epsilon=cfg.clip_low, epsilon_high=cfg.clip_high,
@@ -167,7 +168,8 @@ def run_trl(setting: str, seed: int, minutes: float, preset: str, out: Path,
 
         def snapshot(self, step: int) -> None:
             began = time.perf_counter()
-            self.snapshots.append((self.trained(), step, {k: v.detach().clone() for k, v in model.state_dict().items()}))
+            self.snapshots.append((self.trained(), step,
+                                   {k: v.detach().clone() for k, v in model.state_dict().items()}))
             self.paused += time.perf_counter() - began
 
         def on_train_begin(self, args, state, control, **kw):
@@ -237,8 +239,8 @@ def report(results: dict[str, list[Curve]], command: str) -> str:
             f"{100 * statistics.median(c.base for c in curves):.1f} | "
             f"{100 * statistics.median(c.accuracy[-1] for c in curves):.1f} | "
             + " | ".join(fmt(median_minutes(curves, t)) for t in TARGETS) + " |")
-    lines += ["", "¹ the project's rollout step (generation of B informative groups overlapped, then the update); TRL's "
-              "optimizer step (trl-matched reuses one generation for mini_batches x epochs of them)."]
+    lines += ["", "¹ the project's rollout step (generation of B informative groups overlapped, then the update); "
+              "TRL's optimizer step (trl-matched reuses one generation for mini_batches x epochs of them)."]
     if results.get("project"):
         lines += ["", "Ratio project / TRL per target (goal: at most " + f"{GOAL}" + "):", "",
                   "| against | " + " | ".join(f"{100 * t:.0f} %" for t in TARGETS) + " |",
@@ -324,7 +326,8 @@ def main() -> None:
     parser.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS))
     parser.add_argument("--preset", default="tiny-cpu")
     parser.add_argument("--snapshot-seconds", type=float, default=SNAPSHOT_SECONDS,
-                        help="TRL's evaluation cadence in seconds of training (the project's: --set learner.eval_every=K)")
+                        help="TRL's evaluation cadence in seconds of training "
+                             "(the project's: --set learner.eval_every=K)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], help="project override key=value")
     parser.add_argument("--base", action="append", default=[],
                         help="a tiny.* setting that selects another base model, for both systems (key=value)")
@@ -332,7 +335,8 @@ def main() -> None:
     parser.add_argument("--reuse", action="store_true", help="read back the runs that already finished in --out")
     parser.add_argument("--report-only", action="store_true", help="rebuild the report from results/<section>.json")
     parser.add_argument("--section", default="peer-trl",
-                        help="README markers and results/<section with _>.{json,png} to write (another run keeps the first's)")
+                        help="README markers and results/<section with _>.{json,png} to write "
+                             "(another run keeps the first's)")
     args = parser.parse_args()
     if args.snapshot_seconds <= 0:
         parser.error("--snapshot-seconds must be positive")
@@ -353,7 +357,8 @@ def main() -> None:
                 results[system].append(one_run(system, seed, args))
         command = (f"python -m benchmarks.peer_trl --seeds {' '.join(map(str, args.seeds))} --minutes {args.minutes:g}"
                    f" --systems {' '.join(args.systems)} --preset {args.preset}"
-                   + (f" --snapshot-seconds {args.snapshot_seconds:g}" if args.snapshot_seconds != SNAPSHOT_SECONDS else "")
+                   + (f" --snapshot-seconds {args.snapshot_seconds:g}"
+                      if args.snapshot_seconds != SNAPSHOT_SECONDS else "")
                    + "".join(f" --set {o}" for o in args.overrides) + "".join(f" --base {b}" for b in args.base)
                    + (f" --section {args.section}" if args.section != "peer-trl" else ""))
         results_path.write_text(json.dumps({"command": command, "runs": {s: [c.to_json() for c in cs]

@@ -118,9 +118,9 @@ def run_worker(pool, groups, workers: int) -> float:
     from reward.scoring import Scorer
     from reward.worker import RewardWorker
     from services.config import load_settings
+    from services.keys import ROLES, create_keys, keys_dir
     from services.messages import PromptTask, RolloutGroup, Sample, SamplingParams, to_wire
     from services.redis_local import EmbeddedRedis, client_for
-    from services.keys import ROLES, create_keys, keys_dir
     from services.streams import ISSUED, Streams
 
     with tempfile.TemporaryDirectory(prefix="dapo-bench-") as tmp, EmbeddedRedis(Path(tmp) / "redis") as server:
@@ -238,8 +238,8 @@ def main() -> None:
     results["accuracy"] = {c: {"n": r[0], "ours": round(r[1] / r[0], 3), "math_verify": round(r[2] / r[0], 3)}
                            for c, r in sorted(by_cat.items())}
     results["accuracy_overall"] = {
-        "ours": round(sum(o.correct == l for o, l in zip(our_verdicts, labels)) / n, 4),
-        "math_verify": round(sum(m == l for m, l in zip(mv_verdicts, labels)) / n, 4),
+        "ours": round(sum(o.correct == label for o, label in zip(our_verdicts, labels)) / n, 4),
+        "math_verify": round(sum(m == label for m, label in zip(mv_verdicts, labels)) / n, 4),
     }
     results["rules"] = dict(collections.Counter(v.rule for v in our_verdicts))
     results["loadavg_1m_at_end"] = round(os.getloadavg()[0], 2)

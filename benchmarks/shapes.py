@@ -10,7 +10,8 @@ Every shape runs `dapo run` of the preset for `--minutes` of training, seeded an
 system of benchmarks/peer_trl.py (so its minutes to a target compare with the peer's table), with evaluations
 every `--eval-groups` trained groups (eval_every = eval_groups / P: the same training time between evaluations
 whatever the shape; every step of P groups: the preset's batch warm-up is off unless a shape sets
-`+learner.batch_warmup_steps=W`). Shapes are interleaved per seed, so a change in the machine's load hits every shape alike.
+`+learner.batch_warmup_steps=W`). Shapes are interleaved per seed, so a change in the machine's load hits
+every shape alike.
 
 Measured per shape: the step, the learner's wait for groups in it and its refill rounds, optimizer steps per
 minute, completions per optimizer step, and the minutes of training to each held-out target of the peer benchmark

@@ -21,9 +21,9 @@ import time
 import redis
 
 from services.config import load_settings
+from services.keys import ROLES, create_keys, keys_dir
 from services.messages import PromptTask, RolloutGroup, Sample, from_wire, to_wire
 from services.redis_local import EmbeddedRedis, client_for
-from services.keys import ROLES, create_keys, keys_dir
 from services.streams import Streams
 
 

@@ -141,7 +141,8 @@ def report(result: dict, command: str) -> str:
     for r in rows:
         mark = "**" if [r["micro_batch_tokens"], r["share_prompt_pass"]] == [budget, shared] else ""
         lines.append(
-            f"| {mark}{r['micro_batch_tokens']:,}{mark} | {'shared pass' if r['share_prompt_pass'] else 'in every row'} "
+            f"| {mark}{r['micro_batch_tokens']:,}{mark} "
+            f"| {'shared pass' if r['share_prompt_pass'] else 'in every row'} "
             f"| {r['seconds']:.2f} | {r['forward']:.2f} | {r['backward']:.2f} | {r['optimizer']:.3f} "
             f"| {r['computed'] / r['real']:.2f} | {slowest / r['seconds']:.2f}x |"
         )

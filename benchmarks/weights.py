@@ -27,8 +27,8 @@ from pathlib import Path
 import torch
 
 from services.config import load_settings
-from services.keys import create_keys, keys_dir
 from services.http import BackgroundServer, create_app, free_port
+from services.keys import create_keys, keys_dir
 from services.redis_local import EmbeddedRedis, connect
 from services.weights import WeightPublisher, check_shared, model_schema, pull_weights, weights_router
 
@@ -52,7 +52,8 @@ class EgressCounter:
 
 def written_bytes() -> int:
     """Bytes this process passed to write() (/proc/self/io wchar)."""
-    return int(next(line for line in Path("/proc/self/io").read_text().splitlines() if line.startswith("wchar")).split()[1])
+    return int(next(line for line in Path("/proc/self/io").read_text().splitlines()
+                    if line.startswith("wchar")).split()[1])
 
 
 def one_generator(path: str, announcement, token: str, source: str, dest: str, concurrency: int, go, done) -> None:
@@ -114,7 +115,8 @@ def main() -> None:
     server = BackgroundServer(counter, "127.0.0.1", free_port(),
                               limit_concurrency=settings["http"].http_max_connections).start(wait_s=10)
     gen = torch.Generator().manual_seed(0)
-    state = {f"model.layers.{i}.mlp.up_proj.weight": torch.randn(1024, 4096, generator=gen) for i in range(args.mb // 16)}
+    state = {f"model.layers.{i}.mlp.up_proj.weight": torch.randn(1024, 4096, generator=gen)
+             for i in range(args.mb // 16)}
 
     announced, publish_s, publish_written = {}, {}, {}
     for transport, cfg in settings.items():
@@ -148,7 +150,8 @@ def main() -> None:
                                    scratch, args.concurrency, count)
                 egress[(path, count)] = counter.bytes - before
                 times.setdefault((path, count), []).append(seconds)
-                print(f"round {r}: {path:9s} x{count}: {seconds:6.2f}s, learner sent {egress[(path, count)] / 1e6:,.0f} MB")
+                print(f"round {r}: {path:9s} x{count}: {seconds:6.2f}s, "
+                      f"learner sent {egress[(path, count)] / 1e6:,.0f} MB")
     med = {key: statistics.median(values) for key, values in times.items()}
     # The ratio is taken within each round (the same share of whatever else loads the machine), then the median.
     ratio = {

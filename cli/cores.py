@@ -78,7 +78,8 @@ def parse_cpu_list(text: str) -> tuple[int, ...]:
 
 
 def available_cpus() -> tuple[int, ...]:
-    return tuple(sorted(os.sched_getaffinity(0))) if hasattr(os, "sched_getaffinity") else tuple(range(os.cpu_count() or 1))
+    return (tuple(sorted(os.sched_getaffinity(0))) if hasattr(os, "sched_getaffinity")
+            else tuple(range(os.cpu_count() or 1)))
 
 
 def slices(cpus: tuple[int, ...], count: int) -> list[tuple[int, ...]]:
@@ -142,5 +143,6 @@ def cpu_seconds_by_group() -> dict[int, float]:
         except OSError:
             continue
         group = int(fields[2])  # pgrp
-        totals[group] = totals.get(group, 0) + sum(int(value) for value in fields[11:15])  # utime, stime, cutime, cstime
+        # utime, stime, cutime, cstime
+        totals[group] = totals.get(group, 0) + sum(int(value) for value in fields[11:15])
     return {group: ticks / tick for group, ticks in totals.items()}

@@ -46,7 +46,7 @@ from rich.table import Table
 
 from cli import cores
 from cli.cores import CpuPlan, Placement, cpu_seconds_by_group
-from learner.checkpoint_layout import CHECKPOINTS, recorded_stop
+from learner.checkpoint import Checkpoints
 from learner.lease import INSTANCE_ENV
 from learner.records import METRICS_FILE, read_rows
 from services.config import DEFAULT_TOKEN, Settings, dump_settings, without_password
@@ -268,7 +268,8 @@ def service_children(settings: Settings, config_path: Path, redis_urls: Mapping[
         return Child(name, python + [service, "--config", str(config_path)],
                      {**base_env, "DAPO_REDIS__URL": redis_urls[service], **env}, run_dir / "logs" / f"{name}.log")
 
-    learner_env = {**base_env, "DAPO_REDIS__URL": redis_urls["learner"], "DAPO_LEARNER__PORT": str(learner_port), "DAPO_LEARNER__HOST": "127.0.0.1",
+    learner_env = {**base_env, "DAPO_REDIS__URL": redis_urls["learner"], "DAPO_LEARNER__PORT": str(learner_port),
+                   "DAPO_LEARNER__HOST": "127.0.0.1",
                    # one lease identity for every restart of this run's learner: a restart after a crash takes the
                    # run back at once, a learner of another launcher still waits (learner/lease.py)
                    INSTANCE_ENV: f"{socket.gethostname()}-launcher{os.getpid()}-{secrets.token_hex(4)}",
@@ -310,7 +311,8 @@ def write_service_map(children: list[Child], redis_url: str, path: Path) -> None
         child.name: int(next(v for k, v in child.env.items() if k.startswith("DAPO_") and k.endswith("__PORT")))
         for child in children
     }
-    path.write_text(json.dumps({"redis": without_password(redis_url), "http": {n: f"http://127.0.0.1:{p}" for n, p in ports.items()}},
+    path.write_text(json.dumps({"redis": without_password(redis_url),
+                                "http": {n: f"http://127.0.0.1:{p}" for n, p in ports.items()}},
                                indent=2))
 
 
@@ -413,8 +415,8 @@ def supervise(children: list[Child], metrics_path: Path, total_steps: int, displ
 
 def reported_exit(code: int, run_dir: Path) -> int:
     """The learner's exit as `dapo run` reports it: a 0 from a learner that found its run stopped by the refill
-    limit where it would resume, and stayed stopped (learner/checkpoint_layout.py), is that stop."""
-    stop = recorded_stop(run_dir / CHECKPOINTS) if code == 0 else None
+    limit where it would resume, and stayed stopped (learner/checkpoint.py), is that stop."""
+    stop = Checkpoints(run_dir).recorded_stop() if code == 0 else None
     if stop is None:
         return code
     console.print(f"[red]the refill limit stopped this run at step {stop['step']}: {stop['reason']}[/]")
@@ -438,7 +440,8 @@ def main(settings: Settings, generators: int = 1, reward_workers: int = 1, learn
     if not redis_url:
         redis_server = embedded_server(settings)
         redis_server.password = secrets.token_hex(24)  # a new one per run, handed to the services in their environment
-        # a user per role (services/redis_users.py), each child gets its own; the default user keeps no dangerous command
+        # a user per role (services/redis_users.py), each child gets its own; the default user keeps no dangerous
+        # command
         redis_server.users = {user: secrets.token_hex(24) for user in REDIS_USERS}
         redis_server.die_with_parent = True  # a killed launcher leaves no server on the run's data
         redis_url = redis_server.start().url
@@ -489,7 +492,8 @@ def main(settings: Settings, generators: int = 1, reward_workers: int = 1, learn
         if shipped_tiny_applies(settings) and SHIPPED_TINY_REFERENCE.is_file():
             extra["reference"] = against_reference(rows, json.loads(SHIPPED_TINY_REFERENCE.read_text()))
             if extra["reference"]["verdict"].startswith("below"):
-                console.print(f"[yellow]this run learned less than the shipped reference: {extra['reference']['verdict']}[/]")
+                console.print(f"[yellow]this run learned less than the shipped reference: "
+                              f"{extra['reference']['verdict']}[/]")
         console.print(write_report(rows, run_dir, extra))
     if interrupted:
         return 130

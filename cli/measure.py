@@ -29,7 +29,8 @@ def measure_with_vllm(
     tokenizer = AutoTokenizer.from_pretrained(path)
     template, raw = settings.data.prompt_template, settings.data.raw_template
     prompts = [
-        {"prompt_token_ids": tokenizer(render_prompt(p, tokenizer, template, raw), add_special_tokens=False)["input_ids"]}
+        {"prompt_token_ids": tokenizer(render_prompt(p, tokenizer, template, raw),
+                                       add_special_tokens=False)["input_ids"]}
         for p in held_out
     ]
     started = time.perf_counter()

@@ -12,7 +12,8 @@ PLOTS = {
     "eval_accuracy.png": ("Held-out accuracy", [("eval_accuracy", "held-out")]),
     "response_length.png": ("Response length (tokens)", [("response_length", "mean")]),
     "entropy.png": ("Policy entropy", [("entropy", "mean token entropy")]),
-    "clip_fractions.png": ("Clip fractions", [("clip_frac_low", "low (1-eps_low)"), ("clip_frac_high", "high (1+eps_high)")]),
+    "clip_fractions.png": ("Clip fractions",
+                           [("clip_frac_low", "low (1-eps_low)"), ("clip_frac_high", "high (1+eps_high)")]),
 }
 
 
@@ -94,7 +95,8 @@ def against_reference(rows: list[dict], reference: dict) -> dict:
     elif accuracy > best + REFERENCE_TOLERANCE:
         verdict = f"above: {accuracy:.1%} at step {last['step']}, past the reference's best seed {best:.1%}"
     else:
-        verdict = f"within: {accuracy:.1%} at step {last['step']}, reference {worst:.1%} to {best:.1%} (median {median:.1%})"
+        verdict = (f"within: {accuracy:.1%} at step {last['step']}, reference {worst:.1%} to {best:.1%} "
+                   f"(median {median:.1%})")
     return {"step": last["step"], "accuracy": accuracy, "worst": worst, "median": median, "best": best,
             "verdict": verdict, "command": reference["command"]}
 

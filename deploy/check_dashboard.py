@@ -30,7 +30,8 @@ DASHBOARD = DEPLOY_DIR / "grafana" / "dashboards" / "dapo.json"
 RULES = DEPLOY_DIR / "prometheus" / "rules.yml"
 
 # Grafana's built-in interval variables stand where PromQL wants a duration; other `$var`s sit in strings.
-_GRAFANA_INTERVAL = re.compile(r"\$__(?:rate_interval|interval|range)(?:_ms|_s)?\b|\$\{__(?:rate_interval|interval|range)\}")
+_GRAFANA_INTERVAL = re.compile(r"\$__(?:rate_interval|interval|range)(?:_ms|_s)?\b"
+                               r"|\$\{__(?:rate_interval|interval|range)\}")
 _GRAFANA_VARIABLE = re.compile(r"\$\{[^}]*\}|\$\w+|\[\[\w+\]\]")
 _LABEL_VALUES = re.compile(r"^\s*label_values\s*\(\s*(?:(?P<selector>.*),)?\s*[A-Za-z_]\w*\s*\)\s*$", re.S)
 

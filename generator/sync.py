@@ -37,7 +37,8 @@ log = logging.getLogger(__name__)
 
 
 class WeightSync:
-    """Gets announced versions (pulled into its own folder, or in the shared one) and validates them against the model."""
+    """Gets announced versions (pulled into its own folder, or in the shared one) and validates them against the
+    model."""
 
     def __init__(self, settings: Settings, model_dir: str | Path, redis_client, generator_id: str):
         self.settings = settings
@@ -59,7 +60,8 @@ class WeightSync:
         self.keyring = load_keyring(settings)
         # The only place this generator sends its token to: the configured learner, whatever Redis says.
         self.learner_url = settings.learner.public_base_url()
-        self.watcher = AnnouncementWatcher(redis_client, self.prefix, self.keyring, poll_s=settings.generator.sync_poll_s)
+        self.watcher = AnnouncementWatcher(redis_client, self.prefix, self.keyring,
+                                           poll_s=settings.generator.sync_poll_s)
         self.cancel = threading.Event()  # set when the generator stops: a download under way ends at its next chunk
 
     def latest(self) -> WeightsAnnouncement | None:

@@ -14,6 +14,7 @@ FlashAttention), so the step never reads a length back from the device.
 from __future__ import annotations
 
 import functools
+import importlib.util
 import inspect
 
 import torch
@@ -89,3 +90,23 @@ def packed_kwargs(cu_seqlens: Tensor, longest_row: int) -> dict:
     """The forward's keyword arguments for a pack whose rows start at `cu_seqlens` (int32, on the device)."""
     return {"cu_seq_lens_q": cu_seqlens, "cu_seq_lens_k": cu_seqlens, "max_length_q": longest_row,
             "max_length_k": longest_row}
+
+
+def implementation(choice: str, cuda: bool, packed: bool, dtype: torch.dtype) -> str:
+    """The attention kernel the learner's model runs. `auto`, on a GPU in half precision: varlen FlashAttention-2
+    where the flash-attn package is installed, else for packed rows PyTorch's own varlen flash kernel
+    (learner/attention.py); both see the rows' boundaries, no mask. Otherwise PyTorch's SDPA (on packed rows with
+    a block-diagonal mask built from the position ids: correct, but every query visits the whole pack)."""
+    varlen = available(cuda, dtype)
+    if choice == "varlen":
+        if not (packed and varlen):
+            raise ValueError("learner.attention=varlen needs packed rows on a GPU in bf16/fp16 and torch >= 2.10")
+        choice = VARLEN
+    elif choice == "auto":
+        # flash-attn brings its own kernel: it needs no torch >= 2.10, only a GPU and half precision
+        if cuda and dtype in (torch.bfloat16, torch.float16) and importlib.util.find_spec("flash_attn") is not None:
+            return "flash_attention_2"
+        choice = VARLEN if packed and varlen else "sdpa"
+    if choice == VARLEN:
+        register()
+    return choice

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 import msgpack
 import torch
 
+from learner import checkpoint
 from services.messages import ScoredGroup, from_wire, to_wire
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -91,11 +92,11 @@ class RankChannel:
 
     def save(self, trainer: "Trainer", path, extra: dict) -> None:
         self.send("save", path=str(path))
-        trainer.save_checkpoint(path, extra)
+        checkpoint.write(trainer, path, extra)
 
     def load(self, trainer: "Trainer", path) -> dict:
         self.send("load", path=str(path))
-        return trainer.load_checkpoint(path)
+        return checkpoint.read(trainer, path)
 
     def stop(self) -> None:
         self.send("stop")
@@ -116,9 +117,9 @@ def follow(trainer: "Trainer", channel: RankChannel) -> int:
         elif op == "publish":
             trainer.state_dict_for_publish()  # FSDP gathers the full state on rank 0: every rank takes part
         elif op == "save":
-            trainer.save_checkpoint(command["path"], {})  # rank 0 writes the extra state
+            checkpoint.write(trainer, command["path"], {})  # rank 0 writes the extra state
         elif op == "load":
-            trainer.load_checkpoint(command["path"])
+            checkpoint.read(trainer, command["path"])
         elif op == "stop":
             log.info("rank %d: stop", rank)
             return 0

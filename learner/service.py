@@ -17,14 +17,13 @@ Versions stay monotonic across a resume: if generators were told of a version ne
 lineage the crash discarded), the restored policy is republished as the next version after it (PolicyVersion).
 
 Files under run_dir: config.yaml, metrics.jsonl, ledger.jsonl (learner/records.py), checkpoints/step-N,
-checkpoints/latest and the refill limit's stop record (learner/checkpoint_layout.py), weights/vN (services/weights.py).
+checkpoints/latest and the refill limit's stop record (learner/checkpoint.py), weights/vN (services/weights.py).
 """
 
 from __future__ import annotations
 
 import logging
 import random
-import shutil
 import signal
 import threading
 import time
@@ -32,17 +31,7 @@ import uuid
 from pathlib import Path
 
 from learner.batch import Batch, BatchAssembler, Push, RefillLimitReached, task_id_of
-from learner.checkpoint_layout import (
-    CHECKPOINTS,
-    LATEST,
-    STOPPED,
-    checkpoint_name,
-    checkpoint_steps,
-    clear_stop,
-    latest_step,
-    record_stop,
-    recorded_stop,
-)
+from learner.checkpoint import STOPPED, Checkpoints
 from learner.evaluation import EvalRound
 from learner.lease import LearnerLease
 from learner.policy import PolicyVersion
@@ -60,7 +49,6 @@ from services.data import (
     shared_problems,
 )
 from services.errors import ExitCode, Unavailable
-from services.files import fsync_dir, write_atomic
 from services.http import BackgroundServer, create_app, server_options
 from services.keys import load_signer
 from services.messages import PromptTask, SamplingParams
@@ -152,7 +140,7 @@ class LearnerService:
         self.settings = settings
         self.cfg = settings.learner
         self.run_dir = Path(settings.run_dir)
-        self.checkpoint_dir = self.run_dir / CHECKPOINTS
+        self.checkpoints = Checkpoints(self.run_dir, keep=self.cfg.keep_checkpoints)
         self.stopping = threading.Event()
         self.ready, self.ready_reason = False, "starting"
         self.step = 0
@@ -181,7 +169,7 @@ class LearnerService:
 
     def connect(self) -> None:
         """Run folder, Redis, streams, the weight publisher (everything the HTTP app needs)."""
-        self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
+        self.checkpoints.dir.mkdir(parents=True, exist_ok=True)
         Records.write_config(self.settings)
         self.redis = connect(self.settings)
         self.streams = Streams(self.redis, self.settings, signs_as=("learner",))
@@ -259,7 +247,7 @@ class LearnerService:
         if self.cfg.resume and self.stays_stopped():  # decided before the resume touches the run
             self.ranks.stop()
             return 0
-        clear_stop(self.checkpoint_dir)  # the run goes on past any stop recorded
+        self.checkpoints.clear_stop()  # the run goes on past any stop recorded
         resumed = self.resume() if self.cfg.resume else self.start_fresh()
         self.publish_initial()
         self.ready, self.ready_reason = True, f"weights v{self.policy.current} published"
@@ -274,7 +262,7 @@ class LearnerService:
             log.error("stopping at step %d: %s", self.step + 1, err)
             metrics.LEARNER_REFILL_LIMIT.inc()
             self.checkpoint_if_new()
-            record_stop(self.checkpoint_dir, self.step, self.cfg.max_refills, str(err))
+            self.checkpoints.record_stop(self.step, self.cfg.max_refills, str(err))
             self.ranks.stop()
             return ExitCode.REFILL_LIMIT
         self.checkpoint_if_new()
@@ -400,20 +388,15 @@ class LearnerService:
         self.records.cut_after(-1)
         return False
 
-    def latest_checkpoint(self) -> str | None:
-        """The name (`step-N`) of the checkpoint `latest` points at, None if there is none."""
-        step = latest_step(self.checkpoint_dir)
-        return None if step is None else checkpoint_name(step)
-
     def checkpointed_step(self) -> int | None:
         """The step this process will resume from (None: a fresh start)."""
-        return latest_step(self.checkpoint_dir) if self.cfg.resume else None
+        return self.checkpoints.latest_step() if self.cfg.resume else None
 
     def resume(self) -> bool:
-        name = self.latest_checkpoint()
-        if name is None:
+        step = self.checkpoints.latest_step()
+        if step is None:
             return self.start_fresh()
-        path = self.checkpoint_dir / name
+        path = self.checkpoints.path(step)
         extra = self.ranks.load(self.trainer, path)
         self.step = int(extra["step"])
         self.assembler.start_at(self.step + 1)  # the batch warm-up goes on where it was
@@ -432,13 +415,13 @@ class LearnerService:
 
     def stays_stopped(self) -> bool:
         """The refill limit stopped this run at the checkpoint it would resume from, and these settings would stop
-        it there again (learner/checkpoint_layout.py): the run is over."""
-        stop = recorded_stop(self.checkpoint_dir)
+        it there again (learner/checkpoint.py): the run is over."""
+        stop = self.checkpoints.recorded_stop()
         if stop is None or self.cfg.on_refill_limit != "stop" or self.cfg.max_refills > stop["max_refills"]:
             return False
         log.warning("the refill limit stopped this run at step %d (%s): it stays stopped; raise learner.max_refills, "
                     "set learner.on_refill_limit=train or delete %s to go on from there, learner.resume=false to "
-                    "start over", stop["step"], stop["reason"], self.checkpoint_dir / STOPPED)
+                    "start over", stop["step"], stop["reason"], self.checkpoints.dir / STOPPED)
         return True
 
     def seek_data(self, checkpointed: dict) -> None:
@@ -499,9 +482,8 @@ class LearnerService:
             self.checkpoint()
 
     def checkpoint(self) -> Path:
-        """Write step-N (every rank), point `latest` at it (atomically), then settle `held`, prune old ones."""
-        name = checkpoint_name(self.step)
-        path = self.checkpoint_dir / name
+        """Write step-N (every rank), point `latest` at it (atomically) and prune old ones, then settle `held`."""
+        path = self.checkpoints.path(self.step)
         extra = {
             "step": self.step,
             "policy": self.policy.state(),
@@ -514,22 +496,14 @@ class LearnerService:
         }  # RNG: the trainer saves torch/python/numpy RNG state per rank; the data order is a function of (seed, epoch)
         started = time.perf_counter()
         self.ranks.save(self.trainer, path, extra)
-        write_atomic(self.checkpoint_dir / LATEST, name)
-        fsync_dir(self.checkpoint_dir)  # `latest` survives a power loss before held is released and step-N-k pruned
+        self.checkpoints.commit(self.step)  # durable before held is released
         released = self.work.release()
         self.last_checkpoint_step = self.step
-        self.prune_checkpoints(keep=name)
         log.info(
             "checkpoint %s (%.1fs); %d consumed groups released from held",
             path, time.perf_counter() - started, released,
         )
         return path
-
-    def prune_checkpoints(self, keep: str) -> None:
-        steps = checkpoint_steps(self.checkpoint_dir)
-        for step in steps[: max(0, len(steps) - max(1, self.cfg.keep_checkpoints))]:
-            if checkpoint_name(step) != keep:
-                shutil.rmtree(self.checkpoint_dir / checkpoint_name(step), ignore_errors=True)
 
     # -- evaluation --------------------------------------------------------------------------------------------
     def eval_due(self, final: bool) -> bool:

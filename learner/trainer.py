@@ -35,19 +35,16 @@ service's main process reads the streams and broadcasts them). Each mini-batch i
 ranks run the same number of forward passes (a rank with less work repeats one micro-batch with weight 0) so
 FSDP's collectives stay in lockstep; the loss is scaled by the world size because DDP/FSDP average gradients.
 DeepSpeed is refused: its engine owns gradient accumulation and clipping, which this trainer does itself.
-Checkpoints are sharded per rank (learner/checkpoint_io.py); the HF weights for the generators are gathered one
+Checkpoints (learner/checkpoint.py) are sharded per rank; the HF weights for the generators are gathered one
 parameter at a time (`state_dict_for_publish`). Every step reports its model TFLOP/s and MFU (learner/throughput.py).
 """
 
 from __future__ import annotations
 
 import contextlib
-import importlib.util
-import json
 import logging
 import math
 import os
-import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -58,10 +55,8 @@ from torch import Tensor
 from torch.nn.utils.rnn import pad_sequence
 
 from learner import attention, dapo, packing, recompute, throughput
-from learner.checkpoint_io import load_training_state, save_training_state
 from learner.logprobs import HeadQuery, install_head
 from learner.packing import MicroBatch, Response
-from services.files import fsync_dir, fsync_tree
 
 if TYPE_CHECKING:  # pragma: no cover
     from services.config import Settings
@@ -69,14 +64,6 @@ if TYPE_CHECKING:  # pragma: no cover
 
 log = logging.getLogger(__name__)
 
-CHECKPOINT_FORMAT = 4  # 1 accelerate's save_state (pickles); 2 a policy version of its own; 3 full-state gather
-STATE_DIR = "state"  # the exact training state, sharded per rank, no pickle anywhere (learner/checkpoint_io.py)
-MODEL_DIR = "model"  # save_pretrained in the served dtype + tokenizer: loadable by vLLM / transformers
-TRAINER_STATE = "trainer_state.json"  # format, extra_state (the caller's: step, policy version, ...)
-TOKENIZER_FILES = (
-    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "vocab.json",
-    "merges.txt", "tokenizer.model", "chat_template.jinja", "chat_template.json",
-)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _MIXED_PRECISION = {torch.float32: "no", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
@@ -131,7 +118,7 @@ class Trainer:
             )
 
         packed = cfg.packing == "on" or (cfg.packing == "auto" and cuda)
-        self.attention = attention_implementation(cfg.attention, cuda, packed, self.compute_dtype)
+        self.attention = attention.implementation(cfg.attention, cuda, packed, self.compute_dtype)
         model = AutoModelForCausalLM.from_pretrained(
             self.model_path, dtype=torch.float32, trust_remote_code=settings.model.trust_remote_code,
             attn_implementation=self.attention,
@@ -178,7 +165,7 @@ class Trainer:
 
     @property
     def steps_done(self) -> int:
-        """train_step calls so far (restored by load_checkpoint): the schedule's position."""
+        """train_step calls so far (restored by checkpoint.read): the schedule's position."""
         return self.scheduler.last_epoch
 
     # -- public API --------------------------------------------------------------------------------------------
@@ -308,56 +295,6 @@ class Trainer:
             if main:
                 out[name] = value.to("cpu", self.served_dtype, copy=True).contiguous()
         return out
-
-    def save_checkpoint(self, path: str | os.PathLike, extra_state: dict) -> None:
-        """Write `path/` atomically: `state/` (exact fp32 training state: weights, AdamW, scheduler, RNG; safetensors
-        and JSON, never a pickle, so that resuming cannot run code planted in a checkpoint),
-        `model/` (save_pretrained in the served dtype + the tokenizer) and `trainer_state.json`.
-
-        Written into `path.tmp/` then renamed, so a crash never leaves a half checkpoint under `path`.
-        """
-        path = Path(path)
-        meta = json.dumps({"format": CHECKPOINT_FORMAT, "extra_state": extra_state})
-        tmp, old = path.with_name(path.name + ".tmp"), path.with_name(path.name + ".old")
-        accelerator = self.accelerator
-        if accelerator.is_main_process:
-            shutil.rmtree(tmp, ignore_errors=True)
-            (tmp / STATE_DIR).mkdir(parents=True)
-        accelerator.wait_for_everyone()
-        save_training_state(tmp / STATE_DIR, self.model, self.optimizer.optimizer, self.scheduler,
-                            accelerator.is_main_process, accelerator.process_index)
-        weights = self.state_dict_for_publish()
-        # Every rank's files (its RNG state) are in `tmp` before rank 0 renames it: a slower rank would write
-        # into a folder that is gone (seen in CI: rank 1 died, rank 0 hung in the barrier below).
-        accelerator.wait_for_everyone()
-        if accelerator.is_main_process:
-            model_dir = tmp / MODEL_DIR
-            accelerator.unwrap_model(self.model).save_pretrained(model_dir, state_dict=weights)
-            _set_config_dtype(model_dir, self.served_dtype)
-            for name in TOKENIZER_FILES:
-                if (self.model_path / name).is_file():
-                    shutil.copy2(self.model_path / name, model_dir / name)
-            (tmp / TRAINER_STATE).write_text(meta)
-            # On disk before the renames make it the checkpoint (and before `latest` names it): after a power loss,
-            # a renamed folder of empty files would be a checkpoint that cannot be loaded.
-            fsync_tree(tmp)
-            shutil.rmtree(old, ignore_errors=True)
-            if path.exists():
-                path.rename(old)
-            tmp.rename(path)
-            fsync_dir(path.parent)
-            shutil.rmtree(old, ignore_errors=True)
-        accelerator.wait_for_everyone()
-
-    def load_checkpoint(self, path: str | os.PathLike) -> dict:
-        """Restore weights, optimizer, scheduler and RNG from `save_checkpoint`; return extra_state."""
-        path = _complete_checkpoint(Path(path))
-        meta = json.loads((path / TRAINER_STATE).read_text())
-        if meta.get("format") != CHECKPOINT_FORMAT:
-            raise ValueError(f"{path}: checkpoint format {meta.get('format')!r}, expected {CHECKPOINT_FORMAT}")
-        load_training_state(path / STATE_DIR, self.model, self.optimizer.optimizer, self.scheduler,
-                            self.accelerator.process_index)
-        return meta["extra_state"]
 
     # -- batch preparation -------------------------------------------------------------------------------------
     def _prepare(self, groups: Sequence["ScoredGroup"]) -> _Batch:
@@ -607,49 +544,8 @@ class _Stats:
         return values
 
 
-def attention_implementation(choice: str, cuda: bool, packed: bool, dtype: torch.dtype) -> str:
-    """The attention kernel the learner's model runs. `auto`, on a GPU in half precision: varlen FlashAttention-2
-    where the flash-attn package is installed, else for packed rows PyTorch's own varlen flash kernel
-    (learner/attention.py); both see the rows' boundaries, no mask. Otherwise PyTorch's SDPA (on packed rows with
-    a block-diagonal mask built from the position ids: correct, but every query visits the whole pack)."""
-    varlen = attention.available(cuda, dtype)
-    if choice == "varlen":
-        if not (packed and varlen):
-            raise ValueError("learner.attention=varlen needs packed rows on a GPU in bf16/fp16 and torch >= 2.10")
-        choice = attention.VARLEN
-    elif choice == "auto":
-        # flash-attn brings its own kernel: it needs no torch >= 2.10, only a GPU and half precision
-        if cuda and dtype in (torch.bfloat16, torch.float16) and importlib.util.find_spec("flash_attn") is not None:
-            return "flash_attention_2"
-        choice = attention.VARLEN if packed and varlen else "sdpa"
-    if choice == attention.VARLEN:
-        attention.register()
-    return choice
-
-
 def _prompt_ids(group: "ScoredGroup") -> list[int]:
     ids = group.rollout.task.prompt_token_ids
     if not ids:
         raise ValueError(f"task {group.rollout.task.task_id}: prompt_token_ids are required by the learner")
     return list(ids)
-
-
-def _complete_checkpoint(path: Path) -> Path:
-    """`path`, or after a crash between save_checkpoint's two renames, the complete copy that survived:
-    `path.tmp` once its trainer_state.json (written last) exists, else the previous `path.old`."""
-    if path.exists():
-        return path
-    tmp, old = path.with_name(path.name + ".tmp"), path.with_name(path.name + ".old")
-    if (tmp / TRAINER_STATE).is_file():
-        return tmp
-    if (old / TRAINER_STATE).is_file():
-        return old
-    raise FileNotFoundError(f"no checkpoint at {path}")
-
-
-def _set_config_dtype(model_dir: Path, dtype: torch.dtype) -> None:
-    """save_pretrained records the in-memory (fp32 master) dtype; the files hold the served dtype."""
-    config_path = model_dir / "config.json"
-    config = json.loads(config_path.read_text())
-    config["dtype"] = str(dtype).removeprefix("torch.")
-    config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")

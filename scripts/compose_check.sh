@@ -43,4 +43,4 @@ trap '[ -n "$started_dockerd" ] && kill "$started_dockerd" 2>/dev/null; true' EX
 # The Docker 20.10 client builds with BuildKit without the buildx plugin (deploy/local-images.sh).
 DOCKER=/usr/bin/docker DAPO_PYTHON="$python" "$python" -m benchmarks.compose --check --build \
     --generators 2 --steps 10 --kill-at 2 --kill-redis-at 3 --scale-at 4 --down-at 6 \
-    --eval-every 5 --eval-size 200 --timeout 600
+    --eval-every 5 --eval-size 200 --timeout 420

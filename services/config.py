@@ -124,11 +124,14 @@ class KeysConfig(Section):
 class StreamsConfig(Section):
     high_water: int = Field(2048, description="Back-pressure: a producer waits while a stream holds this many.")
     produce_timeout_s: float = Field(600.0, description="How long a producer waits above high water, then fails.")
-    visibility_timeout_s: float = Field(120.0, description="A message pending this long is reclaimed from its consumer.")
+    visibility_timeout_s: float = Field(
+        120.0, description="A message pending this long is reclaimed from its consumer."
+    )
     max_deliveries: int = Field(3, description="After this many deliveries a message goes to the dead stream.")
     block_ms: int = Field(1000, ge=1, description="How long an idle read blocks waiting for new messages.")
     dead_maxlen: int = Field(
-        10_000, ge=1, description="The dead stream keeps about this many letters (XADD MAXLEN ~): older ones are trimmed."
+        10_000, ge=1, description="The dead stream keeps about this many letters (XADD MAXLEN ~): older ones are "
+        "trimmed."
     )
     dead_payload_max_bytes: int = Field(
         65_536, ge=0, description="A dead letter's payload beyond this many bytes goes to a file under "
@@ -229,7 +232,8 @@ class GeneratorConfig(Section):
     port: int = Field(8001, description="HTTP port (metrics, weight sync).")
     tasks_per_batch: int = Field(8, description="Prompt tasks in the engine at once (continuous batching).")
     max_num_seqs: int | None = Field(
-        None, description="vLLM's running sequences at most; default on CPU tasks_per_batch x the larger n, on GPU vLLM's."
+        None, description="vLLM's running sequences at most; default on CPU tasks_per_batch x the larger n, on GPU "
+        "vLLM's."
     )
     kv_cache_gib: float = Field(1.0, description="vLLM CPU KV cache (VLLM_CPU_KVCACHE_SPACE), GiB.")
     gpu_memory_utilization: float = Field(0.85, description="vLLM GPU memory share (GPU only).")
@@ -251,7 +255,9 @@ class GeneratorConfig(Section):
         description="Behaviour logprobs: processed = of the distribution sampled (after temperature); raw = before.",
     )
     id: str | None = Field(None, description="Consumer name in the prompts group (default: hostname-pid).")
-    weights_dir: str | None = Field(None, description="Where pulled weight versions go (default run_dir/generators/ID).")
+    weights_dir: str | None = Field(
+        None, description="Where pulled weight versions go (default run_dir/generators/ID)."
+    )
     sync_poll_s: float = Field(5.0, description="Fallback poll of the weights:latest key (pub/sub is the fast path).")
     pull_timeout_s: float = Field(300.0, description="HTTP timeout of one weights download.")
     min_version_wait_s: float = Field(30.0, description="Wait this long for a task's min_version, then hand it back.")
@@ -270,7 +276,8 @@ class GeneratorConfig(Section):
 
 class WeightsConfig(Section):
     transport: Literal["http", "shared-fs"] = Field(
-        "http", description="How generators get a version: HTTP pull from the learner, or read it in weights.shared_dir."
+        "http", description="How generators get a version: HTTP pull from the learner, or read it in "
+        "weights.shared_dir."
     )
     shared_dir: str | None = Field(
         None, description="shared-fs: the folder the learner and every generator mount (ReadWriteMany volume, NFS)."
@@ -278,7 +285,8 @@ class WeightsConfig(Section):
     shard_mb: float = Field(1024, gt=0, description="Largest safetensors shard of a published version, MB.")
     pull_concurrency: int = Field(4, ge=1, description="Shards a generator downloads or checks at once.")
     hold_s: float = Field(
-        3600.0, description="shared-fs: a generator's hold on the versions it serves or loads lapses this long unrenewed."
+        3600.0, description="shared-fs: a generator's hold on the versions it serves or loads lapses this long "
+        "unrenewed."
     )
 
     @model_validator(mode="after")
@@ -326,7 +334,8 @@ class LearnerConfig(Section):
     epochs: int = Field(1, description="Passes over the batch per step.")
     total_steps: int = Field(1000, description="Training steps before the learner stops.")
     time_limit_minutes: float = Field(
-        0.0, ge=0.0, description="Also stop after this many minutes of training, evaluations excluded, in this process (0 = no limit)."
+        0.0, ge=0.0, description="Also stop after this many minutes of training, evaluations excluded, in this process "
+        "(0 = no limit)."
     )
     lr: float = Field(1e-6, description="AdamW learning rate (paper: 1e-6).")
     warmup_steps: int = Field(20, description="Linear warm-up over this many rollout steps (paper §4.1: 20).")
@@ -363,7 +372,9 @@ class LearnerConfig(Section):
         10, description="Refill rounds per step before the refill limit applies: rounds after the first push, each "
         "sized from the informative ratio (verl's max_num_gen_batches counts every fixed-size batch, the first too)."
     )
-    on_refill_limit: Literal["train", "stop"] = Field("train", description="At the limit: train on what is in hand, or stop.")
+    on_refill_limit: Literal["train", "stop"] = Field(
+        "train", description="At the limit: train on what is in hand, or stop."
+    )
     oversample_min: float = Field(1.0, description="Lower bound of the prompt over-sampling factor.")
     oversample_max: float = Field(4.0, description="Upper bound of the prompt over-sampling factor.")
     oversample_margin: float = Field(
@@ -411,10 +422,12 @@ class LearnerConfig(Section):
     eval_every: int = Field(5, description="Evaluate every K steps (0 = never).")
     seed: int = Field(0, description="Torch seed.")
     collective_timeout_seconds: float = Field(
-        1800.0, gt=0, description="Several ranks: a collective that waits this long fails (a dead rank ends the learner)."
+        1800.0, gt=0, description="Several ranks: a collective that waits this long fails (a dead rank ends the "
+        "learner)."
     )
     lease_ttl_s: float = Field(
-        30.0, gt=0, description="TTL of the run's single-writer lease (learner/lease.py): a second learner waits this long."
+        30.0, gt=0, description="TTL of the run's single-writer lease (learner/lease.py): a second learner waits this "
+        "long."
     )
     report_to: list[Literal["wandb", "tensorboard", "mlflow"]] = Field(
         default_factory=list, description="Experiment trackers that also get each step's numbers and eval samples."
@@ -573,8 +586,8 @@ def settings_conflicts(settings: Settings) -> list[str]:
     for section in ("sampling", "eval_sampling"):
         max_tokens = getattr(settings, section).max_tokens
         if max_model_len is not None and max_tokens >= max_model_len:
-            conflicts.append(f"{section}.max_tokens {max_tokens} leaves no room for a prompt in generator.max_model_len "
-                             f"{max_model_len}: the generator would refuse every task")
+            conflicts.append(f"{section}.max_tokens {max_tokens} leaves no room for a prompt in "
+                             f"generator.max_model_len {max_model_len}: the generator would refuse every task")
     if settings.learner.dynamic_sampling and settings.sampling.n < 2:
         conflicts.append(f"learner.dynamic_sampling keeps groups whose responses score differently: sampling.n "
                          f"{settings.sampling.n} has none (set n >= 2, or dynamic_sampling false)")

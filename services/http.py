@@ -7,8 +7,9 @@ read or parsed. Every path needs it except the probes and the scrape (`OPEN_PATH
 `/openapi.json`, which exist only when asked for (`http_docs`). Read-only endpoints such as the learner's
 `/v1/status` and a generator's `/v1/weights/version` take the token too: they describe the run to whoever asks.
 The probes are async and `/readyz` runs its check on threads of its own (a limiter apart from the shared one), so
-neither waits for the worker threads that synchronous handlers hold. uvicorn answers 503 above `http_max_connections` connections.
-With `http_tls_certfile` (and its key) every service serves HTTPS (`server_options`).
+neither waits for the worker threads that synchronous handlers hold. uvicorn answers 503 above
+`http_max_connections` connections. With `http_tls_certfile` (and its key) every service serves HTTPS
+(`server_options`).
 """
 
 from __future__ import annotations

@@ -181,11 +181,13 @@ class WeightsAnnouncement(BaseModel):
     size: int = Field(ge=0, description="Bytes of all files.")
     url: str = Field(description="HTTP base of the version: GET {url}/{file name} (bearer token required).")
     files: list[WeightsFile] = Field(
-        min_length=1, description="The HF sharded layout: model-0000k-of-0000N.safetensors + model.safetensors.index.json."
+        min_length=1, description="The HF sharded layout: model-0000k-of-0000N.safetensors + "
+        "model.safetensors.index.json."
     )
     published_at: float = Field(default_factory=time.time)
     signature: str = Field(
-        "", description="The learner's signature of the other fields, `{kid}:{base64}` (`sign_announcement`); empty = unsigned."
+        "", description="The learner's signature of the other fields, `{kid}:{base64}` (`sign_announcement`); "
+        "empty = unsigned."
     )
 
 

@@ -11,7 +11,9 @@ STREAM_DEPTH = Gauge("dapo_stream_depth", "Entries in the stream (undelivered + 
 STREAM_PENDING = Gauge("dapo_stream_pending", "Delivered but not yet acknowledged entries.", ["stream"])
 STREAM_PRODUCED = Counter("dapo_stream_produced_total", "Messages written to the stream.", ["stream"])
 STREAM_ACKED = Counter("dapo_stream_acked_total", "Messages acknowledged.", ["stream"])
-STREAM_REDELIVERIES = Counter("dapo_stream_redeliveries_total", "Messages reclaimed from a silent consumer.", ["stream"])
+STREAM_REDELIVERIES = Counter(
+    "dapo_stream_redeliveries_total", "Messages reclaimed from a silent consumer.", ["stream"]
+)
 STREAM_DEAD = Counter("dapo_stream_dead_letters_total", "Messages moved to the dead stream.", ["stream", "reason"])
 STREAM_BACKPRESSURE = Counter(
     "dapo_stream_backpressure_seconds_total", "Seconds producers waited above high water.", ["stream"]
@@ -34,7 +36,8 @@ GEN_QUEUE_WAIT = Histogram(
 GEN_TOKENS_PER_SECOND = Gauge("dapo_generator_tokens_per_second", "Response tokens per second over the last 10 s.")
 GEN_TASKS_PER_SECOND = Gauge("dapo_generator_tasks_per_second", "Rollout groups written per second over the last 10 s.")
 GEN_SECONDS = Counter(
-    "dapo_generator_seconds_total", "Generator wall time by activity: busy (engine), reload (weights), idle.", ["activity"]
+    "dapo_generator_seconds_total", "Generator wall time by activity: busy (engine), reload (weights), idle.",
+    ["activity"]
 )
 GEN_ENGINE_RESTARTS = Counter("dapo_generator_engine_restarts_total", "Engines recreated after dying.", ["cause"])
 GEN_RELEASED = Counter("dapo_generator_released_total", "Claimed tasks handed back unfinished.", ["why"])
@@ -55,7 +58,10 @@ LEARNER_INFORMATIVE = Gauge("dapo_learner_informative_ratio", "Informative group
 LEARNER_REFILLS = Counter("dapo_learner_refills_total", "Refill rounds requested by dynamic sampling.")
 LEARNER_REFILL_LIMIT = Counter("dapo_learner_refill_limit_hits_total", "Steps that hit the refill limit.")
 LEARNER_STALE = Counter("dapo_learner_stale_dropped_total", "Groups dropped as older than max_staleness.")
-LEARNER_UNINFORMATIVE = Counter("dapo_learner_uninformative_dropped_total", "Groups dropped by dynamic sampling (all correct or all wrong, Eq. 11).")
+LEARNER_UNINFORMATIVE = Counter(
+    "dapo_learner_uninformative_dropped_total",
+    "Groups dropped by dynamic sampling (all correct or all wrong, Eq. 11).",
+)
 LEARNER_STALENESS = Gauge("dapo_learner_staleness", "Mean policy lag of the groups trained on.")
 LEARNER_ENTROPY = Gauge("dapo_learner_entropy", "Mean token entropy of the policy on the batch.")
 LEARNER_RESPONSE_LENGTH = Gauge("dapo_learner_response_length", "Mean response length (tokens).")
@@ -71,5 +77,6 @@ LEARNER_STEP_PHASE_SECONDS = Gauge(
 LEARNER_TOKENS_PER_SECOND = Gauge("dapo_learner_tokens_per_second", "Trained tokens per second in the last step.")
 LEARNER_MODEL_TFLOPS = Gauge(
     "dapo_learner_model_tflops", "Model TFLOP/s per learner device in the last update (6N per trained token).")
-LEARNER_MFU = Gauge("dapo_learner_mfu", "Model FLOPs utilisation of the last update: model TFLOP/s over the device's peak.")
+LEARNER_MFU = Gauge(
+    "dapo_learner_mfu", "Model FLOPs utilisation of the last update: model TFLOP/s over the device's peak.")
 LEARNER_GRAD_NORM = Gauge("dapo_learner_grad_norm", "Gradient norm before clipping.")

@@ -4,8 +4,8 @@
 package (`services/tiny_model/`, checked against its sha256 before first use), so every machine starts from the
 same weights; with other settings (or `tiny.shipped: false`) it is the one `dapo bootstrap` builds
 (`cli.bootstrap`) into a cache folder named by a hash of every setting that shapes it. Anything else is a local
-folder or a hub id resolved from the local Hugging Face cache (`HF_HUB_OFFLINE` honoured). A model that is not there is a
-`ModelNotAvailable` naming it and what to do, raised before a service loads anything heavy.
+folder or a hub id resolved from the local Hugging Face cache (`HF_HUB_OFFLINE` honoured). A model that is not there
+is a `ModelNotAvailable` naming it and what to do, raised before a service loads anything heavy.
 """
 
 from __future__ import annotations

@@ -109,7 +109,8 @@ def client_for(
     `retrying=False`: every command is tried once, within `reply_timeout_s`. Only for a caller whose deadline
     matters more than the answer: the learner's lease, whose renewal must fail in time rather than retry for
     minutes while another learner takes the run."""
-    tcp = {} if url.startswith("unix:") else {"socket_keepalive": True, "socket_keepalive_options": _keepalive_options()}
+    tcp = ({} if url.startswith("unix:")
+           else {"socket_keepalive": True, "socket_keepalive_options": _keepalive_options()})
     options = dict(username=username, password=password, health_check_interval=30, socket_timeout=reply_timeout_s,
                    socket_connect_timeout=min(10.0, reply_timeout_s), **tcp)
     if retrying:
@@ -140,7 +141,8 @@ class EmbeddedRedis:
     """
 
     def __init__(self, data_dir: str | os.PathLike, aof: bool = True, port: int = 0, fsync: str = "everysec",
-                 password: str | None = None, maxmemory_mb: int = RedisConfig.model_fields["embedded_maxmemory_mb"].default,
+                 password: str | None = None,
+                 maxmemory_mb: int = RedisConfig.model_fields["embedded_maxmemory_mb"].default,
                  users: dict[str, str] | None = None):
         self.data_dir = Path(data_dir).resolve()
         self.aof = aof

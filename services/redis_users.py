@@ -6,9 +6,10 @@ excepted for the learner (its memory gauges). Commands a Lua script runs are che
 as well, so a generator cannot write `scored` through a script either. What each can do:
 
 - learner: every key and channel of the runs (`dapo:*`), every command but the dangerous ones (+INFO).
-- generator: read and acknowledge `prompts` (and its forward markers), write `rollouts` and `dead`, read (GET, SUBSCRIBE) the weights
-  announcement. Not `issued` (the ground truth), not `scored`.
-- reward: read and acknowledge `rollouts` (and its forward markers), write `scored` and `dead`, read `issued` (HMGET only).
+- generator: read and acknowledge `prompts` (and its forward markers), write `rollouts` and `dead`, read (GET,
+  SUBSCRIBE) the weights announcement. Not `issued` (the ground truth), not `scored`.
+- reward: read and acknowledge `rollouts` (and its forward markers), write `scored` and `dead`, read `issued`
+  (HMGET only).
 - autoscaler (KEDA's redis-streams scaler): XPENDING, XINFO GROUPS and XLEN on `prompts`, nothing else.
 - default: off (compose, Kubernetes): no client can log in as it. It still holds every key and command, because
   Redis replays the append-only file as the default user and re-checks its permissions at each EXEC: a default
@@ -37,9 +38,10 @@ _CONSUMER = ("+xreadgroup +xack +xdel +xclaim +xautoclaim +xpending +xgroup|crea
              "+evalsha +script|load")
 _RULES: dict[str, str] = {
     "learner": "~dapo:* &dapo:* +@all -@dangerous +info",
-    "generator": f"~dapo:*:prompts ~dapo:*:prompts:forwarded:* ~dapo:*:rollouts ~dapo:*:dead ~dapo:*:weights:latest &dapo:*:weights "
-                 f"{_CONNECTION} {_CONSUMER} +get +subscribe +unsubscribe",
-    "reward": f"~dapo:*:rollouts ~dapo:*:rollouts:forwarded:* ~dapo:*:scored ~dapo:*:dead ~dapo:*:issued {_CONNECTION} {_CONSUMER} +hmget",
+    "generator": f"~dapo:*:prompts ~dapo:*:prompts:forwarded:* ~dapo:*:rollouts ~dapo:*:dead ~dapo:*:weights:latest "
+                 f"&dapo:*:weights {_CONNECTION} {_CONSUMER} +get +subscribe +unsubscribe",
+    "reward": f"~dapo:*:rollouts ~dapo:*:rollouts:forwarded:* ~dapo:*:scored ~dapo:*:dead ~dapo:*:issued "
+              f"{_CONNECTION} {_CONSUMER} +hmget",
     "autoscaler": f"~dapo:*:prompts {_CONNECTION} +xpending +xinfo|groups +xlen",
 }
 OPERATOR_RULES = "~* &* +@all -@dangerous +info"  # the embedded run's default user (the launcher, `dapo` reports)

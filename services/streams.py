@@ -279,7 +279,8 @@ class Stream(Generic[M]):
                 self.dead(entry_id, payload, forged, deliveries)
                 continue
             if deliveries > self.cfg.max_deliveries:
-                self.dead(entry_id, payload, f"delivered {deliveries} times (max {self.cfg.max_deliveries})", deliveries)
+                self.dead(entry_id, payload, f"delivered {deliveries} times (max {self.cfg.max_deliveries})",
+                          deliveries)
                 continue
             try:
                 message = from_wire(self.model, payload)
@@ -543,7 +544,8 @@ class Streams:
         """The most recent dead letters, newest first, decoded for inspection."""
         rows = self.redis.xrevrange(self.key("dead"), count=count)
         return [
-            {"id": eid.decode(), **{k.decode(): (v if k == FIELD else v.decode(errors="replace")) for k, v in f.items()}}
+            {"id": eid.decode(),
+             **{k.decode(): (v if k == FIELD else v.decode(errors="replace")) for k, v in f.items()}}
             for eid, f in rows
         ]
 

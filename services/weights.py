@@ -14,7 +14,8 @@ Learner side (`WeightPublisher`, `weights_router`):
 Announcements are signed by the learner's key (`services.messages.sign_announcement`, Ed25519, services/keys.py)
 under the run's channel name (another run's announcement does not verify); `parse_announcement` refuses an
 unsigned one, or one signed by any other key (a worker's, a retired one), so a process that can write to Redis
-but holds no learner key cannot point generators (and their bearer token) at its own URL. Generators also pull only from the configured learner URL (generator/sync.py).
+but holds no learner key cannot point generators (and their bearer token) at its own URL. Generators also pull only
+from the configured learner URL (generator/sync.py).
 
 Generator side (`latest_announcement`, `AnnouncementWatcher`, `pull_weights`, `check_shared`, `check_schema`):
     learn of versions from pub/sub plus the latest key (late joiners, missed messages). HTTP: download the files
@@ -435,7 +436,8 @@ def check_shared(announcement: WeightsAnnouncement, shared_dir: str | os.PathLik
     """
     folder = Path(shared_dir) / f"v{announcement.version}"
     if not folder.is_dir():
-        raise WeightsError("not_found", f"weights v{announcement.version} not in {shared_dir} (pruned, or another folder)")
+        raise WeightsError("not_found",
+                           f"weights v{announcement.version} not in {shared_dir} (pruned, or another folder)")
     problems = [p for p in _each(concurrency, lambda f: check_file(folder / f.name, f), announcement.files) if p]
     if problems:
         reason = "not_found" if all(p.endswith("missing") for p in problems) else "checksum"
@@ -456,14 +458,16 @@ def _each(concurrency: int, function: Callable, items: list) -> list:
 
 
 def _download(
-    client: httpx.Client, announcement: WeightsAnnouncement, entry: WeightsFile, folder: Path, cancel: threading.Event | None
+    client: httpx.Client, announcement: WeightsAnnouncement, entry: WeightsFile, folder: Path,
+    cancel: threading.Event | None
 ) -> None:
     url = f"{announcement.url}/{entry.name}"
     digest, size = hashlib.sha256(), 0
     try:
         with client.stream("GET", url) as response:
             if response.status_code in (401, 403):
-                raise WeightsError("unauthorized", f"weights server refused the token ({response.status_code}) for {url}")
+                raise WeightsError("unauthorized",
+                                   f"weights server refused the token ({response.status_code}) for {url}")
             if response.status_code == 404:
                 raise WeightsError("not_found", f"weights v{announcement.version} not found at {url}")
             if response.status_code != 200:

@@ -59,8 +59,8 @@ def write_version(
     root: Path, version: int, tensors: dict[str, torch.Tensor], shard_bytes: int, url: str, signer: Signer,
     context: str,
 ) -> WeightsAnnouncement:
-    """Write `root/v{version}/` (shards, index, announcement signed by `signer` under `context`, the run's weights channel) atomically; returns the
-    announcement.
+    """Write `root/v{version}/` (shards, index, announcement signed by `signer` under `context`, the run's weights
+    channel) atomically; returns the announcement.
 
     Each shard is serialized in memory, hashed from those bytes (no read back), written and fsynced.
     """
@@ -80,7 +80,8 @@ def write_version(
             total += sum(tensors[n].numel() * tensors[n].element_size() for n in names)
         index_bytes = json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1).encode()
         write_atomic(tmp / INDEX_FILE, index_bytes)
-        files.append(WeightsFile(name=INDEX_FILE, sha256=hashlib.sha256(index_bytes).hexdigest(), size=len(index_bytes)))
+        files.append(WeightsFile(name=INDEX_FILE, sha256=hashlib.sha256(index_bytes).hexdigest(),
+                                 size=len(index_bytes)))
         announcement = sign_announcement(WeightsAnnouncement(
             version=version, sha256=files_digest(files), size=sum(f.size for f in files), url=url, files=files
         ), signer, context)
@@ -137,7 +138,8 @@ def check_file(path: Path, expected: WeightsFile) -> str | None:
     except FileNotFoundError:
         return f"{expected.name}: missing"
     if digest.hexdigest() != expected.sha256:
-        return f"{expected.name}: sha256 {digest.hexdigest()[:16]}... does not match the announced {expected.sha256[:16]}..."
+        return (f"{expected.name}: sha256 {digest.hexdigest()[:16]}... does not match the announced "
+                f"{expected.sha256[:16]}...")
     return None
 
 

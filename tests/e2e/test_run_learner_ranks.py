@@ -13,7 +13,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from test_run_survives import checkpointed, ledger, small_run, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -13,9 +13,9 @@ import pytest
 
 from cli import bootstrap
 from cli.bootstrap import ensure_model
-from services.models import BUILD_INFO, ModelNotAvailable, resolve_pretrained, tiny_model_dir
 from services.config import Settings
 from services.data import SyntheticTask, load_problems, render_prompt
+from services.models import BUILD_INFO, ModelNotAvailable, resolve_pretrained, tiny_model_dir
 
 
 def small_settings(cache_dir: Path, **tiny) -> Settings:
@@ -213,7 +213,8 @@ def test_hub_id_resolves_from_the_local_cache(small_model, tmp_path, monkeypatch
     s.model.name_or_path = "someone/tiny-qwen2"
     resolved = ensure_model(s)
     assert resolved == repo / "snapshots" / commit
-    assert AutoModelForCausalLM.from_pretrained(resolved).config.vocab_size == len(AutoTokenizer.from_pretrained(resolved))
+    assert AutoModelForCausalLM.from_pretrained(resolved).config.vocab_size == \
+        len(AutoTokenizer.from_pretrained(resolved))
 
 
 # --------------------------------------------------------------------------- through vLLM (the default model)

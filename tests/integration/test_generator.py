@@ -21,32 +21,30 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from prometheus_client import REGISTRY
 from safetensors.torch import save_file
 from servers import ServerThread, free_port
 from tiny_qwen import build_model_folder, random_qwen2
 
 from generator.engine import EngineFailure, VllmEngine
-from generator.vllm_logs import RELOAD_LOGGER, WARMUP_LOGGER
 from generator.service import build_app
 from generator.sync import WeightSync
+from generator.vllm_logs import RELOAD_LOGGER, WARMUP_LOGGER
 from generator.worker import RolloutWorker
 from services.config import WeightsConfig, load_settings
 from services.http import create_app
+from services.keys import ROLES, Signer, keys_dir
 from services.messages import (
     PromptTask,
     RolloutGroup,
     SamplingParams,
     Score,
     ScoredGroup,
-    WeightsAnnouncement,
     from_wire,
     sign_announcement,
 )
 from services.redis_local import connect
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-
-from services.keys import ROLES, Signer, keys_dir
 from services.streams import Streams
 from services.weights import WeightPublisher, WeightsError, channel, latest_key, shareable_state_dict, weights_router
 from services.weights_layout import write_version
@@ -214,7 +212,8 @@ def test_a_healthy_start_and_reload_log_no_traceback_and_no_failed_load(engine, 
     assert noisy == []
 
 
-def test_shared_fs_version_loads_in_place_and_a_bad_shard_leaves_the_old_one_serving(engine, models, settings, short_tmp):
+def test_shared_fs_version_loads_in_place_and_a_bad_shard_leaves_the_old_one_serving(engine, models, settings,
+                                                                                      short_tmp):
     """shared-fs: the engine loads the learner's folder itself; a damaged shard is refused before any reload."""
     from transformers import Qwen2ForCausalLM
 
@@ -409,7 +408,8 @@ def test_worker_versions_sync_refusals_and_late_join(service, engine, models):
             return REGISTRY.get_sample_value(name, labels) or 0.0
 
         def dead_reasons(prompt_id):
-            return [d["reason"] for d in streams.dead_letters() if from_wire(PromptTask, d["data"]).prompt_id == prompt_id]
+            return [d["reason"] for d in streams.dead_letters()
+                    if from_wire(PromptTask, d["data"]).prompt_id == prompt_id]
 
         refusals = counted("dapo_generator_reload_failures_total", reason="shape")
         settings.generator.min_version_wait_s = 0.2

@@ -10,7 +10,6 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
-import pytest
 from fastapi.testclient import TestClient
 from pydantic import BaseModel
 

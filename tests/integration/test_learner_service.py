@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from learner.batch import Push, task_id_of
-from learner.checkpoint_layout import CHECKPOINTS, STOPPED, recorded_stop
+from learner.checkpoint import CHECKPOINTS, STOPPED, Checkpoints
 from learner.records import LEDGER_FILE, METRICS_FILE, truncate_jsonl
 from learner.service import LearnerService, TrainProblems, data_spec
 from learner.workset import ISSUED, task_id_in_payload
@@ -775,7 +775,7 @@ def test_refill_limit_stop_exits_with_a_clear_error_and_stays_stopped(pipeline, 
     assert code == 3
     assert "informative groups after 0 refill rounds" in pipeline.tail(f"learner-{run_dir.name}")
     assert step_lines(read_jsonl(run_dir / METRICS_FILE)) == []
-    assert recorded_stop(run_dir / CHECKPOINTS)["step"] == 0
+    assert Checkpoints(run_dir).recorded_stop()["step"] == 0
     # Restarted (Compose's `restart: on-failure`): the run is over, as after total_steps.
     log = pipeline.logs / f"learner-{run_dir.name}.log"
     before = log.stat().st_size

@@ -16,8 +16,13 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-
-from test_trainer import make_groups, make_settings, model_path, random_offsets, with_behaviour  # noqa: F401
+from test_trainer import (  # noqa: F401
+    make_groups,
+    make_settings,
+    model_path,
+    random_offsets,
+    with_behaviour,
+)
 
 from learner.ranks import RankChannel
 
@@ -37,7 +42,7 @@ from learner.trainer import Trainer
 state = PartialState(cpu=True, timeout=timedelta(seconds=120))
 if state.process_index == 1:  # the slower rank: its RNG file comes last, and the checkpoint must wait for it
     import time
-    import learner.checkpoint_io as trainer_module
+    import learner.checkpoint as trainer_module
     rng_state = trainer_module._rng_state
     trainer_module._rng_state = lambda: (time.sleep(2), rng_state())[1]
 tmp = Path({tmp!r})
@@ -72,7 +77,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 from transformers import AutoModelForCausalLM
 from learner import packing
-from learner.checkpoint_io import load_training_state, save_training_state
+from learner.checkpoint import load_training_state, save_training_state
 from learner.dapo import LinearWarmup
 from learner.logprobs import HeadQuery, install_head
 from learner.recompute import prepare_layers
@@ -157,7 +162,7 @@ import torch
 from safetensors.torch import load_file
 from torch.distributed.checkpoint.state_dict import get_state_dict
 from transformers import AutoModelForCausalLM
-from learner.checkpoint_io import load_training_state
+from learner.checkpoint import load_training_state
 from learner.dapo import LinearWarmup
 from learner.logprobs import install_head
 
@@ -193,7 +198,7 @@ def accelerate_launch(procs: int) -> list[str]:
             "--main_process_port", str(free_port())]
 
 
-def test_one_rank_channel_runs_locally(model_path, tmp_path):
+def test_one_rank_channel_runs_locally(model_path, tmp_path):  # noqa: F811
     """With one process the commands are not sent anywhere: the channel is the trainer."""
     from learner.trainer import Trainer
 
@@ -211,7 +216,7 @@ def test_one_rank_channel_runs_locally(model_path, tmp_path):
 
 
 @pytest.mark.slow
-def test_two_ranks_following_rank_zero_train_like_one(model_path, tmp_path):
+def test_two_ranks_following_rank_zero_train_like_one(model_path, tmp_path):  # noqa: F811
     here = Path(__file__).resolve().parent
     script = tmp_path / "worker.py"
     script.write_text(WORKER.format(here=str(here), repo=str(here.parents[1]), tmp=str(tmp_path),
@@ -236,7 +241,7 @@ def test_two_ranks_following_rank_zero_train_like_one(model_path, tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("checkpointing, compiled", [("selective", True), ("full", False)],
                          ids=["as-the-1.5b-preset", "as-the-32b-preset"])
-def test_fsdp2_head_packing_and_sharded_checkpoint_on_cpu(model_path, tmp_path, checkpointing, compiled):
+def test_fsdp2_head_packing_and_sharded_checkpoint_on_cpu(model_path, tmp_path, checkpointing, compiled):  # noqa: F811
     """PyTorch FSDP2 (`fully_shard`) runs on CPU over gloo, accelerate's FSDP does not (its multi-CPU mode is
     DDP). So the trainer's FSDP code that torch can run here is run on 2 sharded CPU ranks: packed rows scored by
     the chunked head inside the sharded model, the layers checkpointed (and compiled) as each Qwen preset has them

@@ -92,7 +92,8 @@ def _pipeline(server: DeploymentRedis, passwords: dict[str, str], settings) -> d
         return Streams(client_for(server.url(role, passwords[role])), settings, signs_as=(role,))
 
     learner, generator, reward = streams("learner"), streams("generator"), streams("reward")
-    tasks = [PromptTask(task_id=f"t{i}", prompt_id=f"p{i}", prompt=f"{i}+1=", ground_truth=str(i + 1)) for i in range(3)]
+    tasks = [PromptTask(task_id=f"t{i}", prompt_id=f"p{i}", prompt=f"{i}+1=", ground_truth=str(i + 1))
+             for i in range(3)]
     for task in tasks:
         learner.stream("prompts", PromptTask).produce(task.for_generators(),
                                                       register=(learner.key(ISSUED), task.task_id, task))

@@ -33,7 +33,8 @@ def test_verdicts_come_back_in_order(pool):
 
 def test_the_configured_answer_rule_runs_in_the_children(pool):
     """`reward.answer_rule: dapo` reaches the children: the same pairs, read by the paper's rule, differ."""
-    pairs = [("So the total is $\\boxed{34}$.", "34"), ("Answer: 025", "25"), ("We are done.\nThus the answer: 34", "34"),
+    pairs = [("So the total is $\\boxed{34}$.", "34"), ("Answer: 025", "25"),
+             ("We are done.\nThus the answer: 34", "34"),
              ("Answer: $\\frac{1}{2}$", "\\frac12"), ("Answer: 34\n" + "Let me check once more. " * 15, "34")]
     cfg = RewardConfig(answer_rule="dapo", workers=1, timeout_s=TIMEOUT_S, memory_mb=1024)
     with VerifierPool.from_config(cfg) as dapo:
@@ -187,6 +188,7 @@ def test_a_signal_at_any_point_of_the_start_leaves_no_child_behind():
             finally:
                 signal.setitimer(signal.ITIMER_REAL, 0)
                 pool.close()
-            assert set(children_of(os.getpid())) == before, f"an alarm after {delay_ms / 2} ms left children behind (or unreaped)"
+            assert set(children_of(os.getpid())) == before, \
+                f"an alarm after {delay_ms / 2} ms left children behind (or unreaped)"
     finally:
         signal.signal(signal.SIGALRM, previous)

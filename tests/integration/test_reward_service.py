@@ -12,8 +12,8 @@ import time
 import httpx
 import redis
 
-from services.messages import PromptTask, RolloutGroup, Sample, ScoredGroup, to_wire
 from services.keys import ROLES
+from services.messages import PromptTask, RolloutGroup, Sample, ScoredGroup, to_wire
 from services.streams import ISSUED, Streams
 
 

@@ -11,12 +11,12 @@ import msgpack
 import pytest
 import redis
 
+import reward.worker as reward_worker_module
 from reward.sandbox import VerifierPool
 from reward.scoring import Scorer
-import reward.worker as reward_worker_module
 from reward.worker import RewardWorker
-from services.messages import PromptTask, RolloutGroup, Sample, SamplingParams, ScoredGroup, to_wire
 from services.keys import ROLES
+from services.messages import PromptTask, RolloutGroup, Sample, SamplingParams, ScoredGroup, to_wire
 from services.streams import ISSUED, Streams
 
 HANG = "Answer: $(x+y+z)^{999}$"  # sympy expands ~500k terms: only the sandbox's time limit ends it

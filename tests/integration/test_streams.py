@@ -15,9 +15,9 @@ import msgpack
 import pytest
 
 from services.config import KeysConfig, load_settings
+from services.keys import ROLES, create_keys, keys_dir
 from services.messages import PromptTask, RolloutGroup, Sample, to_wire
 from services.redis_local import EmbeddedRedis, connect
-from services.keys import ROLES, create_keys, keys_dir
 from services.streams import BackPressureTimeout, Streams
 
 
@@ -324,8 +324,8 @@ def test_sigkilled_consumer_work_is_completed_once_by_another(streams, settings)
     prompts, rollouts = streams.stream("prompts", PromptTask), streams.stream("rollouts", RolloutGroup)
     prompts.produce(task(7))
     proc = subprocess.Popen(
-        [sys.executable, "-c", CONSUMER_SCRIPT, settings.redis.url.get_secret_value(), settings.run_dir], stdout=subprocess.PIPE,
-        text=True
+        [sys.executable, "-c", CONSUMER_SCRIPT, settings.redis.url.get_secret_value(), settings.run_dir],
+        stdout=subprocess.PIPE, text=True
     )
     try:
         assert proc.stdout.readline().strip() == "claimed t7"
@@ -434,7 +434,8 @@ def test_a_generator_restarting_under_a_dead_ones_name_hands_its_tasks_back_befo
     the replacement hands them back first thing, and a live generator takes them on its next read."""
     from generator.service import hand_back_previous
 
-    settings = settings.model_copy(update={"streams": settings.streams.model_copy(update={"visibility_timeout_s": 600})})
+    settings = settings.model_copy(
+        update={"streams": settings.streams.model_copy(update={"visibility_timeout_s": 600})})
     streams = Streams(connect(settings), settings, signs_as=ROLES)
     prompts = streams.stream("prompts", PromptTask)
     for i in range(3):
@@ -486,7 +487,8 @@ def test_the_dead_stream_is_trimmed_to_about_its_maxlen(settings):
 def test_a_large_dead_payload_goes_to_a_file_named_by_its_sha256_and_the_letter_stays_signed(settings):
     import hashlib
 
-    settings = settings.model_copy(update={"streams": settings.streams.model_copy(update={"dead_payload_max_bytes": 64})})
+    settings = settings.model_copy(
+        update={"streams": settings.streams.model_copy(update={"dead_payload_max_bytes": 64})})
     streams = Streams(connect(settings), settings, signs_as=ROLES)
     rollouts = streams.stream("rollouts", RolloutGroup)
     payload = to_wire(group_for(task(7)))
@@ -506,7 +508,8 @@ def test_a_large_dead_payload_goes_to_a_file_named_by_its_sha256_and_the_letter_
 def test_a_large_dead_payload_that_cannot_be_written_is_dropped_with_its_sha256_and_size(settings):
     import hashlib
 
-    settings = settings.model_copy(update={"streams": settings.streams.model_copy(update={"dead_payload_max_bytes": 0})})
+    settings = settings.model_copy(
+        update={"streams": settings.streams.model_copy(update={"dead_payload_max_bytes": 0})})
     Path(settings.run_dir).mkdir(parents=True, exist_ok=True)
     (Path(settings.run_dir) / "dead-letters").write_text("a file where the folder should be")
     streams = Streams(connect(settings), settings, signs_as=ROLES)
@@ -514,4 +517,5 @@ def test_a_large_dead_payload_that_cannot_be_written_is_dropped_with_its_sha256_
     streams.stream("prompts", PromptTask).dead("1-0", payload, "test")
     (letter,) = streams.dead_letters()
     assert letter["data"] == b"" and letter["payload_file"] == "" and letter["task_id"] == "t3"
-    assert letter["payload_sha256"] == hashlib.sha256(payload).hexdigest() and int(letter["payload_bytes"]) == len(payload)
+    assert letter["payload_sha256"] == hashlib.sha256(payload).hexdigest() and \
+        int(letter["payload_bytes"]) == len(payload)

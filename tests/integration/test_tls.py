@@ -24,7 +24,8 @@ def make_certificates(folder: Path) -> tuple[Path, Path, Path]:
         pytest.skip("openssl is not installed")
     ca_key, ca, key, csr, cert = (folder / n for n in ("ca.key", "ca.crt", "tls.key", "tls.csr", "tls.crt"))
     run = lambda *args: subprocess.run([openssl, *args], check=True, capture_output=True)  # noqa: E731
-    run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", ca_key, "-out", ca, "-days", "1", "-subj", "/CN=dapo-ca")
+    run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", ca_key, "-out", ca, "-days", "1",
+        "-subj", "/CN=dapo-ca")
     run("req", "-newkey", "rsa:2048", "-nodes", "-keyout", key, "-out", csr, "-subj", "/CN=learner")
     extensions = folder / "san.cnf"
     extensions.write_text("subjectAltName=IP:127.0.0.1,DNS:learner\n")

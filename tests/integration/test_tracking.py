@@ -9,10 +9,16 @@ import time
 
 import pytest
 
-from learner.tracking import (
-    SAMPLES_KEY, TRACKER_MODULES, TrackerNotInstalled, Tracking, accelerator_kwargs, check_installed, tracking_dir,
-)
 from cli.main import build_parser, settings_from_args
+from learner.tracking import (
+    SAMPLES_KEY,
+    TRACKER_MODULES,
+    TrackerNotInstalled,
+    Tracking,
+    accelerator_kwargs,
+    check_installed,
+    tracking_dir,
+)
 from services.config import ConfigError, load_settings
 from services.messages import PromptTask, RolloutGroup, Sample, Score, ScoredGroup
 
@@ -185,7 +191,8 @@ def test_a_resume_starts_an_mlflow_run_named_and_tagged_for_its_step(tmp_path, m
     first, resumed = settings.redis.run, f"{settings.redis.run}-resumed-at-2"
     assert set(runs) == {first, resumed}
     assert runs[first].data.tags["dapo.run"] == runs[resumed].data.tags["dapo.run"] == settings.redis.run
-    assert "dapo.resumed_at_step" not in runs[first].data.tags and runs[resumed].data.tags["dapo.resumed_at_step"] == "2"
+    assert "dapo.resumed_at_step" not in runs[first].data.tags and \
+        runs[resumed].data.tags["dapo.resumed_at_step"] == "2"
     history = mlflow.MlflowClient().get_metric_history(runs[resumed].info.run_id, "reward_all")
     assert [(m.step, m.value) for m in history] == [(3, -3.0), (4, -4.0)]
 

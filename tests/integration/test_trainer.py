@@ -14,6 +14,8 @@ import pytest
 import torch
 
 from learner import dapo
+from learner.checkpoint import read as read_checkpoint
+from learner.checkpoint import write as write_checkpoint
 from learner.trainer import Trainer
 from services.config import load_settings
 from services.messages import PromptTask, RolloutGroup, Sample, Score, ScoredGroup
@@ -483,10 +485,10 @@ def test_checkpoint_round_trip(model_path, tmp_path, monkeypatch):
     groups = with_behaviour(groups, first.logprobs(groups), random_offsets(groups, seed=4, scale=0.3))
     first.train_step(groups)
     checkpoint = tmp_path / "ckpt" / "step-1"
-    first.save_checkpoint(checkpoint, {"step": 1, "carry": ["task-a"]})
+    write_checkpoint(first, checkpoint, {"step": 1, "carry": ["task-a"]})
     at_save = first.state_dict_for_publish()
     rng_at_save = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()[1]}
-    first.save_checkpoint(checkpoint, {"step": 1, "carry": ["task-a"]})  # overwriting is atomic too
+    write_checkpoint(first, checkpoint, {"step": 1, "carry": ["task-a"]})  # overwriting is atomic too
     assert sorted(p.name for p in checkpoint.parent.iterdir()) == ["step-1"]  # no tmp / old left behind
     model_files = {p.name for p in (checkpoint / "model").iterdir()}
     assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= model_files
@@ -502,7 +504,7 @@ def test_checkpoint_round_trip(model_path, tmp_path, monkeypatch):
     torch.manual_seed(123), random.seed(123), np.random.seed(123)  # moved on: the checkpoint must restore them
     with monkeypatch.context() as patch:
         refuse_unpickling(patch)
-        extra = second.load_checkpoint(checkpoint)
+        extra = read_checkpoint(second, checkpoint)
     assert extra == {"step": 1, "carry": ["task-a"]} and second.steps_done == 1
     a, b = first.state_dict_for_publish(), second.state_dict_for_publish()
     assert all(torch.equal(a[name], b[name]) for name in a)
@@ -537,12 +539,12 @@ def test_a_resume_keeps_the_resuming_process_adamw_kernel(model_path, tmp_path):
     groups = make_groups(n_groups=2, size=4, seed=5)
     first = Trainer(settings, model_path)
     first.train_step(with_behaviour(groups, first.logprobs(groups)))
-    first.save_checkpoint(tmp_path / "ckpt" / "step-1", {"step": 1})
+    write_checkpoint(first, tmp_path / "ckpt" / "step-1", {"step": 1})
     assert not first.optimizer.param_groups[0]["fused"]
     for fused in (True, None):
         second = Trainer(settings, model_path)
         second.optimizer.param_groups[0]["fused"] = fused
-        second.load_checkpoint(tmp_path / "ckpt" / "step-1")
+        read_checkpoint(second, tmp_path / "ckpt" / "step-1")
         assert second.optimizer.param_groups[0]["fused"] is fused
         assert second.optimizer.param_groups[0]["lr"] == first.optimizer.param_groups[0]["lr"]
 
@@ -568,12 +570,12 @@ def test_bad_groups_are_refused(model_path, tmp_path):
 def test_interrupted_overwrite_is_recovered(model_path, tmp_path):
     trainer = Trainer(make_settings(tmp_path), model_path)
     checkpoint = tmp_path / "latest"
-    trainer.save_checkpoint(checkpoint, {"step": 0})
+    write_checkpoint(trainer, checkpoint, {"step": 0})
     # A crash after `latest` was moved to `latest.old` and before `latest.tmp` took its place.
     checkpoint.rename(tmp_path / "latest.old")
-    assert trainer.load_checkpoint(checkpoint) == {"step": 0}
+    assert read_checkpoint(trainer, checkpoint) == {"step": 0}
     with pytest.raises(FileNotFoundError):
-        trainer.load_checkpoint(tmp_path / "missing")
+        read_checkpoint(trainer, tmp_path / "missing")
 
 
 WORKER = """
@@ -581,6 +583,7 @@ import sys, torch
 sys.path[:0] = [{here!r}, {tests!r}, {repo!r}]
 from pathlib import Path
 from test_trainer import make_groups, make_settings, random_offsets, with_behaviour
+from learner.checkpoint import read as read_checkpoint, write as write_checkpoint
 from learner.trainer import Trainer
 
 trainer = Trainer(make_settings(Path({tmp!r}), micro_batch_tokens=40, mini_batches=2), Path({model!r}))
@@ -588,8 +591,8 @@ groups = make_groups(n_groups=3, size=4, seed=3)
 groups = with_behaviour(groups, trainer.logprobs(groups), random_offsets(groups, seed=2, scale=0.5))
 loss, grads = trainer.loss_gradients(groups)
 metrics = trainer.train_step(groups)
-trainer.save_checkpoint(Path({tmp!r}) / ("ckpt-%d" % trainer.accelerator.num_processes), {{"ok": True}})
-assert trainer.load_checkpoint(Path({tmp!r}) / ("ckpt-%d" % trainer.accelerator.num_processes)) == {{"ok": True}}
+write_checkpoint(trainer, Path({tmp!r}) / ("ckpt-%d" % trainer.accelerator.num_processes), {{"ok": True}})
+assert read_checkpoint(trainer, Path({tmp!r}) / ("ckpt-%d" % trainer.accelerator.num_processes)) == {{"ok": True}}
 if trainer.accelerator.is_main_process:
     torch.save({{"loss": loss, "grads": grads, "metrics": metrics, "world": trainer.accelerator.num_processes}},
                Path({tmp!r}) / ("result-%d.pt" % trainer.accelerator.num_processes))
@@ -693,16 +696,15 @@ def test_varlen_attention_is_refused_where_it_cannot_run(model_path, tmp_path):
 
 def test_the_attention_kernel_auto_picks(monkeypatch):
     from learner import attention
-    from learner import trainer as trainer_module
 
     bf16 = torch.bfloat16
     monkeypatch.setattr(attention, "available", lambda cuda, dtype: False)  # a torch before 2.10, or an old GPU
-    assert trainer_module.attention_implementation("auto", True, True, bf16) == "sdpa"
-    monkeypatch.setattr(trainer_module.importlib.util, "find_spec", lambda name: object())  # flash-attn installed
-    assert trainer_module.attention_implementation("auto", True, True, bf16) == "flash_attention_2"
-    assert trainer_module.attention_implementation("auto", True, False, torch.float32) == "sdpa"
-    assert trainer_module.attention_implementation("auto", False, True, bf16) == "sdpa"
-    monkeypatch.setattr(trainer_module.importlib.util, "find_spec", lambda name: None)
+    assert attention.implementation("auto", True, True, bf16) == "sdpa"
+    monkeypatch.setattr(attention.importlib.util, "find_spec", lambda name: object())  # flash-attn installed
+    assert attention.implementation("auto", True, True, bf16) == "flash_attention_2"
+    assert attention.implementation("auto", True, False, torch.float32) == "sdpa"
+    assert attention.implementation("auto", False, True, bf16) == "sdpa"
+    monkeypatch.setattr(attention.importlib.util, "find_spec", lambda name: None)
     monkeypatch.setattr(attention, "available", lambda cuda, dtype: cuda)
-    assert trainer_module.attention_implementation("auto", True, True, bf16) == attention.VARLEN
-    assert trainer_module.attention_implementation("auto", True, False, bf16) == "sdpa"  # padded rows: a mask
+    assert attention.implementation("auto", True, True, bf16) == attention.VARLEN
+    assert attention.implementation("auto", True, False, bf16) == "sdpa"  # padded rows: a mask

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from test_trainer import make_groups, model_path, random_offsets, with_behaviour  # noqa: F401
 
 from learner import attention
+from learner.checkpoint import read as read_checkpoint
+from learner.checkpoint import write as write_checkpoint
 from learner.logprobs import token_logprobs
 from learner.trainer import Trainer
 from services.config import load_settings
@@ -82,9 +83,9 @@ def test_sharded_checkpoint_round_trip_on_cuda(model_path, tmp_path):
     groups = make_groups(n_groups=2, size=4, seed=5)
     groups = with_behaviour(groups, first.logprobs(groups))
     first.train_step(groups)
-    first.save_checkpoint(tmp_path / "ckpt", {"step": 1})
+    write_checkpoint(first, tmp_path / "ckpt", {"step": 1})
     second = Trainer(settings(tmp_path, "bfloat16"), model_path)
-    assert second.load_checkpoint(tmp_path / "ckpt") == {"step": 1}
+    assert read_checkpoint(second, tmp_path / "ckpt") == {"step": 1}
     a, b = first.state_dict_for_publish(), second.state_dict_for_publish()
     assert all(torch.equal(a[name], b[name]) for name in a)
     state_a, state_b = first.optimizer.state_dict()["state"], second.optimizer.state_dict()["state"]

@@ -12,16 +12,16 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from servers import ServerThread, free_port
 from transformers.utils import SAFE_WEIGHTS_INDEX_NAME
 
-from servers import ServerThread, free_port
+import services.weights as weights_module
 from services.config import WeightsConfig, load_settings
 from services.http import create_app
+from services.keys import ROLES
 from services.messages import WeightsAnnouncement
 from services.redis_local import connect
-from services.keys import ROLES
 from services.streams import Streams
-import services.weights as weights_module
 from services.weights import (
     AnnouncementWatcher,
     WeightPublisher,
@@ -152,7 +152,8 @@ def test_pull_refuses_bad_token_and_bad_checksum_without_leftovers(learner, shor
     with pytest.raises(WeightsError, match="does not match") as err:
         pull_weights(forged, TOKEN, dest)
     assert err.value.reason == "checksum"
-    shorter = announced.model_copy(update={"files": [shard.model_copy(update={"size": shard.size - 1}), announced.files[1]]})
+    shorter = announced.model_copy(update={"files": [shard.model_copy(update={"size": shard.size - 1}),
+                                                     announced.files[1]]})
     with pytest.raises(WeightsError) as err:
         pull_weights(shorter, TOKEN, dest)
     assert err.value.reason == "checksum"
@@ -253,7 +254,8 @@ def test_a_download_does_not_wait_for_a_version_being_written(learner, monkeypat
     try:
         assert writing.wait(10)
         opened: list = []
-        reader = threading.Thread(target=lambda: opened.append(publisher.open_file(1, "model-00001-of-00001.safetensors")))
+        reader = threading.Thread(
+            target=lambda: opened.append(publisher.open_file(1, "model-00001-of-00001.safetensors")))
         reader.start()
         reader.join(10)
         assert opened and opened[0] is not None, "the download waited for the version being written"
@@ -312,7 +314,8 @@ def test_schema_check_names_and_shapes(short_tmp):
 def test_watcher_sees_pubsub_and_latest_key(learner, settings):
     publisher, _, client = learner
     publisher.publish(tiny_state_dict(), version=0)  # before the watcher starts: found via the key
-    watcher = AnnouncementWatcher(client, Streams(client, settings, signs_as=ROLES), publisher.keyring, poll_s=30).start()
+    watcher = AnnouncementWatcher(client, Streams(client, settings, signs_as=ROLES), publisher.keyring,
+                                  poll_s=30).start()
     try:
         assert watcher.newest.version == 0
         assert watcher.wait_newer(0, timeout=0.1) is None

@@ -17,7 +17,7 @@ def test_report_puts_both_systems_side_by_side_and_judges_each_base_by_its_worst
                                curve(22, [0, 2, 5], [0.17, 0.30, 0.40], "trl-small")]},
     }
     text = bases.report(runs, "cmd")
-    assert "| weak | tiny.seed=1 tiny.warmup_target_accuracy=0.2 | 21 | 18.0 / 16.0 | +12.0 / +27.0 | +14.0 / +22.0 | +5.0 |" in text
+    assert "| weak | tiny.seed=1 tiny.warmup_target_accuracy=0.2 | 21 | 18.0 / 16.0 | +12.0 / +27.0 | +14.0 / +22.0 | +5.0 |" in text  # noqa: E501
     assert "| 22 | 17.0 / 17.0 | +8.0 / +18.0 | +13.0 / +23.0 | -5.0 |" in text
     assert "**+22.5 / +18.0** at 5" in text  # median and worst of the project's gains at 5 minutes
     assert "weak: worst seed +18.0 at 5 minutes (missed), ahead of TRL on 1 of 2 seeds" in text

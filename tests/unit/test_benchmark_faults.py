@@ -9,8 +9,18 @@ from pathlib import Path
 import msgpack
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from benchmarks.faults import (AclAttempt, Injection, Kill, analyze, digest, ledger_check,  # noqa: E402
-                               match_dead, recovery, redone, report)
+from benchmarks.faults import (  # noqa: E402
+    AclAttempt,
+    Injection,
+    Kill,
+    analyze,
+    digest,
+    ledger_check,
+    match_dead,
+    recovery,
+    redone,
+    report,
+)
 
 
 def row(step: int, trained: list[str], **dropped) -> dict:

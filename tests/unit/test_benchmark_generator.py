@@ -38,7 +38,7 @@ def _result(service: float) -> dict:
 
 def test_report_states_each_goal_and_how_far_the_result_is():
     text = report(_result(service=4000.0))
-    assert "| **median** | | **5,000** | **4,000** | **10,000** | **12,500** | **0.800** | **0.50** | **0.98** |" in text
+    assert "| **median** | | **5,000** | **4,000** | **10,000** | **12,500** | **0.800** | **0.50** | **0.98** |" in text  # noqa: E501
     assert "Measured **0.800x** (median of the per-round ratios): short by 0.15 (84% of the goal)." in text
     assert "Raw vLLM **0.50x**, the service **0.40x**: short by 0.60 (40% of the goal)." in text
     assert "| 4096 | 5,000 | 2,100 (0.99) | 4,900 (0.96) |" in text

@@ -7,7 +7,8 @@ import pytest
 from services.config import CONFIG_DIR, ConfigError, Settings, dump_settings, load_settings
 
 
-@pytest.mark.parametrize("preset", sorted(str(p.relative_to(CONFIG_DIR).with_suffix("")) for p in CONFIG_DIR.rglob("*.yaml")))
+@pytest.mark.parametrize("preset", sorted(str(p.relative_to(CONFIG_DIR).with_suffix(""))
+                                          for p in CONFIG_DIR.rglob("*.yaml")))
 def test_every_preset_loads(preset):
     settings = load_settings(preset)
     assert isinstance(settings, Settings)
@@ -179,7 +180,8 @@ def test_an_intermediate_override_may_conflict_if_the_final_settings_do_not():
     settings = load_settings("tiny-cpu", sampling={"max_tokens": 400}, generator={"max_model_len": 512})
     assert (settings.sampling.max_tokens, settings.generator.max_model_len) == (400, 512)
     assert load_settings("tiny-cpu", sampling={"n": 1}, learner={"dynamic_sampling": False}).sampling.n == 1
-    assert load_settings("tiny-cpu", reward={"overlong_buffer": 64, "soft_overlong": False}).reward.overlong_buffer == 64
+    assert load_settings("tiny-cpu",
+                         reward={"overlong_buffer": 64, "soft_overlong": False}).reward.overlong_buffer == 64
 
 
 def test_a_list_variable_that_is_not_json_and_a_set_value_that_is_not_yaml_are_one_line_errors(monkeypatch, capsys):
@@ -211,6 +213,7 @@ def test_gradient_checkpointing_takes_a_mode_and_the_old_switch():
     assert (single_node.gradient_checkpointing, single_node.compile) == ("selective", True)
     assert load_settings("tiny-cpu").learner.gradient_checkpointing == "off"
     for value, mode in ((True, "full"), (False, "off"), ("selective", "selective")):
-        assert load_settings("tiny-cpu", learner={"gradient_checkpointing": value}).learner.gradient_checkpointing == mode
+        assert load_settings("tiny-cpu",
+                             learner={"gradient_checkpointing": value}).learner.gradient_checkpointing == mode
     with pytest.raises(ConfigError, match="gradient_checkpointing"):
         load_settings("tiny-cpu", learner={"gradient_checkpointing": "some"})

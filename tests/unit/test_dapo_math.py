@@ -126,7 +126,8 @@ def test_clip_counts():
     out = dapo.clipped_surrogate(logp, torch.zeros_like(logp), adv, 0.2, 0.28, dual_clip=3.0)
     mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
     # row 0: r = 0.5 clipped low, r = 4 > c held by the dual clip; row 1: r = 1.5 clipped high, r = 9 is padding.
-    assert {k: float(v) for k, v in dapo.clip_counts(out, mask).items()} == {"clip_low": 1.0, "clip_high": 1.0, "clip_dual": 1.0}
+    assert {k: float(v) for k, v in dapo.clip_counts(out, mask).items()} == \
+        {"clip_low": 1.0, "clip_high": 1.0, "clip_dual": 1.0}
 
 
 # -- truncated importance weight ---------------------------------------------------------------------------------

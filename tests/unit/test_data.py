@@ -6,7 +6,9 @@ import json
 import re
 
 import pytest
-from hypothesis import given, settings as hsettings, strategies as st
+from hypothesis import given
+from hypothesis import settings as hsettings
+from hypothesis import strategies as st
 
 from services.config import Settings
 from services.data import (
@@ -69,7 +71,8 @@ def test_load_problems_synthetic_specs_use_config():
     assert (len(train), len(held_out)) == (700, 90)
     assert all(p.problem.count("=") == 1 and len(re.findall(r"\d+", p.problem)) == 4 for p in train)
     assert load_problems("synthetic-train", s) == train  # deterministic
-    assert load_problems("synthetic-train", make_settings(synthetic_train_size=700, synthetic_operands=4, seed=5)) != train
+    assert load_problems("synthetic-train",
+                         make_settings(synthetic_train_size=700, synthetic_operands=4, seed=5)) != train
     with pytest.raises(DataError, match="synthetic-train"):
         load_problems("synthetic", s)
 
@@ -224,7 +227,8 @@ def test_a_bad_row_is_refused_with_its_file_and_line(tmp_path, line, reason):
 
 def test_a_json_array_file_and_null_or_zero_ids(tmp_path):
     path = tmp_path / "mine.json"
-    path.write_text(json.dumps([{"id": 0, "problem": "1+1?", "answer": 2}, {"id": None, "problem": "2+2?", "answer": 4}],
+    path.write_text(json.dumps([{"id": 0, "problem": "1+1?", "answer": 2},
+                                {"id": None, "problem": "2+2?", "answer": 4}],
                                indent=2))
     assert load_problems(str(path)) == [Problem("0", "1+1?", "2"), Problem("mine-1", "2+2?", "4")]
     path.write_text('{"id": "", "problem": "1+1?", "answer": 2}\n{"problem": "3+3?", "answer": 6}\n')  # to_json's
@@ -322,7 +326,8 @@ def test_render_prompt_uses_the_chat_template_when_there_is_one():
     tok = chat_tokenizer()
     problem = Problem("p", "What is $1+1$?", "2")
     text = render_prompt(problem, tok, "auto")
-    assert text == "<|im_start|>user\n" + DAPO_TEMPLATE.format(problem=problem.problem) + "<|im_end|>\n<|im_start|>assistant\n"
+    assert text == "<|im_start|>user\n" + DAPO_TEMPLATE.format(problem=problem.problem) + \
+        "<|im_end|>\n<|im_start|>assistant\n"
     assert render_prompt(problem, tok, "dapo") == text
     assert render_prompt(problem, tok, "raw") == RAW_TEMPLATE.format(problem=problem.problem)
 

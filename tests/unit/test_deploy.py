@@ -22,8 +22,8 @@ import os
 import re
 import shutil
 import subprocess
-import tempfile
 import sys
+import tempfile
 from importlib.resources import files
 from pathlib import Path
 
@@ -36,8 +36,8 @@ import yaml
 from learner.redis_budget import held_budget, largest_group_bytes
 from services.config import Settings, load_settings
 from services.data import NAMED_SETS
-from services.messages import PromptTask
 from services.keys import ROLES
+from services.messages import PromptTask
 from services.streams import Streams
 from services.weights_layout import HOLDS_DIR
 
@@ -54,7 +54,8 @@ PINNED_IMAGE = re.compile(r"^[^@]+:(v?\d+\.\d+\.\d+[\w.-]*)$|@sha256:[0-9a-f]{64
 SERVICES = ("learner", "generator", "reward")
 DEFAULT_PORTS = {name: getattr(Settings(), name).port for name in SERVICES}
 # DAPO_ variables that are not Settings fields: the preset (read by load_settings), the token file (read by
-# deploy/docker-entrypoint.sh, as the Redis password file), the stream consumer name (services/streams.py), the log level (cli/main.py).
+# deploy/docker-entrypoint.sh, as the Redis password file), the stream consumer name (services/streams.py), the log
+# level (cli/main.py).
 NON_FIELD_DAPO_VARIABLES = {"DAPO_CONFIG", "DAPO_TOKEN_FILE", "DAPO_REDIS_PASSWORD_FILE", "DAPO_KEYS_PRIVATE_KEY_FILE",
                             "DAPO_WORKER_ID",
                             "DAPO_LOG_LEVEL", "DAPO_DATA_DIR"}
@@ -221,7 +222,8 @@ def _compose_schema_validator() -> jsonschema.Validator:
 
 @pytest.mark.parametrize("path", [COMPOSE, COMPOSE_GPU], ids=lambda p: p.name)
 def test_compose_files_match_the_compose_spec(path):
-    errors = [f"{'/'.join(map(str, e.path))}: {e.message}" for e in _compose_schema_validator().iter_errors(_yaml(path))]
+    errors = [f"{'/'.join(map(str, e.path))}: {e.message}"
+              for e in _compose_schema_validator().iter_errors(_yaml(path))]
     assert not errors, errors
 
 
@@ -478,7 +480,8 @@ def test_every_metric_has_a_dashboard_panel():
 
     used = {family(n) for n in check_dashboard.dashboard_metric_names()}
     missing = {family(n) for n in check_dashboard.exported_series_names()} - used
-    assert not missing, f"metrics in services/metrics.py with no panel in deploy/grafana/dashboards/dapo.json: {missing}"
+    assert not missing, \
+        f"metrics in services/metrics.py with no panel in deploy/grafana/dashboards/dapo.json: {missing}"
 
 
 def test_metric_name_check_catches_an_unknown_name_and_a_syntax_error(tmp_path):
@@ -522,7 +525,8 @@ def test_dashboard_layout_and_datasource_provisioning():
     for panel in dashboard["panels"]:
         grid = panel["gridPos"]
         assert grid["x"] + grid["w"] <= 24
-        cell = {(x, y) for x in range(grid["x"], grid["x"] + grid["w"]) for y in range(grid["y"], grid["y"] + grid["h"])}
+        cell = {(x, y) for x in range(grid["x"], grid["x"] + grid["w"])
+                for y in range(grid["y"], grid["y"] + grid["h"])}
         assert not cell & cells, f"panel {panel['title']!r} overlaps another"
         cells |= cell
         if panel["type"] != "row":
@@ -660,7 +664,8 @@ def test_keda_scales_generators_on_the_prompts_stream(tmp_path):
     config = tmp_path / "config.yaml"
     config.write_text(_by_kind(resources, "ConfigMap")["dapo-config"]["data"]["config.yaml"])
     settings = load_settings(config)
-    prompts = Streams(redis.Redis(), settings, signs_as=()).stream("prompts", PromptTask)  # key naming only: no connection
+    # key naming only: no connection
+    prompts = Streams(redis.Redis(), settings, signs_as=()).stream("prompts", PromptTask)
     redis_service = _by_kind(resources, "Service")["redis"]
     triggers = scaled["spec"]["triggers"]
     assert {"pendingEntriesCount", "lagCount"} <= {k for t in triggers for k in t["metadata"]}
@@ -793,7 +798,8 @@ def test_overlays_pick_their_image_and_hardware():
     gpu = _by_kind(_render("overlays/gpu"), "Deployment")
     for name in ("learner", "generator"):
         assert gpu[name]["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 1
-    (generator,) = _by_kind(_render("overlays/cpu-tiny"), "Deployment")["generator"]["spec"]["template"]["spec"]["containers"]
+    (generator,) = \
+        _by_kind(_render("overlays/cpu-tiny"), "Deployment")["generator"]["spec"]["template"]["spec"]["containers"]
     env = {e["name"]: e.get("value") for e in generator["env"]}
     assert env["VLLM_CPU_KVCACHE_SPACE"] == "1" and env["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0"
 
@@ -833,7 +839,8 @@ def _selects(selector: dict | None, labels: dict) -> bool:
     selector = selector or {}
     if any(labels.get(key) != value for key, value in selector.get("matchLabels", {}).items()):
         return False
-    tests = {"In": lambda e: labels.get(e["key"]) in e["values"], "NotIn": lambda e: labels.get(e["key"]) not in e["values"],
+    tests = {"In": lambda e: labels.get(e["key"]) in e["values"],
+             "NotIn": lambda e: labels.get(e["key"]) not in e["values"],
              "Exists": lambda e: e["key"] in labels, "DoesNotExist": lambda e: e["key"] not in labels}
     return all(tests[e["operator"]](e) for e in selector.get("matchExpressions", []))
 
@@ -844,7 +851,8 @@ def _peer_matches(entry: dict, peer: Peer) -> bool:
         if peer.namespace is not None:
             return False
         ip, block = ipaddress.ip_address(peer.ip), entry["ipBlock"]
-        return ip in ipaddress.ip_network(block["cidr"]) and not any(ip in ipaddress.ip_network(e) for e in block.get("except", []))
+        return ip in ipaddress.ip_network(block["cidr"]) and not any(ip in ipaddress.ip_network(e)
+                                                                     for e in block.get("except", []))
     if peer.namespace is None:
         return False
     if "namespaceSelector" in entry:
@@ -913,7 +921,8 @@ def _flows(resources: list[dict]) -> set[tuple[str, str, int, str]]:
     targets += [(KUBE_DNS, 53, "UDP"), (KUBE_DNS, 53, "TCP"), (INTERNET, 443, "TCP"), (INTERNET, 80, "TCP"),
                 (CLOUD_METADATA, 80, "TCP"), (CLOUD_METADATA, 443, "TCP"), (OTHER_APP, 8080, "TCP")]
     return {(source.name, target.name, port, protocol) for source in sources for target, port, protocol in targets
-            if NAMESPACE in (source.namespace, target.namespace) and _reachable(policies, source, target, port, protocol)}
+            if NAMESPACE in (source.namespace, target.namespace)
+            and _reachable(policies, source, target, port, protocol)}
 
 
 def _needed_flows(overlay: str) -> set[tuple[str, str, int, str]]:
@@ -1009,7 +1018,8 @@ def _pod_security_violations(spec: dict) -> list[str]:
             "may run as root": effective.get("runAsNonRoot") is True and effective.get("runAsUser") != 0,
             "seccomp not RuntimeDefault or Localhost":
                 effective.get("seccompProfile", {}).get("type") in ("RuntimeDefault", "Localhost"),
-            "AppArmor unconfined": effective.get("appArmorProfile", {}).get("type") in (None, "RuntimeDefault", "Localhost"),
+            "AppArmor unconfined":
+                effective.get("appArmorProfile", {}).get("type") in (None, "RuntimeDefault", "Localhost"),
             "SELinux options": effective.get("seLinuxOptions", {}).get("type") in PSS_SELINUX_TYPES
                 and not {"user", "role"} & effective.get("seLinuxOptions", {}).keys(),
             "procMount": context.get("procMount", "Default") == "Default",
@@ -1140,7 +1150,8 @@ def test_the_tls_component_renders_redis_and_https_with_the_ca(overlay, tmp_path
     args = redis_container["args"]
     assert args[args.index("--port") + 1] == "0" and args[args.index("--tls-port") + 1] == str(DEFAULT_REDIS_PORT)
     assert args[args.index("--tls-ca-cert-file") + 1] == settings.http_tls_ca
-    assert redis_container["readinessProbe"]["exec"]["command"][:4] == ["redis-cli", "--tls", "--cacert", settings.http_tls_ca]
+    assert redis_container["readinessProbe"]["exec"]["command"][:4] == \
+        ["redis-cli", "--tls", "--cacert", settings.http_tls_ca]
     assert _pod_security_violations(_by_kind(resources, "Deployment")["redis"]["spec"]["template"]["spec"]) == []
     if overlay == "overlays/gpu":
         (scaled,) = _by_kind(resources, "ScaledObject").values()
@@ -1315,7 +1326,8 @@ def test_recipe_learner_is_ranks_of_one_accelerate_launch():
     # Every pod gets its machine rank from its index; the ranks meet at pod 0 through the headless Service.
     env = {e["name"]: e for e in container["env"]}
     assert "--machine_rank=$(MACHINE_RANK)" in args
-    assert env["MACHINE_RANK"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.labels['apps.kubernetes.io/pod-index']"
+    assert env["MACHINE_RANK"]["valueFrom"]["fieldRef"]["fieldPath"] == \
+        "metadata.labels['apps.kubernetes.io/pod-index']"
     headless = _by_kind(resources, "Service")[spec["serviceName"]]
     assert headless["spec"]["clusterIP"] == "None" and headless["spec"]["publishNotReadyAddresses"] is True
     assert config["main_process_ip"] == f"learner-0.{spec['serviceName']}"

@@ -191,8 +191,9 @@ def test_announcements_with_a_bad_signature_or_an_unconfigured_url_are_refused(l
     good = publisher.publish(random_qwen2(seed=1).state_dict(), version=1)
     assert good.signature and sync.latest() == good
 
+    # even signed: the token goes to the configured learner only
     elsewhere = sign_announcement(good.model_copy(update={"url": "http://collector.example:9/v1/weights/1"}),
-                                  publisher.signer, channel(publisher.prefix))  # even signed: the token goes to the configured learner only
+                                  publisher.signer, channel(publisher.prefix))
     with pytest.raises(WeightsError, match="not under the configured learner URL") as err:
         sync.prepare(elsewhere)
     assert err.value.reason == "untrusted_url"

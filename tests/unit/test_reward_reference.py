@@ -60,7 +60,8 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("case_id,response,truth,correct,extracted,rule,robust,reason", CASES, ids=[c[0] for c in CASES])
+@pytest.mark.parametrize("case_id,response,truth,correct,extracted,rule,robust,reason", CASES,
+                         ids=[c[0] for c in CASES])
 def test_dapo_rule_is_the_reference(case_id, response, truth, correct, extracted, rule, robust, reason):
     verdict = ANSWER_RULES["dapo"](response, truth)
     assert (verdict.correct, verdict.extracted, verdict.rule) == (correct, extracted, rule), reason

@@ -14,7 +14,16 @@ from hypothesis import strategies as st
 
 from services.config import load_settings
 from services.keys import (
-    ROLES, Keyring, KeysError, create_keys, framed, load_keyring, load_signer, private_key_file, retire, rotate,
+    ROLES,
+    Keyring,
+    KeysError,
+    create_keys,
+    framed,
+    load_keyring,
+    load_signer,
+    private_key_file,
+    retire,
+    rotate,
 )
 from services.messages import WeightsAnnouncement, WeightsFile, announcement_refusal, sign_announcement
 
@@ -130,7 +139,8 @@ def test_rotation_keeps_the_previous_kid_until_it_is_retired(tmp_path):
 
 
 def test_dapo_keys_makes_the_deployment_secrets(tmp_path):
-    from cli.keys import compose_secrets, main as keys
+    from cli.keys import compose_secrets
+    from cli.keys import main as keys
 
     settings = load_settings("tiny-cpu", run_dir=str(tmp_path))
     assert keys(settings, "init", None, None) == 0 and len(list((tmp_path / "keys" / "public").glob("*.pub"))) == 3

@@ -1,0 +1,93 @@
+"""A run's checkpoints (learner/checkpoint.py): the latest, pruning, crash recovery, the refill limit's stop record,
+and how `dapo run` reports a run it stopped."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from cli.launcher import reported_exit
+from learner.checkpoint import LATEST, STOPPED, TRAINER_STATE, Checkpoints, complete
+from services.errors import ExitCode
+
+
+def checkpointed(run_dir, step: int, keep: int = 1) -> Checkpoints:
+    checkpoints = Checkpoints(run_dir, keep=keep)
+    checkpoints.dir.mkdir(parents=True, exist_ok=True)
+    (checkpoints.dir / LATEST).write_text(f"step-{step}")
+    return checkpoints
+
+
+def test_a_stop_counts_only_at_the_checkpoint_it_names(tmp_path):
+    checkpoints = checkpointed(tmp_path, 4)
+    assert checkpoints.latest_step() == 4 and checkpoints.recorded_stop() is None
+    checkpoints.record_stop(4, max_refills=10, reason="2 of 64 informative groups after 10 refill rounds")
+    assert checkpoints.recorded_stop() == {"step": 4, "max_refills": 10,
+                                           "reason": "2 of 64 informative groups after 10 refill rounds"}
+    (checkpoints.dir / LATEST).write_text("step-6")  # the run went on past it (and crashed before clearing it)
+    assert checkpoints.recorded_stop() is None
+    checkpoints.clear_stop()
+    checkpoints.clear_stop()  # nothing to clear: no error
+    assert not (checkpoints.dir / STOPPED).exists()
+    elsewhere = Checkpoints(tmp_path / "elsewhere")
+    assert elsewhere.latest_step() is None and elsewhere.recorded_stop() is None and elsewhere.steps() == []
+
+
+def test_an_unreadable_stop_record_does_not_keep_a_run_from_starting(tmp_path, caplog):
+    checkpoints = checkpointed(tmp_path, 2)
+    for garbage in ("{not json", '{"step": 2}', '["step", 2]'):
+        (checkpoints.dir / STOPPED).write_text(garbage)
+        with caplog.at_level(logging.WARNING):
+            assert checkpoints.recorded_stop() is None
+        assert "unreadable stop record" in caplog.text
+        caplog.clear()
+
+
+def test_dapo_run_reports_a_run_that_stayed_stopped_as_the_stop(tmp_path):
+    checkpoints = checkpointed(tmp_path, 3)
+    assert reported_exit(0, tmp_path) == 0  # finished
+    checkpoints.record_stop(3, max_refills=2, reason="no informative group")
+    assert reported_exit(0, tmp_path) == ExitCode.REFILL_LIMIT == 3  # stayed stopped where it would resume
+    assert reported_exit(ExitCode.REFILL_LIMIT, tmp_path) == ExitCode.REFILL_LIMIT
+    assert reported_exit(75, tmp_path) == 75  # any other exit is its own
+
+
+def test_checkpoint_folders_are_named_and_listed_by_step(tmp_path):
+    checkpoints = checkpointed(tmp_path, 10)
+    for step in (10, 2):
+        checkpoints.path(step).mkdir()
+    for name in ("step-x", "other"):
+        (checkpoints.dir / name).mkdir()
+    (checkpoints.dir / "step-3").write_text("a file, not a checkpoint")
+    assert checkpoints.path(10).name == "step-10" and checkpoints.steps() == [2, 10]
+    assert checkpoints.latest_step() == 10
+
+
+def test_commit_points_latest_at_the_step_and_keeps_the_newest(tmp_path):
+    checkpoints = checkpointed(tmp_path, 0, keep=2)
+    for step in (2, 4, 6):
+        checkpoints.path(step).mkdir()
+        checkpoints.commit(step)
+        assert (checkpoints.dir / LATEST).read_text() == f"step-{step}"
+    assert checkpoints.steps() == [4, 6] and checkpoints.latest_step() == 6
+    checkpoints.keep = 0  # at least the one just committed stays
+    checkpoints.commit(6)
+    assert checkpoints.steps() == [6]
+
+
+def test_a_crash_between_the_renames_leaves_a_complete_checkpoint(tmp_path):
+    path = tmp_path / "step-4"
+    with pytest.raises(FileNotFoundError):
+        complete(path)
+    old = tmp_path / "step-4.old"
+    (old).mkdir()
+    (old / TRAINER_STATE).write_text("{}")
+    assert complete(path) == old  # renamed aside, the new one not yet in place: the previous one
+    tmp = tmp_path / "step-4.tmp"
+    tmp.mkdir()
+    assert complete(path) == old  # a half-written new one is not taken
+    (tmp / TRAINER_STATE).write_text("{}")
+    assert complete(path) == tmp  # written whole (trainer_state.json comes last): the new one
+    path.mkdir()
+    assert complete(path) == path
