@@ -9,7 +9,7 @@ initialised Qwen2.5-shaped model: nothing to download):
 - `project-compiled`: selective checkpointing with each decoder layer and the head's chunks compiled
   (`learner.compile`), whatever the preset says;
 - `project-selective`: selective checkpointing uncompiled (the matrix products and attention kept, only the
-  elementwise work recomputed: learner/recompute.py);
+  elementwise work recomputed: learner/activation_checkpointing.py);
 - `project-full`: full checkpointing uncompiled (each layer's forward again in backward);
 - `project-compiled-off`: compiled, no checkpointing (what the activations of the preset's micro-batch cost when
   every one is kept);

@@ -79,8 +79,8 @@ def computed_tokens(trainer, groups) -> tuple[int, int]:
     batch = trainer._prepare(groups)
     computed = 0
     for mini_batch in trainer._mini_batches(batch):
-        for micro in trainer._plan(mini_batch, batch.responses):
-            inputs = trainer._collate(batch.responses, micro)
+        for micro in trainer.packer.plan(mini_batch, batch.responses):
+            inputs = trainer.packer.collate(batch.responses, micro)
             computed += inputs.input_ids.numel() + (inputs.prompt.input_ids.numel() if inputs.prompt else 0)
     return computed, sum(r.length for r in batch.responses)
 

@@ -123,3 +123,4 @@ def follow(trainer: "Trainer", channel: RankChannel) -> int:
         elif op == "stop":
             log.info("rank %d: stop", rank)
             return 0
+

@@ -231,7 +231,8 @@ class LearnerService:
         if self.cfg.eval_every > 0:
             self.eval_problems = held_out_problems(self.settings)
         if self.settings.model.name_or_path == TINY_NAME:  # its tokenizer knows the synthetic task's characters only
-            check_alphabet([*train, *self.eval_problems], {tokenizer.decode([i]) for i in tokenizer.get_vocab().values()})
+            vocabulary = {tokenizer.decode([i]) for i in tokenizer.get_vocab().values()}
+            check_alphabet([*train, *self.eval_problems], vocabulary)
         if shared := shared_problems(train, self.eval_problems):
             log.warning("%d of the %d held-out problems are also training problems (data.train %s, data.eval %s): "
                         "the held-out accuracy is partly measured on the training set", shared,

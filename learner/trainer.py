@@ -17,7 +17,8 @@ One `train_step(groups)` is one rollout step of the paper (Algorithm 1, the inne
      positions that predict response tokens go through the LM head, in chunks (learner/logprobs.py). Every
      micro-batch loss is divided by the *mini-batch's* token count (Eq. 12) or response count (sample level), so
      the accumulated gradient equals the gradient of the whole mini-batch at once; the step's statistics stay on
-     the device until its end (no wait for the GPU inside the loop);
+     the device until its end (the host still waits on the GPU inside the loop: each micro-batch's filter and
+     advantages tensors are built from host lists, and each update reads its gradient norm);
   5. gradient-norm clip, AdamW step per mini-batch (not for a mini-batch with no token in the loss, every response
      overlong-filtered: AdamW's momentum and weight decay would move the weights with no gradient); the
      learning-rate schedule (linear warm-up over `warmup_steps`, then constant) advances once per train_step:
@@ -26,9 +27,11 @@ One `train_step(groups)` is one rollout step of the paper (Algorithm 1, the inne
 
 With one mini-batch and one epoch (a single update) no no-grad pass runs at all.
 
-Precision: master weights and AdamW state are fp32 everywhere (with the paper's lr = 1e-6 a bf16 weight cannot
-represent one update: its relative resolution is ~4e-3). `model.dtype` is the compute and serving dtype: on a
-GPU "auto" means bf16 autocast (accelerate mixed precision) and bf16 published weights; on CPU, fp32 throughout.
+Precision: master weights and AdamW state are fp32 (with the paper's lr = 1e-6 a bf16 weight cannot represent
+one update: its relative resolution is ~4e-3). `model.dtype` is the compute and serving dtype: on a GPU "auto"
+means bf16 autocast (accelerate mixed precision) and bf16 published weights; on CPU, fp32 throughout. Under
+FSDP, accelerate's `mixed_precision: bf16` also reduces the gradients and casts the root module's output in
+bf16, the head's fp32 logprobs included: not yet handled (issue 45).
 
 Distributed (`accelerate launch`, DDP or FSDP): every rank must call `train_step` with the same groups (the
 service's main process reads the streams and broadcasts them). Each mini-batch is dealt across ranks by tokens;
@@ -44,7 +47,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -54,9 +56,10 @@ import torch
 from torch import Tensor
 from torch.nn.utils.rnn import pad_sequence
 
-from learner import attention, dapo, packing, recompute, throughput
+from learner import activation_checkpointing, attention, dapo, devices, packing, throughput
 from learner.logprobs import HeadQuery, install_head
 from learner.packing import MicroBatch, Response
+from learner.update_stats import UpdateStats
 
 if TYPE_CHECKING:  # pragma: no cover
     from services.config import Settings
@@ -69,7 +72,9 @@ _MIXED_PRECISION = {torch.float32: "no", torch.bfloat16: "bf16", torch.float16: 
 
 
 @dataclass
-class _Batch:
+class _Responses:
+    """The step's responses (the groups flattened), and their pi_old and pi_ref once the no-grad pass computed them."""
+
     responses: list[Response]
     groups: int
     response_length_mean: float
@@ -97,16 +102,8 @@ class Trainer:
             mixed_precision=_MIXED_PRECISION[self.compute_dtype], step_scheduler_with_optimizer=False,
             **accelerator_kwargs(settings),  # experiment trackers (learner.report_to)
         )
-        if self.accelerator.distributed_type == DistributedType.DEEPSPEED:
-            raise ValueError(
-                "DeepSpeed is not supported by the DAPO trainer (its engine owns gradient accumulation and "
-                "clipping); use an FSDP accelerate config instead"
-            )
-        plugin = getattr(self.accelerator.state, "fsdp_plugin", None)
-        if plugin is not None and plugin.activation_checkpointing:  # a wrapper around each layer: a second recompute
-            raise ValueError("accelerate's fsdp_activation_checkpointing is on: set it to false, the learner "
-                             "checkpoints its layers itself (learner.gradient_checkpointing: full, selective or off)")
-        self._set_cpu_threads()
+        devices.check_accelerator(self.accelerator)
+        devices.share_cpu_threads(self.accelerator)
         set_seed(cfg.seed)  # python, numpy, torch (the brief's torch.manual_seed, and the others)
         # Sampling temperature: the behaviour policy samples from softmax(z / T), so that is the policy whose
         # logprobs the learner must compute (T = 0, greedy, has no density: fall back to T = 1).
@@ -123,8 +120,7 @@ class Trainer:
             self.model_path, dtype=torch.float32, trust_remote_code=settings.model.trust_remote_code,
             attn_implementation=self.attention,
         )
-        recompute.prepare_layers(model, cfg.gradient_checkpointing, cfg.compile)
-        self.pad_token_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
+        activation_checkpointing.prepare_layers(model, cfg.gradient_checkpointing, cfg.compile)
         self.parameter_counts = throughput.parameter_counts(model)
         # The head scores response positions only, in chunks (learner/logprobs.py); installed before any wrapping.
         self.heads = {}
@@ -143,13 +139,13 @@ class Trainer:
         # compiled layers (a KV cache of every prompt length recompiles them past torch's limit).
         self.share_prompts = (cfg.share_prompt_pass and cfg.gradient_checkpointing == "off" and not cfg.compile
                               and self.accelerator.distributed_type != DistributedType.FSDP)
-        self.layout: packing.Layout = "packed" if packed else "shared" if self.share_prompts else "padded"
-        # On a GPU, few distinct shapes where kernels are planned per shape (cuDNN's SDPA): packs on a mask rounded
-        # up to an eighth of the budget, padded rows to 64 tokens. The varlen flash kernels plan nothing, so their
-        # packs only round to 128 tokens (tensor-core tiles): an eighth of 16k wastes 6 % of a step on average.
-        # On a CPU nothing is planned and every padding token costs.
+        layout: packing.Layout = "packed" if packed else "shared" if self.share_prompts else "padded"
         varlen = self.attention in (attention.VARLEN, "flash_attention_2")
-        self.bucket = ((128 if varlen else max(1, cfg.micro_batch_tokens // 8)) if packed else 64) if cuda else 1
+        self.packer = packing.Packer(
+            layout, cfg.micro_batch_tokens, pad_token_id=model.config.pad_token_id or 0,
+            bucket=packing.length_bucket(layout, cuda, varlen, cfg.micro_batch_tokens),
+            device=self.accelerator.device, world=self.accelerator.num_processes,
+            rank=self.accelerator.process_index)
         self.peak_tflops = throughput.peak_tflops(self.accelerator.device, cfg.peak_tflops)
         self.reference = None
         if cfg.kl_coef:
@@ -175,9 +171,9 @@ class Trainer:
         cfg = self.config
         batch = self._prepare(groups)
         mini_batches = self._mini_batches(batch)
-        stats = _Stats(self.accelerator.device)
+        stats = UpdateStats(self.accelerator.device)
         recompute_started = time.perf_counter()
-        self._recompute(batch, mini_batches, stats)
+        self._old_logprobs_pass(batch, mini_batches, stats)
         stats.seconds["forward"] += time.perf_counter() - recompute_started
         lr = self.scheduler.get_last_lr()[0]
 
@@ -203,21 +199,10 @@ class Trainer:
                 self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
 
-        totals = stats.reduced(self.accelerator, self.parameter_counts)  # waits for the device: the step's only read of its sums
         seconds = time.perf_counter() - started
         tokens = sum(r.loss_tokens for r in batch.responses)
-        stepped = max(stats.updates - stats.skipped, 1)
         return {
-            "loss": totals["loss"] / max(stats.updates, 1),
-            "clip_frac_low": totals["clip_low"] / max(totals["tokens"], 1.0),
-            "clip_frac_high": totals["clip_high"] / max(totals["tokens"], 1.0),
-            "clip_frac_dual": totals["clip_dual"] / max(totals["tokens"], 1.0),
-            "entropy": totals["entropy"] / max(totals["tokens"], 1.0),
-            "approx_kl": totals["approx_kl"] / max(totals["tokens"], 1.0),
-            "log_ratio_max": totals["log_ratio_max"],
-            "tis_mean": totals["tis"] / max(totals["tis_tokens"], 1.0),
-            "tis_capped_frac": totals["tis_capped"] / max(totals["tis_tokens"], 1.0),
-            "grad_norm": stats.grad_norm / stepped,
+            **stats.metrics(self.accelerator, self.parameter_counts, seconds, self.peak_tflops),
             "lr": lr,
             "tokens": float(tokens),
             "tokens_per_second": tokens / seconds if seconds > 0 else 0.0,
@@ -225,11 +210,6 @@ class Trainer:
             "step_seconds": seconds,
             "groups": float(batch.groups),
             "samples": float(len(batch.responses)),
-            "updates": float(stats.updates),
-            "skipped_updates": float(stats.skipped),
-            **throughput.utilisation(totals["model_flops"], seconds, self.accelerator.num_processes,
-                                     self.peak_tflops),
-            **{f"{phase}_seconds": value for phase, value in stats.seconds.items()},  # this rank's
         }
 
     def loss_gradients(self, groups: Sequence["ScoredGroup"]) -> tuple[float, dict[str, Tensor]]:
@@ -239,8 +219,8 @@ class Trainer:
         """
         batch = self._prepare(groups)
         indices = list(range(len(batch.responses)))
-        stats = _Stats(self.accelerator.device)
-        self._recompute(batch, [indices], stats)
+        stats = UpdateStats(self.accelerator.device)
+        self._old_logprobs_pass(batch, [indices], stats)
         self.optimizer.zero_grad(set_to_none=True)
         self._backward_mini_batch(batch, indices, stats, first_epoch=True)
         loss = stats.reduced(self.accelerator)["loss"]  # each rank returned its share
@@ -261,8 +241,8 @@ class Trainer:
         todo = [i for i, r in enumerate(responses) if r.response_ids]
         if not todo:
             return [[[] for _ in group.rollout.samples] for group in groups]
-        for indices, real in self._lockstep([todo] * self.accelerator.num_processes, responses):
-            logp, _ = self._forward(self.model, self._collate(responses, indices), entropy=False)
+        for indices, real in self.packer.lockstep([todo] * self.accelerator.num_processes, responses):
+            logp, _ = self._forward(self.model, self.packer.collate(responses, indices), entropy=False)
             if real:
                 for row, i in enumerate(indices):
                     values[i] = logp[row, : len(responses[i].response_ids)].float().cpu()
@@ -297,7 +277,7 @@ class Trainer:
         return out
 
     # -- batch preparation -------------------------------------------------------------------------------------
-    def _prepare(self, groups: Sequence["ScoredGroup"]) -> _Batch:
+    def _prepare(self, groups: Sequence["ScoredGroup"]) -> _Responses:
         if not groups:
             raise ValueError("train_step needs at least one group")
         responses: list[Response] = []
@@ -325,9 +305,9 @@ class Trainer:
                     advantage=advantage,
                     filtered=self.config.overlong_filter and score.overlong,
                 ))
-        return _Batch(responses, len(groups), sum(lengths) / max(len(lengths), 1))
+        return _Responses(responses, len(groups), sum(lengths) / max(len(lengths), 1))
 
-    def _mini_batches(self, batch: _Batch) -> list[list[int]]:
+    def _mini_batches(self, batch: _Responses) -> list[list[int]]:
         """Shuffle the groups (a generator seeded by seed and step: identical on every rank, reproducible)
         and split them into at most `mini_batches` near-equal runs of whole groups; response indices."""
         generator = torch.Generator().manual_seed(self.config.seed * 1_000_003 + self.steps_done)
@@ -341,7 +321,7 @@ class Trainer:
         return [mb for mb in mini if mb]
 
     @torch.no_grad()
-    def _recompute(self, batch: _Batch, mini_batches: list[list[int]], stats: "_Stats") -> None:
+    def _old_logprobs_pass(self, batch: _Responses, mini_batches: list[list[int]], stats: UpdateStats) -> None:
         """pi_old of the responses this rank will train on in every mini-batch but the first (its training forward
         gives it: `_backward_mini_batch`), and pi_ref of all of them when kl_coef > 0; no grad."""
         recomputed = mini_batches if self.reference is not None else mini_batches[1:]
@@ -349,10 +329,10 @@ class Trainer:
             return
         per_rank: list[list[int]] = [[] for _ in range(self.accelerator.num_processes)]
         for mb in recomputed:  # sharded exactly as training will shard them
-            for rank, shard in enumerate(self._shard(mb, batch.responses)):
+            for rank, shard in enumerate(self.packer.shard(mb, batch.responses)):
                 per_rank[rank].extend(shard)
-        for micro, real in self._lockstep(per_rank, batch.responses):
-            inputs = self._collate(batch.responses, micro)
+        for micro, real in self.packer.lockstep(per_rank, batch.responses):
+            inputs = self.packer.collate(batch.responses, micro)
             logp, _ = self._forward(self.model, inputs, entropy=False)
             stats.count(inputs, trained=False)
             if self.reference is not None:
@@ -366,19 +346,20 @@ class Trainer:
                         batch.ref_logprobs[i] = ref[row, :n].float()
 
     # -- the update --------------------------------------------------------------------------------------------
-    def _backward_mini_batch(self, batch: _Batch, indices: list[int], stats: "_Stats", first_epoch: bool) -> None:
+    def _backward_mini_batch(self, batch: _Responses, indices: list[int], stats: UpdateStats,
+                             first_epoch: bool) -> None:
         """Accumulate the gradient of one mini-batch's loss; its loss (this rank's share) goes to `stats`."""
         cfg = self.config
         responses = batch.responses
         # Eq. (12): the normaliser is the whole mini-batch's (token | response) count, whatever the micro-batching.
         denominator = dapo.loss_denominator([responses[i].loss_tokens for i in indices], cfg.loss_agg)
         world = self.accelerator.num_processes
-        plan = self._lockstep(self._shard(indices, responses), responses)
+        plan = self.packer.lockstep(self.packer.shard(indices, responses), responses)
         for k, (micro, real) in enumerate(plan):
             sync = k == len(plan) - 1
             with contextlib.nullcontext() if sync else self.accelerator.no_sync(self.model):
                 forward_started = time.perf_counter()
-                inputs = self._collate(responses, micro)
+                inputs = self.packer.collate(responses, micro)
                 logp, entropy = self._forward(self.model, inputs, entropy=True, entropy_grad=bool(cfg.entropy_coef))
                 filtered = torch.tensor([responses[i].filtered for i in micro], device=logp.device)
                 mask = dapo.overlong_filter_mask(inputs.response_mask, filtered)
@@ -392,7 +373,8 @@ class Trainer:
                 logp_old = self._padded([batch.old_logprobs[i] for i in micro], logp)
                 logp_ref = self._padded([batch.ref_logprobs[i] for i in micro], logp) if self.reference else None
                 advantages = torch.tensor([responses[i].advantage for i in micro], device=logp.device).unsqueeze(-1)
-                tis = None if cfg.tis_cap is None else dapo.truncated_importance_weight(logp_old, behaviour, cfg.tis_cap)
+                tis = (None if cfg.tis_cap is None
+                       else dapo.truncated_importance_weight(logp_old, behaviour, cfg.tis_cap))
                 per_token, surrogate = dapo.token_loss(
                     logp, logp_old, advantages, tis,
                     clip_low=cfg.clip_low, clip_high=cfg.clip_high, dual_clip=cfg.dual_clip,
@@ -451,10 +433,6 @@ class Trainer:
         token_h = torch.zeros(shape, device=scored.device).index_put(where, scored[:, 1]) if entropy else None
         return logp, token_h
 
-    def _collate(self, responses: list[Response], indices: list[int]) -> MicroBatch:
-        return packing.collate(responses, indices, self.layout, self.pad_token_id, self.bucket,
-                               self.accelerator.device)
-
     def _padded(self, values: list[Tensor], like: Tensor) -> Tensor:
         """Ragged [R_i] tensors -> [B, R] aligned with `like` (zeros beyond each length)."""
         out = torch.zeros_like(like, dtype=torch.float32)
@@ -462,86 +440,6 @@ class Trainer:
                               batch_first=True)
         out[:, : padded.shape[1]] = padded
         return out
-
-    def _plan(self, indices: list[int], responses: list[Response]) -> list[list[int]]:
-        """Micro-batches of one rank's responses (learner/packing.py)."""
-        return packing.plan(indices, responses, self.config.micro_batch_tokens, self.layout == "packed")
-
-    def _shard(self, indices: list[int], responses: list[Response]) -> list[list[int]]:
-        """Responses dealt to ranks by tokens; identical on every rank."""
-        return packing.balance(indices, responses, self.accelerator.num_processes)
-
-    def _lockstep(self, per_rank: list[list[int]], responses: list[Response]) -> list[tuple[list[int], bool]]:
-        """This rank's micro-batches, padded with weight-0 repeats to the busiest rank's count."""
-        return packing.lockstep(per_rank, responses, self.config.micro_batch_tokens, self.layout == "packed",
-                                self.accelerator.process_index)
-
-    def _set_cpu_threads(self) -> None:
-        """On CPU, the learner's CPUs (OMP_NUM_THREADS when set: the launcher's or the container's CPU limit, else
-        the CPUs this process may run on) shared among this node's ranks: one intra-op thread per CPU."""
-        if self.accelerator.device.type != "cpu":
-            return
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        budget = os.environ.get("OMP_NUM_THREADS")
-        cores = int(budget) if budget and budget.isdigit() else cores
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", self.accelerator.num_processes))
-        torch.set_num_threads(max(1, cores // max(local, 1)))
-
-
-class _Stats:
-    """Running sums for the step's metrics (per-token sums over loss tokens; reduced over ranks at the end).
-
-    The sums stay on the device until `reduced`: reading a GPU value waits for the GPU, so the micro-batch loop
-    never does (one read a step)."""
-
-    KEYS = ("loss", "tokens", "clip_low", "clip_high", "clip_dual", "entropy", "approx_kl",
-            "tis", "tis_capped", "tis_tokens")
-
-    def __init__(self, device):
-        self.sums = torch.zeros(len(self.KEYS), dtype=torch.float64, device=device)
-        # max |log pi - log mu| over the loss tokens: few tokens or the whole policy?
-        self.largest_log_ratio = torch.zeros((), dtype=torch.float64, device=device)
-        self.updates = 0
-        self.skipped = 0
-        self.grad_norm = 0.0
-        self.seconds = {"forward": 0.0, "backward": 0.0, "optimizer": 0.0}  # forward includes pi_old's pass
-        # Tokens through the model (padding excluded) and through its head, for the model FLOPs (host counts).
-        self.model_tokens = {"trained": 0, "trained_scored": 0, "forward": 0, "forward_scored": 0}
-
-    def count(self, inputs: MicroBatch, trained: bool) -> None:
-        kind = "trained" if trained else "forward"
-        self.model_tokens[kind] += inputs.real_tokens
-        self.model_tokens[f"{kind}_scored"] += inputs.targets.numel()  # a shape, not a read of the device
-
-    def add_tokens(self, loss, mask, surrogate, entropy, logp, behaviour, tis, cap, first_epoch) -> None:
-        values = {
-            "loss": loss.detach(), "tokens": mask.sum(), **dapo.clip_counts(surrogate, mask),
-            "entropy": (entropy.detach() * mask).sum(),
-            "approx_kl": (dapo.kl_k3(behaviour, logp) * mask).sum(),  # KL(behaviour || current)
-        }
-        if first_epoch:  # the weights are constant over the step: count each token once
-            values["tis"] = ((1.0 if tis is None else tis) * mask).sum()  # no weight (tis_cap null): 1
-            if tis is not None:
-                values["tis_capped"] = ((tis >= cap * (1 - 1e-6)) * mask).sum()
-            values["tis_tokens"] = mask.sum()
-        zero = mask.new_zeros(())
-        self.sums += torch.stack([values.get(key, zero).double() for key in self.KEYS])
-        ratio = ((logp - behaviour).abs() * mask).max().double()
-        self.largest_log_ratio = torch.maximum(self.largest_log_ratio, ratio)
-
-    def reduced(self, accelerator, parameter_counts: tuple[int, int] = (0, 0)) -> dict[str, float]:
-        """The sums over all ranks (model_flops: every rank's, learner/throughput.py), and log_ratio_max: the largest |log pi - log mu| of the step. approx_kl is a
-        mean, and k3 grows like the ratio itself: one token the behaviour policy sampled at e^-10 of the learner's
-        probability lifts it to ~1 over 10^4 tokens. A spike with this near 10 is a few tokens; near 1, a drift."""
-        flops = throughput.model_flops(*parameter_counts, **self.model_tokens)
-        sums = torch.cat([self.sums, self.sums.new_tensor([flops])])
-        largest = self.largest_log_ratio.reshape(1)
-        if accelerator.num_processes > 1:
-            sums = accelerator.reduce(sums, reduction="sum")
-            largest = accelerator.gather(largest)
-        values = dict(zip(self.KEYS + ("model_flops",), sums.tolist()))
-        values["log_ratio_max"] = float(largest.max())
-        return values
 
 
 def _prompt_ids(group: "ScoredGroup") -> list[int]:

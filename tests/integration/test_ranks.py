@@ -80,7 +80,7 @@ from learner import packing
 from learner.checkpoint import load_training_state, save_training_state
 from learner.dapo import LinearWarmup
 from learner.logprobs import HeadQuery, install_head
-from learner.recompute import prepare_layers
+from learner.activation_checkpointing import prepare_layers
 
 dist.init_process_group("gloo")
 rank, tmp = dist.get_rank(), Path({tmp!r})

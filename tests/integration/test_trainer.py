@@ -111,7 +111,7 @@ def test_logprobs_match_unpadded_forward(model_path, tmp_path, temperature, layo
     settings = load_settings("tiny-cpu", run_dir=str(tmp_path), sampling={"temperature": temperature},
                              learner={"micro_batch_tokens": 30, **LAYOUTS[layout]})
     trainer = Trainer(settings, model_path)
-    assert trainer.layout == layout
+    assert trainer.packer.layout == layout
     groups = make_groups()
     batched = trainer.logprobs(groups)
     model = trainer.accelerator.unwrap_model(trainer.model)
@@ -227,7 +227,7 @@ def test_micro_batching_gives_the_gradient_of_the_whole_mini_batch(model_path, t
     loss_whole, grads_whole = whole.loss_gradients(groups)
     # A budget of 1 token: every response is its own micro-batch (12 forward/backward passes).
     split = Trainer(make_settings(tmp_path, loss_agg=loss_agg, micro_batch_tokens=1), model_path)
-    assert len(split._plan(list(range(12)), split._prepare(groups).responses)) == 12
+    assert len(split.packer.plan(list(range(12)), split._prepare(groups).responses)) == 12
     loss_split, grads_split = split.loss_gradients(groups)
     assert loss_split == pytest.approx(loss_whole, rel=1e-5)
     assert grads_whole.keys() == grads_split.keys() and len(grads_whole) > 10
@@ -259,7 +259,7 @@ def test_every_layout_gives_the_gradient_of_padded_rows(model_path, tmp_path, la
     groups = make_groups(n_groups=4, size=4, seed=5)
     padded = Trainer(make_settings(tmp_path, **LAYOUTS["padded"], micro_batch_tokens=budget), model_path)
     other = Trainer(make_settings(tmp_path, **LAYOUTS[layout], micro_batch_tokens=budget), model_path)
-    assert (padded.layout, other.layout) == ("padded", layout)
+    assert (padded.packer.layout, other.packer.layout) == ("padded", layout)
     groups = with_behaviour(groups, padded.logprobs(groups), random_offsets(groups, seed=4, scale=0.5))
     loss_padded, grads_padded = padded.loss_gradients(groups)
     loss_other, grads_other = other.loss_gradients(groups)
@@ -274,7 +274,7 @@ def test_every_layout_gives_the_gradient_of_padded_rows(model_path, tmp_path, la
 
 @pytest.mark.parametrize("layout", ["packed", "padded"])
 def test_checkpointed_layers_give_the_same_gradient_at_their_cost_in_flops(model_path, tmp_path, layout):
-    # learner/recompute.py: full recomputes each layer's forward in backward, selective keeps the matrix products
+    # learner/activation_checkpointing.py: full recomputes each layer's forward in backward, selective keeps the matrix products
     # and attention (counted: no FLOP beyond the uncheckpointed step's), and both give its gradient.
     from torch.utils.flop_counter import FlopCounterMode
 
@@ -283,7 +283,7 @@ def test_checkpointed_layers_give_the_same_gradient_at_their_cost_in_flops(model
     for mode in ("off", "full", "selective"):
         trainer = Trainer(make_settings(tmp_path, **LAYOUTS[layout], micro_batch_tokens=20,
                                         gradient_checkpointing=mode), model_path)
-        assert trainer.layout == layout
+        assert trainer.packer.layout == layout
         if mode == "off":
             groups = with_behaviour(groups, trainer.logprobs(groups), random_offsets(groups, seed=4, scale=0.5))
         with FlopCounterMode(display=False) as flops:
@@ -679,8 +679,8 @@ def test_packed_rows_through_the_varlen_interface_match_padded_rows(model_path, 
     padded = Trainer(make_settings(tmp_path, **LAYOUTS["padded"], micro_batch_tokens=budget), model_path)
     varlen = Trainer(make_settings(tmp_path, packing="on", attention="varlen", micro_batch_tokens=budget,
                                    gradient_checkpointing=checkpointing), model_path)
-    assert (varlen.layout, varlen.attention) == ("packed", attention.VARLEN)
-    varlen.bucket = bucket
+    assert (varlen.packer.layout, varlen.attention) == ("packed", attention.VARLEN)
+    varlen.packer.bucket = bucket
     groups = with_behaviour(groups, padded.logprobs(groups), random_offsets(groups, seed=4, scale=0.5))
     loss_padded, grads_padded = padded.loss_gradients(groups)
     loss_varlen, grads_varlen = varlen.loss_gradients(groups)

@@ -60,7 +60,7 @@ def test_packed_bf16_on_cuda_matches_the_fp32_reference(model_path, tmp_path, ch
     del reference
     fresh_accelerator_state()
     gpu = Trainer(settings(tmp_path, "bfloat16", gradient_checkpointing=checkpointing, compile=compiled), model_path)
-    assert gpu.accelerator.device.type == "cuda" and gpu.layout == "packed" and gpu.compute_dtype == torch.bfloat16
+    assert gpu.accelerator.device.type == "cuda" and gpu.packer.layout == "packed" and gpu.compute_dtype == torch.bfloat16
     assert gpu.optimizer.param_groups[0]["fused"]
     assert gpu.attention in (attention.VARLEN, "flash_attention_2"), gpu.attention  # rows' boundaries, no mask
     for g_expected, g_got in zip(expected, gpu.logprobs(groups)):

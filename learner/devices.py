@@ -1,0 +1,32 @@
+"""The learner's accelerate setup: the configurations the trainer refuses, and the CPUs its ranks share."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+
+def check_accelerator(accelerator) -> None:
+    """Refuse the accelerate configurations the trainer cannot run under."""
+    from accelerate.utils import DistributedType
+
+    if accelerator.distributed_type == DistributedType.DEEPSPEED:
+        raise ValueError("DeepSpeed is not supported by the DAPO trainer (its engine owns gradient accumulation and "
+                         "clipping); use an FSDP accelerate config instead")
+    plugin = getattr(accelerator.state, "fsdp_plugin", None)
+    if plugin is not None and plugin.activation_checkpointing:  # a wrapper around each layer: a second recompute
+        raise ValueError("accelerate's fsdp_activation_checkpointing is on: set it to false, the learner "
+                         "checkpoints its layers itself (learner.gradient_checkpointing: full, selective or off)")
+
+
+def share_cpu_threads(accelerator) -> None:
+    """On CPU, the learner's CPUs (OMP_NUM_THREADS when set: the launcher's or the container's CPU limit, else the
+    CPUs this process may run on) shared among this node's ranks: one intra-op thread per CPU."""
+    if accelerator.device.type != "cpu":
+        return
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    budget = os.environ.get("OMP_NUM_THREADS")
+    cores = int(budget) if budget and budget.isdigit() else cores
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", accelerator.num_processes))
+    torch.set_num_threads(max(1, cores // max(local, 1)))
