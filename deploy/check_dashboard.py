@@ -1,6 +1,6 @@
 """Check that the Grafana dashboard and the Prometheus rules only query series the services export.
 
-Offline (what tests/unit/test_deploy.py runs): every metric name in the dashboard's and the rules' PromQL must be
+Offline (what tests/unit/deployment/test_monitoring.py runs): every metric name in the dashboard's and the rules' PromQL must be
 a series that `services/metrics.py` exports (prometheus_client appends `_total`/`_created` to counters and
 `_bucket`/`_sum`/`_count`/`_created` to histograms).
 

@@ -460,5 +460,8 @@ class BatchAssembler:
     def state(self) -> dict:
         return {"ratio": self.ratio.state()}
 
-    def load_state(self, state: dict) -> None:
+    def load_state(self, state: dict, trained: Iterable[str] = ()) -> None:
+        """The checkpoint's estimate; `trained`, the task ids it consumed: a late duplicate of one stays out."""
         self.ratio.load_state(state["ratio"])
+        for task_id in trained:
+            self.seen.add(task_id)

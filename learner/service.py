@@ -30,7 +30,7 @@ import time
 import uuid
 from pathlib import Path
 
-from learner.batch import Batch, BatchAssembler, Push, RefillLimitReached, task_id_of
+from learner.batch import Batch, Push, RefillLimitReached
 from learner.checkpoint import STOPPED, Checkpoints
 from learner.evaluation import EvalRound
 from learner.lease import LearnerLease
@@ -147,8 +147,8 @@ class LearnerService:
         self.last_checkpoint_step: int | None = None
         self.last_eval_step: int | None = None
         self.policy = PolicyVersion()
-        self.assembler = BatchAssembler.from_settings(self.cfg, policy=self.policy)
         self.trainer = None
+        self.work: WorkingSet | None = None  # with Redis (connect)
         self.ranks: RankChannel | None = None
         self.records = Records(settings)
         self.http: BackgroundServer | None = None
@@ -173,7 +173,7 @@ class LearnerService:
         Records.write_config(self.settings)
         self.redis = connect(self.settings)
         self.streams = Streams(self.redis, self.settings, signs_as=("learner",))
-        self.work = WorkingSet(self.streams, self.assembler, lambda: self.policy.current)
+        self.work = WorkingSet(self.streams, self.cfg, self.policy)
         self.publisher = WeightPublisher(self.settings, self.redis, self.cfg.public_base_url())
         self.check_held_budget()
 
@@ -223,7 +223,7 @@ class LearnerService:
         self.ready_reason = "loading the model"
         model_path = model_dir(self.settings)
         tokenizer = AutoTokenizer.from_pretrained(model_path)
-        self.work.vocab_size = AutoConfig.from_pretrained(model_path).vocab_size  # the embedding table's rows
+        self.work.limit_vocabulary(AutoConfig.from_pretrained(model_path).vocab_size)  # the embedding table's rows
         self.prompt_builder = PromptBuilder(tokenizer, self.settings)
         data = self.settings.data
         train = load_problems(data_spec(data.train, "train"), self.settings)
@@ -283,7 +283,7 @@ class LearnerService:
             return False
         waited = time.perf_counter() - t0
         drops = self.work.take_drops()
-        self.push_train(self.assembler.plan(version, ahead=True))  # overlap (a no-op when max_staleness = 0)
+        self.push_train(self.work.plan_ahead(version))  # overlap (a no-op when max_staleness = 0)
         self.work.flush_outbox()
         result: dict[str, float] = {}
         publish_seconds = 0.0
@@ -297,9 +297,7 @@ class LearnerService:
             log.warning("step %d: refill limit with no informative group in hand: no update", self.step + 1)
         step_seconds = time.perf_counter() - t0
         self.step += 1
-        self.work.consumed(batch.task_ids)
-        self.work.consumed(task_id_of(g) for g in batch.stale_at_take)
-        lags = [self.assembler.lag(g, version) for g in batch.groups]
+        lags = self.work.finish(batch, version)
         timing = {"step_seconds": step_seconds, "wait_seconds": waited, **wait_split(waited, batch.groups),
                   "publish_seconds": publish_seconds, "time": time.time(), "started": started,
                   "world_size": self.ranks.world}
@@ -339,14 +337,10 @@ class LearnerService:
         """Push and refill until B informative groups are in hand (or the refill limit). None on stop."""
         version = self.policy.current
         while not self.stopping.is_set():
-            status = self.assembler.status(version)
-            if status == "train":
-                return self.assembler.take_batch(version)
-            if status == "limit":
-                return self.assembler.take_at_limit(version, self.cfg.on_refill_limit)
-            push = self.assembler.plan(version)
-            if push.count:
-                self.push_train(push)
+            outcome = self.work.next_batch(version)
+            if isinstance(outcome, Batch):
+                return outcome
+            self.push_train(outcome)
             self.pump()
         return None
 
@@ -359,13 +353,11 @@ class LearnerService:
             return
         version = self.policy.current
         tasks = [self.make_task(self.train_problems.next(), "train", version) for _ in range(push.count)]
-        self.assembler.issued([t.task_id for t in tasks], version)
-        self.work.push(tasks, data_cursor=self.train_problems.cursor())
+        self.work.issue(tasks, version, data_cursor=self.train_problems.cursor())
         if push.refill:
             metrics.LEARNER_REFILLS.inc()
-            log.info(
-                "refill %d: %d prompts (ratio %.3f)", self.assembler.refills, push.count, self.assembler.ratio.value
-            )
+            status = self.work.status()
+            log.info("refill %d: %d prompts (ratio %.3f)", status["refills"], push.count, status["informative_ratio"])
 
     def make_task(self, problem: Problem, split: str, version: int) -> PromptTask:
         text, ids = self.prompt_builder(problem)
@@ -384,8 +376,7 @@ class LearnerService:
     # -- resume, publish, checkpoint ---------------------------------------------------------------------------
     def start_fresh(self) -> bool:
         self.ensure_monotonic_version()
-        self.work.forget_data_cursor()
-        self.work.restore(skip=set(), counted=set())
+        self.work.start_fresh()
         self.records.cut_after(-1)
         return False
 
@@ -400,18 +391,14 @@ class LearnerService:
         path = self.checkpoints.path(step)
         extra = self.ranks.load(self.trainer, path)
         self.step = int(extra["step"])
-        self.assembler.start_at(self.step + 1)  # the batch warm-up goes on where it was
         self.policy.restore(extra["policy"])
         self.last_checkpoint_step = self.step
         self.last_eval_step = extra.get("last_eval_step")
         self.seek_data(extra["data_cursor"])
-        self.assembler.load_state(extra["assembler"])
         self.records.cut_after(self.step)
         log.info("resuming from %s: step %d, policy version %d", path, self.step, self.policy.current)
-        for task_id in extra["consumed"]:
-            self.assembler.seen.add(task_id)  # a late duplicate of a trained group stays out
         self.ensure_monotonic_version()
-        self.work.restore(skip=set(extra["consumed"]), counted=set(extra["carried"]))
+        self.work.resume(self.step, extra)
         return True
 
     def stays_stopped(self) -> bool:
@@ -489,9 +476,7 @@ class LearnerService:
             "step": self.step,
             "policy": self.policy.state(),
             "data_cursor": self.train_problems.cursor(),
-            "assembler": self.assembler.state(),  # the informative-ratio estimate
-            "consumed": sorted(self.work.consumed_since_checkpoint),
-            "carried": self.assembler.carried_ids,
+            **self.work.checkpoint_state(),  # the informative-ratio estimate, the groups consumed and carried
             "last_eval_step": self.last_eval_step,
             "saved_at": time.time(),
         }  # RNG: the trainer saves torch/python/numpy RNG state per rank; the data order is a function of (seed, epoch)
@@ -537,7 +522,7 @@ class LearnerService:
         is finished here, on the training clock, where the next step's wait would have finished it.
         """
         started = time.perf_counter()
-        while self.assembler.in_flight and not self.stopping.is_set():
+        while self.work.train_in_flight and not self.stopping.is_set():
             self.pump()
         return time.perf_counter() - started
 
@@ -548,11 +533,9 @@ class LearnerService:
             return None
         version = self.policy.current
         tasks = [self.make_task(p, "eval", version) for p in self.eval_problems]
-        self.work.eval_round = round_ = EvalRound(self.step, version, {t.task_id for t in tasks},
-                                                  started_at=time.time())
-        self.work.push(tasks)
+        round_ = EvalRound(self.step, version, {t.task_id for t in tasks}, started_at=time.time())
         started, logged = time.perf_counter(), time.perf_counter()
-        try:
+        with self.work.evaluating(round_, tasks):
             while not round_.done:
                 if self.stopping.is_set():
                     return None
@@ -560,9 +543,6 @@ class LearnerService:
                 if time.perf_counter() - logged > PROGRESS_LOG_SECONDS:
                     logged = time.perf_counter()
                     log.info("eval at step %d: %d/%d problems back", self.step, len(round_.received), len(tasks))
-        finally:
-            self.work.eval_round = None
-            self.work.unqueue({t.task_id for t in tasks})
         self.last_eval_step = self.step
         summary = round_.summary()
         summary["eval_seconds"] = time.perf_counter() - started
@@ -577,11 +557,7 @@ class LearnerService:
             "total_steps": self.cfg.total_steps,
             "version": self.policy.current,
             "world_size": self.ranks.world if self.ranks is not None else None,
-            "in_hand": len(self.assembler.ready),
-            "in_flight": len(self.assembler.in_flight),
-            "informative_ratio": self.assembler.ratio.value,
-            "refills": self.assembler.refills,
-            "evaluating": self.work.eval_round is not None,
+            **(self.work.status() if self.work is not None else {}),
         }
 
 

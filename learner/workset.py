@@ -29,20 +29,22 @@ longer waited for: the batch assembler (and a running evaluation) stop counting 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
 import time
 from collections import deque
-from typing import Callable
 
 import msgpack
 import numpy as np
 
-from learner.batch import BatchAssembler, task_id_of
+from learner.batch import Batch, BatchAssembler, Push, task_id_of
 from learner.evaluation import EvalRound
+from learner.policy import PolicyVersion
 from learner.records import GeneratorClocks
 from services import metrics
+from services.config import LearnerConfig
 from services.messages import PromptTask, ScoredGroup, from_wire
 from services.streams import (
     FIELD,
@@ -116,33 +118,110 @@ def quarantine_reason(suspect: dict | None) -> str | None:
 
 
 class WorkingSet:
-    """Pushes the learner's tasks, reads scored groups into the batch assembler, and keeps `held` and `issued`."""
+    """A task's whole life in the learner: issued and pushed, its scored group read, checked and held, taken into
+    a batch by its BatchAssembler (dynamic sampling), trained, checkpointed and settled; or lost, dropped or
+    dead-lettered. The service speaks to it in verbs (`issue`, `next_batch`, `finish`, `evaluating`, `resume`,
+    `checkpoint_state`, `release`) and reads `status()`."""
 
-    def __init__(self, streams: Streams, assembler: BatchAssembler, version: Callable[[], int]):
+    def __init__(self, streams: Streams, learner_cfg: LearnerConfig, policy: PolicyVersion, vocab_size: int = 0):
         self.streams = streams
-        self.assembler = assembler
-        self.version = version  # the current policy version (learner/policy.py owns it)
+        self.assembler = BatchAssembler.from_settings(learner_cfg, policy=policy)
+        self.on_refill_limit = learner_cfg.on_refill_limit
+        self.version = lambda: policy.current  # learner/policy.py owns the number
         self.prompts = streams.stream("prompts", PromptTask)
         self.scored = streams.stream("scored", ScoredGroup)
         self.held = streams.stream(HELD, ScoredGroup)
         self.issued_key = streams.key(ISSUED)
         self.suspects_key = streams.key(SUSPECTS)
         self.suspects: set[str] = set()  # held groups an update failed with (fewer than QUARANTINE_AFTER times)
-        # The model's embedding rows: the service sets them from the model's config before any group is read
-        # (0 refuses every token).
-        self.vocab_size = 0
+        # The model's embedding rows, from the model's config (0 refuses every token: `limit_vocabulary` first).
+        self.vocab_size = vocab_size
         self.cursor_key = streams.key(DATA_CURSOR)
         self._cursor_after: dict[str, dict] = {}  # task id -> the data cursor once that task is pushed
         self.redis = streams.redis
         self.consumer = consumer_name("learner")
         self.outbox: deque[PromptTask] = deque()
-        self.eval_round: EvalRound | None = None  # set by the service while it evaluates
+        self.eval_round: EvalRound | None = None  # while `evaluating`
         self.consumed_since_checkpoint: set[str] = set()
         self.drops: dict[str, list[str]] = {kind: [] for kind in DROP_KINDS}
         self.generator_clocks = GeneratorClocks()  # where the generators' time went (from the groups read)
         self._dead_cursor = streams.last_dead_letter_id()
         self._dead_scanned_at = 0.0
         self._redis_run_id: str | None = None
+
+    # -- the service's verbs -----------------------------------------------------------------------------------
+    def limit_vocabulary(self, size: int) -> None:
+        """The model's embedding rows: a group with a token id at or past them is refused (before any is read)."""
+        self.vocab_size = size
+
+    def issue(self, tasks: list[PromptTask], version: int, data_cursor: dict | None = None) -> None:
+        """Training tasks for the policy `version`: counted in flight by the assembler, then queued for pushing."""
+        self.assembler.issued([t.task_id for t in tasks], version)
+        self.push(tasks, data_cursor=data_cursor)
+
+    def next_batch(self, version: int) -> Batch | Push:
+        """The batch of this step when it is in hand (or the refill limit says to stop waiting), else the tasks to
+        push now (possibly none) before reading on."""
+        status = self.assembler.status(version)
+        if status == "train":
+            return self.assembler.take_batch(version)
+        if status == "limit":
+            return self.assembler.take_at_limit(version, self.on_refill_limit)
+        return self.assembler.plan(version)
+
+    def plan_ahead(self, version: int) -> Push:
+        """The next step's tasks pushed while this one trains (none when max_staleness = 0)."""
+        return self.assembler.plan(version, ahead=True)
+
+    def finish(self, batch: Batch, version: int) -> list[int]:
+        """A step took `batch` at policy `version`: its groups (and those aged out at the take) are consumed, released
+        from `held` at the next checkpoint. Returns each trained group's lag behind `version`."""
+        self.consumed(batch.task_ids)
+        self.consumed(task_id_of(g) for g in batch.stale_at_take)
+        return [self.assembler.lag(g, version) for g in batch.groups]
+
+    @property
+    def train_in_flight(self) -> bool:
+        return bool(self.assembler.in_flight)
+
+    @contextlib.contextmanager
+    def evaluating(self, round_: EvalRound, tasks: list[PromptTask]):
+        """Push the evaluation's tasks and route their groups to `round_` until the block ends; then forget those
+        never pushed."""
+        self.eval_round = round_
+        self.push(tasks)
+        try:
+            yield round_
+        finally:
+            self.eval_round = None
+            self.unqueue({t.task_id for t in tasks})
+
+    def start_fresh(self) -> None:
+        self.forget_data_cursor()
+        self.restore(skip=set(), counted=set())
+
+    def resume(self, step: int, state: dict) -> None:
+        """From a checkpoint of `step` (its `checkpoint_state`): the batch warm-up goes on where it was, a late
+        duplicate of a group it trained stays out, and `held` is re-admitted but for what it consumed."""
+        self.assembler.start_at(step + 1)
+        self.assembler.load_state(state["assembler"], trained=state["consumed"])
+        self.restore(skip=set(state["consumed"]), counted=set(state["carried"]))
+
+    def checkpoint_state(self) -> dict:
+        return {
+            "assembler": self.assembler.state(),  # the informative-ratio estimate
+            "consumed": sorted(self.consumed_since_checkpoint),
+            "carried": self.assembler.carried_ids,
+        }
+
+    def status(self) -> dict:
+        return {
+            "in_hand": len(self.assembler.ready),
+            "in_flight": len(self.assembler.in_flight),
+            "informative_ratio": self.assembler.ratio.value,
+            "refills": self.assembler.refills,
+            "evaluating": self.eval_round is not None,
+        }
 
     # -- pushing -----------------------------------------------------------------------------------------------
     def push(self, tasks: list[PromptTask], data_cursor: dict | None = None) -> None:

@@ -2,7 +2,9 @@
 
 Tests live by kind in `unit/` (no process, server or model: the whole folder runs in under a minute),
 `integration/` (real Redis, HTTP, child processes, torch and vLLM) and `e2e/` (the installed command running
-the system); each test gets the marker of its folder, so `-m unit` equals `pytest tests/unit`.
+the system), grouped by subject in subfolders where a subject has many (`unit/deployment/`, `unit/benchmarks/`,
+`integration/benchmarks/`); each test gets the marker of its kind's folder, subfolders included, so `-m unit`
+equals `pytest tests/unit`.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -22,15 +25,25 @@ from services.keys import create_keys, keys_dir  # noqa: E402
 from services.redis_local import EmbeddedRedis  # noqa: E402
 
 KINDS = ("unit", "integration", "e2e")
+TESTS = Path(__file__).resolve().parent
+
+
+def _kind(path: Path) -> str | None:
+    """The first folder under tests/ (tests/unit/deployment/test_k8s.py -> "unit"); None for a file outside one."""
+    path = path.resolve()
+    if not path.is_relative_to(TESTS) or len(path.relative_to(TESTS).parts) < 2:
+        return None
+    return path.relative_to(TESTS).parts[0]
 
 
 def pytest_collection_modifyitems(items):
-    """Mark every test with the kind of the folder it lives in; skip `gpu` tests where no CUDA device is visible."""
+    """Mark every test with the kind of the folder it lives in (the first one under tests/, so subfolders count as
+    their kind's); skip `gpu` tests where no CUDA device is visible."""
     cuda = None
     for item in items:
-        kind = item.path.parent.name
+        kind = _kind(item.path)
         if kind not in KINDS:
-            raise pytest.UsageError(f"{item.nodeid}: tests live in tests/unit, tests/integration or tests/e2e")
+            raise pytest.UsageError(f"{item.nodeid}: tests live under tests/unit, tests/integration or tests/e2e")
         item.add_marker(kind)
         if item.get_closest_marker("gpu"):
             if cuda is None:

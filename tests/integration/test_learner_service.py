@@ -124,19 +124,28 @@ def test_a_resume_redoes_the_evaluation_a_stop_cut_short(tmp_path):
 def test_an_evaluation_first_waits_until_no_train_prompt_is_in_flight(tmp_path):
     # an evaluation is left out of the training clock: nothing may be generated for training during one
     service = LearnerService(load_settings("tiny-cpu", run_dir=str(tmp_path)))
-    service.assembler.issued(["a", "b", "c"], version=0)
+
+    class InFlight:  # the working set as drain_train reads it (no Redis here)
+        def __init__(self, task_ids):
+            self.task_ids = list(task_ids)
+
+        @property
+        def train_in_flight(self) -> bool:
+            return bool(self.task_ids)
+
+    service.work = InFlight(["a", "b", "c"])
     seen = []
 
     def one_arrives():
-        seen.append(len(service.assembler.in_flight))
-        service.assembler.in_flight.popitem()
+        seen.append(len(service.work.task_ids))
+        service.work.task_ids.pop()
 
     service.pump = one_arrives
-    assert service.drain_train() >= 0 and seen == [3, 2, 1] and not service.assembler.in_flight
-    service.assembler.issued(["d"], version=0)
+    assert service.drain_train() >= 0 and seen == [3, 2, 1] and not service.work.train_in_flight
+    service.work.task_ids.append("d")
     service.stopping.set()
     service.drain_train()  # a stop ends the wait
-    assert list(service.assembler.in_flight) == ["d"]
+    assert service.work.task_ids == ["d"]
 
 
 def test_data_specs_and_public_url():
@@ -196,11 +205,11 @@ def learner_that_issued(settings) -> tuple[LearnerService, PromptTask]:
     """A connected learner service that pushed one task (recorded in `issued`, then produced; counted in flight)."""
     service = LearnerService(settings)
     service.connect()
-    service.work.vocab_size = 100  # load() reads it from the model's config
+    service.work.limit_vocabulary(100)  # load() reads it from the model's config
     issued = PromptTask(task_id="train-1", prompt_id="p1", prompt="1+1=", prompt_token_ids=[5, 6], ground_truth="2",
                         sampling=SamplingParams(n=2, max_tokens=8))
     service.work.outbox.append(issued)
-    service.assembler.issued(["train-1"], 0)
+    service.work.assembler.issued(["train-1"], 0)
     service.work.flush_outbox()
     return service, issued
 
@@ -222,7 +231,7 @@ def test_learner_trains_only_groups_it_issued_and_that_match(settings):
     service.redis.xadd(scored.key, {b"data": tampered, b"sig": scored.signature(genuine)})
     service.work.pump()
     # The refused groups named a real task: it is not taken for lost, its genuine group is still to come.
-    assert "train-1" in service.assembler.in_flight and service.work.issued_task("train-1") == issued
+    assert "train-1" in service.work.assembler.in_flight and service.work.issued_task("train-1") == issued
     scored.produce(scored_group(issued, [True, False]))
     service.work.pump()
 
@@ -232,14 +241,14 @@ def test_learner_trains_only_groups_it_issued_and_that_match(settings):
         "provenance: unknown task id 'train-made-up' (not issued by this run's learner)",
         "provenance: task train-1 does not match the task as issued (differs in prompt_token_ids)",
     ]
-    assert [task.rollout.task for _, _, task in service.assembler.ready] == [issued]
+    assert [task.rollout.task for _, _, task in service.work.assembler.ready] == [issued]
     assert service.redis.xlen(service.work.held.key) == 1 and service.redis.xlen(scored.key) == 0
 
 
 def issue_tasks(service, count: int) -> list[PromptTask]:
     """`count` train tasks issued by the learner and pushed to `prompts` (train-0, train-1, ...)."""
     tasks = [PromptTask(task_id=f"train-{i}", prompt_id=f"p{i}", prompt="1+1=", ground_truth="2") for i in range(count)]
-    service.assembler.issued([t.task_id for t in tasks], 0)
+    service.work.assembler.issued([t.task_id for t in tasks], 0)
     service.work.outbox.extend(tasks)
     service.work.flush_outbox()
     return tasks
@@ -263,8 +272,8 @@ def test_only_dead_letters_a_service_signed_make_a_task_lost(settings):
     (delivery,) = [d for d in prompts.consume("gen", count=10, block_ms=0) if d.message.task_id == "train-2"]
     prompts.dead(delivery.id, delivery.payload, "engine failure on this task alone: test")  # a generator's own
     service.work.scan_dead_letters()
-    assert sorted(service.assembler.in_flight) == ["train-0", "train-1"]
-    assert service.assembler.stats.lost == 1
+    assert sorted(service.work.assembler.in_flight) == ["train-0", "train-1"]
+    assert service.work.assembler.stats.lost == 1
 
 
 def test_no_re_split_splice_or_replay_of_a_signed_dead_letter_makes_a_task_lost(settings):
@@ -301,7 +310,7 @@ def test_no_re_split_splice_or_replay_of_a_signed_dead_letter_makes_a_task_lost(
         service.redis.xadd(dead_key, fields)
     assert [eid for eid, _ in service.streams.dead_letters_after("0-0")[1]] == [genuine_id.decode()]
     service.work.scan_dead_letters()
-    assert sorted(service.assembler.in_flight) == ["train-0", "train-1"] and service.assembler.stats.lost == 0
+    assert sorted(service.work.assembler.in_flight) == ["train-0", "train-1"] and service.work.assembler.stats.lost == 0
     assert all(service.redis.hexists(service.work.issued_key, t.task_id) for t in victims)
 
 
@@ -329,7 +338,7 @@ def test_a_dead_letter_whose_payload_went_to_a_file_still_names_its_task(setting
     (letter,) = service.streams.dead_letters()
     assert letter["data"] == b"" and Path(letter["payload_file"]).read_bytes() == delivery.payload
     service.work.scan_dead_letters()
-    assert not service.assembler.in_flight and service.assembler.stats.lost == 1
+    assert not service.work.assembler.in_flight and service.work.assembler.stats.lost == 1
 
 
 def test_a_learner_refuses_a_redis_too_small_for_a_step_and_checkpoints_early_under_memory_pressure(settings):
@@ -362,7 +371,7 @@ def test_a_group_whose_samples_the_trainer_cannot_use_is_refused_and_its_task_gi
     service.work.scan_dead_letters()
     (dead,) = service.streams.dead_letters()
     assert dead["reason"] == "malformed: task train-1 sample 0 has 2 token ids and 1 logprobs"
-    assert not service.assembler.ready and "train-1" not in service.assembler.in_flight
+    assert not service.work.assembler.ready and "train-1" not in service.work.assembler.in_flight
     assert service.redis.xlen(service.work.held.key) == 0
 
 
@@ -375,7 +384,7 @@ def test_a_signed_group_of_its_own_task_with_the_wrong_number_of_samples_gives_t
     service.work.scan_dead_letters()
     (dead,) = service.streams.dead_letters()
     assert dead["reason"] == "malformed: task train-1 asked for n=2 samples; the group has 3 samples and 3 scores"
-    assert not service.assembler.ready and "train-1" not in service.assembler.in_flight
+    assert not service.work.assembler.ready and "train-1" not in service.work.assembler.in_flight
 
 
 def test_a_signed_group_outside_the_bounds_is_dead_lettered_before_it_is_held(settings):
@@ -399,7 +408,7 @@ def test_a_signed_group_outside_the_bounds_is_dead_lettered_before_it_is_held(se
         "malformed: task train-1 sample 0 has 1002 tokens, more than the task's max_tokens 8",
         "malformed: task train-1 sample 0 has a logprob that is not a finite number",
     ]
-    assert not service.assembler.ready and "train-1" not in service.assembler.in_flight
+    assert not service.work.assembler.ready and "train-1" not in service.work.assembler.in_flight
     assert service.redis.xlen(service.work.held.key) == 0 and service.work.issued_task("train-1") is None
 
 
@@ -425,22 +434,22 @@ def test_a_group_that_crashes_the_update_is_quarantined_after_one_retry(settings
     def restart() -> LearnerService:
         service = LearnerService(settings)
         service.connect()
-        service.work.vocab_size = 100
+        service.work.limit_vocabulary(100)
         service.work.restore(skip=set(), counted=set())
         service.ranks = FailingRanks()
         return service
 
     def crash(service: LearnerService) -> None:
-        batch = service.assembler.take_batch(0, partial=True)
+        batch = service.work.assembler.take_batch(0, partial=True)
         with pytest.raises(IndexError):
             service.train(batch)
 
     crash(first)
     retried = restart()  # the retry: re-admitted once
-    assert [task_id_of(g) for _, _, g in retried.assembler.ready] == ["train-1"] and not retried.streams.dead_letters()
+    assert [task_id_of(g) for _, _, g in retried.work.assembler.ready] == ["train-1"] and not retried.streams.dead_letters()
     crash(retried)
     quarantined = restart()
-    assert not quarantined.assembler.ready and quarantined.redis.xlen(quarantined.work.held.key) == 0
+    assert not quarantined.work.assembler.ready and quarantined.redis.xlen(quarantined.work.held.key) == 0
     (dead,) = quarantined.streams.dead_letters()
     assert dead["reason"] == ("quarantined: 2 updates failed with this group in their batch (the last: IndexError: "
                               "index out of range in self)")
@@ -456,7 +465,7 @@ def test_an_update_that_goes_through_on_retry_clears_the_failure(settings):
     first.work.suspect(["train-1"], "RuntimeError: a transient fault")
     retried = LearnerService(settings)
     retried.connect()
-    retried.work.vocab_size = 100
+    retried.work.limit_vocabulary(100)
     retried.work.restore(skip=set(), counted=set())
     assert retried.work.suspects == {"train-1"}
 
@@ -465,7 +474,7 @@ def test_an_update_that_goes_through_on_retry_clears_the_failure(settings):
             return {"loss": 0.0}
 
     retried.ranks = Ranks()
-    retried.train(retried.assembler.take_batch(0, partial=True))
+    retried.train(retried.work.assembler.take_batch(0, partial=True))
     assert not retried.work.suspects and not retried.redis.exists(retried.work.suspects_key)
 
 
@@ -489,7 +498,7 @@ def test_tasks_lost_with_a_redis_crash_are_no_longer_waited_for(settings, redis_
     written = (Path(settings.run_dir) / "config.yaml").read_text()
     assert redis_server.password in settings.redis.url.get_secret_value() and redis_server.password not in written
     tasks = [PromptTask(task_id=f"train-{i}", prompt_id=f"p{i}", prompt="1+1=", ground_truth="2") for i in range(3)]
-    service.assembler.issued([t.task_id for t in tasks], 0)
+    service.work.assembler.issued([t.task_id for t in tasks], 0)
     service.work.outbox.extend(tasks[:2])
     service.work.flush_outbox()
     service.work.outbox.append(tasks[2])  # still queued: never pushed, must not count as lost
@@ -500,8 +509,8 @@ def test_tasks_lost_with_a_redis_crash_are_no_longer_waited_for(settings, redis_
     redis_server.stop(kill=True)
     redis_server.start()
     service.work.scan_dead_letters()
-    assert sorted(service.assembler.in_flight) == ["train-1", "train-2"]
-    assert service.assembler.stats.lost == 1
+    assert sorted(service.work.assembler.in_flight) == ["train-1", "train-2"]
+    assert service.work.assembler.stats.lost == 1
 
 
 # -- the whole loop (slow) -------------------------------------------------------------------------------------

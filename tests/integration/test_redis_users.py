@@ -167,7 +167,7 @@ def test_the_learner_service_runs_under_its_own_user(server, settings):
     service = LearnerService(as_learner)
     service.connect()  # INFO memory, the keyring, the publisher
     task = PromptTask(task_id="train-0", prompt_id="p0", prompt="1+1=", ground_truth="2")
-    service.assembler.issued(["train-0"], 0)
+    service.work.assembler.issued(["train-0"], 0)
     service.work.outbox.append(task)
     service.work.pump()  # issued + prompts in one script, scored read, dead letters scanned
     assert service.work.issued_task("train-0") == task

@@ -34,11 +34,11 @@ def group(task: PromptTask) -> ScoredGroup:
 def test_signed_attacks_on_the_roles_are_dead_lettered_and_the_genuine_group_trains(settings):
     service = LearnerService(settings)
     service.connect()
-    service.work.vocab_size = 100
+    service.work.limit_vocabulary(100)
     issued = PromptTask(task_id="train-1", prompt_id="p1", prompt="1+1=", prompt_token_ids=[5, 6], ground_truth="2",
                         sampling=SamplingParams(n=2, max_tokens=8))
     service.work.outbox.append(issued)
-    service.assembler.issued(["train-1"], 0)
+    service.work.assembler.issued(["train-1"], 0)
     service.work.flush_outbox()
     generator = Streams(service.redis, settings, signs_as=("generator",))
     reward = Streams(service.redis, settings, signs_as=("reward",))
@@ -58,10 +58,10 @@ def test_signed_attacks_on_the_roles_are_dead_lettered_and_the_genuine_group_tra
     service.work.pump()
     tasks = generator.stream("prompts", PromptTask).consume("gen", count=10, block_ms=0)
     assert [d.message.task_id for d in tasks] == ["train-1"]  # only the learner's own task reaches a generator
-    assert "train-1" in service.assembler.in_flight and not service.assembler.ready  # no forged group admitted
+    assert "train-1" in service.work.assembler.in_flight and not service.work.assembler.ready  # no forged group admitted
     reward.stream("scored", ScoredGroup).produce(group(issued))  # the genuine group, by the reward role
     service.work.pump()
-    assert [g.rollout.task for _, _, g in service.assembler.ready] == [issued]
+    assert [g.rollout.task for _, _, g in service.work.assembler.ready] == [issued]
 
     reasons = sorted(d["reason"] for d in service.streams.dead_letters())
     kids = {role: s.signers[role].kid for role, s in (("generator", generator), ("reward", reward))}
@@ -72,7 +72,7 @@ def test_signed_attacks_on_the_roles_are_dead_lettered_and_the_genuine_group_tra
         f"forged: key id {retired['learner'].kid!r} is not in the keyring (retired by a rotation, or never issued)",
     ])
     service.work.scan_dead_letters()
-    assert service.assembler.stats.lost == 0  # forged letters never make a task lost
+    assert service.work.assembler.stats.lost == 0  # forged letters never make a task lost
 
 
 def test_a_generator_user_gets_no_command_outside_its_acl(settings, short_tmp):

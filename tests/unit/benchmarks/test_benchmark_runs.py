@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 from benchmarks import ablation  # noqa: E402
 from benchmarks.runs import Curve, grid, median_and_worst, read_curve, replace_section  # noqa: E402
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import msgpack
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 from benchmarks.faults import (  # noqa: E402
     AclAttempt,
     Injection,

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 from benchmarks.logprob_gap import gap_summary  # noqa: E402
 
 
