@@ -1,8 +1,8 @@
 """Check that the Grafana dashboard and the Prometheus rules only query series the services export.
 
-Offline (what tests/unit/deployment/test_monitoring.py runs): every metric name in the dashboard's and the rules' PromQL must be
-a series that `services/metrics.py` exports (prometheus_client appends `_total`/`_created` to counters and
-`_bucket`/`_sum`/`_count`/`_created` to histograms).
+Offline (what tests/unit/deployment/test_monitoring.py runs): every metric name in the dashboard's and the
+rules' PromQL must be a series that `services/metrics.py` exports (prometheus_client appends `_total`/`_created`
+to counters and `_bucket`/`_sum`/`_count`/`_created` to histograms).
 
 Live (for a running system): also fetch `/metrics` from the services and list the names not seen there yet
 (a labelled metric appears only once a label value was set, so "not seen yet" is not always an error):

@@ -384,10 +384,10 @@ class LearnerConfig(Section):
     # Bookkeeping.
     micro_batch_tokens: int = Field(32768, description="Tokens per forward pass (gradient accumulation unit).")
     gradient_checkpointing: Literal["off", "full", "selective"] = Field(
-        "off", description="What the decoder layers recompute in backward (learner/activation_checkpointing.py): off, full = each "
-        "whole layer (least memory, 8N FLOPs a token instead of 6N; the paper's verl recipe; true means full), "
-        "selective = only the elementwise work between matrix products and attention (no extra FLOPs, about 3/4 of "
-        "off's activation memory)."
+        "off", description="What the decoder layers recompute in backward (learner/activation_checkpointing.py): off, "
+        "full = each whole layer (least memory, 8N FLOPs a token instead of 6N; the paper's verl recipe; true means "
+        "full), selective = only the elementwise work between matrix products and attention (no extra FLOPs, about "
+        "3/4 of off's activation memory)."
     )
     compile: bool = Field(
         False, description="torch.compile each decoder layer and the LM head's per-chunk work (fuses the norms, "

@@ -267,7 +267,8 @@ def test_only_dead_letters_a_service_signed_make_a_task_lost(settings):
     # signed, by a role that does not consume `prompts` (the reward worker's key): not the generators' word
     outsider = Streams(service.redis, settings, signs_as=("reward",))
     body = {**letter, b"stream": b"prompts", b"data": to_wire(tasks[1])}
-    service.redis.xadd(dead_key, {**body, b"sig": outsider.signer("reward", "test").sign(dead_key, *_dead_letter_fields(body))})
+    signature = outsider.signer("reward", "test").sign(dead_key, *_dead_letter_fields(body))
+    service.redis.xadd(dead_key, {**body, b"sig": signature})
     prompts = Streams(service.redis, settings, signs_as=("generator",)).stream("prompts", PromptTask)
     (delivery,) = [d for d in prompts.consume("gen", count=10, block_ms=0) if d.message.task_id == "train-2"]
     prompts.dead(delivery.id, delivery.payload, "engine failure on this task alone: test")  # a generator's own
@@ -328,7 +329,8 @@ def test_generators_get_no_ground_truth_the_issued_task_keeps_it(settings):
 def test_a_dead_letter_whose_payload_went_to_a_file_still_names_its_task(settings):
     """A large payload is kept out of Redis (streams.dead_payload_max_bytes): the letter's signed task id still
     makes the learner stop waiting for the task."""
-    settings = settings.model_copy(update={"streams": settings.streams.model_copy(update={"dead_payload_max_bytes": 0})})
+    streams = settings.streams.model_copy(update={"dead_payload_max_bytes": 0})
+    settings = settings.model_copy(update={"streams": streams})
     service = LearnerService(settings)
     service.connect()
     issue_tasks(service, 1)
@@ -446,7 +448,8 @@ def test_a_group_that_crashes_the_update_is_quarantined_after_one_retry(settings
 
     crash(first)
     retried = restart()  # the retry: re-admitted once
-    assert [task_id_of(g) for _, _, g in retried.work.assembler.ready] == ["train-1"] and not retried.streams.dead_letters()
+    assert [task_id_of(g) for _, _, g in retried.work.assembler.ready] == ["train-1"]
+    assert not retried.streams.dead_letters()
     crash(retried)
     quarantined = restart()
     assert not quarantined.work.assembler.ready and quarantined.redis.xlen(quarantined.work.held.key) == 0
@@ -581,7 +584,8 @@ class Pipeline:
         self.generator_port = free_port()
         self.generator = self.spawn(
             "generator",
-            {"run_dir": str(self.root / "generator"), "generator": {"port": self.generator_port, "tasks_per_batch": 16}},
+            {"run_dir": str(self.root / "generator"),
+             "generator": {"port": self.generator_port, "tasks_per_batch": 16}},
             "generator",
         )
         self.reward = self.spawn(
@@ -643,7 +647,8 @@ class Pipeline:
 def pipeline():
     from cli.bootstrap import ensure_model
 
-    ensure_model(load_settings("tiny-cpu"), progress=False)  # services only look the model up; `dapo bootstrap` builds it
+    # services only look the model up; `dapo bootstrap` builds it
+    ensure_model(load_settings("tiny-cpu"), progress=False)
     root = Path(tempfile.mkdtemp(prefix="dapo-lt-"))
     pipe = Pipeline(root)
     try:

@@ -58,7 +58,8 @@ def test_signed_attacks_on_the_roles_are_dead_lettered_and_the_genuine_group_tra
     service.work.pump()
     tasks = generator.stream("prompts", PromptTask).consume("gen", count=10, block_ms=0)
     assert [d.message.task_id for d in tasks] == ["train-1"]  # only the learner's own task reaches a generator
-    assert "train-1" in service.work.assembler.in_flight and not service.work.assembler.ready  # no forged group admitted
+    # no forged group admitted
+    assert "train-1" in service.work.assembler.in_flight and not service.work.assembler.ready
     reward.stream("scored", ScoredGroup).produce(group(issued))  # the genuine group, by the reward role
     service.work.pump()
     assert [g.rollout.task for _, _, g in service.work.assembler.ready] == [issued]

@@ -274,8 +274,8 @@ def test_every_layout_gives_the_gradient_of_padded_rows(model_path, tmp_path, la
 
 @pytest.mark.parametrize("layout", ["packed", "padded"])
 def test_checkpointed_layers_give_the_same_gradient_at_their_cost_in_flops(model_path, tmp_path, layout):
-    # learner/activation_checkpointing.py: full recomputes each layer's forward in backward, selective keeps the matrix products
-    # and attention (counted: no FLOP beyond the uncheckpointed step's), and both give its gradient.
+    # learner/activation_checkpointing.py: full recomputes each layer's forward in backward, selective keeps the
+    # matrix products and attention (counted: no FLOP beyond the uncheckpointed step's), and both give its gradient.
     from torch.utils.flop_counter import FlopCounterMode
 
     groups = make_groups(n_groups=4, size=4, seed=5)

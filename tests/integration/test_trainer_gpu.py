@@ -48,7 +48,7 @@ def fresh_accelerator_state() -> None:
 
 
 @pytest.mark.parametrize("checkpointing, compiled", [("full", False), ("selective", False), ("selective", True)])
-def test_packed_bf16_on_cuda_matches_the_fp32_reference(model_path, tmp_path, checkpointing, compiled):
+def test_packed_bf16_on_cuda_matches_the_fp32_reference(model_path, tmp_path, checkpointing, compiled):  # noqa: F811
     # The reference first (padded rows, fp32, SDPA), then the preset's GPU path (packed rows, bf16 autocast, the
     # varlen flash kernel where torch has it, checkpointed layers, fused AdamW) from the same weights.
     groups = make_groups(n_groups=4, size=4, seed=5)
@@ -60,7 +60,8 @@ def test_packed_bf16_on_cuda_matches_the_fp32_reference(model_path, tmp_path, ch
     del reference
     fresh_accelerator_state()
     gpu = Trainer(settings(tmp_path, "bfloat16", gradient_checkpointing=checkpointing, compile=compiled), model_path)
-    assert gpu.accelerator.device.type == "cuda" and gpu.packer.layout == "packed" and gpu.compute_dtype == torch.bfloat16
+    assert gpu.accelerator.device.type == "cuda" and gpu.packer.layout == "packed"
+    assert gpu.compute_dtype == torch.bfloat16
     assert gpu.optimizer.param_groups[0]["fused"]
     assert gpu.attention in (attention.VARLEN, "flash_attention_2"), gpu.attention  # rows' boundaries, no mask
     for g_expected, g_got in zip(expected, gpu.logprobs(groups)):
@@ -77,7 +78,7 @@ def test_packed_bf16_on_cuda_matches_the_fp32_reference(model_path, tmp_path, ch
     assert metrics["model_tflops"] > 0 and 0 < metrics["mfu"] < 1  # a known card has a peak in the table
 
 
-def test_sharded_checkpoint_round_trip_on_cuda(model_path, tmp_path):
+def test_sharded_checkpoint_round_trip_on_cuda(model_path, tmp_path):  # noqa: F811
     fresh_accelerator_state()
     first = Trainer(settings(tmp_path, "bfloat16"), model_path)
     groups = make_groups(n_groups=2, size=4, seed=5)
