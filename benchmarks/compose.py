@@ -308,6 +308,8 @@ def scenario(stack: Stack, args: argparse.Namespace, result: dict) -> None:
     result["learner_exit_code"] = state["ExitCode"]
     stack.compose("stop", "--timeout", "60", timeout=600)
     result["logs"].append(stack.logs())
+    kept = stack.read_run_file("logs/learner-*.log")  # DAPO_LOG_DIR, on the learner's volume
+    result["learner_log_file_kept_down"] = "stopped by signal" in kept and "resuming from" in kept
 
 
 def checks(result: dict, args: argparse.Namespace) -> dict[str, bool]:
@@ -325,6 +327,8 @@ def checks(result: dict, args: argparse.Namespace) -> dict[str, bool]:
         f"Prometheus: {args.generators} generator targets up, each scraped": bool(result.get("prometheus_full")),
         "a killed generator: the steps went on": "killed container after 15 s" in named,
         "the learner resumed after down and up": "learner resumed" in named,
+        "the learner's log file (DAPO_LOG_DIR) kept its lines across down":
+            bool(result.get("learner_log_file_kept_down")),
         "the finished learner exited 0 and stayed down": bool(result.get("learner_stays_down"))
                                                           and result.get("learner_exit_code") == 0,
         "no Traceback, ERROR or CRITICAL line in any service's logs": not result.get("bad_log_lines"),

@@ -10,6 +10,7 @@ import argparse
 import importlib
 import logging
 import os
+import socket
 import sys
 from importlib.metadata import version
 
@@ -87,6 +88,18 @@ def parse_overrides(pairs: list[str]) -> dict:
     return overrides
 
 
+def log_to_folder(command: str) -> None:
+    """With DAPO_LOG_DIR set, the process's log lines also go to DAPO_LOG_DIR/{command}-{host}.log, appended: a
+    container's own log goes with the container (`docker compose down`), a file on its volume stays."""
+    folder = os.environ.get("DAPO_LOG_DIR")
+    if not folder:
+        return
+    os.makedirs(folder, exist_ok=True)
+    handler = logging.FileHandler(os.path.join(folder, f"{command}-{socket.gethostname()}.log"))
+    handler.setFormatter(logging.getLogger().handlers[0].formatter)
+    logging.getLogger().addHandler(handler)
+
+
 def settings_from_args(args: argparse.Namespace):
     """--config, then --set, then flags that name a field; a tracker that is not installed, or a service bound to
     a reachable address with the default token, fails here, before any service starts, with one line."""
@@ -121,6 +134,7 @@ def run_main(argv: list[str] | None) -> int:
         level=os.environ.get("DAPO_LOG_LEVEL", "INFO"),
         format=f"%(asctime)s {args.command} %(levelname)s %(name)s: %(message)s",
     )
+    log_to_folder(args.command)
     try:
         settings = settings_from_args(args)
     except ConfigError as err:  # learner.tracking.TrackerNotInstalled and services.http.check_token too

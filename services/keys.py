@@ -11,6 +11,13 @@ Key ids. A key's id (kid) is `{role}-{first 16 hex of the sha256 of its public k
 `{kid}:{base64 signature}`. A verifier looks the kid up in its keyring (the public keys in `keys.public_dir`,
 one `{kid}.pub` file each): the role is the keyring's, never the message's word.
 
+What is signed. A list of fields, each length-prefixed (`framed`), the first naming what it is (a stream key, the
+dead stream's key, the run's weights channel): no re-split of the fields, splice or shift of bytes between them,
+nor a replay into another stream or run, gives the same signed bytes. The signature travels next to the payload
+(the stream field `sig`, a dead letter's `sig` over all its fields, the announcement's `signature`), so payload
+schemas and their `schema_version` are unchanged. This is the one explanation of the scheme; the README,
+services/messages.py and services/weights.py point here.
+
 Storage. A key is one line of base64 (32 raw bytes). An embedded run (`dapo run`, `create_keys`) keeps them
 under run_dir/keys: `private/{role}.key` (mode 0600, folder 0700) and `public/{kid}.pub`. Kubernetes and compose:
 one Secret per role holding its private key, given to that role's pods only as DAPO_KEYS__PRIVATE_KEY, and the

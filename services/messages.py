@@ -6,13 +6,8 @@ float32 bytes (`to_wire` / `from_wire`). That is about 8 bytes per sampled token
 
 Every message carries `schema_version`; a consumer rejects any other version to the dead stream.
 
-Provenance: stream entries, dead letters and weight announcements are signed with the key of the role that
-produced them (services/keys.py: Ed25519, a key id in every signature, verifiers hold public keys only). What is
-signed is a list of fields, each length-prefixed (`services.keys.framed`), the first naming what it is (a stream
-key, the dead stream's key, the run's weights channel): no re-split of the fields, splice or shift of bytes
-between them, nor a replay into another stream or run, gives the same signed bytes. The signature travels next to
-the payload (the stream field `sig`, the announcement's `signature`), so the payload schema, and
-`schema_version`, are unchanged.
+Provenance: stream entries, dead letters and weight announcements are signed by the role that produced them;
+the scheme is explained once, in services/keys.py.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ Learner side (`WeightPublisher`, `weights_router`):
     all behind the shared bearer token. A version the server cannot read (a disk error, a garbled file) is a 500
     with the error's type, not a 404: generators must not take a fault of the server for a pruned version.
 
-Announcements are signed by the learner's key (`services.messages.sign_announcement`, Ed25519, services/keys.py)
+Announcements are signed by the learner's key (`services.messages.sign_announcement`; the scheme: services/keys.py)
 under the run's channel name (another run's announcement does not verify); `parse_announcement` refuses an
 unsigned one, or one signed by any other key (a worker's, a retired one), so a process that can write to Redis
 but holds no learner key cannot point generators (and their bearer token) at its own URL. Generators also pull only
