@@ -16,6 +16,7 @@ file, the environment variable or `--set`).
 from __future__ import annotations
 
 import copy
+import logging
 import os
 import re
 from importlib import resources
@@ -43,6 +44,8 @@ from pydantic_settings import (
 # The presets ship inside the package (a folder: the packages install unzipped, editable or from the wheel).
 CONFIG_DIR = Path(str(resources.files("services") / "configs"))
 DEFAULT_PRESET = "tiny-cpu"
+log = logging.getLogger(__name__)
+
 DEFAULT_TOKEN = "change-me"  # the presets' placeholder: accepted on loopback only (services.http.check_token)
 
 
@@ -288,6 +291,7 @@ class WeightsConfig(Section):
         3600.0, description="shared-fs: a generator's hold on the versions it serves or loads lapses this long "
         "unrenewed."
     )
+    keep_versions: int = Field(3, description="Published weight versions kept on disk (and those generators hold).")
 
     @model_validator(mode="after")
     def _shared_dir_for_shared_fs(self) -> "WeightsConfig":
@@ -415,7 +419,6 @@ class LearnerConfig(Section):
         True, description="Run a group's prompt once and its n responses on the prompt's KV cache (same values; "
         "n times fewer prompt tokens). Off under FSDP and gradient checkpointing, which need one forward pass."
     )
-    keep_versions: int = Field(3, description="Published weight versions kept on disk.")
     checkpoint_every: int = Field(10, description="Checkpoint every K steps (0 = only at the end).")
     keep_checkpoints: int = Field(2, description="Checkpoints kept on disk (the newest; older ones are pruned).")
     resume: bool = Field(True, description="Resume from run_dir/checkpoints/latest when it exists.")
@@ -457,6 +460,26 @@ class CpusConfig(Section):
     reward: str = Field("auto", description="CPUs of the reward workers (its pool has one process per CPU).")
 
 
+# (section, key) -> (section, key): config keys that moved, still accepted where they were (`moved_keys`).
+MOVED_KEYS = {("learner", "keep_versions"): ("weights", "keep_versions")}
+
+
+def moved_keys(data: dict) -> dict:
+    """`data` (a config tree: YAML, environment or overrides) with the keys that moved put where they are now, and
+    one deprecation line for each (the new key wins when both are given)."""
+    for (old_section, old_key), (new_section, new_key) in MOVED_KEYS.items():
+        section = data.get(old_section)
+        if isinstance(section, dict) and old_key in section:
+            section = dict(section)
+            value = section.pop(old_key)
+            target = dict(data.get(new_section) or {})
+            target.setdefault(new_key, value)
+            data = {**data, old_section: section, new_section: target}
+            log.warning("config: %s.%s is now %s.%s (the old key still loads; rename it)", old_section, old_key,
+                        new_section, new_key)
+    return data
+
+
 class Settings(BaseSettings):
     """The whole tree. Load with `load_settings(preset_or_path)`."""
 
@@ -494,6 +517,11 @@ class Settings(BaseSettings):
     learner: LearnerConfig = LearnerConfig()
     weights: WeightsConfig = WeightsConfig()
     cpus: CpusConfig = CpusConfig()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _moved_keys(cls, data):
+        return moved_keys(data) if isinstance(data, dict) else data
 
     @field_validator("token")
     @classmethod
@@ -558,7 +586,7 @@ def load_settings(preset: str | os.PathLike | None = None, *, origin: str = "ove
         _deep_update(data, copy.deepcopy(layer))
     try:
         settings = Settings(**data)  # the environment beats the YAML
-        for key, value in overrides.items():
+        for key, value in moved_keys(overrides).items():
             _override(settings, key, value, origin)
     except ValidationError as err:
         problems = []

@@ -4,7 +4,7 @@ pull them over HTTP or read them in a shared folder.
 Learner side (`WeightPublisher`, `weights_router`):
     publish(state_dict, version) writes `v{version}/` in the Hugging Face sharded layout (services/weights_layout.py:
     shards of at most `weights.shard_mb`, the index, every file's sha256) under `{run_dir}/weights` (transport
-    http) or `weights.shared_dir` (transport shared-fs), keeps the last `learner.keep_versions` versions (and those
+    http) or `weights.shared_dir` (transport shared-fs), keeps the last `weights.keep_versions` versions (and those
     a generator holds, shared-fs, or pulled within SERVING_HOLD_S, HTTP), then SETs `dapo:{run}:weights:latest` to
     the announcement (JSON) and PUBLISHes it on the channel `dapo:{run}:weights`. The router serves
     `GET /v1/weights/latest` and `GET /v1/weights/{v}` (announcements) and `GET /v1/weights/{v}/{file}` (the bytes),
@@ -216,7 +216,7 @@ class WeightPublisher:
         self.dir.mkdir(parents=True, exist_ok=True)
         if removed := remove_unfinished(self.dir, WRITING_PREFIX):
             log.warning("removed %d versions a killed learner left half written in %s", removed, self.dir)
-        self.keep = max(1, int(settings.learner.keep_versions))
+        self.keep = max(1, int(settings.weights.keep_versions))
         self.hold_s = cfg.hold_s
         self.shard_bytes = int(cfg.shard_mb * 1024 * 1024)
         self.redis = retrying(redis_client)

@@ -9,7 +9,7 @@ a whole version or none. Both transports publish through `write_version` and che
 Holds (shared-fs): generators load straight from the learner's folder, so the learner must not prune a version
 a generator still loads or serves (a restarted engine reloads the version it served). Each generator keeps
 `holds/{generator}.json` (the versions it holds) beside the versions, and rewrites it on every load; the learner
-keeps held versions beyond `learner.keep_versions` until the hold lapses (`weights.hold_s`, a dead generator's).
+keeps held versions beyond `weights.keep_versions` until the hold lapses (`weights.hold_s`, a dead generator's).
 """
 
 from __future__ import annotations

@@ -173,7 +173,7 @@ def test_pull_refuses_bad_token_and_bad_checksum_without_leftovers(learner, shor
 
 def test_publisher_keeps_last_versions_and_serves_only_those(learner, settings):
     publisher, _, _ = learner
-    keep = settings.learner.keep_versions
+    keep = settings.weights.keep_versions
     for version in range(keep + 2):
         publisher.publish(tiny_state_dict(seed=version), version=version)
     assert publisher.versions() == list(range(2, keep + 2))
@@ -192,7 +192,7 @@ def test_a_version_being_pulled_over_http_outlives_keep_versions_until_its_hold_
     """A pull opens its next file when one ends: a version whose files are being downloaded is not pruned under it,
     however many versions are published meanwhile, nor for SERVING_HOLD_S after; then it goes."""
     publisher, _, _ = learner
-    keep = settings.learner.keep_versions
+    keep = settings.weights.keep_versions
     publisher.publish(tiny_state_dict(seed=1), version=1)
     _, handle = publisher.open_file(1, "model-00001-of-00001.safetensors")
     handle.close()
@@ -381,7 +381,7 @@ def test_shared_fs_generators_read_the_learners_folder_and_holds_stop_the_prune(
     assert folder == publisher.dir / "v1" and not list(sync.dir.iterdir())  # nothing copied
     sync.prune(keep={folder})  # serving v1
     assert held_versions(publisher.dir, 60) == {1}
-    keep = shared_settings.learner.keep_versions
+    keep = shared_settings.weights.keep_versions
     for version in range(2, keep + 4):
         publisher.publish(big_state_dict(seed=version), version=version)
     assert publisher.versions() == [1, *range(keep + 1, keep + 4)]  # v1 is served: kept beyond keep_versions

@@ -217,3 +217,17 @@ def test_gradient_checkpointing_takes_a_mode_and_the_old_switch():
                              learner={"gradient_checkpointing": value}).learner.gradient_checkpointing == mode
     with pytest.raises(ConfigError, match="gradient_checkpointing"):
         load_settings("tiny-cpu", learner={"gradient_checkpointing": "some"})
+
+
+def test_a_moved_key_still_loads_with_one_line_naming_the_new_one(caplog, monkeypatch):
+    from services.config import MOVED_KEYS
+
+    assert MOVED_KEYS[("learner", "keep_versions")] == ("weights", "keep_versions")
+    with caplog.at_level("WARNING"):
+        settings = load_settings("tiny-cpu", learner={"keep_versions": 7})
+    assert settings.weights.keep_versions == 7 and not hasattr(settings.learner, "keep_versions")
+    assert "learner.keep_versions is now weights.keep_versions" in caplog.text
+    both = load_settings("tiny-cpu", learner={"keep_versions": 7}, weights={"keep_versions": 5})
+    assert both.weights.keep_versions == 5  # the new key wins
+    monkeypatch.setenv("DAPO_LEARNER__KEEP_VERSIONS", "9")  # the old environment variable too
+    assert load_settings("tiny-cpu").weights.keep_versions == 9
