@@ -8,6 +8,8 @@ import secrets
 
 import pytest
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from services.config import RedisUrl
 from services.keys import create_keys, keys_dir
@@ -143,7 +145,8 @@ def test_the_deployment_acl_file_has_no_password_and_no_default_user(short_tmp):
 
             time.sleep(0.05)
         with pytest.raises(redis.exceptions.AuthenticationError):
-            redis.Redis(unix_socket_path=sock).ping()  # the default user is off
+            # the default user is off (refused at once: redis-py's default retries take seconds to give up)
+            redis.Redis(unix_socket_path=sock, retry=Retry(NoBackoff(), 0)).ping()
         assert redis.Redis(unix_socket_path=sock, username="generator", password=passwords["generator"]).ping()
         assert refused(redis.Redis(unix_socket_path=sock, username="reward", password=passwords["reward"]).xadd,
                        "dapo:r:prompts", {"data": b"x"})

@@ -406,10 +406,14 @@ def test_embedded_redis_requires_its_password_kept_in_an_owner_only_file(redis_s
     assert redis_server.password in conf.read_text()
     cmdline = Path(f"/proc/{redis_server.process.pid}/cmdline").read_bytes().decode(errors="replace")
     assert redis_server.password not in cmdline
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
+
+    once = Retry(NoBackoff(), 0)  # refused at once: redis-py's default retries take seconds to give up
     with pytest.raises(redis.AuthenticationError):
-        redis.Redis(unix_socket_path=str(redis_server.socket_path)).ping()
+        redis.Redis(unix_socket_path=str(redis_server.socket_path), retry=once).ping()
     with pytest.raises(redis.AuthenticationError):
-        redis.Redis(unix_socket_path=str(redis_server.socket_path), password="a-guess").ping()
+        redis.Redis(unix_socket_path=str(redis_server.socket_path), password="a-guess", retry=once).ping()
     assert redis.Redis.from_url(redis_server.url).ping()
 
 
