@@ -667,6 +667,9 @@ def test_sigkilled_generator_leaves_no_orphan_engine(service, short_tmp):
         child.restart()
         groups.append(child.process.pid)
         wait_for(lambda: engine_cores(groups[1]), 240, "the restarted generator's engine core")
+        # Stopped once up: a SIGTERM while the out-of-process engine still starts is not honoured within a minute
+        # (the launcher's group kill then ends it: 60 s of this test's time spent waiting for that, before).
+        assert wait_ready(f"http://127.0.0.1:{port}", timeout=240), child.log_path.read_text()[-3000:]
         child.stop_seconds = 60
         child.stop()
         assert not any(engine_cores(g) for g in groups)
