@@ -61,9 +61,7 @@ from pathlib import Path
 import msgpack
 
 from learner.records import read_rows  # skips a line being written
-from learner.workset import (
-    task_id_in_payload,  # the learner's own reading of a raw payload
-)
+from learner.workset import task_id_in_payload  # the learner's own reading of a raw payload
 
 ROOT = Path(__file__).resolve().parent.parent
 KINDS = ("generator", "reward", "learner", "redis")

@@ -25,16 +25,7 @@ import json
 import statistics
 from pathlib import Path
 
-from benchmarks.runs import (
-    ROOT,
-    Curve,
-    grid,
-    machine,
-    median_and_worst,
-    read_curve,
-    replace_section,
-    run_seeded,
-)
+from benchmarks.runs import ROOT, Curve, grid, machine, median_and_worst, read_curve, replace_section, run_seeded
 
 STABILITY_GOAL = 0.05  # no seed loses more than 5 points between two evaluations after step 10
 MARKS = (2.0, 5.0, 10.0)  # minutes of training at which every seed's gain is reported

@@ -348,13 +348,7 @@ def warm_up(model, tokenizer, settings: Settings, *, progress: bool = True) -> W
     untouched for measuring the model), so the number is an honest estimate of held-out accuracy.
     """
     import torch
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        Progress,
-        TextColumn,
-        TimeElapsedColumn,
-    )
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     t = settings.tiny
     task = tiny_task(settings)

@@ -26,15 +26,7 @@ from pathlib import Path
 
 from services.config import Settings
 from services.errors import ExitCode
-from services.keys import (
-    ROLES,
-    create_keys,
-    keys_dir,
-    private_key_file,
-    retire,
-    rotate,
-    write_secret,
-)
+from services.keys import ROLES, create_keys, keys_dir, private_key_file, retire, rotate, write_secret
 from services.redis_users import REDIS_USERS, acl_file
 
 COMPOSE_DIR = "compose"  # DIR/compose/<secret>: the files docker-compose.yml's `secrets:` name

@@ -57,13 +57,7 @@ from services.keys import ROLES, Role, create_keys, keys_dir
 from services.models import SHIPPED_TINY_REFERENCE, shipped_tiny_applies
 from services.redis_local import EmbeddedRedis, embedded_server
 from services.redis_users import REDIS_USERS
-from services.startup import (
-    EXIT_FILE_ENV,
-    LockHeld,
-    die_with_parent,
-    recorded_exit,
-    take_lock,
-)
+from services.startup import EXIT_FILE_ENV, LockHeld, die_with_parent, recorded_exit, take_lock
 
 log = logging.getLogger(__name__)
 console = Console()

@@ -22,11 +22,7 @@ import functools
 from typing import Literal
 
 import torch
-from torch.utils.checkpoint import (
-    CheckpointPolicy,
-    checkpoint,
-    create_selective_checkpoint_contexts,
-)
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 Checkpointing = Literal["off", "full", "selective"]
 

@@ -43,15 +43,8 @@ import torch.distributed.checkpoint as dcp
 from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor
-from torch.distributed.checkpoint import (
-    HuggingFaceStorageReader,
-    HuggingFaceStorageWriter,
-)
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_state_dict,
-    set_state_dict,
-)
+from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from services.files import fsync_dir, fsync_tree, write_atomic
 

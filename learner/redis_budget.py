@@ -17,15 +17,7 @@ responses are mostly shorter than max_tokens.
 from __future__ import annotations
 
 from services.config import Settings
-from services.messages import (
-    PromptTask,
-    RolloutGroup,
-    Sample,
-    SamplingParams,
-    Score,
-    ScoredGroup,
-    to_wire,
-)
+from services.messages import PromptTask, RolloutGroup, Sample, SamplingParams, Score, ScoredGroup, to_wire
 
 TEXT_BYTES_PER_TOKEN = 4  # the decoded text of a BPE token of English or math: about 4 characters
 MB = 1024 * 1024

@@ -41,13 +41,7 @@ from learner.redis_budget import MB, held_budget, largest_group_bytes, memory_pr
 from learner.workset import WorkingSet
 from services import metrics
 from services.config import Settings
-from services.data import (
-    Problem,
-    check_alphabet,
-    load_problems,
-    render_prompt,
-    shared_problems,
-)
+from services.data import Problem, check_alphabet, load_problems, render_prompt, shared_problems
 from services.errors import ExitCode, Unavailable
 from services.http import BackgroundServer, create_app, server_options
 from services.keys import load_signer

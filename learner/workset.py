@@ -46,14 +46,7 @@ from learner.records import GeneratorClocks
 from services import metrics
 from services.config import LearnerConfig
 from services.messages import PromptTask, ScoredGroup, from_wire
-from services.streams import (
-    FIELD,
-    ISSUED,
-    Delivery,
-    Streams,
-    consumer_name,
-    task_id_in_payload,
-)
+from services.streams import FIELD, ISSUED, Delivery, Streams, consumer_name, task_id_in_payload
 
 log = logging.getLogger(__name__)
 

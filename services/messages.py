@@ -18,14 +18,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import msgpack
 import numpy as np
-from pydantic import (
-    BaseModel,
-    ConfigDict,
-    Field,
-    SerializationInfo,
-    field_serializer,
-    field_validator,
-)
+from pydantic import BaseModel, ConfigDict, Field, SerializationInfo, field_serializer, field_validator
 
 from services.keys import SIGNER_OF
 

@@ -44,15 +44,7 @@ from pydantic import BaseModel
 from services import metrics
 from services.config import Settings, StreamsConfig
 from services.files import write_atomic
-from services.keys import (
-    DEAD_LETTER_SIGNER_OF,
-    SIGNER_OF,
-    KeysError,
-    Role,
-    Signer,
-    load_keyring,
-    load_signer,
-)
+from services.keys import DEAD_LETTER_SIGNER_OF, SIGNER_OF, KeysError, Role, Signer, load_keyring, load_signer
 from services.messages import from_wire, to_wire
 from services.redis_local import retrying
 

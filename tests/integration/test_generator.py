@@ -35,15 +35,7 @@ from generator.worker import RolloutWorker
 from services.config import WeightsConfig, load_settings
 from services.http import create_app
 from services.keys import ROLES, Signer, keys_dir
-from services.messages import (
-    PromptTask,
-    RolloutGroup,
-    SamplingParams,
-    Score,
-    ScoredGroup,
-    from_wire,
-    sign_announcement,
-)
+from services.messages import PromptTask, RolloutGroup, SamplingParams, Score, ScoredGroup, from_wire, sign_announcement
 from services.redis_local import connect
 from services.streams import Streams
 from services.weights import WeightPublisher, WeightsError, channel, latest_key, shareable_state_dict, weights_router

@@ -32,15 +32,7 @@ from services.config import load_settings
 from services.data import Problem
 from services.http import free_port
 from services.keys import ROLES
-from services.messages import (
-    PromptTask,
-    RolloutGroup,
-    Sample,
-    SamplingParams,
-    Score,
-    ScoredGroup,
-    to_wire,
-)
+from services.messages import PromptTask, RolloutGroup, Sample, SamplingParams, Score, ScoredGroup, to_wire
 from services.streams import Streams, _dead_letter_fields
 from services.weights import latest_key
 

@@ -16,13 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from test_trainer import (  # noqa: F401
-    make_groups,
-    make_settings,
-    model_path,
-    random_offsets,
-    with_behaviour,
-)
+from test_trainer import make_groups, make_settings, model_path, random_offsets, with_behaviour  # noqa: F401
 
 from learner.ranks import RankChannel
 

@@ -7,14 +7,7 @@ import math
 
 import pytest
 
-from learner.batch import (
-    BatchAssembler,
-    InformativeRatio,
-    RecentIds,
-    RefillLimitReached,
-    task_id_of,
-    warmed_up_target,
-)
+from learner.batch import BatchAssembler, InformativeRatio, RecentIds, RefillLimitReached, task_id_of, warmed_up_target
 from learner.policy import PolicyVersion
 from services.config import load_settings
 from services.messages import PromptTask, RolloutGroup, Sample, Score, ScoredGroup

@@ -15,13 +15,7 @@ from cli.launcher import service_children, write_launch_config
 from cli.main import main as dapo
 from learner.records import Records
 from learner.tracking import flat_config
-from services.config import (
-    DEFAULT_TOKEN,
-    ConfigError,
-    dump_settings,
-    load_settings,
-    secret_fields,
-)
+from services.config import DEFAULT_TOKEN, ConfigError, dump_settings, load_settings, secret_fields
 from services.files import write_atomic
 from services.http import MIN_TOKEN_CHARS, check_token, is_loopback
 from services.keys import ROLES

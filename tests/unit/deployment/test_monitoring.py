@@ -14,16 +14,7 @@ import re
 
 import jsonschema
 import pytest
-from deploy_helpers import (
-    CRD_SCHEMAS,
-    DEFAULT_PORTS,
-    DEPLOY,
-    K8S,
-    SERVICES,
-    _compose,
-    _load_deploy_module,
-    _yaml,
-)
+from deploy_helpers import CRD_SCHEMAS, DEFAULT_PORTS, DEPLOY, K8S, SERVICES, _compose, _load_deploy_module, _yaml
 
 check_dashboard = _load_deploy_module("check_dashboard")
 
