@@ -26,7 +26,7 @@ from pathlib import Path
 
 from services.config import Settings
 from services.errors import ExitCode
-from services.keys import ROLES, create_keys, keys_dir, private_key_file, retire, rotate, write_secret
+from services.keys import ROLES, KeysError, create_keys, keys_dir, private_key_file, retire, rotate, write_secret
 from services.redis_users import REDIS_USERS, acl_file
 
 COMPOSE_DIR = "compose"  # DIR/compose/<secret>: the files docker-compose.yml's `secrets:` name
@@ -78,18 +78,18 @@ def main(settings: Settings, action: str, name: str | None, folder: str | None) 
         else:
             print(f"{name}: {rotate(root, name)} (the previous key stays trusted until `dapo keys retire` names it)")
     elif action == "retire":
-        if not name or not (root / "public" / f"{name}.pub").exists():
-            known = ", ".join(sorted(path.stem for path in (root / "public").glob("*.pub"))) or "none"
-            usage = f"name the key id to retire, one of: {known} (the files of {root / 'public'}, without .pub)"
-        else:
-            retire(root, name)
+        try:
+            retire(root, name or "")
             print(f"retired {name}")
+        except KeysError as err:  # no such key, or the role's current one: the argument is wrong
+            known = ", ".join(sorted(path.stem for path in (root / "public").glob("*.pub"))) or "none"
+            usage = f"{err} (the key ids there: {known})"
     elif action in ("compose", "compose-env"):
-        made = write_compose_secrets(root)
-        # compose-env's output was eval'ed by a shell: the old name prints nothing there
-        print(f"{made}: the secrets docker-compose.yml mounts (DAPO_SECRETS_DIR={root})"
-              + (" (`dapo keys compose-env` is now `dapo keys compose`: files, not variables)"
-                 if action == "compose-env" else ""), file=sys.stderr if action == "compose-env" else sys.stdout)
+        line = f"{write_compose_secrets(root)}: the secrets docker-compose.yml mounts (DAPO_SECRETS_DIR={root})"
+        if action == "compose-env":  # its output was eval'ed by a shell: nothing on stdout
+            print(f"{line} (`dapo keys compose-env` is now `dapo keys compose`: files, not variables)", file=sys.stderr)
+        else:
+            print(line)
     else:  # redis-users
         print(make_redis_users(root))
     if usage:

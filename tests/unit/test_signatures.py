@@ -185,6 +185,9 @@ def test_dapo_keys_usage_errors_exit_2(tmp_path, capsys):
     assert keys(settings, "retire", None, None) == 2
     assert keys(settings, "retire", "learner-0000", None) == 2
     assert "learner-" in capsys.readouterr().err  # names the key ids there are
+    current = next(path.stem for path in (tmp_path / "keys" / "public").glob("reward-*.pub"))
+    assert keys(settings, "retire", current, None) == 2  # the role's current key: rotate it first
+    assert "rotate it first" in capsys.readouterr().err
 
 
 def test_a_key_retired_while_the_keyring_reads_the_folder_is_no_crash(tmp_path, monkeypatch):
