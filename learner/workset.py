@@ -116,7 +116,7 @@ class WorkingSet:
     dead-lettered. The service speaks to it in verbs (`issue`, `next_batch`, `finish`, `evaluating`, `resume`,
     `checkpoint_state`, `release`) and reads `status()`."""
 
-    def __init__(self, streams: Streams, learner_cfg: LearnerConfig, policy: PolicyVersion, vocab_size: int = 0):
+    def __init__(self, streams: Streams, learner_cfg: LearnerConfig, policy: PolicyVersion):
         self.streams = streams
         self.assembler = BatchAssembler.from_settings(learner_cfg, policy=policy)
         self.on_refill_limit = learner_cfg.on_refill_limit
@@ -128,7 +128,7 @@ class WorkingSet:
         self.suspects_key = streams.key(SUSPECTS)
         self.suspects: set[str] = set()  # held groups an update failed with (fewer than QUARANTINE_AFTER times)
         # The model's embedding rows, from the model's config (0 refuses every token: `limit_vocabulary` first).
-        self.vocab_size = vocab_size
+        self.vocab_size = 0
         self.cursor_key = streams.key(DATA_CURSOR)
         self._cursor_after: dict[str, dict] = {}  # task id -> the data cursor once that task is pushed
         self.redis = streams.redis
