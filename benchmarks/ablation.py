@@ -28,8 +28,8 @@ from services.config import CONFIG_DIR, load_settings
 
 # What the rows of Table 1 switch (README, "The DAPO techniques are switches").
 SWITCHES = (
-    "learner.clip_high", "learner.loss_agg", "learner.dynamic_sampling", "learner.filter_metric",
-    "learner.overlong_filter", "reward.soft_overlong",
+    "learner.loss.clip_high", "learner.loss.loss_agg", "learner.batch.dynamic_sampling", "learner.batch.filter_metric",
+    "learner.loss.overlong_filter", "reward.soft_overlong",
 )
 PAPER_AIME = {"1-grpo": 30, "2-overlong-filter": 36, "3-clip-higher": 38, "4-soft-overlong": 41,
               "5-token-level-loss": 42, "6-dynamic-sampling": 50}
@@ -44,8 +44,9 @@ def row_switches(row: str) -> list[str]:
     settings = load_settings(f"ablations/{row}")
     out = []
     for path in SWITCHES:
-        section, key = path.split(".")
-        value = getattr(getattr(settings, section), key)
+        value = settings
+        for part in path.split("."):
+            value = getattr(value, part)
         out.append(f"{path}={str(value).lower() if isinstance(value, bool) else value}")
     return out
 

@@ -130,8 +130,8 @@ def main() -> None:
             label = f"staleness-{k}"
             run_dir = args.out / f"{label}-seed{seed}"
             # every step of one size (no batch warm-up): the mean step compares like with like
-            overrides = [f"learner.max_staleness={k}", f"learner.total_steps={args.steps}",
-                         f"learner.eval_every={eval_every}", "learner.batch_warmup_steps=0", *args.set]
+            overrides = [f"learner.batch.max_staleness={k}", f"learner.total_steps={args.steps}",
+                         f"learner.eval_every={eval_every}", "learner.batch.warmup_steps=0", *args.set]
             run_seeded(label, seed, run_dir, args.preset, overrides, timeout_s=60 * 60)
             results[k].append({"seed": seed, **run_summary(run_dir / "metrics.jsonl")})
     body = report(results, args)

@@ -104,7 +104,7 @@ class Stack:
         learner_env = {
             "DAPO_LEARNER__TOTAL_STEPS": str(args.steps),
             "DAPO_LEARNER__EVAL_EVERY": str(args.eval_every),
-            "DAPO_LEARNER__CHECKPOINT_EVERY": str(args.checkpoint_every),
+            "DAPO_LEARNER__CHECKPOINTS__EVERY": str(args.checkpoint_every),
             "DAPO_DATA__EVAL_SIZE": str(args.eval_size),
         }
         # Given to every dapo service, so that they all resolve the same settings.

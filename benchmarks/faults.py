@@ -68,8 +68,8 @@ KINDS = ("generator", "reward", "learner", "redis")
 ROUNDS = 3
 PHASES = (0.25, 0.5, 0.75)  # when in a step a round's kills land, as a fraction of the median step time
 OVERRIDES = [  # small steps: 12 kills fit in about half an hour on 2 shared cores
-    "learner.prompts_per_step=8", "sampling.n=8", "sampling.max_tokens=48", "learner.eval_every=0",
-    "learner.checkpoint_every=1",
+    "learner.batch.prompts_per_step=8", "sampling.n=8", "sampling.max_tokens=48", "learner.eval_every=0",
+    "learner.checkpoints.every=1",
 ]
 RUN_NAME = "faults"
 
@@ -353,7 +353,7 @@ class Faults:
     def start(self) -> None:
         shutil.rmtree(self.run_dir, ignore_errors=True)
         self.run_dir.mkdir(parents=True)
-        sets = [f"run_dir={self.run_dir}", f"redis.run={RUN_NAME}", "learner.resume=true",
+        sets = [f"run_dir={self.run_dir}", f"redis.run={RUN_NAME}", "learner.checkpoints.resume=true",
                 f"learner.total_steps={self.args.steps}", *OVERRIDES, *self.args.set]
         self.command = [sys.executable, "-m", "cli", "run", "--no-display", "--generators", "2",
                         "--config", self.args.preset]

@@ -7,14 +7,15 @@ initialised Qwen2.5-shaped model: nothing to download):
   head, bf16 autocast, fp32 AdamW, selective checkpointing and compiled layers in the 1.5B preset, its
   micro_batch_tokens and mini-batches);
 - `project-compiled`: selective checkpointing with each decoder layer and the head's chunks compiled
-  (`learner.compile`), whatever the preset says;
+  (`learner.compute.compile`), whatever the preset says;
 - `project-selective`: selective checkpointing uncompiled (the matrix products and attention kept, only the
   elementwise work recomputed: learner/activation_checkpointing.py);
 - `project-full`: full checkpointing uncompiled (each layer's forward again in backward);
 - `project-compiled-off`: compiled, no checkpointing (what the activations of the preset's micro-batch cost when
   every one is kept);
-- `project-sdpa`: the preset's step on SDPA with a block-diagonal mask (`learner.attention: sdpa`);
-- `project-padded`: the preset's step with `learner.packing: off` (right-padded rows, the layout before packing);
+- `project-sdpa`: the preset's step on SDPA with a block-diagonal mask (`learner.compute.attention: sdpa`);
+- `project-padded`: the preset's step with `learner.compute.packing: off` (right-padded rows, the layout before
+  packing);
 - `project-no-recompute` (asked for by name): no checkpointing uncompiled, at half the micro-batch;
 - `plain`: a plain loop a user would write (rows right-padded to the longest of each micro-batch, sorted by
   length, full logits and log_softmax, the PPO clipped token-mean loss, transformers' whole-layer checkpointing
@@ -118,16 +119,17 @@ class PlainLoop:
         cfg = settings.learner
         self.cfg, self.device = cfg, device
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(device)
-        if cfg.gradient_checkpointing != "off":  # what a user writes: transformers' own, whole layers
+        if cfg.compute.gradient_checkpointing != "off":  # what a user writes: transformers' own, whole layers
             self.model.gradient_checkpointing_enable()
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.optimizer.lr,
+                                           weight_decay=cfg.optimizer.weight_decay)
         self.autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
 
     def _micro_batches(self, rows):
         rows = sorted(rows, key=lambda r: -len(r[0]))
         out, current = [], []
         for row in rows:
-            if current and len(current[0][0]) * (len(current) + 1) > self.cfg.micro_batch_tokens:
+            if current and len(current[0][0]) * (len(current) + 1) > self.cfg.compute.micro_batch_tokens:
                 out.append(current)
                 current = []
             current.append(row)
@@ -161,7 +163,7 @@ class PlainLoop:
             advantages = dapo.group_advantages([s.reward for s in group.scores]).tolist()
             for sample, advantage in zip(group.rollout.samples, advantages):
                 rows.append((prompt + sample.token_ids, len(prompt), advantage))
-        count = max(1, min(self.cfg.mini_batches, len(groups)))
+        count = max(1, min(self.cfg.batch.mini_batches, len(groups)))
         mini = [rows[k * len(rows) // count:(k + 1) * len(rows) // count] for k in range(count)]
         old = {}
         self.model.train(False)
@@ -169,7 +171,7 @@ class PlainLoop:
             for m, mb in enumerate(mini[1:], start=1):
                 old[m] = [self._logp(micro)[0] for micro in self._micro_batches(mb)]
         self.model.train(True)
-        for _ in range(self.cfg.epochs):
+        for _ in range(self.cfg.batch.epochs):
             for m, mb in enumerate(mini):
                 tokens = sum(len(r[0]) - r[1] for r in mb)
                 for k, micro in enumerate(self._micro_batches(mb)):
@@ -177,10 +179,10 @@ class PlainLoop:
                     logp_old = old[m][k] if m in old else logp.detach()
                     advantage = torch.tensor([r[2] for r in micro], device=self.device)[:, None]
                     ratio = (logp - logp_old).exp()
-                    clipped = ratio.clamp(1 - self.cfg.clip_low, 1 + self.cfg.clip_high)
+                    clipped = ratio.clamp(1 - self.cfg.loss.clip_low, 1 + self.cfg.loss.clip_high)
                     loss = -(torch.minimum(ratio * advantage, clipped * advantage) * loss_mask).sum() / tokens
                     loss.backward()
-                torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+                torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.optimizer.grad_clip)
                 self.optimizer.step()
                 self.optimizer.zero_grad(set_to_none=True)
 
@@ -226,16 +228,17 @@ class BusySampler:
         return statistics.fmean(self.samples) if self.samples else None
 
 
-VARIANT_SETTINGS = {"project": {"packing": "auto"}, "project-sdpa": {"packing": "auto", "attention": "sdpa"},
-                    "project-padded": {"packing": "off"},
-                    "project-compiled": {"packing": "auto", "gradient_checkpointing": "selective", "compile": True},
-                    "project-selective": {"packing": "auto", "gradient_checkpointing": "selective", "compile": False},
-                    "project-full": {"packing": "auto", "gradient_checkpointing": "full", "compile": False},
-                    "project-compiled-off": {"packing": "auto", "gradient_checkpointing": "off", "compile": True},
-                    # Not in the default list: what the recompute costs uncompiled, at half the micro-batch to fit
-                    # an 80 GB card (activations a token and layer without checkpointing: benchmarks/recompute.py).
-                    "project-no-recompute": {"packing": "auto", "gradient_checkpointing": "off", "compile": False,
-                                             "micro_batch_fraction": 0.5}}
+VARIANT_SETTINGS = {  # learner.compute of each variant
+    "project": {"packing": "auto"}, "project-sdpa": {"packing": "auto", "attention": "sdpa"},
+    "project-padded": {"packing": "off"},
+    "project-compiled": {"packing": "auto", "gradient_checkpointing": "selective", "compile": True},
+    "project-selective": {"packing": "auto", "gradient_checkpointing": "selective", "compile": False},
+    "project-full": {"packing": "auto", "gradient_checkpointing": "full", "compile": False},
+    "project-compiled-off": {"packing": "auto", "gradient_checkpointing": "off", "compile": True},
+    # Not in the default list: what the recompute costs uncompiled, at half the micro-batch to fit an 80 GB card
+    # (activations a token and layer without checkpointing: benchmarks/recompute.py).
+    "project-no-recompute": {"packing": "auto", "gradient_checkpointing": "off", "compile": False,
+                             "micro_batch_fraction": 0.5}}
 
 
 def measure(shape: str, groups_count: int, steps: int, preset: str, variants: list[str], n: int,
@@ -250,9 +253,9 @@ def measure(shape: str, groups_count: int, steps: int, preset: str, variants: li
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     with tempfile.TemporaryDirectory() as tmp:
         model_path = build_model(shape, Path(tmp) / "model")
-        learner = {"prompts_per_step": groups_count, "checkpoint_every": 0}
+        learner = {"batch": {"prompts_per_step": groups_count}, "checkpoints": {"every": 0}, "compute": {}}
         if micro_batch_tokens:
-            learner["micro_batch_tokens"] = micro_batch_tokens
+            learner["compute"]["micro_batch_tokens"] = micro_batch_tokens
         base = load_settings(preset, run_dir=str(Path(tmp) / "run"), model={"name_or_path": str(model_path)},
                              sampling={"n": n}, learner=learner)
         groups = synthetic_groups(groups_count, n, SHAPES[shape]["vocab_size"], prompt_range, response_range)
@@ -261,7 +264,8 @@ def measure(shape: str, groups_count: int, steps: int, preset: str, variants: li
         memory = torch.cuda.get_device_properties(device).total_memory / 2**30 if device.type == "cuda" else None
         result = {"device": card, "device_gib": memory, "shape": shape, "groups": groups_count, "n": n,
                   "response_tokens": response_tokens, "preset": preset,
-                  "micro_batch_tokens": base.learner.micro_batch_tokens, "mini_batches": base.learner.mini_batches,
+                  "micro_batch_tokens": base.learner.compute.micro_batch_tokens,
+                  "mini_batches": base.learner.batch.mini_batches,
                   "steps": steps, "torch": torch.__version__, "transformers": transformers.__version__,
                   "accelerate": accelerate.__version__, "rows": []}
         for variant in variants:
@@ -292,14 +296,14 @@ def measure_variant(variant, base, preset, model_path, n, learner, groups, steps
         counts = throughput.parameter_counts(runner.model)
         attention = "sdpa"
     else:
-        overrides = dict(VARIANT_SETTINGS[variant])
-        fraction = overrides.pop("micro_batch_fraction", 1)
-        overrides["micro_batch_tokens"] = int(fraction * base.learner.micro_batch_tokens)
+        compute = dict(VARIANT_SETTINGS[variant])
+        fraction = compute.pop("micro_batch_fraction", 1)
+        compute["micro_batch_tokens"] = int(fraction * base.learner.compute.micro_batch_tokens)
         settings = load_settings(preset, run_dir=base.run_dir, model={"name_or_path": str(model_path)},
-                                 sampling={"n": n}, learner={**learner, **overrides})
+                                 sampling={"n": n}, learner={**learner, "compute": compute})
         runner = Trainer(settings, model_path)
         counts, attention = runner.parameter_counts, runner.attention
-    flops = step_flops(counts, groups, base.learner.mini_batches, base.learner.epochs)
+    flops = step_flops(counts, groups, base.learner.batch.mini_batches, base.learner.batch.epochs)
     runner.train_step(groups)  # warm-up
     _sync(device)
     setup = time.perf_counter() - started  # load and warm-up: what a run cut short spent before its first figure

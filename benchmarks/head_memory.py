@@ -90,7 +90,7 @@ def report(rows: list[dict], command: str) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, nargs="+", default=[1024, 2048, 4096])
-    parser.add_argument("--chunk", type=int, default=1024, help="learner.head_chunk_tokens")
+    parser.add_argument("--chunk", type=int, default=1024, help="learner.compute.head_chunk_tokens")
     parser.add_argument("--write", action="store_true", help="write benchmarks/results/head_memory.json")
     args = parser.parse_args()
     rows = measure(args.tokens, args.chunk)

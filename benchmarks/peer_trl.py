@@ -18,7 +18,7 @@ Systems:
 - `project`: `dapo run` of the preset (every service on its own CPUs, cli/cores.py), seeded as benchmarks/runs.py.
 - `trl-matched`: TRL with the project's batch shape: prompts_per_step x n completions per generation,
   mini_batches optimizer steps per generation, `epochs` passes, the same lr, warm-up, clip range, grad clip.
-  The project's batch warm-up (`learner.batch_warmup_steps`) has no TRL counterpart: TRL takes the full shape
+  The project's batch warm-up (`learner.batch.warmup_steps`) has no TRL counterpart: TRL takes the full shape
   from its first step.
 - `trl-small`: TRL as a CPU user would run it: 16 completions per step, 8 per prompt, one pass, its learning
   rate tuned (SMALL_LR: the project's 3e-4 collapses at this batch size).
@@ -63,10 +63,10 @@ def trl_shape(setting: str, learner, n: int) -> dict:
     """GRPOConfig batch fields and learning rate for a setting. matched: one generation = prompts_per_step x n
     completions, cut into mini_batches optimizer steps, `epochs` passes over it (TRL's num_iterations)."""
     if setting == "matched":
-        per_step = learner.prompts_per_step * n // learner.mini_batches
+        per_step = learner.batch.prompts_per_step * n // learner.batch.mini_batches
         return {"num_generations": n, "per_device_train_batch_size": per_step,
-                "steps_per_generation": learner.mini_batches, "num_iterations": learner.epochs,
-                "learning_rate": learner.lr}
+                "steps_per_generation": learner.batch.mini_batches, "num_iterations": learner.batch.epochs,
+                "learning_rate": learner.optimizer.lr}
     if setting == "small":
         return {"num_generations": 8, "per_device_train_batch_size": 16, "steps_per_generation": 1,
                 "num_iterations": 1, "learning_rate": SMALL_LR}
@@ -147,13 +147,15 @@ def run_trl(setting: str, seed: int, minutes: float, preset: str, out: Path,
         output_dir=str(out.parent / f"{out.stem}-trainer"), seed=seed, use_cpu=True, bf16=False,
         report_to=[], save_strategy="no", logging_steps=10, disable_tqdm=True, max_steps=1_000_000,
         shuffle_dataset=False, max_completion_length=s.max_tokens, temperature=s.temperature, top_p=s.top_p, top_k=0,
-        lr_scheduler_type="constant_with_warmup", weight_decay=cfg.weight_decay,
-        adam_beta1=cfg.adam_betas[0], adam_beta2=cfg.adam_betas[1], max_grad_norm=cfg.grad_clip,
-        beta=0.0, loss_type="dapo", epsilon=cfg.clip_low, epsilon_high=cfg.clip_high,
-        mask_truncated_completions=cfg.overlong_filter, remove_unused_columns=False, disable_dropout=True,
+        lr_scheduler_type="constant_with_warmup", weight_decay=cfg.optimizer.weight_decay,
+        adam_beta1=cfg.optimizer.adam_betas[0], adam_beta2=cfg.optimizer.adam_betas[1],
+        max_grad_norm=cfg.optimizer.grad_clip,
+        beta=0.0, loss_type="dapo", epsilon=cfg.loss.clip_low, epsilon_high=cfg.loss.clip_high,
+        mask_truncated_completions=cfg.loss.overlong_filter, remove_unused_columns=False, disable_dropout=True,
         **trl_shape(setting, cfg, s.n),
     )
-    args.warmup_steps = cfg.warmup_steps * (args.steps_per_generation or 1)  # the project warms up over rollout steps
+    # the project warms up over rollout steps
+    args.warmup_steps = cfg.optimizer.warmup_steps * (args.steps_per_generation or 1)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
 
     class Clock(TrainerCallback):

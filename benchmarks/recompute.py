@@ -1,5 +1,5 @@
-"""What the decoder layers keep for backward: `learner.gradient_checkpointing` off, full and selective (and
-selective with `learner.compile`), side by side on the same rows.
+"""What the decoder layers keep for backward: `learner.compute.gradient_checkpointing` off, full and selective (and
+selective with `learner.compute.compile`), side by side on the same rows.
 
 Each setting in a fresh process: the trainer (`Trainer.loss_gradients`, one forward and backward of every row, the
 packed layout a GPU runs) on a Qwen2.5-1.5B-shaped model cut to a few layers and a small vocabulary (so that the
@@ -59,9 +59,10 @@ def one(name: str, layers: int, vocab: int, groups: int, n: int, response_tokens
         rows = gpu_trainer.synthetic_groups(groups, n, vocab, (64, 64), (response_tokens, response_tokens))
         settings = load_settings("tiny-cpu", run_dir=str(Path(tmp) / "run"), model={"name_or_path": str(model_path)},
                                  sampling={"n": n}, learner={
-                                     "packing": "on", "micro_batch_tokens": groups * n * (64 + response_tokens),
-                                     "gradient_checkpointing": checkpointing, "compile": compile_layers,
-                                     "mini_batches": 1, "epochs": 1})
+                                     "compute": {"packing": "on",
+                                                 "micro_batch_tokens": groups * n * (64 + response_tokens),
+                                                 "gradient_checkpointing": checkpointing, "compile": compile_layers},
+                                     "batch": {"mini_batches": 1, "epochs": 1}})
         trainer = Trainer(settings, model_path)
         trainer.loss_gradients(rows)  # warm-up (and compiling)
         _reset_peak()

@@ -98,7 +98,8 @@ def run_seeded(label: str, seed: int, run_dir: Path, preset: str, overrides: lis
     """One fresh `dapo run` (no resume, its own Redis prefix), waited for; its curve."""
     shutil.rmtree(run_dir, ignore_errors=True)
     run_dir.parent.mkdir(parents=True, exist_ok=True)
-    sets = [f"run_dir={run_dir}", f"redis.run={run_dir.name}", "learner.resume=false", *seed_overrides(seed),
+    sets = [f"run_dir={run_dir}", f"redis.run={run_dir.name}", "learner.checkpoints.resume=false",
+            *seed_overrides(seed),
             *overrides]
     command = [DAPO, "run", "--no-display", "--config", preset]
     for item in sets:

@@ -2,15 +2,15 @@
 
     python -m benchmarks.shapes [--shapes 32x2x2 32x4x2 16x2x2 ...] [--seeds 0 1] [--minutes 2.5]
 
-A shape is `PxMxE[:lr][+key=value...]`: P prompt groups per rollout step (`learner.prompts_per_step`, n responses
-each), cut into M mini-batches (`learner.mini_batches`: M optimizer steps per pass), E passes (`learner.epochs`),
-optionally a learning rate (`learner.lr`) and any other settings of that run only
-(`32x4x2+learner.oversample_margin=1.5`: the same shape with another push margin, side by side with `32x4x2`).
+A shape is `PxMxE[:lr][+key=value...]`: P prompt groups per rollout step (`learner.batch.prompts_per_step`, n responses
+each), cut into M mini-batches (`learner.batch.mini_batches`: M optimizer steps per pass), E passes
+(`learner.batch.epochs`), optionally a learning rate (`learner.optimizer.lr`) and any other settings of that run only
+(`32x4x2+learner.batch.oversample_margin=1.5`: the same shape with another push margin, side by side with `32x4x2`).
 Every shape runs `dapo run` of the preset for `--minutes` of training, seeded and timed exactly as the `project`
 system of benchmarks/peer_trl.py (so its minutes to a target compare with the peer's table), with evaluations
 every `--eval-groups` trained groups (eval_every = eval_groups / P: the same training time between evaluations
 whatever the shape; every step of P groups: the preset's batch warm-up is off unless a shape sets
-`+learner.batch_warmup_steps=W`). Shapes are interleaved per seed, so a change in the machine's load hits
+`+learner.batch.warmup_steps=W`). Shapes are interleaved per seed, so a change in the machine's load hits
 every shape alike.
 
 Measured per shape: the step, the learner's wait for groups in it and its refill rounds, optimizer steps per
@@ -52,7 +52,8 @@ class Shape:
             return cls(prompts, mini_batches, epochs, float(lr) if lr else None, tuple(settings))
         except ValueError:
             raise argparse.ArgumentTypeError(
-                f"shape {text!r}: expected PxMxE[:lr][+key=value...], e.g. 16x2x2:3e-4+learner.oversample_margin=1.5"
+                f"shape {text!r}: expected PxMxE[:lr][+key=value...], "
+                "e.g. 16x2x2:3e-4+learner.batch.oversample_margin=1.5"
             ) from None
 
     @property
@@ -71,10 +72,11 @@ class Shape:
 
     def overrides(self, eval_groups: int) -> list[str]:
         # P groups from the first step (no batch warm-up, unless the shape sets one): evaluations at equal groups
-        sets = [f"learner.prompts_per_step={self.prompts}", f"learner.mini_batches={self.mini_batches}",
-                f"learner.epochs={self.epochs}", f"learner.eval_every={max(1, round(eval_groups / self.prompts))}",
-                "learner.batch_warmup_steps=0"]
-        return sets + ([f"learner.lr={self.lr}"] if self.lr else []) + list(self.settings)
+        sets = [f"learner.batch.prompts_per_step={self.prompts}", f"learner.batch.mini_batches={self.mini_batches}",
+                f"learner.batch.epochs={self.epochs}",
+                f"learner.eval_every={max(1, round(eval_groups / self.prompts))}",
+                "learner.batch.warmup_steps=0"]
+        return sets + ([f"learner.optimizer.lr={self.lr}"] if self.lr else []) + list(self.settings)
 
 
 def report(shapes: list[Shape], results: dict[str, list[Curve]], n: int, command: str) -> str:

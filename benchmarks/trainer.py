@@ -54,7 +54,7 @@ def informative_batch(settings, count: int) -> list:
                                  ScoreItem(x.text, problem.answer, len(x.token_ids), s.max_tokens, x.finish_reason),
                                  settings.reward) for x in samples]
                 values = filter_values([x.correct for x in scores], [x.reward for x in scores],
-                                       settings.learner.filter_metric)
+                                       settings.learner.batch.filter_metric)
                 if is_informative(values) and len(groups) < count:
                     groups.append(ScoredGroup(rollout=RolloutGroup(task=task, policy_version=0, generator_id="bench",
                                                                    samples=samples), scores=scores))
@@ -93,12 +93,13 @@ def measure(budgets: list[int], rounds: int) -> dict:
     from services.models import model_dir
 
     base = load_settings(PRESET, run_dir=str(ROOT / "runs" / "bench-trainer"))
-    groups = sampled_batch(base, base.learner.prompts_per_step)
+    groups = sampled_batch(base, base.learner.batch.prompts_per_step)
     os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})  # the learner's one CPU under `dapo run` on 2 cores
     variants = [(budget, shared) for shared in (False, True) for budget in budgets]
     trainers = {}
     for budget, shared in variants:
-        learner = base.learner.model_copy(update={"micro_batch_tokens": budget, "share_prompt_pass": shared})
+        compute = base.learner.compute.model_copy(update={"micro_batch_tokens": budget, "share_prompt_pass": shared})
+        learner = base.learner.model_copy(update={"compute": compute})
         trainers[budget, shared] = Trainer(base.model_copy(update={"learner": learner}), model_dir(base))
     torch.set_num_threads(1)  # after the Trainers: each sets threads from the CPUs it sees (or OMP_NUM_THREADS)
     for trainer in trainers.values():
@@ -121,7 +122,8 @@ def measure(budgets: list[int], rounds: int) -> dict:
     tokens = sum(len(x.token_ids) for g in groups for x in g.rollout.samples)
     return {"rows": rows, "groups": len(groups), "samples": samples, "response_tokens": tokens,
             "prompt_tokens": statistics.mean(len(g.rollout.task.prompt_token_ids) for g in groups),
-            "default": [base.learner.micro_batch_tokens, base.learner.share_prompt_pass], "load": os.getloadavg()[0]}
+            "default": [base.learner.compute.micro_batch_tokens, base.learner.compute.share_prompt_pass],
+            "load": os.getloadavg()[0]}
 
 
 def report(result: dict, command: str) -> str:

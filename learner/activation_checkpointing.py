@@ -1,5 +1,5 @@
-"""What the decoder layers keep for backward, and whether they are compiled (learner.gradient_checkpointing,
-learner.compile).
+"""What the decoder layers keep for backward, and whether they are compiled (learner.compute.gradient_checkpointing,
+learner.compute.compile).
 
 - `off`: every activation is kept (the fastest backward, the most memory: about 180 KB a token and layer at the
   1.5B layer shape in fp32, benchmarks/recompute.py);
@@ -62,8 +62,8 @@ def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
     """The repeated blocks of a transformers causal LM (`model.model.layers` for Qwen2 and Llama)."""
     layers = getattr(model.get_decoder(), "layers", None)
     if not isinstance(layers, torch.nn.ModuleList):
-        raise ValueError(f"{type(model).__name__}: no decoder layers found (learner.gradient_checkpointing and "
-                         "learner.compile need model.get_decoder().layers)")
+        raise ValueError(f"{type(model).__name__}: no decoder layers found (learner.compute.gradient_checkpointing and "
+                         "learner.compute.compile need model.get_decoder().layers)")
     return layers
 
 

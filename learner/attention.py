@@ -60,7 +60,7 @@ def varlen_attention_forward(module, query: Tensor, key: Tensor, value: Tensor, 
         raise ValueError(f"attention {VARLEN!r}: a packed micro-batch is one sequence, got {query.shape[0]}")
     if sliding_window is not None or softcap is not None or s_aux is not None:
         raise ValueError(f"attention {VARLEN!r} is plain causal attention: this model asks for a sliding window, "
-                         "a softcap or attention sinks (set learner.attention: sdpa)")
+                         "a softcap or attention sinks (set learner.compute.attention: sdpa)")
     # Under autocast the rotary embedding leaves q and k in fp32 (SDPA is cast by autocast; this op is not).
     dtype = torch.get_autocast_dtype(query.device.type) if torch.is_autocast_enabled(query.device.type) \
         else value.dtype
@@ -100,7 +100,8 @@ def implementation(choice: str, cuda: bool, packed: bool, dtype: torch.dtype) ->
     varlen = available(cuda, dtype)
     if choice == "varlen":
         if not (packed and varlen):
-            raise ValueError("learner.attention=varlen needs packed rows on a GPU in bf16/fp16 and torch >= 2.10")
+            raise ValueError("learner.compute.attention=varlen needs packed rows on a GPU in bf16/fp16 "
+                             "and torch >= 2.10")
         choice = VARLEN
     elif choice == "auto":
         # flash-attn brings its own kernel: it needs no torch >= 2.10, only a GPU and half precision

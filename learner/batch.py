@@ -65,7 +65,7 @@ def warmed_up_target(prompts_per_step: int, warmup_steps: int, step: int) -> int
 
 
 class RefillLimitReached(RuntimeError):
-    """learner.on_refill_limit = stop, and a step could not gather B informative groups."""
+    """learner.batch.on_refill_limit = stop, and a step could not gather B informative groups."""
 
 
 def group_rewards(group: ScoredGroup) -> list[float]:
@@ -209,7 +209,7 @@ class BatchAssembler:
         if target < 1:
             raise ValueError("prompts_per_step must be >= 1")
         if max_staleness < 0 or max_refills < 0 or warmup_steps < 0:
-            raise ValueError("max_staleness, max_refills and batch_warmup_steps must be >= 0")
+            raise ValueError("max_staleness, max_refills and warmup_steps must be >= 0")
         if not 0 < oversample_min <= oversample_max:
             raise ValueError("need 0 < oversample_min <= oversample_max")
         if oversample_margin < 1:
@@ -236,15 +236,15 @@ class BatchAssembler:
     @classmethod
     def from_settings(cls, learner_cfg, **kwargs) -> "BatchAssembler":
         return cls(
-            learner_cfg.prompts_per_step,
-            warmup_steps=learner_cfg.batch_warmup_steps,
-            max_staleness=learner_cfg.max_staleness,
-            dynamic_sampling=learner_cfg.dynamic_sampling,
-            filter_metric=learner_cfg.filter_metric,
-            max_refills=learner_cfg.max_refills,
-            oversample_min=learner_cfg.oversample_min,
-            oversample_max=learner_cfg.oversample_max,
-            oversample_margin=learner_cfg.oversample_margin,
+            learner_cfg.batch.prompts_per_step,
+            warmup_steps=learner_cfg.batch.warmup_steps,
+            max_staleness=learner_cfg.batch.max_staleness,
+            dynamic_sampling=learner_cfg.batch.dynamic_sampling,
+            filter_metric=learner_cfg.batch.filter_metric,
+            max_refills=learner_cfg.batch.max_refills,
+            oversample_min=learner_cfg.batch.oversample_min,
+            oversample_max=learner_cfg.batch.oversample_max,
+            oversample_margin=learner_cfg.batch.oversample_margin,
             **kwargs,
         )
 
@@ -446,9 +446,9 @@ class BatchAssembler:
             stats = self.stats
             raise RefillLimitReached(
                 f"only {len(self.ready)} of {self.target} informative groups after {self.refills} refill rounds "
-                f"(learner.max_refills={self.max_refills}): {stats.informative} informative of {stats.scored} "
-                f"groups scored this step, running ratio {self.ratio.value:.3f}. Raise learner.max_refills or "
-                "set learner.on_refill_limit=train to train on what is in hand."
+                f"(learner.batch.max_refills={self.max_refills}): {stats.informative} informative of {stats.scored} "
+                f"groups scored this step, running ratio {self.ratio.value:.3f}. Raise learner.batch.max_refills or "
+                "set learner.batch.on_refill_limit=train to train on what is in hand."
             )
         return self.take_batch(version, partial=True)
 

@@ -25,7 +25,7 @@ it) or `step-N.old`; `read` takes the complete one. `latest` names a checkpoint 
 The stop record names the checkpointed step it stopped at, so a later start that would resume there finds the run
 over, as after total_steps: `dapo learner` exits 0 before it touches the run (a restart policy on failure,
 Compose's, then leaves it down), and `dapo run` reports that exit as the stop it is. A start that goes on
-(max_refills raised, on_refill_limit set to train, learner.resume=false, or the file deleted) clears it.
+(max_refills raised, on_refill_limit set to train, learner.checkpoints.resume=false, or the file deleted) clears it.
 """
 
 from __future__ import annotations

@@ -17,7 +17,8 @@ def check_accelerator(accelerator) -> None:
     plugin = getattr(accelerator.state, "fsdp_plugin", None)
     if plugin is not None and plugin.activation_checkpointing:  # a wrapper around each layer: a second recompute
         raise ValueError("accelerate's fsdp_activation_checkpointing is on: set it to false, the learner "
-                         "checkpoints its layers itself (learner.gradient_checkpointing: full, selective or off)")
+                         "checkpoints its layers itself "
+                         "(learner.compute.gradient_checkpointing: full, selective or off)")
 
 
 def share_cpu_threads(accelerator) -> None:

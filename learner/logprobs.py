@@ -128,8 +128,8 @@ def _chunk_logit_grads(hidden: Tensor, weight: Tensor, bias: Tensor | None, targ
 
 @functools.cache
 def _compiled(chunk_function):
-    """learner.compile: the same per-chunk work fused by inductor (a few passes over the bf16 logits instead of a
-    dozen over fp32 copies of them), made on first use. Lengths are dynamic from the start: every last chunk is
+    """learner.compute.compile: the same per-chunk work fused by inductor (a few passes over the bf16 logits instead of
+    a dozen over fp32 copies of them), made on first use. Lengths are dynamic from the start: every last chunk is
     ragged."""
     return torch.compile(chunk_function, dynamic=True)
 

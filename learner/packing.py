@@ -264,7 +264,7 @@ class Packer:
     """The trainer's packing settings bound once: its micro-batches, each rank's share, and their tensors."""
 
     layout: Layout
-    budget: int  # learner.micro_batch_tokens
+    budget: int  # learner.compute.micro_batch_tokens
     pad_token_id: int
     bucket: int  # length_bucket
     device: torch.device

@@ -10,7 +10,7 @@ after its checkpoint). Evaluation needs no command: it runs on the generators, f
 The wire: a command is msgpack (the groups as their signed-stream payloads), broadcast as a length and then the
 bytes in a uint8 tensor. No pickle crosses ranks.
 
-Liveness. Every collective has the process group's timeout (`learner.collective_timeout_seconds`). While rank 0
+Liveness. Every collective has the process group's timeout (`learner.compute.collective_timeout_seconds`). While rank 0
 waits for groups or evaluates, the followers wait in a broadcast; rank 0 sends `idle` every HEARTBEAT_SECONDS so
 that this legitimate wait never reaches the timeout. A rank that dies makes the next collective fail on the
 others (gloo at once, on the closed connection; NCCL at the timeout), so the learner exits non-zero instead of

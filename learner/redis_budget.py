@@ -41,8 +41,8 @@ def held_groups(settings: Settings) -> tuple[int, int]:
     """(groups of one step, groups `held` keeps at most): checkpoint_every steps (every step of the run when 0,
     a checkpoint only at the end) and the next step's in hand."""
     learner = settings.learner
-    steps = learner.checkpoint_every or learner.total_steps
-    return learner.prompts_per_step, learner.prompts_per_step * (steps + 1)
+    steps = learner.checkpoints.every or learner.total_steps
+    return learner.batch.prompts_per_step, learner.batch.prompts_per_step * (steps + 1)
 
 
 def held_budget(settings: Settings, maxmemory: int, group_bytes: int) -> tuple[str, str]:
@@ -51,7 +51,7 @@ def held_budget(settings: Settings, maxmemory: int, group_bytes: int) -> tuple[s
     share = settings.redis.held_memory_share
     step, most = held_groups(settings)
     figure = (f"`held` keeps up to {most} groups between checkpoints ({step} a step x "
-              f"{settings.learner.checkpoint_every or settings.learner.total_steps} steps + the next step's) of at "
+              f"{settings.learner.checkpoints.every or settings.learner.total_steps} steps + the next step's) of at "
               f"most {group_bytes / MB:.2f} MB each (n {settings.sampling.n} x max_tokens "
               f"{settings.sampling.max_tokens}): {most * group_bytes / MB:,.0f} MB")
     if maxmemory <= 0:
@@ -64,7 +64,7 @@ def held_budget(settings: Settings, maxmemory: int, group_bytes: int) -> tuple[s
         return "refuse", (f"one step's groups need up to {step * group_bytes / MB:,.0f} MB ({step} x "
                           f"{group_bytes / MB:.2f} MB) in `held`, {against}: the learner could not hold a step "
                           "before it checkpoints. Raise Redis' maxmemory (redis.embedded_maxmemory_mb for the "
-                          "embedded server) or redis.held_memory_share, or lower learner.prompts_per_step, "
+                          "embedded server) or redis.held_memory_share, or lower learner.batch.prompts_per_step, "
                           "sampling.n or sampling.max_tokens")
     if most * group_bytes > budget:
         return "warn", (f"{figure}, {against}: the learner checkpoints early whenever Redis uses more "

@@ -134,7 +134,7 @@ class LearnerService:
         self.settings = settings
         self.cfg = settings.learner
         self.run_dir = Path(settings.run_dir)
-        self.checkpoints = Checkpoints(self.run_dir, keep=self.cfg.keep_checkpoints)
+        self.checkpoints = Checkpoints(self.run_dir, keep=self.cfg.checkpoints.keep)
         self.stopping = threading.Event()
         self.ready, self.ready_reason = False, "starting"
         self.step = 0
@@ -239,11 +239,11 @@ class LearnerService:
     # -- the run -----------------------------------------------------------------------------------------------
     def run(self) -> int:
         """Resume or start, then train until total_steps (or SIGTERM). Returns the process exit code."""
-        if self.cfg.resume and self.stays_stopped():  # decided before the resume touches the run
+        if self.cfg.checkpoints.resume and self.stays_stopped():  # decided before the resume touches the run
             self.ranks.stop()
             return 0
         self.checkpoints.clear_stop()  # the run goes on past any stop recorded
-        resumed = self.resume() if self.cfg.resume else self.start_fresh()
+        resumed = self.resume() if self.cfg.checkpoints.resume else self.start_fresh()
         self.publish_initial()
         self.ready, self.ready_reason = True, f"weights v{self.policy.current} published"
         try:
@@ -257,7 +257,7 @@ class LearnerService:
             log.error("stopping at step %d: %s", self.step + 1, err)
             metrics.LEARNER_REFILL_LIMIT.inc()
             self.checkpoint_if_new()
-            self.checkpoints.record_stop(self.step, self.cfg.max_refills, str(err))
+            self.checkpoints.record_stop(self.step, self.cfg.batch.max_refills, str(err))
             self.ranks.stop()
             return ExitCode.REFILL_LIMIT
         self.checkpoint_if_new()
@@ -376,7 +376,7 @@ class LearnerService:
 
     def checkpointed_step(self) -> int | None:
         """The step this process will resume from (None: a fresh start)."""
-        return self.checkpoints.latest_step() if self.cfg.resume else None
+        return self.checkpoints.latest_step() if self.cfg.checkpoints.resume else None
 
     def resume(self) -> bool:
         step = self.checkpoints.latest_step()
@@ -399,10 +399,11 @@ class LearnerService:
         """The refill limit stopped this run at the checkpoint it would resume from, and these settings would stop
         it there again (learner/checkpoint.py): the run is over."""
         stop = self.checkpoints.recorded_stop()
-        if stop is None or self.cfg.on_refill_limit != "stop" or self.cfg.max_refills > stop["max_refills"]:
+        if stop is None or self.cfg.batch.on_refill_limit != "stop" or self.cfg.batch.max_refills > stop["max_refills"]:
             return False
-        log.warning("the refill limit stopped this run at step %d (%s): it stays stopped; raise learner.max_refills, "
-                    "set learner.on_refill_limit=train or delete %s to go on from there, learner.resume=false to "
+        log.warning("the refill limit stopped this run at step %d (%s): it stays stopped; "
+                    "raise learner.batch.max_refills, set learner.batch.on_refill_limit=train or delete %s to go on "
+                    "from there, learner.checkpoints.resume=false to "
                     "start over", stop["step"], stop["reason"], self.checkpoints.dir / STOPPED)
         return True
 
@@ -438,7 +439,7 @@ class LearnerService:
         metrics.LEARNER_VERSION.set(version)
 
     def checkpoint_due(self, final: bool) -> bool:
-        every = self.cfg.checkpoint_every
+        every = self.cfg.checkpoints.every
         return final or (every > 0 and self.step % every == 0)
 
     def held_memory_pressed(self) -> bool:
@@ -575,7 +576,7 @@ def main(settings: Settings) -> int:
     load_signer(settings, "learner")  # its key first: a missing one fails before Redis, the lease or the model
     model_dir(settings)  # the dependencies first: fail in a second, not after loading
     # The process group first (gloo on CPU, NCCL on GPUs), with the timeout every collective gets.
-    timeout = timedelta(seconds=settings.learner.collective_timeout_seconds)
+    timeout = timedelta(seconds=settings.learner.compute.collective_timeout_seconds)
     state = PartialState(cpu=not torch.cuda.is_available(), timeout=timeout)
     if not state.is_main_process:
         trainer = build_trainer(settings)

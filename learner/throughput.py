@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 # Dense bf16 tensor-core peak in TFLOP/s per device (vendor data sheets, no sparsity). Matched as substrings of
-# torch.cuda.get_device_name(), most specific first; `learner.peak_tflops` overrides.
+# torch.cuda.get_device_name(), most specific first; `learner.compute.peak_tflops` overrides.
 PEAK_TFLOPS = (
     ("GB200", 2500.0), ("B200", 2250.0), ("H200", 989.0), ("H100", 989.0), ("H800", 989.0), ("H20", 148.0),
     ("A100", 312.0), ("A800", 312.0), ("L40S", 362.0), ("L4", 121.0), ("A10", 125.0), ("V100", 125.0),

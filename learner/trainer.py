@@ -114,49 +114,52 @@ class Trainer:
                 "model, so the importance weights are biased (the paper trains at top_p 1)", settings.sampling.top_p
             )
 
-        packed = cfg.packing == "on" or (cfg.packing == "auto" and cuda)
-        self.attention = attention.implementation(cfg.attention, cuda, packed, self.compute_dtype)
+        packed = cfg.compute.packing == "on" or (cfg.compute.packing == "auto" and cuda)
+        self.attention = attention.implementation(cfg.compute.attention, cuda, packed, self.compute_dtype)
         model = AutoModelForCausalLM.from_pretrained(
             self.model_path, dtype=torch.float32, trust_remote_code=settings.model.trust_remote_code,
             attn_implementation=self.attention,
         )
-        activation_checkpointing.prepare_layers(model, cfg.gradient_checkpointing, cfg.compile)
+        activation_checkpointing.prepare_layers(model, cfg.compute.gradient_checkpointing, cfg.compute.compile)
         self.parameter_counts = throughput.parameter_counts(model)
         # The head scores response positions only, in chunks (learner/logprobs.py); installed before any wrapping.
         self.heads = {}
-        head = install_head(model, self.temperature, cfg.head_chunk_tokens, cfg.compile)
+        head = install_head(model, self.temperature, cfg.compute.head_chunk_tokens, cfg.compute.compile)
         # Weight decay on every parameter, as verl (the paper's code) does. On a GPU the fused kernel: one pass
         # over weights, gradients and moments instead of a foreach kernel for each AdamW operation.
         optimizer = torch.optim.AdamW(
-            model.parameters(), lr=cfg.lr, betas=tuple(cfg.adam_betas), weight_decay=cfg.weight_decay,
+            model.parameters(), lr=cfg.optimizer.lr, betas=tuple(cfg.optimizer.adam_betas),
+            weight_decay=cfg.optimizer.weight_decay,
             fused=True if cuda else None,
         )
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, dapo.LinearWarmup(cfg.warmup_steps))
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, dapo.LinearWarmup(cfg.optimizer.warmup_steps))
         self.model, self.optimizer = self.accelerator.prepare(model, optimizer)
         self.heads[id(self.model)] = head
         # Two forward passes feed one backward: fine for DDP (each parameter's gradient hook fires once, on the
         # summed gradient); FSDP and gradient checkpointing (no KV cache in training) take whole rows, and so do
         # compiled layers (a KV cache of every prompt length recompiles them past torch's limit).
-        self.share_prompts = (cfg.share_prompt_pass and cfg.gradient_checkpointing == "off" and not cfg.compile
+        self.share_prompts = (cfg.compute.share_prompt_pass and cfg.compute.gradient_checkpointing == "off"
+                              and not cfg.compute.compile
                               and self.accelerator.distributed_type != DistributedType.FSDP)
         layout: packing.Layout = "packed" if packed else "shared" if self.share_prompts else "padded"
         varlen = self.attention in (attention.VARLEN, "flash_attention_2")
         self.packer = packing.Packer(
-            layout, cfg.micro_batch_tokens, pad_token_id=model.config.pad_token_id or 0,
-            bucket=packing.length_bucket(layout, cuda, varlen, cfg.micro_batch_tokens),
+            layout, cfg.compute.micro_batch_tokens, pad_token_id=model.config.pad_token_id or 0,
+            bucket=packing.length_bucket(layout, cuda, varlen, cfg.compute.micro_batch_tokens),
             device=self.accelerator.device, world=self.accelerator.num_processes,
             rank=self.accelerator.process_index)
-        self.peak_tflops = throughput.peak_tflops(self.accelerator.device, cfg.peak_tflops)
+        self.peak_tflops = throughput.peak_tflops(self.accelerator.device, cfg.compute.peak_tflops)
         self.reference = None
-        if cfg.kl_coef:
+        if cfg.loss.kl_coef:
             # A frozen copy of the starting policy, only when the KL penalty is on (paper: off). A full replica
             # per rank (not sharded): fine for the model sizes where one would turn it on.
             self.reference = AutoModelForCausalLM.from_pretrained(
                 self.model_path, dtype=self.compute_dtype, trust_remote_code=settings.model.trust_remote_code,
                 attn_implementation=self.attention,
             )
-            self.heads[id(self.reference)] = install_head(self.reference, self.temperature, cfg.head_chunk_tokens,
-                                                           cfg.compile)
+            self.heads[id(self.reference)] = install_head(self.reference, self.temperature,
+                                                           cfg.compute.head_chunk_tokens,
+                                                           cfg.compute.compile)
             self.reference.to(self.accelerator.device).requires_grad_(False).eval()
 
     @property
@@ -177,7 +180,7 @@ class Trainer:
         stats.seconds["forward"] += time.perf_counter() - recompute_started
         lr = self.scheduler.get_last_lr()[0]
 
-        for epoch in range(cfg.epochs):
+        for epoch in range(cfg.batch.epochs):
             for mb in mini_batches:
                 if not any(batch.responses[i].loss_tokens for i in mb):  # the same indices on every rank
                     stats.updates += 1
@@ -185,7 +188,7 @@ class Trainer:
                     continue
                 self.optimizer.zero_grad(set_to_none=True)
                 self._backward_mini_batch(batch, mb, stats, first_epoch=epoch == 0)
-                max_norm = cfg.grad_clip if cfg.grad_clip > 0 else math.inf
+                max_norm = cfg.optimizer.grad_clip if cfg.optimizer.grad_clip > 0 else math.inf
                 grad_norm = float(self.accelerator.clip_grad_norm_(self.model.parameters(), max_norm))
                 stats.updates += 1
                 if math.isfinite(grad_norm):
@@ -287,7 +290,7 @@ class Trainer:
             if len(samples) != len(scores):
                 raise ValueError(f"group {group.rollout.task.task_id}: {len(samples)} samples, {len(scores)} scores")
             prompt = _prompt_ids(group)
-            advantages = dapo.group_advantages([s.reward for s in scores], eps=self.config.adv_eps)
+            advantages = dapo.group_advantages([s.reward for s in scores], eps=self.config.loss.adv_eps)
             for sample, score, advantage in zip(samples, scores, advantages.tolist()):
                 if len(sample.logprobs) != len(sample.token_ids):
                     raise ValueError(
@@ -303,7 +306,7 @@ class Trainer:
                     response_ids=list(sample.token_ids),
                     behaviour_logprobs=torch.tensor(sample.logprobs, dtype=torch.float32),
                     advantage=advantage,
-                    filtered=self.config.overlong_filter and score.overlong,
+                    filtered=self.config.loss.overlong_filter and score.overlong,
                 ))
         return _Responses(responses, len(groups), sum(lengths) / max(len(lengths), 1))
 
@@ -312,7 +315,7 @@ class Trainer:
         and split them into at most `mini_batches` near-equal runs of whole groups; response indices."""
         generator = torch.Generator().manual_seed(self.config.seed * 1_000_003 + self.steps_done)
         order = torch.randperm(batch.groups, generator=generator).tolist()
-        count = max(1, min(self.config.mini_batches, batch.groups))
+        count = max(1, min(self.config.batch.mini_batches, batch.groups))
         by_group: dict[int, list[int]] = {}
         for i, response in enumerate(batch.responses):
             by_group.setdefault(response.group, []).append(i)
@@ -352,7 +355,7 @@ class Trainer:
         cfg = self.config
         responses = batch.responses
         # Eq. (12): the normaliser is the whole mini-batch's (token | response) count, whatever the micro-batching.
-        denominator = dapo.loss_denominator([responses[i].loss_tokens for i in indices], cfg.loss_agg)
+        denominator = dapo.loss_denominator([responses[i].loss_tokens for i in indices], cfg.loss.loss_agg)
         world = self.accelerator.num_processes
         plan = self.packer.lockstep(self.packer.shard(indices, responses), responses)
         for k, (micro, real) in enumerate(plan):
@@ -360,7 +363,8 @@ class Trainer:
             with contextlib.nullcontext() if sync else self.accelerator.no_sync(self.model):
                 forward_started = time.perf_counter()
                 inputs = self.packer.collate(responses, micro)
-                logp, entropy = self._forward(self.model, inputs, entropy=True, entropy_grad=bool(cfg.entropy_coef))
+                logp, entropy = self._forward(self.model, inputs, entropy=True,
+                                              entropy_grad=bool(cfg.loss.entropy_coef))
                 filtered = torch.tensor([responses[i].filtered for i in micro], device=logp.device)
                 mask = dapo.overlong_filter_mask(inputs.response_mask, filtered)
                 behaviour = self._padded([responses[i].behaviour_logprobs for i in micro], logp)
@@ -373,14 +377,14 @@ class Trainer:
                 logp_old = self._padded([batch.old_logprobs[i] for i in micro], logp)
                 logp_ref = self._padded([batch.ref_logprobs[i] for i in micro], logp) if self.reference else None
                 advantages = torch.tensor([responses[i].advantage for i in micro], device=logp.device).unsqueeze(-1)
-                tis = (None if cfg.tis_cap is None
-                       else dapo.truncated_importance_weight(logp_old, behaviour, cfg.tis_cap))
+                tis = (None if cfg.loss.tis_cap is None
+                       else dapo.truncated_importance_weight(logp_old, behaviour, cfg.loss.tis_cap))
                 per_token, surrogate = dapo.token_loss(
                     logp, logp_old, advantages, tis,
-                    clip_low=cfg.clip_low, clip_high=cfg.clip_high, dual_clip=cfg.dual_clip,
-                    kl_coef=cfg.kl_coef, logp_ref=logp_ref, entropy_coef=cfg.entropy_coef, entropy=entropy,
+                    clip_low=cfg.loss.clip_low, clip_high=cfg.loss.clip_high, dual_clip=cfg.loss.dual_clip,
+                    kl_coef=cfg.loss.kl_coef, logp_ref=logp_ref, entropy_coef=cfg.loss.entropy_coef, entropy=entropy,
                 )
-                loss = dapo.aggregate_loss(per_token, mask, cfg.loss_agg, denominator)
+                loss = dapo.aggregate_loss(per_token, mask, cfg.loss.loss_agg, denominator)
                 backward_started = time.perf_counter()
                 stats.seconds["forward"] += backward_started - forward_started
                 # DDP/FSDP average gradients over ranks: scale so that the average is the global sum / count.
@@ -388,7 +392,7 @@ class Trainer:
                 stats.seconds["backward"] += time.perf_counter() - backward_started
             if real:
                 stats.count(inputs, trained=True)
-                stats.add_tokens(loss, mask, surrogate, entropy, logp.detach(), behaviour, tis, cfg.tis_cap,
+                stats.add_tokens(loss, mask, surrogate, entropy, logp.detach(), behaviour, tis, cfg.loss.tis_cap,
                                  first_epoch)
 
     # -- model plumbing ----------------------------------------------------------------------------------------

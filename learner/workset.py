@@ -119,7 +119,7 @@ class WorkingSet:
     def __init__(self, streams: Streams, learner_cfg: LearnerConfig, policy: PolicyVersion):
         self.streams = streams
         self.assembler = BatchAssembler.from_settings(learner_cfg, policy=policy)
-        self.on_refill_limit = learner_cfg.on_refill_limit
+        self.on_refill_limit = learner_cfg.batch.on_refill_limit
         self.version = lambda: policy.current  # learner/policy.py owns the number
         self.prompts = streams.stream("prompts", PromptTask)
         self.scored = streams.stream("scored", ScoredGroup)

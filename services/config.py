@@ -307,56 +307,20 @@ class RewardConfig(Section):
     )
 
 
-class LearnerConfig(Section):
-    host: str = Field("0.0.0.0", description="HTTP bind address (weights, metrics).")
-    port: int = Field(8000, description="HTTP port.")
-    public_url: str | None = Field(
-        None,
-        description="URL generators pull weights from, the only one they send the token to (default http://host:port).",
-    )
-    # Batch and schedule (paper: 512 prompts x 16 responses, 16 gradient updates per rollout step).
+class LearnerBatchConfig(Section):
+    """Which groups a step trains on and how often it uses them: the batch B, dynamic sampling (Eq. 11) and its
+    refills, the policy lag allowed (paper: 512 prompts x 16 responses, 16 gradient updates per rollout step)."""
+
     prompts_per_step: int = Field(512, description="B: informative prompt groups per training step.")
-    batch_warmup_steps: int = Field(
+    warmup_steps: int = Field(
         0, ge=0, description="Grow B linearly over this many first rollout steps, ceil(B t / W) at step t, as the "
         "LR warm-up grows the rate (paper: 0, the full B from step 1): sooner first updates."
     )
     mini_batches: int = Field(16, description="Gradient updates per rollout step (mini-batches of the batch).")
     epochs: int = Field(1, description="Passes over the batch per step.")
-    total_steps: int = Field(1000, description="Training steps before the learner stops.")
-    time_limit_minutes: float = Field(
-        0.0, ge=0.0, description="Also stop after this many minutes of training, evaluations excluded, in this process "
-        "(0 = no limit)."
-    )
-    lr: float = Field(1e-6, description="AdamW learning rate (paper: 1e-6).")
-    warmup_steps: int = Field(20, description="Linear warm-up over this many rollout steps (paper §4.1: 20).")
-    weight_decay: float = Field(0.1, description="AdamW weight decay (paper: 0.1).")
-    grad_clip: float = Field(1.0, description="Gradient norm clip (paper: 1.0).")
-    adam_betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
-    # DAPO techniques, each switchable (GRPO baseline: clip_high=0.2, dynamic_sampling=false, loss_agg=sample).
-    clip_low: float = Field(0.2, description="epsilon_low of clip-higher (paper: 0.2).")
-    clip_high: float = Field(0.28, description="epsilon_high of clip-higher (paper: 0.28; GRPO: 0.2).")
-    dual_clip: float | None = Field(
-        None, description="Dual-clip bound c for negative advantages (paper: not used; verl applies it always: 3.0 by "
-        "default, 10.0 in its DAPO scripts)."
-    )
-    loss_agg: Literal["token", "sample"] = Field("token", description="token = DAPO token-level loss (Eq. 12).")
     dynamic_sampling: bool = Field(True, description="Keep only groups with some but not all correct (Eq. 11).")
     filter_metric: Literal["acc", "reward"] = Field(
         "acc", description="What dynamic sampling needs spread in: acc = correctness (paper, Eq. 11) or reward."
-    )
-    overlong_filter: bool = Field(False, description="Mask truncated responses out of the loss.")
-    kl_coef: float = Field(0.0, description="KL penalty to the reference (paper: 0, removed).")
-    entropy_coef: float = Field(0.0, description="Entropy bonus (paper: 0).")
-    adv_eps: float = Field(1e-6, description="epsilon added to the group std in the advantage.")
-    # Asynchrony and dynamic sampling.
-    max_staleness: int = Field(0, description="Oldest usable policy lag in versions; 0 = synchronous on-policy.")
-    tis_cap: float | None = Field(
-        2.0, gt=0, description="Truncated importance weight cap for behaviour/learner mismatch (null: no weight, "
-        "the paper's verl recipe, which trusts the recomputed pi_old alone)."
-    )
-    uncorrected_staleness: bool = Field(
-        False, description="Accept max_staleness > 0 with tis_cap null: stale groups train with no behaviour "
-        "correction (refused unless set: the ratio to pi_old alone ignores the policy that sampled them)."
     )
     max_refills: int = Field(
         10, description="Refill rounds per step before the refill limit applies: rounds after the first push, each "
@@ -371,7 +335,47 @@ class LearnerConfig(Section):
         1.0, ge=1.0, description="Prompts pushed per expected informative group need, beyond 1 / r (1: the "
         "expected need; 1.2: 20 % more, fewer refill rounds, surplus groups may age out unused)."
     )
-    # Bookkeeping.
+    max_staleness: int = Field(0, description="Oldest usable policy lag in versions; 0 = synchronous on-policy.")
+    uncorrected_staleness: bool = Field(
+        False, description="Accept max_staleness > 0 with tis_cap null: stale groups train with no behaviour "
+        "correction (refused unless set: the ratio to pi_old alone ignores the policy that sampled them)."
+    )
+
+
+class OptimizerConfig(Section):
+    """AdamW and its schedule (paper §4.1)."""
+
+    lr: float = Field(1e-6, description="AdamW learning rate (paper: 1e-6).")
+    warmup_steps: int = Field(20, description="Linear warm-up over this many rollout steps (paper §4.1: 20).")
+    weight_decay: float = Field(0.1, description="AdamW weight decay (paper: 0.1).")
+    grad_clip: float = Field(1.0, description="Gradient norm clip (paper: 1.0).")
+    adam_betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
+
+
+class LossConfig(Section):
+    """The DAPO objective, each technique switchable (GRPO baseline: clip_high 0.2, loss_agg sample, with
+    learner.batch.dynamic_sampling false)."""
+
+    clip_low: float = Field(0.2, description="epsilon_low of clip-higher (paper: 0.2).")
+    clip_high: float = Field(0.28, description="epsilon_high of clip-higher (paper: 0.28; GRPO: 0.2).")
+    dual_clip: float | None = Field(
+        None, description="Dual-clip bound c for negative advantages (paper: not used; verl applies it always: 3.0 by "
+        "default, 10.0 in its DAPO scripts)."
+    )
+    loss_agg: Literal["token", "sample"] = Field("token", description="token = DAPO token-level loss (Eq. 12).")
+    overlong_filter: bool = Field(False, description="Mask truncated responses out of the loss.")
+    kl_coef: float = Field(0.0, description="KL penalty to the reference (paper: 0, removed).")
+    entropy_coef: float = Field(0.0, description="Entropy bonus (paper: 0).")
+    adv_eps: float = Field(1e-6, description="epsilon added to the group std in the advantage.")
+    tis_cap: float | None = Field(
+        2.0, gt=0, description="Truncated importance weight cap for behaviour/learner mismatch (null: no weight, "
+        "the paper's verl recipe, which trusts the recomputed pi_old alone)."
+    )
+
+
+class ComputeConfig(Section):
+    """How the update runs on the hardware: the same numbers whatever is chosen here, at other speeds and memory."""
+
     micro_batch_tokens: int = Field(32768, description="Tokens per forward pass (gradient accumulation unit).")
     gradient_checkpointing: Literal["off", "full", "selective"] = Field(
         "off", description="What the decoder layers recompute in backward (learner/activation_checkpointing.py): off, "
@@ -405,21 +409,9 @@ class LearnerConfig(Section):
         True, description="Run a group's prompt once and its n responses on the prompt's KV cache (same values; "
         "n times fewer prompt tokens). Off under FSDP and gradient checkpointing, which need one forward pass."
     )
-    checkpoint_every: int = Field(10, description="Checkpoint every K steps (0 = only at the end).")
-    keep_checkpoints: int = Field(2, description="Checkpoints kept on disk (the newest; older ones are pruned).")
-    resume: bool = Field(True, description="Resume from run_dir/checkpoints/latest when it exists.")
-    eval_every: int = Field(5, description="Evaluate every K steps (0 = never).")
-    seed: int = Field(0, description="Torch seed.")
     collective_timeout_seconds: float = Field(
         1800.0, gt=0, description="Several ranks: a collective that waits this long fails (a dead rank ends the "
         "learner)."
-    )
-    lease_ttl_s: float = Field(
-        30.0, gt=0, description="TTL of the run's single-writer lease (learner/lease.py): a second learner waits this "
-        "long."
-    )
-    report_to: list[Literal["wandb", "tensorboard", "mlflow"]] = Field(
-        default_factory=list, description="Experiment trackers that also get each step's numbers and eval samples."
     )
 
     @field_validator("gradient_checkpointing", mode="before")
@@ -427,6 +419,42 @@ class LearnerConfig(Section):
     def _checkpointing_from_bool(cls, value: Any) -> Any:
         """true / false (the setting was a switch before selective checkpointing) mean full / off."""
         return {True: "full", False: "off"}.get(value, value) if isinstance(value, bool) else value
+
+
+class LearnerCheckpointsConfig(Section):
+    """The learner's checkpoints under run_dir/checkpoints (learner/checkpoint.py)."""
+
+    every: int = Field(10, description="Checkpoint every K steps (0 = only at the end).")
+    keep: int = Field(2, description="Checkpoints kept on disk (the newest; older ones are pruned).")
+    resume: bool = Field(True, description="Resume from run_dir/checkpoints/latest when it exists.")
+
+
+class LearnerConfig(Section):
+    host: str = Field("0.0.0.0", description="HTTP bind address (weights, metrics).")
+    port: int = Field(8000, description="HTTP port.")
+    public_url: str | None = Field(
+        None,
+        description="URL generators pull weights from, the only one they send the token to (default http://host:port).",
+    )
+    total_steps: int = Field(1000, description="Training steps before the learner stops.")
+    time_limit_minutes: float = Field(
+        0.0, ge=0.0, description="Also stop after this many minutes of training, evaluations excluded, in this process "
+        "(0 = no limit)."
+    )
+    eval_every: int = Field(5, description="Evaluate every K steps (0 = never).")
+    seed: int = Field(0, description="Torch seed.")
+    lease_ttl_s: float = Field(
+        30.0, gt=0, description="TTL of the run's single-writer lease (learner/lease.py): a second learner waits this "
+        "long."
+    )
+    report_to: list[Literal["wandb", "tensorboard", "mlflow"]] = Field(
+        default_factory=list, description="Experiment trackers that also get each step's numbers and eval samples."
+    )
+    batch: LearnerBatchConfig = LearnerBatchConfig()
+    optimizer: OptimizerConfig = OptimizerConfig()
+    loss: LossConfig = LossConfig()
+    compute: ComputeConfig = ComputeConfig()
+    checkpoints: LearnerCheckpointsConfig = LearnerCheckpointsConfig()
 
     def public_base_url(self) -> str:
         """Where generators reach the learner's weights: public_url, else http://host:port (a wildcard bind
@@ -446,24 +474,71 @@ class CpusConfig(Section):
     reward: str = Field("auto", description="CPUs of the reward workers (its pool has one process per CPU).")
 
 
-# (section, key) -> (section, key): config keys that moved, still accepted where they were (`moved_keys`).
-MOVED_KEYS = {("learner", "keep_versions"): ("weights", "keep_versions")}
+def _learner_sections() -> dict[tuple[str, ...], tuple[str, ...]]:
+    """The learner's flat keys of before its sections (learner.lr is now learner.optimizer.lr)."""
+    renamed = {("batch", "warmup_steps"): "batch_warmup_steps", ("checkpoints", "every"): "checkpoint_every",
+               ("checkpoints", "keep"): "keep_checkpoints"}
+    return {("learner", renamed.get((section, key), key)): ("learner", section, key)
+            for section, keys in _FLAT_LEARNER_KEYS.items() for key in keys}
 
 
-def moved_keys(data: dict) -> dict:
-    """`data` (a config tree: YAML, environment or overrides) with the keys that moved put where they are now, and
-    one deprecation line for each (the new key wins when both are given)."""
-    for (old_section, old_key), (new_section, new_key) in MOVED_KEYS.items():
-        section = data.get(old_section)
-        if isinstance(section, dict) and old_key in section:
-            section = dict(section)
-            value = section.pop(old_key)
-            target = dict(data.get(new_section) or {})
-            target.setdefault(new_key, value)
-            data = {**data, old_section: section, new_section: target}
-            log.warning("config: %s.%s is now %s.%s (the old key still loads; rename it)", old_section, old_key,
-                        new_section, new_key)
+_FLAT_LEARNER_KEYS = {  # section -> the keys that were flat under `learner` (fields added since have no flat form)
+    "batch": ("prompts_per_step", "warmup_steps", "mini_batches", "epochs", "dynamic_sampling", "filter_metric",
+              "max_refills", "on_refill_limit", "oversample_min", "oversample_max", "oversample_margin",
+              "max_staleness", "uncorrected_staleness"),
+    "optimizer": ("lr", "warmup_steps", "weight_decay", "grad_clip", "adam_betas"),
+    "loss": ("clip_low", "clip_high", "dual_clip", "loss_agg", "overlong_filter", "kl_coef", "entropy_coef",
+             "adv_eps", "tis_cap"),
+    "compute": ("micro_batch_tokens", "gradient_checkpointing", "compile", "packing", "attention",
+                "head_chunk_tokens", "peak_tflops", "share_prompt_pass", "collective_timeout_seconds"),
+    "checkpoints": ("every", "keep", "resume"),
+}
+
+
+# Old path -> new path: config keys that moved, still accepted where they were (`moved_keys`).
+MOVED_KEYS = {("learner", "keep_versions"): ("weights", "keep_versions"), **_learner_sections()}
+
+
+def moved_keys(data: dict, warn: bool = True) -> dict:
+    """`data` (one source of the config tree: a YAML layer, the environment or the overrides) with the keys that
+    moved put where they are now, and one deprecation line for each unless `warn` is off (the new key wins when one
+    source gives both; between sources, the higher-priority one wins as for any key)."""
+    data = copy.deepcopy(data)
+    for old, new in MOVED_KEYS.items():
+        parent = _node(data, old[:-1])
+        if not isinstance(parent, dict) or old[-1] not in parent:
+            continue
+        value = parent.pop(old[-1])
+        target = data
+        for part in new[:-1]:
+            target = target.setdefault(part, {})
+        target.setdefault(new[-1], value)
+        if warn:
+            log.warning("config: %s is now %s (the old key still loads; rename it)", ".".join(old),
+                        ".".join(new))
     return data
+
+
+def _node(tree: Any, path: tuple[str, ...]) -> Any:
+    for part in path:
+        if not isinstance(tree, dict):
+            return None
+        tree = tree.get(part)
+    return tree
+
+
+class _MovedKeysSource(PydanticBaseSettingsSource):
+    """A settings source with its moved keys put where they are now (each source apart, so that priorities hold)."""
+
+    def __init__(self, settings_cls, source: PydanticBaseSettingsSource):
+        super().__init__(settings_cls)
+        self.source = source
+
+    def get_field_value(self, field, field_name):  # abstract in the base; __call__ does the work
+        return self.source.get_field_value(field, field_name)
+
+    def __call__(self) -> dict[str, Any]:
+        return moved_keys(self.source())
 
 
 class Settings(BaseSettings):
@@ -504,11 +579,6 @@ class Settings(BaseSettings):
     weights: WeightsConfig = WeightsConfig()
     cpus: CpusConfig = CpusConfig()
 
-    @model_validator(mode="before")
-    @classmethod
-    def _moved_keys(cls, data):
-        return moved_keys(data) if isinstance(data, dict) else data
-
     @field_validator("token")
     @classmethod
     def _token_fits_a_header(cls, token: SecretStr) -> SecretStr:
@@ -524,7 +594,7 @@ class Settings(BaseSettings):
         cls, settings_cls, init_settings, env_settings, dotenv_settings, file_secret_settings
     ) -> tuple[PydanticBaseSettingsSource, ...]:
         # Environment beats the YAML (passed as init kwargs), which beats defaults.
-        return env_settings, init_settings
+        return _MovedKeysSource(settings_cls, env_settings), _MovedKeysSource(settings_cls, init_settings)
 
 
 class ConfigError(ValueError):
@@ -569,7 +639,7 @@ def load_settings(preset: str | os.PathLike | None = None, *, origin: str = "ove
     layers = read_preset(preset)
     data: dict = {}
     for _, layer in layers:
-        _deep_update(data, copy.deepcopy(layer))
+        _deep_update(data, moved_keys(layer))
     try:
         settings = Settings(**data)  # the environment beats the YAML
         for key, value in moved_keys(overrides).items():
@@ -602,18 +672,18 @@ def settings_conflicts(settings: Settings) -> list[str]:
         if max_model_len is not None and max_tokens >= max_model_len:
             conflicts.append(f"{section}.max_tokens {max_tokens} leaves no room for a prompt in "
                              f"generator.max_model_len {max_model_len}: the generator would refuse every task")
-    if settings.learner.dynamic_sampling and settings.sampling.n < 2:
-        conflicts.append(f"learner.dynamic_sampling keeps groups whose responses score differently: sampling.n "
+    if settings.learner.batch.dynamic_sampling and settings.sampling.n < 2:
+        conflicts.append(f"learner.batch.dynamic_sampling keeps groups whose responses score differently: sampling.n "
                          f"{settings.sampling.n} has none (set n >= 2, or dynamic_sampling false)")
     if settings.reward.soft_overlong and settings.reward.overlong_buffer >= settings.sampling.max_tokens:
         conflicts.append(f"reward.overlong_buffer {settings.reward.overlong_buffer} is not below sampling.max_tokens "
                          f"{settings.sampling.max_tokens}: the soft overlong punishment (Eq. 13) would start at the "
                          "first token")
-    learner = settings.learner
-    if learner.max_staleness > 0 and learner.tis_cap is None and not learner.uncorrected_staleness:
-        conflicts.append(f"learner.max_staleness {learner.max_staleness} trains groups sampled by an older policy, and "
-                         "learner.tis_cap null gives them no behaviour correction: set tis_cap (e.g. 2.0), "
-                         "max_staleness 0, or learner.uncorrected_staleness true to accept it")
+    batch, loss = settings.learner.batch, settings.learner.loss
+    if batch.max_staleness > 0 and loss.tis_cap is None and not batch.uncorrected_staleness:
+        conflicts.append(f"learner.batch.max_staleness {batch.max_staleness} trains groups sampled by an older "
+                         "policy, and learner.loss.tis_cap null gives them no behaviour correction: set tis_cap (e.g. "
+                         "2.0), max_staleness 0, or learner.batch.uncorrected_staleness true to accept it")
     return conflicts
 
 
@@ -630,13 +700,17 @@ def _override(settings: Settings, key: str, value: Any, origin: str) -> None:
 
 
 def _source(loc: tuple[str, ...], layers: list[tuple[Path, dict]], overrides: dict, origin: str) -> str:
-    """Where a key came from, highest priority first: keyword overrides, environment, the preset files."""
-    if _holds(overrides, loc):
-        return f"{origin} {'.'.join(loc)}"
-    variable = "DAPO_" + "__".join(loc).upper()
-    if any(name.upper() == variable for name in os.environ):
-        return f"environment variable {variable}"
-    return next((str(path) for path, layer in reversed(layers) if _holds(layer, loc)), "the defaults")
+    """Where a key came from, highest priority first: keyword overrides, environment, the preset files (under its
+    name of now or one it had before: MOVED_KEYS)."""
+    names = [loc] + [old + loc[len(new):] for old, new in MOVED_KEYS.items() if loc[:len(new)] == new]
+    if found := next((name for name in names if _holds(overrides, name)), None):
+        return f"{origin} {'.'.join(found)}"
+    for name in names:
+        variable = "DAPO_" + "__".join(name).upper()
+        if any(key.upper() == variable for key in os.environ):
+            return f"environment variable {variable}"
+    return next((str(path) for path, layer in reversed(layers) if any(_holds(layer, name) for name in names)),
+                "the defaults")
 
 
 def _holds(tree: dict, loc: tuple[str, ...]) -> bool:

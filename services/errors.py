@@ -12,7 +12,7 @@ import enum
 class ExitCode(enum.IntEnum):
     OK = 0
     USAGE = 2  # a bad argument or configuration (argparse's own code): fix the command
-    REFILL_LIMIT = 3  # the learner stopped at learner.max_refills (on_refill_limit: stop); the stop is recorded
+    REFILL_LIMIT = 3  # the learner stopped at learner.batch.max_refills (on_refill_limit: stop); the stop is recorded
     DATA_ERROR = 65  # EX_DATAERR: a data file cannot be used; a restart would fail the same way
     UNAVAILABLE = 69  # EX_UNAVAILABLE: a dependency (Redis, a key, the model) is missing; fix it and start again
     STALLED = 70  # EX_SOFTWARE: the generator's rollout loop hung (generator.stall_timeout_s); restart it

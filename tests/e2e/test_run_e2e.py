@@ -22,8 +22,8 @@ pytestmark = pytest.mark.slow
 
 STEPS = 4  # the scrape happens after step 1: the steps after it keep the services up meanwhile
 OVERRIDES = [
-    f"learner.total_steps={STEPS}", "learner.prompts_per_step=4", "learner.eval_every=2",
-    "learner.checkpoint_every=2", "sampling.n=4", "eval_sampling.n=2", "data.eval_size=16",
+    f"learner.total_steps={STEPS}", "learner.batch.prompts_per_step=4", "learner.eval_every=2",
+    "learner.checkpoints.every=2", "sampling.n=4", "eval_sampling.n=2", "data.eval_size=16",
 ]
 
 

@@ -25,8 +25,8 @@ STEPS = 5
 
 def small_run(steps: int) -> list[str]:
     """`--set` overrides of a short run that checkpoints every step (the kill tests)."""
-    return [f"learner.total_steps={steps}", "learner.prompts_per_step=4", "learner.eval_every=0",
-            "learner.checkpoint_every=1", "sampling.n=4", "sampling.max_tokens=48", "streams.visibility_timeout_s=20"]
+    return [f"learner.total_steps={steps}", "learner.batch.prompts_per_step=4", "learner.eval_every=0",
+            "learner.checkpoints.every=1", "sampling.n=4", "sampling.max_tokens=48", "streams.visibility_timeout_s=20"]
 
 
 def child_running(launcher: int, needle: str) -> int:

@@ -28,7 +28,7 @@ from learner.checkpoint import CHECKPOINTS, STOPPED, Checkpoints
 from learner.records import LEDGER_FILE, METRICS_FILE, truncate_jsonl
 from learner.service import LearnerService, TrainProblems, data_spec
 from learner.workset import ISSUED, task_id_in_payload
-from services.config import load_settings
+from services.config import load_settings, moved_keys
 from services.data import Problem
 from services.http import free_port
 from services.keys import ROLES
@@ -342,7 +342,8 @@ def test_a_learner_refuses_a_redis_too_small_for_a_step_and_checkpoints_early_un
     from services import metrics
     from services.errors import Unavailable
 
-    big = settings.model_copy(update={"learner": settings.learner.model_copy(update={"prompts_per_step": 100_000})})
+    batch = settings.learner.batch.model_copy(update={"prompts_per_step": 100_000})
+    big = settings.model_copy(update={"learner": settings.learner.model_copy(update={"batch": batch})})
     with pytest.raises(Unavailable, match=r"Redis is too small for this run: one step's groups need up to 2,\d{3} MB "
                                           r"\(100000 x 0.02 MB\) in `held`, against 0.5 of Redis' maxmemory 1,024 MB"):
         LearnerService(big).connect()
@@ -619,7 +620,9 @@ class Pipeline:
                 r.xtrim(key(name), maxlen=0)
 
     def learner(self, run_dir: Path, learner: dict, **sections) -> subprocess.Popen:
-        tree = {"run_dir": str(run_dir), "learner": {"port": self.learner_port, **learner}, **sections}
+        # learner fields by name, each put in its section
+        tree = {"run_dir": str(run_dir), **moved_keys({"learner": {"port": self.learner_port, **learner}}, warn=False),
+                **sections}
         return self.spawn("learner", tree, f"learner-{run_dir.name}")
 
     def close(self) -> None:

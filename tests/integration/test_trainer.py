@@ -17,7 +17,7 @@ from learner import dapo
 from learner.checkpoint import read as read_checkpoint
 from learner.checkpoint import write as write_checkpoint
 from learner.trainer import Trainer
-from services.config import load_settings
+from services.config import load_settings, moved_keys
 from services.messages import PromptTask, RolloutGroup, Sample, Score, ScoredGroup
 
 VOCAB = 32
@@ -46,8 +46,8 @@ def model_path(tmp_path_factory):
 def make_settings(tmp_path, **learner):
     base = {"lr": 1e-2, "warmup_steps": 0, "weight_decay": 0.0, "mini_batches": 1, "epochs": 1, "seed": 0,
             "micro_batch_tokens": 4096, "tis_cap": 2.0}
-    base.update(learner)
-    return load_settings("tiny-cpu", run_dir=str(tmp_path / "run"), learner=base)
+    base.update(learner)  # learner fields by name, each put in its section
+    return load_settings("tiny-cpu", run_dir=str(tmp_path / "run"), **moved_keys({"learner": base}, warn=False))
 
 
 def make_groups(n_groups=3, size=4, seed=0, rewards=None, overlong=None):
@@ -109,7 +109,7 @@ def test_logprobs_match_unpadded_forward(model_path, tmp_path, temperature, layo
     # The policy is the one the generator samples from: softmax(logits / T). Prompts of 2 to 6 tokens: the shared
     # prompt pass left-pads them in one block; packing puts several rows in one sequence.
     settings = load_settings("tiny-cpu", run_dir=str(tmp_path), sampling={"temperature": temperature},
-                             learner={"micro_batch_tokens": 30, **LAYOUTS[layout]})
+                             **moved_keys({"learner": {"micro_batch_tokens": 30, **LAYOUTS[layout]}}, warn=False))
     trainer = Trainer(settings, model_path)
     assert trainer.packer.layout == layout
     groups = make_groups()
@@ -317,9 +317,9 @@ def test_accelerate_checkpointing_the_layers_again_is_refused(model_path, tmp_pa
 
 @pytest.mark.slow
 def test_compiled_checkpointed_layers_give_the_eager_gradient(model_path, tmp_path):
-    # learner.compile on a 10-layer model, packs of several lengths: the layers share their compiled graphs (past
-    # 8 recompiles dynamo would run the rest eagerly, silently), no graph break, the eager gradient (about a minute
-    # of compiling here).
+    # learner.compute.compile on a 10-layer model, packs of several lengths: the layers share their compiled graphs
+    # (past 8 recompiles dynamo would run the rest eagerly, silently), no graph break, the eager gradient (about
+    # a minute of compiling here).
     import shutil
 
     from torch._dynamo.utils import counters

@@ -15,7 +15,7 @@ from learner.checkpoint import read as read_checkpoint
 from learner.checkpoint import write as write_checkpoint
 from learner.logprobs import token_logprobs
 from learner.trainer import Trainer
-from services.config import load_settings
+from services.config import load_settings, moved_keys
 
 pytestmark = pytest.mark.gpu
 
@@ -23,7 +23,8 @@ pytestmark = pytest.mark.gpu
 def settings(tmp_path, dtype, **learner):
     base = {"lr": 1e-2, "warmup_steps": 0, "weight_decay": 0.0, "mini_batches": 2, "epochs": 1, "seed": 0,
             "micro_batch_tokens": 64, "tis_cap": 2.0, **learner}
-    return load_settings("tiny-cpu", run_dir=str(tmp_path / "run"), model={"dtype": dtype}, learner=base)
+    return load_settings("tiny-cpu", run_dir=str(tmp_path / "run"), model={"dtype": dtype},
+                         **moved_keys({"learner": base}, warn=False))  # learner fields by name, put in their sections
 
 
 @pytest.mark.parametrize("compiled", [False, True])

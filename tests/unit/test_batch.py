@@ -118,7 +118,7 @@ def test_each_taken_batch_advances_the_warm_up_and_a_resume_picks_it_up():
     resumed = BatchAssembler(8, warmup_steps=4, ratio=with_ratio(1.0))
     resumed.start_at(3)
     assert resumed.target == 6
-    with pytest.raises(ValueError, match="batch_warmup_steps"):
+    with pytest.raises(ValueError, match="warmup_steps"):
         BatchAssembler(8, warmup_steps=-1)
 
 
@@ -133,7 +133,7 @@ def test_pacing_under_the_warm_up_allows_the_sum_of_the_coming_targets():
 
 
 def test_the_warm_up_comes_from_the_config():
-    settings = load_settings("tiny-cpu", learner={"prompts_per_step": 64, "batch_warmup_steps": 4})
+    settings = load_settings("tiny-cpu", learner={"batch": {"prompts_per_step": 64, "warmup_steps": 4}})
     assert BatchAssembler.from_settings(settings.learner).target == 16
 
 
@@ -261,7 +261,7 @@ def test_dynamic_sampling_filters_on_accuracy_by_default():
 
 
 def test_filter_metric_comes_from_the_config():
-    settings = load_settings("tiny-cpu", learner={"filter_metric": "reward"})
+    settings = load_settings("tiny-cpu", learner={"batch": {"filter_metric": "reward"}})
     assert BatchAssembler.from_settings(settings.learner).filter_metric == "reward"
     assert BatchAssembler.from_settings(load_settings("tiny-cpu").learner).filter_metric == "acc"
 

@@ -18,34 +18,39 @@ def test_every_preset_loads(preset):
 def test_paper_recipe_values():
     s = load_settings("dapo-qwen2.5-32b")
     assert s.model.name_or_path == "Qwen/Qwen2.5-32B"
-    assert (s.learner.lr, s.learner.warmup_steps, s.learner.weight_decay, s.learner.grad_clip) == (1e-6, 20, 0.1, 1.0)
-    assert (s.learner.prompts_per_step, s.sampling.n, s.learner.mini_batches) == (512, 16, 16)
-    assert (s.learner.clip_low, s.learner.clip_high) == (0.2, 0.28)
+    assert (s.learner.optimizer.lr, s.learner.optimizer.warmup_steps, s.learner.optimizer.weight_decay,
+            s.learner.optimizer.grad_clip) == (1e-6, 20, 0.1, 1.0)
+    assert (s.learner.batch.prompts_per_step, s.sampling.n, s.learner.batch.mini_batches) == (512, 16, 16)
+    assert (s.learner.loss.clip_low, s.learner.loss.clip_high) == (0.2, 0.28)
     assert s.sampling.max_tokens == 20480 and s.reward.overlong_buffer == 4096
     assert s.sampling.temperature == 1.0 and s.eval_sampling.top_p == 0.7 and s.eval_sampling.n == 32
-    assert s.learner.kl_coef == 0.0 and s.learner.entropy_coef == 0.0
-    assert s.learner.loss_agg == "token" and s.learner.dynamic_sampling and s.learner.filter_metric == "acc"
-    assert s.learner.dual_clip == 10.0  # clip_ratio_c of verl's run_dapo_qwen2.5_32b.sh
+    assert s.learner.loss.kl_coef == 0.0 and s.learner.loss.entropy_coef == 0.0
+    assert (s.learner.loss.loss_agg == "token" and s.learner.batch.dynamic_sampling
+            and s.learner.batch.filter_metric == "acc")
+    assert s.learner.loss.dual_clip == 10.0  # clip_ratio_c of verl's run_dapo_qwen2.5_32b.sh
     assert s.generator.logprobs_mode == "processed_logprobs"  # mu of the distribution actually sampled
 
 
 def test_ablation_rows_are_cumulative_configs():
     grpo = load_settings("ablations/1-grpo")
-    assert grpo.learner.clip_high == 0.2 and grpo.learner.loss_agg == "sample"
-    assert not grpo.learner.dynamic_sampling and not grpo.reward.soft_overlong and not grpo.learner.overlong_filter
-    assert grpo.learner.lr == 1e-6  # inherited from the recipe
+    assert grpo.learner.loss.clip_high == 0.2 and grpo.learner.loss.loss_agg == "sample"
+    assert (not grpo.learner.batch.dynamic_sampling and not grpo.reward.soft_overlong
+            and not grpo.learner.loss.overlong_filter)
+    assert grpo.learner.optimizer.lr == 1e-6  # inherited from the recipe
     full = load_settings("ablations/6-dynamic-sampling")
-    assert full.learner.clip_high == 0.28 and full.learner.loss_agg == "token" and full.learner.dynamic_sampling
-    assert full.reward.soft_overlong and full.learner.overlong_filter
+    assert (full.learner.loss.clip_high == 0.28 and full.learner.loss.loss_agg == "token"
+            and full.learner.batch.dynamic_sampling)
+    assert full.reward.soft_overlong and full.learner.loss.overlong_filter
     # The full row is the main recipe but for the overlong filter kept from row 2 (its comment says why).
     main = load_settings("dapo-qwen2.5-32b")
-    differing = {
-        f"{section}.{key}"
-        for section in ("learner", "reward", "sampling", "data", "model", "generator")
-        for key, value in getattr(full, section).model_dump().items()
-        if getattr(main, section).model_dump()[key] != value
-    }
-    assert differing == {"learner.overlong_filter"}
+    def leaves(tree: dict, prefix: str = "") -> dict:
+        return {k: v for key, value in tree.items()
+                for k, v in (leaves(value, f"{prefix}{key}.") if isinstance(value, dict)
+                             else {f"{prefix}{key}": value}).items()}
+
+    sections = ("learner", "reward", "sampling", "data", "model", "generator")
+    full_leaves, main_leaves = (leaves({s: getattr(c, s).model_dump() for s in sections}) for c in (full, main))
+    assert {key for key, value in full_leaves.items() if main_leaves[key] != value} == {"learner.loss.overlong_filter"}
 
 
 def test_every_preset_has_its_own_run_folder_and_redis_prefix():
@@ -63,10 +68,10 @@ def test_environment_overrides_nested_fields(monkeypatch):
     monkeypatch.setenv("DAPO_REDIS__URL", "redis://example:6379/0")
     monkeypatch.setenv("DAPO_TOKEN", "s3cret")
     s = load_settings("tiny-cpu")
-    assert s.learner.clip_high == 0.3
+    assert s.learner.loss.clip_high == 0.3
     assert s.redis.url.get_secret_value() == "redis://example:6379/0"
     assert s.token.get_secret_value() == "s3cret"
-    assert s.learner.prompts_per_step == load_settings("tiny-cpu", learner={}).learner.prompts_per_step
+    assert s.learner.batch.prompts_per_step == load_settings("tiny-cpu", learner={}).learner.batch.prompts_per_step
 
 
 def test_environment_beats_yaml(monkeypatch):
@@ -86,7 +91,7 @@ def test_unknown_key_names_the_key_and_the_file(tmp_path):
 def test_bad_value_and_missing_preset_are_clear(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("learner:\n  loss_agg: average\n")
-    with pytest.raises(ConfigError, match="learner.loss_agg"):
+    with pytest.raises(ConfigError, match="learner.loss.loss_agg"):
         load_settings(bad)
     with pytest.raises(ConfigError, match="not found.*presets: .*tiny-cpu"):
         load_settings("no-such-preset")
@@ -113,11 +118,11 @@ def test_auto_dtype_is_bf16_on_gpu_and_fp32_on_cpu():
 def test_cli_set_overrides_parse_yaml_values():
     from cli.main import build_parser, parse_overrides
 
-    overrides = parse_overrides(["learner.lr=3e-4", "sampling.n=4", "redis.url=redis://r:6379/0"])
+    overrides = parse_overrides(["learner.optimizer.lr=3e-4", "sampling.n=4", "redis.url=redis://r:6379/0"])
     s = load_settings("tiny-cpu", **overrides)
-    assert (s.learner.lr, s.sampling.n, s.redis.url.get_secret_value()) == (3e-4, 4, "redis://r:6379/0")
+    assert (s.learner.optimizer.lr, s.sampling.n, s.redis.url.get_secret_value()) == (3e-4, 4, "redis://r:6379/0")
     with pytest.raises(ConfigError, match="KEY=VALUE"):
-        parse_overrides(["learner.lr"])
+        parse_overrides(["learner.optimizer.lr"])
     args = build_parser().parse_args(["bootstrap", "--force"])
     assert args.force and not args.measure
 
@@ -140,7 +145,8 @@ def test_set_beats_the_environment_which_beats_the_preset(monkeypatch):
     monkeypatch.setenv("DAPO_SAMPLING__N", "4")
     assert load_settings("tiny-cpu").sampling.n == 4
     assert load_settings("tiny-cpu", sampling={"n": 2}).sampling.n == 2
-    assert load_settings("tiny-cpu", sampling={"n": 2}).learner.lr == load_settings("tiny-cpu").learner.lr
+    assert (load_settings("tiny-cpu", sampling={"n": 2}).learner.optimizer.lr
+            == load_settings("tiny-cpu").learner.optimizer.lr)
 
 
 def test_dapo_version_and_a_bad_set_key_from_the_command_line(capsys):
@@ -179,7 +185,7 @@ def test_an_intermediate_override_may_conflict_if_the_final_settings_do_not():
     # max_tokens first (past the preset's 256-token context), then the context that makes room for it
     settings = load_settings("tiny-cpu", sampling={"max_tokens": 400}, generator={"max_model_len": 512})
     assert (settings.sampling.max_tokens, settings.generator.max_model_len) == (400, 512)
-    assert load_settings("tiny-cpu", sampling={"n": 1}, learner={"dynamic_sampling": False}).sampling.n == 1
+    assert load_settings("tiny-cpu", sampling={"n": 1}, learner={"batch": {"dynamic_sampling": False}}).sampling.n == 1
     assert load_settings("tiny-cpu",
                          reward={"overlong_buffer": 64, "soft_overlong": False}).reward.overlong_buffer == 64
 
@@ -198,25 +204,27 @@ def test_a_list_variable_that_is_not_json_and_a_set_value_that_is_not_yaml_are_o
 
 def test_stale_groups_without_a_behaviour_correction_are_refused_unless_accepted():
     mid = load_settings("dapo-qwen2.5-math-1.5b")
-    assert mid.learner.max_staleness == 1 and mid.learner.tis_cap == 2.0  # its stale groups get the TIS weight
+    # its stale groups get the TIS weight
+    assert mid.learner.batch.max_staleness == 1 and mid.learner.loss.tis_cap == 2.0
     with pytest.raises(ConfigError, match="max_staleness 1 .*tis_cap null"):
-        load_settings("dapo-qwen2.5-math-1.5b", learner={**mid.learner.model_dump(), "tis_cap": None})
+        load_settings("dapo-qwen2.5-math-1.5b", learner={"loss": {"tis_cap": None}})
     accepted = load_settings("dapo-qwen2.5-math-1.5b",
-                             learner={**mid.learner.model_dump(), "tis_cap": None, "uncorrected_staleness": True})
-    assert accepted.learner.tis_cap is None
-    assert load_settings("dapo-qwen2.5-32b").learner.tis_cap is None  # synchronous: nothing stale to correct
+                             learner={"loss": {"tis_cap": None}, "batch": {"uncorrected_staleness": True}})
+    assert accepted.learner.loss.tis_cap is None
+    assert load_settings("dapo-qwen2.5-32b").learner.loss.tis_cap is None  # synchronous: nothing stale to correct
 
 
 def test_gradient_checkpointing_takes_a_mode_and_the_old_switch():
-    assert load_settings("dapo-qwen2.5-32b").learner.gradient_checkpointing == "full"
-    single_node = load_settings("dapo-qwen2.5-math-1.5b").learner  # measured fastest on a GPU, and it fits 80 GB
+    assert load_settings("dapo-qwen2.5-32b").learner.compute.gradient_checkpointing == "full"
+    # measured fastest on a GPU, and it fits 80 GB
+    single_node = load_settings("dapo-qwen2.5-math-1.5b").learner.compute
     assert (single_node.gradient_checkpointing, single_node.compile) == ("selective", True)
-    assert load_settings("tiny-cpu").learner.gradient_checkpointing == "off"
+    assert load_settings("tiny-cpu").learner.compute.gradient_checkpointing == "off"
     for value, mode in ((True, "full"), (False, "off"), ("selective", "selective")):
-        assert load_settings("tiny-cpu",
-                             learner={"gradient_checkpointing": value}).learner.gradient_checkpointing == mode
+        compute = load_settings("tiny-cpu", learner={"compute": {"gradient_checkpointing": value}}).learner.compute
+        assert compute.gradient_checkpointing == mode
     with pytest.raises(ConfigError, match="gradient_checkpointing"):
-        load_settings("tiny-cpu", learner={"gradient_checkpointing": "some"})
+        load_settings("tiny-cpu", learner={"compute": {"gradient_checkpointing": "some"}})
 
 
 def test_a_moved_key_still_loads_with_one_line_naming_the_new_one(caplog, monkeypatch):
@@ -231,3 +239,31 @@ def test_a_moved_key_still_loads_with_one_line_naming_the_new_one(caplog, monkey
     assert both.weights.keep_versions == 5  # the new key wins
     monkeypatch.setenv("DAPO_LEARNER__KEEP_VERSIONS", "9")  # the old environment variable too
     assert load_settings("tiny-cpu").weights.keep_versions == 9
+
+
+def test_the_learner_flat_keys_of_before_load_into_their_sections_and_each_source_keeps_its_priority(
+        caplog, monkeypatch, tmp_path):
+    from services.config import MOVED_KEYS
+
+    assert MOVED_KEYS[("learner", "lr")] == ("learner", "optimizer", "lr")
+    assert MOVED_KEYS[("learner", "checkpoint_every")] == ("learner", "checkpoints", "every")
+    assert MOVED_KEYS[("learner", "batch_warmup_steps")] == ("learner", "batch", "warmup_steps")
+    assert MOVED_KEYS[("learner", "warmup_steps")] == ("learner", "optimizer", "warmup_steps")  # the LR warm-up
+    with caplog.at_level("WARNING"):
+        old = load_settings("tiny-cpu", learner={"lr": 3e-4, "clip_high": 0.3, "micro_batch_tokens": 512,
+                                                 "checkpoint_every": 3, "prompts_per_step": 8})
+    learner = old.learner
+    assert (learner.optimizer.lr, learner.loss.clip_high, learner.compute.micro_batch_tokens,
+            learner.checkpoints.every, learner.batch.prompts_per_step) == (3e-4, 0.3, 512, 3, 8)
+    assert "learner.clip_high is now learner.loss.clip_high" in caplog.text
+    # A preset in the old form extending one in the new form: the child's old key still wins over its base.
+    child = tmp_path / "child.yaml"
+    child.write_text(f"base: {CONFIG_DIR / 'tiny-cpu.yaml'}\nlearner:\n  lr: 0.01\n  checkpoint_every: 7\n")
+    assert (load_settings(child).learner.optimizer.lr, load_settings(child).learner.checkpoints.every) == (0.01, 7)
+    # The old environment variable beats the preset's new key; --set beats both.
+    monkeypatch.setenv("DAPO_LEARNER__LR", "0.02")
+    assert load_settings("tiny-cpu").learner.optimizer.lr == 0.02
+    assert load_settings("tiny-cpu", learner={"optimizer": {"lr": 0.03}}).learner.optimizer.lr == 0.03
+    # An error names the key the user wrote, and where.
+    with pytest.raises(ConfigError, match=r"learner.loss.clip_high: .*\(from --set learner.clip_high\)"):
+        load_settings("tiny-cpu", origin="--set", learner={"clip_high": "wide"})

@@ -244,15 +244,16 @@ def test_kl_penalty_and_entropy_bonus_are_off_at_zero():
 def _objective(settings, logp, advantages, mask):
     cfg = settings.learner
     loss, _ = dapo.token_loss(
-        logp, torch.zeros_like(logp), advantages, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
-        dual_clip=cfg.dual_clip,
+        logp, torch.zeros_like(logp), advantages, clip_low=cfg.loss.clip_low, clip_high=cfg.loss.clip_high,
+        dual_clip=cfg.loss.dual_clip,
     )
-    return loss, dapo.aggregate_loss(loss, mask, cfg.loss_agg)
+    return loss, dapo.aggregate_loss(loss, mask, cfg.loss.loss_agg)
 
 
 def test_grpo_baseline_differs_from_dapo_where_expected():
-    dapo_cfg = load_settings("tiny-cpu", learner={"clip_low": 0.2, "clip_high": 0.28, "loss_agg": "token"})
-    grpo_cfg = load_settings("tiny-cpu", learner={"clip_high": 0.2, "loss_agg": "sample", "dynamic_sampling": False})
+    dapo_cfg = load_settings("tiny-cpu", learner={"loss": {"clip_low": 0.2, "clip_high": 0.28, "loss_agg": "token"}})
+    grpo_cfg = load_settings("tiny-cpu", learner={"loss": {"clip_high": 0.2, "loss_agg": "sample"},
+                                                  "batch": {"dynamic_sampling": False}})
     # Response 0 (A = +1, 2 tokens): ratios 1.25 and 1.1; response 1 (A = -1, 4 tokens): ratios 0.7, 1.25, 1, 1.
     ratios = torch.tensor([[1.25, 1.1, 1.0, 1.0], [0.7, 1.25, 1.0, 1.0]])
     mask = torch.tensor([[1.0, 1.0, 0.0, 0.0], [1.0, 1.0, 1.0, 1.0]])

@@ -50,7 +50,7 @@ def test_chunked_equals_full_in_values_and_gradients(chunk, temperature, bias, c
 
 @pytest.mark.slow
 def test_compiled_chunks_equal_full_in_values_and_gradients():
-    # learner.compile: each chunk's work through torch.compile, ragged last chunks included (37 = 7 x 5 + 2)
+    # learner.compute.compile: each chunk's work through torch.compile, ragged last chunks included (37 = 7 x 5 + 2)
     # (about 30 s of compiling here).
     test_chunked_equals_full_in_values_and_gradients(5, 0.6, True, compiled=True)
     test_logprob_alone_takes_no_entropy_gradient(compiled=True)

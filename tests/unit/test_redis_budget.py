@@ -19,10 +19,10 @@ def test_a_group_is_measured_on_the_wire_at_its_largest():
 
 
 def test_held_keeps_a_checkpoint_interval_of_steps_and_the_next_one():
-    settings = load_settings("tiny-cpu", learner={"prompts_per_step": 64, "checkpoint_every": 10})
+    settings = load_settings("tiny-cpu", learner={"batch": {"prompts_per_step": 64}, "checkpoints": {"every": 10}})
     assert held_groups(settings) == (64, 64 * 11)
-    at_the_end_only = load_settings("tiny-cpu", learner={"checkpoint_every": 0, "total_steps": 100})
-    assert held_groups(at_the_end_only)[1] == at_the_end_only.learner.prompts_per_step * 101
+    at_the_end_only = load_settings("tiny-cpu", learner={"checkpoints": {"every": 0}, "total_steps": 100})
+    assert held_groups(at_the_end_only)[1] == at_the_end_only.learner.batch.prompts_per_step * 101
 
 
 def test_the_32b_recipe_is_refused_a_small_redis_and_warned_on_the_recipe_overlay_size():

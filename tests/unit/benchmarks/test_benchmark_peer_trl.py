@@ -15,8 +15,8 @@ def test_matched_trl_generates_the_projects_batch_and_updates_as_often():
     settings = load_settings("tiny-cpu")
     cfg, n = settings.learner, settings.sampling.n
     shape = peer_trl.trl_shape("matched", cfg, n)
-    assert shape["per_device_train_batch_size"] * shape["steps_per_generation"] == cfg.prompts_per_step * n
-    assert shape["steps_per_generation"] == cfg.mini_batches and shape["num_iterations"] == cfg.epochs
+    assert shape["per_device_train_batch_size"] * shape["steps_per_generation"] == cfg.batch.prompts_per_step * n
+    assert shape["steps_per_generation"] == cfg.batch.mini_batches and shape["num_iterations"] == cfg.batch.epochs
     small = peer_trl.trl_shape("small", cfg, n)
     assert (small["per_device_train_batch_size"], small["num_generations"]) == (16, 8)
 

@@ -73,10 +73,11 @@ def test_replace_section_rewrites_only_its_block(tmp_path):
 def test_ablation_rows_carry_only_their_switches_onto_the_tiny_preset():
     assert ablation.rows() == sorted(ablation.PAPER_AIME)
     grpo = dict(item.split("=", 1) for item in ablation.row_switches("1-grpo"))
-    assert grpo == {"learner.clip_high": "0.2", "learner.loss_agg": "sample", "learner.dynamic_sampling": "false",
-                    "learner.filter_metric": "acc", "learner.overlong_filter": "false", "reward.soft_overlong": "false"}
+    assert grpo == {"learner.loss.clip_high": "0.2", "learner.loss.loss_agg": "sample",
+                    "learner.batch.dynamic_sampling": "false", "learner.batch.filter_metric": "acc",
+                    "learner.loss.overlong_filter": "false", "reward.soft_overlong": "false"}
     full = dict(item.split("=", 1) for item in ablation.row_switches("6-dynamic-sampling"))
-    assert full["learner.dynamic_sampling"] == "true" and full["learner.clip_high"] == "0.28"
+    assert full["learner.batch.dynamic_sampling"] == "true" and full["learner.loss.clip_high"] == "0.28"
     assert not any(key.startswith(("run_dir", "redis", "model", "data")) for key in full)
 
 

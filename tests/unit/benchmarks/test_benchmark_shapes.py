@@ -16,27 +16,28 @@ def test_a_shape_becomes_the_learner_overrides_with_evaluations_at_equal_trained
     shape = shapes.Shape.parse("16x4x2:1e-4")
     assert (shape.prompts, shape.mini_batches, shape.epochs, shape.lr) == (16, 4, 2, 1e-4)
     sets = shape.overrides(eval_groups=96)
-    assert "learner.eval_every=6" in sets and "learner.lr=0.0001" in sets
+    assert "learner.eval_every=6" in sets and "learner.optimizer.lr=0.0001" in sets
     assert "learner.eval_every=3" in shapes.Shape.parse("32x2x2").overrides(96)
     settings = load_settings("tiny-cpu", **parse_overrides(sets))  # the overrides are valid settings
-    assert (settings.learner.prompts_per_step, settings.learner.mini_batches, settings.learner.epochs) == (16, 4, 2)
-    assert settings.learner.batch_warmup_steps == 0  # P groups from the first step
-    warm = shapes.Shape.parse("16x4x2+learner.batch_warmup_steps=4").overrides(96)
-    assert load_settings("tiny-cpu", **parse_overrides(warm)).learner.batch_warmup_steps == 4
+    assert (settings.learner.batch.prompts_per_step, settings.learner.batch.mini_batches,
+            settings.learner.batch.epochs) == (16, 4, 2)
+    assert settings.learner.batch.warmup_steps == 0  # P groups from the first step
+    warm = shapes.Shape.parse("16x4x2+learner.batch.warmup_steps=4").overrides(96)
+    assert load_settings("tiny-cpu", **parse_overrides(warm)).learner.batch.warmup_steps == 4
 
 
 def test_a_shape_carries_further_settings_of_its_own_runs():
-    shape = shapes.Shape.parse("32x4x2:1.5e-4+learner.oversample_margin=1.5")
-    assert shape.label == "32x4x2:0.00015+learner.oversample_margin=1.5"
-    assert shape.run_name == "32x4x2-lr0.00015-learner.oversample_margin=1.5"
+    shape = shapes.Shape.parse("32x4x2:1.5e-4+learner.batch.oversample_margin=1.5")
+    assert shape.label == "32x4x2:0.00015+learner.batch.oversample_margin=1.5"
+    assert shape.run_name == "32x4x2-lr0.00015-learner.batch.oversample_margin=1.5"
     sets = shape.overrides(eval_groups=96)
-    assert sets[-2:] == ["learner.lr=0.00015", "learner.oversample_margin=1.5"]
-    assert load_settings("tiny-cpu", **parse_overrides(sets)).learner.oversample_margin == 1.5
+    assert sets[-2:] == ["learner.optimizer.lr=0.00015", "learner.batch.oversample_margin=1.5"]
+    assert load_settings("tiny-cpu", **parse_overrides(sets)).learner.batch.oversample_margin == 1.5
     assert shapes.Shape.parse("32x4x2").label != shape.label  # side by side: two rows, two run directories
     assert shape.samples(16) == 16 and shapes.Shape.parse("64x4x2+sampling.n=8").samples(16) == 8  # group size
 
 
-@pytest.mark.parametrize("bad", ["16x4", "16x4x2:fast", "axbxc", "16x4x2+learner.oversample_margin"])
+@pytest.mark.parametrize("bad", ["16x4", "16x4x2:fast", "axbxc", "16x4x2+learner.batch.oversample_margin"])
 def test_a_malformed_shape_is_refused_with_the_expected_form(bad):
     with pytest.raises(argparse.ArgumentTypeError, match="PxMxE"):
         shapes.Shape.parse(bad)

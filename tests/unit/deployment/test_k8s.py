@@ -714,7 +714,7 @@ def test_accelerate_configs_load_and_launch_options_exist(path):
     args = parser.parse_args(["--config_file", str(path), "-m", "cli", "learner"])
     _validate_launch_command(args)  # what `accelerate launch` does before it starts any process
     assert args.mixed_precision == "bf16" and args.num_processes == config.num_processes
-    assert inner["fsdp_activation_checkpointing"] is False  # the trainer's own (learner.gradient_checkpointing)
+    assert inner["fsdp_activation_checkpointing"] is False  # the trainer's own (learner.compute.gradient_checkpointing)
 
 
 def test_recipe_learner_is_ranks_of_one_accelerate_launch():

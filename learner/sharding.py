@@ -1,0 +1,73 @@
+"""FSDP2 as the trainer applies it (learner.compute.fsdp): the learner's own `fully_shard`, not accelerate's.
+
+Why the trainer shards the model itself. accelerate's FSDP2 with `mixed_precision: bf16` sets the parameter, the
+gradient-reduction *and the output* dtype to bf16: every sharded module's output is cast, the root's included, and
+the root's output is the chunked head's fp32 logprobs and entropies (learner/logprobs.py). Log-ratios rounded to
+bf16 (about 0.016 nats at logp -3) are larger than what one update at lr 1e-6 moves them, so the ratios, the clip
+decisions and the TIS weights would be noise. Here the policy is:
+
+- parameters gathered in the compute dtype (bf16 on a GPU), master weights and AdamW state in fp32 (the shards);
+- gradients reduce-scattered in fp32 (a sum over hundreds of ranks' bf16 gradients loses the small ones);
+- outputs never cast: each layer returns what it computed, the head its fp32 logprobs.
+
+The same code runs on CPU ranks over gloo (accelerate's multi-CPU mode is DDP, so its FSDP cannot be tested
+without GPUs; this can: tests/integration/test_ranks.py).
+
+Each decoder layer is one FSDP unit, then the root (embeddings, final norm, head). With `fsdp_shard_ranks` set,
+the ranks form a 2-D mesh (replicate x shard): parameters are sharded within a group (a node's GPUs, over NVLink)
+and replicated across groups (HSDP), so the all-gathers stay inside a node. `fsdp_offload` keeps the shards, their
+gradients and AdamW state in host memory (FSDP2's CPUOffloadPolicy), for a model whose fp32 state does not fit.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:  # pragma: no cover
+    from services.config import ComputeConfig
+
+
+def precision_policy(compute_dtype: torch.dtype):
+    """FSDP2's mixed precision of the learner: gather in the compute dtype, reduce in fp32, never cast outputs."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    return MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32, output_dtype=None)
+
+
+def device_mesh(world: int, shard_ranks: int | None, device_type: str):
+    """1-D mesh over every rank (FSDP), or replicate x shard (HSDP) with `shard_ranks` ranks per shard group."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if shard_ranks is None or shard_ranks == world:
+        return init_device_mesh(device_type, (world,), mesh_dim_names=("shard",))
+    if shard_ranks < 1 or world % shard_ranks:
+        raise ValueError(f"learner.compute.fsdp_shard_ranks {shard_ranks} must divide the learner's {world} ranks")
+    return init_device_mesh(device_type, (world // shard_ranks, shard_ranks), mesh_dim_names=("replicate", "shard"))
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    layers = getattr(model.get_decoder(), "layers", None)
+    if layers is None:
+        raise ValueError(f"{type(model).__name__}: no decoder layers to shard (model.get_decoder().layers)")
+    return list(layers)
+
+
+def shard(model: nn.Module, compute: "ComputeConfig", compute_dtype: torch.dtype, world: int,
+          device: torch.device) -> nn.Module:
+    """`model` with every decoder layer and the root wrapped by `fully_shard` (in place; returned for clarity)."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
+
+    policy = precision_policy(compute_dtype)
+    mesh = device_mesh(world, compute.fsdp_shard_ranks, device.type)
+    offload = CPUOffloadPolicy(pin_memory=device.type == "cuda") if compute.fsdp_offload else OffloadPolicy()
+    if not compute.fsdp_offload:
+        model.to(device)
+    for layer in decoder_layers(model):
+        fully_shard(layer, mesh=mesh, mp_policy=policy, offload_policy=offload)
+    # The root (embeddings, norm, head) stays gathered after the forward: the backward needs it at once.
+    fully_shard(model, mesh=mesh, mp_policy=policy, offload_policy=offload, reshard_after_forward=False)
+    return model
+
