@@ -13,12 +13,12 @@ def check_accelerator(accelerator) -> None:
 
     if accelerator.distributed_type == DistributedType.DEEPSPEED:
         raise ValueError("DeepSpeed is not supported by the DAPO trainer (its engine owns gradient accumulation and "
-                         "clipping); use an FSDP accelerate config instead")
-    plugin = getattr(accelerator.state, "fsdp_plugin", None)
-    if plugin is not None and plugin.activation_checkpointing:  # a wrapper around each layer: a second recompute
-        raise ValueError("accelerate's fsdp_activation_checkpointing is on: set it to false, the learner "
-                         "checkpoints its layers itself "
-                         "(learner.compute.gradient_checkpointing: full, selective or off)")
+                         "clipping); launch a multi-GPU accelerate config with learner.compute.fsdp: true instead")
+    if accelerator.distributed_type == DistributedType.FSDP:  # its bf16 policy rounds the head's logprobs
+        raise ValueError("accelerate's FSDP (distributed_type: FSDP) casts every sharded module's output to bf16, "
+                         "the head's fp32 logprobs included: launch a multi-GPU accelerate config "
+                         "(deploy/accelerate/fsdp.yaml) and set learner.compute.fsdp: true, the trainer shards the "
+                         "model itself (learner/sharding.py)")
 
 
 def share_cpu_threads(accelerator) -> None:

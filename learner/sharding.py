@@ -39,12 +39,16 @@ def precision_policy(compute_dtype: torch.dtype):
 
 def device_mesh(world: int, shard_ranks: int | None, device_type: str):
     """1-D mesh over every rank (FSDP), or replicate x shard (HSDP) with `shard_ranks` ranks per shard group."""
+    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
+    if shard_ranks is not None and (shard_ranks < 1 or world % shard_ranks):
+        raise ValueError(f"learner.compute.fsdp_shard_ranks {shard_ranks} must divide the learner's {world} ranks")
+    if not dist.is_initialized():  # one process (FSDP for its CPU offload): a group of one, no rendezvous
+        dist.init_process_group("nccl" if device_type == "cuda" else "gloo", store=dist.HashStore(), rank=0,
+                                world_size=1)
     if shard_ranks is None or shard_ranks == world:
         return init_device_mesh(device_type, (world,), mesh_dim_names=("shard",))
-    if shard_ranks < 1 or world % shard_ranks:
-        raise ValueError(f"learner.compute.fsdp_shard_ranks {shard_ranks} must divide the learner's {world} ranks")
     return init_device_mesh(device_type, (world // shard_ranks, shard_ranks), mesh_dim_names=("replicate", "shard"))
 
 

@@ -29,14 +29,18 @@ With one mini-batch and one epoch (a single update) no no-grad pass runs at all.
 
 Precision: master weights and AdamW state are fp32 (with the paper's lr = 1e-6 a bf16 weight cannot represent
 one update: its relative resolution is ~4e-3). `model.dtype` is the compute and serving dtype: on a GPU "auto"
-means bf16 autocast (accelerate mixed precision) and bf16 published weights; on CPU, fp32 throughout. Under
-FSDP, accelerate's `mixed_precision: bf16` also reduces the gradients and casts the root module's output in
-bf16, the head's fp32 logprobs included: not yet handled (issue 45).
+means bf16 (autocast on one rank or DDP, FSDP2's parameter dtype under `learner.compute.fsdp`) and bf16 published
+weights; on CPU, fp32 throughout. The head's logprobs and entropies are fp32 in every mode, and FSDP reduces the
+gradients in fp32 (learner/sharding.py: why accelerate's FSDP is refused).
 
-Distributed (`accelerate launch`, DDP or FSDP): every rank must call `train_step` with the same groups (the
-service's main process reads the streams and broadcasts them). Each mini-batch is dealt across ranks by tokens;
+Distributed (`accelerate launch`: DDP, or FSDP2 applied by the trainer with `learner.compute.fsdp`): every rank
+must call `train_step` with the same groups (the service's main process reads the streams and broadcasts them).
+Each mini-batch is dealt across ranks by tokens;
 ranks run the same number of forward passes (a rank with less work repeats one micro-batch with weight 0) so
 FSDP's collectives stay in lockstep; the loss is scaled by the world size because DDP/FSDP average gradients.
+Under FSDP each micro-batch's gradient is reduce-scattered at once, so a rank never holds more than its shard of
+the gradient (`learner.compute.gradient_sync: mini_batch` keeps the unsharded gradient until the mini-batch's
+last micro-batch instead: less traffic, 4 bytes a parameter more on every rank).
 DeepSpeed is refused: its engine owns gradient accumulation and clipping, which this trainer does itself.
 Checkpoints (learner/checkpoint.py) are sharded per rank; the HF weights for the generators are gathered one
 parameter at a time (`state_dict_for_publish`). Every step reports its model TFLOP/s and MFU (learner/throughput.py).
@@ -56,7 +60,7 @@ import torch
 from torch import Tensor
 from torch.nn.utils.rnn import pad_sequence
 
-from learner import activation_checkpointing, attention, dapo, devices, packing, throughput
+from learner import activation_checkpointing, attention, dapo, devices, packing, sharding, throughput
 from learner.logprobs import HeadQuery, install_head
 from learner.packing import MicroBatch, Response
 from learner.update_stats import UpdateStats
@@ -87,7 +91,7 @@ class Trainer:
 
     def __init__(self, settings: "Settings", model_path: Path):
         from accelerate import Accelerator
-        from accelerate.utils import DistributedType, set_seed
+        from accelerate.utils import set_seed
         from transformers import AutoModelForCausalLM
 
         self.settings = settings
@@ -98,8 +102,10 @@ class Trainer:
         self.served_dtype = self.compute_dtype
         from learner.tracking import accelerator_kwargs
 
+        # Under FSDP the precision is FSDP2's parameter dtype (learner/sharding.py), not accelerate's autocast.
         self.accelerator = Accelerator(
-            mixed_precision=_MIXED_PRECISION[self.compute_dtype], step_scheduler_with_optimizer=False,
+            mixed_precision="no" if cfg.compute.fsdp else _MIXED_PRECISION[self.compute_dtype],
+            step_scheduler_with_optimizer=False,
             **accelerator_kwargs(settings),  # experiment trackers (learner.report_to)
         )
         devices.check_accelerator(self.accelerator)
@@ -125,6 +131,10 @@ class Trainer:
         # The head scores response positions only, in chunks (learner/logprobs.py); installed before any wrapping.
         self.heads = {}
         head = install_head(model, self.temperature, cfg.compute.head_chunk_tokens, cfg.compute.compile)
+        self.sharded = cfg.compute.fsdp
+        if self.sharded:  # before the optimizer: it holds the shards
+            sharding.shard(model, cfg.compute, self.compute_dtype, self.accelerator.num_processes,
+                           self.accelerator.device)
         # Weight decay on every parameter, as verl (the paper's code) does. On a GPU the fused kernel: one pass
         # over weights, gradients and moments instead of a foreach kernel for each AdamW operation.
         optimizer = torch.optim.AdamW(
@@ -133,14 +143,16 @@ class Trainer:
             fused=True if cuda else None,
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, dapo.LinearWarmup(cfg.optimizer.warmup_steps))
-        self.model, self.optimizer = self.accelerator.prepare(model, optimizer)
+        if self.sharded:  # accelerate must not wrap the sharded model again (in DDP) or autocast its forward
+            self.model, self.optimizer = model, self.accelerator.prepare_optimizer(optimizer)
+        else:
+            self.model, self.optimizer = self.accelerator.prepare(model, optimizer)
         self.heads[id(self.model)] = head
         # Two forward passes feed one backward: fine for DDP (each parameter's gradient hook fires once, on the
         # summed gradient); FSDP and gradient checkpointing (no KV cache in training) take whole rows, and so do
         # compiled layers (a KV cache of every prompt length recompiles them past torch's limit).
         self.share_prompts = (cfg.compute.share_prompt_pass and cfg.compute.gradient_checkpointing == "off"
-                              and not cfg.compute.compile
-                              and self.accelerator.distributed_type != DistributedType.FSDP)
+                              and not cfg.compute.compile and not self.sharded)
         layout: packing.Layout = "packed" if packed else "shared" if self.share_prompts else "padded"
         varlen = self.attention in (attention.VARLEN, "flash_attention_2")
         self.packer = packing.Packer(
@@ -258,9 +270,9 @@ class Trainer:
         """HF parameter names -> CPU, contiguous tensors in the served dtype, copies (safe to serialize later).
 
         A tied alias (lm_head.weight of tied-embedding models) is dropped, as save_pretrained does. Under FSDP
-        every rank must call this; the main process gathers one parameter at a time and keeps only its served-dtype
-        copy (host memory: the served model, 2 bytes a parameter in bf16, plus one fp32 parameter), the other ranks
-        drop each gathered parameter at once. The full dictionary is on the main process.
+        every rank must call this; each rank casts its shard to the served dtype, then they gather one parameter at a
+        time (bf16: half the bytes of the fp32 master); the main process keeps each copy on the host (the served
+        model), the other ranks drop each gathered parameter at once. The full dictionary is on the main process.
         """
         from torch.distributed.tensor import DTensor
 
@@ -274,7 +286,7 @@ class Trainer:
             seen.add(id(tensor))
             value = tensor.detach()
             if isinstance(value, DTensor):
-                value = value.full_tensor()  # a collective: every rank, in the same order
+                value = value.to(self.served_dtype).full_tensor()  # a collective: every rank, in the same order
             if main:
                 out[name] = value.to("cpu", self.served_dtype, copy=True).contiguous()
         return out
@@ -360,7 +372,9 @@ class Trainer:
         plan = self.packer.lockstep(self.packer.shard(indices, responses), responses)
         for k, (micro, real) in enumerate(plan):
             sync = k == len(plan) - 1
-            with contextlib.nullcontext() if sync else self.accelerator.no_sync(self.model):
+            if self.sharded:  # FSDP2: reduce-scatter now (a rank keeps its gradient shard only), or on the last
+                self.model.set_requires_gradient_sync(sync or cfg.compute.gradient_sync == "micro_batch")
+            with contextlib.nullcontext() if sync or self.sharded else self.accelerator.no_sync(self.model):
                 forward_started = time.perf_counter()
                 inputs = self.packer.collate(responses, micro)
                 logp, entropy = self._forward(self.model, inputs, entropy=True,

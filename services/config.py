@@ -413,6 +413,23 @@ class ComputeConfig(Section):
         1800.0, gt=0, description="Several ranks: a collective that waits this long fails (a dead rank ends the "
         "learner)."
     )
+    fsdp: bool = Field(
+        False, description="Shard parameters, gradients and AdamW state over the learner's ranks with PyTorch FSDP2, "
+        "applied by the trainer: bf16 compute on a GPU, fp32 gradient reduction and outputs (learner/sharding.py); "
+        "off: each rank a whole replica (DDP)."
+    )
+    fsdp_shard_ranks: int | None = Field(
+        None, ge=1, description="FSDP: shard within groups of this many ranks (a node's GPUs) and replicate across "
+        "groups (HSDP: the all-gathers stay inside a node); unset: shard over every rank."
+    )
+    fsdp_offload: bool = Field(
+        False, description="FSDP: keep the parameter shards, their gradients and AdamW state in host memory, copied "
+        "to the GPU layer by layer (FSDP2's CPUOffloadPolicy: fits a larger model, runs slower)."
+    )
+    gradient_sync: Literal["micro_batch", "mini_batch"] = Field(
+        "micro_batch", description="FSDP: reduce-scatter each micro-batch's gradient (a rank holds only its shard), "
+        "or once per mini-batch (less traffic; meanwhile every rank holds the whole gradient, 4 bytes a parameter)."
+    )
 
     @field_validator("gradient_checkpointing", mode="before")
     @classmethod

@@ -180,6 +180,65 @@ print("one process ok", flush=True)
 """
 
 
+FSDP_TRAINER_WORKER = """
+import sys
+sys.path[:0] = [{here!r}, {repo!r}]
+from datetime import timedelta
+from pathlib import Path
+import torch
+from accelerate import PartialState
+from safetensors.torch import save_file
+from torch.distributed.fsdp._fully_shard._fsdp_state import _get_module_fsdp_state
+from torch.distributed.tensor import DTensor
+from test_trainer import make_groups, make_settings, random_offsets, with_behaviour
+from learner.trainer import Trainer
+
+state = PartialState(cpu=True, timeout=timedelta(seconds=120))
+tmp, world = Path({tmp!r}), state.num_processes
+groups = make_groups(n_groups=4, size=4, seed=3)
+
+
+def unsharded_gradients(model):
+    # Parameters of which this rank holds a whole (not reduce-scattered) gradient.
+    held = 0
+    for module in model.modules():
+        fsdp = _get_module_fsdp_state(module)
+        for param in (fsdp._fsdp_param_group.fsdp_params if fsdp and fsdp._fsdp_param_group else []):
+            whole = getattr(param, "_unsharded_param", None)
+            held += param.unsharded_accumulated_grad is not None or (whole is not None and whole.grad is not None)
+    return held
+
+
+def run(name, dtype="float32", **learner):
+    settings = make_settings(tmp / name, micro_batch_tokens=40, lr=1e-3, **learner)
+    settings.model.dtype = dtype
+    trainer = Trainer(settings, Path({model!r}))
+    behaviour = with_behaviour(groups, trainer.logprobs(groups), random_offsets(groups, seed=2, scale=0.3))
+    logprobs = trainer.logprobs(groups)
+    held, backward = [], trainer.accelerator.backward
+    def counted(loss):
+        backward(loss)
+        if trainer.sharded:
+            held.append(unsharded_gradients(trainer.model))
+    trainer.accelerator.backward = counted
+    loss, grads = trainer.loss_gradients(behaviour)
+    grads = {{n: (g.full_tensor() if isinstance(g, DTensor) else g).contiguous() for n, g in grads.items()}}
+    trainer.train_step(behaviour)
+    weights = trainer.state_dict_for_publish()
+    if state.is_main_process:
+        flat = torch.tensor([x for g in logprobs for s in g for x in s], dtype=torch.float32)
+        tensors = {{"logprobs": flat, **{{"grad/" + n: g for n, g in grads.items()}},
+                   **{{"weight/" + n: w.float() for n, w in weights.items()}}}}
+        save_file(tensors, tmp / f"{{name}}-{{world}}.safetensors")
+        print(name, "micro-batches holding whole gradients:", held, flush=True)
+
+
+for variant in {variants!r}:
+    run(**variant)
+print("rank %d ok" % state.process_index, flush=True)
+"""
+
+
 def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
@@ -260,3 +319,50 @@ def test_fsdp2_head_packing_and_sharded_checkpoint_on_cpu(model_path, tmp_path, 
     resume.write_text(ONE_PROCESS_RESUME.format(repo=str(repo), tmp=str(tmp_path), model=str(model_path)))
     alone = subprocess.run([sys.executable, str(resume)], env=env, timeout=300, capture_output=True, text=True)
     assert alone.returncode == 0 and "one process ok" in alone.stdout, alone.stderr[-3000:]
+
+
+FSDP_VARIANTS = [
+    {"name": "replicas"},  # DDP on 2 ranks, the whole model on each: the reference
+    {"name": "fsdp", "compute": {"fsdp": True}},  # the 32B preset's setting: each micro-batch reduce-scattered
+    {"name": "fsdp-held", "compute": {"fsdp": True, "gradient_sync": "mini_batch"}},
+    {"name": "hsdp", "compute": {"fsdp": True, "fsdp_shard_ranks": 1}},  # replicate x shard = 2 x 1
+    {"name": "offload", "compute": {"fsdp": True, "fsdp_offload": True}},
+    {"name": "fsdp-bf16", "dtype": "bfloat16", "compute": {"fsdp": True}},  # the GPU precision policy
+]
+
+
+@pytest.mark.slow
+def test_the_trainer_shards_itself_with_fsdp2_and_trains_as_one_process(model_path, tmp_path):  # noqa: F811
+    """learner.compute.fsdp: the trainer's own FSDP2 on 2 gloo ranks, through the real Trainer (accelerate cannot
+    run its FSDP on CPU): logprobs, gradients and the weights after a step of 2 updates equal one process's within
+    1e-5, under FSDP, HSDP and CPU offload alike; no rank holds a whole gradient after any micro-batch (unless
+    `gradient_sync: mini_batch` asks for it); and bf16 compute gives fp32 logprobs, not bf16-rounded ones."""
+    here = Path(__file__).resolve().parent
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(here.parents[1]), ACCELERATE_USE_CPU="true")
+
+    def launch(prefix: list[str], variants: list[dict]) -> str:
+        script = tmp_path / "fsdp-trainer.py"
+        script.write_text(FSDP_TRAINER_WORKER.format(here=str(here), repo=str(here.parents[1]), tmp=str(tmp_path),
+                                                     model=str(model_path), variants=variants))
+        done = subprocess.run(prefix + [str(script)], env=env, timeout=400, capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return done.stdout
+
+    launch([sys.executable], [FSDP_VARIANTS[0], FSDP_VARIANTS[-1]])  # one process: fp32, and bf16 FSDP on its own
+    out = launch(accelerate_launch(2), FSDP_VARIANTS)
+    alone = load_file(tmp_path / "replicas-1.safetensors")
+    for name in ("replicas", "fsdp", "fsdp-held", "hsdp", "offload"):
+        ranks = load_file(tmp_path / f"{name}-2.safetensors")
+        assert ranks.keys() == alone.keys(), name
+        worst = max(float((ranks[k] - alone[k]).abs().max()) for k in alone)
+        assert worst <= TOLERANCE, (name, worst)
+    held = {line.split(":")[0].split()[0]: eval(line.split(":")[1]) for line in out.splitlines() if "holding" in line}
+    assert len(held["fsdp"]) >= 3 and not any(held["fsdp"]), held  # several micro-batches, none held a gradient
+    assert any(held["fsdp-held"]), held  # the check sees a kept gradient when one is kept
+    # bf16 compute: the logprobs stay fp32 (on the bf16 grid, a log-ratio moves by 0.016 nats at logp -3) ...
+    bf16 = load_file(tmp_path / "fsdp-bf16-2.safetensors")["logprobs"]
+    assert bf16.dtype == torch.float32
+    assert float((bf16 == bf16.bfloat16().float()).float().mean()) < 0.2
+    # ... equal one process's under the same policy, and the fp32 model's to bf16 compute's precision
+    assert float((bf16 - load_file(tmp_path / "fsdp-bf16-1.safetensors")["logprobs"]).abs().max()) <= TOLERANCE
+    assert 0 < float((bf16 - alone["logprobs"]).abs().max()) < 0.1

@@ -298,21 +298,17 @@ def test_checkpointed_layers_give_the_same_gradient_at_their_cost_in_flops(model
     assert results["full"][2] > 1.15 * flops_off  # the layers' forward again (the head is chunked alike in all)
 
 
-def test_accelerate_checkpointing_the_layers_again_is_refused(model_path, tmp_path, monkeypatch):
-    # An accelerate FSDP config with fsdp_activation_checkpointing would wrap every layer in a second checkpoint.
-    import types
-
+def test_accelerates_own_fsdp_is_refused_for_rounding_the_logprobs(model_path, tmp_path, monkeypatch):
+    # accelerate's FSDP with bf16 casts the root's output, the head's fp32 logprobs, to bf16 (learner/sharding.py).
     import accelerate
+    from accelerate.utils import DistributedType
 
     class FsdpAccelerator(accelerate.Accelerator):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            plugin = types.SimpleNamespace(activation_checkpointing=True)
-            monkeypatch.setattr(self.state, "fsdp_plugin", plugin, raising=False)  # undone after the test
+        distributed_type = DistributedType.FSDP  # what `accelerate launch` with distributed_type: FSDP gives
 
     monkeypatch.setattr(accelerate, "Accelerator", FsdpAccelerator)
-    with pytest.raises(ValueError, match="fsdp_activation_checkpointing is on: set it to false"):
-        Trainer(make_settings(tmp_path, gradient_checkpointing="full"), model_path)
+    with pytest.raises(ValueError, match="casts every sharded module's output to bf16.*learner.compute.fsdp: true"):
+        Trainer(make_settings(tmp_path), model_path)
 
 
 @pytest.mark.slow

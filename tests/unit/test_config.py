@@ -267,3 +267,13 @@ def test_the_learner_flat_keys_of_before_load_into_their_sections_and_each_sourc
     # An error names the key the user wrote, and where.
     with pytest.raises(ConfigError, match=r"learner.loss.clip_high: .*\(from --set learner.clip_high\)"):
         load_settings("tiny-cpu", origin="--set", learner={"clip_high": "wide"})
+
+
+def test_the_32b_recipe_shards_its_learner_with_the_trainers_own_fsdp_and_the_others_do_not():
+    assert load_settings("dapo-qwen2.5-32b").learner.compute.fsdp  # 16 ranks of 80 GB
+    assert not load_settings("dapo-qwen2.5-math-1.5b").learner.compute.fsdp  # one GPU
+    compute = load_settings("tiny-cpu").learner.compute
+    assert (compute.fsdp, compute.fsdp_shard_ranks, compute.fsdp_offload, compute.gradient_sync) == (
+        False, None, False, "micro_batch")
+    with pytest.raises(ConfigError, match="fsdp_shard_ranks"):
+        load_settings("tiny-cpu", learner={"compute": {"fsdp_shard_ranks": 0}})
