@@ -76,7 +76,7 @@ def sampled_batch(settings, count: int) -> list:
 
 def computed_tokens(trainer, groups) -> tuple[int, int]:
     """(tokens the forward passes of one pass over the batch compute, tokens of the prompt + response rows)."""
-    batch = trainer._prepare(groups)
+    batch = trainer.prepare(groups)
     computed = 0
     for mini_batch in trainer._mini_batches(batch):
         for micro in trainer.packer.plan(mini_batch, batch.responses):

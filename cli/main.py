@@ -28,6 +28,8 @@ COMMANDS = {
     "generator": ("generator.service", "main", "run a generator service (vLLM)"),
     "reward": ("reward.service", "main", "run a reward worker service"),
     "keys": ("cli.keys", "main", "make or rotate the role keys and Redis users of a deployment (cli/keys.py)"),
+    "plan": ("learner.plan", "main", "whether a preset's learner step fits N GPUs, by running it on fake tensors "
+                                     "(no GPU, no weights); its time and cost (learner/plan.py)"),
 }
 
 
@@ -52,6 +54,19 @@ def build_parser() -> argparse.ArgumentParser:
             cmd.add_argument("action", choices=["init", "rotate", "retire", "redis-users", "compose", "compose-env"])
             cmd.add_argument("name", nargs="?", help="rotate: the role; retire: the key id")
             cmd.add_argument("--dir", default=None, help="the key folder (default keys.dir, run_dir/keys)")
+        if name == "plan":  # (learner.plan imports torch: its names are not imported here)
+            cmd.add_argument("preset", nargs="?", help="the preset to plan (as --config)")
+            cmd.add_argument("--gpus", type=int, required=True, help="GPUs of the whole run (learner and generators)")
+            cmd.add_argument("--gpu", default="h100",
+                             help="the card: h100 (default), h200, a100, a100-40gb, l40s, b200")
+            cmd.add_argument("--learner-gpus", type=int, default=None,
+                             help="of them, the learner's ranks (default: half, as the shipped overlays split them)")
+            cmd.add_argument("--mfu", type=float, default=0.41,
+                             help="the learner's model FLOPs utilisation for the time estimate (0.41: measured, 1.5B "
+                                  "on one H200)")
+            cmd.add_argument("--tokens-per-gpu-s", type=float, default=None,
+                             help="generated tokens per second per generator GPU (default: 40,000 / billions of "
+                                  "parameters)")
         if name in ("run", "learner"):
             cmd.add_argument("--report-to", nargs="+", choices=TRACKERS, metavar="TRACKER",
                              help=f"also log to experiment trackers: {', '.join(TRACKERS)} (learner.report_to)")
@@ -109,7 +124,7 @@ def settings_from_args(args: argparse.Namespace):
     overrides = parse_overrides(args.set)
     if getattr(args, "report_to", None):
         overrides.setdefault("learner", {})["report_to"] = args.report_to
-    settings = load_settings(args.config, origin="--set", **overrides)
+    settings = load_settings(getattr(args, "preset", None) or args.config, origin="--set", **overrides)
     if args.command in ("run", "learner"):
         check_installed(settings.learner.report_to)
     if args.command in ("learner", "generator", "reward"):
@@ -146,6 +161,9 @@ def run_main(argv: list[str] | None) -> int:
     except Unavailable as err:
         print(f"dapo {args.command}: {' '.join(str(err).split())}", file=sys.stderr)  # one line
         return ExitCode.UNAVAILABLE
+    except ConfigError as err:  # settings that this command cannot use (learner.plan.PlanError)
+        print(f"dapo {args.command}: {err}", file=sys.stderr)
+        return ExitCode.USAGE
     except DataError as err:  # a data file that cannot be used: its name and line, not a traceback
         print(f"dapo {args.command}: {err}", file=sys.stderr)
         return ExitCode.DATA_ERROR
@@ -164,4 +182,7 @@ def run_command(args: argparse.Namespace, settings) -> int:
         return entry(settings, force=args.force, measure=args.measure) or 0
     if args.command == "keys":
         return entry(settings, args.action, args.name, args.dir)
+    if args.command == "plan":
+        return entry(settings, args.gpus, args.gpu, args.learner_gpus, args.mfu, args.tokens_per_gpu_s,
+                     name=args.preset or args.config or "")
     return entry(settings) or 0

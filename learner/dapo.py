@@ -162,11 +162,11 @@ def loss_denominator(loss_tokens: Tensor | Sequence[int], mode: LossAggregation)
     overlong-filtered) do not count as responses. Computed once per mini-batch so that micro-batches (gradient
     accumulation, or ranks) share it.
     """
-    counts = torch.as_tensor(loss_tokens, dtype=torch.float64)
+    counts = loss_tokens.tolist() if isinstance(loss_tokens, Tensor) else loss_tokens  # host numbers from here
     if mode == "token":
-        return float(counts.sum())
+        return float(sum(counts))
     if mode == "sample":
-        return float((counts > 0).sum())
+        return float(sum(count > 0 for count in counts))
     raise ValueError(f"unknown loss aggregation {mode!r} (token | sample)")
 
 

@@ -21,10 +21,13 @@ gradients and AdamW state in host memory (FSDP2's CPUOffloadPolicy), for a model
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
+
+from learner import activation_checkpointing
 
 if TYPE_CHECKING:  # pragma: no cover
     from services.config import ComputeConfig
@@ -37,8 +40,10 @@ def precision_policy(compute_dtype: torch.dtype):
     return MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32, output_dtype=None)
 
 
+@functools.cache
 def device_mesh(world: int, shard_ranks: int | None, device_type: str):
-    """1-D mesh over every rank (FSDP), or replicate x shard (HSDP) with `shard_ranks` ranks per shard group."""
+    """1-D mesh over every rank (FSDP), or replicate x shard (HSDP) with `shard_ranks` ranks per shard group; one
+    per process and shape (`dapo plan` makes it before its fake tensors: a mesh holds real rank numbers)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -52,24 +57,16 @@ def device_mesh(world: int, shard_ranks: int | None, device_type: str):
     return init_device_mesh(device_type, (world // shard_ranks, shard_ranks), mesh_dim_names=("replicate", "shard"))
 
 
-def decoder_layers(model: nn.Module) -> list[nn.Module]:
-    layers = getattr(model.get_decoder(), "layers", None)
-    if layers is None:
-        raise ValueError(f"{type(model).__name__}: no decoder layers to shard (model.get_decoder().layers)")
-    return list(layers)
-
-
-def shard(model: nn.Module, compute: "ComputeConfig", compute_dtype: torch.dtype, world: int,
+def shard(model: nn.Module, compute: "ComputeConfig", compute_dtype: torch.dtype, mesh,
           device: torch.device) -> nn.Module:
-    """`model` with every decoder layer and the root wrapped by `fully_shard` (in place; returned for clarity)."""
+    """`model` with every decoder layer and the root wrapped by `fully_shard` over `mesh` (`device_mesh`; in place,
+    returned for clarity)."""
     from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
     policy = precision_policy(compute_dtype)
-    mesh = device_mesh(world, compute.fsdp_shard_ranks, device.type)
     offload = CPUOffloadPolicy(pin_memory=device.type == "cuda") if compute.fsdp_offload else OffloadPolicy()
-    if not compute.fsdp_offload:
-        model.to(device)
-    for layer in decoder_layers(model):
+    # fully_shard moves each shard to the mesh's device (kept in host memory with the offload policy)
+    for layer in activation_checkpointing.decoder_layers(model):
         fully_shard(layer, mesh=mesh, mp_policy=policy, offload_policy=offload)
     # The root (embeddings, norm, head) stays gathered after the forward: the backward needs it at once.
     fully_shard(model, mesh=mesh, mp_policy=policy, offload_policy=offload, reshard_after_forward=False)

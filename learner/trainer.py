@@ -57,6 +57,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 from torch.nn.utils.rnn import pad_sequence
 
@@ -89,7 +90,9 @@ class _Responses:
 class Trainer:
     """The learner's model, optimizer and DAPO update. See the module docstring for the algorithm."""
 
-    def __init__(self, settings: "Settings", model_path: Path):
+    def __init__(self, settings: "Settings", model_path: Path, *, model=None, gpu: bool | None = None):
+        """The learner's model at `model_path`, or `model` as built by the caller on the device kind `gpu` says
+        (`dapo plan`: a model of fake tensors, planned for a GPU on a machine without one; learner/plan.py)."""
         from accelerate import Accelerator
         from accelerate.utils import set_seed
         from transformers import AutoModelForCausalLM
@@ -97,7 +100,7 @@ class Trainer:
         self.settings = settings
         self.config = cfg = settings.learner
         self.model_path = Path(model_path)
-        cuda = torch.cuda.is_available()
+        cuda = torch.cuda.is_available() if gpu is None else gpu
         self.compute_dtype = _DTYPES[settings.model.resolved_dtype(on_gpu=cuda)]
         self.served_dtype = self.compute_dtype
         from learner.tracking import accelerator_kwargs
@@ -121,11 +124,15 @@ class Trainer:
             )
 
         packed = cfg.compute.packing == "on" or (cfg.compute.packing == "auto" and cuda)
-        self.attention = attention.implementation(cfg.compute.attention, cuda, packed, self.compute_dtype)
-        model = AutoModelForCausalLM.from_pretrained(
-            self.model_path, dtype=torch.float32, trust_remote_code=settings.model.trust_remote_code,
-            attn_implementation=self.attention,
-        )
+        placement = None if model is None else [False, False]  # a caller's model stays where the caller put it
+        if model is None:
+            self.attention = attention.implementation(cfg.compute.attention, cuda, packed, self.compute_dtype)
+            model = AutoModelForCausalLM.from_pretrained(
+                self.model_path, dtype=torch.float32, trust_remote_code=settings.model.trust_remote_code,
+                attn_implementation=self.attention,
+            )
+        else:
+            self.attention = model.config._attn_implementation
         activation_checkpointing.prepare_layers(model, cfg.compute.gradient_checkpointing, cfg.compute.compile)
         self.parameter_counts = throughput.parameter_counts(model)
         # The head scores response positions only, in chunks (learner/logprobs.py); installed before any wrapping.
@@ -133,8 +140,9 @@ class Trainer:
         head = install_head(model, self.temperature, cfg.compute.head_chunk_tokens, cfg.compute.compile)
         self.sharded = cfg.compute.fsdp
         if self.sharded:  # before the optimizer: it holds the shards
-            sharding.shard(model, cfg.compute, self.compute_dtype, self.accelerator.num_processes,
-                           self.accelerator.device)
+            world = dist.get_world_size() if dist.is_initialized() else 1  # accelerate's ranks (or `dapo plan`'s)
+            mesh = sharding.device_mesh(world, cfg.compute.fsdp_shard_ranks, self.accelerator.device.type)
+            sharding.shard(model, cfg.compute, self.compute_dtype, mesh, self.accelerator.device)
         # Weight decay on every parameter, as verl (the paper's code) does. On a GPU the fused kernel: one pass
         # over weights, gradients and moments instead of a foreach kernel for each AdamW operation.
         optimizer = torch.optim.AdamW(
@@ -146,7 +154,7 @@ class Trainer:
         if self.sharded:  # accelerate must not wrap the sharded model again (in DDP) or autocast its forward
             self.model, self.optimizer = model, self.accelerator.prepare_optimizer(optimizer)
         else:
-            self.model, self.optimizer = self.accelerator.prepare(model, optimizer)
+            self.model, self.optimizer = self.accelerator.prepare(model, optimizer, device_placement=placement)
         self.heads[id(self.model)] = head
         # Two forward passes feed one backward: fine for DDP (each parameter's gradient hook fires once, on the
         # summed gradient); FSDP and gradient checkpointing (no KV cache in training) take whole rows, and so do
@@ -184,7 +192,7 @@ class Trainer:
         """One rollout step of DAPO on these groups (already filtered by dynamic sampling); returns metrics."""
         started = time.perf_counter()
         cfg = self.config
-        batch = self._prepare(groups)
+        batch = self.prepare(groups)
         mini_batches = self._mini_batches(batch)
         stats = UpdateStats(self.accelerator.device)
         recompute_started = time.perf_counter()
@@ -198,10 +206,7 @@ class Trainer:
                     stats.updates += 1
                     stats.skipped += 1
                     continue
-                self.optimizer.zero_grad(set_to_none=True)
-                self._backward_mini_batch(batch, mb, stats, first_epoch=epoch == 0)
-                max_norm = cfg.optimizer.grad_clip if cfg.optimizer.grad_clip > 0 else math.inf
-                grad_norm = float(self.accelerator.clip_grad_norm_(self.model.parameters(), max_norm))
+                grad_norm = float(self._clipped_gradient(batch, mb, stats, first_epoch=epoch == 0))
                 stats.updates += 1
                 if math.isfinite(grad_norm):
                     stepped_at = time.perf_counter()
@@ -227,12 +232,21 @@ class Trainer:
             "samples": float(len(batch.responses)),
         }
 
+    def update_without_reads(self, batch: _Responses) -> None:
+        """One update on a prepared batch as one mini-batch, as `train_step` makes it, but reading nothing back from
+        the device (no skip of a non-finite update, no metrics): what `dapo plan` runs under fake tensors, where a
+        read has no value (learner/plan.py)."""
+        self._clipped_gradient(batch, list(range(len(batch.responses))), UpdateStats(self.accelerator.device),
+                               first_epoch=True)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
     def loss_gradients(self, groups: Sequence["ScoredGroup"]) -> tuple[float, dict[str, Tensor]]:
         """Loss and gradient of the DAPO objective over `groups` as one mini-batch, without an update.
 
         pi_old is the current policy (ratio 1). A diagnostic: gradient checks and tests of accumulation.
         """
-        batch = self._prepare(groups)
+        batch = self.prepare(groups)
         indices = list(range(len(batch.responses)))
         stats = UpdateStats(self.accelerator.device)
         self._old_logprobs_pass(batch, [indices], stats)
@@ -292,7 +306,8 @@ class Trainer:
         return out
 
     # -- batch preparation -------------------------------------------------------------------------------------
-    def _prepare(self, groups: Sequence["ScoredGroup"]) -> _Responses:
+    def prepare(self, groups: Sequence["ScoredGroup"]) -> _Responses:
+        """The groups as the step's responses, with their advantages (Eq. 9): host work, no device read."""
         if not groups:
             raise ValueError("train_step needs at least one group")
         responses: list[Response] = []
@@ -361,6 +376,13 @@ class Trainer:
                         batch.ref_logprobs[i] = ref[row, :n].float()
 
     # -- the update --------------------------------------------------------------------------------------------
+    def _clipped_gradient(self, batch: _Responses, indices: list[int], stats: UpdateStats, first_epoch: bool) -> Tensor:
+        """The mini-batch's gradient, clipped to grad_clip; its norm before clipping (a device tensor)."""
+        self.optimizer.zero_grad(set_to_none=True)
+        self._backward_mini_batch(batch, indices, stats, first_epoch)
+        max_norm = self.config.optimizer.grad_clip if self.config.optimizer.grad_clip > 0 else math.inf
+        return self.accelerator.clip_grad_norm_(self.model.parameters(), max_norm)
+
     def _backward_mini_batch(self, batch: _Responses, indices: list[int], stats: UpdateStats,
                              first_epoch: bool) -> None:
         """Accumulate the gradient of one mini-batch's loss; its loss (this rank's share) goes to `stats`."""

@@ -227,7 +227,7 @@ def test_micro_batching_gives_the_gradient_of_the_whole_mini_batch(model_path, t
     loss_whole, grads_whole = whole.loss_gradients(groups)
     # A budget of 1 token: every response is its own micro-batch (12 forward/backward passes).
     split = Trainer(make_settings(tmp_path, loss_agg=loss_agg, micro_batch_tokens=1), model_path)
-    assert len(split.packer.plan(list(range(12)), split._prepare(groups).responses)) == 12
+    assert len(split.packer.plan(list(range(12)), split.prepare(groups).responses)) == 12
     loss_split, grads_split = split.loss_gradients(groups)
     assert loss_split == pytest.approx(loss_whole, rel=1e-5)
     assert grads_whole.keys() == grads_split.keys() and len(grads_whole) > 10

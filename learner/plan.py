@@ -1,0 +1,344 @@
+"""`dapo plan PRESET --gpus N`: whether the learner's step fits the GPUs, found by running it, before renting them.
+
+What runs is the learner's own step (`Trainer.update_without_reads`): the preset's model (its config only, no
+weights: shipped in services/configs/models, or read from a local folder), built of fake tensors
+(`FakeTensorMode`: shapes, dtypes and devices, no storage, no arithmetic) on a fake process group of the learner's
+ranks, wrapped as the trainer wraps it (FSDP2 and its precision policy, activation checkpointing, the chunked
+head), AdamW, and one update on rank 0's heaviest micro-batch: the longest row the preset allows (a full prompt and
+`sampling.max_tokens`) packed with others up to `micro_batch_tokens`. PyTorch's `FSDPMemTracker` (or `MemTracker`
+without FSDP) counts every tensor alive by category; the plan reports rank 0's peak.
+
+What the fake tensors cannot trace is added by a stated formula, and the report says so:
+- attention: the trainer's varlen FlashAttention kernel has no fake implementation on a machine without CUDA, so a
+  stand-in with its memory runs instead (it returns the output and keeps q, k, v, the output and the fp32
+  logsumexp for backward, as flash does: O(tokens), no [T x T] matrix);
+- the runtime: CUDA context, NCCL buffers and the caching allocator's slack, `RUNTIME_GIB`;
+- compiled layers (`learner.compute.compile`) run uncompiled here: inductor fuses temporaries away, so the plan
+  is an upper bound for them;
+- FSDP's CPU offload: fake tensors live on one device (a fake CUDA device aborts a CPU-only torch), so what it
+  moves to the host still counts, and the plan never suggests it.
+
+Time and cost are estimates on top: the step's model FLOPs (6N a trained token, 2N more under full activation
+checkpointing, 2N for the pi_old pass over the batch but its first mini-batch) at a stated MFU, and generation at a
+stated throughput per GPU, both overridable.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+
+import torch
+
+from learner import attention, sharding, throughput
+from services.config import ConfigError
+
+MODEL_CONFIGS = Path(str(resources.files("services") / "configs" / "models"))
+RUNTIME_GIB = 2.0  # CUDA context (~0.5), NCCL buffers (~1), allocator slack: not tensors, so not traced
+HEADROOM = 0.10  # a plan "fits" with at least this share of the card free
+
+# --gpu -> (its name in learner/throughput.py's peak TFLOP/s table, memory as torch reports the card in GiB)
+GPUS = {"h100": ("H100", 79.1), "h200": ("H200", 139.8), "a100": ("A100", 79.1), "a100-40gb": ("A100", 39.4),
+        "l40s": ("L40S", 44.4), "b200": ("B200", 178.4)}
+MEASURED_MFU = 0.41  # the 1.5B shape on one H200 (benchmarks/README.md, "GPU trainer")
+GENERATED_TOKENS_PER_GPU_S_AT_1B = 40_000.0  # assumed vLLM decode throughput of a 1B model per GPU, scaled by 1/N
+
+# FSDPMemTracker's categories, grouped as the report shows them.
+CATEGORIES = {"parameters": ("Sharded Param", "Unsharded Param", "Buffer", "All Gather", "Parameter"),
+              "gradients": ("Sharded Grad", "Unsharded Grad", "Reduce Scatter", "Gradient"),
+              "optimizer state": ("OptState", "Optstate"), "activations": ("Activation",),
+              "temporaries": ("Temp",), "inputs": ("Inputs",), "other": ("Other",)}
+
+
+class PlanError(ConfigError):
+    """A plan that cannot be made (no model config, a world the preset cannot run on)."""
+
+
+@dataclass
+class Plan:
+    preset: str
+    gpu: str
+    gpus: int
+    learner_ranks: int
+    micro_batch_tokens: int
+    longest_row: int
+    bytes_by_category: dict[str, int]
+    capacity_gib: float
+    parameters: int
+    step_flops: float
+    publish_bytes_per_rank: float
+    learner_seconds: float
+    generation_seconds: float
+    total_steps: int
+    untraced: list[str] = field(default_factory=list)
+
+    @property
+    def peak_gib(self) -> float:
+        return sum(self.bytes_by_category.values()) / 2**30 + RUNTIME_GIB
+
+    @property
+    def headroom(self) -> float:
+        return 1 - self.peak_gib / self.capacity_gib
+
+    @property
+    def fits(self) -> bool:
+        return self.headroom >= HEADROOM
+
+    @property
+    def gpu_hours(self) -> float:
+        return (self.learner_seconds + self.generation_seconds) * self.total_steps * self.gpus / 3600
+
+    def report(self) -> str:
+        lines = [f"{self.preset} on {self.gpus} x {self.gpu} ({self.capacity_gib:.1f} GiB each): learner on "
+                 f"{self.learner_ranks} ranks, {self.parameters / 1e9:.2f} B parameters",
+                 f"rank 0's peak, one update on a micro-batch of {self.micro_batch_tokens:,} tokens (longest row "
+                 f"{self.longest_row:,}):"]
+        for name, size in self.bytes_by_category.items():
+            lines.append(f"  {name:<16} {size / 2**30:8.2f} GiB")
+        lines.append(f"  {'runtime':<16} {RUNTIME_GIB:8.2f} GiB  (not traced: CUDA context, NCCL, allocator)")
+        lines.append(f"  {'total':<16} {self.peak_gib:8.2f} GiB  = {1 - self.headroom:.0%} of the card: "
+                     + (f"fits with {self.headroom:.0%} headroom" if self.fits
+                        else f"does NOT fit with {HEADROOM:.0%} headroom"))
+        lines.append(f"step: {self.step_flops / 1e15:,.1f} PFLOP on the learner, about {self.learner_seconds:,.0f} s "
+                     f"at {MEASURED_MFU:.0%} MFU, generation about {self.generation_seconds:,.0f} s; "
+                     f"{self.total_steps} steps = {self.gpu_hours:,.0f} GPU-hours")
+        lines.append(f"publish: {self.publish_bytes_per_rank / 2**30:.1f} GiB gathered by each rank per version")
+        lines += [f"estimated, not traced: {note}" for note in self.untraced]
+        return "\n".join(lines)
+
+
+def model_config(settings):
+    """The preset's model config: from its local folder when there is one, else the shipped copy."""
+    from transformers import AutoConfig
+
+    from services.models import ModelNotAvailable, model_dir
+
+    with contextlib.suppress(ModelNotAvailable, OSError):
+        folder = model_dir(settings)
+        if (folder / "config.json").is_file():
+            return AutoConfig.from_pretrained(folder)
+    shipped = MODEL_CONFIGS / f"{settings.model.name_or_path.rsplit('/', 1)[-1].lower()}.json"
+    if not shipped.is_file():
+        raise PlanError(f"no config for model {settings.model.name_or_path!r}: point model.name_or_path at a folder "
+                        f"with its config.json, or add one to {MODEL_CONFIGS}")
+    values = {k: v for k, v in json.loads(shipped.read_text()).items() if not k.startswith("_")}
+    return AutoConfig.for_model(values.pop("model_type"), **values)
+
+
+class _FlashAttentionMemory(torch.autograd.Function):
+    """FlashAttention's memory without its arithmetic: the output, and q, k, v, the output and the fp32
+    logsumexp [H, T] kept for backward, which returns dq, dk, dv."""
+
+    @staticmethod
+    def forward(ctx, q, k, v):
+        out = torch.empty_like(q)
+        ctx.save_for_backward(q, k, v, out, q.new_empty(q.shape[1], q.shape[0], dtype=torch.float32))
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, _, _ = ctx.saved_tensors
+        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _flash_memory_kernel(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None, window_size=(-1, -1),
+                         enable_gqa=False):
+    """varlen_attn's signature (learner/attention.py calls it so), `_FlashAttentionMemory`'s memory."""
+    return _FlashAttentionMemory.apply(query, key, value)
+
+
+@contextlib.contextmanager
+def _fake_world(ranks: int):
+    """A fake process group of `ranks` (every collective returns at once) in which this process is rank 0: FSDP
+    shards over it; accelerate, which reads its world from the launcher's environment, sees one process, and the
+    plan gives it rank 0's rows only."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=ranks)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+        sharding.device_mesh.cache_clear()  # its meshes were of the fake group
+
+
+def _rows(settings, budget: int, vocab: int) -> tuple[list, int]:
+    """Scored groups whose responses make rank 0's heaviest micro-batch: the longest row (a full prompt and
+    max_tokens) and shorter ones up to `budget` tokens; (groups, longest row)."""
+    from services.messages import PromptTask, RolloutGroup, Sample, SamplingParams, Score, ScoredGroup
+
+    context = settings.generator.max_model_len or settings.generator.max_prompt_tokens + settings.sampling.max_tokens
+    prompt = context - settings.sampling.max_tokens  # the prompt room a generator leaves
+    longest = prompt + settings.sampling.max_tokens
+    if longest > budget:
+        raise PlanError(f"the longest row ({prompt} prompt + {settings.sampling.max_tokens} response tokens) is "
+                        f"longer than learner.compute.micro_batch_tokens {budget}")
+    lengths = [settings.sampling.max_tokens]
+    room = int(budget * 0.95) - longest
+    while room > prompt + 64:
+        size = min(settings.sampling.max_tokens // 4, room - prompt)
+        lengths.append(size)
+        room -= prompt + size
+    n = settings.sampling.n
+    groups = []
+    for g in range(math.ceil(len(lengths) / n)):
+        part = lengths[g * n:(g + 1) * n]
+        sampling = SamplingParams(n=len(part), max_tokens=settings.sampling.max_tokens)
+        task = PromptTask(task_id=f"plan-{g}", prompt_id=f"plan-{g}", prompt="", prompt_token_ids=[1] * prompt,
+                          ground_truth="0", sampling=sampling)
+        samples = [Sample(text="", token_ids=[min(2, vocab - 1)] * size, logprobs=[-1.0] * size,
+                          finish_reason="length") for size in part]
+        scores = [Score(reward=float(i % 2), correct=bool(i % 2), overlong=False, rule="answer_line")
+                  for i in range(len(part))]
+        rollout = RolloutGroup(task=task, samples=samples, policy_version=0, generator_id="plan")
+        groups.append(ScoredGroup(rollout=rollout, scores=scores))
+    return groups, longest
+
+
+def traced_peak(settings, ranks: int) -> tuple[dict[str, int], int, int]:
+    """Rank 0's peak bytes by category over one update of the trainer under fake tensors; (bytes, parameters,
+    longest row)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
+    from transformers import AutoModelForCausalLM
+
+    from learner.trainer import Trainer
+
+    config = model_config(settings)
+    compute = settings.learner.compute
+    groups, longest = _rows(settings, compute.micro_batch_tokens, config.vocab_size)
+    attention.register()
+    kernel = attention._kernel
+    attention._kernel = lambda: _flash_memory_kernel
+    try:
+        with _fake_world(ranks) if ranks > 1 else contextlib.nullcontext():
+            if compute.fsdp:  # the mesh is a real tensor of rank numbers: made before the fake mode
+                sharding.device_mesh(ranks, compute.fsdp_shard_ranks, "cpu")
+            with FakeTensorMode(allow_non_fake_inputs=True):
+                model = AutoModelForCausalLM.from_config(config, dtype=torch.float32,
+                                                         attn_implementation=attention.VARLEN)
+                parameters = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+                trainer = Trainer(settings, Path("."), model=model, gpu=True)
+                with unset_fake_temporarily():  # host work on real numbers (the advantages)
+                    batch = trainer.prepare(groups)
+                # A first update untracked: AdamW makes its moments in its first step, and the first pass of a
+                # process holds some of its activations past their backward (by the tracker's count); the
+                # second is the steady state, as from a run's second step on.
+                trainer.update_without_reads(batch)
+                tracked = _tracker(trainer)
+                with tracked:
+                    trainer.update_without_reads(batch)
+                peak = tracked.get_tracker_snapshot("peak")
+    finally:
+        attention._kernel = kernel
+    by_category = {name: 0 for name in CATEGORIES}
+    for device_stats in peak.values():
+        for kind, size in device_stats.items():
+            label = getattr(kind, "value", kind)
+            if label != "Total":  # the sum of the others
+                by_category[next((n for n, kinds in CATEGORIES.items() if label in kinds), "other")] += size
+    return by_category, parameters, longest
+
+
+def _tracker(trainer):
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)  # the torch optimizer accelerate wraps
+    if trainer.sharded:
+        return FSDPMemTracker(trainer.model, optimizer)
+    tracker = MemTracker()
+    tracker.track_external(trainer.model, optimizer)
+    return tracker
+
+
+def make_plan(settings, gpus: int, gpu: str = "h100", learner_ranks: int | None = None, mfu: float = MEASURED_MFU,
+              generated_tokens_per_gpu_s: float | None = None, informative_ratio: float = 0.5,
+              name: str = "") -> Plan:
+    """The plan of `settings` on `gpus` cards of kind `gpu`, the learner on `learner_ranks` of them (default: half,
+    as the shipped overlays split them; the one card when there is one)."""
+    if gpu not in GPUS:
+        raise PlanError(f"unknown GPU {gpu!r}: one of {', '.join(GPUS)}")
+    ranks = learner_ranks or max(1, gpus // 2)
+    if ranks > gpus:
+        raise PlanError(f"{ranks} learner ranks on {gpus} GPUs")
+    settings = settings.model_copy(deep=True)
+    compute = settings.learner.compute
+    compute.packing = "on"  # a GPU packs rows (learner.compute.packing auto)
+    compiled, compute.compile = compute.compile, False  # inductor needs real kernels
+    try:
+        by_category, parameters, longest = traced_peak(settings, ranks)
+    finally:
+        from accelerate.state import AcceleratorState
+
+        AcceleratorState._reset_state(reset_partial_state=True)  # the next plan may take another precision
+    card, capacity = GPUS[gpu]
+    peak_tflops = dict(throughput.PEAK_TFLOPS)[card]
+    learner, sampling = settings.learner, settings.sampling
+    # Tokens of a step: B groups of n responses, prompts of max_prompt_tokens / 4, responses of max_tokens / 2
+    # on average (stated assumptions), over the learner's passes.
+    responses = learner.batch.prompts_per_step * sampling.n
+    tokens = responses * (settings.generator.max_prompt_tokens / 4 + sampling.max_tokens / 2)
+    recompute = 2 if compute.gradient_checkpointing == "full" else 0
+    old_pass = 2 * (1 - 1 / max(learner.batch.mini_batches, 1))
+    step_flops = parameters * tokens * ((6 + recompute) * learner.batch.epochs + old_pass)
+    learner_seconds = step_flops / (ranks * peak_tflops * 1e12 * mfu)
+    per_gpu = generated_tokens_per_gpu_s or GENERATED_TOKENS_PER_GPU_S_AT_1B / (parameters / 1e9)
+    generated = responses / informative_ratio * sampling.max_tokens / 2
+    generation_seconds = generated / (per_gpu * max(gpus - ranks, 1))
+    served = 2 if settings.model.resolved_dtype(on_gpu=True) in ("bfloat16", "float16") else 4
+    untraced = ["attention kernel: FlashAttention's memory by formula (output; q, k, v, output, fp32 logsumexp kept)",
+                f"runtime: {RUNTIME_GIB} GiB (CUDA context, NCCL buffers, allocator slack)",
+                f"time: {mfu:.0%} MFU; generation {per_gpu:,.0f} tokens/s per GPU, {informative_ratio:.0%} of groups "
+                "informative, responses of max_tokens / 2 on average"]
+    if compiled:
+        untraced.append("compiled layers ran uncompiled: an upper bound (inductor fuses temporaries away)")
+    if compute.fsdp_offload:
+        untraced.append("fsdp_offload: host and GPU are one fake device here, so what offload moves to the host "
+                        "still counts")
+    return Plan(preset=name or settings.redis.run, gpu=gpu, gpus=gpus, learner_ranks=ranks,
+                micro_batch_tokens=compute.micro_batch_tokens, longest_row=longest,
+                bytes_by_category=by_category, capacity_gib=capacity, parameters=parameters, step_flops=step_flops,
+                publish_bytes_per_rank=served * parameters, learner_seconds=learner_seconds,
+                generation_seconds=generation_seconds, total_steps=learner.total_steps, untraced=untraced)
+
+
+def changes_to_try(settings, gpus: int, ranks: int) -> list[tuple[str, dict, int]]:
+    """Single changes that lower a rank's peak, cheapest first: (what, learner.compute changes, learner ranks)."""
+    compute = settings.learner.compute
+    changes = []
+    if not compute.fsdp and ranks > 1:
+        changes.append(("learner.compute.fsdp: true", {"fsdp": True}, ranks))
+    if compute.fsdp and ranks * 2 < gpus:
+        changes.append((f"{ranks * 2} learner ranks", {}, ranks * 2))
+    if compute.gradient_checkpointing != "full":
+        changes.append(("learner.compute.gradient_checkpointing: full", {"gradient_checkpointing": "full"}, ranks))
+    if compute.micro_batch_tokens // 2 >= settings.generator.max_prompt_tokens + settings.sampling.max_tokens:
+        changes.append((f"learner.compute.micro_batch_tokens: {compute.micro_batch_tokens // 2}",
+                        {"micro_batch_tokens": compute.micro_batch_tokens // 2}, ranks))
+    return changes  # (not fsdp_offload: the fake tensors live on one device, host and GPU alike)
+
+
+def main(settings, gpus: int, gpu: str = "h100", learner_gpus: int | None = None, mfu: float = MEASURED_MFU,
+         tokens_per_gpu_s: float | None = None, name: str = "") -> int:
+    """`dapo plan`: print the plan; where it does not fit, the first single change that does. 0 if it fits."""
+    options = {"gpu": gpu, "mfu": mfu, "generated_tokens_per_gpu_s": tokens_per_gpu_s, "name": name}
+    plan = make_plan(settings, gpus, learner_ranks=learner_gpus, **options)
+    print(plan.report(), flush=True)
+    if plan.fits:
+        return 0
+    for what, compute, ranks in changes_to_try(settings, gpus, plan.learner_ranks):
+        changed = settings.model_copy(deep=True)
+        for key, value in compute.items():
+            setattr(changed.learner.compute, key, value)
+        other = make_plan(changed, gpus, learner_ranks=ranks, **options)
+        print(f"with {what}: {other.peak_gib:.1f} GiB, {'fits' if other.fits else 'does not fit'}", flush=True)
+        if other.fits:
+            break
+    else:
+        print("no single change of these fits: more GPUs, or several changes at once (--set)", flush=True)
+    return 1
