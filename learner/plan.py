@@ -94,7 +94,7 @@ class Plan:
 
     def report(self) -> str:
         lines = [f"{self.preset} on {self.gpus} x {self.gpu} ({self.capacity_gib:.1f} GiB each): learner on "
-                 f"{self.learner_ranks} ranks, {self.parameters / 1e9:.2f} B parameters",
+                 f"{self.learner_ranks} rank{'s' * (self.learner_ranks > 1)}, {self.parameters / 1e9:.2f} B parameters",
                  f"rank 0's peak, one update on a micro-batch of {self.micro_batch_tokens:,} tokens (longest row "
                  f"{self.longest_row:,}):"]
         for name, size in self.bytes_by_category.items():
