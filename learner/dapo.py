@@ -184,7 +184,8 @@ def aggregate_loss(
     """
     if denominator is None:
         denominator = loss_denominator(mask.sum(dim=-1), mode)
-    denominator = torch.as_tensor(denominator, dtype=token_loss.dtype, device=token_loss.device).clamp(min=1.0)
+    # A host number stays one (dividing by it makes no tensor, so no copy to the device and no wait for it)
+    denominator = max(denominator, 1.0) if isinstance(denominator, (int, float)) else denominator.clamp(min=1.0)
     masked = token_loss * mask
     if mode == "token":
         return masked.sum() / denominator

@@ -81,6 +81,8 @@ class MicroBatch:
     real_tokens: int = 0  # tokens the model runs that are not padding (throughput accounting)
     cu_seqlens: Tensor | None = None  # packed: [rows + 1] int32, where each row (the padding tail one) starts
     longest_row: int = 0  # packed: the longest row of the pack
+    advantages: Tensor | None = None  # [B, 1] each response's advantage (Eq. 9)
+    filtered: Tensor | None = None  # [B] bool: overlong-filtered, out of the loss
 
 
 def length_bucket(layout: Layout, cuda: bool, varlen_kernel: bool, micro_batch_tokens: int) -> int:
@@ -117,6 +119,9 @@ def collate(responses: list[Response], indices: list[int], layout: Layout, pad_t
     build = {"packed": _packed, "padded": _padded, "shared": _shared}[layout]
     batch = build(rows, pad_token_id, bucket, token_response, token_slot, targets, response_mask)
     batch.indices = list(indices)
+    # Built here, on the host, and copied with the rest: the training loop never makes a tensor from a list.
+    batch.advantages = torch.tensor([r.advantage for r in rows], dtype=torch.float32).unsqueeze(-1)
+    batch.filtered = torch.tensor([r.filtered for r in rows])
     return _on(batch, device)
 
 
@@ -206,11 +211,14 @@ def prompt_block(rows: list[Response], pad_token_id: int) -> PromptBlock:
 
 
 def _on(batch: MicroBatch, device) -> MicroBatch:
+    """The host tensors copied to `device` without waiting: from pinned memory to a GPU, the copy is queued behind
+    the work already there, and the host goes on collating the next micro-batch."""
+    pin = torch.device(device).type == "cuda"
     for name in ("input_ids", "attention_mask", "position_ids", "hidden_row", "hidden_pos", "token_response",
-                 "token_slot", "targets", "response_mask", "cu_seqlens"):
+                 "token_slot", "targets", "response_mask", "cu_seqlens", "advantages", "filtered"):
         value = getattr(batch, name)
         if value is not None:
-            setattr(batch, name, value.to(device, non_blocking=True))
+            setattr(batch, name, (value.pin_memory() if pin else value).to(device, non_blocking=True))
     if batch.prompt is not None:
         batch.prompt = batch.prompt.to(device)
     return batch

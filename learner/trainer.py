@@ -17,8 +17,9 @@ One `train_step(groups)` is one rollout step of the paper (Algorithm 1, the inne
      positions that predict response tokens go through the LM head, in chunks (learner/logprobs.py). Every
      micro-batch loss is divided by the *mini-batch's* token count (Eq. 12) or response count (sample level), so
      the accumulated gradient equals the gradient of the whole mini-batch at once; the step's statistics stay on
-     the device until its end (the host still waits on the GPU inside the loop: each micro-batch's filter and
-     advantages tensors are built from host lists, and each update reads its gradient norm);
+     the device until its end; each micro-batch's tensors are built on the host when it is collated and copied
+     from pinned memory without waiting, so the only wait inside the step is each update's read of its gradient
+     norm (a non-finite one skips the update: step 5);
   5. gradient-norm clip, AdamW step per mini-batch (not for a mini-batch with no token in the loss, every response
      overlong-filtered: AdamW's momentum and weight decay would move the weights with no gradient); the
      learning-rate schedule (linear warm-up over `warmup_steps`, then constant) advances once per train_step:
@@ -401,8 +402,7 @@ class Trainer:
                 inputs = self.packer.collate(responses, micro)
                 logp, entropy = self._forward(self.model, inputs, entropy=True,
                                               entropy_grad=bool(cfg.loss.entropy_coef))
-                filtered = torch.tensor([responses[i].filtered for i in micro], device=logp.device)
-                mask = dapo.overlong_filter_mask(inputs.response_mask, filtered)
+                mask = dapo.overlong_filter_mask(inputs.response_mask, inputs.filtered)
                 behaviour = self._padded([responses[i].behaviour_logprobs for i in micro], logp)
                 for row, i in enumerate(micro):
                     current = logp[row, :len(responses[i].response_ids)].detach().float()
@@ -412,11 +412,10 @@ class Trainer:
                         batch.ref_logprobs.setdefault(i, current)
                 logp_old = self._padded([batch.old_logprobs[i] for i in micro], logp)
                 logp_ref = self._padded([batch.ref_logprobs[i] for i in micro], logp) if self.reference else None
-                advantages = torch.tensor([responses[i].advantage for i in micro], device=logp.device).unsqueeze(-1)
                 tis = (None if cfg.loss.tis_cap is None
                        else dapo.truncated_importance_weight(logp_old, behaviour, cfg.loss.tis_cap))
                 per_token, surrogate = dapo.token_loss(
-                    logp, logp_old, advantages, tis,
+                    logp, logp_old, inputs.advantages, tis,
                     clip_low=cfg.loss.clip_low, clip_high=cfg.loss.clip_high, dual_clip=cfg.loss.dual_clip,
                     kl_coef=cfg.loss.kl_coef, logp_ref=logp_ref, entropy_coef=cfg.loss.entropy_coef, entropy=entropy,
                 )

@@ -95,3 +95,19 @@ def test_sharded_checkpoint_round_trip_on_cuda(model_path, tmp_path):  # noqa: F
     for key in state_a:
         for slot, value in state_a[key].items():
             assert torch.equal(value, state_b[key][slot]), (key, slot)
+
+
+def test_the_micro_batch_loop_never_waits_on_the_host(model_path, tmp_path):  # noqa: F811
+    """An update (forward, loss, backward of every micro-batch, the clip and the fused AdamW step) under CUDA's sync
+    debug mode "error": any copy or read that makes the host wait for the GPU raises."""
+    trainer = Trainer(settings(tmp_path, "bfloat16", mini_batches=1), model_path)
+    groups = make_groups(n_groups=4, size=4, seed=5)
+    groups = with_behaviour(groups, trainer.logprobs(groups), random_offsets(groups, seed=3, scale=0.2))
+    trainer.update_without_reads(trainer.prepare(groups))  # the first: the allocator, lazy initialisation
+    batch = trainer.prepare(groups)  # host work, before the loop
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        trainer.update_without_reads(batch)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
