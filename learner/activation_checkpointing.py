@@ -74,9 +74,23 @@ def prepare_layers(model: torch.nn.Module, checkpointing: Checkpointing, compile
     hooks (FSDP2's gathers) stay outside the compiled code."""
     if checkpointing == "off" and not compile:
         return
-    run = torch.compile(run_layer, dynamic=True) if compile else run_layer
+    run = compiled(run_layer) if compile else run_layer
     for layer in decoder_layers(model):
         layer.forward = functools.partial(run, layer, type(layer).forward, checkpointing)
+
+
+def compiled(function):
+    """torch.compile(function) with dynamic lengths, and an error where torch would silently run it eagerly once
+    it has recompiled it `recompile_limit` times (every layer shares one compiled function, and its limit)."""
+    torch._dynamo.config.fail_on_recompile_limit_hit = True
+    return torch.compile(function, dynamic=True)
+
+
+def compiled_graphs() -> int:
+    """Graphs torch.compile has made in this process (a step's metric: a count that keeps growing is recompiling)."""
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
 
 
 def run_layer(layer: torch.nn.Module, forward, checkpointing: Checkpointing, *args, **kwargs):

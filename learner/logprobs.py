@@ -22,6 +22,8 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
+from learner import activation_checkpointing
+
 
 def _matmul_dtype(weight: Tensor) -> torch.dtype:
     """The dtype the head's matmul runs in: autocast's where it is on (bf16 on a GPU), else the weight's."""
@@ -131,7 +133,7 @@ def _compiled(chunk_function):
     """learner.compute.compile: the same per-chunk work fused by inductor (a few passes over the bf16 logits instead of
     a dozen over fp32 copies of them), made on first use. Lengths are dynamic from the start: every last chunk is
     ragged."""
-    return torch.compile(chunk_function, dynamic=True)
+    return activation_checkpointing.compiled(chunk_function)
 
 
 def _chunk_logits(hidden: Tensor, weight: Tensor, bias: Tensor | None, dtype: torch.dtype,

@@ -231,6 +231,7 @@ class Trainer:
             "step_seconds": seconds,
             "groups": float(batch.groups),
             "samples": float(len(batch.responses)),
+            **({"compiled_graphs": float(activation_checkpointing.compiled_graphs())} if cfg.compute.compile else {}),
         }
 
     def update_without_reads(self, batch: _Responses) -> None:

@@ -704,3 +704,18 @@ def test_the_attention_kernel_auto_picks(monkeypatch):
     monkeypatch.setattr(attention, "available", lambda cuda, dtype: cuda)
     assert attention.implementation("auto", True, True, bf16) == attention.VARLEN
     assert attention.implementation("auto", True, False, bf16) == "sdpa"  # padded rows: a mask
+
+
+@pytest.mark.slow
+def test_a_compiled_function_past_its_recompile_limit_fails_instead_of_running_eagerly_unseen():
+    from torch._dynamo.utils import counters
+
+    from learner import activation_checkpointing
+
+    before = activation_checkpointing.compiled_graphs()
+    double = activation_checkpointing.compiled(lambda x: x * 2)
+    with torch._dynamo.config.patch(recompile_limit=1):
+        double(torch.ones(3))
+        assert activation_checkpointing.compiled_graphs() == before + 1 == counters["stats"]["unique_graphs"]
+        with pytest.raises(Exception, match="recompile_limit|cache_size_limit|[Rr]ecompil"):
+            double(torch.ones(3, dtype=torch.float64))  # another dtype: a recompile, past the limit of 1
