@@ -191,6 +191,7 @@ from safetensors.torch import save_file
 from torch.distributed.fsdp._fully_shard._fsdp_state import _get_module_fsdp_state
 from torch.distributed.tensor import DTensor
 from test_trainer import make_groups, make_settings, random_offsets, with_behaviour
+from learner.checkpoint import read as read_checkpoint, write as write_checkpoint
 from learner.trainer import Trainer
 
 state = PartialState(cpu=True, timeout=timedelta(seconds=120))
@@ -209,10 +210,16 @@ def unsharded_gradients(model):
     return held
 
 
-def run(name, dtype="float32", **learner):
+def run(name, dtype="float32", resume=None, **learner):
     settings = make_settings(tmp / name, micro_batch_tokens=40, lr=1e-3, **learner)
     settings.model.dtype = dtype
     trainer = Trainer(settings, Path({model!r}))
+    if resume:  # another world's sharded checkpoint, read back here
+        read_checkpoint(trainer, tmp / resume)
+        weights = trainer.state_dict_for_publish()
+        if state.is_main_process:
+            save_file({{"weight/" + n: w.float() for n, w in weights.items()}}, tmp / f"{{name}}-{{world}}.safetensors")
+        return
     behaviour = with_behaviour(groups, trainer.logprobs(groups), random_offsets(groups, seed=2, scale=0.3))
     logprobs = trainer.logprobs(groups)
     held, backward = [], trainer.accelerator.backward
@@ -225,6 +232,12 @@ def run(name, dtype="float32", **learner):
     grads = {{n: (g.full_tensor() if isinstance(g, DTensor) else g).contiguous() for n, g in grads.items()}}
     trainer.train_step(behaviour)
     weights = trainer.state_dict_for_publish()
+    if name == "fsdp":  # the sharded checkpoint, read back by a fresh trainer on this world (and on others)
+        write_checkpoint(trainer, tmp / f"ckpt-{{name}}-{{world}}", {{"step": 1}})
+        again = Trainer(settings, Path({model!r}))
+        assert read_checkpoint(again, tmp / f"ckpt-{{name}}-{{world}}") == {{"step": 1}}
+        reloaded = again.state_dict_for_publish()
+        assert all(torch.equal(reloaded[n], weights[n]) for n in weights) and reloaded.keys() == weights.keys()
     if state.is_main_process:
         flat = torch.tensor([x for g in logprobs for s in g for x in s], dtype=torch.float32)
         tensors = {{"logprobs": flat, **{{"grad/" + n: g for n, g in grads.items()}},
@@ -336,7 +349,8 @@ def test_the_trainer_shards_itself_with_fsdp2_and_trains_as_one_process(model_pa
     """learner.compute.fsdp: the trainer's own FSDP2 on 2 gloo ranks, through the real Trainer (accelerate cannot
     run its FSDP on CPU): logprobs, gradients and the weights after a step of 2 updates equal one process's within
     1e-5, under FSDP, HSDP and CPU offload alike; no rank holds a whole gradient after any micro-batch (unless
-    `gradient_sync: mini_batch` asks for it); and bf16 compute gives fp32 logprobs, not bf16-rounded ones."""
+    `gradient_sync: mini_batch` asks for it); bf16 compute gives fp32 logprobs, not bf16-rounded ones; and the
+    sharded checkpoint of 2 ranks reads back exactly on 2 ranks, on 1 process and on 4 ranks."""
     here = Path(__file__).resolve().parent
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(here.parents[1]), ACCELERATE_USE_CPU="true")
 
@@ -350,12 +364,19 @@ def test_the_trainer_shards_itself_with_fsdp2_and_trains_as_one_process(model_pa
 
     launch([sys.executable], [FSDP_VARIANTS[0], FSDP_VARIANTS[-1]])  # one process: fp32, and bf16 FSDP on its own
     out = launch(accelerate_launch(2), FSDP_VARIANTS)
+    resume = {"name": "resumed", "resume": "ckpt-fsdp-2", "compute": {"fsdp": True}}
+    launch([sys.executable], [resume])  # the 2 ranks' sharded checkpoint on one process, and on 4 ranks
+    launch(accelerate_launch(4), [resume])
     alone = load_file(tmp_path / "replicas-1.safetensors")
     for name in ("replicas", "fsdp", "fsdp-held", "hsdp", "offload"):
         ranks = load_file(tmp_path / f"{name}-2.safetensors")
         assert ranks.keys() == alone.keys(), name
         worst = max(float((ranks[k] - alone[k]).abs().max()) for k in alone)
         assert worst <= TOLERANCE, (name, worst)
+    fsdp = load_file(tmp_path / "fsdp-2.safetensors")
+    for world in (1, 4):
+        resumed = load_file(tmp_path / f"resumed-{world}.safetensors")
+        assert resumed.keys() and all(torch.equal(resumed[k], fsdp[k]) for k in resumed), world  # exactly
     held = {line.split(":")[0].split()[0]: eval(line.split(":")[1]) for line in out.splitlines() if "holding" in line}
     assert len(held["fsdp"]) >= 3 and not any(held["fsdp"]), held  # several micro-batches, none held a gradient
     assert any(held["fsdp-held"]), held  # the check sees a kept gradient when one is kept
