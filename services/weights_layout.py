@@ -14,10 +14,13 @@ keeps held versions beyond `weights.keep_versions` until the hold lapses (`weigh
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
+import logging
 import os
 import shutil
+import stat
 import tempfile
 import time
 from pathlib import Path
@@ -34,7 +37,10 @@ ANNOUNCEMENT_FILE = "announcement.json"
 WRITING_PREFIX = ".v"  # `.v{version}-*`: a version the learner is writing (renamed to v{version} once whole)
 PULLING_PREFIX = ".pull-v"  # `.pull-v{version}-*`: a version a generator is downloading (the same)
 HOLDS_DIR = "holds"
+HOLD_MAX_BYTES = 4096  # a hold is a short JSON list: a larger file is not read
+HOLD_MAX_VERSIONS = 4  # a generator holds what it serves and what it loads: more pin disk for nothing
 CHUNK = 4 << 20
+log = logging.getLogger(__name__)
 
 
 def shard_plan(tensors: dict[str, torch.Tensor], max_bytes: int) -> list[list[str]]:
@@ -176,13 +182,36 @@ def write_hold(root: Path, holder: str, versions: set[int]) -> None:
 
 
 def held_versions(root: Path, hold_s: float) -> set[int]:
-    """Versions some generator held within the last `hold_s` seconds."""
+    """Versions some generator held within the last `hold_s` seconds: at most HOLD_MAX_VERSIONS (its newest) of
+    each hold. The folder is writable by every generator, so the learner reads a hold only as a regular file of at
+    most HOLD_MAX_BYTES, never through a symlink, and opens it without blocking (a FIFO put there would otherwise
+    stop publishing); anything else is skipped, with one line naming it."""
     held: set[int] = set()
     now = time.time()
     for path in (root / HOLDS_DIR).glob("*.json") if (root / HOLDS_DIR).is_dir() else ():
         try:
-            if now - path.stat().st_mtime <= hold_s:
-                held.update(int(v) for v in json.loads(path.read_text()))
-        except (OSError, ValueError, TypeError):
-            continue  # being replaced, or garbled: the next publish looks again
+            versions = _read_hold(path, now, hold_s)
+        except OSError as err:
+            if err.errno == errno.ELOOP:
+                log.warning("weights: %s is a symlink, not a hold: ignored", path)
+            continue  # being replaced: the next publish looks again
+        except (ValueError, TypeError):
+            continue  # garbled
+        held.update(sorted(versions)[-HOLD_MAX_VERSIONS:])
     return held
+
+
+def _read_hold(path: Path, now: float, hold_s: float) -> set[int]:
+    descriptor = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    with os.fdopen(descriptor, "rb") as handle:
+        info = os.fstat(handle.fileno())
+        if not stat.S_ISREG(info.st_mode) or info.st_size > HOLD_MAX_BYTES:
+            log.warning("weights: %s is not a hold (a regular file of at most %d bytes): ignored", path,
+                        HOLD_MAX_BYTES)
+            return set()
+        if now - info.st_mtime > hold_s:
+            return set()
+        versions = json.loads(handle.read(HOLD_MAX_BYTES + 1))
+    if not isinstance(versions, list) or not all(isinstance(v, int) and v >= 0 for v in versions):
+        raise ValueError(f"{path}: a hold is a list of version numbers")
+    return set(versions)
