@@ -48,14 +48,22 @@ STARTUP_TIMEOUT_S = 120.0
 ANSWER_RULES: dict[str, Callable[[str, str], Verdict]] = {"robust": verify, "dapo": verify_dapo}
 
 
+CHILD_MAX_FILE_BYTES = 1 << 20  # RLIMIT_FSIZE: a verifier writes no file; a write past this kills it (SIGXFSZ)
+CHILD_MAX_OPEN_FILES = 64  # RLIMIT_NOFILE: its pipes to the pool, and little else once the imports are done
+
+
 def _start_child(memory_mb: int, ready) -> None:
-    """Pebble initializer: the memory limit, then the verifier's imports (a limit too small for them fails here,
-    at startup, not as failed items; pebble logs the reason and the child exits), then tell the parent."""
+    """Pebble initializer: the memory, file size and open files limits, then the verifier's imports (a limit too
+    small for them fails here, at startup, not as failed items; pebble logs the reason and the child exits), then
+    tell the parent. Not RLIMIT_NPROC: it counts every process and thread of the user, so under the user the
+    services share it would stop the verifier's own threads (docs/deploy.md, the verifier's sandbox)."""
     import resource
 
     limit = memory_mb * 1024 * 1024
     resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    resource.setrlimit(resource.RLIMIT_FSIZE, (CHILD_MAX_FILE_BYTES, CHILD_MAX_FILE_BYTES))
     verify("Answer: $2\\sqrt{2}$", "\\sqrt{8}")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (CHILD_MAX_OPEN_FILES, CHILD_MAX_OPEN_FILES))  # after the imports
     ready.put(os.getpid())
 
 

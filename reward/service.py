@@ -17,6 +17,7 @@ from services.config import Settings
 from services.http import server_options
 from services.keys import load_signer
 from services.redis_local import connect, wait_for_redis
+from services.startup import scrub_secret_environment
 from services.streams import Streams
 
 log = logging.getLogger(__name__)
@@ -26,6 +27,7 @@ def main(settings: Settings) -> int:
     """`dapo reward`: Redis is checked before the verifier processes start; until the HTTP server runs a signal
     stops it at once (`services.startup`), then it stops the worker and the pool in order."""
     load_signer(settings, "reward")  # its key first: a missing one fails before anything starts
+    scrub_secret_environment()  # the settings hold them now; the verifier processes inherit none
     wait_for_redis(settings)
     cfg = settings.reward
     pool = VerifierPool.from_config(cfg)

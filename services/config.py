@@ -19,6 +19,7 @@ import copy
 import logging
 import os
 import re
+import typing
 from importlib import resources
 from pathlib import Path
 from typing import Any, Literal
@@ -58,6 +59,18 @@ def secret_fields(model: BaseModel) -> dict:
         elif isinstance(value, BaseModel) and (inner := secret_fields(value)):
             tree[name] = inner
     return tree
+
+
+def secret_variables(model: type[BaseModel] | None = None, prefix: str = "DAPO_") -> set[str]:
+    """The environment variables that may carry a secret: one per field typed `SecretStr` or `Secret` (upper case)."""
+    names: set[str] = set()
+    for name, field in (model or Settings).model_fields.items():
+        kinds = [field.annotation, *typing.get_args(field.annotation)]
+        if any(isinstance(kind, type) and issubclass(kind, (Secret, SecretStr)) for kind in kinds):
+            names.add(f"{prefix}{name}".upper())
+        elif isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
+            names |= secret_variables(field.annotation, f"{prefix}{name}__")
+    return names
 
 
 class Section(BaseModel):

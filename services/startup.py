@@ -127,3 +127,16 @@ def take_lock(path: Path) -> IO[str]:
         raise LockHeld(holder) from None
     handle.truncate(0)
     return handle
+
+
+def scrub_secret_environment() -> list[str]:
+    """Drop the variables that carry a secret (the token, Redis passwords and URLs, a private key) from this process's
+    environment once its settings hold them: the processes it starts from then on inherit none (the reward role's
+    verifier children run the code that parses what generators wrote). Returns the names dropped."""
+    from services.config import secret_variables
+
+    secret = secret_variables()
+    dropped = [name for name in os.environ if name.upper() in secret]
+    for name in dropped:
+        del os.environ[name]
+    return dropped

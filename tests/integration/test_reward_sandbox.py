@@ -117,6 +117,17 @@ def test_the_memory_limit_is_set_in_every_child(pool):
         assert int(soft) == int(hard) == 1024 * 1024 * 1024
 
 
+def test_every_child_may_write_no_large_file_and_open_few(pool):
+    from reward.sandbox import CHILD_MAX_FILE_BYTES, CHILD_MAX_OPEN_FILES
+
+    assert pool.wait_ready(30)
+    for pid in pool.worker_pids():
+        with open(f"/proc/{pid}/limits") as f:
+            rows = {row[:26].strip(): row[26:].split()[:2] for row in f}
+        assert [int(v) for v in rows["Max file size"]] == [CHILD_MAX_FILE_BYTES] * 2
+        assert [int(v) for v in rows["Max open files"]] == [CHILD_MAX_OPEN_FILES] * 2
+
+
 def test_a_memory_limit_too_small_to_verify_fails_items_fast_instead_of_hanging():
     # 40 MiB cannot hold sympy: children fail at startup, the pool says so, and items get `error` verdicts.
     with VerifierPool(workers=1, timeout_s=TIMEOUT_S, memory_mb=40) as small:

@@ -12,6 +12,7 @@ import time
 import httpx
 import redis
 
+from benchmarks.faults import children_of
 from services.keys import ROLES
 from services.messages import PromptTask, RolloutGroup, Sample, ScoredGroup, to_wire
 from services.streams import ISSUED, Streams
@@ -28,6 +29,7 @@ def test_dapo_reward_process(settings, short_tmp):
     env = {
         **os.environ,
         "DAPO_REDIS__URL": settings.redis.url.get_secret_value(),
+        "DAPO_TOKEN": settings.token.get_secret_value(),
         "DAPO_REDIS__RUN": settings.redis.run,
         "DAPO_REWARD__PORT": str(port),
         "DAPO_REWARD__HOST": "127.0.0.1",
@@ -68,6 +70,14 @@ def test_dapo_reward_process(settings, short_tmp):
             scored = streams.stream("scored", ScoredGroup).consume("learner-test", count=1, block_ms=500)
         assert scored and scored[0].message.scores[0].correct
         assert scored[0].message.reward_worker_id == "reward-proc"
+        # The verifier processes, which parse what generators wrote, inherit none of the service's secrets.
+        verifiers = children_of(proc.pid)
+        assert verifiers
+        for pid in verifiers:
+            with open(f"/proc/{pid}/environ", "rb") as environ:
+                names = {entry.split(b"=", 1)[0].decode() for entry in environ.read().split(b"\0") if entry}
+            assert not names & {"DAPO_REDIS__URL", "DAPO_TOKEN", "DAPO_KEYS__PRIVATE_KEY", "DAPO_REDIS__PASSWORD"}
+            assert "DAPO_REDIS__RUN" in names  # what is not a secret stays
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
