@@ -83,23 +83,36 @@ class RewardWorker:
             return 0
         return self.process(deliveries)
 
-    def with_ground_truth(self, deliveries: list[Delivery[RolloutGroup]]) -> list[RolloutGroup | None]:
-        """Each delivery's group with its task's ground truth as the learner issued it (None: not issued)."""
+    def with_ground_truth(self, deliveries: list[Delivery[RolloutGroup]]) -> list[RolloutGroup | str]:
+        """Each delivery's group with its task's ground truth as the learner issued it, or why it gets none: its
+        task id was not issued, or its task differs from the one issued. The whole task is checked before the
+        ground truth is attached, so a group a generator altered never carries it anywhere (the learner would
+        refuse it, and a refused group goes to the dead letters)."""
         task_ids = [delivery.message.task.task_id for delivery in deliveries]
         issued = self.redis.hmget(self.issued_key, task_ids) if task_ids else []
-        return [
-            None if raw is None else delivery.message.model_copy(update={"task": delivery.message.task.model_copy(
-                update={"ground_truth": from_wire(PromptTask, raw).ground_truth})})
-            for delivery, raw in zip(deliveries, issued)
-        ]
+        out: list[RolloutGroup | str] = []
+        for delivery, raw in zip(deliveries, issued):
+            task = delivery.message.task
+            if raw is None:
+                out.append(f"provenance: unknown task id {task.task_id!r} (not issued by this run's learner, or "
+                           "settled)")
+                continue
+            truth = from_wire(PromptTask, raw)
+            if task != truth.for_generators():
+                changed = [name for name in PromptTask.model_fields if name != "ground_truth"
+                           and getattr(task, name) != getattr(truth, name)]
+                out.append(f"provenance: task {task.task_id} does not match the task as issued (differs in "
+                           f"{', '.join(changed) or 'ground_truth'})")
+                continue
+            out.append(delivery.message.model_copy(update={"task": truth}))
+        return out
 
     def process(self, deliveries: list[Delivery[RolloutGroup]]) -> int:
         started = time.perf_counter()
         in_flight = []
         for delivery, group in zip(deliveries, self.with_ground_truth(deliveries)):
-            if group is None:
-                self.rollouts.reject(delivery, f"provenance: unknown task id {delivery.message.task.task_id!r} (not "
-                                               "issued by this run's learner, or settled)")
+            if isinstance(group, str):
+                self.rollouts.reject(delivery, group)
                 continue
             items = group_items(group)
             in_flight.append((delivery, group, items, self.scorer.submit(items)))

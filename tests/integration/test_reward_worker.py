@@ -98,20 +98,27 @@ def test_rollouts_in_scored_out_and_acked(settings, streams, pool):
     assert [g.rollout.task.ground_truth for g in scored.values()] == ["25", "\\frac{1}{2}", "7"]  # from `issued`
 
 
-def test_the_ground_truth_comes_from_the_learner_not_the_rollout(settings, streams, pool):
-    """Generators get no ground truth: the worker scores against the one the learner issued, whatever a rollout
-    says, and a rollout of a task the learner never issued (or already settled) goes to `dead` as provenance."""
+def test_the_ground_truth_comes_from_the_learner_and_only_to_the_task_as_issued(settings, streams, pool):
+    """Generators get no ground truth: the worker scores against the one the learner issued. A rollout whose task
+    differs from the task as issued (a ground truth claimed, another prompt) gets none: it goes to `dead` as
+    provenance without it, as does a rollout of a task the learner never issued (or already settled)."""
     rollouts = streams.stream("rollouts", RolloutGroup)
-    claimed = issued(streams, rollout("truth", "7", ["Answer: 9", "Answer: 7"]))
-    rollouts.produce(claimed.model_copy(update={"task": claimed.task.model_copy(update={"ground_truth": "9"})}))
+    genuine = issued(streams, rollout("truth", "\\frac{62674}{2}", ["Answer: 9", "Answer: 31337"]))
+    rollouts.produce(genuine.model_copy(update={"task": genuine.task.model_copy(update={"ground_truth": "9"})}))
+    rollouts.produce(genuine.model_copy(update={"task": genuine.task.model_copy(update={"prompt_token_ids": [7]})}))
+    rollouts.produce(genuine)
     rollouts.produce(rollout("never-issued", "1", ["Answer: 1"]))
     worker = RewardWorker(settings, Scorer(pool, settings.reward), streams, consumer="reward-test")
     assert drain(worker, 1) == 1
     (scored,) = streams.stream("scored", ScoredGroup).consume("learner-test", count=10, block_ms=200)
-    assert scored.message.rollout.task.ground_truth == "7"
+    assert scored.message.rollout.task.ground_truth == "\\frac{62674}{2}"
     assert [s.correct for s in scored.message.scores] == [False, True]
-    (dead,) = streams.dead_letters()
-    assert dead["reason"].startswith("provenance: unknown task id 'never-issued'")
+    letters = streams.dead_letters()
+    assert sorted(letter["reason"] for letter in letters) == [
+        "provenance: task truth does not match the task as issued (differs in ground_truth)",
+        "provenance: task truth does not match the task as issued (differs in prompt_token_ids)",
+        "provenance: unknown task id 'never-issued' (not issued by this run's learner, or settled)"]
+    assert not any("62674" in repr(letter) for letter in letters)  # the altered groups never carried it
     assert rollouts.pending() == 0 and streams.redis.xlen(rollouts.key) == 0
 
 
