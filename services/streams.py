@@ -140,6 +140,7 @@ class Stream(Generic[M]):
         self._metrics_at = 0.0
         self._reclaimed_at = float("-inf")
         self._reclaim_from: bytes | str = "0-0"  # where the next scan of the pending entries starts
+        self.max_entry_bytes = streams.entry_limits.get(name, ENVELOPE_BYTES)
 
     def signature(self, payload: bytes) -> str:
         return self.streams.signer(SIGNER_OF[self.name], f"entries of {self.name}").sign(self.key, payload)
@@ -266,6 +267,11 @@ class Stream(Generic[M]):
             entry_id = eid.decode()
             deliveries = counts.get(entry_id, 1)
             payload = fields.get(FIELD, b"")
+            if len(payload) > self.max_entry_bytes:  # before the signature is hashed or a byte decoded
+                reason = (f"oversize: {len(payload):,} bytes, more than the {self.max_entry_bytes:,} an entry of "
+                          f"{self.name} can need")
+                self.dead(entry_id, payload, reason, deliveries, keep_payload=False)
+                continue
             forged = self.forged(fields)  # first: a dead letter not labelled forged is trusted (scan_dead_letters)
             if forged:
                 self.dead(entry_id, payload, forged, deliveries)
@@ -368,13 +374,15 @@ class Stream(Generic[M]):
         """Dead-letter a delivery that parsed but must not be used (e.g. a group the learner never asked for)."""
         self.dead(delivery.id, delivery.payload or to_wire(delivery.message), reason, delivery.deliveries)
 
-    def dead(self, entry_id: str, payload: bytes, reason: str, deliveries: int = 0) -> None:
+    def dead(self, entry_id: str, payload: bytes, reason: str, deliveries: int = 0, keep_payload: bool = True) -> None:
         """Move an entry to the dead stream with the reason, its task id and its original bytes (a large payload:
-        its file, sha256 and size, `Streams.letter_payload`), and ack it here. The dead stream keeps about
-        streams.dead_maxlen letters (the oldest are trimmed)."""
+        its file, sha256 and size, `Streams.letter_payload`; `keep_payload` off: its sha256 and size only, nothing
+        decoded), and ack it here. The dead stream keeps about streams.dead_maxlen letters (the oldest are
+        trimmed)."""
         pipe = self.redis.pipeline(transaction=True)
+        task_id = task_id_in_payload(self.name, payload) if keep_payload else None
         letter = {b"stream": self.name, b"entry_id": entry_id, b"reason": reason, b"deliveries": deliveries,
-                  b"task_id": task_id_in_payload(self.name, payload) or "", **self.streams.letter_payload(payload)}
+                  b"task_id": task_id or "", **self.streams.letter_payload(payload, keep_payload)}
         pipe.xadd(self.streams.key("dead"), {**letter, SIG: self.streams.dead_letter_signature(letter)},
                   maxlen=self.cfg.dead_maxlen, approximate=True)
         pipe.xack(self.key, self.group, entry_id)
@@ -443,6 +451,19 @@ def task_id_in_payload(stream: str, payload: bytes) -> str | None:
         return None
 
 
+ENVELOPE_BYTES = 1 << 20  # a task's text, ids and fields, beyond its tokens
+TOKEN_BYTES = 96  # a token's share of an entry at most: its id and logprob (msgpack) and its text (UTF-8)
+
+
+def entry_limits(settings: Settings) -> dict[str, int]:
+    """The largest entry each stream can need, from the prompt room, max_tokens and n: a larger one is refused by
+    its size before it is verified or decoded (a worker could otherwise exhaust a consumer's memory)."""
+    sampling = (settings.sampling, settings.eval_sampling)
+    prompt = ENVELOPE_BYTES + settings.generator.max_prompt_tokens * TOKEN_BYTES
+    group = prompt + max(s.n for s in sampling) * max(s.max_tokens for s in sampling) * TOKEN_BYTES
+    return {"prompts": prompt, "rollouts": group, "scored": group, "held": group}
+
+
 def run_prefix(settings: Settings) -> str:
     """The prefix of every key of a run, `dapo:{run}:`: built here only, so runs never share a key."""
     return f"dapo:{settings.redis.run}:"
@@ -459,6 +480,7 @@ class Streams:
         self.keyring = load_keyring(settings)
         self.signers = {role: load_signer(settings, role, self.keyring) for role in signs_as}
         self.dead_dir = Path(settings.run_dir) / "dead-letters"
+        self.entry_limits = entry_limits(settings)
 
     def signer(self, role: Role, what: str) -> Signer:
         """This process's key of `role`, to sign `what`; KeysError if it does not hold it."""
@@ -473,14 +495,16 @@ class Streams:
     def stream(self, name: str, model: type[M]) -> Stream[M]:
         return Stream(self, name, model)
 
-    def letter_payload(self, payload: bytes) -> dict:
+    def letter_payload(self, payload: bytes, keep: bool = True) -> dict:
         """A dead letter's payload fields: the bytes themselves up to streams.dead_payload_max_bytes; beyond, the
         bytes go to dead_dir/<sha256>.msgpack (mode 0600) and the letter keeps `payload_sha256`, `payload_bytes` and
-        `payload_file` (empty when the file could not be written: the payload is then dropped)."""
-        if len(payload) <= self.cfg.dead_payload_max_bytes:
+        `payload_file` (empty when the file could not be written, or not `keep`: the payload is then dropped)."""
+        if keep and len(payload) <= self.cfg.dead_payload_max_bytes:
             return {FIELD: payload}
         digest = hashlib.sha256(payload).hexdigest()
         path = self.dead_dir / f"{digest}.msgpack"
+        if not keep:
+            return {FIELD: b"", b"payload_sha256": digest, b"payload_bytes": len(payload), b"payload_file": ""}
         try:
             self.dead_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
             write_atomic(path, payload, mode=0o600)

@@ -523,3 +523,27 @@ def test_a_large_dead_payload_that_cannot_be_written_is_dropped_with_its_sha256_
     assert letter["data"] == b"" and letter["payload_file"] == "" and letter["task_id"] == "t3"
     assert letter["payload_sha256"] == hashlib.sha256(payload).hexdigest() and \
         int(letter["payload_bytes"]) == len(payload)
+
+
+def test_an_entry_larger_than_its_stream_can_need_is_dead_lettered_by_its_size_alone(streams, settings):
+    """A signed rollout far larger than n x max_tokens tokens: dead-lettered with its size and sha256, neither
+    decoded nor kept (no file), and the consumer goes on."""
+    import hashlib
+
+    from services.streams import entry_limits
+
+    limit = entry_limits(settings)["rollouts"]
+    assert limit < 2 * 2**20  # tiny-cpu: 8 responses of at most 64 tokens, a prompt room of 2,048
+    rollouts = streams.stream("rollouts", RolloutGroup)
+    rollouts.produce(group_for(task(0)))
+    huge = group_for(task(1))
+    huge = huge.model_copy(update={"samples": [huge.samples[0].model_copy(update={"text": "9" * 2 * limit})]})
+    payload = to_wire(huge)
+    streams.redis.xadd(rollouts.key, {b"data": payload, b"sig": rollouts.signature(payload)})  # genuinely signed
+    rollouts.produce(group_for(task(2)))
+    assert [d.message.task.task_id for d in rollouts.consume("c1", count=10)] == ["t0", "t2"]
+    (letter,) = streams.dead_letters()
+    assert letter["reason"].startswith(f"oversize: {len(payload):,} bytes, more than the {limit:,}")
+    assert letter["data"] == b"" and letter["payload_file"] == "" and letter["task_id"] == ""  # nothing decoded
+    assert letter["payload_sha256"] == hashlib.sha256(payload).hexdigest()
+    assert not (Path(settings.run_dir) / "dead-letters").exists()  # nor written to disk
