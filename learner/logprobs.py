@@ -17,12 +17,16 @@ from __future__ import annotations
 import contextlib
 import functools
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from learner import activation_checkpointing
+from learner import activation_checkpointing, attention
+
+if TYPE_CHECKING:  # pragma: no cover
+    from learner.packing import MicroBatch
 
 
 def _matmul_dtype(weight: Tensor) -> torch.dtype:
@@ -208,3 +212,46 @@ def install_head(model: nn.Module, temperature: float, chunk_tokens: int, compil
     head = LogprobHead(linear, temperature, chunk_tokens, compiled)
     model.set_output_embeddings(head)
     return head
+
+
+def response_logprobs(model, head: LogprobHead, inputs: "MicroBatch", varlen: bool, entropy: bool,
+                      entropy_grad: bool = False):
+    """Logprobs (and optionally entropies) of a micro-batch's response tokens through `head`, padded to [B, R];
+    `varlen`: the attention kernel takes the pack's row boundaries.
+
+    The head scores only the positions that predict response tokens, in chunks:
+    the model's forward returns [n, 2] (logprob, entropy) instead of logits."""
+    # Train mode only where a gradient is taken; RL fine-tuning assumes a dropout-free model (Qwen2/2.5: 0), so
+    # both modes compute the same policy.
+    model.train(torch.is_grad_enabled())
+    grad = entropy and entropy_grad
+    prompt, first = inputs.prompt, inputs.first_tokens
+
+    def query(part: slice) -> HeadQuery:
+        return HeadQuery(inputs.hidden_row[part], inputs.hidden_pos[part], inputs.targets[part], grad)
+
+    if prompt is None:
+        # The varlen kernels get the pack's row boundaries from the host (flash-attn would otherwise derive them
+        # from the position ids in every layer, reading the longest row back from the GPU each time).
+        rows = (attention.packed_kwargs(inputs.cu_seqlens, inputs.longest_row)
+                if varlen else {})
+        with head.scoring(query(slice(None))):
+            scored = model(input_ids=inputs.input_ids, attention_mask=inputs.attention_mask,
+                           position_ids=inputs.position_ids, use_cache=False, **rows).logits
+    else:
+        # Each prompt once; its KV cache copied to its responses by index, so gradients from every response flow
+        # back into the one prompt pass. The prompt's last position predicts each row's first response token.
+        with head.scoring(query(slice(0, first))):
+            out = model(input_ids=prompt.input_ids, attention_mask=prompt.attention_mask,
+                        position_ids=prompt.position_ids, use_cache=True)
+        cache = out.past_key_values
+        cache.reorder_cache(prompt.of_row)
+        with head.scoring(query(slice(first, None))):
+            rest = model(input_ids=inputs.input_ids, attention_mask=inputs.attention_mask,
+                         position_ids=inputs.position_ids, past_key_values=cache, use_cache=True).logits
+        scored = torch.cat([out.logits, rest])
+    scored = scored.float()
+    shape, where = inputs.response_mask.shape, (inputs.token_response, inputs.token_slot)
+    logp = torch.zeros(shape, device=scored.device).index_put(where, scored[:, 0])
+    token_h = torch.zeros(shape, device=scored.device).index_put(where, scored[:, 1]) if entropy else None
+    return logp, token_h

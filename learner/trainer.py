@@ -28,23 +28,17 @@ One `train_step(groups)` is one rollout step of the paper (Algorithm 1, the inne
 
 With one mini-batch and one epoch (a single update) no no-grad pass runs at all.
 
-Precision: master weights and AdamW state are fp32 (with the paper's lr = 1e-6 a bf16 weight cannot represent
-one update: its relative resolution is ~4e-3). `model.dtype` is the compute and serving dtype: on a GPU "auto"
-means bf16 (autocast on one rank or DDP, FSDP2's parameter dtype under `learner.compute.fsdp`) and bf16 published
-weights; on CPU, fp32 throughout. The head's logprobs and entropies are fp32 in every mode, and FSDP reduces the
-gradients in fp32 (learner/sharding.py: why accelerate's FSDP is refused).
+Precision: master weights and AdamW state are fp32 (at lr 1e-6 a bf16 weight cannot hold one update). On a GPU
+"auto" computes and serves in bf16 (autocast, or FSDP2's parameter dtype: learner/sharding.py); the head's logprobs
+and entropies are fp32 in every mode; on a CPU, fp32 throughout.
 
-Distributed (`accelerate launch`: DDP, or FSDP2 applied by the trainer with `learner.compute.fsdp`): every rank
-must call `train_step` with the same groups (the service's main process reads the streams and broadcasts them).
-Each mini-batch is dealt across ranks by tokens;
-ranks run the same number of forward passes (a rank with less work repeats one micro-batch with weight 0) so
-FSDP's collectives stay in lockstep; the loss is scaled by the world size because DDP/FSDP average gradients.
-Under FSDP each micro-batch's gradient is reduce-scattered at once, so a rank never holds more than its shard of
-the gradient (`learner.compute.gradient_sync: mini_batch` keeps the unsharded gradient until the mini-batch's
-last micro-batch instead: less traffic, 4 bytes a parameter more on every rank).
-DeepSpeed is refused: its engine owns gradient accumulation and clipping, which this trainer does itself.
-Checkpoints (learner/checkpoint.py) are sharded per rank; the HF weights for the generators are gathered one
-parameter at a time (`state_dict_for_publish`). Every step reports its model TFLOP/s and MFU (learner/throughput.py).
+Distributed (`accelerate launch`: DDP, or the trainer's own FSDP2 with `learner.compute.fsdp`): every rank calls
+`train_step` with the same groups (the service's main process broadcasts them); each mini-batch is dealt across
+ranks by tokens, every rank runs the same number of forward passes (weight-0 repeats), and the loss is scaled by
+the world size because DDP and FSDP average gradients. Under FSDP each micro-batch's gradient is reduce-scattered
+at once (`learner.compute.gradient_sync: mini_batch` keeps it whole until the last). DeepSpeed is refused: its
+engine owns accumulation and clipping. Checkpoints: learner/checkpoint.py; every step reports its model TFLOP/s
+and MFU (learner/throughput.py).
 """
 
 from __future__ import annotations
@@ -63,7 +57,7 @@ from torch import Tensor
 from torch.nn.utils.rnn import pad_sequence
 
 from learner import activation_checkpointing, attention, dapo, devices, packing, sharding, throughput
-from learner.logprobs import HeadQuery, install_head
+from learner.logprobs import install_head, response_logprobs
 from learner.packing import MicroBatch, Response
 from learner.update_stats import UpdateStats
 
@@ -163,10 +157,10 @@ class Trainer:
         self.share_prompts = (cfg.compute.share_prompt_pass and cfg.compute.gradient_checkpointing == "off"
                               and not cfg.compute.compile and not self.sharded)
         layout: packing.Layout = "packed" if packed else "shared" if self.share_prompts else "padded"
-        varlen = self.attention in (attention.VARLEN, "flash_attention_2")
+        self.varlen = self.attention in (attention.VARLEN, "flash_attention_2")
         self.packer = packing.Packer(
             layout, cfg.compute.micro_batch_tokens, pad_token_id=model.config.pad_token_id or 0,
-            bucket=packing.length_bucket(layout, cuda, varlen, cfg.compute.micro_batch_tokens),
+            bucket=packing.length_bucket(layout, cuda, self.varlen, cfg.compute.micro_batch_tokens),
             device=self.accelerator.device, world=self.accelerator.num_processes,
             rank=self.accelerator.process_index)
         self.peak_tflops = throughput.peak_tflops(self.accelerator.device, cfg.compute.peak_tflops)
@@ -433,45 +427,8 @@ class Trainer:
 
     # -- model plumbing ----------------------------------------------------------------------------------------
     def _forward(self, model, inputs: MicroBatch, entropy: bool, entropy_grad: bool = False):
-        """Logprobs (and optionally entropies) of the response tokens, padded to [B, R].
-
-        The model's head (learner/logprobs.py) scores only the positions that predict response tokens, in chunks:
-        the model's forward returns [n, 2] (logprob, entropy) instead of logits."""
-        # Train mode only where a gradient is taken; RL fine-tuning assumes a dropout-free model (Qwen2/2.5: 0), so
-        # both modes compute the same policy.
-        model.train(torch.is_grad_enabled())
-        head = self.heads[id(model)]
-        grad = entropy and entropy_grad
-        prompt, first = inputs.prompt, inputs.first_tokens
-
-        def query(part: slice) -> HeadQuery:
-            return HeadQuery(inputs.hidden_row[part], inputs.hidden_pos[part], inputs.targets[part], grad)
-
-        if prompt is None:
-            # The varlen kernels get the pack's row boundaries from the host (flash-attn would otherwise derive them
-            # from the position ids in every layer, reading the longest row back from the GPU each time).
-            rows = (attention.packed_kwargs(inputs.cu_seqlens, inputs.longest_row)
-                    if self.attention in (attention.VARLEN, "flash_attention_2") else {})
-            with head.scoring(query(slice(None))):
-                scored = model(input_ids=inputs.input_ids, attention_mask=inputs.attention_mask,
-                               position_ids=inputs.position_ids, use_cache=False, **rows).logits
-        else:
-            # Each prompt once; its KV cache copied to its responses by index, so gradients from every response flow
-            # back into the one prompt pass. The prompt's last position predicts each row's first response token.
-            with head.scoring(query(slice(0, first))):
-                out = model(input_ids=prompt.input_ids, attention_mask=prompt.attention_mask,
-                            position_ids=prompt.position_ids, use_cache=True)
-            cache = out.past_key_values
-            cache.reorder_cache(prompt.of_row)
-            with head.scoring(query(slice(first, None))):
-                rest = model(input_ids=inputs.input_ids, attention_mask=inputs.attention_mask,
-                             position_ids=inputs.position_ids, past_key_values=cache, use_cache=True).logits
-            scored = torch.cat([out.logits, rest])
-        scored = scored.float()
-        shape, where = inputs.response_mask.shape, (inputs.token_response, inputs.token_slot)
-        logp = torch.zeros(shape, device=scored.device).index_put(where, scored[:, 0])
-        token_h = torch.zeros(shape, device=scored.device).index_put(where, scored[:, 1]) if entropy else None
-        return logp, token_h
+        """Logprobs (and optionally entropies) of the response tokens, padded to [B, R] (learner/logprobs.py)."""
+        return response_logprobs(model, self.heads[id(model)], inputs, self.varlen, entropy, entropy_grad)
 
     def _padded(self, values: list[Tensor], like: Tensor) -> Tensor:
         """Ragged [R_i] tensors -> [B, R] aligned with `like` (zeros beyond each length)."""
