@@ -100,15 +100,6 @@ class RankChannel:
 
     def stop(self) -> None:
         self.send("stop")
-        leave()
-
-
-def leave() -> None:
-    """After `stop` no collective runs: each rank takes its process group down itself. Left to the interpreter's
-    exit, gloo's threads were sometimes destroyed still running: "terminate called without an active exception",
-    an abort (exit -6) instead of the rank's own exit code."""
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
 
 
 def follow(trainer: "Trainer", channel: RankChannel) -> int:
@@ -131,6 +122,5 @@ def follow(trainer: "Trainer", channel: RankChannel) -> int:
             checkpoint.read(trainer, command["path"])
         elif op == "stop":
             log.info("rank %d: stop", rank)
-            leave()
             return 0
 
