@@ -56,8 +56,14 @@ if channel.is_leader:
     channel.stop()
     save_file(weights, tmp / f"weights-{{world}}.safetensors")
     save_file(reloaded, tmp / f"reloaded-{{world}}.safetensors")
+    code = 0
 else:
-    sys.exit(follow(trainer, channel))
+    code = follow(trainer, channel)
+if world > 1:  # both ranks there: left to the interpreter's exit, gloo's threads sometimes abort it (exit -6)
+    import torch.distributed as dist
+    dist.barrier()
+    dist.destroy_process_group()
+sys.exit(code)
 """
 
 
