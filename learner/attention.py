@@ -13,6 +13,7 @@ FlashAttention), so the step never reads a length back from the device.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import inspect
@@ -21,9 +22,24 @@ import torch
 from torch import Tensor
 
 VARLEN = "dapo_varlen"
+_stand_in = None  # `stand_in`'s kernel while it is in force
+
+
+@contextlib.contextmanager
+def stand_in(kernel):
+    """Run `kernel` (varlen_attn's signature) in place of PyTorch's varlen kernel for the duration: `dapo plan`'s
+    fake tensors have no CUDA kernel to run (learner/plan.py)."""
+    global _stand_in
+    _stand_in = kernel
+    try:
+        yield
+    finally:
+        _stand_in = None
 
 
 def _kernel():
+    if _stand_in is not None:
+        return _stand_in
     try:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:

@@ -212,9 +212,7 @@ def traced_peak(settings, ranks: int) -> tuple[dict[str, int], int, int]:
     compute = settings.learner.compute
     groups, longest = _rows(settings, compute.micro_batch_tokens, config.vocab_size)
     attention.register()
-    kernel = attention._kernel
-    attention._kernel = lambda: _flash_memory_kernel
-    try:
+    with attention.stand_in(_flash_memory_kernel):
         with _fake_world(ranks) if ranks > 1 else contextlib.nullcontext():
             if compute.fsdp:  # the mesh is a real tensor of rank numbers: made before the fake mode
                 sharding.device_mesh(ranks, compute.fsdp_shard_ranks, "cpu")
@@ -233,8 +231,6 @@ def traced_peak(settings, ranks: int) -> tuple[dict[str, int], int, int]:
                 with tracked:
                     trainer.update_without_reads(batch)
                 peak = tracked.get_tracker_snapshot("peak")
-    finally:
-        attention._kernel = kernel
     by_category = {name: 0 for name in CATEGORIES}
     for device_stats in peak.values():
         for kind, size in device_stats.items():
