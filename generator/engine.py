@@ -43,7 +43,7 @@ from typing import Callable
 
 from generator.vllm_logs import quiet_expected_vllm_records
 from services.config import Settings
-from services.messages import PromptTask, Sample, SamplingParams
+from services.messages import PromptTask, Sample, SamplingParams, WeightsBroadcast
 
 log = logging.getLogger(__name__)
 
@@ -339,15 +339,45 @@ class VllmEngine:
     # weights -------------------------------------------------------------------------------------------
     def reload(self, folder: str | os.PathLike) -> float:
         """Load the safetensors shards of `folder` into the running engine; seconds taken. Call only when idle."""
+        return self._load("reload_weights_from", {"weights_path": str(folder)}, f"reload from {folder}")
+
+    def load_staged(self) -> float:
+        """Load the broadcast round the workers staged (`begin_receive`); seconds taken. Call only when idle."""
+        return self._load("load_staged", {}, "loading a broadcast version")
+
+    def _load(self, method: str, kwargs: dict, what: str) -> float:
         if self.has_unfinished():
             raise RuntimeError("reload with requests in flight would mix two policies in one group")
         started = time.perf_counter()
         try:
-            self.llm.collective_rpc("reload_weights_from", kwargs={"weights_path": str(folder)})
+            self.llm.collective_rpc(method, kwargs=kwargs)
             # A prefix cache that survives would serve the old version's prompt KV to the new one (vLLM returns
             # False when blocks are still held rather than raising).
             if not self.llm.reset_prefix_cache():
                 raise RuntimeError("vLLM did not reset its prefix cache")
         except Exception as err:
-            raise EngineFailure(f"reload from {folder} failed: {type(err).__name__}: {err}") from err
+            raise EngineFailure(f"{what} failed: {type(err).__name__}: {err}") from err
         return time.perf_counter() - started
+
+    def workers(self) -> int:
+        """The engine's model workers (each takes a rank in a broadcast round)."""
+        return len(self._rpc("receive_status", {}))
+
+    def begin_receive(self, announcement: WeightsBroadcast, host: str, first_rank: int) -> None:
+        """Every worker joins the round (services/broadcast.py) and stages it in the background; generation goes on."""
+        self._rpc("begin_receive", {"announcement_json": announcement.model_dump_json(), "host": host,
+                                    "first_rank": first_rank})
+
+    def received(self) -> list[dict] | None:
+        """None while a worker is still receiving; else each worker's `receive_status`."""
+        statuses = self._rpc("receive_status", {})
+        return None if any(status is None for status in statuses) else statuses
+
+    def drop_staged(self) -> None:
+        self._rpc("drop_staged", {})
+
+    def _rpc(self, method: str, kwargs: dict):
+        try:
+            return self.llm.collective_rpc(method, kwargs=kwargs)
+        except Exception as err:
+            raise EngineFailure(f"{method} failed: {type(err).__name__}: {err}") from err

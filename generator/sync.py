@@ -2,6 +2,8 @@
 
 Transport http pulls the shards into this generator's own folder; shared-fs checks them in `weights.shared_dir`
 and loads them from there, holding the versions it serves or loads so the learner does not prune them.
+Transport collective takes versions as broadcast rounds into the engine (services/broadcast.py: this class keeps
+the membership and checks what the engine's workers staged) and pulls over HTTP what a round did not bring.
 
 `prepare` runs in a background thread while the engine keeps generating with the old weights; the worker
 swaps the engine to the returned folder only between batches (services/weights.py has the protocol).
@@ -16,14 +18,16 @@ import time
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from services.broadcast import commit_refusal, leave, register_member
 from services.config import Settings
 from services.http import client_verify
 from services.keys import load_keyring
-from services.messages import WeightsAnnouncement
+from services.messages import WeightsAnnouncement, WeightsBroadcast
 from services.streams import run_prefix
 from services.weights import (
     AnnouncementWatcher,
     WeightsError,
+    channel,
     check_schema,
     check_shared,
     latest_announcement,
@@ -60,6 +64,8 @@ class WeightSync:
         self.keyring = load_keyring(settings)
         # The only place this generator sends its token to: the configured learner, whatever Redis says.
         self.learner_url = settings.learner.public_base_url()
+        self.learner_host = urlsplit(self.learner_url).hostname  # where the broadcast rendezvous store listens
+        self.collective = settings.weights.transport == "collective"
         self.watcher = AnnouncementWatcher(redis_client, self.prefix, self.keyring,
                                            poll_s=settings.generator.sync_poll_s)
         self.cancel = threading.Event()  # set when the generator stops: a download under way ends at its next chunk
@@ -69,6 +75,24 @@ class WeightSync:
         announcement = latest_announcement(self.redis, self.prefix, self.keyring)
         self.watcher.offer(announcement)
         return announcement
+
+    def register(self, workers: int) -> None:
+        """collective: be in the learner's next rounds (renewed every heartbeat)."""
+        register_member(self.redis, self.prefix, self.id, workers)
+
+    def leave(self) -> None:
+        if self.collective:
+            leave(self.redis, self.prefix, self.id)
+
+    def round_refusal(self, offered: WeightsBroadcast, statuses: list[dict]) -> str | None:
+        """Why the engine must not load what its workers staged from a round (None: it may)."""
+        for status in statuses:
+            if error := status.get("error"):
+                return error
+            digests = {int(index): hexdigest for index, hexdigest in status["digests"].items()}
+            if refusal := commit_refusal(offered, status["commit"], digests, self.keyring, channel(self.prefix)):
+                return refusal
+        return None
 
     def prepare(self, announcement: WeightsAnnouncement) -> tuple[Path, float]:
         """Get and verify the files (sha256), then the names/shapes: (folder, seconds); WeightsError if refused."""

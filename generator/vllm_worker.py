@@ -82,9 +82,14 @@ def refresh_cpu_packed_weights(model) -> list[str]:
 
 
 class WeightReloadExtension:
-    """Mixed into vLLM's worker class; called through `LLM.collective_rpc("reload_weights_from", ...)`."""
+    """Mixed into vLLM's worker class; called through `LLM.collective_rpc(...)`: reload from a folder, or take a
+    broadcast round (services/broadcast.py) in a thread of its own while the engine goes on generating, then load
+    what it staged when the generator says so."""
 
     def reload_weights_from(self, weights_path: str) -> dict:
+        return self._reload(weights_path=weights_path)
+
+    def _reload(self, **source) -> dict:
         from vllm.platforms import current_platform
 
         from generator.vllm_logs import quiet_expected_vllm_records
@@ -92,11 +97,53 @@ class WeightReloadExtension:
         # In this process: the engine's worker may be one of its own (generator.in_process_engine false).
         quiet_expected_vllm_records(tied_lm_head=self.model_config.hf_config.tie_word_embeddings)
         started = time.perf_counter()
-        self.reload_weights(weights_path=weights_path)
+        self.reload_weights(**source)
         refreshed = []
         if current_platform.is_cpu():
             refreshed = refresh_cpu_packed_weights(self.model_runner.get_model())
         return {"seconds": time.perf_counter() - started, "repacked": refreshed}
+
+    def begin_receive(self, announcement_json: str, host: str, first_rank: int) -> None:
+        """Join the round as rank `first_rank` + this worker's rank and stage its buckets, in the background."""
+        from services.broadcast import receive
+        from services.messages import WeightsBroadcast
+
+        announcement = WeightsBroadcast.model_validate_json(announcement_json)
+        device = f"cuda:{self.local_rank}" if announcement.backend == "nccl" else "cpu"
+        self._round = (announcement, None, None)
+
+        def run() -> None:
+            try:
+                self._round = (announcement, receive(announcement, host, first_rank + self.rank, device), None)
+            except Exception as err:  # reported to the generator by `receive_status`
+                self._round = (announcement, None, f"{type(err).__name__}: {err}")
+
+        self._receiving = threading.Thread(target=run, name="weights-broadcast", daemon=True)
+        self._receiving.start()
+
+    def receive_status(self) -> dict | None:
+        """None while the round runs; then the error, or the digests this worker computed and the commit."""
+        if getattr(self, "_receiving", None) is None or self._receiving.is_alive():
+            return None
+        _, receipt, error = self._round
+        if error is not None:
+            return {"error": error}
+        return {"digests": {str(i): hexdigest for i, hexdigest in receipt.digests.items()},
+                "commit": receipt.commit, "seconds": receipt.seconds}
+
+    def load_staged(self) -> dict:
+        """Load the staged round into the model (the only pause of the engine), then free it."""
+        from services.broadcast import unpack
+
+        announcement, receipt, _ = self._round
+        named = [pair for slots, bucket in zip(announcement.buckets, receipt.buckets) for pair in unpack(bucket, slots)]
+        try:
+            return self._reload(weights_iterator=iter(named))
+        finally:
+            self.drop_staged()
+
+    def drop_staged(self) -> None:
+        self._round, self._receiving = (None, None, None), None
 
 
 if multiprocessing.parent_process() is not None:  # imported in vLLM's worker process, not in the generator

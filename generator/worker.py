@@ -52,7 +52,7 @@ from generator.sync import WeightSync
 from services import metrics
 from services.config import Settings
 from services.errors import ExitCode
-from services.messages import PromptTask, RolloutGroup, WeightsAnnouncement, to_wire
+from services.messages import PromptTask, RolloutGroup, WeightsAnnouncement, WeightsBroadcast, to_wire
 from services.streams import Delivery, Streams
 from services.weights import WeightsError
 
@@ -61,6 +61,7 @@ log = logging.getLogger(__name__)
 
 TRANSIENT = {"unreachable", "http", "not_found"}  # a late joiner retries these before taking work
 BAD_VERSION = {"checksum", "shape", "format", "untrusted_url"}  # refusals of the version itself: every generator's
+ROUND_POLL_S = 0.02  # how often the loop asks the engine's workers whether a broadcast round is in
 RETRY_FAILED_SYNC_S = 30.0  # a refused version is not retried automatically before this (POST /sync forces it)
 IDLE_BLOCK_MS = 100  # longest wait for new tasks while idle: bounds how late an announcement or a stop is seen
 
@@ -89,9 +90,16 @@ class SyncOutcome:
 
 @dataclass
 class _Ready:
-    announcement: WeightsAnnouncement
-    folder: Path
+    """A version ready to load: files (announcement, folder) or a broadcast round the engine staged."""
+
+    announcement: WeightsAnnouncement | None
+    folder: Path | None
     prepare_seconds: float
+    staged: WeightsBroadcast | None = None
+
+    @property
+    def version(self) -> int:
+        return self.staged.version if self.staged is not None else self.announcement.version
 
 
 @dataclass
@@ -155,6 +163,7 @@ class RolloutWorker:
         self.version_sha: str | None = None  # None = the model folder's own weights
         self.version_since = time.time()
         self.weights_folder: Path | None = None  # last good version, what a restarted engine loads
+        self.folder_version: tuple[int, str | None] = (0, None)  # its version and sha256
         self.inflight: dict[str, InFlight] = {}
         self.deferred: dict[str, tuple[Delivery[PromptTask], float]] = {}  # waiting for min_version
         self.suspects: deque[list[Delivery[PromptTask]]] = deque()  # batches to run alone after an engine failure
@@ -170,6 +179,9 @@ class RolloutWorker:
         self._pull: concurrent.futures.Future | None = None
         self._pull_target: WeightsAnnouncement | None = None
         self._ready_weights: _Ready | None = None
+        self._receiving: WeightsBroadcast | None = None  # a broadcast round the engine's workers are taking
+        self._rounds_tried: set[str] = set()
+        self._next_round_poll = 0.0
         self._failed: dict[tuple[int, str], tuple[float, str]] = {}  # (version, sha) -> (retry after, reason)
         self._waiters: list[tuple[int, concurrent.futures.Future]] = []
         self._sync_now = threading.Event()  # look the latest announcement up now (a task wants a newer version)
@@ -178,6 +190,7 @@ class RolloutWorker:
         self.clock = ActivityClock()
         self._last_empty_read = 0.0
         self._heartbeat_thread: threading.Thread | None = None
+        self._workers = 0  # the engine's model workers, once known (collective: what this generator registers)
         self._owned: tuple[str, ...] = ()
         self._finished = threading.Event()
         self._turn_started: float | None = None  # when the loop began its current turn (None: not looping)
@@ -230,6 +243,9 @@ class RolloutWorker:
         self._heartbeat_thread.start()
         try:
             self._join_late()
+            if self.sync.collective:
+                self._workers = self.engine.workers()
+                self.sync.register(self._workers)
             self._recover_own()
             metrics.GEN_VERSION.set(self.version)
             self.ready = not self._stop.is_set()
@@ -263,6 +279,10 @@ class RolloutWorker:
             self._hand_back_all("shutdown")
             self._owned = ()
             self._finished.set()
+            try:
+                self.sync.leave()
+            except Exception as err:  # Redis gone: the membership lapses by itself
+                log.warning("could not leave the broadcast rounds: %s", err)
             self.sync.watcher.stop()
             self._pool.shutdown(wait=False, cancel_futures=True)
             self._resolve_waiters(failure=("worker stopped", "stopped"))
@@ -415,9 +435,7 @@ class RolloutWorker:
         self.isolated = False
         self.ready = False
         self.status = "restarting engine"
-        self.engine.restart(str(self.weights_folder) if self.weights_folder else None)
-        self.restarts += 1
-        metrics.GEN_ENGINE_RESTARTS.labels("failure").inc()
+        self._restart_engine("failure")
         self.ready = True
         self.status = "serving"
 
@@ -431,6 +449,8 @@ class RolloutWorker:
         return newest
 
     def _advance_sync(self, now: float) -> None:
+        if self.sync.collective:
+            self._advance_round(now)
         if self._sync_now.is_set():
             self._sync_now.clear()
             explicit = self._retry_refused.is_set()
@@ -442,7 +462,7 @@ class RolloutWorker:
             if latest is not None and explicit:  # not a task's wish: a refused version waits out its back-off
                 self._failed.pop((latest.version, latest.sha256), None)
             self._resolve_waiters()  # those already satisfied (or with nothing announced)
-        if self._pull is None and self._ready_weights is None:
+        if self._pull is None and self._ready_weights is None and self._receiving is None:
             target = self._wanted(now)
             if target is not None:
                 self._pull_target = target
@@ -460,6 +480,9 @@ class RolloutWorker:
                     self._refuse(target, err.reason, str(err), now)
             except Exception as err:  # unexpected (disk full...): same treatment, the old weights keep serving
                 self._refuse(target, "error", f"{type(err).__name__}: {err}", now)
+        if self._ready_weights is not None and self.inflight and self.cfg.on_update == "abort":
+            self.engine.abort(list(self.inflight))  # sampled again, all of each group by the new version
+            self._hand_back(list(self.inflight), "update", unused=True)
         if self._ready_weights is not None and not self.inflight:
             self._apply(self._ready_weights)
 
@@ -482,27 +505,75 @@ class RolloutWorker:
     def _reload(self, ready: _Ready) -> None:
         previous = self.version
         try:
-            reload_seconds = self.engine.reload(ready.folder)
+            reload_seconds = self.engine.load_staged() if ready.staged else self.engine.reload(ready.folder)
         except EngineFailure as err:
-            self._refuse(ready.announcement, "reload", str(err), time.monotonic())
-            self.engine.restart(str(self.weights_folder) if self.weights_folder else None)
-            self.restarts += 1
-            metrics.GEN_ENGINE_RESTARTS.labels("reload").inc()
+            if ready.staged is None:
+                self._refuse(ready.announcement, "reload", str(err), time.monotonic())
+            else:  # the files bring the same version next
+                log.error("broadcast weights v%d failed to load: %s", ready.version, err)
+                metrics.GEN_RELOAD_FAILURES.labels("reload").inc()
+            self._restart_engine("reload")
             return
-        self.version = ready.announcement.version
-        self.version_sha = ready.announcement.sha256
+        self.version = ready.version
+        self.version_sha = ready.announcement.sha256 if ready.announcement else None
         self.version_since = time.time()
-        self.weights_folder = ready.folder
-        self.sync.prune(keep={ready.folder})
+        if ready.folder is not None:
+            self.weights_folder, self.folder_version = ready.folder, (self.version, self.version_sha)
+            self.sync.prune(keep={ready.folder})
         total = ready.prepare_seconds + reload_seconds
         metrics.GEN_VERSION.set(self.version)
         metrics.GEN_RELOAD_SECONDS.observe(total)
+        metrics.GEN_LOAD_PAUSE_SECONDS.observe(reload_seconds)
         self.status = "serving"
         log.info(
-            "now serving weights v%d (was v%d): pull+verify %.2fs, reload %.2fs",
-            self.version, previous, ready.prepare_seconds, reload_seconds,
+            "now serving weights v%d (was v%d): %s %.2fs, load %.2fs",
+            self.version, previous, "broadcast" if ready.staged else "pull+verify", ready.prepare_seconds,
+            reload_seconds,
         )
         self._resolve_waiters(success=SyncOutcome(self.version, previous, True, total))
+
+    def _restart_engine(self, why: str) -> None:
+        """Recreate the engine with the last good version's files; a version that came by broadcast lived only in
+        the engine, so this generator serves the files' version again (and the newer one comes as files do)."""
+        self.engine.restart(str(self.weights_folder) if self.weights_folder else None)
+        self._receiving = None
+        self.version, self.version_sha = self.folder_version
+        metrics.GEN_VERSION.set(self.version)
+        self.restarts += 1
+        metrics.GEN_ENGINE_RESTARTS.labels(why).inc()
+
+    def _advance_round(self, now: float) -> None:
+        """collective: join a round that names this generator (the engine's workers take it in the background
+        while it generates), then check what they staged; a refused or failed round leaves the version to the
+        files."""
+        if self._receiving is None:
+            offered = self.sync.watcher.round
+            files = self.sync.watcher.newest  # written after the round: the round is over
+            if (offered is None or offered.version <= self.version or self.id not in offered.ranks
+                    or offered.group in self._rounds_tried or self._pull is not None or self._ready_weights
+                    or (files is not None and files.version >= offered.version)):
+                return
+            self._rounds_tried = {offered.group}
+            self.engine.begin_receive(offered, self.sync.learner_host, offered.ranks[self.id])
+            self._receiving = offered
+            self.status = f"receiving weights v{offered.version}"
+            return
+        if now < self._next_round_poll:
+            return
+        self._next_round_poll = now + ROUND_POLL_S
+        statuses = self.engine.received()
+        if statuses is None:
+            return
+        offered, self._receiving = self._receiving, None
+        if refusal := self.sync.round_refusal(offered, statuses):
+            log.error("broadcast weights v%d refused: %s; the files will bring it", offered.version, refusal)
+            metrics.GEN_RELOAD_FAILURES.labels("broadcast").inc()
+            self.engine.drop_staged()
+            self.status = "serving"
+            return
+        seconds = max(status["seconds"] for status in statuses)
+        self._ready_weights = _Ready(None, None, seconds, staged=offered)
+        self.status = f"draining for weights v{offered.version}"
 
     def _resolve_waiters(self, success: SyncOutcome | None = None, failure: tuple[str, str] | None = None) -> None:
         with self._lock:
@@ -579,6 +650,11 @@ class RolloutWorker:
         while not self._finished.wait(interval):
             if self._stalled():
                 return
+            if self._workers and self.ready:
+                try:
+                    self.sync.register(self._workers)
+                except Exception as err:
+                    log.warning("broadcast membership not renewed: %s", err)
             ids = self._owned  # a snapshot the loop thread publishes (never iterate its dicts from here)
             if not ids:
                 continue

@@ -40,6 +40,7 @@ from learner.records import Records, step_record, wait_split
 from learner.redis_budget import MB, held_budget, largest_group_bytes, memory_pressed
 from learner.workset import WorkingSet
 from services import metrics
+from services.broadcast import Broadcaster
 from services.config import Settings
 from services.data import Problem, check_alphabet, load_problems, render_prompt, shared_problems
 from services.errors import ExitCode, Unavailable
@@ -47,10 +48,10 @@ from services.http import BackgroundServer, create_app, server_options
 from services.keys import load_signer
 from services.messages import PromptTask, SamplingParams
 from services.models import TINY_NAME, model_dir
-from services.redis_local import connect, wait_for_redis
+from services.redis_local import connect, retrying, wait_for_redis
 from services.startup import raise_stopped
 from services.streams import Streams
-from services.weights import WeightPublisher, latest_announcement, weights_router
+from services.weights import WeightPublisher, channel, latest_announcement, shareable_state_dict, weights_router
 
 log = logging.getLogger(__name__)
 
@@ -135,6 +136,7 @@ class LearnerService:
         self.cfg = settings.learner
         self.run_dir = Path(settings.run_dir)
         self.checkpoints = Checkpoints(self.run_dir, keep=self.cfg.checkpoints.keep)
+        self.broadcaster: Broadcaster | None = None  # transport collective: rank 0 of every weights round
         self.stopping = threading.Event()
         self.ready, self.ready_reason = False, "starting"
         self.step = 0
@@ -169,6 +171,9 @@ class LearnerService:
         self.streams = Streams(self.redis, self.settings, signs_as=("learner",))
         self.work = WorkingSet(self.streams, self.cfg, self.policy)
         self.publisher = WeightPublisher(self.settings, self.redis, self.cfg.public_base_url())
+        if self.settings.weights.transport == "collective" and self.broadcaster is None:
+            self.broadcaster = Broadcaster(self.settings, retrying(self.redis), self.publisher.signer,
+                                           self.streams.prefix, channel(self.streams.prefix))
         self.check_held_budget()
 
     def check_held_budget(self) -> None:
@@ -280,12 +285,12 @@ class LearnerService:
         self.push_train(self.work.plan_ahead(version))  # overlap (a no-op when max_staleness = 0)
         self.work.flush_outbox()
         result: dict[str, float] = {}
-        publish_seconds = 0.0
+        publish_seconds, broadcast = 0.0, {}
         if batch.groups:
             result = self.train(batch)
             self.policy.advance()
             published = time.perf_counter()
-            self.publish()
+            broadcast = self.publish()
             publish_seconds = time.perf_counter() - published
         else:
             log.warning("step %d: refill limit with no informative group in hand: no update", self.step + 1)
@@ -293,7 +298,7 @@ class LearnerService:
         self.step += 1
         lags = self.work.finish(batch, version)
         timing = {"step_seconds": step_seconds, "wait_seconds": waited, **wait_split(waited, batch.groups),
-                  "publish_seconds": publish_seconds, "time": time.time(), "started": started,
+                  "publish_seconds": publish_seconds, **broadcast, "time": time.time(), "started": started,
                   "world_size": self.ranks.world}
         record = step_record(self.step, self.policy.current, batch, lags, result, timing)
         final = self.finished()  # decided once: the evaluation, the checkpoint and the loop agree on the last step
@@ -433,10 +438,20 @@ class LearnerService:
         self.ready_reason = "publishing weights"
         self.publish()
 
-    def publish(self) -> None:
+    def publish(self) -> dict[str, float]:
+        """Announce the current policy: a broadcast round first (transport collective), then the files (every
+        transport: the way in for generators outside the round). Returns the round's figures for the step record."""
         version = self.policy.current
-        self.publisher.publish(self.ranks.weights(self.trainer), version)
+        weights = self.ranks.weights(self.trainer)
+        figures = {}
+        if self.broadcaster is not None and (round_ := self.broadcaster.broadcast(shareable_state_dict(weights),
+                                                                                   version)) is not None:
+            figures = {"broadcast_seconds": round_.seconds, "broadcast_members": len(round_.members),
+                       "broadcast_failed": len(round_.failed) if round_.error is None else max(1, len(round_.failed)),
+                       "broadcast_bytes": round_.bytes_sent}
+        self.publisher.publish(weights, version)
         metrics.LEARNER_VERSION.set(version)
+        return figures
 
     def checkpoint_due(self, final: bool) -> bool:
         every = self.cfg.checkpoints.every

@@ -263,6 +263,10 @@ class GeneratorConfig(Section):
     sync_poll_s: float = Field(5.0, description="Fallback poll of the weights:latest key (pub/sub is the fast path).")
     pull_timeout_s: float = Field(300.0, description="HTTP timeout of one weights download.")
     min_version_wait_s: float = Field(30.0, description="Wait this long for a task's min_version, then hand it back.")
+    on_update: Literal["finish", "abort"] = Field(
+        "finish", description="A new version is ready: let the tasks in flight finish on the old weights first, or "
+        "abort them and hand them back (each group stays sampled by one version either way)."
+    )
     shutdown_grace_s: float = Field(30.0, description="SIGTERM: finish in-flight tasks this long, then release them.")
     stall_timeout_s: float = Field(
         900.0, gt=0, description="A rollout-loop turn (an engine step, a reload, a restart) this long is a hang: the "
@@ -277,9 +281,10 @@ class GeneratorConfig(Section):
 
 
 class WeightsConfig(Section):
-    transport: Literal["http", "shared-fs"] = Field(
-        "http", description="How generators get a version: HTTP pull from the learner, or read it in "
-        "weights.shared_dir."
+    transport: Literal["http", "shared-fs", "collective"] = Field(
+        "http", description="How generators get a version: HTTP pull from the learner, read it in "
+        "weights.shared_dir, or collective: streamed into the running engines over a process group (gloo on CPU, "
+        "NCCL on GPU; files stay the way for generators that join late or miss a round)."
     )
     shared_dir: str | None = Field(
         None, description="shared-fs: the folder the learner and every generator mount (ReadWriteMany volume, NFS)."
@@ -291,6 +296,18 @@ class WeightsConfig(Section):
         "unrenewed."
     )
     keep_versions: int = Field(3, description="Published weight versions kept on disk (and those generators hold).")
+    broadcast_port: int = Field(
+        8003, ge=0, le=65535, description="collective: the learner's rendezvous port (a TCPStore; 0 = any free one)."
+    )
+    broadcast_timeout_s: float = Field(
+        60.0, gt=0, description="collective: the longest the learner waits for a round's generators, to join or "
+        "to take a bucket; past it they get that version through the files."
+    )
+    bucket_mb: float = Field(256, gt=0, description="collective: bytes per streamed bucket, MB.")
+    verify: Literal["full", "sampled", "off"] = Field(
+        "full", description="collective: what a generator hashes before it serves a version: every bucket (sha256, "
+        "about a second per 1.5 GB on one core), a random eighth of them, or nothing (the round stays signed)."
+    )
 
     @model_validator(mode="after")
     def _shared_dir_for_shared_fs(self) -> "WeightsConfig":

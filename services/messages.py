@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 import msgpack
 import numpy as np
@@ -179,16 +179,63 @@ class WeightsAnnouncement(BaseModel):
     )
 
 
-def _announcement_bytes(announcement: WeightsAnnouncement) -> bytes:
+class TensorSlot(BaseModel):
+    """Where one tensor lies in a broadcast bucket (services/broadcast.py)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+    dtype: str = Field(pattern=r"^(float32|float16|bfloat16)$")
+    shape: list[int]
+    offset: int = Field(ge=0, description="Byte offset in the bucket (a multiple of 16).")
+
+
+class WeightsBroadcast(BaseModel):
+    """A broadcast round (weights.transport collective), published by the learner on `dapo:{run}:weights`: which
+    generator engines meet in which process group, and the buckets that will stream through it."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    kind: Literal["broadcast"] = "broadcast"
+    version: int = Field(ge=0)
+    group: str = Field(pattern=r"^[A-Za-z0-9-]{1,64}$", description="The round's store prefix, new every round.")
+    port: int = Field(ge=1, le=65535, description="The learner's rendezvous store (weights.broadcast_port).")
+    backend: Literal["gloo", "nccl"]
+    world_size: int = Field(ge=2)
+    ranks: dict[str, int] = Field(description="Generator id -> its engine's first worker's rank (the learner: 0).")
+    buckets: list[list[TensorSlot]] = Field(min_length=1)
+    bucket_bytes: list[int]
+    verify: Literal["full", "sampled", "off"]
+    timeout_s: float = Field(gt=0)
+    published_at: float = Field(default_factory=time.time)
+    signature: str = ""
+
+
+class BroadcastCommit(BaseModel):
+    """The last message of a round, streamed after the buckets: their sha256 digests (none under verify off)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    version: int = Field(ge=0)
+    group: str
+    digests: list[str]
+    signature: str = ""
+
+
+AnyAnnouncement = TypeVar("AnyAnnouncement", WeightsAnnouncement, WeightsBroadcast, BroadcastCommit)
+
+
+def _announcement_bytes(announcement: BaseModel) -> bytes:
     return announcement.model_dump_json(exclude={"signature"}).encode()
 
 
-def sign_announcement(announcement: WeightsAnnouncement, signer: "Signer", context: str) -> WeightsAnnouncement:
-    """The announcement signed by the learner's key under `context` (the run's weights channel: bound to the run)."""
+def sign_announcement(announcement: AnyAnnouncement, signer: "Signer", context: str) -> AnyAnnouncement:
+    """The announcement (or broadcast round, or its commit) signed by the learner's key under `context` (the run's
+    weights channel: bound to the run)."""
     return announcement.model_copy(update={"signature": signer.sign(context, _announcement_bytes(announcement))})
 
 
-def announcement_refusal(announcement: WeightsAnnouncement, keyring: "Keyring", context: str) -> str | None:
+def announcement_refusal(announcement: BaseModel, keyring: "Keyring", context: str) -> str | None:
     """Why the announcement is not the learner's for this run (None: it is)."""
     return keyring.refusal(announcement.signature, SIGNER_OF["weights"], "weight announcements", context,
                            _announcement_bytes(announcement))

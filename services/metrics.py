@@ -28,6 +28,10 @@ GEN_TASKS = Counter("dapo_generator_tasks_total", "Prompt tasks turned into roll
 GEN_BATCH_FILL = Gauge("dapo_generator_batch_fill", "Tasks in the engine over tasks_per_batch.")
 GEN_VERSION = Gauge("dapo_generator_policy_version", "Policy version the generator serves.")
 GEN_RELOAD_SECONDS = Histogram("dapo_generator_reload_seconds", "Weight sync: pull, verify and reload.")
+GEN_LOAD_PAUSE_SECONDS = Histogram(
+    "dapo_generator_load_pause_seconds", "The engine's pause for a version: the load into the model alone.",
+    buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60),
+)
 GEN_RELOAD_FAILURES = Counter("dapo_generator_reload_failures_total", "Refused or failed weight syncs.", ["reason"])
 GEN_QUEUE_WAIT = Histogram(
     "dapo_generator_queue_wait_seconds", "Time a task waited in the prompts stream.",

@@ -7,7 +7,8 @@ as well, so a generator cannot write `scored` through a script either. What each
 
 - learner: every key and channel of the runs (`dapo:*`), every command but the dangerous ones (+INFO).
 - generator: read and acknowledge `prompts` (and its forward markers), write `rollouts`, add to `dead` (XADD only,
-  on Redis 7), read (GET, SUBSCRIBE) the weights announcement. Not `issued` (the ground truth), not `scored`.
+  on Redis 7), read (GET, SUBSCRIBE) the weights announcement, write its membership of broadcast rounds (HSET,
+  HDEL on `weights:members`). Not `issued` (the ground truth), not `scored`.
 - reward: read and acknowledge `rollouts` (and its forward markers), write `scored`, add to `dead` (XADD only, on
   Redis 7), read `issued` (HMGET only).
 - autoscaler (KEDA's redis-streams scaler): XPENDING, XINFO GROUPS and XLEN on `prompts`, nothing else.
@@ -39,7 +40,8 @@ _CONSUMER = ("+xreadgroup +xack +xdel +xclaim +xautoclaim +xpending +xgroup|crea
 _RULES: dict[str, str] = {
     "learner": "~dapo:* &dapo:* +@all -@dangerous +info",
     "generator": f"~dapo:*:prompts ~dapo:*:prompts:forwarded:* ~dapo:*:rollouts ~dapo:*:weights:latest "
-                 f"&dapo:*:weights {_CONNECTION} {_CONSUMER} +get +subscribe +unsubscribe",
+                 f"~dapo:*:weights:members &dapo:*:weights {_CONNECTION} {_CONSUMER} +get +hset +hdel +subscribe "
+                 f"+unsubscribe",
     "reward": f"~dapo:*:rollouts ~dapo:*:rollouts:forwarded:* ~dapo:*:scored ~dapo:*:issued "
               f"{_CONNECTION} {_CONSUMER} +hmget",
     "autoscaler": f"~dapo:*:prompts {_CONNECTION} +xpending +xinfo|groups +xlen",

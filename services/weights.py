@@ -52,8 +52,9 @@ import torch
 from fastapi import APIRouter, HTTPException
 from fastapi.responses import StreamingResponse
 
+from services.broadcast import parse_round
 from services.keys import Keyring, load_keyring, load_signer
-from services.messages import WeightsAnnouncement, WeightsFile, announcement_refusal
+from services.messages import WeightsAnnouncement, WeightsBroadcast, WeightsFile, announcement_refusal
 from services.redis_local import retrying
 from services.streams import run_prefix
 from services.weights_layout import (
@@ -504,7 +505,9 @@ class AnnouncementWatcher:
     """Tracks the newest announced version: pub/sub for promptness, the latest key at start and every poll_s.
 
     A background thread keeps `newest` up to date; `wait_newer(version, timeout)` blocks until something newer
-    than `version` is known. Pub/sub messages can be lost (reconnects), the key poll makes that harmless.
+    than `version` is known. Pub/sub messages can be lost (reconnects), the key poll makes that harmless. The
+    channel also carries broadcast rounds (transport collective, services/broadcast.py): the newest is `round`
+    (a lost one costs that round, the files bring its version).
     """
 
     def __init__(self, redis_client, streams_or_prefix, keyring: Keyring, poll_s: float = 5.0):
@@ -513,6 +516,7 @@ class AnnouncementWatcher:
         self.keyring = keyring
         self.poll_s = poll_s
         self.newest: WeightsAnnouncement | None = None
+        self.round: WeightsBroadcast | None = None
         self._changed = threading.Condition()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -536,6 +540,13 @@ class AnnouncementWatcher:
                 self.newest = announcement
                 self._changed.notify_all()
 
+    def _take(self, raw: bytes | str) -> None:
+        if b'"kind":"broadcast"' not in (raw if isinstance(raw, bytes) else raw.encode()):
+            self.offer(parse_announcement(raw, self.keyring, self.prefix))
+        elif (offered := parse_round(raw, self.keyring, channel(self.prefix))) is not None:
+            if self.round is None or offered.version > self.round.version:
+                self.round = offered
+
     def wait_newer(self, version: int, timeout: float) -> WeightsAnnouncement | None:
         with self._changed:
             self._changed.wait_for(lambda: self.newest is not None and self.newest.version > version, timeout)
@@ -552,7 +563,7 @@ class AnnouncementWatcher:
                     self.offer(latest_announcement(self.redis, self.prefix, self.keyring))  # anything missed while away
                 message = pubsub.get_message(timeout=min(1.0, self.poll_s))
                 if message and message.get("type") == "message":
-                    self.offer(parse_announcement(message["data"], self.keyring, self.prefix))
+                    self._take(message["data"])
                 if time.monotonic() >= next_poll:
                     next_poll = time.monotonic() + self.poll_s
                     self.offer(latest_announcement(self.redis, self.prefix, self.keyring))

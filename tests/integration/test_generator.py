@@ -34,11 +34,20 @@ from generator.vllm_logs import RELOAD_LOGGER, WARMUP_LOGGER
 from generator.worker import RolloutWorker
 from services.config import WeightsConfig, load_settings
 from services.http import create_app
-from services.keys import ROLES, Signer, keys_dir
+from services.broadcast import Broadcaster, commit_refusal, register_member
+from services.keys import ROLES, Signer, keys_dir, load_keyring, load_signer
 from services.messages import PromptTask, RolloutGroup, SamplingParams, Score, ScoredGroup, from_wire, sign_announcement
 from services.redis_local import connect
-from services.streams import Streams
-from services.weights import WeightPublisher, WeightsError, channel, latest_key, shareable_state_dict, weights_router
+from services.streams import Streams, run_prefix
+from services.weights import (
+    AnnouncementWatcher,
+    WeightPublisher,
+    WeightsError,
+    channel,
+    latest_key,
+    shareable_state_dict,
+    weights_router,
+)
 from services.weights_layout import write_version
 
 pytestmark = pytest.mark.slow
@@ -237,6 +246,59 @@ def test_shared_fs_version_loads_in_place_and_a_bad_shard_leaves_the_old_one_ser
     assert err.value.reason == "checksum"
     again = engine.generate(prompts, GREEDY)  # the engine was never touched: v1 still serves
     assert [s.token_ids for g in again for s in g] == [s.token_ids for g in serving for s in g]
+    engine.reload(base)
+
+
+def test_a_broadcast_round_streams_a_version_into_the_engine_while_it_generates(engine, models, settings):
+    """transport collective on the real engine: the learner's Broadcaster (rank 0) streams another seed's weights
+    through a gloo group into the engine's worker, which stages them while the engine keeps sampling with the old
+    ones; the commit checks out, the load alone pauses the engine, and the engine then computes the new
+    distribution (tied head included). A byte changed on the way is refused by its digest."""
+    from transformers import Qwen2ForCausalLM
+
+    base, _, other_state = models
+    settings.weights = WeightsConfig(transport="collective", broadcast_port=0, bucket_mb=0.1,
+                                     broadcast_timeout_s=30)
+    client = connect(settings)
+    keyring = load_keyring(settings)
+    prefix = run_prefix(settings)
+    broadcaster = Broadcaster(settings, client, load_signer(settings, "learner", keyring), prefix, channel(prefix))
+    watcher = AnnouncementWatcher(client, prefix, keyring, poll_s=0.2).start()
+    engine.reload(base)
+    prompts = prompts_of(engine)
+    before = engine.generate(prompts, GREEDY)
+    register_member(client, prefix, "gen-0", engine.workers())
+    result = {}
+    sending = threading.Thread(target=lambda: result.update(
+        round=broadcaster.broadcast(shareable_state_dict(other_state), version=7)))
+    sending.start()
+    offered = wait_for(lambda: watcher.round, 30, "the round on the weights channel")
+    assert offered.ranks == {"gen-0": 1} and offered.world_size == 2 and len(offered.bucket_bytes) > 3
+    engine.begin_receive(offered, "127.0.0.1", offered.ranks["gen-0"])
+    during = engine.generate(prompts, GREEDY)  # the engine is not paused by the stream, nor changed by it
+    assert [s.token_ids for g in during for s in g] == [s.token_ids for g in before for s in g]
+    statuses = wait_for(engine.received, 60, "the staged round")
+    sending.join(timeout=60)
+    watcher.stop()
+    sent = result["round"]
+    assert sent.error is None and sent.failed == [] and sent.members == ["gen-0"]
+    assert sent.bytes_sent >= sum(offered.bucket_bytes)
+    (status,) = statuses
+    assert "error" not in status and len(status["digests"]) == len(offered.bucket_bytes)  # verify full
+    digests = {int(i): d for i, d in status["digests"].items()}
+    assert commit_refusal(offered, status["commit"], digests, keyring, channel(prefix)) is None
+    tampered = {**digests, 0: "0" * 64}
+    assert "digest mismatch" in commit_refusal(offered, status["commit"], tampered, keyring, channel(prefix))
+    other_round = offered.model_copy(update={"group": "v7-another"})
+    assert "not this round" in commit_refusal(other_round, status["commit"], digests, keyring, channel(prefix))
+
+    assert engine.load_staged() < 10
+    after = engine.generate(prompts, GREEDY)
+    hf_other = Qwen2ForCausalLM(random_qwen2(seed=1).config)
+    hf_other.load_state_dict(other_state)
+    sample = after[0][0]
+    reference = hf_logprobs(hf_other.eval(), prompts[0], sample.token_ids)
+    assert (torch.tensor(sample.logprobs) - reference).abs().max().item() < LOGPROB_TOLERANCE
     engine.reload(base)
 
 

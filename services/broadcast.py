@@ -1,0 +1,351 @@
+"""Weights streamed into the generators' running engines over a process group of their own (transport collective).
+
+One round per version, the same code on CPU (gloo) and GPU (NCCL), built from PyTorch's standalone c10d pieces
+(a `TCPStore`, a `PrefixStore` per round, `ProcessGroupGloo` / `ProcessGroupNCCL`) outside any default world:
+
+  members   A generator that serves the current version asks to be in the next rounds: it writes its engine's
+            worker count to the hash `dapo:{run}:weights:members` every heartbeat (`register_member`).
+  round     After an update the learner picks the fresh members, gives each engine's workers consecutive ranks
+            (the learner is rank 0), cuts the served-dtype state dict into buckets of `weights.bucket_mb`
+            (`layout`), and publishes a signed `WeightsBroadcast` on the weights channel. Every worker of every
+            engine joins the round's group at the learner's store (`join`), inside vLLM's worker process
+            (generator/vllm_worker.py), so a tensor-parallel engine's workers each take the whole stream and load
+            their own slice through vLLM's `reload_weights`.
+  stream    A chain: rank 0 sends bucket k to rank 1, which forwards it to rank 2 while it takes bucket k + 1
+            (`relay`). The learner sends each version once, whatever the number of engines; a bucket reaches the
+            last engine one bucket-time after the first. NCCL's own broadcast pipelines the same way; gloo's is a
+            tree whose root sends log2(N) copies, hence the chain. A rank whose successor fails keeps receiving.
+  commit    After the buckets the learner streams a signed `BroadcastCommit`: the sha256 of every bucket, hashed
+            while the bucket was on the wire. Receivers stage the buckets without touching the engine and hash all
+            of them (`weights.verify` full), a random eighth (sampled) or none (off; the round and commit are still
+            signed, but a process on the path could alter bytes); the generator checks the commit's signature and
+            the digests before the engine loads the staged tensors between two batches (generator/worker.py).
+  faults    Every wait is bounded by `weights.broadcast_timeout_s`. A member that does not join fails the round for
+            everyone (gloo connects a full mesh): the learner leaves it out of rounds for MEMBER_PAUSE_S, and this
+            version reaches the others through the files, which the learner writes after every round as before (the
+            way in for a generator that starts late, restarts or misses a round).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import random
+import secrets
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from services.messages import BroadcastCommit, TensorSlot, WeightsBroadcast, announcement_refusal, sign_announcement
+
+log = logging.getLogger(__name__)
+
+ALIGN = 16  # bytes: every tensor starts at an offset its dtype can be viewed at
+MEMBER_TTL_S = 60.0  # a membership not renewed this long is dropped (generators renew every heartbeat)
+MEMBER_PAUSE_S = 300.0  # a member that failed a round sits out this long (then it may try again)
+SAMPLED_SHARE = 8  # verify sampled: one bucket in this many, at random, at least one
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def members_key(prefix: str) -> str:
+    return prefix.rstrip(":") + ":weights:members"
+
+
+def round_context(channel: str) -> str:
+    """What rounds and commits are signed under: the run's weights channel, apart from file announcements."""
+    return channel + ":broadcast"
+
+
+# -- the pure part: buckets -----------------------------------------------------------------------------------
+def layout(tensors: dict[str, torch.Tensor], bucket_bytes: int) -> tuple[list[list[TensorSlot]], list[int]]:
+    """Tensors in state-dict order cut into buckets of at most `bucket_bytes` (a larger tensor gets its own)."""
+    buckets: list[list[TensorSlot]] = [[]]
+    sizes = [0]
+    for name, tensor in tensors.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if buckets[-1] and sizes[-1] + nbytes > bucket_bytes:
+            buckets.append([])
+            sizes.append(0)
+        dtype = str(tensor.dtype).removeprefix("torch.")
+        if dtype not in _DTYPES:
+            raise ValueError(f"{name}: dtype {dtype} is not streamed (float32, float16 and bfloat16 are)")
+        buckets[-1].append(TensorSlot(name=name, dtype=dtype, shape=list(tensor.shape), offset=sizes[-1]))
+        sizes[-1] += -(-nbytes // ALIGN) * ALIGN
+    return buckets, sizes
+
+
+def pack(tensors: dict[str, torch.Tensor], slots: list[TensorSlot], size: int, device="cpu") -> torch.Tensor:
+    """One bucket's bytes (uint8)."""
+    buffer = torch.zeros(size, dtype=torch.uint8, device=device)
+    for slot in slots:
+        flat = tensors[slot.name].detach().contiguous().view(-1).view(torch.uint8)
+        buffer[slot.offset : slot.offset + flat.numel()].copy_(flat)
+    return buffer
+
+
+def unpack(buffer: torch.Tensor, slots: list[TensorSlot]) -> list[tuple[str, torch.Tensor]]:
+    """The named tensors of a bucket, as views of its bytes (no copy)."""
+    named = []
+    for slot in slots:
+        dtype = _DTYPES[slot.dtype]
+        count = 1
+        for dim in slot.shape:
+            count *= dim
+        nbytes = count * torch.tensor([], dtype=dtype).element_size()
+        named.append((slot.name, buffer[slot.offset : slot.offset + nbytes].view(dtype).view(slot.shape)))
+    return named
+
+
+def digest(buffer: torch.Tensor) -> str:
+    return hashlib.sha256(buffer.cpu().numpy().data).hexdigest()  # hashlib releases the GIL on large buffers
+
+
+# -- the group ------------------------------------------------------------------------------------------------
+def join(store: dist.Store, group: str, rank: int, world_size: int, backend: str, timeout_s: float):
+    """This process's handle on the round's process group (blocks until every rank connected, or times out)."""
+    timeout = timedelta(seconds=timeout_s)
+    round_store = dist.PrefixStore(f"dapo-broadcast/{group}", store)
+    round_store.set(f"joined/{rank}", "1")  # who came, for the learner's account of a failed round
+    if backend == "nccl":
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        return dist.ProcessGroupNCCL(round_store, rank, world_size, options)
+    return dist.ProcessGroupGloo(round_store, rank, world_size, timeout)
+
+
+def store_client(host: str, port: int, timeout_s: float) -> dist.TCPStore:
+    return dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s), use_libuv=True)
+
+
+def relay(pg, rank: int, world_size: int, sizes: list[int], timeout_s: float, device="cpu",
+          on_bucket=None) -> tuple[list[torch.Tensor], bytes]:
+    """A receiving rank's part of the chain: take each bucket from rank - 1, hand it on to rank + 1 while taking
+    the next, then the commit. Returns the buckets and the commit's bytes. A failing successor only stops the
+    forwarding (this rank and those before it still get the version)."""
+    timeout = timedelta(seconds=timeout_s)
+    forward = rank + 1 < world_size
+    buckets: list[torch.Tensor] = []
+    sends = []
+
+    def hand_on(tensor: torch.Tensor, tag: int) -> None:
+        nonlocal forward
+        if not forward:
+            return
+        try:
+            while len(sends) >= 2:  # two buckets on the way at most
+                sends.pop(0).wait(timeout)
+            sends.append(pg.send([tensor], rank + 1, tag))
+        except Exception as err:
+            log.warning("broadcast: rank %d cannot hand on to rank %d (%s); receiving on", rank, rank + 1, err)
+            forward = False
+
+    for tag, size in enumerate(sizes):
+        bucket = torch.empty(size, dtype=torch.uint8, device=device)
+        pg.recv([bucket], rank - 1, tag).wait(timeout)
+        hand_on(bucket, tag)
+        buckets.append(bucket)
+        if on_bucket is not None:
+            on_bucket(tag, bucket)
+    length = torch.empty(1, dtype=torch.int64, device=device)
+    pg.recv([length], rank - 1, len(sizes)).wait(timeout)
+    hand_on(length, len(sizes))
+    commit = torch.empty(int(length.item()), dtype=torch.uint8, device=device)
+    pg.recv([commit], rank - 1, len(sizes) + 1).wait(timeout)
+    hand_on(commit, len(sizes) + 1)
+    for send in sends if forward else []:
+        try:
+            send.wait(timeout)
+        except Exception as err:
+            log.warning("broadcast: rank %d could not hand the end on: %s", rank, err)
+    return buckets, commit.cpu().numpy().tobytes()
+
+
+@dataclass
+class Receipt:
+    """What a receiving worker staged: the buckets, the digests it computed (by bucket index), the commit."""
+
+    buckets: list[torch.Tensor]
+    digests: dict[int, str]
+    commit: str
+    seconds: float
+
+
+def receive(announcement: WeightsBroadcast, host: str, rank: int, device="cpu") -> Receipt:
+    """A receiving worker's whole round: join, relay, hash what `verify` asks for (random buckets for sampled)."""
+    started = time.perf_counter()
+    count = len(announcement.bucket_bytes)
+    if announcement.verify == "full":
+        hashed = set(range(count))
+    elif announcement.verify == "sampled":
+        hashed = set(random.SystemRandom().sample(range(count), max(1, count // SAMPLED_SHARE)))
+    else:
+        hashed = set()
+    digests: dict[int, str] = {}
+    store = store_client(host, announcement.port, announcement.timeout_s)
+    pg = join(store, announcement.group, rank, announcement.world_size, announcement.backend, announcement.timeout_s)
+
+    def check(index: int, bucket: torch.Tensor) -> None:
+        if index in hashed:
+            digests[index] = digest(bucket)
+
+    buckets, commit = relay(pg, rank, announcement.world_size, announcement.bucket_bytes, announcement.timeout_s,
+                            device, on_bucket=check)
+    return Receipt(buckets, digests, commit.decode(), time.perf_counter() - started)
+
+
+def commit_refusal(announcement: WeightsBroadcast, commit_json: str, digests: dict[int, str], keyring,
+                   channel: str) -> str | None:
+    """Why a receiver must not serve what it staged (None: it may): the commit is not the learner's for this
+    round, or a bucket it hashed differs from the committed digest."""
+    try:
+        commit = BroadcastCommit.model_validate_json(commit_json)
+    except ValueError as err:
+        return f"malformed commit: {err}"
+    if refusal := announcement_refusal(commit, keyring, round_context(channel)):
+        return refusal
+    if (commit.version, commit.group) != (announcement.version, announcement.group):
+        return f"the commit is for v{commit.version} round {commit.group}, not this round"
+    if announcement.verify != "off" and len(commit.digests) != len(announcement.bucket_bytes):
+        return f"the commit has {len(commit.digests)} digests for {len(announcement.bucket_bytes)} buckets"
+    if bad := [i for i, hexdigest in digests.items() if commit.digests[i] != hexdigest]:
+        return f"digest mismatch in bucket(s) {bad[:5]}: bytes changed on the way"
+    return None
+
+
+# -- the learner's side ---------------------------------------------------------------------------------------
+@dataclass
+class RoundResult:
+    version: int
+    members: list[str]
+    failed: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+    bytes_sent: int = 0
+    error: str | None = None
+
+
+class Broadcaster:
+    """Rank 0 of every round: hosts the rendezvous store, picks the members, streams the buckets, signs."""
+
+    def __init__(self, settings, redis_client, signer, prefix: str, channel: str, backend: str | None = None):
+        cfg = settings.weights
+        self.redis = redis_client
+        self.signer = signer
+        self.channel = channel
+        self.members_key = members_key(prefix)
+        self.timeout_s = cfg.broadcast_timeout_s
+        self.bucket_bytes = int(cfg.bucket_mb * 1024 * 1024)
+        self.verify = cfg.verify
+        self.backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        self.device = "cuda" if self.backend == "nccl" else "cpu"
+        self.store = dist.TCPStore("0.0.0.0", cfg.broadcast_port, is_master=True, wait_for_workers=False,
+                                   timeout=timedelta(seconds=self.timeout_s), use_libuv=True)
+        self.port = self.store.port
+        self.paused: dict[str, float] = {}  # member -> monotonic time it may join rounds again
+
+    def members(self) -> dict[str, int]:
+        """Fresh members not sitting out: generator id -> its engine's workers. Drops stale ones."""
+        now, clock = time.time(), time.monotonic()
+        fresh, stale = {}, []
+        for raw_id, raw in (self.redis.hgetall(self.members_key) or {}).items():
+            member = raw_id.decode() if isinstance(raw_id, bytes) else raw_id
+            try:
+                record = json.loads(raw)
+                workers, at = int(record["workers"]), float(record["at"])
+            except (ValueError, KeyError, TypeError):
+                stale.append(member)
+                continue
+            if now - at > MEMBER_TTL_S or not 1 <= workers <= 64:
+                stale.append(member)
+            elif self.paused.get(member, 0.0) <= clock:
+                fresh[member] = workers
+        if stale:
+            self.redis.hdel(self.members_key, *stale)
+        return fresh
+
+    def broadcast(self, tensors: dict[str, torch.Tensor], version: int) -> RoundResult | None:
+        """Stream `tensors` (served dtype) to the members as `version`; None when there are none."""
+        members = self.members()
+        if not members:
+            return None
+        started = time.perf_counter()
+        ranks, world_size = {}, 1
+        for member, workers in sorted(members.items()):
+            ranks[member] = world_size
+            world_size += workers
+        slots, sizes = layout(tensors, self.bucket_bytes)
+        group = f"v{version}-{secrets.token_hex(6)}"
+        announcement = sign_announcement(
+            WeightsBroadcast(version=version, group=group, port=self.port, backend=self.backend,
+                             world_size=world_size, ranks=ranks, buckets=slots, bucket_bytes=sizes,
+                             verify=self.verify, timeout_s=self.timeout_s),
+            self.signer, round_context(self.channel),
+        )
+        result = RoundResult(version, sorted(members))
+        self.redis.publish(self.channel, announcement.model_dump_json())
+        try:
+            pg = join(self.store, group, 0, world_size, self.backend, self.timeout_s)
+            result.bytes_sent = self._stream(pg, tensors, announcement)
+        except Exception as err:
+            result.error = f"{type(err).__name__}: {err}"
+            result.failed = self._absent(group, ranks, members)
+            for member in result.failed:
+                self.paused[member] = time.monotonic() + MEMBER_PAUSE_S
+            log.warning("broadcast of v%d failed (%s); %s get it through the files", version, result.error,
+                        ", ".join(result.failed) or "those after the break")
+        result.seconds = time.perf_counter() - started
+        return result
+
+    def _stream(self, pg, tensors: dict[str, torch.Tensor], announcement: WeightsBroadcast) -> int:
+        timeout = timedelta(seconds=self.timeout_s)
+        digests, sends, sent = [], [], 0
+        for tag, (slots, size) in enumerate(zip(announcement.buckets, announcement.bucket_bytes)):
+            bucket = pack(tensors, slots, size, self.device)
+            sends.append(pg.send([bucket], 1, tag))
+            if self.verify != "off":
+                digests.append(digest(bucket))  # while the bucket is on the wire
+            while len(sends) > 2:
+                sends.pop(0).wait(timeout)
+            sent += size
+        commit = sign_announcement(
+            BroadcastCommit(version=announcement.version, group=announcement.group, digests=digests),
+            self.signer, round_context(self.channel),
+        ).model_dump_json().encode()
+        payload = torch.frombuffer(bytearray(commit), dtype=torch.uint8).to(self.device)
+        tag = len(announcement.bucket_bytes)
+        sends.append(pg.send([torch.tensor([len(commit)], dtype=torch.int64, device=self.device)], 1, tag))
+        sends.append(pg.send([payload], 1, tag + 1))
+        for send in sends:
+            send.wait(timeout)
+        return sent + len(commit)
+
+    def _absent(self, group: str, ranks: dict[str, int], members: dict[str, int]) -> list[str]:
+        """Members with a worker that never joined the round's group."""
+        round_store = dist.PrefixStore(f"dapo-broadcast/{group}", self.store)
+        return [member for member, first in ranks.items()
+                if not round_store.check([f"joined/{rank}" for rank in range(first, first + members[member])])]
+
+
+def register_member(redis_client, prefix: str, generator_id: str, workers: int) -> None:
+    """Ask to be in the next rounds (renewed every heartbeat; MEMBER_TTL_S unrenewed and the learner drops it)."""
+    redis_client.hset(members_key(prefix), generator_id, json.dumps({"workers": workers, "at": time.time()}))
+
+
+def leave(redis_client, prefix: str, generator_id: str) -> None:
+    redis_client.hdel(members_key(prefix), generator_id)
+
+
+def parse_round(raw: bytes | str, keyring, channel: str) -> WeightsBroadcast | None:
+    """A round read from the weights channel, or None (logged) if it is malformed or not the learner's."""
+    try:
+        announcement = WeightsBroadcast.model_validate_json(raw)
+    except ValueError:
+        log.error("ignoring a malformed broadcast round: %r", raw[:200])
+        return None
+    if refusal := announcement_refusal(announcement, keyring, round_context(channel)):
+        log.error("refusing a broadcast round (v%d): %s", announcement.version, refusal)
+        return None
+    return announcement
