@@ -263,7 +263,7 @@ def service_children(settings: Settings, config_path: Path, redis_urls: Mapping[
                      {**base_env, "DAPO_REDIS__URL": redis_urls[service], **env}, run_dir / "logs" / f"{name}.log")
 
     learner_env = {**base_env, "DAPO_REDIS__URL": redis_urls["learner"], "DAPO_LEARNER__PORT": str(learner_port),
-                   "DAPO_LEARNER__HOST": "127.0.0.1",
+                   "DAPO_LEARNER__HOST": "127.0.0.1", "DAPO_WEIGHTS__BROADCAST_PORT": str(free_port()),
                    # one lease identity for every restart of this run's learner: a restart after a crash takes the
                    # run back at once, a learner of another launcher still waits (learner/lease.py)
                    INSTANCE_ENV: f"{socket.gethostname()}-launcher{os.getpid()}-{secrets.token_hex(4)}",

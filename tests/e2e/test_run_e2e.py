@@ -93,3 +93,26 @@ def test_dapo_run_end_to_end(short_tmp):
     assert base == referenced, sorted(referenced - base)
     step_line = next(line for line in scraped["learner"].splitlines() if line.startswith("dapo_learner_step "))
     assert float(step_line.split()[1]) >= 1  # scraped after the first step
+
+
+def test_dapo_run_with_weights_broadcast_to_two_generators(short_tmp):
+    """`weights.transport=collective` end to end: after every update both generators are in the round and take
+    the version from the stream (their logs say so), none fails, and the run ends as the default one does."""
+    run_dir = Path(short_tmp) / "run"
+    command = [sys.executable, "-m", "cli", "run", "--no-display", "--generators", "2", "-s", f"run_dir={run_dir}",
+               "-s", "weights.transport=collective", "-s", "learner.total_steps=3", "-s", "learner.eval_every=0"]
+    for override in (OVERRIDES[1], OVERRIDES[4]):  # B 4, n 4
+        command += ["-s", override]
+    done = subprocess.run(command, cwd=ROOT, env={**os.environ, "DAPO_LOG_LEVEL": "INFO"}, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    trained = [r for r in rows if r.get("step", 0) >= 1]
+    assert [r["step"] for r in trained] == [1, 2, 3]
+    assert [(r["broadcast_members"], r["broadcast_failed"]) for r in trained] == [(2, 0)] * 3
+    assert all(r["broadcast_bytes"] > 0 and r["broadcast_seconds"] > 0 for r in trained)
+    for name in ("generator-0", "generator-1"):
+        log_text = (run_dir / "logs" / f"{name}.log").read_text()
+        served = [line for line in log_text.splitlines() if "now serving weights" in line]
+        assert [line.split("now serving weights ")[1].split()[0] for line in served] == ["v0", "v1", "v2", "v3"]
+        assert all("broadcast" in line for line in served[1:]), served  # not the files
