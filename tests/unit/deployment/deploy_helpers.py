@@ -34,6 +34,7 @@ ROOT = Path(__file__).resolve().parents[3]  # tests/unit/deployment/ -> the repo
 DEPLOY = ROOT / "deploy"
 COMPOSE = ROOT / "docker-compose.yml"
 COMPOSE_GPU = DEPLOY / "compose.gpu.yml"
+COMPOSE_BROADCAST = DEPLOY / "compose.broadcast.yml"
 K8S = DEPLOY / "k8s"
 RECIPE = "overlays/dapo-qwen2.5-32b"
 OVERLAYS = ["base", "overlays/cpu-tiny", "overlays/gpu", RECIPE]

@@ -21,6 +21,7 @@ import pytest
 import yaml
 from deploy_helpers import (
     COMPOSE,
+    COMPOSE_BROADCAST,
     COMPOSE_GPU,
     DEFAULT_PORTS,
     NON_FIELD_DAPO_VARIABLES,
@@ -267,3 +268,21 @@ def test_compose_gpu_learner_spans_several_gpus():
     generator = _compose_resolved(COMPOSE, COMPOSE_GPU)["services"]["generator"]
     (generator_device,) = generator["deploy"]["resources"]["reservations"]["devices"]
     assert not set(generator_device["device_ids"]) & set(device["device_ids"])  # no GPU shared
+
+
+def test_compose_broadcast_override_selects_the_collective_transport_for_learner_and_generators(monkeypatch):
+    """deploy/compose.broadcast.yml: learner and generators agree on the transport, the learner's rendezvous port is
+    the one its settings take, and nothing new is published on the host."""
+    compose = _compose_resolved(COMPOSE, COMPOSE_BROADCAST)
+    plain = _compose_resolved(COMPOSE)
+    for name in ("learner", "generator"):
+        env = compose["services"][name]["environment"]
+        assert env["DAPO_WEIGHTS__TRANSPORT"] == "collective"
+        assert compose["services"][name].get("ports") == plain["services"][name].get("ports")
+        for variable, value in env.items():
+            if variable.startswith("DAPO_WEIGHTS__"):
+                monkeypatch.setenv(variable, value)
+        weights = load_settings("tiny-cpu").weights
+        assert weights.transport == "collective"
+    assert weights.broadcast_port == 8003
+    assert "DAPO_WEIGHTS__TRANSPORT" not in compose["services"]["reward"]["environment"]

@@ -771,3 +771,29 @@ def test_recipe_generators_match_tensor_parallelism_and_load_from_the_shared_vol
     (container,) = generator["containers"]
     assert container["resources"]["limits"]["nvidia.com/gpu"] == settings.generator.tensor_parallel_size == 4
     assert {c["image"] for _, _, c in _dapo_containers(resources)} == {"dapo:0.1.0-cuda"}
+
+
+@pytest.mark.parametrize("overlay", NAMESPACED_OVERLAYS)
+def test_the_weights_broadcast_component_selects_collective_and_opens_only_the_group(overlay, tmp_path, monkeypatch):
+    """components/weights-broadcast: every service reads transport collective from the shared environment, the
+    learner's Service exposes the rendezvous port its settings take, and one NetworkPolicy opens the
+    ranks' ports between learner and generator pods, and for no other pod."""
+    resources = _overlay_over(tmp_path, overlay, "components:\n  - K8S/components/weights-broadcast\n")
+    for resource in resources:
+        _validate_k8s(resource)
+    env = _by_kind(resources, "ConfigMap")["dapo-env"]["data"]
+    for variable, value in env.items():
+        if variable.startswith("DAPO_") and variable not in NON_FIELD_DAPO_VARIABLES:
+            monkeypatch.setenv(variable, value)
+    weights = load_settings("tiny-cpu").weights
+    assert weights.transport == "collective"
+    service_ports = {p["name"]: p for p in _by_kind(resources, "Service")["learner"]["spec"]["ports"]}
+    assert service_ports["broadcast"]["port"] == service_ports["broadcast"]["targetPort"] == weights.broadcast_port
+    policy = _by_kind(resources, "NetworkPolicy")["weights-broadcast"]["spec"]
+    group = {"key": "app.kubernetes.io/component", "operator": "In", "values": ["learner", "generator"]}
+    assert group in policy["podSelector"]["matchExpressions"]
+    for rule, peers in (("ingress", "from"), ("egress", "to")):
+        (only,) = policy[rule]
+        assert [peer["podSelector"]["matchExpressions"] for peer in only[peers]] == [
+            policy["podSelector"]["matchExpressions"]]
+        assert only["ports"] == [{"protocol": "TCP", "port": 1024, "endPort": 65535}]
