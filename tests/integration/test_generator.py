@@ -31,7 +31,7 @@ from generator.engine import EngineFailure, VllmEngine
 from generator.service import build_app
 from generator.sync import WeightSync
 from generator.vllm_logs import RELOAD_LOGGER, WARMUP_LOGGER
-from generator.worker import RolloutWorker
+from generator.worker import RolloutWorker, _Ready
 from services.config import WeightsConfig, load_settings
 from services.http import create_app
 from services.broadcast import Broadcaster, commit_refusal, register_member
@@ -540,6 +540,36 @@ def test_worker_versions_sync_refusals_and_late_join(service, engine, models):
     with Running(RolloutWorker(settings, engine, streams, cornered, "gen-c")):
         (group,) = collect(rollouts, 1)
     assert group.generator_id == "gen-c" and group.policy_version == 0
+
+
+@pytest.mark.parametrize("on_update", ["finish", "abort"])
+def test_a_ready_version_waits_for_the_tasks_in_flight_or_aborts_them(service, engine, models, on_update):
+    """generator.on_update: `finish` lets the task in flight end on the old weights before the load; `abort` stops
+    it, hands it back unconsumed (to be sampled whole by the new version) and loads at once. Turns of the worker's
+    loop, driven here one by one on the real engine."""
+    settings, client, streams, publisher = (service[k] for k in ("settings", "client", "streams", "publisher"))
+    settings.generator.on_update = on_update
+    prompts = streams.stream("prompts", PromptTask)
+    worker = RolloutWorker(settings, engine, streams, WeightSync(settings, service["base"], client, "gen-u"), "gen-u")
+    long_task = task(prompts_of(engine)[0], SamplingParams(n=2, temperature=1.0, max_tokens=200, seed=3))
+    prompts.produce(long_task)
+    worker._admit(time.monotonic())
+    assert list(worker.inflight) and engine.has_unfinished()
+    announcement = publisher.publish(models[2], version=1)
+    folder, seconds = worker.sync.prepare(announcement)
+    worker._ready_weights = _Ready(announcement, folder, seconds)
+    worker._advance_sync(time.monotonic())
+    if on_update == "finish":
+        assert worker.version == 0 and list(worker.inflight)  # draining: nothing loaded under the task
+        while worker.inflight:
+            worker._step()
+        worker._advance_sync(time.monotonic())
+        assert worker.version == 1 and worker.groups_written == 1
+    else:
+        assert worker.version == 1 and not worker.inflight and not engine.has_unfinished()
+        (again,) = prompts.consume("another", count=1, block_ms=1000)  # back in the stream, not counted
+        assert again.message.task_id == long_task.task_id and again.deliveries == 1
+    engine.reload(service["base"])
 
 
 def test_stop_hands_back_unfinished_tasks(service, engine):
