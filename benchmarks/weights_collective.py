@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import os
-import queue
 import shutil
 import statistics
 import tempfile
@@ -137,7 +136,8 @@ def measure(mb: int, verify: str, rounds: int, tmp: Path, redis_url: str) -> lis
             row = {"mb": size / 1e6, "generators": count, "round": r, "broadcast_s": times["broadcast"][0],
                    "memcopy_s": times["memcopy"][0], "egress_mb": times["broadcast"][1] / 1e6}
             rows.append(row)
-            print(f"{size / 1e6:8.1f} MB x{count}: broadcast {row['broadcast_s']:.3f}s, memcopy {row['memcopy_s']:.3f}s, "
+            print(f"{size / 1e6:8.1f} MB x{count}: broadcast {row['broadcast_s']:.3f}s, "
+                  f"memcopy {row['memcopy_s']:.3f}s, "
                   f"ratio {row['broadcast_s'] / row['memcopy_s']:.2f}, learner sent {row['egress_mb']:.1f} MB",
                   flush=True)
     for member in members:

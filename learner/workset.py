@@ -38,8 +38,10 @@ from collections import deque
 
 import msgpack
 import numpy as np
+import redis
 
 from learner.batch import Batch, BatchAssembler, Push, task_id_of
+from learner.deadlines import Deadlines
 from learner.evaluation import EvalRound
 from learner.policy import PolicyVersion
 from learner.records import GeneratorClocks
@@ -56,6 +58,8 @@ QUARANTINE_AFTER = 2  # such failures before a held group is dead-lettered (`qua
 DATA_CURSOR = "data-cursor"  # where the training data stands after the last task pushed (TrainProblems.cursor)
 CONSUME_BATCH = 64
 DEAD_SCAN_SECONDS = 1.0
+REPAIR_SCAN_SECONDS = 10.0  # how often the run's streams are checked for a last id set in the future
+RUN_STREAMS = ("prompts", "rollouts", "scored", "dead", HELD)
 DROP_KINDS = ("uninformative", "stale", "duplicate")
 
 
@@ -138,8 +142,10 @@ class WorkingSet:
         self.consumed_since_checkpoint: set[str] = set()
         self.drops: dict[str, list[str]] = {kind: [] for kind in DROP_KINDS}
         self.generator_clocks = GeneratorClocks()  # where the generators' time went (from the groups read)
+        self.deadlines = Deadlines(learner_cfg.batch.task_deadline_factor, learner_cfg.batch.task_deadline_min_s)
         self._dead_cursor = streams.last_dead_letter_id()
         self._dead_scanned_at = 0.0
+        self._repaired_at = 0.0
         self._redis_run_id: str | None = None
 
     # -- the service's verbs -----------------------------------------------------------------------------------
@@ -244,8 +250,15 @@ class WorkingSet:
         room = self.prompts.room() if self.outbox else 0
         while self.outbox and room > 0:
             task = self.outbox.popleft()
-            # recorded as issued (ground truth included), atomically; generators get no ground truth
-            self.prompts.produce(task.for_generators(), register=(self.issued_key, task.task_id, task))
+            try:  # recorded as issued (ground truth included), atomically; generators get no ground truth
+                self.prompts.produce(task.for_generators(), register=(self.issued_key, task.task_id, task))
+            except redis.ResponseError as err:
+                if " ID" not in str(err):
+                    raise
+                self.outbox.appendleft(task)  # a client set the stream's last id in the future: repair, go on
+                self.streams.repair_future_ids(["prompts"])
+                return
+            self.deadlines.pushed(task.task_id, time.monotonic())
             room -= 1
             cursor = self._cursor_after.pop(task.task_id, None)
             if cursor is not None:  # a crash just before this line draws this push's problems again: rare, harmless
@@ -270,6 +283,10 @@ class WorkingSet:
         if time.monotonic() - self._dead_scanned_at >= DEAD_SCAN_SECONDS:
             self.redis_memory()
             self.scan_dead_letters()
+            self.expire_overdue()
+        if time.monotonic() - self._repaired_at >= REPAIR_SCAN_SECONDS:
+            self._repaired_at = time.monotonic()
+            self.streams.repair_future_ids(RUN_STREAMS)
 
     def handle(self, delivery: Delivery[ScoredGroup]) -> None:
         group = delivery.message
@@ -279,6 +296,7 @@ class WorkingSet:
             if reason is not None:
                 self.scored.reject(delivery, reason)
                 return
+        self.deadlines.returned(task_id, time.monotonic())  # after the checks: a forged group must not stop the clock
         self.generator_clocks.observe(group)
         if group.rollout.task.split == "eval":
             if self.eval_round is None or not self.eval_round.add(group):
@@ -341,10 +359,26 @@ class WorkingSet:
                 lost.append(task_id)
         if lost:
             self.settle(lost)
+            self.deadlines.forget(lost)
             gone = self.assembler.lost(lost)
             eval_gone = self.eval_round.mark_lost(lost) if self.eval_round is not None else 0
             if gone or eval_gone:
                 log.warning("%d train and %d eval tasks died in the pipeline (see the dead stream)", gone, eval_gone)
+
+    def expire_overdue(self) -> None:
+        """Tasks past their deadline (learner/deadlines.py) are not waited for any more: their entry may have been
+        deleted or trimmed, or a worker holds them and never answers. Counted lost (the step refills, an evaluation
+        or a drain goes on) and forgotten in `issued`: a group that still comes is refused as unknown."""
+        late = self.deadlines.overdue(time.monotonic())
+        if not late:
+            return
+        self.settle(late)
+        gone = self.assembler.lost(late)
+        eval_gone = self.eval_round.mark_lost(late) if self.eval_round is not None else 0
+        metrics.LEARNER_TASKS_EXPIRED.inc(gone + eval_gone)
+        if gone or eval_gone:
+            log.warning("%d train and %d eval tasks passed their deadline (%.3g s after the push): counted lost",
+                        gone, eval_gone, self.deadlines.limit_s())
 
     # -- held: the durable working set -------------------------------------------------------------------------
     def redis_memory(self) -> tuple[int, int]:

@@ -370,6 +370,14 @@ class LearnerBatchConfig(Section):
         False, description="Accept max_staleness > 0 with tis_cap null: stale groups train with no behaviour "
         "correction (refused unless set: the ratio to pi_old alone ignores the policy that sampled them)."
     )
+    task_deadline_factor: float = Field(
+        4.0, gt=1.0, description="A task whose group has not come back after this many times the 95th percentile of "
+        "the run's recent round trips (push -> scored group read) counts as lost, and the step refills."
+    )
+    task_deadline_min_s: float = Field(
+        600.0, gt=0, description="The shortest deadline, and the deadline before any group came back (a cold "
+        "engine's first batch may take long)."
+    )
 
 
 class OptimizerConfig(Section):

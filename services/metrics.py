@@ -61,6 +61,13 @@ LEARNER_ACCURACY = Gauge("dapo_learner_accuracy", "Share of correct responses.",
 LEARNER_INFORMATIVE = Gauge("dapo_learner_informative_ratio", "Informative groups over groups scored.")
 LEARNER_REFILLS = Counter("dapo_learner_refills_total", "Refill rounds requested by dynamic sampling.")
 LEARNER_REFILL_LIMIT = Counter("dapo_learner_refill_limit_hits_total", "Steps that hit the refill limit.")
+STREAM_REPAIRED = Counter(
+    "dapo_stream_repaired_total", "Streams made writable again after a client set their last id in the future.",
+    ["stream"],
+)
+LEARNER_TASKS_EXPIRED = Counter(
+    "dapo_learner_tasks_expired_total", "Issued tasks given up at their deadline (their group never came back)."
+)
 LEARNER_STALE = Counter("dapo_learner_stale_dropped_total", "Groups dropped as older than max_staleness.")
 LEARNER_UNINFORMATIVE = Counter(
     "dapo_learner_uninformative_dropped_total",

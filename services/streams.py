@@ -110,6 +110,11 @@ return n
 """
 
 
+# An entry id this far past the server's clock was not made by `XADD *`: a client chose it (services/streams.py
+# `repair_future_ids`).
+FUTURE_ID_TOLERANCE_MS = 60_000
+
+
 class BackPressureTimeout(RuntimeError):
     """The stream stayed above its high-water mark longer than `produce_timeout_s`."""
 
@@ -495,6 +500,41 @@ class Streams:
     def stream(self, name: str, model: type[M]) -> Stream[M]:
         return Stream(self, name, model)
 
+    def repair_future_ids(self, names: Collection[str]) -> list[str]:
+        """Make writable again the streams whose last id lies in the future. A client that may XADD can give an
+        explicit id, the largest possible one included: every later `XADD *` then fails ("exhausted the last
+        possible ID", or "equal or smaller than the target stream top item") and every producer of that stream
+        stalls. The entries dated after FUTURE_ID_TOLERANCE_MS from the server's clock are deleted (no producer of
+        this system writes one), the stream's last id is set back to the newest remaining entry or now, and every
+        consumer group that had read past it is set back with it (new entries would be skipped otherwise). Needs
+        XINFO, XRANGE, XDEL, XSETID and XGROUP SETID: the learner's user. Returns the names repaired."""
+        seconds, micros = self.redis.time()
+        now_ms = int(seconds) * 1000 + int(micros) // 1000
+        horizon = now_ms + FUTURE_ID_TOLERANCE_MS
+        repaired = []
+        for name in names:
+            key = self.key(name)
+            try:
+                info = self.redis.xinfo_stream(key)
+            except redis.ResponseError:  # no such stream yet
+                continue
+            if _id_ms(info["last-generated-id"]) <= horizon:
+                continue
+            future = [entry_id for entry_id, _ in self.redis.xrange(key, min=f"{horizon + 1}-0", max="+")]
+            if future:
+                self.redis.xdel(key, *future)
+            newest = self.redis.xrevrange(key, count=1)
+            last = max([f"{now_ms}-0", *(_id_str(entry_id) for entry_id, _ in newest)], key=_id_key)
+            self.redis.execute_command("XSETID", key, last)
+            for group in self.redis.xinfo_groups(key):
+                if _id_ms(group["last-delivered-id"]) > horizon:
+                    self.redis.xgroup_setid(key, group["name"], last)
+            log.error("stream %s had its last id set in the future (%d entries dated after now + %ds deleted): "
+                      "writable again from %s", key, len(future), FUTURE_ID_TOLERANCE_MS // 1000, last)
+            metrics.STREAM_REPAIRED.labels(name).inc()
+            repaired.append(name)
+        return repaired
+
     def letter_payload(self, payload: bytes, keep: bool = True) -> dict:
         """A dead letter's payload fields: the bytes themselves up to streams.dead_payload_max_bytes; beyond, the
         bytes go to dead_dir/<sha256>.msgpack (mode 0600) and the letter keeps `payload_sha256`, `payload_bytes` and
@@ -572,6 +612,19 @@ def _dead_letter_fields(letter: dict) -> list:
     named = {name if isinstance(name, bytes) else name.encode(): value for name, value in letter.items()}
     named.pop(SIG, None)
     return [part for name in sorted(named) for part in (name, named[name])]
+
+
+def _id_str(entry_id) -> str:
+    return entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
+
+
+def _id_key(entry_id: str) -> tuple[int, int]:
+    ms, _, seq = entry_id.partition("-")
+    return int(ms), int(seq or 0)
+
+
+def _id_ms(entry_id) -> int:
+    return _id_key(_id_str(entry_id))[0]
 
 
 def consumer_name(kind: str) -> str:

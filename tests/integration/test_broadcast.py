@@ -63,7 +63,8 @@ def test_layout_packs_and_unpacks_every_dtype_exactly_and_cuts_at_the_bucket_siz
 
 
 def fingerprint(tensor: torch.Tensor) -> tuple[str, list[int], str]:
-    return str(tensor.dtype), list(tensor.shape), hashlib.sha256(tensor.contiguous().view(torch.uint8).numpy()).hexdigest()
+    data = tensor.contiguous().view(torch.uint8).numpy()
+    return str(tensor.dtype), list(tensor.shape), hashlib.sha256(data).hexdigest()
 
 
 def receiver(announcement_json: str, port: int, rank: int, die_after: int | None, out) -> None:

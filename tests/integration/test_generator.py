@@ -32,9 +32,9 @@ from generator.service import build_app
 from generator.sync import WeightSync
 from generator.vllm_logs import RELOAD_LOGGER, WARMUP_LOGGER
 from generator.worker import RolloutWorker, _Ready
+from services.broadcast import Broadcaster, commit_refusal, register_member
 from services.config import WeightsConfig, load_settings
 from services.http import create_app
-from services.broadcast import Broadcaster, commit_refusal, register_member
 from services.keys import ROLES, Signer, keys_dir, load_keyring, load_signer
 from services.messages import PromptTask, RolloutGroup, SamplingParams, Score, ScoredGroup, from_wire, sign_announcement
 from services.redis_local import connect

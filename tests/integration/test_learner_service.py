@@ -21,10 +21,12 @@ from pathlib import Path
 
 import msgpack
 import pytest
+import redis
 import torch
 
 from learner.batch import Push, task_id_of
 from learner.checkpoint import CHECKPOINTS, STOPPED, Checkpoints
+from learner.evaluation import EvalRound
 from learner.records import LEDGER_FILE, METRICS_FILE, truncate_jsonl
 from learner.service import LearnerService, TrainProblems, data_spec
 from learner.workset import ISSUED, task_id_in_payload
@@ -267,6 +269,75 @@ def test_only_dead_letters_a_service_signed_make_a_task_lost(settings):
     service.work.scan_dead_letters()
     assert sorted(service.work.assembler.in_flight) == ["train-0", "train-1"]
     assert service.work.assembler.stats.lost == 1
+
+
+def test_a_task_whose_entry_a_worker_deleted_is_given_up_at_its_deadline(settings):
+    """A worker can delete an entry it read (XDEL, a trim, a destroyed group): that task's group never comes. Past
+    its deadline (learner/deadlines.py) it counts as lost, in the step and in a running evaluation alike, and is
+    forgotten in `issued`, so a group that still comes is refused; a task that came back is not touched."""
+    settings.learner.batch.task_deadline_min_s = 0.5
+    service = LearnerService(settings)
+    service.connect()
+    service.work.limit_vocabulary(100)
+    tasks = issue_tasks(service, 2)
+    round_ = EvalRound(step=0, version=0, expected={"eval-0"})
+    service.work.eval_round = round_  # as `evaluating` sets it
+    service.work.push([PromptTask(task_id="eval-0", prompt_id="e0", prompt="2+2=", ground_truth="4", split="eval")])
+    service.work.flush_outbox()
+    prompts = Streams(service.redis, settings, signs_as=("generator",)).stream("prompts", PromptTask)
+    taken = {d.message.task_id: d for d in prompts.consume("gen", count=10, block_ms=0)}
+    service.redis.xdel(prompts.key, taken["train-0"].id, taken["eval-0"].id)
+    reward_stream(service, settings).produce(scored_group(tasks[1], [True, False] * 8))
+    service.work.pump()
+    service.work.expire_overdue()
+    assert sorted(service.work.assembler.in_flight) == ["train-0"]  # not late yet
+    assert [task_id_of(group) for _, _, group in service.work.assembler.ready] == ["train-1"]
+    time.sleep(0.6)
+    service.work.expire_overdue()
+    assert service.work.assembler.in_flight == {} and service.work.assembler.stats.lost == 1
+    assert round_.lost == {"eval-0"} and round_.done
+    assert service.work.issued_task("train-0") is None and service.work.issued_task("train-1") is not None
+    reward_stream(service, settings).produce(scored_group(tasks[0], [True, False] * 8))  # it came after all
+    service.work.pump()
+    assert service.streams.dead_letters()[0]["reason"].startswith("provenance: unknown task id 'train-0'")
+
+
+def test_streams_whose_last_id_a_worker_set_to_the_maximum_are_repaired_and_the_run_goes_on(settings):
+    """A worker may XADD to a stream it writes with an explicit id; the largest possible one makes every later
+    `XADD *` fail. The learner notices (on its next push, and every REPAIR_SCAN_SECONDS for every stream of the
+    run), deletes what is dated in the future, sets the stream and its consumer groups back, and work flows again:
+    the next task reaches the generators, the next scored group the learner."""
+    service = LearnerService(settings)
+    service.connect()
+    service.work.limit_vocabulary(100)
+    issue_tasks(service, 1)
+    prompts = Streams(service.redis, settings, signs_as=("generator",)).stream("prompts", PromptTask)
+    assert [d.message.task_id for d in prompts.consume("gen", count=10, block_ms=0)] == ["train-0"]
+    largest = "18446744073709551615-18446744073709551615"
+    service.redis.xadd(prompts.key, {b"data": b"junk"}, id=largest)
+    prompts.consume("gen", count=10, block_ms=0)  # the group has read past it now (it is dead-lettered)
+    scored = reward_stream(service, settings)
+    scored.produce(scored_group(PromptTask(task_id="x", prompt_id="x", prompt="x", ground_truth="0"), [True]))
+    service.redis.xadd(scored.key, {b"data": b"junk"}, id=largest)
+    with pytest.raises(redis.ResponseError):
+        scored.produce(scored_group(PromptTask(task_id="y", prompt_id="y", prompt="y", ground_truth="0"), [True]))
+
+    task = PromptTask(task_id="train-1", prompt_id="p1", prompt="1+1=", ground_truth="2")
+    service.work.assembler.issued(["train-1"], 0)
+    service.work.outbox.append(task)
+    service.work.flush_outbox()  # refused by Redis: repaired, the task stays queued
+    service.work.flush_outbox()
+    assert [d.message.task_id for d in prompts.consume("gen", count=10, block_ms=0)] == ["train-1"]
+    service.work._repaired_at = 0.0  # the periodic check, due now
+    service.work.pump()
+    late = PromptTask(task_id="train-2", prompt_id="p2", prompt="1+1=", ground_truth="2")
+    service.work.assembler.issued(["train-2"], 0)
+    service.work.outbox.append(late)
+    service.work.flush_outbox()
+    scored.produce(scored_group(late, [True, False] * 8))
+    service.work.pump()
+    assert "train-2" not in service.work.assembler.in_flight  # its group came through the repaired stream
+    assert service.redis.xrange(prompts.key, min=largest, max="+") == []
 
 
 def test_no_re_split_splice_or_replay_of_a_signed_dead_letter_makes_a_task_lost(settings):
