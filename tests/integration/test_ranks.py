@@ -68,7 +68,7 @@ os._exit(code)
 
 
 FSDP_WORKER = """
-import sys
+import os, sys
 sys.path[:0] = [{repo!r}]
 from pathlib import Path
 import torch, torch.distributed as dist
@@ -151,7 +151,8 @@ if rank == 0:
     assert restored_scheduler.state_dict() == scheduler.state_dict()
     save_file(a, tmp / "full.safetensors")  # for the resume on one process
 print("rank %d ok" % rank, flush=True)  # one write: the two ranks share a pipe (print's pieces interleaved)
-dist.destroy_process_group()
+dist.barrier()
+os._exit(0)  # as WORKER: the interpreter's teardown of gloo's threads aborts a rank now and then
 """
 
 ONE_PROCESS_RESUME = """
