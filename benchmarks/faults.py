@@ -183,7 +183,9 @@ def match_dead(dead: list[dict], injections: list[Injection]) -> tuple[list[tupl
     for row in dead:
         payload = row.get("data", b"")
         task_id = task_id_in_payload(row.get("stream", ""), payload)
-        found = next((i for i in free if i.stream == row.get("stream") and i.digest == digest(payload)), None)
+        # an oversize entry's letter keeps only the payload's sha256 (services/streams.py: refused by its size)
+        sha256 = digest(payload) if payload else row.get("payload_sha256")
+        found = next((i for i in free if i.stream == row.get("stream") and i.digest == sha256), None)
         if found is None and task_id is not None:
             found = next((i for i in free if i.task_id == task_id and not i.real_task), None)
         if found is None:
@@ -555,7 +557,7 @@ class Faults:
             "poison", prompt_token_ids=[17, 10, 10**9, 28]))
         task_entry("poison", "prompt longer than the model", "invalid task: prompt of 300 tokens",
                    made_up("poison", prompt_token_ids=[17] * 300))
-        task_entry("poison", "8 MB prompt text", "invalid task: prompt text of", made_up(
+        task_entry("poison", "8 MB prompt text", "oversize: 8,", made_up(
             "poison", prompt_token_ids=None, prompt="1 + " * (2 * 1024 * 1024)))
         task_entry("poison", "max_tokens 10^6", "invalid task: max_tokens 1000000", made_up(
             "poison", sampling=sampling.model_copy(update={"max_tokens": 10**6})))

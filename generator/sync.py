@@ -69,6 +69,7 @@ class WeightSync:
         self.watcher = AnnouncementWatcher(redis_client, self.prefix, self.keyring,
                                            poll_s=settings.generator.sync_poll_s)
         self.cancel = threading.Event()  # set when the generator stops: a download under way ends at its next chunk
+        self.leave()  # a killed predecessor's membership: no round may name this id before its engine is ready
 
     def latest(self) -> WeightsAnnouncement | None:
         """Read the latest key now (and tell the watcher)."""

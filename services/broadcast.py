@@ -46,7 +46,7 @@ log = logging.getLogger(__name__)
 
 ALIGN = 16  # bytes: every tensor starts at an offset its dtype can be viewed at
 MEMBER_TTL_S = 60.0  # a membership not renewed this long is dropped (generators renew every heartbeat)
-MEMBER_PAUSE_S = 300.0  # a member that failed a round sits out this long (then it may try again)
+MEMBER_PAUSE_S = 300.0  # a member process that failed a round sits out this long (a restarted one need not)
 SAMPLED_SHARE = 8  # verify sampled: one bucket in this many, at random, at least one
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -106,7 +106,8 @@ def digest(buffer: torch.Tensor) -> str:
 
 # -- the group ------------------------------------------------------------------------------------------------
 def join(store: dist.Store, group: str, rank: int, world_size: int, backend: str, timeout_s: float):
-    """This process's handle on the round's process group (blocks until every rank connected, or times out)."""
+    """This process's handle on the round's process group: blocks until every rank connected, or the store's
+    timeout (the join's) passed; `timeout_s` bounds each operation after."""
     timeout = timedelta(seconds=timeout_s)
     round_store = dist.PrefixStore(f"dapo-broadcast/{group}", store)
     round_store.set(f"joined/{rank}", "1")  # who came, for the learner's account of a failed round
@@ -185,7 +186,7 @@ def receive(announcement: WeightsBroadcast, host: str, rank: int, device="cpu") 
     else:
         hashed = set()
     digests: dict[int, str] = {}
-    store = store_client(host, announcement.port, announcement.timeout_s)
+    store = store_client(host, announcement.port, announcement.join_timeout_s)
     pg = join(store, announcement.group, rank, announcement.world_size, announcement.backend, announcement.timeout_s)
 
     def check(index: int, bucket: torch.Tensor) -> None:
@@ -237,31 +238,35 @@ class Broadcaster:
         self.channel = channel
         self.members_key = members_key(prefix)
         self.timeout_s = cfg.broadcast_timeout_s
+        self.join_timeout_s = cfg.broadcast_join_timeout_s
         self.bucket_bytes = int(cfg.bucket_mb * 1024 * 1024)
         self.verify = cfg.verify
         self.backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
         self.device = "cuda" if self.backend == "nccl" else "cpu"
         self.store = dist.TCPStore("0.0.0.0", cfg.broadcast_port, is_master=True, wait_for_workers=False,
-                                   timeout=timedelta(seconds=self.timeout_s), use_libuv=True)
+                                   timeout=timedelta(seconds=self.join_timeout_s), use_libuv=True)
         self.port = self.store.port
-        self.paused: dict[str, float] = {}  # member -> monotonic time it may join rounds again
+        self.since: dict[str, float] = {}  # member -> its process's start, as the last `members` read it
+        self.paused: dict[tuple[str, float], float] = {}  # (member, its process's start) -> when it may again
 
     def members(self) -> dict[str, int]:
         """Fresh members not sitting out: generator id -> its engine's workers. Drops stale ones."""
         now, clock = time.time(), time.monotonic()
         fresh, stale = {}, []
+        self.since = {}
         for raw_id, raw in (self.redis.hgetall(self.members_key) or {}).items():
             member = raw_id.decode() if isinstance(raw_id, bytes) else raw_id
             try:
                 record = json.loads(raw)
-                workers, at = int(record["workers"]), float(record["at"])
+                workers, at, since = int(record["workers"]), float(record["at"]), float(record["since"])
             except (ValueError, KeyError, TypeError):
                 stale.append(member)
                 continue
             if now - at > MEMBER_TTL_S or not 1 <= workers <= 64:
                 stale.append(member)
-            elif self.paused.get(member, 0.0) <= clock:
+            elif self.paused.get((member, since), 0.0) <= clock:
                 fresh[member] = workers
+                self.since[member] = since
         if stale:
             self.redis.hdel(self.members_key, *stale)
         return fresh
@@ -281,7 +286,7 @@ class Broadcaster:
         announcement = sign_announcement(
             WeightsBroadcast(version=version, group=group, port=self.port, backend=self.backend,
                              world_size=world_size, ranks=ranks, buckets=slots, bucket_bytes=sizes,
-                             verify=self.verify, timeout_s=self.timeout_s),
+                             verify=self.verify, timeout_s=self.timeout_s, join_timeout_s=self.join_timeout_s),
             self.signer, round_context(self.channel),
         )
         result = RoundResult(version, sorted(members))
@@ -293,7 +298,7 @@ class Broadcaster:
             result.error = f"{type(err).__name__}: {err}"
             result.failed = self._absent(group, ranks, members)
             for member in result.failed:
-                self.paused[member] = time.monotonic() + MEMBER_PAUSE_S
+                self.paused[(member, self.since[member])] = time.monotonic() + MEMBER_PAUSE_S
             log.warning("broadcast of v%d failed (%s); %s get it through the files", version, result.error,
                         ", ".join(result.failed) or "those after the break")
         result.seconds = time.perf_counter() - started
@@ -329,9 +334,13 @@ class Broadcaster:
                 if not round_store.check([f"joined/{rank}" for rank in range(first, first + members[member])])]
 
 
+PROCESS_STARTED = time.time()  # tells a restarted generator from the one that failed a round under its id
+
+
 def register_member(redis_client, prefix: str, generator_id: str, workers: int) -> None:
     """Ask to be in the next rounds (renewed every heartbeat; MEMBER_TTL_S unrenewed and the learner drops it)."""
-    redis_client.hset(members_key(prefix), generator_id, json.dumps({"workers": workers, "at": time.time()}))
+    record = {"workers": workers, "at": time.time(), "since": PROCESS_STARTED}
+    redis_client.hset(members_key(prefix), generator_id, json.dumps(record))
 
 
 def leave(redis_client, prefix: str, generator_id: str) -> None:

@@ -303,6 +303,10 @@ class WeightsConfig(Section):
         60.0, gt=0, description="collective: the longest the learner waits for a round's generators, to join or "
         "to take a bucket; past it they get that version through the files."
     )
+    broadcast_join_timeout_s: float = Field(
+        10.0, gt=0, description="collective: the longest the learner waits for a round's members to join (live "
+        "generators join within one engine step); one that does not sits rounds out and takes the files."
+    )
     bucket_mb: float = Field(256, gt=0, description="collective: bytes per streamed bucket, MB.")
     verify: Literal["full", "sampled", "off"] = Field(
         "full", description="collective: what a generator hashes before it serves a version: every bucket (sha256, "

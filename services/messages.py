@@ -206,7 +206,8 @@ class WeightsBroadcast(BaseModel):
     buckets: list[list[TensorSlot]] = Field(min_length=1)
     bucket_bytes: list[int]
     verify: Literal["full", "sampled", "off"]
-    timeout_s: float = Field(gt=0)
+    timeout_s: float = Field(gt=0, description="The longest wait for one bucket.")
+    join_timeout_s: float = Field(gt=0, description="The longest wait for every rank to join.")
     published_at: float = Field(default_factory=time.time)
     signature: str = ""
 

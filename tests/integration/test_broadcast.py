@@ -16,6 +16,7 @@ import pytest
 import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
+from services import broadcast as broadcast_module
 from services.broadcast import (
     MEMBER_TTL_S,
     Broadcaster,
@@ -93,7 +94,7 @@ def receiver(announcement_json: str, port: int, rank: int, die_after: int | None
 @pytest.fixture
 def rounds(settings):
     settings.weights = WeightsConfig(transport="collective", broadcast_port=0, bucket_mb=0.02,
-                                     broadcast_timeout_s=TIMEOUT_S)
+                                     broadcast_timeout_s=TIMEOUT_S, broadcast_join_timeout_s=TIMEOUT_S)
     client = connect(settings)
     keyring = load_keyring(settings)
     prefix = run_prefix(settings)
@@ -170,7 +171,7 @@ def test_a_commit_not_signed_by_the_learner_is_refused(rounds):
     assert refusal is not None and refusal.startswith("forged")
 
 
-def test_a_member_that_never_joins_costs_one_timeout_and_sits_out_the_next_rounds(rounds):
+def test_a_member_that_never_joins_costs_one_timeout_and_sits_out_the_next_rounds(rounds, monkeypatch):
     sent, announcement, received, seconds = rounds["run"]({"gen-a": None, "absent-b": None})
     assert sent.error is not None and sent.failed == ["absent-b"]
     assert seconds < TIMEOUT_S * 3  # the join's wait, then the learner goes on
@@ -178,6 +179,10 @@ def test_a_member_that_never_joins_costs_one_timeout_and_sits_out_the_next_round
     assert received[announcement.ranks["gen-a"]][0] is None
     again, announcement, received, _ = rounds["run"]({"gen-a": None}, version=2)
     assert again.error is None and announcement.ranks == {"gen-a": 1} and received[1][0] is not None
+    # a new process under the failed member's id (a restart) is not held to its predecessor's failure
+    monkeypatch.setattr(broadcast_module, "PROCESS_STARTED", broadcast_module.PROCESS_STARTED + 1.0)
+    register_member(rounds["client"], rounds["prefix"], "absent-b", workers=1)
+    assert "absent-b" in rounds["broadcaster"].members()
 
 
 def test_a_member_killed_mid_stream_costs_only_those_after_it(rounds):
