@@ -184,7 +184,7 @@ def match_dead(dead: list[dict], injections: list[Injection]) -> tuple[list[tupl
         payload = row.get("data", b"")
         task_id = task_id_in_payload(row.get("stream", ""), payload)
         # an oversize entry's letter keeps only the payload's sha256 (services/streams.py: refused by its size)
-        sha256 = digest(payload) if payload else row.get("payload_sha256")
+        sha256 = digest(payload) if payload or not row.get("payload_sha256") else row["payload_sha256"]
         found = next((i for i in free if i.stream == row.get("stream") and i.digest == sha256), None)
         if found is None and task_id is not None:
             found = next((i for i in free if i.task_id == task_id and not i.real_task), None)

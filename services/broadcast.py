@@ -105,12 +105,15 @@ def digest(buffer: torch.Tensor) -> str:
 
 
 # -- the group ------------------------------------------------------------------------------------------------
-def join(store: dist.Store, group: str, rank: int, world_size: int, backend: str, timeout_s: float):
-    """This process's handle on the round's process group: blocks until every rank connected, or the store's
-    timeout (the join's) passed; `timeout_s` bounds each operation after."""
+def join(store: dist.Store, group: str, rank: int, world_size: int, backend: str, timeout_s: float,
+         join_timeout_s: float):
+    """This process's handle on the round's process group, once every rank came (DistStoreError after
+    `join_timeout_s`); `timeout_s` bounds each operation after (the group's own timeout, which would also bound the
+    rendezvous: hence the wait for every rank first)."""
     timeout = timedelta(seconds=timeout_s)
     round_store = dist.PrefixStore(f"dapo-broadcast/{group}", store)
     round_store.set(f"joined/{rank}", "1")  # who came, for the learner's account of a failed round
+    round_store.wait([f"joined/{r}" for r in range(world_size)], timedelta(seconds=join_timeout_s))
     if backend == "nccl":
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout
@@ -187,7 +190,8 @@ def receive(announcement: WeightsBroadcast, host: str, rank: int, device="cpu") 
         hashed = set()
     digests: dict[int, str] = {}
     store = store_client(host, announcement.port, announcement.join_timeout_s)
-    pg = join(store, announcement.group, rank, announcement.world_size, announcement.backend, announcement.timeout_s)
+    pg = join(store, announcement.group, rank, announcement.world_size, announcement.backend, announcement.timeout_s,
+              announcement.join_timeout_s)
 
     def check(index: int, bucket: torch.Tensor) -> None:
         if index in hashed:
@@ -292,7 +296,7 @@ class Broadcaster:
         result = RoundResult(version, sorted(members))
         self.redis.publish(self.channel, announcement.model_dump_json())
         try:
-            pg = join(self.store, group, 0, world_size, self.backend, self.timeout_s)
+            pg = join(self.store, group, 0, world_size, self.backend, self.timeout_s, self.join_timeout_s)
             result.bytes_sent = self._stream(pg, tensors, announcement)
         except Exception as err:
             result.error = f"{type(err).__name__}: {err}"

@@ -73,7 +73,7 @@ def receiver(announcement_json: str, port: int, rank: int, die_after: int | None
     announcement = WeightsBroadcast.model_validate_json(announcement_json)
     try:
         pg = join(store_client("127.0.0.1", port, TIMEOUT_S), announcement.group, rank, announcement.world_size,
-                  "gloo", TIMEOUT_S)
+                  "gloo", TIMEOUT_S, TIMEOUT_S)
 
         def maybe_die(index, bucket):
             if index == die_after:

@@ -66,8 +66,13 @@ def test_dead_letters_are_matched_by_bytes_or_task_id_and_the_rest_are_legitimat
         # a tampered group of a real task: only its own bytes match it, never the real task's other letters
         Injection("forged", "tampered", "scored", "forged: bad signature", digest(b"tampered"), "train-real",
                   real_task=True),
+        # refused by its size: the letter keeps only the payload's sha256; an entry without a payload: neither
+        Injection("poison", "8 MB", "prompts", "oversize:", digest(b"big" * 1000), "train-poison-1"),
+        Injection("malformed", "no payload", "scored", "forged: no signature", digest(b"")),
     ]
     dead = [
+        {"stream": "prompts", "reason": "oversize: 3,000 bytes", "payload_sha256": digest(b"big" * 1000)},
+        {"stream": "scored", "reason": "forged: no signature"},
         {"stream": "scored", "reason": "forged: bad signature under reward-0123456789abcdef", "data": forged},
         {"stream": "scored", "reason": "unparseable ScoredGroup: ...", "data": garbage},
         {"stream": "scored", "reason": "provenance: unknown task id 'train-forged-2'",
@@ -76,8 +81,9 @@ def test_dead_letters_are_matched_by_bytes_or_task_id_and_the_rest_are_legitimat
     ]
     pairs, unmatched = match_dead(dead, injections)
     assert [(d["reason"].split(":")[0], i.label) for d, i in pairs] == [
-        ("forged", "wrong key"), ("unparseable ScoredGroup", "garbage"), ("provenance", "made-up prompt")]
-    assert unmatched == [dead[3]]
+        ("oversize", "8 MB"), ("forged", "no payload"), ("forged", "wrong key"), ("unparseable ScoredGroup", "garbage"),
+        ("provenance", "made-up prompt")]
+    assert unmatched == [dead[5]]
 
 
 def test_analyze_and_report_state_each_goal():
