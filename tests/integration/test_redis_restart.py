@@ -24,6 +24,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from services import streams as streams_module
 from services.config import load_settings
 from services.keys import create_keys, keys_dir
 from services.messages import PromptTask, RolloutGroup, Sample, Score, ScoredGroup
@@ -202,5 +203,42 @@ def test_on_redis_7_a_worker_role_can_add_dead_letters_and_nothing_else_there(bi
                 with pytest.raises(redis.exceptions.NoPermissionError):
                     refused()
         assert learner.xlen(dead) == 5  # every letter there, none read, trimmed or deleted by a worker
+    finally:
+        server.kill()
+
+
+@pytest.mark.parametrize("binary", [b for b in _servers() if server_version(b) >= (7, 0)], ids=_version)
+def test_on_redis_7_worker_roles_call_the_stream_functions_and_run_no_code_of_their_own(binary, short_tmp,
+                                                                                      deployment_settings,
+                                                                                      monkeypatch):
+    """A script that never ends answers every client BUSY; one that wrote first cannot even be killed. On Redis 7
+    the stream scripts are a function library the learner loads, and a worker's user may call those functions
+    (FCALL) and run nothing else: no EVAL, EVALSHA, SCRIPT LOAD or FUNCTION LOAD. The pipeline goes through
+    them; a worker that comes before the learner waits for the library, then says why it gave up."""
+    passwords = {user: secrets.token_hex(16) for user in REDIS_USERS}
+    server = DeploymentRedis(binary, Path(short_tmp), acl_file(passwords)).start()
+    try:
+        monkeypatch.setattr(streams_module, "LIBRARY_WAIT_S", 0.5)
+        early = Streams(client_for(server.url("generator", passwords["generator"])), deployment_settings,
+                        signs_as=("generator",)).stream("rollouts", RolloutGroup)
+        sample = Sample(token_ids=[1], logprobs=[-0.1], text="Answer: 1", finish_reason="stop")
+        group = RolloutGroup(task=PromptTask(task_id="t0", prompt_id="p0", prompt="1+1=", ground_truth="2"),
+                             policy_version=0, generator_id="g", samples=[sample])
+        with pytest.raises(RuntimeError, match="is the learner running"):
+            early.produce(group)
+        for role in ("generator", "reward"):
+            worker = client_for(server.url(role, passwords[role]))
+            spin = "#!lua name=spin\nredis.register_function('spin', function() while true do end end)"
+            for command in (("EVAL", "while true do end", 0), ("SCRIPT", "LOAD", "return 1"),
+                            ("EVALSHA", "e0e1f9fabfc9d4800c877a703b823ac0578ff8db", 0),
+                            ("FUNCTION", "LOAD", spin)):
+                with pytest.raises(redis.exceptions.NoPermissionError):
+                    worker.execute_command(*command)
+        state = _pipeline(server, passwords, deployment_settings)  # the learner's first push loads the library
+        assert state["scored"] and state["dead"] and state["prompts pending"] == 0
+        learner = client_for(server.url("learner", passwords["learner"]))
+        assert [lib[b"library_name"] if isinstance(lib, dict) else lib[1] for lib in
+                learner.execute_command("FUNCTION", "LIST")] == [streams_module.LIBRARY.encode()]
+        assert early.produce(group)  # and the early worker's next call goes through
     finally:
         server.kill()
