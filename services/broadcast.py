@@ -40,7 +40,14 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from services.messages import BroadcastCommit, TensorSlot, WeightsBroadcast, announcement_refusal, sign_announcement
+from services.messages import (
+    BroadcastCommit,
+    TensorSlot,
+    WeightsBroadcast,
+    announcement_refusal,
+    read_announcement,
+    sign_announcement,
+)
 
 log = logging.getLogger(__name__)
 
@@ -353,12 +360,4 @@ def leave(redis_client, prefix: str, generator_id: str) -> None:
 
 def parse_round(raw: bytes | str, keyring, channel: str) -> WeightsBroadcast | None:
     """A round read from the weights channel, or None (logged) if it is malformed or not the learner's."""
-    try:
-        announcement = WeightsBroadcast.model_validate_json(raw)
-    except ValueError:
-        log.error("ignoring a malformed broadcast round: %r", raw[:200])
-        return None
-    if refusal := announcement_refusal(announcement, keyring, round_context(channel)):
-        log.error("refusing a broadcast round (v%d): %s", announcement.version, refusal)
-        return None
-    return announcement
+    return read_announcement(WeightsBroadcast, raw, keyring, round_context(channel), "broadcast round")

@@ -12,6 +12,7 @@ the scheme is explained once, in services/keys.py.
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
@@ -26,6 +27,7 @@ if TYPE_CHECKING:
     from services.keys import Keyring, Signer
 
 SCHEMA_VERSION = 1
+log = logging.getLogger(__name__)
 
 
 def _wire(info: SerializationInfo) -> bool:
@@ -240,6 +242,21 @@ def announcement_refusal(announcement: BaseModel, keyring: "Keyring", context: s
     """Why the announcement is not the learner's for this run (None: it is)."""
     return keyring.refusal(announcement.signature, SIGNER_OF["weights"], "weight announcements", context,
                            _announcement_bytes(announcement))
+
+
+def read_announcement(model: type[AnyAnnouncement], raw: bytes | str, keyring: "Keyring", context: str,
+                      what: str) -> AnyAnnouncement | None:
+    """`raw` as a `model` the learner signed under `context`, or None (logged, naming `what`) if it is malformed or
+    signed by any other key."""
+    try:
+        announcement = model.model_validate_json(raw)
+    except ValueError:
+        log.error("ignoring a malformed %s: %r", what, raw[:200])
+        return None
+    if refusal := announcement_refusal(announcement, keyring, context):
+        log.error("refusing a %s (v%d): %s", what, announcement.version, refusal)
+        return None
+    return announcement
 
 
 def to_wire(message: BaseModel) -> bytes:

@@ -54,7 +54,7 @@ from fastapi.responses import StreamingResponse
 
 from services.broadcast import parse_round
 from services.keys import Keyring, load_keyring, load_signer
-from services.messages import WeightsAnnouncement, WeightsBroadcast, WeightsFile, announcement_refusal
+from services.messages import WeightsAnnouncement, WeightsBroadcast, WeightsFile, read_announcement
 from services.redis_local import retrying
 from services.streams import run_prefix
 from services.weights_layout import (
@@ -371,15 +371,7 @@ def weights_router(publisher: WeightPublisher) -> APIRouter:
 def parse_announcement(raw: bytes | str, keyring: Keyring, streams_or_prefix) -> WeightsAnnouncement | None:
     """An announcement read from Redis, or None (logged) if it is malformed or not signed by a learner key of the
     keyring for this run."""
-    try:
-        announcement = WeightsAnnouncement.model_validate_json(raw)
-    except ValueError:
-        log.error("ignoring a malformed weights announcement: %r", raw[:200])
-        return None
-    if refusal := announcement_refusal(announcement, keyring, channel(streams_or_prefix)):
-        log.error("refusing a weights announcement (v%d at %s): %s", announcement.version, announcement.url, refusal)
-        return None
-    return announcement
+    return read_announcement(WeightsAnnouncement, raw, keyring, channel(streams_or_prefix), "weights announcement")
 
 
 def latest_announcement(redis_client, streams_or_prefix, keyring: Keyring) -> WeightsAnnouncement | None:

@@ -36,7 +36,7 @@ from services.redis_local import connect
 from services.streams import run_prefix
 from services.weights import channel
 
-TIMEOUT_S = 4.0
+TIMEOUT_S = 3.0
 
 
 def state(seed: int = 0) -> dict[str, torch.Tensor]:
@@ -68,9 +68,12 @@ def fingerprint(tensor: torch.Tensor) -> tuple[str, list[int], str]:
     return str(tensor.dtype), list(tensor.shape), hashlib.sha256(data).hexdigest()
 
 
-def receiver(announcement_json: str, port: int, rank: int, die_after: int | None, out) -> None:
-    """One rank of the chain, as an engine's worker runs it; `die_after`: exit at once after that bucket."""
-    announcement = WeightsBroadcast.model_validate_json(announcement_json)
+def receiver(member: str, inbox, port: int, die_after: int | None, out) -> None:
+    """One rank of the chain, as an engine's worker runs it, started (its imports done) before the round: its
+    announcement comes through `inbox`. `die_after`: exit at once after that bucket."""
+    out.put(("ready", member, None))
+    announcement = WeightsBroadcast.model_validate_json(inbox.get())
+    rank = announcement.ranks[member]
     try:
         pg = join(store_client("127.0.0.1", port, TIMEOUT_S), announcement.group, rank, announcement.world_size,
                   "gloo", TIMEOUT_S, TIMEOUT_S)
@@ -108,11 +111,18 @@ def rounds(settings):
     def run(members: dict[str, int | None], version: int = 1, tensors=None):
         """Register `members` (id -> the bucket after which it dies, or None), broadcast, start their ranks as the
         round names them; (round result, announcement, {rank: (tensors, commit or error)}, seconds)."""
-        for member in members:
+        inboxes = {}
+        for member, die_after in members.items():
             register_member(client, prefix, member, workers=1)
+            if not member.startswith("absent"):
+                inboxes[member] = context.Queue()
+                started.append(context.Process(target=receiver,
+                                               args=(member, inboxes[member], broadcaster.port, die_after, out)))
+                started[-1].start()
+        for _ in inboxes:
+            assert out.get(timeout=120)[0] == "ready"
         result = {}
         began = time.monotonic()
-
         sending = threading.Thread(target=lambda: result.update(
             round=broadcaster.broadcast(tensors or state(), version)))
         sending.start()
@@ -120,13 +130,8 @@ def rounds(settings):
         while message is None:
             message = pubsub.get_message(timeout=5)
         announcement = WeightsBroadcast.model_validate_json(message["data"])
-        for member, die_after in members.items():
-            if member.startswith("absent"):
-                continue
-            process = context.Process(target=receiver, args=(message["data"].decode(), broadcaster.port,
-                                                             announcement.ranks[member], die_after, out))
-            process.start()
-            started.append(process)
+        for inbox in inboxes.values():
+            inbox.put(message["data"].decode())
         sending.join(timeout=60)
         seconds = time.monotonic() - began
         received = {}

@@ -111,6 +111,17 @@ def hf_logprobs(model, prompt: list[int], response: list[int]) -> torch.Tensor:
     return torch.log_softmax(logits, -1).gather(1, torch.tensor(response)[:, None])[:, 0]
 
 
+def assert_samples_under(state: dict, prompt: list[int], sample) -> None:
+    """The engine sampled `sample` with the distribution of the model `state` (the other seed's weights, tied head
+    included): its logprobs are transformers' recomputation under those weights."""
+    from transformers import Qwen2ForCausalLM
+
+    model = Qwen2ForCausalLM(random_qwen2(seed=1).config)
+    model.load_state_dict(state)
+    reference = hf_logprobs(model.eval(), prompt, sample.token_ids)
+    assert (torch.tensor(sample.logprobs) - reference).abs().max().item() < LOGPROB_TOLERANCE
+
+
 def test_sampled_logprobs_match_transformers(engine, models):
     from transformers import AutoModelForCausalLM
 
@@ -177,7 +188,6 @@ def test_behaviour_logprobs_agree_with_the_learner_at_temperature_0_7(engine, mo
 
 
 def test_reload_changes_outputs_and_round_trip_restores_them(engine, models):
-    from transformers import Qwen2ForCausalLM
 
     base, other, other_state = models
     engine.reload(base)
@@ -189,11 +199,7 @@ def test_reload_changes_outputs_and_round_trip_restores_them(engine, models):
     after = engine.generate(prompts, GREEDY) + engine.generate(prompts, SEEDED)
     assert [s.token_ids for g in after for s in g] != [s.token_ids for g in before for s in g]
     # the engine now computes the other weights' distribution (tied lm_head included)
-    hf_other = Qwen2ForCausalLM(random_qwen2(seed=1).config)
-    hf_other.load_state_dict(other_state)
-    sample = after[0][0]
-    reference = hf_logprobs(hf_other.eval(), prompts[0], sample.token_ids)
-    assert (torch.tensor(sample.logprobs) - reference).abs().max().item() < LOGPROB_TOLERANCE
+    assert_samples_under(other_state, prompts[0], after[0][0])
 
     engine.reload(base)
     restored = engine.generate(prompts, GREEDY) + engine.generate(prompts, SEEDED)
@@ -216,7 +222,6 @@ def test_a_healthy_start_and_reload_log_no_traceback_and_no_failed_load(engine, 
 def test_shared_fs_version_loads_in_place_and_a_bad_shard_leaves_the_old_one_serving(engine, models, settings,
                                                                                       short_tmp):
     """shared-fs: the engine loads the learner's folder itself; a damaged shard is refused before any reload."""
-    from transformers import Qwen2ForCausalLM
 
     base, _, other_state = models
     settings.weights = WeightsConfig(transport="shared-fs", shared_dir=f"{short_tmp}/shared", shard_mb=0.1)
@@ -230,11 +235,7 @@ def test_shared_fs_version_loads_in_place_and_a_bad_shard_leaves_the_old_one_ser
     engine.reload(folder)
     prompts = prompts_of(engine)
     serving = engine.generate(prompts, GREEDY)
-    hf_other = Qwen2ForCausalLM(random_qwen2(seed=1).config)
-    hf_other.load_state_dict(other_state)
-    sample = serving[0][0]
-    reference = hf_logprobs(hf_other.eval(), prompts[0], sample.token_ids)
-    assert (torch.tensor(sample.logprobs) - reference).abs().max().item() < LOGPROB_TOLERANCE
+    assert_samples_under(other_state, prompts[0], serving[0][0])
 
     damaged = publisher.publish({k: v + 1.0 for k, v in other_state.items()}, version=2)
     shard = publisher.dir / "v2" / damaged.files[0].name
@@ -254,7 +255,6 @@ def test_a_broadcast_round_streams_a_version_into_the_engine_while_it_generates(
     through a gloo group into the engine's worker, which stages them while the engine keeps sampling with the old
     ones; the commit checks out, the load alone pauses the engine, and the engine then computes the new
     distribution (tied head included). A byte changed on the way is refused by its digest."""
-    from transformers import Qwen2ForCausalLM
 
     base, _, other_state = models
     settings.weights = WeightsConfig(transport="collective", broadcast_port=0, bucket_mb=0.1,
@@ -294,11 +294,7 @@ def test_a_broadcast_round_streams_a_version_into_the_engine_while_it_generates(
 
     assert engine.load_staged() < 10
     after = engine.generate(prompts, GREEDY)
-    hf_other = Qwen2ForCausalLM(random_qwen2(seed=1).config)
-    hf_other.load_state_dict(other_state)
-    sample = after[0][0]
-    reference = hf_logprobs(hf_other.eval(), prompts[0], sample.token_ids)
-    assert (torch.tensor(sample.logprobs) - reference).abs().max().item() < LOGPROB_TOLERANCE
+    assert_samples_under(other_state, prompts[0], after[0][0])
     engine.reload(base)
 
 
