@@ -300,8 +300,8 @@ class WeightsConfig(Section):
         8003, ge=0, le=65535, description="collective: the learner's rendezvous port (a TCPStore; 0 = any free one)."
     )
     broadcast_timeout_s: float = Field(
-        60.0, gt=0, description="collective: the longest the learner waits for a round's generators, to join or "
-        "to take a bucket; past it they get that version through the files."
+        60.0, gt=0, description="collective: the longest a rank of a round waits for one bucket to be sent or "
+        "taken; past it the ranks after the break get that version through the files."
     )
     broadcast_join_timeout_s: float = Field(
         10.0, gt=0, description="collective: the longest the learner waits for a round's members to join (live "
