@@ -616,6 +616,10 @@ class Settings(BaseSettings):
     http_max_connections: int = Field(
         256, ge=1, description="Open HTTP connections a service serves at once; uvicorn answers 503 beyond them."
     )
+    http_head_timeout_s: float = Field(
+        10.0, gt=0, description="A connection that has not sent a whole request head this long after it opened (or "
+        "after its last response) is closed: half-sent requests cannot hold the connection slots (slowloris)."
+    )
     http_docs: bool = Field(False, description="Serve /docs and /openapi.json (off: they describe every endpoint).")
     http_tls_certfile: str | None = Field(
         None, description="HTTPS: the service's certificate chain (PEM file); unset = plain HTTP (docs/deploy.md, TLS)."

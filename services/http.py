@@ -8,7 +8,8 @@ read or parsed. Every path needs it except the probes and the scrape (`OPEN_PATH
 `/v1/status` and a generator's `/v1/weights/version` take the token too: they describe the run to whoever asks.
 The probes are async and `/readyz` runs its check on threads of its own (a limiter apart from the shared one), so
 neither waits for the worker threads that synchronous handlers hold. uvicorn answers 503 above
-`http_max_connections` connections. With `http_tls_certfile` (and its key) every service serves HTTPS
+`http_max_connections` connections, and a connection that has not sent a whole request head within
+`http_head_timeout_s` is closed (`head_deadline_protocol`), so idle half-open ones cannot keep the probes out. With `http_tls_certfile` (and its key) every service serves HTTPS
 (`server_options`).
 """
 
@@ -186,9 +187,53 @@ def free_port() -> int:
 
 
 def server_options(settings: Settings) -> dict:
-    """uvicorn's options from the settings: the connection limit, and the certificate and key for HTTPS."""
+    """uvicorn's options from the settings: the connection limit, the deadline on request heads, and the certificate
+    and key for HTTPS."""
     return dict(limit_concurrency=settings.http_max_connections, ssl_certfile=settings.http_tls_certfile,
-                ssl_keyfile=settings.http_tls_keyfile)
+                ssl_keyfile=settings.http_tls_keyfile, http=head_deadline_protocol(settings.http_head_timeout_s))
+
+
+def head_deadline_protocol(seconds: float) -> type:
+    """uvicorn's h11 protocol with a deadline on every request's head: a connection that has not sent a whole head
+    within `seconds` of opening, or of its last response, is closed. uvicorn starts no timer before a head is whole
+    (its keep-alive timer stops at the first byte), so half-sent requests would hold the `http_max_connections`
+    slots for ever and every request, the probes included, would be answered 503 (slowloris). A body sent slowly
+    after a whole head is not covered: the body limit and the handlers bound it."""
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class HeadDeadline(H11Protocol):
+        _head_deadline = None
+
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            self._arm()
+
+        def handle_events(self) -> None:
+            super().handle_events()
+            if self.cycle is not None and not self.cycle.response_complete and self._head_deadline is not None:
+                self._head_deadline.cancel()  # a whole head: the request runs under the handlers' own bounds
+                self._head_deadline = None
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if not self.transport.is_closing() and self._head_deadline is None:
+                self._arm()  # the next request's head, on this kept-alive connection
+
+        def connection_lost(self, exc) -> None:
+            if self._head_deadline is not None:
+                self._head_deadline.cancel()
+            super().connection_lost(exc)
+
+        def _arm(self) -> None:
+            self._head_deadline = self.loop.call_later(seconds, self._too_slow)
+
+        def _too_slow(self) -> None:
+            self._head_deadline = None
+            if self.cycle is None or self.cycle.response_complete:
+                log.info("closing a connection from %s: no whole request head within %.0fs", self.client, seconds)
+                self.transport.close()
+
+    return HeadDeadline
 
 
 def client_verify(settings: Settings) -> ssl.SSLContext | bool:

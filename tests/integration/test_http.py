@@ -13,7 +13,7 @@ import httpx
 from fastapi.testclient import TestClient
 from pydantic import BaseModel
 
-from services.http import create_app, token_refusal
+from services.http import create_app, head_deadline_protocol, token_refusal
 from tests.servers import ServerThread
 
 AUTH = {"Authorization": "Bearer tok"}
@@ -162,6 +162,32 @@ def test_connections_beyond_the_limit_get_503():
         finally:
             release.set()
         assert held.result().status_code == 200
+
+
+def test_half_sent_requests_are_closed_at_the_head_deadline_and_the_probes_answer_again():
+    """Slowloris: connections that send a request head a byte at a time hold every slot, and uvicorn alone answers
+    503 to everything, /healthz included, for as long as they last. With the head deadline the server closes them
+    and the probes answer again; a whole request, and the next one on the same kept-alive connection, still do."""
+    app = make_app()
+    for protocol, answered in ((None, 503), (head_deadline_protocol(1.0), 200)):
+        config = {"http": protocol} if protocol else {}
+        with ServerThread(app, limit_concurrency=3, **config) as server:
+            host, port = server.url.removeprefix("http://").split(":")
+            loris = [socket.create_connection((host, int(port))) for _ in range(3)]
+            for sock in loris:
+                sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n")  # never ends its head
+            time.sleep(1.5)
+            try:
+                assert httpx.get(f"{server.url}/healthz", timeout=5).status_code == answered
+                if protocol:
+                    for sock in loris:
+                        sock.settimeout(2)
+                        assert sock.recv(1024) == b""  # closed by the server
+                    with httpx.Client(timeout=5) as client:  # one kept-alive connection, two requests
+                        assert [client.get(f"{server.url}/healthz").status_code for _ in range(2)] == [200, 200]
+            finally:
+                for sock in loris:
+                    sock.close()
 
 
 def test_bad_body_is_422_with_details():
