@@ -9,8 +9,8 @@ read or parsed. Every path needs it except the probes and the scrape (`OPEN_PATH
 The probes are async and `/readyz` runs its check on threads of its own (a limiter apart from the shared one), so
 neither waits for the worker threads that synchronous handlers hold. uvicorn answers 503 above
 `http_max_connections` connections, and a connection that has not sent a whole request head within
-`http_head_timeout_s` is closed (`head_deadline_protocol`), so idle half-open ones cannot keep the probes out. With `http_tls_certfile` (and its key) every service serves HTTPS
-(`server_options`).
+`http_head_timeout_s` is closed (`head_deadline_protocol`), so idle half-open ones cannot keep the probes out.
+With `http_tls_certfile` (and its key) every service serves HTTPS (`server_options`).
 """
 
 from __future__ import annotations
