@@ -180,7 +180,7 @@ class RolloutWorker:
         self._pull_target: WeightsAnnouncement | None = None
         self._ready_weights: _Ready | None = None
         self._receiving: WeightsBroadcast | None = None  # a broadcast round the engine's workers are taking
-        self._rounds_tried: set[str] = set()
+        self._round_tried: str | None = None  # the last round joined (a round is tried once)
         self._next_round_poll = 0.0
         self._failed: dict[tuple[int, str], tuple[float, str]] = {}  # (version, sha) -> (retry after, reason)
         self._waiters: list[tuple[int, concurrent.futures.Future]] = []
@@ -550,10 +550,10 @@ class RolloutWorker:
             offered = self.sync.watcher.round
             files = self.sync.watcher.newest  # written after the round: the round is over
             if (offered is None or offered.version <= self.version or self.id not in offered.ranks
-                    or offered.group in self._rounds_tried or self._pull is not None or self._ready_weights
+                    or offered.group == self._round_tried or self._pull is not None or self._ready_weights
                     or (files is not None and files.version >= offered.version)):
                 return
-            self._rounds_tried = {offered.group}
+            self._round_tried = offered.group
             self.engine.begin_receive(offered, self.sync.learner_host, offered.ranks[self.id])
             self._receiving = offered
             self.status = f"receiving weights v{offered.version}"

@@ -443,15 +443,10 @@ class LearnerService:
         transport: the way in for generators outside the round). Returns the round's figures for the step record."""
         version = self.policy.current
         weights = self.ranks.weights(self.trainer)
-        figures = {}
-        if self.broadcaster is not None and (round_ := self.broadcaster.broadcast(shareable_state_dict(weights),
-                                                                                   version)) is not None:
-            figures = {"broadcast_seconds": round_.seconds, "broadcast_members": len(round_.members),
-                       "broadcast_failed": len(round_.failed) if round_.error is None else max(1, len(round_.failed)),
-                       "broadcast_bytes": round_.bytes_sent}
+        round_ = self.broadcaster.broadcast(shareable_state_dict(weights), version) if self.broadcaster else None
         self.publisher.publish(weights, version)
         metrics.LEARNER_VERSION.set(version)
-        return figures
+        return round_.figures() if round_ is not None else {}
 
     def checkpoint_due(self, final: bool) -> bool:
         every = self.cfg.checkpoints.every

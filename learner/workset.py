@@ -339,9 +339,8 @@ class WorkingSet:
         queued = {task.task_id for task in self.outbox}  # not pushed yet: not in `issued` either
         waiting = [task_id for task_id in waiting if task_id not in queued]
         known = self.redis.hmget(self.issued_key, waiting) if waiting else []
-        gone = [task_id for task_id, raw in zip(waiting, known) if raw is None]
-        lost = self.assembler.lost(gone) + (self.eval_round.mark_lost(gone) if self.eval_round is not None else 0)
-        log.warning("Redis restarted (run id %s); %d tasks in flight were lost with it", run_id[:8], lost)
+        lost = self.lose([task_id for task_id, raw in zip(waiting, known) if raw is None])
+        log.warning("Redis restarted (run id %s); %d tasks in flight were lost with it", run_id[:8], sum(lost))
 
     def scan_dead_letters(self) -> None:
         """Prompts that died in the pipeline (poison, too many deliveries) will never be scored: stop waiting.
@@ -357,28 +356,29 @@ class WorkingSet:
                 continue
             if task_id := fields.get(b"task_id", b"").decode(errors="replace"):  # read from the payload when written
                 lost.append(task_id)
-        if lost:
-            self.settle(lost)
-            self.deadlines.forget(lost)
-            gone = self.assembler.lost(lost)
-            eval_gone = self.eval_round.mark_lost(lost) if self.eval_round is not None else 0
-            if gone or eval_gone:
-                log.warning("%d train and %d eval tasks died in the pipeline (see the dead stream)", gone, eval_gone)
+        gone, eval_gone = self.lose(lost)
+        if gone or eval_gone:
+            log.warning("%d train and %d eval tasks died in the pipeline (see the dead stream)", gone, eval_gone)
 
     def expire_overdue(self) -> None:
         """Tasks past their deadline (learner/deadlines.py) are not waited for any more: their entry may have been
         deleted or trimmed, or a worker holds them and never answers. Counted lost (the step refills, an evaluation
         or a drain goes on) and forgotten in `issued`: a group that still comes is refused as unknown."""
-        late = self.deadlines.overdue(time.monotonic())
-        if not late:
-            return
-        self.settle(late)
-        gone = self.assembler.lost(late)
-        eval_gone = self.eval_round.mark_lost(late) if self.eval_round is not None else 0
+        gone, eval_gone = self.lose(self.deadlines.overdue(time.monotonic()))
         metrics.LEARNER_TASKS_EXPIRED.inc(gone + eval_gone)
         if gone or eval_gone:
             log.warning("%d train and %d eval tasks passed their deadline (%.3g s after the push): counted lost",
                         gone, eval_gone, self.deadlines.limit_s())
+
+    def lose(self, task_ids: list[str]) -> tuple[int, int]:
+        """Stop waiting for tasks whose groups will never come: forgotten in `issued` and by the deadlines, counted
+        lost in the step and in a running evaluation. Returns how many of each were still awaited."""
+        if not task_ids:
+            return 0, 0
+        self.settle(task_ids)
+        self.deadlines.forget(task_ids)
+        gone = self.assembler.lost(task_ids)
+        return gone, self.eval_round.mark_lost(task_ids) if self.eval_round is not None else 0
 
     # -- held: the durable working set -------------------------------------------------------------------------
     def redis_memory(self) -> tuple[int, int]:

@@ -238,6 +238,12 @@ class RoundResult:
     bytes_sent: int = 0
     error: str | None = None
 
+    def figures(self) -> dict[str, float]:
+        """For the learner's step record; a failed round counts at least one failed member."""
+        failed = max(len(self.failed), 1 if self.error else 0)
+        return {"broadcast_seconds": self.seconds, "broadcast_members": len(self.members),
+                "broadcast_failed": failed, "broadcast_bytes": self.bytes_sent}
+
 
 class Broadcaster:
     """Rank 0 of every round: hosts the rendezvous store, picks the members, streams the buckets, signs."""

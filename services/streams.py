@@ -571,16 +571,16 @@ class Streams:
                 info = self.redis.xinfo_stream(key)
             except redis.ResponseError:  # no such stream yet
                 continue
-            if _id_ms(info["last-generated-id"]) <= horizon:
+            if _id_key(info["last-generated-id"])[0] <= horizon:
                 continue
             future = [entry_id for entry_id, _ in self.redis.xrange(key, min=f"{horizon + 1}-0", max="+")]
             if future:
                 self.redis.xdel(key, *future)
             newest = self.redis.xrevrange(key, count=1)
-            last = max([f"{now_ms}-0", *(_id_str(entry_id) for entry_id, _ in newest)], key=_id_key)
+            last = max([f"{now_ms}-0", *(entry_id.decode() for entry_id, _ in newest)], key=_id_key)
             self.redis.execute_command("XSETID", key, last)
             for group in self.redis.xinfo_groups(key):
-                if _id_ms(group["last-delivered-id"]) > horizon:
+                if _id_key(group["last-delivered-id"])[0] > horizon:
                     self.redis.xgroup_setid(key, group["name"], last)
             log.error("stream %s had its last id set in the future (%d entries dated after now + %ds deleted): "
                       "writable again from %s", key, len(future), FUTURE_ID_TOLERANCE_MS // 1000, last)
@@ -667,17 +667,10 @@ def _dead_letter_fields(letter: dict) -> list:
     return [part for name in sorted(named) for part in (name, named[name])]
 
 
-def _id_str(entry_id) -> str:
-    return entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
-
-
-def _id_key(entry_id: str) -> tuple[int, int]:
-    ms, _, seq = entry_id.partition("-")
+def _id_key(entry_id: bytes | str) -> tuple[int, int]:
+    """A stream entry id `<ms>-<seq>` as numbers, for comparing."""
+    ms, _, seq = (entry_id.decode() if isinstance(entry_id, bytes) else entry_id).partition("-")
     return int(ms), int(seq or 0)
-
-
-def _id_ms(entry_id) -> int:
-    return _id_key(_id_str(entry_id))[0]
 
 
 def consumer_name(kind: str) -> str:
