@@ -55,6 +55,7 @@ PROMETHEUS_PORT = 19090
 SERVICES = ["redis", "bootstrap", "learner", "generator", "reward", "prometheus"]
 BAD_LINE = re.compile(r"Traceback|\bERROR\b|\bCRITICAL\b")
 LOST = re.compile(r"Redis restarted \(run id \w+\); (\d+) tasks in flight were lost")
+LOADED = re.compile(r"now serving weights v\d+ \(was v\d+\): (broadcast|pull\+verify)")
 T0 = time.monotonic()
 
 
@@ -122,8 +123,8 @@ class Stack:
         self.image = self.env.setdefault("DAPO_IMAGE", "dapo:0.1.0-cpu")
 
     def compose(self, *args: str, check: bool = True, timeout: float = 900) -> str:
-        command = ["docker", "compose", "-p", PROJECT, "-f", str(ROOT / "docker-compose.yml"),
-                   "-f", str(self.override), *args]
+        files = [ROOT / "docker-compose.yml", *(Path(extra).resolve() for extra in self.args.override), self.override]
+        command = ["docker", "compose", "-p", PROJECT, *(flag for file in files for flag in ("-f", str(file))), *args]
         return run(*command, check=check, timeout=timeout, env=self.env)
 
     def up(self, generators: int, *flags: str) -> float:
@@ -334,6 +335,10 @@ def checks(result: dict, args: argparse.Namespace) -> dict[str, bool]:
         "no Traceback, ERROR or CRITICAL line in any service's logs": not result.get("bad_log_lines"),
         "down -v left no volume": result.get("volumes_left") == 0,
     }
+    if "broadcast" in result:  # weights.transport collective (deploy/compose.broadcast.yml)
+        rounds, loads = result["broadcast"], result["loads"]
+        found["weights streamed into the running engines: loaded by broadcast, most rounds reached every member"] = \
+            loads.get("broadcast", 0) > 0 and 2 * rounds["rounds_all_received"] >= rounds["rounds"]
     if args.kill_redis_at:
         found["a SIGKILLed Redis: restarted, no task lost (the learner's count)"] = \
             "step after the Redis restart" in named and bool(lost) and not any(lost)
@@ -359,6 +364,17 @@ def summarize(stack: Stack, result: dict) -> None:
     result["checkpoints"] = listing.split()
     result["bad_log_lines"] = [line for text in result.get("logs", []) for line in text.splitlines()
                                if BAD_LINE.search(line)]
+    loads = LOADED.findall("\n".join(result.get("logs", [])))
+    result["loads"] = {way: loads.count(way) for way in ("broadcast", "pull+verify")}
+    rounds = [m for m in metrics if "broadcast_members" in m]
+    if rounds:  # the step records of weights.transport collective
+        result["broadcast"] = {
+            "rounds": len(rounds),
+            "rounds_all_received": sum(1 for m in rounds if m["broadcast_members"] and not m["broadcast_failed"]),
+            "members": [m["broadcast_members"] for m in rounds],
+            "mean_seconds": round(sum(m["broadcast_seconds"] for m in rounds) / len(rounds), 2),
+            "megabytes": round(rounds[-1]["broadcast_bytes"] / 1e6, 1),
+        }
 
 
 def report(result: dict, command: str) -> str:
@@ -394,6 +410,13 @@ def report(result: dict, command: str) -> str:
     if "learner_stays_down" in result:
         lines.append(f"| finished learner not restarted (restart: on-failure) | {result['learner_stays_down']} "
                      f"(exit code {result['learner_exit_code']}) |")
+    if result.get("broadcast"):
+        rounds = result["broadcast"]
+        lines.append(f"| weights by broadcast (`{' '.join(result['overrides'])}`) | {rounds['rounds_all_received']} "
+                     f"of {rounds['rounds']} rounds reached every member (members per round: "
+                     f"{', '.join(map(str, rounds['members']))}), {rounds['megabytes']} MB in "
+                     f"{rounds['mean_seconds']} s on average; versions loaded by the generators: "
+                     f"{result['loads']['broadcast']} by broadcast, {result['loads']['pull+verify']} from the files |")
     if "bad_log_lines" in result:
         lines.append(f"| `Traceback`, `ERROR` or `CRITICAL` lines in the services' logs "
                      f"| {len(result['bad_log_lines'])} |")
@@ -422,6 +445,9 @@ def main() -> int:
                              "(same DAPO_TOKEN and DAPO_SECRETS_DIR in the environment)")
     parser.add_argument("--model-cache", default=str(Path("~/.cache/dapo").expanduser()),
                         help="host folder of built tiny models to seed the volume with ('' to let bootstrap build)")
+    parser.add_argument("--override", action="append", default=[], metavar="FILE",
+                        help="a Compose file laid over docker-compose.yml (repeatable), e.g. "
+                             "deploy/compose.broadcast.yml")
     parser.add_argument("--build", action="store_true", help="run deploy/local-images.sh first and time it")
     parser.add_argument("--keep", action="store_true", help="leave the containers and volumes")
     parser.add_argument("--check", action="store_true",
@@ -432,7 +458,7 @@ def main() -> int:
     workdir = Path(tempfile.mkdtemp(prefix="dapo-compose-"))
     dockerd = start_dockerd(workdir / "dockerd.log")
     result: dict = {"generators": args.generators, "steps": args.steps, "events": [], "logs": [],
-                    "conditions": args.conditions}
+                    "conditions": args.conditions, "overrides": args.override}
     if args.build:  # its last line: `export DAPO_IMAGE=... REDIS_IMAGE=... PROMETHEUS_IMAGE=...`
         started = time.monotonic()
         exports = subprocess.run([str(ROOT / "deploy" / "local-images.sh")], stdout=subprocess.PIPE, text=True,
@@ -470,7 +496,8 @@ def main() -> int:
         for line in result.get("bad_log_lines", [])[:40]:
             print(f"  log: {line[:300]}", file=sys.stderr)
         evals = ", ".join(f"step {step}: {100 * accuracy:.1f} %" for step, accuracy in result.get("eval_accuracy", []))
-        print(f"[compose check] held-out accuracy: {evals or 'none'}; ledger: {result.get('ledger')}")
+        print(f"[compose check] held-out accuracy: {evals or 'none'}; ledger: {result.get('ledger')}; "
+              f"versions loaded: {result.get('loads')}; broadcast rounds: {result.get('broadcast')}")
         for name, held in found.items():
             print(f"[compose check] {'ok    ' if held else 'FAILED'} {name}")
         print(f"[compose check] {sum(found.values())} of {len(found)} held in {time.monotonic() - T0:.0f} s")
@@ -479,12 +506,14 @@ def main() -> int:
     results = ROOT / "benchmarks" / "results"
     results.mkdir(parents=True, exist_ok=True)
     result.pop("logs")  # kept in memory for the checks; the report keeps the offending lines
-    (results / "compose.json").write_text(json.dumps(result, indent=1))
+    # one report per stack: the default, and each override laid over it (compose-broadcast, ...)
+    section = "-".join(["compose", *(Path(o).stem.removeprefix("compose.") for o in args.override)])
+    (results / f"{section}.json").write_text(json.dumps(result, indent=1))
     command = (f"python -m benchmarks.compose --generators {args.generators} --steps {args.steps}"
-               f"{' --build' if args.build else ''}")
+               f"{''.join(f' --override {o}' for o in args.override)}{' --build' if args.build else ''}")
     body = report(result, command)
     print(body)
-    replace_section(ROOT / "benchmarks" / "README.md", "compose", body)
+    replace_section(ROOT / "benchmarks" / "README.md", section, body)
     return 1 if result.get("error") else 0
 
 

@@ -27,7 +27,8 @@ schema_version, an entry without payload), and forged ones (no signature, a genu
 and prompts with made-up task ids signed with the real keys, so only provenance can refuse them), and the
 attacks on the roles (services/keys.py): a `scored` group of a real issued task signed with a generator's key, a
 task signed with the reward role's key, messages under a retired key id (a key the run does not trust: replayed
-after a rotation removed it). Each wave also has the generator's Redis user (its password read from the run's
+after a rotation removed it), a generator's own signed dead letter retiring an issued task it was never
+delivered. Each wave also has the generator's Redis user (its password read from the run's
 redis.conf, as a compromised generator pod holds it) try commands outside its ACL (services/redis_users.py):
 write `scored`, read `issued`, overwrite the weights announcement, FLUSHALL, CONFIG SET, a script writing
 `scored`; every one must be refused.
@@ -37,8 +38,8 @@ Counting, after the run (the pure part is `analyze`, unit-tested on synthetic in
 written again = work redone, and groups trained in a discarded lineage); metrics.jsonl (duplicates dropped,
 tasks lost with a Redis restart); the `dead` stream read from the run's Redis AOF after the run, each dead
 letter matched to the injection it came from (same stream and bytes, or the same task id), so what is left
-unmatched is a legitimate task dead-lettered. Results go to benchmarks/results/faults.json and the table into
-benchmarks/README.md between the `faults` markers.
+unmatched is a legitimate task dead-lettered, and none may carry a ground truth. Results go to
+benchmarks/results/faults.json and the table into benchmarks/README.md between the `faults` markers.
 """
 
 from __future__ import annotations
@@ -196,6 +197,17 @@ def match_dead(dead: list[dict], injections: list[Injection]) -> tuple[list[tupl
     return pairs, unmatched
 
 
+def ground_truth_in(stream: str, payload: bytes) -> bool:
+    """Whether a dead letter's payload carries a task's ground truth (scored or held groups carry one until the
+    learner's letter blanks it: services/streams.py `without_ground_truth`)."""
+    if stream not in ("scored", "held"):
+        return False
+    try:
+        return bool(msgpack.unpackb(payload, raw=False)["rollout"]["task"]["ground_truth"])
+    except Exception:  # garbage, or a group without a task: nothing to leak
+        return False
+
+
 def analyze(final: list[dict], seen: list[dict], metrics_rows: list[dict], dead: list[dict],
             injections: list[Injection], kills: list[Kill], acl_attempts: list[AclAttempt]) -> dict:
     ledger = ledger_check(final)
@@ -218,6 +230,7 @@ def analyze(final: list[dict], seen: list[dict], metrics_rows: list[dict], dead:
             entry["dead_otherwise"] += 1
         if reason not in entry["reasons"]:
             entry["reasons"].append(reason[:200])
+    with_truth = [r.get("id") for r in dead if ground_truth_in(r.get("stream", ""), r.get("data", b""))]
     legit = [{"stream": r.get("stream"), "reason": r.get("reason", "")[:200],
               "task_id": task_id_in_payload(r.get("stream", ""), r.get("data", b""))} for r in unmatched]
     forged = [i for i in injections if i.kind == "forged"]
@@ -246,6 +259,7 @@ def analyze(final: list[dict], seen: list[dict], metrics_rows: list[dict], dead:
         "forged_injected": len(forged),
         "forged_trained": sum(by_label[i.label]["trained"] for i in {i.label: i for i in forged}.values()),
         "legit_dead": legit,
+        "ground_truth_in_dead": with_truth,
         "dead_letters": len(dead),
         "dead_reasons": dict(Counter(r.get("reason", "").split(":", 1)[0] for r in dead)),
         "per_kind": per_kind,
@@ -503,7 +517,7 @@ class Faults:
         return self._streams
 
     def inject(self, wave: int) -> None:
-        """One wave of poison, malformed and forged messages (15 entries)."""
+        """One wave of poison, malformed and forged messages (16 entries)."""
         from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
         from services.keys import ROLES, SIGNER_OF, Signer
@@ -539,8 +553,8 @@ class Faults:
             rollout = RolloutGroup(task=task, policy_version=0, generator_id="forger", samples=samples)
             return ScoredGroup(rollout=rollout, scores=scores, reward_worker_id="forger")
 
-        def write(kind, label, stream, expect, fields: dict, task_id=None, real_task=False) -> None:
-            r.xadd(streams.key(stream), fields)
+        def write(kind, label, stream, expect, fields: dict, task_id=None, real_task=False, into=None) -> None:
+            r.xadd(streams.key(into or stream), fields)
             self.injections.append(Injection(kind, label, stream, expect, digest(fields.get(b"data", b"")),
                                              task_id, real_task, time.time()))
 
@@ -605,6 +619,15 @@ class Faults:
             write("forged", "issued task's group, signed with a generator's key", "scored",
                   "forged: signed by the generator role", signed("scored", genuine, streams.signers["generator"]),
                   task.task_id, real_task=True)
+            # A generator's own signed letter retiring an issued task it was never delivered, the task's bytes in
+            # it: it retires nothing (the learner reads what a letter retires from the entry its writer parked),
+            # so the genuine group still trains; were the task retired, that group would be dead-lettered as
+            # unknown, and counted as a legitimate task dead-lettered.
+            letter = {b"stream": "prompts", b"entry_id": "1-0", b"reason": "delivered 4 times (max 3)",
+                      b"deliveries": 4, b"task_id": task.task_id, b"data": to_wire(task.for_generators())}
+            write("forged", "a generator's letter for an issued task it never held", "prompts", "delivered 4 times",
+                  {**letter, b"sig": streams.dead_letter_signature(letter)}, task.task_id, real_task=True,
+                  into="dead")
         self.acl_attempts += outside_acl(self.generator_client(), "generator", streams)
         print(f"[faults] wave {wave}: {len(self.injections)} bad messages written so far", flush=True)
 
@@ -654,6 +677,9 @@ def report(result: dict) -> str:
     row("0 legitimate tasks dead-lettered", f"{len(a['legit_dead'])} of {a['dead_letters']} dead letters",
         not a["legit_dead"])
     row("0 forged messages trained", f"{a['forged_trained']} of {a['forged_injected']}", a["forged_trained"] == 0)
+    if "ground_truth_in_dead" in a:  # counted since 2026-11-28
+        row("0 dead letters carrying a ground truth", f"{len(a['ground_truth_in_dead'])} of {a['dead_letters']}",
+            not a["ground_truth_in_dead"])
     bad = sum(v["injected"] for v in a["injections"].values())
     ok = sum(v["dead_as_expected"] for v in a["injections"].values())
     row("every bad message dead-lettered with its exact reason", f"{ok} of {bad}", ok == bad)

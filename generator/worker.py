@@ -52,7 +52,7 @@ from generator.sync import WeightSync
 from services import metrics
 from services.config import Settings
 from services.errors import ExitCode
-from services.messages import PromptTask, RolloutGroup, WeightsAnnouncement, WeightsBroadcast, to_wire
+from services.messages import PromptTask, RolloutGroup, WeightsAnnouncement, WeightsBroadcast
 from services.streams import Delivery, Streams
 from services.weights import WeightsError
 
@@ -372,7 +372,7 @@ class RolloutWorker:
             prompt_ids = self.engine.check(task)
             self.engine.submit(delivery.id, prompt_ids, task.sampling)
         except InvalidTask as err:  # no engine can serve it: never retried
-            self.prompts.dead(delivery.id, to_wire(task), f"invalid task: {err}"[:2000], delivery.deliveries)
+            self.prompts.reject(delivery, f"invalid task: {err}"[:2000])
             return True
         except EngineFailure as err:
             self.inflight[delivery.id] = InFlight(delivery, now)
@@ -426,8 +426,7 @@ class RolloutWorker:
         if self.isolated and len(batch) == 1:
             (culprit,) = batch
             log.error("engine failure on task %s alone: %s", culprit.message.task_id, err)
-            self.prompts.dead(culprit.id, to_wire(culprit.message), f"engine failure on this task alone: {err}"[:2000],
-                              culprit.deliveries)
+            self.prompts.reject(culprit, f"engine failure on this task alone: {err}"[:2000])
         else:
             log.error("engine failure (%s) with %d tasks in flight: restarting, then running them in halves",
                       err, len(batch))

@@ -343,19 +343,15 @@ class WorkingSet:
         log.warning("Redis restarted (run id %s); %d tasks in flight were lost with it", run_id[:8], sum(lost))
 
     def scan_dead_letters(self) -> None:
-        """Prompts that died in the pipeline (poison, too many deliveries) will never be scored: stop waiting.
-        Groups refused as forged or for their provenance say nothing reliable about the task they name: it may be
-        a real one, whose genuine group is still to come; nor does a dead letter no service signed (anyone who can
-        write to Redis could add one)."""
+        """Tasks that died in the pipeline (poison, too many deliveries, malformed) will never be scored: stop
+        waiting. Which task a letter retires is read from Redis, not from the letter (`Streams.settle_dead_letter`):
+        a worker can retire only an entry it held and parked, and letters for forged, altered or oversize entries
+        retire none (the genuine group of the task they name may still come); letters no service signed are
+        skipped (anyone who can write to Redis could add one)."""
         self._dead_scanned_at = time.monotonic()
         self.check_redis_restart()
-        lost = []
         self._dead_cursor, letters = self.streams.dead_letters_after(self._dead_cursor)
-        for _, fields in letters:
-            if fields.get(b"reason", b"").startswith((b"forged", b"provenance")):
-                continue
-            if task_id := fields.get(b"task_id", b"").decode(errors="replace"):  # read from the payload when written
-                lost.append(task_id)
+        lost = [task_id for _, fields in letters if (task_id := self.streams.settle_dead_letter(fields))]
         gone, eval_gone = self.lose(lost)
         if gone or eval_gone:
             log.warning("%d train and %d eval tasks died in the pipeline (see the dead stream)", gone, eval_gone)

@@ -65,6 +65,11 @@ STREAM_REPAIRED = Counter(
     "dapo_stream_repaired_total", "Streams made writable again after a client set their last id in the future.",
     ["stream"],
 )
+STREAM_LETTERS_REFUSED = Counter(
+    "dapo_stream_dead_letters_refused_total",
+    "Workers' dead letters that retired no task: the entry they name was not parked by its holder, or does not "
+    "verify.", ["stream"],
+)
 LEARNER_TASKS_EXPIRED = Counter(
     "dapo_learner_tasks_expired_total", "Issued tasks given up at their deadline (their group never came back)."
 )

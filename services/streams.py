@@ -7,9 +7,11 @@ learner). The life of a message:
 2. `consume` first reclaims entries another consumer has held longer than the visibility timeout (it died),
    then reads new ones. An entry delivered more than `max_deliveries` times, whose signature does not check
    out (`forged: ...`), or whose payload does not parse (bad msgpack, schema, unknown version), goes to the
-   `dead` stream with the reason, the task id and the original bytes (beyond streams.dead_payload_max_bytes: in
-   a file under run_dir/dead-letters, the letter records its sha256 and size). The dead stream is trimmed to
-   about streams.dead_maxlen letters.
+   `dead` stream with the reason, the task id, the original bytes (beyond streams.dead_payload_max_bytes: in
+   a file under run_dir/dead-letters, the letter records its sha256 and size) and the entry's own signature.
+   The dead stream is trimmed to about streams.dead_maxlen letters. A letter is a worker's word, so the worker
+   does not delete what it dead-letters: it parks the entry under the pseudo-consumer DEAD_LETTERED in the same
+   transaction, and the learner retires a task only from what Redis holds there (`settle_dead_letter`).
 3. `forward` writes the result downstream and acknowledges the input in one Lua script (a Redis 7 function:
    `StreamScripts`), and only if this
    consumer still owns the input: a slow consumer whose message was reclaimed cannot write a second result.
@@ -57,11 +59,16 @@ M = TypeVar("M", bound=BaseModel)
 # The stage (consumer group) that reads each stream.
 CONSUMER_GROUPS = {"prompts": "generator", "rollouts": "reward", "scored": "learner"}
 RELEASED = "released"  # pseudo-consumer that holds entries handed back by a shutting-down consumer
+DEAD_LETTERED = "dead-lettered"  # pseudo-consumer that holds a worker's dead-lettered entry until the learner checks it
+# Letters that say nothing about the task they name: a forged or altered entry, or a group that does not fit its
+# task, may name a real task whose genuine entry is still to come; an oversize one was never decoded.
+RETIRES_NOTHING = (b"forged", b"provenance", b"oversize")
 # The learner's hash of the tasks it issued (task id -> PromptTask, ground truth included): the reward role reads a
 # task's ground truth there, the `prompts` stream carries none (PromptTask.for_generators).
 ISSUED = "issued"
 FIELD = b"data"
 SIG = b"sig"
+ENTRY_SIG = b"entry_sig"  # a dead letter's copy of the retired entry's own `sig` (its producer's signature)
 
 # KEYS: input stream, output stream, forward marker. ARGV: group, entry id, consumer, payload, signature, marker ms.
 # Write downstream and ack only while `consumer` still owns the entry (0: it was reclaimed, drop the result). With
@@ -178,6 +185,7 @@ class Delivery(Generic[M]):
     deliveries: int
     consumer: str
     payload: bytes = b""  # the bytes as read, for a dead letter
+    signature: bytes = b""  # the entry's `sig` as read, for a dead letter
 
 
 class Stream(Generic[M]):
@@ -323,26 +331,27 @@ class Stream(Generic[M]):
         for eid, fields in raw:
             entry_id = eid.decode()
             deliveries = counts.get(entry_id, 1)
-            payload = fields.get(FIELD, b"")
+            payload, signature = fields.get(FIELD, b""), fields.get(SIG, b"")
             if len(payload) > self.max_entry_bytes:  # before the signature is hashed or a byte decoded
                 reason = (f"oversize: {len(payload):,} bytes, more than the {self.max_entry_bytes:,} an entry of "
                           f"{self.name} can need")
-                self.dead(entry_id, payload, reason, deliveries, keep_payload=False)
+                self.dead(entry_id, payload, reason, deliveries, keep_payload=False, signature=signature)
                 continue
             forged = self.forged(fields)  # first: a dead letter not labelled forged is trusted (scan_dead_letters)
             if forged:
-                self.dead(entry_id, payload, forged, deliveries)
+                self.dead(entry_id, payload, forged, deliveries, signature=signature)
                 continue
             if deliveries > self.cfg.max_deliveries:
                 self.dead(entry_id, payload, f"delivered {deliveries} times (max {self.cfg.max_deliveries})",
-                          deliveries)
+                          deliveries, signature=signature)
                 continue
             try:
                 message = from_wire(self.model, payload)
             except ValueError as err:  # msgpack or pydantic ValidationError (schema, unknown version)
-                self.dead(entry_id, payload, f"unparseable {self.model.__name__}: {err}"[:2000], deliveries)
+                self.dead(entry_id, payload, f"unparseable {self.model.__name__}: {err}"[:2000], deliveries,
+                          signature=signature)
                 continue
-            out.append(Delivery(entry_id, message, deliveries, consumer, payload))
+            out.append(Delivery(entry_id, message, deliveries, consumer, payload, signature))
         return out
 
     def _delivery_counts(self, ids: list[bytes]) -> dict[str, int]:
@@ -429,25 +438,64 @@ class Stream(Generic[M]):
 
     def reject(self, delivery: Delivery[M], reason: str) -> None:
         """Dead-letter a delivery that parsed but must not be used (e.g. a group the learner never asked for)."""
-        self.dead(delivery.id, delivery.payload or to_wire(delivery.message), reason, delivery.deliveries)
+        self.dead(delivery.id, delivery.payload or to_wire(delivery.message), reason, delivery.deliveries,
+                  signature=delivery.signature)
 
-    def dead(self, entry_id: str, payload: bytes, reason: str, deliveries: int = 0, keep_payload: bool = True) -> None:
-        """Move an entry to the dead stream with the reason, its task id and its original bytes (a large payload:
-        its file, sha256 and size, `Streams.letter_payload`; `keep_payload` off: its sha256 and size only, nothing
-        decoded), and ack it here. The dead stream keeps about streams.dead_maxlen letters (the oldest are
-        trimmed)."""
-        pipe = self.redis.pipeline(transaction=True)
+    def dead(self, entry_id: str, payload: bytes, reason: str, deliveries: int = 0, keep_payload: bool = True,
+             signature: bytes = b"") -> None:
+        """Write a dead letter for an entry this consumer holds: the reason, its task id, its original bytes (a
+        large payload: its file, sha256 and size, `Streams.letter_payload`; `keep_payload` off: its sha256 and size
+        only, nothing decoded; a scored group's ground truth left out) and its `signature`. The dead stream keeps
+        about streams.dead_maxlen letters (the oldest are trimmed).
+
+        The learner's own streams (scored, held) it acks and deletes at once: the letter is the learner's word. A
+        worker's entry it parks under DEAD_LETTERED in the same transaction instead, for the learner to check the
+        letter against and delete (`Streams.settle_dead_letter`): a letter can then retire only an entry its
+        writer held in the stage's consumer group, never one it was not delivered or had already answered."""
+        payload = without_ground_truth(self.name, payload) if keep_payload else payload
         task_id = task_id_in_payload(self.name, payload) if keep_payload else None
         letter = {b"stream": self.name, b"entry_id": entry_id, b"reason": reason, b"deliveries": deliveries,
-                  b"task_id": task_id or "", **self.streams.letter_payload(payload, keep_payload)}
+                  b"task_id": task_id or "", ENTRY_SIG: signature, **self.streams.letter_payload(payload, keep_payload)}
+        pipe = self.redis.pipeline(transaction=True)
         pipe.xadd(self.streams.key("dead"), {**letter, SIG: self.streams.dead_letter_signature(letter)},
                   maxlen=self.cfg.dead_maxlen, approximate=True)
-        pipe.xack(self.key, self.group, entry_id)
-        pipe.xdel(self.key, entry_id)
-        pipe.execute()
+        if DEAD_LETTER_SIGNER_OF[self.name] == "learner":
+            pipe.xack(self.key, self.group, entry_id)
+            pipe.xdel(self.key, entry_id)
+        else:  # JUSTID: parking is not a delivery; a consumer that reclaims it (no learner settled it within the
+            # visibility timeout) finds it at max_deliveries and dead-letters it again without running it
+            pipe.xclaim(self.key, self.group, DEAD_LETTERED, 0, [entry_id], justid=True,
+                        retrycount=max(deliveries, self.cfg.max_deliveries))
+        for reply in pipe.execute(raise_on_error=False):
+            if isinstance(reply, redis.ResponseError) and "NOGROUP" not in str(reply):
+                raise reply  # NOGROUP: a Redis restart lost the group, and with it the entry's delivery: not parked
         label = reason.split(" ", 1)[0].rstrip(":")
         metrics.STREAM_DEAD.labels(self.name, label).inc()
         log.error("dead letter from %s (%s): %s", self.key, entry_id, reason[:300])
+
+    def settle_parked(self, entry_id: str, read: bool) -> tuple[str | None, str]:
+        """The learner's side of a worker's dead letter for `entry_id`: the task id of the entry as Redis holds it,
+        and what was found. The entry must be pending under DEAD_LETTERED in this stream's consumer group (else the
+        letter retires nothing); `read`: its fields must verify under the producer's key and fit the stream's entry
+        size, and the task id is read from them. A parked entry is then acked and deleted."""
+        rows = self._grouped(self.redis.xpending_range, self.key, self.group, min=entry_id, max=entry_id, count=1)
+        if not rows or rows[0]["consumer"] != DEAD_LETTERED.encode():
+            return None, "its entry is not parked under the stream's consumer group (not held, or answered)"
+        task_id, found = None, "parked"
+        if read:
+            fields = dict(next(iter(self.redis.xrange(self.key, min=entry_id, max=entry_id)), (b"", {}))[1])
+            payload = fields.get(FIELD, b"")
+            if len(payload) > self.max_entry_bytes:
+                found = f"its entry is oversize ({len(payload):,} bytes)"
+            elif forged := self.forged(fields):
+                found = f"its entry is {forged}"
+            else:
+                task_id = task_id_in_payload(self.name, payload)
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.xack(self.key, self.group, entry_id)
+        pipe.xdel(self.key, entry_id)
+        pipe.execute()
+        return task_id, found
 
     def take_over(self, consumer: str, count: int) -> int:
         """Claim every pending entry for `consumer` now, whoever holds it (the caller knows its holder is dead);
@@ -506,6 +554,20 @@ def task_id_in_payload(stream: str, payload: bytes) -> str | None:
         return str(data["rollout"]["task"]["task_id"])
     except Exception:  # garbage in a dead letter: nothing to learn from it
         return None
+
+
+def without_ground_truth(stream: str, payload: bytes) -> bytes:
+    """A scored or held group's raw payload with its task's ground truth blanked, for a dead letter: ground truth
+    is for the reward role and the learner only, and the worker roles' users of Redis 6.2 can read `dead`. Other
+    streams carry none (PromptTask.for_generators); bytes that do not decode are kept as they are."""
+    if stream not in ("scored", "held"):
+        return payload
+    try:
+        data = msgpack.unpackb(payload, raw=False)
+        data["rollout"]["task"]["ground_truth"] = ""
+        return msgpack.packb(data, use_bin_type=True)
+    except Exception:  # garbage: nothing of a task to blank
+        return payload
 
 
 ENVELOPE_BYTES = 1 << 20  # a task's text, ids and fields, beyond its tokens
@@ -622,6 +684,23 @@ class Streams:
             return f"forged: a dead letter of an unknown stream {stream[:80]!r}"
         return self.keyring.refusal(fields.get(SIG), DEAD_LETTER_SIGNER_OF[stream], f"dead letters of {stream}",
                                     self.key("dead"), *_dead_letter_fields(fields))
+
+    def settle_dead_letter(self, fields: dict) -> str | None:
+        """The task a dead letter that passed `dead_letter_refusal` retires, or None (learner only). A letter of the
+        learner's own streams is its own word: its task id. A worker's letter is only that worker's word, so its
+        task is read from the entry it parked (`Stream.settle_parked`), which is then deleted, never from the
+        letter; letters that say nothing about a task (RETIRES_NOTHING) still get their entry deleted."""
+        name = fields[b"stream"].decode()
+        says_lost = not fields.get(b"reason", b"").startswith(RETIRES_NOTHING)
+        if DEAD_LETTER_SIGNER_OF[name] == "learner":
+            task_id = fields.get(b"task_id", b"").decode(errors="replace")
+            return task_id if says_lost and task_id else None
+        entry_id = fields.get(b"entry_id", b"").decode(errors="replace")
+        task_id, found = self.stream(name, BaseModel).settle_parked(entry_id, read=says_lost)
+        if says_lost and task_id is None:
+            log.warning("a dead letter of %s for entry %s retires no task: %s", name, entry_id[:40], found)
+            metrics.STREAM_LETTERS_REFUSED.labels(name).inc()
+        return task_id
 
     def dead_letters_after(self, cursor: str, count: int = 1000) -> tuple[str, list[tuple[str, dict]]]:
         """Dead letters added after entry id `cursor` ("0-0": all), oldest first, as (entry id, raw fields), and

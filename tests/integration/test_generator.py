@@ -518,7 +518,8 @@ def test_worker_versions_sync_refusals_and_late_join(service, engine, models):
         assert back.samples[0].logprobs == pytest.approx(base_greedy.logprobs, abs=1e-6)
         metrics_text = httpx.get(f"{url}/metrics").text
         assert "dapo_generator_policy_version 4.0" in metrics_text
-    assert worker.status == "stopped" and prompts.pending() == 0
+    assert worker.status == "stopped" and prompts.pending() == 1  # the dead-lettered task, parked for the learner
+    assert len(settle_letters(streams)) == 1 and prompts.pending() == 0
 
     # a generator joining late loads the latest version before it takes work
     engine.reload(models[1])  # its engine starts out of date (other weights)
@@ -696,7 +697,16 @@ def test_poison_task_is_found_by_bisection_and_only_it_is_dead_lettered(service,
     assert by_task["poison"]["reason"].startswith("engine failure on this task alone: "), by_task["poison"]
     assert by_task["poison"]["deliveries"] == "1"  # found in one delivery: no redelivery to anyone
     assert released == [] and worker.restarts >= 2  # the innocent were kept, never handed back
+    # both entries parked for the learner, which retires the two tasks from them
+    assert prompts.pending() == 2
+    assert sorted(settle_letters(streams)) == sorted(d["task_id"] for d in dead)
     assert prompts.pending() == 0 and service["client"].xlen(rollouts.key) == 0
+
+
+def settle_letters(streams) -> list[str]:
+    """Settle every dead letter as the learner does (services/streams.py `settle_dead_letter`): the entries the
+    workers parked are deleted; returns the tasks retired."""
+    return [task for _, fields in streams.dead_letters_after("0-0")[1] if (task := streams.settle_dead_letter(fields))]
 
 
 def engine_cores(group: int) -> list[int]:

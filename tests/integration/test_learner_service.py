@@ -271,6 +271,72 @@ def test_only_dead_letters_a_service_signed_make_a_task_lost(settings):
     assert service.work.assembler.stats.lost == 1
 
 
+def test_a_generator_letter_retires_only_an_entry_it_held_and_parked(settings):
+    """A dead letter is its writer's word, so the learner reads the task it retires from the entry the writer
+    parked in the consumer group, never from the letter: a letter for an entry its signer was never delivered, or
+    had already answered, or whose task id field names another task, retires nothing more than what was parked."""
+    from services import metrics
+    from services.streams import DEAD_LETTERED
+
+    service = LearnerService(settings)
+    service.connect()
+    tasks = issue_tasks(service, 4)
+    generator = Streams(service.redis, settings, signs_as=("generator",))
+    prompts = generator.stream("prompts", PromptTask)
+    held = {d.message.task_id: d for d in prompts.consume("gen-a", count=2, block_ms=0)}  # train-0, train-1
+    assert sorted(held) == ["train-0", "train-1"]
+    never_delivered = next(eid for eid, f in service.redis.xrange(prompts.key) if b"train-2" in f[b"data"])
+    refused = metrics.STREAM_LETTERS_REFUSED.labels("prompts")._value.get()
+
+    # A rogue generator signs letters for an entry another holds and for one never delivered, each with the task's
+    # genuine bytes: neither is parked under its group, so neither retires a task.
+    rogue = Streams(service.redis, settings, signs_as=("generator",)).stream("prompts", PromptTask)
+    for entry_id, task in ((held["train-0"].id, tasks[0]), (never_delivered.decode(), tasks[2])):
+        letter = {b"stream": "prompts", b"entry_id": entry_id, b"reason": "delivered 4 times (max 3)",
+                  b"deliveries": 4, b"task_id": task.task_id, b"data": to_wire(task.for_generators())}
+        service.redis.xadd(service.streams.key("dead"), {**letter, b"sig": rogue.streams.dead_letter_signature(letter)})
+    # The holder answers train-1 (its rollout forwarded, the entry deleted), then dead-letters it too: nothing parked.
+    rollouts = generator.stream("rollouts", RolloutGroup)
+    assert prompts.forward(held["train-1"], rollouts, scored_group(tasks[1], [True, False]).rollout)
+    prompts.reject(held["train-1"], "engine failure on this task alone: replayed")
+    service.work.scan_dead_letters()
+    assert sorted(service.work.assembler.in_flight) == [t.task_id for t in tasks]
+    assert service.work.assembler.stats.lost == 0
+    assert metrics.STREAM_LETTERS_REFUSED.labels("prompts")._value.get() == refused + 3
+
+    # The holder's own letter for train-0 parks the entry (still in Redis) until the learner settles it. A letter
+    # whose task id field names train-3 retires the task of the entry it parked, not train-3.
+    prompts.reject(held["train-0"], "engine failure on this task alone: test")
+    (pending,) = service.redis.xpending_range(prompts.key, "generator", min="-", max="+", count=10,
+                                              consumername=DEAD_LETTERED)
+    assert pending["message_id"].decode() == held["train-0"].id
+    last = next(d for d in service.streams.dead_letters() if d["entry_id"] == held["train-0"].id)
+    assert last["task_id"] == "train-0" and last["entry_sig"].encode() == prompts.streams.redis.xrange(
+        prompts.key, min=held["train-0"].id, max=held["train-0"].id)[0][1][b"sig"]
+    service.redis.xdel(service.streams.key("dead"), last["id"])  # rewritten, naming train-3, re-signed by the holder
+    letter = {k.encode(): v for k, v in last.items() if k not in ("id", "sig")}
+    letter[b"task_id"] = "train-3"
+    service.redis.xadd(service.streams.key("dead"), {**letter, b"sig": prompts.streams.dead_letter_signature(letter)})
+    service.work.scan_dead_letters()
+    assert sorted(service.work.assembler.in_flight) == ["train-1", "train-2", "train-3"]
+    assert service.work.assembler.stats.lost == 1
+    assert service.redis.xrange(prompts.key, min=held["train-0"].id, max=held["train-0"].id) == []  # settled
+
+
+def test_a_dead_letter_of_a_scored_group_carries_no_ground_truth(settings):
+    """Ground truth is for the reward role and the learner: the learner's letter of a group it refused keeps
+    everything of the group but the task's ground truth (worker users of Redis 6.2 can read `dead`)."""
+    service, issued = learner_that_issued(settings)
+    refused = issued.model_copy(update={"prompt_token_ids": [7, 8]})  # does not match: refused for provenance
+    reward_stream(service, settings).produce(scored_group(refused, [True, False]))
+    service.work.pump()
+    (letter,) = service.streams.dead_letters()
+    assert letter["reason"].startswith("provenance:")
+    kept = msgpack.unpackb(letter["data"], raw=False)
+    assert kept["rollout"]["task"]["ground_truth"] == "" and kept["rollout"]["task"]["task_id"] == "train-1"
+    assert b"Answer: 2" in letter["data"] and service.work.issued_task("train-1").ground_truth == "2"
+
+
 def test_a_task_whose_entry_a_worker_deleted_is_given_up_at_its_deadline(settings):
     """A worker can delete an entry it read (XDEL, a trim, a destroyed group): that task's group never comes. Past
     its deadline (learner/deadlines.py) it counts as lost, in the step and in a running evaluation alike, and is

@@ -30,7 +30,7 @@ from services.keys import create_keys, keys_dir
 from services.messages import PromptTask, RolloutGroup, Sample, Score, ScoredGroup
 from services.redis_local import client_for, redis_server_binary, server_version
 from services.redis_users import REDIS_USERS, acl_file, role_lines
-from services.streams import ISSUED, Streams
+from services.streams import DEAD_LETTERED, ISSUED, Streams
 
 
 def _servers() -> list[str]:
@@ -125,6 +125,8 @@ def _state(learner: Streams) -> dict:
         "issued": sorted(client.hkeys(learner.key(ISSUED))),
         "prompts": client.xlen(learner.key("prompts")),
         "prompts pending": client.xpending(learner.key("prompts"), "generator")["pending"],
+        "prompts parked": len(client.xpending_range(learner.key("prompts"), "generator", min="-", max="+", count=10,
+                                                    consumername=DEAD_LETTERED)),
         "rollouts": client.xlen(learner.key("rollouts")),
         "rollouts pending": client.xpending(learner.key("rollouts"), "reward")["pending"],
         "scored": [fields[b"data"] for _, fields in client.xrange(learner.key("scored"))],
@@ -147,7 +149,7 @@ def test_a_sigkilled_redis_keeps_every_transactional_write(binary, short_tmp, de
     server = DeploymentRedis(binary, Path(short_tmp), acl).start()
     try:
         before = _pipeline(server, passwords, deployment_settings)
-        assert before["scored"] and before["dead"] and before["prompts pending"] == 0
+        assert before["scored"] and before["dead"] and before["prompts pending"] == before["prompts parked"] == 1
         server.kill()
         server.start()
         learner = Streams(client_for(server.url("learner", passwords["learner"])), deployment_settings,
@@ -235,7 +237,7 @@ def test_on_redis_7_worker_roles_call_the_stream_functions_and_run_no_code_of_th
                 with pytest.raises(redis.exceptions.NoPermissionError):
                     worker.execute_command(*command)
         state = _pipeline(server, passwords, deployment_settings)  # the learner's first push loads the library
-        assert state["scored"] and state["dead"] and state["prompts pending"] == 0
+        assert state["scored"] and state["dead"] and state["prompts pending"] == state["prompts parked"] == 1
         learner = client_for(server.url("learner", passwords["learner"]))
         assert [lib[b"library_name"] if isinstance(lib, dict) else lib[1] for lib in
                 learner.execute_command("FUNCTION", "LIST")] == [streams_module.LIBRARY.encode()]

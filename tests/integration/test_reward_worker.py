@@ -119,6 +119,8 @@ def test_the_ground_truth_comes_from_the_learner_and_only_to_the_task_as_issued(
         "provenance: task truth does not match the task as issued (differs in prompt_token_ids)",
         "provenance: unknown task id 'never-issued' (not issued by this run's learner, or settled)"]
     assert not any("62674" in repr(letter) for letter in letters)  # the altered groups never carried it
+    assert rollouts.pending() == 3  # parked until the learner settles the letters: provenance retires no task
+    assert [streams.settle_dead_letter(fields) for _, fields in streams.dead_letters_after("0-0")[1]] == [None] * 3
     assert rollouts.pending() == 0 and streams.redis.xlen(rollouts.key) == 0
 
 
@@ -139,6 +141,8 @@ def test_a_malformed_rollout_goes_to_dead(settings, streams, pool):
     dead = streams.dead_letters()
     assert len(dead) == 2
     assert all(d["stream"] == "rollouts" and "unparseable RolloutGroup" in d["reason"] for d in dead)
+    # the learner settles the letters: a generator's signed group the reward could not parse names its task
+    assert [streams.settle_dead_letter(fields) for _, fields in streams.dead_letters_after("0-0")[1]] == [None, "bad"]
     assert streams.redis.xlen(rollouts.key) == 0 and rollouts.pending() == 0
     scored = streams.stream("scored", ScoredGroup).consume("learner-test", count=10, block_ms=200)
     assert [d.message.rollout.task.task_id for d in scored] == ["good"]

@@ -89,7 +89,28 @@ def test_poison_messages_go_to_dead_and_consumer_keeps_going(streams):
     assert "not msgpack" in reasons and "schema_version" in reasons and "forged: no signature" in reasons
     assert dead[-1]["data"] == b"\xff\x00 not msgpack"  # the original payload is kept
     assert all(d["stream"] == "prompts" for d in dead)
-    assert prompts.pending() == 2  # dead letters were acknowledged on the source stream
+    assert prompts.pending() == 5  # the dead-lettered entries are parked for the learner to check the letters
+    _, letters = streams.dead_letters_after("0-0")
+    # the learner's own, signed entry that a consumer could not parse names its task; garbage and a forgery do not
+    assert [streams.settle_dead_letter(fields) for _, fields in letters] == [None, "t1", None]
+    assert prompts.pending() == 2 and streams.redis.xlen(prompts.key) == 2  # settled: acked and deleted
+
+
+def test_a_parked_entry_no_learner_settled_is_dead_lettered_again_and_never_run(streams):
+    """An entry a worker dead-lettered waits, parked, for the learner to check the letter. If no learner settles it
+    within the visibility timeout, the consumer that reclaims it finds it at max_deliveries: it goes to `dead`
+    again, and no worker runs a task that was dead already."""
+    prompts = streams.stream("prompts", PromptTask)
+    prompts.produce(task(0))
+    (delivery,) = prompts.consume("c1", count=10)
+    prompts.reject(delivery, "engine failure on this task alone: test")
+    time.sleep(prompts.cfg.visibility_timeout_s + 0.1)
+    assert prompts.consume("c2", count=10) == []
+    first, second = [d["reason"] for d in reversed(streams.dead_letters())]
+    assert first.startswith("engine failure") and second == f"delivered {prompts.cfg.max_deliveries + 1} times " \
+                                                            f"(max {prompts.cfg.max_deliveries})"
+    _, letters = streams.dead_letters_after("0-0")
+    assert [streams.settle_dead_letter(fields) for _, fields in letters] == ["t0", None]  # retired once
 
 
 def test_forged_or_tampered_entries_go_to_dead_with_the_reason(streams, settings):

@@ -15,6 +15,7 @@ from benchmarks.faults import (  # noqa: E402
     Kill,
     analyze,
     digest,
+    ground_truth_in,
     ledger_check,
     match_dead,
     recovery,
@@ -127,3 +128,12 @@ def test_a_spilled_payload_is_read_back_and_matched(tmp_path):
     assert [i.label for _, i in pairs] == ["big prompt"] and unmatched == []
     spilled.write_bytes(b"changed")  # a file that is not the payload it names is not read back
     assert with_spilled_payload(letter)["data"] == b""
+
+
+def test_a_dead_letter_carrying_a_ground_truth_is_found():
+    def scored(truth: str) -> bytes:
+        return msgpack.packb({"rollout": {"task": {"task_id": "t", "ground_truth": truth}}})
+
+    assert ground_truth_in("scored", scored("42")) and ground_truth_in("held", scored("x"))
+    assert not ground_truth_in("scored", scored("")) and not ground_truth_in("prompts", scored("42"))
+    assert not ground_truth_in("scored", b"\xff garbage")
