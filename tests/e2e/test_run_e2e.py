@@ -33,12 +33,17 @@ def metric_families(text: str) -> set[str]:
     return families | live_series_names(text)
 
 
-def test_dapo_run_end_to_end(short_tmp):
+def test_dapo_run_end_to_end_with_weights_broadcast_to_two_generators(short_tmp):
+    """One `dapo run` serves both end-to-end checks (a run costs most of this test): the default run's folder,
+    plots, secrets and live /metrics, with two generators and `weights.transport=collective`, where after every
+    update both generators are in the round and take the version from the stream (their logs say so), none fails.
+    The default file transport runs end to end in tests/e2e/test_run_survives.py and test_run_learner_ranks.py."""
     run_dir = Path(short_tmp) / "run"
-    command = [sys.executable, "-m", "cli", "run", "--no-display", "-s", f"run_dir={run_dir}"]
+    command = [sys.executable, "-m", "cli", "run", "--no-display", "--generators", "2", "-s", f"run_dir={run_dir}",
+               "-s", "weights.transport=collective"]
     for override in OVERRIDES:
         command += ["-s", override]
-    env = {**os.environ, "DAPO_LOG_LEVEL": "WARNING"}
+    env = {**os.environ, "DAPO_LOG_LEVEL": "INFO"}
     proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     scraped: dict[str, str] = {}
     try:
@@ -70,6 +75,16 @@ def test_dapo_run_end_to_end(short_tmp):
     evals = [r["eval_accuracy"] for r in rows if r.get("eval_accuracy") is not None]
     assert len(evals) >= 2 and all(0.0 <= e <= 1.0 for e in evals)  # baseline and at least one more
 
+    # The weights went by broadcast: every round reached both generators, which loaded every version from it.
+    assert [(r["broadcast_members"], r["broadcast_failed"]) for r in trained] == [(2, 0)] * STEPS
+    assert all(r["broadcast_bytes"] > 0 and r["broadcast_seconds"] > 0 for r in trained)
+    for name in ("generator-0", "generator-1"):
+        log_text = (run_dir / "logs" / f"{name}.log").read_text()
+        served = [line for line in log_text.splitlines() if "now serving weights" in line]
+        assert [line.split("now serving weights ")[1].split()[0] for line in served] == \
+            [f"v{version}" for version in range(STEPS + 1)]
+        assert all("broadcast" in line for line in served[1:]), served  # not the files
+
     for plot in ("reward", "eval_accuracy", "response_length", "entropy", "clip_fractions"):
         png = run_dir / "plots" / f"{plot}.png"
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
@@ -85,7 +100,7 @@ def test_dapo_run_end_to_end(short_tmp):
     assert not [p for p in files if p.suffix in (".pkl", ".bin", ".pt")]
 
     # The Grafana dashboard only uses names that the live services really export.
-    assert set(scraped) == {"learner", "generator-0", "reward-0"}, scraped.keys()
+    assert set(scraped) == {"learner", "generator-0", "generator-1", "reward-0"}, scraped.keys()
     exported = set().union(*(metric_families(text) for text in scraped.values()))
     referenced = dashboard_metric_names()
     base = {name for name in referenced if name.removesuffix("_total").removesuffix("_bucket")
@@ -93,26 +108,3 @@ def test_dapo_run_end_to_end(short_tmp):
     assert base == referenced, sorted(referenced - base)
     step_line = next(line for line in scraped["learner"].splitlines() if line.startswith("dapo_learner_step "))
     assert float(step_line.split()[1]) >= 1  # scraped after the first step
-
-
-def test_dapo_run_with_weights_broadcast_to_two_generators(short_tmp):
-    """`weights.transport=collective` end to end: after every update both generators are in the round and take
-    the version from the stream (their logs say so), none fails, and the run ends as the default one does."""
-    run_dir = Path(short_tmp) / "run"
-    command = [sys.executable, "-m", "cli", "run", "--no-display", "--generators", "2", "-s", f"run_dir={run_dir}",
-               "-s", "weights.transport=collective", "-s", "learner.total_steps=3", "-s", "learner.eval_every=0"]
-    for override in (OVERRIDES[1], OVERRIDES[4]):  # B 4, n 4
-        command += ["-s", override]
-    done = subprocess.run(command, cwd=ROOT, env={**os.environ, "DAPO_LOG_LEVEL": "INFO"}, capture_output=True,
-                          text=True, timeout=600)
-    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    trained = [r for r in rows if r.get("step", 0) >= 1]
-    assert [r["step"] for r in trained] == [1, 2, 3]
-    assert [(r["broadcast_members"], r["broadcast_failed"]) for r in trained] == [(2, 0)] * 3
-    assert all(r["broadcast_bytes"] > 0 and r["broadcast_seconds"] > 0 for r in trained)
-    for name in ("generator-0", "generator-1"):
-        log_text = (run_dir / "logs" / f"{name}.log").read_text()
-        served = [line for line in log_text.splitlines() if "now serving weights" in line]
-        assert [line.split("now serving weights ")[1].split()[0] for line in served] == ["v0", "v1", "v2", "v3"]
-        assert all("broadcast" in line for line in served[1:]), served  # not the files
