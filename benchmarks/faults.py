@@ -84,7 +84,7 @@ class Injection:
     label: str  # what it is, for the table
     stream: str  # where it was written
     expect: str  # the start of the dead letter's reason
-    digest: str  # sha256 of the payload as written
+    digest: str  # sha256 of the payload as written (as a dead letter keeps it: services.streams.without_ground_truth)
     task_id: str | None = None  # the task id inside, when it has one
     real_task: bool = False  # names a task the learner really issued (its genuine group is trained, rightly)
     at: float = 0.0
@@ -531,6 +531,7 @@ class Faults:
             from_wire,
             to_wire,
         )
+        from services.streams import without_ground_truth
 
         streams, settings = self.streams()
         r = streams.redis
@@ -555,8 +556,10 @@ class Faults:
 
         def write(kind, label, stream, expect, fields: dict, task_id=None, real_task=False, into=None) -> None:
             r.xadd(streams.key(into or stream), fields)
-            self.injections.append(Injection(kind, label, stream, expect, digest(fields.get(b"data", b"")),
-                                             task_id, real_task, time.time()))
+            # the digest of the bytes as a dead letter keeps them (a scored group's without its ground truth)
+            kept = without_ground_truth(stream, fields.get(b"data", b""))
+            self.injections.append(Injection(kind, label, stream, expect, digest(kept), task_id, real_task,
+                                             time.time()))
 
         def signed(stream: str, payload: bytes, signer: Signer | None = None) -> dict:
             """Signed by `signer`, by default the key of the role that signs `stream` (the run's own)."""

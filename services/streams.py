@@ -36,6 +36,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
+import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -68,6 +69,7 @@ RETIRES_NOTHING = (b"forged", b"provenance", b"oversize")
 ISSUED = "issued"
 FIELD = b"data"
 SIG = b"sig"
+ENTRY_ID = re.compile(r"\d{1,20}-\d{1,20}")
 ENTRY_SIG = b"entry_sig"  # a dead letter's copy of the retired entry's own `sig` (its producer's signature)
 
 # KEYS: input stream, output stream, forward marker. ARGV: group, entry id, consumer, payload, signature, marker ms.
@@ -478,6 +480,8 @@ class Stream(Generic[M]):
         and what was found. The entry must be pending under DEAD_LETTERED in this stream's consumer group (else the
         letter retires nothing); `read`: its fields must verify under the producer's key and fit the stream's entry
         size, and the task id is read from them. A parked entry is then acked and deleted."""
+        if not ENTRY_ID.fullmatch(entry_id):  # a letter is a worker's word: not a Redis argument before it is checked
+            return None, f"its entry id {entry_id[:40]!r} is not one"
         rows = self._grouped(self.redis.xpending_range, self.key, self.group, min=entry_id, max=entry_id, count=1)
         if not rows or rows[0]["consumer"] != DEAD_LETTERED.encode():
             return None, "its entry is not parked under the stream's consumer group (not held, or answered)"
@@ -489,8 +493,8 @@ class Stream(Generic[M]):
                 found = f"its entry is oversize ({len(payload):,} bytes)"
             elif forged := self.forged(fields):
                 found = f"its entry is {forged}"
-            else:
-                task_id = task_id_in_payload(self.name, payload)
+            elif (task_id := task_id_in_payload(self.name, payload)) is None:
+                found = "its entry names no task"
         pipe = self.redis.pipeline(transaction=True)
         pipe.xack(self.key, self.group, entry_id)
         pipe.xdel(self.key, entry_id)

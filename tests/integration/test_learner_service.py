@@ -291,7 +291,8 @@ def test_a_generator_letter_retires_only_an_entry_it_held_and_parked(settings):
     # A rogue generator signs letters for an entry another holds and for one never delivered, each with the task's
     # genuine bytes: neither is parked under its group, so neither retires a task.
     rogue = Streams(service.redis, settings, signs_as=("generator",)).stream("prompts", PromptTask)
-    for entry_id, task in ((held["train-0"].id, tasks[0]), (never_delivered.decode(), tasks[2])):
+    # (A letter's entry id is its writer's word too: one that is none is refused before Redis reads it.)
+    for entry_id, task in ((held["train-0"].id, tasks[0]), (never_delivered.decode(), tasks[2]), ("- +", tasks[2])):
         letter = {b"stream": "prompts", b"entry_id": entry_id, b"reason": "delivered 4 times (max 3)",
                   b"deliveries": 4, b"task_id": task.task_id, b"data": to_wire(task.for_generators())}
         service.redis.xadd(service.streams.key("dead"), {**letter, b"sig": rogue.streams.dead_letter_signature(letter)})
@@ -302,7 +303,7 @@ def test_a_generator_letter_retires_only_an_entry_it_held_and_parked(settings):
     service.work.scan_dead_letters()
     assert sorted(service.work.assembler.in_flight) == [t.task_id for t in tasks]
     assert service.work.assembler.stats.lost == 0
-    assert metrics.STREAM_LETTERS_REFUSED.labels("prompts")._value.get() == refused + 3
+    assert metrics.STREAM_LETTERS_REFUSED.labels("prompts")._value.get() == refused + 4
 
     # The holder's own letter for train-0 parks the entry (still in Redis) until the learner settles it. A letter
     # whose task id field names train-3 retires the task of the entry it parked, not train-3.
@@ -902,20 +903,11 @@ LIMIT = {**LEARNER, "eval_every": 0, "total_steps": 2, "max_refills": 0,
 
 
 @pytest.mark.slow
-def test_refill_limit_train_trains_on_what_is_in_hand(pipeline, tmp_path):
-    run_dir = tmp_path / "limit-train"
-    code = run_learner(pipeline, run_dir, {**LIMIT, "on_refill_limit": "train"})
-    assert code == 0, pipeline.tail(f"learner-{run_dir.name}")
-    steps = step_lines(read_jsonl(run_dir / METRICS_FILE))
-    assert [r["step"] for r in steps] == [1, 2]
-    assert all(r["refill_limit_hit"] and r["refills"] == 0 and r["groups_trained"] <= 2 for r in steps)
-    assert all(r["groups_scored"] == 2 for r in steps)
-    for before, r in zip(steps, steps[1:]):
-        assert r["version"] == before["version"] + (1 if r["groups_trained"] else 0)
-
-
-@pytest.mark.slow
-def test_refill_limit_stop_exits_with_a_clear_error_and_stays_stopped(pipeline, tmp_path):
+def test_refill_limit_stop_exits_with_a_clear_error_and_stays_stopped_and_train_trains_on_what_is_in_hand(
+        pipeline, tmp_path):
+    """on_refill_limit stop: exit 3, the run stays stopped when restarted as it was; train (the same run folder,
+    restarted under it): each step trains on what is in hand. One run folder serves both (a learner start costs
+    most of the time)."""
     run_dir = tmp_path / "limit-stop"
     code = run_learner(pipeline, run_dir, {**LIMIT, "on_refill_limit": "stop"})
     assert code == 3
@@ -928,10 +920,16 @@ def test_refill_limit_stop_exits_with_a_clear_error_and_stays_stopped(pipeline, 
     assert run_learner(pipeline, run_dir, {**LIMIT, "on_refill_limit": "stop"}) == 0
     assert "it stays stopped" in log.read_bytes()[before:].decode(errors="replace")
     assert step_lines(read_jsonl(run_dir / METRICS_FILE)) == []
-    # Under a setting that would not have stopped there, the run goes on from its checkpoint, past the stop.
+    # Under a setting that would not have stopped there, the run goes on from its checkpoint, past the stop, and
+    # each step trains on what is in hand.
     assert run_learner(pipeline, run_dir, {**LIMIT, "on_refill_limit": "train"}) == 0
-    assert [r["step"] for r in step_lines(read_jsonl(run_dir / METRICS_FILE))] == [1, 2]
+    steps = step_lines(read_jsonl(run_dir / METRICS_FILE))
+    assert [r["step"] for r in steps] == [1, 2]
     assert not (run_dir / CHECKPOINTS / STOPPED).exists()
+    assert all(r["refill_limit_hit"] and r["refills"] == 0 and r["groups_trained"] <= 2 for r in steps)
+    assert all(r["groups_scored"] == 2 for r in steps)
+    for before, r in zip(steps, steps[1:]):
+        assert r["version"] == before["version"] + (1 if r["groups_trained"] else 0)
 
 
 def held_task_ids(pipe: Pipeline) -> list[str]:
