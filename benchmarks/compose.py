@@ -50,6 +50,7 @@ from pathlib import Path
 from benchmarks.runs import ROOT, replace_section
 
 PROJECT = "dapo-bench"
+RUN = "bench"  # DAPO_RUN: the run the services and the Redis users' ACL name
 LEARNER_PORT = 18000
 PROMETHEUS_PORT = 19090
 SERVICES = ["redis", "bootstrap", "learner", "generator", "reward", "prometheus"]
@@ -92,7 +93,7 @@ def project_secrets(folder: Path) -> dict[str, str]:
     compose`): DAPO_SECRETS_DIR, and DAPO_TOKEN for the learner's authenticated routes."""
     from cli.keys import write_compose_secrets
 
-    made = write_compose_secrets(folder)
+    made = write_compose_secrets(folder, run=RUN)
     return {"DAPO_SECRETS_DIR": str(folder), "DAPO_TOKEN": (made / "dapo_token").read_text().strip()}
 
 
@@ -116,7 +117,7 @@ class Stack:
             **os.environ,
             # fresh secrets unless given (--no-reset onto a running project needs the ones it started with)
             **({} if os.environ.get("DAPO_SECRETS_DIR") else project_secrets(workdir / "secrets")),
-            "DAPO_RUN": "bench",
+            "DAPO_RUN": RUN,
             "DAPO_LEARNER_PORT": str(LEARNER_PORT),
             "PROMETHEUS_PORT": str(PROMETHEUS_PORT),
         }

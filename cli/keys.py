@@ -4,10 +4,12 @@ of services/keys.py and services/redis_users.py; docs/deploy.md, "Roles, keys an
     dapo keys init [--dir DIR]          every role's key where missing: DIR/private/{role}.key, DIR/public/{kid}.pub
     dapo keys rotate ROLE [--dir DIR]   a new current key for ROLE, the previous one still trusted
     dapo keys retire KID [--dir DIR]    stop trusting KID (once nothing signed under it is in flight)
-    dapo keys redis-users [--dir DIR]   DIR/redis/{user}.password and DIR/redis/users.acl (hashed, default user off)
+    dapo keys redis-users [--dir DIR]   DIR/redis/{user}.password and DIR/redis/users.acl (hashed, default user off;
+                                        the users reach the keys of redis.run only)
     dapo keys compose [--dir DIR]       every secret docker-compose.yml mounts, as files in DIR/compose/ (keys and
-                                        Redis users made first where missing; the bearer token from $DAPO_TOKEN,
-                                        else the one there, else a new one)
+                                        Redis users made first where missing, the ACL for the run $DAPO_RUN, else
+                                        redis.run; the bearer token from $DAPO_TOKEN, else the one there, else a
+                                        new one)
     dapo keys compose-env [--dir DIR]   the old name of `compose` (it wrote environment variables, which Compose
                                         cannot mount into a read-only container): does the same, says so
 
@@ -41,21 +43,30 @@ def compose_secrets(root: Path) -> dict[str, str]:
     return values
 
 
-def make_redis_users(root: Path) -> str:
+def make_redis_users(root: Path, run: str) -> str:
+    """New passwords for every Redis user, and users.acl with their keys: those of `run` only."""
     passwords = {user: secrets.token_hex(32) for user in REDIS_USERS}
-    redis_dir = root / "redis"
     for user, password in passwords.items():
-        write_secret(redis_dir / f"{user}.password", password)
-    write_secret(redis_dir / "users.acl", acl_file(passwords).rstrip("\n"))
-    return f"{redis_dir}: users.acl and {', '.join(f'{u}.password' for u in REDIS_USERS)}"
+        write_secret(root / "redis" / f"{user}.password", password)
+    write_acl(root, passwords, run)
+    return f"{root / 'redis'}: users.acl (run {run}) and {', '.join(f'{u}.password' for u in REDIS_USERS)}"
 
 
-def write_compose_secrets(root: Path) -> Path:
+def write_acl(root: Path, passwords: dict[str, str], run: str) -> None:
+    write_secret(root / "redis" / "users.acl", acl_file(passwords, run=run).rstrip("\n"))
+
+
+def write_compose_secrets(root: Path, run: str = "default") -> Path:
     """DIR/compose/: every file secret of docker-compose.yml, made from the key folder (keys and Redis users first
-    where missing). The token: $DAPO_TOKEN, else the file's, else a new one."""
+    where missing; the ACL written again for `run`, the passwords kept). The token: $DAPO_TOKEN, else the file's,
+    else a new one."""
     create_keys(root)
-    if not (root / "redis" / "users.acl").exists():
-        make_redis_users(root)
+    passwords = {user: path.read_text().strip() for user in REDIS_USERS
+                 if (path := root / "redis" / f"{user}.password").exists()}
+    if len(passwords) < len(REDIS_USERS):
+        make_redis_users(root, run)
+    else:
+        write_acl(root, passwords, run)
     folder = root / COMPOSE_DIR
     token_file = folder / "dapo_token"
     token = os.environ.get("DAPO_TOKEN") or (token_file.read_text().strip() if token_file.exists() else "")
@@ -85,13 +96,15 @@ def main(settings: Settings, action: str, name: str | None, folder: str | None) 
             known = ", ".join(sorted(path.stem for path in (root / "public").glob("*.pub"))) or "none"
             usage = f"{err} (the key ids there: {known})"
     elif action in ("compose", "compose-env"):
-        line = f"{write_compose_secrets(root)}: the secrets docker-compose.yml mounts (DAPO_SECRETS_DIR={root})"
+        run = os.environ.get("DAPO_RUN") or settings.redis.run  # docker-compose.yml's DAPO_RUN names the run there
+        line = (f"{write_compose_secrets(root, run)}: the secrets docker-compose.yml mounts for the run {run} "
+                f"(DAPO_SECRETS_DIR={root})")
         if action == "compose-env":  # its output was eval'ed by a shell: nothing on stdout
             print(f"{line} (`dapo keys compose-env` is now `dapo keys compose`: files, not variables)", file=sys.stderr)
         else:
             print(line)
     else:  # redis-users
-        print(make_redis_users(root))
+        print(make_redis_users(root, settings.redis.run))
     if usage:
         print(f"dapo keys {action}: {usage}", file=sys.stderr)
         return ExitCode.USAGE

@@ -437,6 +437,7 @@ def main(settings: Settings, generators: int = 1, reward_workers: int = 1, learn
         # a user per role (services/redis_users.py), each child gets its own; the default user keeps no dangerous
         # command
         redis_server.users = {user: secrets.token_hex(24) for user in REDIS_USERS}
+        redis_server.run = settings.redis.run  # their keys: this run's only
         redis_server.die_with_parent = True  # a killed launcher leaves no server on the run's data
         redis_url = redis_server.start().url
     if settings.token.get_secret_value() == DEFAULT_TOKEN:

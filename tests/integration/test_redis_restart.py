@@ -145,7 +145,7 @@ def deployment_settings(short_tmp):
 @pytest.mark.parametrize("binary", _servers(), ids=lambda path: f"{_version(path)}:{path}")
 def test_a_sigkilled_redis_keeps_every_transactional_write(binary, short_tmp, deployment_settings):
     passwords = {user: secrets.token_hex(16) for user in REDIS_USERS}
-    acl = acl_file(passwords, selectors=server_version(binary) >= (7, 0))  # 6.2 has no ACL selectors
+    acl = acl_file(passwords, selectors=server_version(binary) >= (7, 0), run=deployment_settings.redis.run)
     server = DeploymentRedis(binary, Path(short_tmp), acl).start()
     try:
         before = _pipeline(server, passwords, deployment_settings)
@@ -187,7 +187,7 @@ def test_on_redis_7_a_worker_role_can_add_dead_letters_and_nothing_else_there(bi
     """A dead letter may hold a scored group's ground truth: a generator or reward worker may write one (XADD,
     also inside MULTI) but not read, group, trim or delete them (the ACL selector of services/redis_users.py)."""
     passwords = {user: f"{user}-secret" for user in REDIS_USERS}
-    server = DeploymentRedis(binary, Path(short_tmp), acl_file(passwords)).start()
+    server = DeploymentRedis(binary, Path(short_tmp), acl_file(passwords, run=deployment_settings.redis.run)).start()
     try:
         learner = client_for(server.url("learner", passwords["learner"]))
         dead = "dapo:restart:dead"
@@ -218,7 +218,7 @@ def test_on_redis_7_worker_roles_call_the_stream_functions_and_run_no_code_of_th
     (FCALL) and run nothing else: no EVAL, EVALSHA, SCRIPT LOAD or FUNCTION LOAD. The pipeline goes through
     them; a worker that comes before the learner waits for the library, then says why it gave up."""
     passwords = {user: secrets.token_hex(16) for user in REDIS_USERS}
-    server = DeploymentRedis(binary, Path(short_tmp), acl_file(passwords)).start()
+    server = DeploymentRedis(binary, Path(short_tmp), acl_file(passwords, run=deployment_settings.redis.run)).start()
     try:
         monkeypatch.setattr(streams_module, "LIBRARY_WAIT_S", 0.5)
         early = Streams(client_for(server.url("generator", passwords["generator"])), deployment_settings,

@@ -23,10 +23,11 @@ DANGEROUS = (("FLUSHALL",), ("FLUSHDB",), ("CONFIG", "SET", "appendonly", "no"),
 
 
 @pytest.fixture
-def server(short_tmp):
+def server(short_tmp, settings):
     users = {user: secrets.token_hex(16) for user in REDIS_USERS}
-    server = EmbeddedRedis(os.path.join(short_tmp, "acl-redis"), aof=False, users=users).start()
-    yield server
+    server = EmbeddedRedis(os.path.join(short_tmp, "acl-redis"), aof=False, users=users)
+    server.run = settings.redis.run  # as the launcher makes them: for its run's keys only
+    yield server.start()
     server.stop()
 
 
@@ -177,3 +178,17 @@ def test_the_learner_service_runs_under_its_own_user(server, settings):
     service.publisher.publish({"w": torch.zeros(2)}, version=0)  # SET weights:latest, PUBLISH
     assert service.streams.server_run_id()
     assert lease.release()
+
+
+def test_the_users_of_a_run_reach_no_key_of_another_run(server, as_role, settings):
+    """A Redis shared by runs: every role's user of this run is refused every key of another one, the learner's
+    included (its patterns name the run, not `dapo:*`)."""
+    other = f"dapo:not-{settings.redis.run}:"
+    learner, learner_streams = as_role("learner", ("learner",))
+    learner.xadd(learner_streams.key("prompts"), {b"data": b"x"})  # its own run: allowed
+    for role in ("learner", "generator", "reward", "autoscaler"):
+        client, _ = as_role(role)
+        assert refused(client.xlen, other + "prompts"), role
+        assert refused(client.xadd, other + "dead", {b"data": b"x"}), role
+    assert refused(learner.get, other + "weights:latest") and refused(learner.hgetall, other + "issued")
+    assert refused(learner.publish, other + "weights", "x")
