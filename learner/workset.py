@@ -58,7 +58,9 @@ QUARANTINE_AFTER = 2  # such failures before a held group is dead-lettered (`qua
 DATA_CURSOR = "data-cursor"  # where the training data stands after the last task pushed (TrainProblems.cursor)
 CONSUME_BATCH = 64
 DEAD_SCAN_SECONDS = 1.0
-REPAIR_SCAN_SECONDS = 10.0  # how often the run's streams are checked for a last id set in the future
+REPAIR_SCAN_SECONDS = 10.0  # how often the run's streams are checked for a last id set in the future (and weighed)
+MEMORY_WARN_SHARE = 0.8  # Redis past this share of its maxmemory: the log names its largest keys (DapoRedisMemoryHigh)
+MEMORY_WARN_EVERY_S = 60.0
 RUN_STREAMS = ("prompts", "rollouts", "scored", "dead", HELD)
 DROP_KINDS = ("uninformative", "stale", "duplicate")
 
@@ -146,6 +148,7 @@ class WorkingSet:
         self._dead_cursor = streams.last_dead_letter_id()
         self._dead_scanned_at = 0.0
         self._repaired_at = 0.0
+        self._memory_warned_at = float("-inf")
         self._redis_run_id: str | None = None
 
     # -- the service's verbs -----------------------------------------------------------------------------------
@@ -287,6 +290,7 @@ class WorkingSet:
         if time.monotonic() - self._repaired_at >= REPAIR_SCAN_SECONDS:
             self._repaired_at = time.monotonic()
             self.streams.repair_future_ids(RUN_STREAMS)
+            self.weigh_keys()
 
     def handle(self, delivery: Delivery[ScoredGroup]) -> None:
         group = delivery.message
@@ -383,6 +387,23 @@ class WorkingSet:
         metrics.REDIS_USED_MEMORY.set(used)
         metrics.REDIS_MAXMEMORY.set(maxmemory)
         return used, maxmemory
+
+    def weigh_keys(self) -> dict[str, int]:
+        """What fills Redis: the bytes of each of the run's streams and hashes, on /metrics; past MEMORY_WARN_SHARE
+        of maxmemory (writes are refused at it) the log names the largest, with their lengths, once a minute, so
+        that the process that fills it can be found (a stream's producer, `held` waiting for a checkpoint...)."""
+        sizes = self.streams.key_memory([*RUN_STREAMS, ISSUED])
+        for name, size in sizes.items():
+            metrics.REDIS_KEY_MEMORY.labels(name).set(size)
+        used, maxmemory = self.redis_memory()
+        now = time.monotonic()
+        if maxmemory and used >= MEMORY_WARN_SHARE * maxmemory and now - self._memory_warned_at >= MEMORY_WARN_EVERY_S:
+            self._memory_warned_at = now
+            largest = sorted(sizes.items(), key=lambda item: -item[1])[:3]
+            log.warning("Redis uses %.0f%% of its maxmemory (%d MB); the largest keys of this run: %s",
+                        100 * used / maxmemory, maxmemory // 2**20,
+                        ", ".join(f"{name} {size / 2**20:.1f} MB" for name, size in largest))
+        return sizes
 
     def consumed(self, task_ids) -> None:
         """Groups trained (or aged out) by a step: released from `held` at the next checkpoint."""

@@ -21,6 +21,8 @@ STREAM_BACKPRESSURE = Counter(
 # Redis itself, as the learner reads it (INFO memory, every second while it waits for groups).
 REDIS_USED_MEMORY = Gauge("dapo_redis_used_memory_bytes", "Bytes Redis has allocated (used_memory).")
 REDIS_MAXMEMORY = Gauge("dapo_redis_maxmemory_bytes", "Redis' maxmemory (0: no limit): beyond it writes are refused.")
+REDIS_KEY_MEMORY = Gauge("dapo_redis_key_memory_bytes", "Bytes each of the run's streams and hashes takes in Redis "
+                         "(MEMORY USAGE): what fills it.", ["key"])
 
 # Generator.
 GEN_TOKENS = Counter("dapo_generator_tokens_total", "Response tokens generated.")

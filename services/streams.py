@@ -732,6 +732,13 @@ class Streams:
         info = self.redis.info("memory")
         return int(info["used_memory"]), int(info["maxmemory"])
 
+    def key_memory(self, names: Collection[str]) -> dict[str, int]:
+        """Bytes each of the run's keys `names` takes in Redis (MEMORY USAGE, sampled for streams; 0: no such key)."""
+        pipe = self.redis.pipeline(transaction=False)
+        for name in names:
+            pipe.memory_usage(self.key(name))
+        return {name: int(size or 0) for name, size in zip(names, pipe.execute())}
+
     def dead_letters(self, count: int = 100) -> list[dict]:
         """The most recent dead letters, newest first, decoded for inspection."""
         rows = self.redis.xrevrange(self.key("dead"), count=count)

@@ -473,6 +473,28 @@ def test_a_dead_letter_whose_payload_went_to_a_file_still_names_its_task(setting
     assert not service.work.assembler.in_flight and service.work.assembler.stats.lost == 1
 
 
+def test_the_learner_weighs_the_runs_keys_and_names_the_largest_when_redis_fills(settings, caplog, monkeypatch):
+    """What fills Redis is on /metrics (bytes per stream and hash of the run) and, past 80 % of maxmemory, named in
+    the log with its size, before writes are refused."""
+    from services import metrics
+
+    service = LearnerService(settings)
+    service.connect()
+    service.work.outbox.append(PromptTask(task_id="train-0", prompt_id="p0", prompt="x" * 200_000, ground_truth="2"))
+    service.work.flush_outbox()
+    sizes = service.work.weigh_keys()
+    assert sizes["prompts"] > 200_000 and sizes["issued"] > 200_000 and sizes["scored"] < 200_000
+    assert metrics.REDIS_KEY_MEMORY.labels("prompts")._value.get() == sizes["prompts"]
+    assert not [r for r in caplog.records if "maxmemory" in r.getMessage()]
+    monkeypatch.setattr(service.streams, "memory", lambda: (900 * 2**20, 1000 * 2**20))
+    service.work.weigh_keys()
+    (warning,) = [r.getMessage() for r in caplog.records if "maxmemory" in r.getMessage()]
+    assert warning.startswith("Redis uses 90% of its maxmemory (1000 MB); the largest keys of this run: ")
+    assert "prompts 0.2 MB" in warning or "issued 0.2 MB" in warning
+    service.work.weigh_keys()  # once a minute
+    assert len([r for r in caplog.records if "maxmemory" in r.getMessage()]) == 1
+
+
 def test_a_learner_refuses_a_redis_too_small_for_a_step_and_checkpoints_early_under_memory_pressure(settings):
     """At start, a step of the largest groups beyond redis.held_memory_share of maxmemory is refused with the
     figures; running, Redis past that share makes the step's checkpoint due (it releases `held`)."""
