@@ -621,6 +621,11 @@ class Settings(BaseSettings):
         10.0, gt=0, description="A connection that has not sent a whole request head this long after it opened (or "
         "after its last response) is closed: half-sent requests cannot hold the connection slots (slowloris)."
     )
+    http_max_connections_per_client: int = Field(
+        64, ge=1, description="Open HTTP connections one client address may hold; a new one beyond is closed at "
+        "once, so one address cannot take every slot of http_max_connections (`dapo run`'s clients share "
+        "127.0.0.1)."
+    )
     http_docs: bool = Field(False, description="Serve /docs and /openapi.json (off: they describe every endpoint).")
     http_tls_certfile: str | None = Field(
         None, description="HTTPS: the service's certificate chain (PEM file); unset = plain HTTP (docs/deploy.md, TLS)."

@@ -9,7 +9,8 @@ read or parsed. Every path needs it except the probes and the scrape (`OPEN_PATH
 The probes are async and `/readyz` runs its check on threads of its own (a limiter apart from the shared one), so
 neither waits for the worker threads that synchronous handlers hold. uvicorn answers 503 above
 `http_max_connections` connections, and a connection that has not sent a whole request head within
-`http_head_timeout_s` is closed (`head_deadline_protocol`), so idle half-open ones cannot keep the probes out.
+`http_head_timeout_s` is closed, as is one beyond `http_max_connections_per_client` from one address
+(`guarded_protocol`), so neither idle half-open connections nor one client can keep the probes out.
 With `http_tls_certfile` (and its key) every service serves HTTPS (`server_options`).
 """
 
@@ -187,25 +188,42 @@ def free_port() -> int:
 
 
 def server_options(settings: Settings) -> dict:
-    """uvicorn's options from the settings: the connection limit, the deadline on request heads, and the certificate
-    and key for HTTPS."""
+    """uvicorn's options from the settings: the connection limits, the deadline on request heads, and the
+    certificate and key for HTTPS."""
     return dict(limit_concurrency=settings.http_max_connections, ssl_certfile=settings.http_tls_certfile,
-                ssl_keyfile=settings.http_tls_keyfile, http=head_deadline_protocol(settings.http_head_timeout_s))
+                ssl_keyfile=settings.http_tls_keyfile,
+                http=guarded_protocol(settings.http_head_timeout_s, settings.http_max_connections_per_client))
 
 
-def head_deadline_protocol(seconds: float) -> type:
-    """uvicorn's h11 protocol with a deadline on every request's head: a connection that has not sent a whole head
-    within `seconds` of opening, or of its last response, is closed. uvicorn starts no timer before a head is whole
-    (its keep-alive timer stops at the first byte), so half-sent requests would hold the `http_max_connections`
-    slots for ever and every request, the probes included, would be answered 503 (slowloris). A body sent slowly
-    after a whole head is not covered: the body limit and the handlers bound it."""
+def guarded_protocol(head_timeout_s: float, per_client: int | None = None) -> type:
+    """uvicorn's h11 protocol with two guards against slow or greedy clients (slowloris):
+
+    - a deadline on every request's head: a connection that has not sent a whole head within `head_timeout_s` of
+      opening, or of its last response, is closed. uvicorn starts no timer before a head is whole (its keep-alive
+      timer stops at the first byte), so half-sent requests would hold the `http_max_connections` slots for ever
+      and every request, the probes included, would be answered 503. A body sent slowly after a whole head is not
+      covered: the body limit and the handlers bound it;
+    - `per_client`: the connections one client address may hold open at once; a new one beyond is closed at once,
+      so no single address can take every slot within a deadline either."""
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
-    class HeadDeadline(H11Protocol):
+    open_by_address: dict[str, int] = {}  # one server's protocols share it (one event loop: no lock)
+
+    class Guarded(H11Protocol):
         _head_deadline = None
+        _address = None
 
         def connection_made(self, transport) -> None:
             super().connection_made(transport)
+            peer = transport.get_extra_info("peername")
+            self._address = peer[0] if isinstance(peer, tuple) and peer else None
+            if self._address is not None:
+                open_by_address[self._address] = open_by_address.get(self._address, 0) + 1
+                if per_client and open_by_address[self._address] > per_client:
+                    log.warning("closing a connection from %s: it holds %d already (http_max_connections_per_client)",
+                                self._address, per_client)
+                    self.transport.close()
+                    return
             self._arm()
 
         def handle_events(self) -> None:
@@ -222,18 +240,23 @@ def head_deadline_protocol(seconds: float) -> type:
         def connection_lost(self, exc) -> None:
             if self._head_deadline is not None:
                 self._head_deadline.cancel()
+            if self._address is not None:
+                open_by_address[self._address] -= 1
+                if not open_by_address[self._address]:
+                    del open_by_address[self._address]
             super().connection_lost(exc)
 
         def _arm(self) -> None:
-            self._head_deadline = self.loop.call_later(seconds, self._too_slow)
+            self._head_deadline = self.loop.call_later(head_timeout_s, self._too_slow)
 
         def _too_slow(self) -> None:
             self._head_deadline = None
             if self.cycle is None or self.cycle.response_complete:
-                log.info("closing a connection from %s: no whole request head within %.0fs", self.client, seconds)
+                log.info("closing a connection from %s: no whole request head within %.0fs", self.client,
+                         head_timeout_s)
                 self.transport.close()
 
-    return HeadDeadline
+    return Guarded
 
 
 def client_verify(settings: Settings) -> ssl.SSLContext | bool:

@@ -10,10 +10,11 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+import pytest
 from fastapi.testclient import TestClient
 from pydantic import BaseModel
 
-from services.http import create_app, head_deadline_protocol, token_refusal
+from services.http import create_app, guarded_protocol, token_refusal
 from tests.servers import ServerThread
 
 AUTH = {"Authorization": "Bearer tok"}
@@ -169,7 +170,7 @@ def test_half_sent_requests_are_closed_at_the_head_deadline_and_the_probes_answe
     503 to everything, /healthz included, for as long as they last. With the head deadline the server closes them
     and the probes answer again; a whole request, and the next one on the same kept-alive connection, still do."""
     app = make_app()
-    for protocol, answered in ((None, 503), (head_deadline_protocol(1.0), 200)):
+    for protocol, answered in ((None, 503), (guarded_protocol(1.0), 200)):
         config = {"http": protocol} if protocol else {}
         with ServerThread(app, limit_concurrency=3, **config) as server:
             host, port = server.url.removeprefix("http://").split(":")
@@ -188,6 +189,31 @@ def test_half_sent_requests_are_closed_at_the_head_deadline_and_the_probes_answe
             finally:
                 for sock in loris:
                     sock.close()
+
+
+def test_one_client_address_holds_at_most_its_share_of_the_connections():
+    """http_max_connections_per_client: one address's connection beyond its share is closed at once, the ones it
+    holds stay open, and a slot it gives back can be taken again."""
+    app = make_app()
+    with ServerThread(app, limit_concurrency=10, http=guarded_protocol(30.0, per_client=2)) as server:
+        host, port = server.url.removeprefix("http://").split(":")
+        held = [socket.create_connection((host, int(port))) for _ in range(2)]
+        try:
+            extra = socket.create_connection((host, int(port)))
+            extra.settimeout(5)
+            assert extra.recv(1024) == b""  # closed by the server at once
+            extra.close()
+            for sock in held:
+                sock.settimeout(0.5)
+                with pytest.raises(socket.timeout):  # still open
+                    sock.recv(1024)
+            held.pop().close()
+            time.sleep(0.3)
+            with httpx.Client(timeout=5) as client:
+                assert client.get(f"{server.url}/healthz").status_code == 200
+        finally:
+            for sock in held:
+                sock.close()
 
 
 def test_bad_body_is_422_with_details():
