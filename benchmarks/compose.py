@@ -130,8 +130,11 @@ class Stack:
 
     def up(self, generators: int, *flags: str) -> float:
         started = time.monotonic()
-        self.compose("up", "-d", "--no-build", *flags, "--scale", f"generator={generators}", "--scale", "reward=1",
-                     *SERVICES, timeout=1800)
+        said = self.compose("up", "-d", "--no-build", *flags, "--scale", f"generator={generators}", "--scale",
+                            "reward=1", *SERVICES, timeout=1800)
+        if not self.containers("learner", all_states=True):  # Compose can exit 0 having started nothing (an image
+            # it could not pull); a learner whose run is over exits at once, so stopped ones count
+            raise RuntimeError(f"`docker compose up` started no learner container: {said[-2000:]}")
         return time.monotonic() - started
 
     def containers(self, service: str, all_states: bool = False) -> list[str]:
