@@ -63,7 +63,11 @@ RELEASED = "released"  # pseudo-consumer that holds entries handed back by a shu
 DEAD_LETTERED = "dead-lettered"  # pseudo-consumer that holds a worker's dead-lettered entry until the learner checks it
 # Letters that say nothing about the task they name: a forged or altered entry, or a group that does not fit its
 # task, may name a real task whose genuine entry is still to come; an oversize one was never decoded.
-RETIRES_NOTHING = (b"forged", b"provenance", b"oversize")
+RETIRES_NOTHING = (b"forged", b"provenance", b"oversize", b"unsettled")
+# The delivery count a parked entry is given (XCLAIM RETRYCOUNT): a consumer that reclaims one that no learner settled
+# within the visibility timeout (the learner was away, or in a long step) knows it by its count, and dead-letters it
+# again as `unsettled`, which retires nothing, without running it. The letter that parked it still settles it.
+PARKED_DELIVERIES = 1 << 30
 # The learner's hash of the tasks it issued (task id -> PromptTask, ground truth included): the reward role reads a
 # task's ground truth there, the `prompts` stream carries none (PromptTask.for_generators).
 ISSUED = "issued"
@@ -334,6 +338,10 @@ class Stream(Generic[M]):
             entry_id = eid.decode()
             deliveries = counts.get(entry_id, 1)
             payload, signature = fields.get(FIELD, b""), fields.get(SIG, b"")
+            if deliveries > PARKED_DELIVERIES:
+                self.dead(entry_id, payload, "unsettled: dead-lettered before, its letter not settled by a learner "
+                          "within the visibility timeout", deliveries, keep_payload=False, signature=signature)
+                continue
             if len(payload) > self.max_entry_bytes:  # before the signature is hashed or a byte decoded
                 reason = (f"oversize: {len(payload):,} bytes, more than the {self.max_entry_bytes:,} an entry of "
                           f"{self.name} can need")
@@ -464,10 +472,8 @@ class Stream(Generic[M]):
         if DEAD_LETTER_SIGNER_OF[self.name] == "learner":
             pipe.xack(self.key, self.group, entry_id)
             pipe.xdel(self.key, entry_id)
-        else:  # JUSTID: parking is not a delivery; a consumer that reclaims it (no learner settled it within the
-            # visibility timeout) finds it at max_deliveries and dead-letters it again without running it
-            pipe.xclaim(self.key, self.group, DEAD_LETTERED, 0, [entry_id], justid=True,
-                        retrycount=max(deliveries, self.cfg.max_deliveries))
+        else:  # JUSTID: parking is not a delivery; its count marks it parked (PARKED_DELIVERIES)
+            pipe.xclaim(self.key, self.group, DEAD_LETTERED, 0, [entry_id], justid=True, retrycount=PARKED_DELIVERIES)
         for reply in pipe.execute(raise_on_error=False):
             if isinstance(reply, redis.ResponseError) and "NOGROUP" not in str(reply):
                 raise reply  # NOGROUP: a Redis restart lost the group, and with it the entry's delivery: not parked

@@ -98,19 +98,25 @@ def test_poison_messages_go_to_dead_and_consumer_keeps_going(streams):
 
 def test_a_parked_entry_no_learner_settled_is_dead_lettered_again_and_never_run(streams):
     """An entry a worker dead-lettered waits, parked, for the learner to check the letter. If no learner settles it
-    within the visibility timeout, the consumer that reclaims it finds it at max_deliveries: it goes to `dead`
-    again, and no worker runs a task that was dead already."""
-    prompts = streams.stream("prompts", PromptTask)
+    within the visibility timeout (away, or in a long step), the consumer that reclaims it knows it by its count:
+    it goes to `dead` again as `unsettled`, which retires nothing, and no worker runs it. The first letter still
+    settles it; a group refused for its provenance, parked and reclaimed so, retires no task either."""
+    prompts, rollouts = streams.stream("prompts", PromptTask), streams.stream("rollouts", RolloutGroup)
     prompts.produce(task(0))
+    rollouts.produce(group_for(task(1)))
     (delivery,) = prompts.consume("c1", count=10)
     prompts.reject(delivery, "engine failure on this task alone: test")
+    (group,) = rollouts.consume("r1", count=10)
+    rollouts.reject(group, "provenance: task t1 does not match the task as issued (test)")
     time.sleep(prompts.cfg.visibility_timeout_s + 0.1)
-    assert prompts.consume("c2", count=10) == []
-    first, second = [d["reason"] for d in reversed(streams.dead_letters())]
-    assert first.startswith("engine failure") and second == f"delivered {prompts.cfg.max_deliveries + 1} times " \
-                                                            f"(max {prompts.cfg.max_deliveries})"
+    assert prompts.consume("c2", count=10) == [] and rollouts.consume("r2", count=10) == []
+    reasons = [d["reason"] for d in reversed(streams.dead_letters())]
+    assert reasons[:2] == ["engine failure on this task alone: test",
+                           "provenance: task t1 does not match the task as issued (test)"]
+    assert [reason.split(":")[0] for reason in reasons[2:]] == ["unsettled", "unsettled"]
     _, letters = streams.dead_letters_after("0-0")
-    assert [streams.settle_dead_letter(fields) for _, fields in letters] == ["t0", None]  # retired once
+    assert [streams.settle_dead_letter(fields) for _, fields in letters] == ["t0", None, None, None]  # once
+    assert prompts.pending() == rollouts.pending() == 0
 
 
 def test_forged_or_tampered_entries_go_to_dead_with_the_reason(streams, settings):
