@@ -8,8 +8,8 @@ of services/keys.py and services/redis_users.py; docs/deploy.md, "Roles, keys an
                                         the users reach the keys of redis.run only)
     dapo keys compose [--dir DIR]       every secret docker-compose.yml mounts, as files in DIR/compose/ (keys and
                                         Redis users made first where missing, the ACL for the run $DAPO_RUN, else
-                                        redis.run; the bearer token from $DAPO_TOKEN, else the one there, else a
-                                        new one)
+                                        `default`, as docker-compose.yml; the bearer token from $DAPO_TOKEN, else
+                                        the one there, else a new one)
     dapo keys compose-env [--dir DIR]   the old name of `compose` (it wrote environment variables, which Compose
                                         cannot mount into a read-only container): does the same, says so
 
@@ -96,7 +96,7 @@ def main(settings: Settings, action: str, name: str | None, folder: str | None) 
             known = ", ".join(sorted(path.stem for path in (root / "public").glob("*.pub"))) or "none"
             usage = f"{err} (the key ids there: {known})"
     elif action in ("compose", "compose-env"):
-        run = os.environ.get("DAPO_RUN") or settings.redis.run  # docker-compose.yml's DAPO_RUN names the run there
+        run = os.environ.get("DAPO_RUN") or "default"  # the run docker-compose.yml names (${DAPO_RUN:-default})
         line = (f"{write_compose_secrets(root, run)}: the secrets docker-compose.yml mounts for the run {run} "
                 f"(DAPO_SECRETS_DIR={root})")
         if action == "compose-env":  # its output was eval'ed by a shell: nothing on stdout

