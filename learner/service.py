@@ -169,6 +169,7 @@ class LearnerService:
         Records.write_config(self.settings)
         self.redis = connect(self.settings)
         self.streams = Streams(self.redis, self.settings, signs_as=("learner",))
+        self.streams.scripts.load()  # the learner owns the stream functions: this release's, before any worker's call
         self.work = WorkingSet(self.streams, self.cfg, self.policy)
         self.publisher = WeightPublisher(self.settings, self.redis, self.cfg.public_base_url())
         if self.settings.weights.transport == "collective" and self.broadcaster is None:

@@ -48,7 +48,7 @@ from learner.records import GeneratorClocks
 from services import metrics
 from services.config import LearnerConfig
 from services.messages import PromptTask, ScoredGroup, from_wire
-from services.streams import FIELD, ISSUED, Delivery, Streams, consumer_name, task_id_in_payload
+from services.streams import FIELD, ISSUED, Delivery, Streams, consumer_name, entry_ids_key, task_id_in_payload
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +58,7 @@ QUARANTINE_AFTER = 2  # such failures before a held group is dead-lettered (`qua
 DATA_CURSOR = "data-cursor"  # where the training data stands after the last task pushed (TrainProblems.cursor)
 CONSUME_BATCH = 64
 DEAD_SCAN_SECONDS = 1.0
+LETTERS_PER_SCAN = 256  # dead letters settled per scan (a few round trips each): a flood of them cannot stall a step
 REPAIR_SCAN_SECONDS = 10.0  # how often the run's streams are checked for a last id set in the future (and weighed)
 MEMORY_WARN_SHARE = 0.8  # Redis past this share of its maxmemory: the log names its largest keys (DapoRedisMemoryHigh)
 MEMORY_WARN_EVERY_S = 60.0
@@ -131,6 +132,7 @@ class WorkingSet:
         self.scored = streams.stream("scored", ScoredGroup)
         self.held = streams.stream(HELD, ScoredGroup)
         self.issued_key = streams.key(ISSUED)
+        self.entry_ids_key = entry_ids_key(self.issued_key)  # task id -> its prompts entry id (Stream.produce)
         self.suspects_key = streams.key(SUSPECTS)
         self.suspects: set[str] = set()  # held groups an update failed with (fewer than QUARANTINE_AFTER times)
         # The model's embedding rows, from the model's config (0 refuses every token: `limit_vocabulary` first).
@@ -274,8 +276,11 @@ class WorkingSet:
     def settle(self, task_ids) -> None:
         """Forget issued tasks whose groups are settled (dropped, evaluated, lost, or trained and checkpointed)."""
         task_ids = list(task_ids)
+        pipe = self.redis.pipeline(transaction=False)
         for i in range(0, len(task_ids), 500):
-            self.redis.hdel(self.issued_key, *task_ids[i : i + 500])
+            pipe.hdel(self.issued_key, *task_ids[i : i + 500])
+            pipe.hdel(self.entry_ids_key, *task_ids[i : i + 500])
+        pipe.execute()
 
     # -- reading -----------------------------------------------------------------------------------------------
     def pump(self) -> None:
@@ -354,8 +359,9 @@ class WorkingSet:
         skipped (anyone who can write to Redis could add one)."""
         self._dead_scanned_at = time.monotonic()
         self.check_redis_restart()
-        self._dead_cursor, letters = self.streams.dead_letters_after(self._dead_cursor)
-        lost = [task_id for _, fields in letters if (task_id := self.streams.settle_dead_letter(fields))]
+        self._dead_cursor, letters = self.streams.dead_letters_after(self._dead_cursor, count=LETTERS_PER_SCAN)
+        lost = [task_id for _, fields in letters
+                if (task_id := self.streams.settle_dead_letter(fields))]
         gone, eval_gone = self.lose(lost)
         if gone or eval_gone:
             log.warning("%d train and %d eval tasks died in the pipeline (see the dead stream)", gone, eval_gone)
@@ -392,7 +398,7 @@ class WorkingSet:
         """What fills Redis: the bytes of each of the run's streams and hashes, on /metrics; past MEMORY_WARN_SHARE
         of maxmemory (writes are refused at it) the log names the largest, with their sizes, once a minute, so
         that the process that fills it can be found (a stream's producer, `held` waiting for a checkpoint...)."""
-        sizes = self.streams.key_memory([*RUN_STREAMS, ISSUED])
+        sizes = self.streams.key_memory([*RUN_STREAMS, ISSUED, entry_ids_key(ISSUED)])
         for name, size in sizes.items():
             metrics.REDIS_KEY_MEMORY.labels(name).set(size)
         used, maxmemory = self.redis_memory()

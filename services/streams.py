@@ -50,7 +50,7 @@ from services import metrics
 from services.config import Settings, StreamsConfig
 from services.files import write_atomic
 from services.keys import DEAD_LETTER_SIGNER_OF, SIGNER_OF, KeysError, Role, Signer, load_keyring, load_signer
-from services.messages import from_wire, to_wire
+from services.messages import PromptTask, RolloutGroup, from_wire, to_wire
 from services.redis_local import retrying
 
 log = logging.getLogger(__name__)
@@ -71,6 +71,14 @@ PARKED_DELIVERIES = 1 << 30
 # The learner's hash of the tasks it issued (task id -> PromptTask, ground truth included): the reward role reads a
 # task's ground truth there, the `prompts` stream carries none (PromptTask.for_generators).
 ISSUED = "issued"
+
+
+def entry_ids_key(register_key: str) -> str:
+    """Beside a register hash (`produce`), the id of the entry each of its records went out in (`issued:entries`:
+    task id -> its `prompts` entry id). A worker may add a copy of an entry it read, valid signature and all; only
+    the entry with this id is the task's (Streams.settle_dead_letter)."""
+    return f"{register_key}:entries"
+
 FIELD = b"data"
 SIG = b"sig"
 ENTRY_ID = re.compile(r"\d{1,20}-\d{1,20}")
@@ -92,12 +100,17 @@ return 1
 """
 FORWARD_MARKER_MS = 600_000  # longer than the client retries a command (services.redis_local: 5 minutes)
 
-# KEYS: stream [, register hash]. ARGV: high water, payload, signature [, register field, registered payload].
-# Append unless the stream is full (one round trip); with a register, also record there, in the same atomic write.
+# KEYS: stream [, register hash, entry ids hash]. ARGV: high water, payload, signature [, register field, registered
+# payload]. Append unless the stream is full (one round trip); with a register, also record there, and the new
+# entry's id under the same field in the entry ids hash, in the same atomic write.
 _PRODUCE = """
 if redis.call('XLEN', KEYS[1]) >= tonumber(ARGV[1]) then return false end
-if #KEYS > 1 then redis.call('HSET', KEYS[2], ARGV[4], ARGV[5]) end
-return redis.call('XADD', KEYS[1], '*', 'data', ARGV[2], 'sig', ARGV[3])
+local id = redis.call('XADD', KEYS[1], '*', 'data', ARGV[2], 'sig', ARGV[3])
+if #KEYS > 1 then
+  redis.call('HSET', KEYS[2], ARGV[4], ARGV[5])
+  redis.call('HSET', KEYS[3], ARGV[4], id)
+end
+return id
 """
 
 # KEYS: input stream. ARGV: group, entry id, consumer. Ack (and delete) if this consumer still owns it.
@@ -151,6 +164,17 @@ class StreamScripts:
         self.redis = client
         self.scripts = {name: client.register_script(code) for name, code in _SCRIPTS.items()}
         self.functions: bool | None = None  # whether the server has functions, known after the first call
+
+    def load(self) -> None:
+        """Load this code's library, replacing the one the server holds (the learner at its start: a Redis that
+        outlived an upgrade would go on running the previous release's functions). Nothing on Redis 6.2."""
+        try:
+            self.redis.execute_command("FUNCTION", "LOAD", "REPLACE", LIBRARY_CODE)
+            self.functions = True
+        except redis.ResponseError as err:
+            if "unknown command" not in str(err).lower():
+                raise
+            self.functions = False
 
     def __call__(self, name: str, keys: list, args: list):
         if self.functions is False:
@@ -249,8 +273,9 @@ class Stream(Generic[M]):
                 register: tuple[str, str, BaseModel] | None = None) -> str:
         """Append a message; wait while the stream is at its high-water mark (never trims unread entries).
 
-        `register=(hash key, field, record)` also stores `record` in that hash, atomically with the append (so after
-        a Redis crash either both survived in the AOF or neither did)."""
+        `register=(hash key, field, record)` also stores `record` in that hash, and the new entry's id under the same
+        field in `entry_ids_key(hash key)`, atomically with the append (so after a Redis crash all survived in the
+        AOF or none did)."""
         self._ensure_group()
         payload = to_wire(message)
         registered = None if register is None else (register[0], register[1], to_wire(register[2]))
@@ -276,7 +301,7 @@ class Stream(Generic[M]):
         """XADD below high water (and HSET into the register); None when the stream is full."""
         keys, args = [self.key], [self.cfg.high_water, payload, self.signature(payload)]
         if register is not None:
-            keys.append(register[0])
+            keys += [register[0], entry_ids_key(register[0])]
             args += register[1:]
         entry_id = self._produce(keys=keys, args=args)
         return entry_id.decode() if entry_id else None
@@ -470,8 +495,7 @@ class Stream(Generic[M]):
         pipe.xadd(self.streams.key("dead"), {**letter, SIG: self.streams.dead_letter_signature(letter)},
                   maxlen=self.cfg.dead_maxlen, approximate=True)
         if DEAD_LETTER_SIGNER_OF[self.name] == "learner":
-            pipe.xack(self.key, self.group, entry_id)
-            pipe.xdel(self.key, entry_id)
+            _ack_and_delete(pipe, self.key, self.group, entry_id)
         else:  # JUSTID: parking is not a delivery; its count marks it parked (PARKED_DELIVERIES)
             pipe.xclaim(self.key, self.group, DEAD_LETTERED, 0, [entry_id], justid=True, retrycount=PARKED_DELIVERIES)
         for reply in pipe.execute(raise_on_error=False):
@@ -481,31 +505,27 @@ class Stream(Generic[M]):
         metrics.STREAM_DEAD.labels(self.name, label).inc()
         log.error("dead letter from %s (%s): %s", self.key, entry_id, reason[:300])
 
-    def settle_parked(self, entry_id: str, read: bool) -> tuple[str | None, str]:
-        """The learner's side of a worker's dead letter for `entry_id`: the task id of the entry as Redis holds it,
-        and what was found. The entry must be pending under DEAD_LETTERED in this stream's consumer group (else the
+    def settle_parked(self, entry_id: str, read: bool) -> tuple[bytes | None, str]:
+        """The learner's side of a worker's dead letter for `entry_id`: the entry's payload as Redis holds it, and
+        what was found. The entry must be pending under DEAD_LETTERED in this stream's consumer group (else the
         letter retires nothing); `read`: its fields must verify under the producer's key and fit the stream's entry
-        size, and the task id is read from them. A parked entry is then acked and deleted."""
+        size (else no payload). A parked entry is then acked and deleted."""
         if not ENTRY_ID.fullmatch(entry_id) or max(map(int, entry_id.split("-"))) >= 1 << 64:  # a worker's word
             return None, f"its entry id {entry_id[:40]!r} is not one"
         rows = self._grouped(self.redis.xpending_range, self.key, self.group, min=entry_id, max=entry_id, count=1)
         if not rows or rows[0]["consumer"] != DEAD_LETTERED.encode():
             return None, "its entry is not parked under the stream's consumer group (not held, or answered)"
-        task_id, found = None, "parked"
+        payload, found = None, "parked"
         if read:
             fields = dict(next(iter(self.redis.xrange(self.key, min=entry_id, max=entry_id)), (b"", {}))[1])
-            payload = fields.get(FIELD, b"")
-            if len(payload) > self.max_entry_bytes:
-                found = f"its entry is oversize ({len(payload):,} bytes)"
+            if len(fields.get(FIELD, b"")) > self.max_entry_bytes:
+                found = f"its entry is oversize ({len(fields[FIELD]):,} bytes)"
             elif forged := self.forged(fields):
                 found = f"its entry is {forged}"
-            elif (task_id := task_id_in_payload(self.name, payload)) is None:
-                found = "its entry names no task"
-        pipe = self.redis.pipeline(transaction=True)
-        pipe.xack(self.key, self.group, entry_id)
-        pipe.xdel(self.key, entry_id)
-        pipe.execute()
-        return task_id, found
+            else:
+                payload = fields.get(FIELD, b"")
+        _ack_and_delete(self.redis.pipeline(transaction=True), self.key, self.group, entry_id).execute()
+        return payload, found
 
     def take_over(self, consumer: str, count: int) -> int:
         """Claim every pending entry for `consumer` now, whoever holds it (the caller knows its holder is dead);
@@ -696,24 +716,53 @@ class Streams:
                                     self.key("dead"), *_dead_letter_fields(fields))
 
     def settle_dead_letter(self, fields: dict) -> str | None:
-        """The task a dead letter that passed `dead_letter_refusal` retires, or None (learner only). A letter of the
-        learner's own streams is its own word: its task id. A worker's letter is only that worker's word, so its
-        task is read from the entry it parked (`Stream.settle_parked`), which is then deleted, never from the
-        letter; letters that say nothing about a task (RETIRES_NOTHING) still get their entry deleted."""
+        """The task a dead letter that passed `dead_letter_refusal` retires, or None (learner only).
+
+        A letter of the learner's own streams is its own word: its task id, but for an unparseable scored entry,
+        whose task id was read from bytes any holder of the reward key could write. A worker's letter is only that
+        worker's word, so its task is read from the entry it parked (`Stream.settle_parked`), which is then
+        deleted, never from the letter, and only when that entry was the task's carrier in the pipeline
+        (`parked_task`). Letters that say nothing about a task (RETIRES_NOTHING) still get their entry deleted."""
         name = fields[b"stream"].decode()
-        says_lost = not fields.get(b"reason", b"").startswith(RETIRES_NOTHING)
+        reason = fields.get(b"reason", b"")
+        says_lost = not reason.startswith(RETIRES_NOTHING)
         if DEAD_LETTER_SIGNER_OF[name] == "learner":
             task_id = fields.get(b"task_id", b"").decode(errors="replace")
-            return task_id if says_lost and task_id else None
+            trusted = not (name == "scored" and reason.startswith(b"unparseable"))
+            return task_id if says_lost and trusted and task_id else None
         entry_id = fields.get(b"entry_id", b"").decode(errors="replace")
+        task_id = None
         try:
-            task_id, found = self.stream(name, BaseModel).settle_parked(entry_id, read=says_lost)
+            payload, found = self.stream(name, BaseModel).settle_parked(entry_id, read=says_lost)
+            if payload is not None:
+                task_id, found = self.parked_task(name, entry_id, payload)
         except redis.ResponseError as err:  # a field Redis refuses: that letter retires nothing, the run goes on
-            task_id, found = None, f"Redis refused it: {str(err)[:200]}"
+            found = f"Redis refused it: {str(err)[:200]}"
         if task_id is None and (says_lost or found.startswith("Redis refused")):
             log.warning("a dead letter of %s for entry %s retires no task: %s", name, entry_id[:40], found)
             metrics.STREAM_LETTERS_REFUSED.labels(name).inc()
         return task_id
+
+    def parked_task(self, stream: str, entry_id: str, payload: bytes) -> tuple[str | None, str]:
+        """The task whose carrier in the pipeline was a worker's parked entry (its producer's signature checked), or
+        None, with why. A prompts entry: the one the learner pushed the task in (`entry_ids_key`: a worker may add a
+        copy of an entry it read, which names the task while the task's own entry is still on its way). A rollout
+        group: one that answers its task as issued (any generator can write a group naming any task; one that does
+        not parse, or differs from the task, says nothing of the genuine group)."""
+        if stream == "prompts":
+            task_id = task_id_in_payload(stream, payload)
+            pushed = self.redis.hget(entry_ids_key(self.key(ISSUED)), task_id) if task_id else None
+            if pushed is None or pushed.decode() != entry_id:
+                return None, f"its entry is not the one task {str(task_id)[:80]!r} was pushed in"
+            return task_id, "parked"
+        try:
+            group = from_wire(RolloutGroup, payload)
+        except ValueError:
+            return None, "its entry does not parse as a rollout group"
+        raw = self.redis.hget(self.key(ISSUED), group.task.task_id)
+        if raw is None or group.task != from_wire(PromptTask, raw).for_generators():
+            return None, f"its entry does not answer task {group.task.task_id[:80]!r} as issued"
+        return group.task.task_id, "parked"
 
     def dead_letters_after(self, cursor: str, count: int = 1000) -> tuple[str, list[tuple[str, dict]]]:
         """Dead letters added after entry id `cursor` ("0-0": all), oldest first, as (entry id, raw fields), and
@@ -756,6 +805,14 @@ class Streams:
              **{k.decode(): (v if k == FIELD else v.decode(errors="replace")) for k, v in f.items()}}
             for eid, f in rows
         ]
+
+
+def _ack_and_delete(pipe, key: str, group: str, entry_id: str):
+    """Queue on `pipe` what finishes an entry for good: acknowledged in its group and deleted (the stream's length is
+    its backlog)."""
+    pipe.xack(key, group, entry_id)
+    pipe.xdel(key, entry_id)
+    return pipe
 
 
 def _dead_letter_fields(letter: dict) -> list:

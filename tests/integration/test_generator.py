@@ -38,7 +38,7 @@ from services.http import create_app
 from services.keys import ROLES, Signer, keys_dir, load_keyring, load_signer
 from services.messages import PromptTask, RolloutGroup, SamplingParams, Score, ScoredGroup, from_wire, sign_announcement
 from services.redis_local import connect
-from services.streams import Streams, run_prefix
+from services.streams import ISSUED, Streams, run_prefix
 from services.weights import (
     AnnouncementWatcher,
     WeightPublisher,
@@ -382,6 +382,12 @@ def task(prompt_ids: list[int], sampling: SamplingParams, min_version: int = 0, 
     )
 
 
+def issue(prompts, task: PromptTask) -> str:
+    """Push a task as the learner does: recorded in `issued` with the id of its entry, which a letter must park to
+    retire it (services/streams.py `parked_task`)."""
+    return prompts.produce(task.for_generators(), register=(prompts.streams.key(ISSUED), task.task_id, task))
+
+
 @pytest.fixture
 def service(settings, engine, models):
     """Learner-like weights server + a generator worker with its HTTP app, sharing the module engine."""
@@ -463,7 +469,7 @@ def test_worker_versions_sync_refusals_and_late_join(service, engine, models):
 
         refusals = counted("dapo_generator_reload_failures_total", reason="shape")
         settings.generator.min_version_wait_s = 0.2
-        prompts.produce(task(ids[1], GREEDY, min_version=2, prompt_id="wants-v2"))
+        issue(prompts, task(ids[1], GREEDY, min_version=2, prompt_id="wants-v2"))
         wait_for(lambda: dead_reasons("wants-v2"), 30, "the task for the refused version in dead")
         assert dead_reasons("wants-v2") == ["delivered 4 times (max 3)"]
         assert counted("dapo_generator_reload_failures_total", reason="shape") == refusals
@@ -676,11 +682,11 @@ def test_poison_task_is_found_by_bisection_and_only_it_is_dead_lettered(service,
     monkeypatch.setattr(engine, "check", lambda t: t.prompt_token_ids if t.prompt_id == "poison" else checked(t))
     ids = prompts_of(engine)
     vocab = engine.vocab_size
-    prompts.produce(task(ids[0], GREEDY, prompt_id="p0"))
-    prompts.produce(task(ids[1][:2] + [10**9], GREEDY, prompt_id="poison"))
-    prompts.produce(task(ids[2], GREEDY, prompt_id="p2"))
-    prompts.produce(task(ids[3], GREEDY, prompt_id="p3"))
-    prompts.produce(task([5, vocab], GREEDY, prompt_id="invalid"))
+    issue(prompts, task(ids[0], GREEDY, prompt_id="p0"))
+    issue(prompts, task(ids[1][:2] + [10**9], GREEDY, prompt_id="poison"))
+    issue(prompts, task(ids[2], GREEDY, prompt_id="p2"))
+    issue(prompts, task(ids[3], GREEDY, prompt_id="p3"))
+    issue(prompts, task([5, vocab], GREEDY, prompt_id="invalid"))
     sync = WeightSync(settings, service["base"], service["client"], "bisector")
     worker = RolloutWorker(settings, engine, streams, sync, "bisector")
     released = []

@@ -325,6 +325,51 @@ def test_a_generator_letter_retires_only_an_entry_it_held_and_parked(settings):
     assert service.redis.xrange(prompts.key, min=held["train-0"].id, max=held["train-0"].id) == []  # settled
 
 
+def test_a_worker_letter_retires_a_task_only_through_the_entry_that_carried_it(settings):
+    """A parked entry retires a task only when it was that task's carrier in the pipeline: not a copy of its prompts
+    entry that a generator added (same bytes, same signature), not a rollout group that does not parse or does not
+    answer the task as issued (any generator can write one naming any task), and not a scored entry that does not
+    parse (any holder of the reward key can write one). A rollout group answering its task retires it."""
+    service = LearnerService(settings)
+    service.connect()
+    tasks = issue_tasks(service, 3)
+    generator = Streams(service.redis, settings, signs_as=("generator",))
+    reward = Streams(service.redis, settings, signs_as=("reward",))
+    prompts = generator.stream("prompts", PromptTask)
+    # A generator copies train-0's entry, fields and signature, reads the copy back and dead-letters it.
+    (genuine,) = [(eid.decode(), f) for eid, f in service.redis.xrange(prompts.key) if b"train-0" in f[b"data"]]
+    assert len(prompts.consume("gen-a", count=3, block_ms=0)) == 3  # the genuine entries, held by gen-a
+    copy = service.redis.xadd(prompts.key, genuine[1]).decode()
+    (copied,) = prompts.consume("gen-b", count=1, block_ms=0)
+    assert copied.id == copy and copied.message.task_id == "train-0"
+    prompts.reject(copied, "engine failure on this task alone: a copy")
+    # Generator-signed rollouts: one naming train-1 that does not parse (the reward role dead-letters it), one of
+    # train-1 whose prompt differs, and train-2's genuine answer, both dead-lettered after too many deliveries.
+    by_generator = generator.stream("rollouts", RolloutGroup)
+    garbage = msgpack.packb({"task": {"task_id": "train-1"}}, use_bin_type=True)
+    service.redis.xadd(by_generator.key, {b"data": garbage, b"sig": by_generator.signature(garbage)})
+    by_generator.produce(scored_group(tasks[1].model_copy(update={"prompt": "2+2="}), [True, False]).rollout)
+    by_generator.produce(scored_group(tasks[2].for_generators(), [True, False]).rollout)
+    altered, answer = reward.stream("rollouts", RolloutGroup).consume("reward-a", count=3, block_ms=0)
+    unparsed = next(d for d in reward.dead_letters() if d["stream"] == "rollouts")
+    assert unparsed["reason"].startswith("unparseable") and unparsed["task_id"] == "train-1"
+    for delivery in (altered, answer):
+        reward.stream("rollouts", RolloutGroup).reject(delivery, "delivered 4 times (max 3)")
+    # A reward-signed scored entry naming train-1 that does not parse: the learner's own letter names train-1.
+    scored = reward.stream("scored", ScoredGroup)
+    garbage = msgpack.packb({"rollout": {"task": {"task_id": "train-1"}}}, use_bin_type=True)
+    service.work.pump()  # (the learner's read makes the stream and its group)
+    service.redis.xadd(scored.key, {b"data": garbage, b"sig": scored.signature(garbage)})
+    service.work.pump()
+    assert any(d["stream"] == "scored" and d["task_id"] == "train-1" for d in service.streams.dead_letters())
+    service.work.scan_dead_letters()
+    assert sorted(service.work.assembler.in_flight) == ["train-0", "train-1"]
+    assert service.work.assembler.stats.lost == 1  # train-2, by its own answer
+    assert service.redis.xrange(prompts.key, min=copy, max=copy) == []  # the copy is deleted all the same
+    assert service.redis.xrange(prompts.key, min=genuine[0], max=genuine[0])  # the genuine entry is still held
+    assert service.redis.xlen(by_generator.key) == 0  # every parked rollout deleted
+
+
 def test_a_dead_letter_of_a_scored_group_carries_no_ground_truth(settings):
     """Ground truth is for the reward role and the learner: the learner's letter of a group it refused keeps
     everything of the group but the task's ground truth (worker users of Redis 6.2 can read `dead`)."""

@@ -30,7 +30,7 @@ from services.keys import create_keys, keys_dir
 from services.messages import PromptTask, RolloutGroup, Sample, Score, ScoredGroup
 from services.redis_local import client_for, redis_server_binary, server_version
 from services.redis_users import REDIS_USERS, acl_file, role_lines
-from services.streams import DEAD_LETTERED, ISSUED, Streams
+from services.streams import DEAD_LETTERED, ISSUED, Streams, entry_ids_key
 
 
 def _servers() -> list[str]:
@@ -242,5 +242,14 @@ def test_on_redis_7_worker_roles_call_the_stream_functions_and_run_no_code_of_th
         assert [lib[b"library_name"] if isinstance(lib, dict) else lib[1] for lib in
                 learner.execute_command("FUNCTION", "LIST")] == [streams_module.LIBRARY.encode()]
         assert early.produce(group)  # and the early worker's next call goes through
+        # A library an earlier release left in a Redis that outlived the upgrade: the learner's start replaces it.
+        stale = f"#!lua name={streams_module.LIBRARY}\nredis.register_function('dapo_produce', function() return 1 end)"
+        learner.execute_command("FUNCTION", "LOAD", "REPLACE", stale)
+        upgraded = Streams(learner, deployment_settings, signs_as=("learner",))
+        upgraded.scripts.load()
+        task = group.task
+        pushed = upgraded.stream("prompts", PromptTask).produce(task.for_generators(),
+                                                                register=(upgraded.key(ISSUED), "t0", task))
+        assert learner.hget(entry_ids_key(upgraded.key(ISSUED)), "t0").decode() == pushed
     finally:
         server.kill()

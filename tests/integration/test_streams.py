@@ -18,7 +18,7 @@ from services.config import KeysConfig, load_settings
 from services.keys import ROLES, create_keys, keys_dir
 from services.messages import PromptTask, RolloutGroup, Sample, to_wire
 from services.redis_local import EmbeddedRedis, connect
-from services.streams import BackPressureTimeout, Streams
+from services.streams import ISSUED, BackPressureTimeout, Streams, entry_ids_key
 
 
 def task(i: int) -> PromptTask:
@@ -78,7 +78,8 @@ def test_poison_messages_go_to_dead_and_consumer_keeps_going(streams):
     streams.redis.xadd(prompts.key, signed(b"\xff\x00 not msgpack"))
     bad_version = task(1).model_dump()
     bad_version["schema_version"] = 99
-    streams.redis.xadd(prompts.key, signed(msgpack.packb(bad_version)))
+    pushed = streams.redis.xadd(prompts.key, signed(msgpack.packb(bad_version)))
+    streams.redis.hset(entry_ids_key(streams.key(ISSUED)), "t1", pushed)  # recorded as the learner's push records it
     streams.redis.xadd(prompts.key, {b"other": b"no data field"})
     prompts.produce(task(2))
     got = prompts.consume("c1", count=10)
@@ -102,7 +103,7 @@ def test_a_parked_entry_no_learner_settled_is_dead_lettered_again_and_never_run(
     it goes to `dead` again as `unsettled`, which retires nothing, and no worker runs it. The first letter still
     settles it; a group refused for its provenance, parked and reclaimed so, retires no task either."""
     prompts, rollouts = streams.stream("prompts", PromptTask), streams.stream("rollouts", RolloutGroup)
-    prompts.produce(task(0))
+    prompts.produce(task(0), register=(streams.key(ISSUED), "t0", task(0)))  # as the learner pushes a task
     rollouts.produce(group_for(task(1)))
     (delivery,) = prompts.consume("c1", count=10)
     prompts.reject(delivery, "engine failure on this task alone: test")
