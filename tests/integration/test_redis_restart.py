@@ -185,7 +185,8 @@ def test_a_default_user_without_permissions_loses_the_transactions(binary, short
 @pytest.mark.parametrize("binary", [b for b in _servers() if server_version(b) >= (7, 0)], ids=_version)
 def test_on_redis_7_a_worker_role_can_add_dead_letters_and_nothing_else_there(binary, short_tmp, deployment_settings):
     """A dead letter may hold a scored group's ground truth: a generator or reward worker may write one (XADD,
-    also inside MULTI) but not read, group, trim or delete them (the ACL selector of services/redis_users.py)."""
+    also inside MULTI) but not read, group, trim or delete them (the ACL selector of services/redis_users.py); nor
+    may it add to the stream it reads."""
     passwords = {user: f"{user}-secret" for user in REDIS_USERS}
     server = DeploymentRedis(binary, Path(short_tmp), acl_file(passwords, run=deployment_settings.redis.run)).start()
     try:
@@ -204,6 +205,12 @@ def test_on_redis_7_a_worker_role_can_add_dead_letters_and_nothing_else_there(bi
                             lambda: worker.delete(dead)):
                 with pytest.raises(redis.exceptions.NoPermissionError):
                     refused()
+        for role, read in (("generator", "prompts"), ("reward", "rollouts")):  # nor add to the stream it reads:
+            worker = client_for(server.url(role, passwords[role]))  # no copy of an entry it read, no trim
+            for add in (lambda: worker.xadd(f"dapo:restart:{read}", {"data": b"a copy"}),
+                        lambda: worker.xadd(f"dapo:restart:{read}", {"data": b"x"}, maxlen=0)):
+                with pytest.raises(redis.exceptions.NoPermissionError):
+                    add()
         assert learner.xlen(dead) == 5  # every letter there, none read, trimmed or deleted by a worker
     finally:
         server.kill()
