@@ -12,8 +12,9 @@ EVALSHA, so there they could. What each can do:
 
 - learner: every key and channel of its run (`dapo:{run}:*`), every command but the dangerous ones (+INFO).
 - generator: read and acknowledge `prompts` (and its forward markers), write `rollouts`, add to `dead` (on Redis 7
-  XADD to these two only: no copy of an entry it read, no trim of `prompts`), read (GET, SUBSCRIBE) the weights announcement, write its membership of broadcast rounds (HSET,
-  HDEL on `weights:members`). Not `issued` (the ground truth), not `scored`.
+  XADD to these two only: no copy of an entry it read, no trim of `prompts`), read (GET, SUBSCRIBE) the weights
+  announcement, write its membership of broadcast rounds (HSET, HDEL on `weights:members`). Not `issued` (the
+  ground truth), not `scored`.
 - reward: read and acknowledge `rollouts` (and its forward markers), write `scored`, add to `dead` (on Redis 7 XADD
   to these two only), read `issued` (HMGET only).
 - autoscaler (KEDA's redis-streams scaler): XPENDING, XINFO GROUPS and XLEN on `prompts`, nothing else.
