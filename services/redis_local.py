@@ -36,7 +36,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.client import Pipeline
 from redis.retry import Retry
-from tenacity import retry, retry_if_exception_type, stop_after_delay, wait_exponential
+from tenacity import retry, retry_if_exception, retry_if_exception_type, stop_after_delay, wait_exponential
 
 from services.config import RedisConfig, Settings
 from services.errors import Unavailable
@@ -52,13 +52,44 @@ MAX_SOCKET_PATH = 100  # a unix socket path holds at most 107 bytes (sun_path)
 # partition or a frozen host leaves a half-open TCP socket that, without a timeout, blocks a service for ever.
 REPLY_TIMEOUT_S = 30.0
 
+# Past this long a script or function holds the server, every other client is answered BUSY (redis-server's
+# `busy-reply-threshold`, `lua-time-limit` before 7.0; 5 s by default). The stream scripts take microseconds.
+BUSY_REPLY_THRESHOLD_MS = 1000
+
+
+def _busy(err: BaseException) -> bool:
+    """A script or function has held the server past its busy-reply threshold (`BUSY Redis is busy running...`)."""
+    return isinstance(err, redis.ResponseError) and str(err).startswith("BUSY ")
+
+
 retry_redis = retry(
-    retry=retry_if_exception_type((redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError)),
+    retry=retry_if_exception_type((redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError))
+    | retry_if_exception(_busy),
     wait=wait_exponential(multiplier=0.1, max=5),
     stop=stop_after_delay(300),
     reraise=True,
     before_sleep=lambda state: log.warning("Redis unreachable (%s), retrying", state.outcome.exception()),
 )
+
+
+def end_busy_script(client: redis.Redis) -> None:
+    """Ask the server to end the script or function that holds it (SCRIPT KILL, FUNCTION KILL): a worker's script
+    that never ends would otherwise answer BUSY to every client until the lease and the deadlines lapse. Only a user
+    allowed to (the learner's, the operator's) can; a worker's refusal is ignored. A script that already wrote
+    cannot be killed (UNKILLABLE): only a restart of the server ends it, which is logged."""
+    for command in (("SCRIPT", "KILL"), ("FUNCTION", "KILL")):
+        try:
+            redis.Redis.execute_command(client, *command)
+            log.error("Redis was held by a long script: ended it (%s)", " ".join(command))
+            return
+        except redis.exceptions.NoPermissionError:
+            return
+        except redis.ResponseError as err:
+            if str(err).startswith("UNKILLABLE"):
+                log.error("Redis is held by a script that wrote before it stalled: it cannot be killed, only a "
+                          "restart of the server (SHUTDOWN NOSAVE) ends it (%s)", err)
+                return
+            # NOTBUSY: not that kind (a function, not a script), or it ended meanwhile
 
 
 class RetryingPipeline(Pipeline):
@@ -69,17 +100,28 @@ class RetryingPipeline(Pipeline):
 
         def attempt():
             self.command_stack = list(stack)
-            return Pipeline.execute(self, raise_on_error)
+            try:
+                return Pipeline.execute(self, raise_on_error)
+            except redis.ResponseError as err:
+                if _busy(err):
+                    end_busy_script(redis.Redis(connection_pool=self.connection_pool))
+                raise
 
         return retry_redis(attempt)()
 
 
 class RetryingRedis(redis.Redis):
-    """A client whose every command retries while Redis is away (restart, failover): one place, no forgetting."""
+    """A client whose every command retries while Redis is away (restart, failover) or held by a long script (it
+    asks the server to end it, if its user may): one place, no forgetting."""
 
     @retry_redis
     def execute_command(self, *args, **options):
-        return super().execute_command(*args, **options)
+        try:
+            return super().execute_command(*args, **options)
+        except redis.ResponseError as err:
+            if _busy(err):
+                end_busy_script(self)
+            raise
 
     def pipeline(self, transaction: bool = True, shard_hint=None) -> RetryingPipeline:
         return RetryingPipeline(self.connection_pool, self.response_callbacks, transaction, shard_hint)
@@ -217,6 +259,7 @@ class EmbeddedRedis:
             "--appendfsync", self.fsync,
             "--maxmemory", f"{self.maxmemory_mb}mb",
             "--maxmemory-policy", "noeviction",
+            "--lua-time-limit", str(BUSY_REPLY_THRESHOLD_MS),
             "--logfile", str(self.data_dir / "redis.log"),
             "--daemonize", "no",
         ]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import time
 
 import pytest
 import redis
@@ -192,3 +193,33 @@ def test_the_users_of_a_run_reach_no_key_of_another_run(server, as_role, setting
         assert refused(client.xadd, other + "dead", {b"data": b"x"}), role
     assert refused(learner.get, other + "weights:latest") and refused(learner.hgetall, other + "issued")
     assert refused(learner.publish, other + "weights", "x")
+
+
+def test_a_worker_script_that_never_ends_is_ended_by_the_learner_and_redis_answers_again(server, as_role, caplog):
+    """On Redis 6.2 (the embedded server) a worker may still run scripts (EVALSHA): one that never ends answers BUSY
+    to every client past the busy-reply threshold. The learner's client asks the server to end it (SCRIPT KILL;
+    workers may not) and its command goes through; the worker's script fails."""
+    import threading
+
+    generator, _ = as_role("generator")
+    learner, learner_streams = as_role("learner", ("learner",))
+    spin = generator.script_load("while true do end")
+    failures = []
+
+    def run_forever():
+        try:
+            generator.evalsha(spin, 0)
+        except redis.ResponseError as err:
+            failures.append(str(err))
+
+    runner = threading.Thread(target=run_forever, daemon=True)
+    runner.start()
+    time.sleep(0.2)
+    other_worker, _ = as_role("reward")
+    assert refused(other_worker.execute_command, "SCRIPT", "KILL")  # a worker cannot end it (nor start it over)
+    started = time.monotonic()
+    assert learner.xlen(learner_streams.key("prompts")) == 0  # BUSY, the script ended, retried
+    assert time.monotonic() - started < 10
+    runner.join(timeout=10)
+    assert failures and "killed" in failures[0].lower()
+    assert "ended it (SCRIPT KILL)" in caplog.text

@@ -89,3 +89,11 @@ def test_the_reply_timeout_outlasts_the_longest_blocking_read():
     assert embedded.connection_pool.connection_kwargs["socket_timeout"] == 7.0
     with pytest.raises(redis.ConnectionError):  # the connection's options are accepted: it fails on the path alone
         redis.Redis(connection_pool=embedded.connection_pool).ping()
+
+
+def test_only_a_busy_script_is_retried_as_busy_not_an_existing_group():
+    from services.redis_local import _busy
+
+    assert _busy(redis.ResponseError("BUSY Redis is busy running a script. You can only call SCRIPT KILL or ..."))
+    assert not _busy(redis.ResponseError("BUSYGROUP Consumer Group name already exists"))  # answered, not retried
+    assert not _busy(redis.ConnectionError("BUSY"))
