@@ -52,19 +52,44 @@ CHILD_MAX_FILE_BYTES = 1 << 20  # RLIMIT_FSIZE: a verifier writes no file; a wri
 CHILD_MAX_OPEN_FILES = 64  # RLIMIT_NOFILE: its pipes to the pool, and little else once the imports are done
 
 
+CLONE_NEWNET, CLONE_NEWUSER = 0x40000000, 0x10000000  # <sched.h>
+
+
+def isolate_network() -> str:
+    """Move the calling process into a network namespace of its own, whose only interface is a loopback that is
+    down: code a hostile response got to run in a verifier reaches no Redis, no service and no host. As root
+    `unshare(CLONE_NEWNET)`; otherwise inside a new user namespace as well (`CLONE_NEWUSER`, where the kernel allows
+    unprivileged ones; file access is unchanged). Returns what was done, or why not (a container without
+    CAP_SYS_ADMIN under Docker's default seccomp profile refuses both: the other limits still hold)."""
+    import ctypes
+    import errno
+
+    flags = CLONE_NEWNET if os.geteuid() == 0 else CLONE_NEWUSER | CLONE_NEWNET
+    try:
+        unshare = ctypes.CDLL(None, use_errno=True).unshare
+    except (OSError, AttributeError) as err:  # not Linux
+        return f"no network namespace: {err}"
+    if unshare(flags) != 0:
+        code = ctypes.get_errno()
+        return f"no network namespace: unshare refused ({errno.errorcode.get(code, code)})"
+    return "network namespace of its own" + ("" if os.geteuid() == 0 else " (in a user namespace)")
+
+
 def _start_child(memory_mb: int, ready) -> None:
-    """Pebble initializer: the memory, file size and open files limits, then the verifier's imports (a limit too
-    small for them fails here, at startup, not as failed items; pebble logs the reason and the child exits), then
-    tell the parent. Not RLIMIT_NPROC: it counts every process and thread of the user, so under the user the
+    """Pebble initializer: a network namespace of its own (`isolate_network`, before any thread is started), the
+    memory, file size and open files limits, then the verifier's imports (a limit too small for them fails here,
+    at startup, not as failed items; pebble logs the reason and the child exits), then tell the parent its pid and
+    its network isolation. Not RLIMIT_NPROC: it counts every process and thread of the user, so under the user the
     services share it would stop the verifier's own threads (docs/deploy.md, the verifier's sandbox)."""
     import resource
 
+    network = isolate_network()
     limit = memory_mb * 1024 * 1024
     resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
     resource.setrlimit(resource.RLIMIT_FSIZE, (CHILD_MAX_FILE_BYTES, CHILD_MAX_FILE_BYTES))
     verify("Answer: $2\\sqrt{2}$", "\\sqrt{8}")
     resource.setrlimit(resource.RLIMIT_NOFILE, (CHILD_MAX_OPEN_FILES, CHILD_MAX_OPEN_FILES))  # after the imports
-    ready.put(os.getpid())
+    ready.put((os.getpid(), network))
 
 
 def _verify_in_child(response: str, ground_truth: str, rule: str = "robust") -> Verdict:
@@ -114,6 +139,7 @@ class VerifierPool:
         self._launched: threading.Event | None = None  # set once the current pool's children are spawned
         self._ready = self._context.SimpleQueue()  # pids of children that finished _start_child
         self._ready_pids: set[int] = set()
+        self.network = ""  # the children's network isolation, as the last one to start reported it
         self._pending: set[Future] = set()
         self._lock = threading.Lock()
         self._closed = False
@@ -178,7 +204,12 @@ class VerifierPool:
         """Live children that have imported the verifier."""
         with self._lock:
             while not self._ready.empty():
-                self._ready_pids.add(self._ready.get())
+                pid, network = self._ready.get()
+                self._ready_pids.add(pid)
+                if network != self.network:
+                    (log.info if network.startswith("network namespace") else log.warning)(
+                        "verifier processes: %s", network)
+                    self.network = network
             self._ready_pids &= set(self.worker_pids())
             return 0 if self.broken else len(self._ready_pids)
 

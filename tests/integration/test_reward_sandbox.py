@@ -128,6 +128,20 @@ def test_every_child_may_write_no_large_file_and_open_few(pool):
         assert [int(v) for v in rows["Max open files"]] == [CHILD_MAX_OPEN_FILES] * 2
 
 
+def test_every_child_has_a_network_namespace_of_its_own_with_no_interface_up(pool):
+    """Code a hostile response got to run in a verifier reaches nothing: the child's network namespace is not the
+    service's, and holds only its own loopback (no Redis, no service, no host). Where the OS refuses the
+    namespace (a container without CAP_SYS_ADMIN), the pool says so and this test says why it cannot check."""
+    assert pool.wait_ready(30)
+    if not pool.network.startswith("network namespace"):
+        pytest.skip(f"this machine refuses the verifier a network namespace: {pool.network}")
+    for pid in pool.worker_pids():
+        assert os.readlink(f"/proc/{pid}/ns/net") != os.readlink("/proc/self/ns/net")
+        with open(f"/proc/{pid}/net/dev") as f:
+            interfaces = [row.split(":")[0].strip() for row in f.readlines()[2:]]
+        assert interfaces == ["lo"]
+
+
 def test_a_memory_limit_too_small_to_verify_fails_items_fast_instead_of_hanging():
     # 40 MiB cannot hold sympy: children fail at startup, the pool says so, and items get `error` verdicts.
     with VerifierPool(workers=1, timeout_s=TIMEOUT_S, memory_mb=40) as small:
