@@ -28,6 +28,7 @@ import signal
 import threading
 import time
 import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 from learner.batch import Batch, Push, RefillLimitReached
@@ -137,6 +138,10 @@ class LearnerService:
         self.run_dir = Path(settings.run_dir)
         self.checkpoints = Checkpoints(self.run_dir, keep=self.cfg.checkpoints.keep)
         self.broadcaster: Broadcaster | None = None  # transport collective: rank 0 of every weights round
+        # max_staleness >= 1: a version's delivery (broadcast, files, announcement) overlaps the next step
+        self.overlap_publish = self.cfg.batch.max_staleness >= 1
+        self.publishing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="publish")
+        self.delivering: Future | None = None  # the delivery in the background, while it runs
         self.stopping = threading.Event()
         self.ready, self.ready_reason = False, "starting"
         self.step = 0
@@ -260,12 +265,14 @@ class LearnerService:
                 while not self.stopping.is_set() and self.run_step():
                     pass
         except RefillLimitReached as err:
+            self.wait_delivered()
             log.error("stopping at step %d: %s", self.step + 1, err)
             metrics.LEARNER_REFILL_LIMIT.inc()
             self.checkpoint_if_new()
             self.checkpoints.record_stop(self.step, self.cfg.batch.max_refills, str(err))
             self.ranks.stop()
             return ExitCode.REFILL_LIMIT
+        self.wait_delivered()  # the last version trained is announced before the run ends
         self.checkpoint_if_new()
         self.ranks.stop()
         if self.stopping.is_set():
@@ -291,7 +298,7 @@ class LearnerService:
             result = self.train(batch)
             self.policy.advance()
             published = time.perf_counter()
-            broadcast = self.publish()
+            broadcast = self.publish(overlap=self.overlap_publish)
             publish_seconds = time.perf_counter() - published
         else:
             log.warning("step %d: refill limit with no informative group in hand: no update", self.step + 1)
@@ -304,6 +311,7 @@ class LearnerService:
         record = step_record(self.step, self.policy.current, batch, lags, result, timing)
         final = self.finished()  # decided once: the evaluation, the checkpoint and the loop agree on the last step
         if self.eval_due(final):
+            record.update(self.wait_delivered())  # the evaluation samples the version just trained
             record["eval_drain_seconds"] = self.drain_train()
             summary = self.evaluate()
             if summary is not None:
@@ -439,15 +447,38 @@ class LearnerService:
         self.ready_reason = "publishing weights"
         self.publish()
 
-    def publish(self) -> dict[str, float]:
-        """Announce the current policy: a broadcast round first (transport collective), then the files (every
-        transport: the way in for generators outside the round). Returns the round's figures for the step record."""
+    def publish(self, overlap: bool = False) -> dict[str, float]:
+        """Announce the current policy: its weights gathered in the served dtype (every rank takes part; host
+        copies), then delivered (`deliver`). `overlap` (max_staleness >= 1): the delivery runs in the background
+        while the next step collects and trains on groups of the versions before; the previous delivery is waited
+        for first, so versions are announced in order. Returns the figures for the step record: the gather's (the
+        served bytes each rank gathers) and those of the delivery that ended in this call, if any."""
         version = self.policy.current
+        started = time.perf_counter()
         weights = self.ranks.weights(self.trainer)
+        figures = {"publish_gather_seconds": time.perf_counter() - started,
+                   "publish_bytes": float(sum(t.numel() * t.element_size() for t in weights.values())),
+                   **self.wait_delivered()}
+        if overlap:
+            self.delivering = self.publishing.submit(self.deliver, weights, version)
+            return figures
+        return {**figures, **self.deliver(weights, version)}
+
+    def deliver(self, weights: dict, version: int) -> dict[str, float]:
+        """A broadcast round first (transport collective), then the files and the announcement (every transport:
+        the way in for generators outside the round). Its figures, naming the version delivered."""
+        started = time.perf_counter()
         round_ = self.broadcaster.broadcast(shareable_state_dict(weights), version) if self.broadcaster else None
         self.publisher.publish(weights, version)
         metrics.LEARNER_VERSION.set(version)
-        return round_.figures() if round_ is not None else {}
+        return {"delivered_version": version, "delivery_seconds": time.perf_counter() - started,
+                **(round_.figures() if round_ is not None else {})}
+
+    def wait_delivered(self) -> dict[str, float]:
+        """Wait for the delivery running in the background, if any (its error is raised here, as a delivery on the
+        step's path would raise it); its figures."""
+        delivering, self.delivering = self.delivering, None
+        return delivering.result() if delivering is not None else {}
 
     def checkpoint_due(self, final: bool) -> bool:
         every = self.cfg.checkpoints.every

@@ -926,6 +926,9 @@ def test_synchronous_steps(pipeline, tmp_path):
         assert r["wait_generation_seconds"] + r["wait_verification_seconds"] == pytest.approx(r["wait_seconds"])
         assert 0 < r["forward_seconds"] + r["backward_seconds"] + r["optimizer_seconds"] <= r["train_seconds"]
         assert r["publish_seconds"] > 0 and r["learner_idle_seconds"] >= r["wait_seconds"]
+        # synchronous: the step delivers its own version before it goes on
+        assert r["delivered_version"] == r["version"] and 0 < r["delivery_seconds"] <= r["publish_seconds"]
+        assert r["publish_bytes"] > 0 and r["publish_gather_seconds"] < r["publish_seconds"]
         assert r["world_size"] == 1
     # the generator worked for these steps (its first group only set its baseline)
     assert sum(r["generator_busy_seconds"] for r in steps) > 0
@@ -951,6 +954,12 @@ def test_asynchronous_steps(pipeline, tmp_path):
     assert len(assert_trained_once(run_dir)) == 16
     # generation overlapped training: some groups were sampled by the previous version
     assert any(r["staleness"] > 0 for r in steps), [r["staleness"] for r in steps]
+    # and publishing overlapped the next step: each step's record reports the delivery of the version before its
+    # own, which ended in the background; the last version was announced before the learner ended
+    assert [r.get("delivered_version") for r in steps] == [None] + [r["version"] for r in steps[:-1]]
+    assert all(r["delivery_seconds"] > 0 for r in steps[1:])
+    announced = json.loads(pipeline.redis.get(latest_key(f"dapo:{Pipeline.RUN}:")))
+    assert announced["version"] == steps[-1]["version"]
 
 
 @pytest.mark.slow
