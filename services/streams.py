@@ -752,7 +752,9 @@ class Streams:
         if stream == "prompts":
             task_id = task_id_in_payload(stream, payload)
             pushed = self.redis.hget(entry_ids_key(self.key(ISSUED)), task_id) if task_id else None
-            if pushed is None or pushed.decode() != entry_id:
+            if pushed is None:
+                return None, f"task {str(task_id)[:80]!r} is not awaited (settled, or never issued)"
+            if pushed.decode() != entry_id:
                 return None, f"its entry is not the one task {str(task_id)[:80]!r} was pushed in"
             return task_id, "parked"
         try:
@@ -760,7 +762,9 @@ class Streams:
         except ValueError:
             return None, "its entry does not parse as a rollout group"
         raw = self.redis.hget(self.key(ISSUED), group.task.task_id)
-        if raw is None or group.task != from_wire(PromptTask, raw).for_generators():
+        if raw is None:
+            return None, f"task {group.task.task_id[:80]!r} is not awaited (settled, or never issued)"
+        if group.task != from_wire(PromptTask, raw).for_generators():
             return None, f"its entry does not answer task {group.task.task_id[:80]!r} as issued"
         return group.task.task_id, "parked"
 

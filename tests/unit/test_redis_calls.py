@@ -95,5 +95,7 @@ def test_only_a_busy_script_is_retried_as_busy_not_an_existing_group():
     from services.redis_local import _busy
 
     assert _busy(redis.ResponseError("BUSY Redis is busy running a script. You can only call SCRIPT KILL or ..."))
+    assert _busy(redis.ResponseError("Command # 1 (HDEL dapo:r:issued t1) of pipeline caused error: BUSY Redis is "
+                                     "busy running a script. You can only call SCRIPT KILL or SHUTDOWN NOSAVE."))
     assert not _busy(redis.ResponseError("BUSYGROUP Consumer Group name already exists"))  # answered, not retried
     assert not _busy(redis.ConnectionError("BUSY"))
