@@ -427,7 +427,12 @@ class WorkingSet:
 
     def restore(self, skip: set[str], counted: set[str]) -> None:
         """After a (re)start: re-admit `held` (minus what the checkpoint consumed), then take over the scored
-        groups a previous learner process was given and never settled."""
+        groups a previous learner process was given and never settled. Every task a previous process issued gets
+        a deadline from now: its group is still welcome until then, and past it the task is forgotten in `issued`
+        (and `issued:entries`) instead of staying there for good when its group never comes."""
+        now = time.monotonic()
+        for task_id, _ in self.redis.hscan_iter(self.issued_key, count=1000):
+            self.deadlines.pushed(task_id.decode(), now)
         outcome = self.readmit_held(skip, counted)
         claimed = self.claim_pending()
         if any(outcome.values()) or claimed:

@@ -415,6 +415,27 @@ def test_a_task_whose_entry_a_worker_deleted_is_given_up_at_its_deadline(setting
     assert service.streams.dead_letters()[0]["reason"].startswith("provenance: unknown task id 'train-0'")
 
 
+def test_tasks_a_previous_learner_issued_are_forgotten_at_their_deadline_when_no_group_comes(settings):
+    """A learner process that died left tasks in `issued` (and their entry ids): the next one gives each a deadline
+    from its start. A group that comes in time is still trained; past the deadline the others are forgotten."""
+    settings.learner.batch.task_deadline_min_s = 0.5
+    first = LearnerService(settings)
+    first.connect()
+    tasks = issue_tasks(first, 2)
+    entries = first.work.entry_ids_key
+    assert sorted(first.redis.hkeys(entries)) == [b"train-0", b"train-1"]
+    second = LearnerService(settings)  # the process after a crash
+    second.connect()
+    second.work.limit_vocabulary(100)
+    second.work.start_fresh()
+    reward_stream(second, settings).produce(scored_group(tasks[1], [True, False] * 8))
+    second.work.pump()
+    time.sleep(0.6)
+    second.work.expire_overdue()
+    assert second.work.issued_task("train-0") is None and not second.redis.hexists(entries, "train-0")
+    assert [task_id_of(group) for _, _, group in second.work.assembler.ready] == ["train-1"]
+
+
 def test_streams_whose_last_id_a_worker_set_to_the_maximum_are_repaired_and_the_run_goes_on(settings):
     """A worker may XADD to a stream it writes with an explicit id; the largest possible one makes every later
     `XADD *` fail. The learner notices (on its next push, and every REPAIR_SCAN_SECONDS for every stream of the
