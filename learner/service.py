@@ -138,8 +138,8 @@ class LearnerService:
         self.run_dir = Path(settings.run_dir)
         self.checkpoints = Checkpoints(self.run_dir, keep=self.cfg.checkpoints.keep)
         self.broadcaster: Broadcaster | None = None  # transport collective: rank 0 of every weights round
-        # max_staleness >= 1: a version's delivery (broadcast, files, announcement) overlaps the next step
-        self.overlap_publish = self.cfg.batch.max_staleness >= 1
+        # weights.overlap_delivery, max_staleness >= 1: a version's delivery overlaps the next step
+        self.overlap_publish = self.settings.weights.overlap_delivery and self.cfg.batch.max_staleness >= 1
         self.publishing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="publish")
         self.delivering: Future | None = None  # the delivery in the background, while it runs
         self.stopping = threading.Event()
@@ -301,7 +301,10 @@ class LearnerService:
             result = self.train(batch)
             self.policy.advance()
             published = time.perf_counter()
-            broadcast = self.publish(overlap=self.overlap_publish)
+            # The last step's version is delivered before the run ends, as on the synchronous path: generators
+            # pull it while this learner still serves it.
+            last = self.step + 1 >= self.cfg.total_steps
+            broadcast = self.publish(overlap=self.overlap_publish and not last)
             publish_seconds = time.perf_counter() - published
         else:
             log.warning("step %d: refill limit with no informative group in hand: no update", self.step + 1)

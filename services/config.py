@@ -290,6 +290,11 @@ class WeightsConfig(Section):
     shared_dir: str | None = Field(
         None, description="shared-fs: the folder the learner and every generator mount (ReadWriteMany volume, NFS)."
     )
+    overlap_delivery: bool = Field(
+        False, description="With learner.batch.max_staleness >= 1: deliver each version (broadcast round, files, "
+        "announcement) in the background while the next step collects and trains (the last step's before the run "
+        "ends). Off: every step delivers its version before it goes on."
+    )
     shard_mb: float = Field(1024, gt=0, description="Largest safetensors shard of a published version, MB.")
     pull_concurrency: int = Field(4, ge=1, description="Shards a generator downloads or checks at once.")
     hold_s: float = Field(

@@ -965,7 +965,8 @@ def test_synchronous_steps(pipeline, tmp_path):
 @pytest.mark.slow
 def test_asynchronous_steps(pipeline, tmp_path):
     run_dir = tmp_path / "async"
-    code = run_learner(pipeline, run_dir, {**LEARNER, "max_staleness": 1, "eval_every": 0, "total_steps": 4})
+    code = run_learner(pipeline, run_dir, {**LEARNER, "max_staleness": 1, "eval_every": 0, "total_steps": 4},
+                       weights={"overlap_delivery": True})
     assert code == 0, pipeline.tail(f"learner-{run_dir.name}")
     steps = step_lines(read_jsonl(run_dir / METRICS_FILE))
     assert [r["step"] for r in steps] == [1, 2, 3, 4]
@@ -976,8 +977,9 @@ def test_asynchronous_steps(pipeline, tmp_path):
     # generation overlapped training: some groups were sampled by the previous version
     assert any(r["staleness"] > 0 for r in steps), [r["staleness"] for r in steps]
     # and publishing overlapped the next step: each step's record reports the delivery of the version before its
-    # own, which ended in the background; the last version was announced before the learner ended
-    assert [r.get("delivered_version") for r in steps] == [None] + [r["version"] for r in steps[:-1]]
+    # own, which ended in the background; the last step delivers its own before the learner ends
+    versions = [r["version"] for r in steps]
+    assert [r.get("delivered_version") for r in steps] == [None, *versions[:2], versions[3]]
     assert all(r["delivery_seconds"] > 0 for r in steps[1:])
     announced = json.loads(pipeline.redis.get(latest_key(f"dapo:{Pipeline.RUN}:")))
     assert announced["version"] == steps[-1]["version"]
