@@ -171,7 +171,8 @@ def loss_denominator(loss_tokens: Tensor | Sequence[int], mode: LossAggregation)
 
 
 def aggregate_loss(
-    token_loss: Tensor, mask: Tensor, mode: LossAggregation, denominator: Tensor | float | None = None
+    token_loss: Tensor, mask: Tensor, mode: LossAggregation, denominator: Tensor | float | None = None,
+    lengths: Tensor | None = None,
 ) -> Tensor:
     """Reduce `[B, T]` per-token losses to a scalar.
 
@@ -180,7 +181,8 @@ def aggregate_loss(
     sample (GRPO, Sec. 2.2): mean over each response's tokens, then mean over responses. Each response weighs the
            same, so each token of a long response weighs less.
     `denominator` overrides the count (the whole mini-batch's, when `token_loss` is one micro-batch of it);
-    a zero denominator (nothing in the loss) yields 0.
+    a zero denominator (nothing in the loss) yields 0. `lengths` overrides each response's token count where
+    `mask` holds only a share of its tokens (sequence parallelism: the shares' sums add up to the response's mean).
     """
     if denominator is None:
         denominator = loss_denominator(mask.sum(dim=-1), mode)
@@ -190,7 +192,7 @@ def aggregate_loss(
     if mode == "token":
         return masked.sum() / denominator
     if mode == "sample":
-        lengths = mask.sum(dim=-1)
+        lengths = mask.sum(dim=-1) if lengths is None else lengths
         per_response = masked.sum(dim=-1) / lengths.clamp(min=1.0)
         return per_response.sum() / denominator
     raise ValueError(f"unknown loss aggregation {mode!r} (token | sample)")

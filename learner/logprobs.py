@@ -27,6 +27,7 @@ from learner import activation_checkpointing, attention
 
 if TYPE_CHECKING:  # pragma: no cover
     from learner.packing import MicroBatch
+    from learner.sequence_parallel import SequenceGroup
 
 
 def _matmul_dtype(weight: Tensor) -> torch.dtype:
@@ -215,9 +216,11 @@ def install_head(model: nn.Module, temperature: float, chunk_tokens: int, compil
 
 
 def response_logprobs(model, head: LogprobHead, inputs: "MicroBatch", varlen: bool, entropy: bool,
-                      entropy_grad: bool = False):
+                      entropy_grad: bool = False, sequence: "SequenceGroup | None" = None):
     """Logprobs (and optionally entropies) of a micro-batch's response tokens through `head`, padded to [B, R];
-    `varlen`: the attention kernel takes the pack's row boundaries.
+    `varlen`: the attention kernel takes the pack's row boundaries; `sequence`: `inputs` is this rank's share of a
+    pack split over a sequence-parallel group (learner/sequence_parallel.py), whose attention needs the group and
+    the boundaries.
 
     The head scores only the positions that predict response tokens, in chunks:
     the model's forward returns [n, 2] (logprob, entropy) instead of logits."""
@@ -225,6 +228,7 @@ def response_logprobs(model, head: LogprobHead, inputs: "MicroBatch", varlen: bo
     # both modes compute the same policy.
     model.train(torch.is_grad_enabled())
     grad = entropy and entropy_grad
+    split = sequence is not None and sequence.degree > 1
     prompt, first = inputs.prompt, inputs.first_tokens
 
     def query(part: slice) -> HeadQuery:
@@ -234,7 +238,9 @@ def response_logprobs(model, head: LogprobHead, inputs: "MicroBatch", varlen: bo
         # The varlen kernels get the pack's row boundaries from the host (flash-attn would otherwise derive them
         # from the position ids in every layer, reading the longest row back from the GPU each time).
         rows = (attention.packed_kwargs(inputs.cu_seqlens, inputs.longest_row)
-                if varlen else {})
+                if varlen or split else {})
+        if split:
+            rows["sequence_group"] = sequence
         with head.scoring(query(slice(None))):
             scored = model(input_ids=inputs.input_ids, attention_mask=inputs.attention_mask,
                            position_ids=inputs.position_ids, use_cache=False, **rows).logits

@@ -15,7 +15,11 @@ Whatever the layout, a micro-batch says where the hidden state that predicts eac
 
 from __future__ import annotations
 
+import bisect
+import dataclasses
+import functools
 import heapq
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -82,6 +86,7 @@ class MicroBatch:
     cu_seqlens: Tensor | None = None  # packed: [rows + 1] int32, where each row (the padding tail one) starts
     longest_row: int = 0  # packed: the longest row of the pack
     advantages: Tensor | None = None  # [B, 1] each response's advantage (Eq. 9)
+    response_tokens: Tensor | None = None  # [B] each response's length where response_mask holds a share of it
     filtered: Tensor | None = None  # [B] bool: overlong-filtered, out of the loss
 
 
@@ -103,8 +108,9 @@ def bucketed(size: int, multiple: int) -> int:
 
 
 def collate(responses: list[Response], indices: list[int], layout: Layout, pad_token_id: int,
-            bucket: int = 1, device: torch.device | str = "cpu") -> MicroBatch:
-    """The micro-batch of `indices` in `layout`; the model's sequence dimension rounded up to `bucket`."""
+            bucket: int = 1, device: torch.device | str = "cpu", share: tuple[int, int] = (1, 0)) -> MicroBatch:
+    """The micro-batch of `indices` in `layout`; the model's sequence dimension rounded up to `bucket`. With
+    `share` = (degree, index), packed only: that share of its tokens (`sequence_share`)."""
     rows = [responses[i] for i in indices]
     longest = max(len(r.response_ids) for r in rows)
     response_mask = torch.zeros((len(rows), longest))
@@ -116,7 +122,9 @@ def collate(responses: list[Response], indices: list[int], layout: Layout, pad_t
         token_slot.append(torch.arange(n))
         targets.append(torch.tensor(r.response_ids))
     token_response, token_slot, targets = torch.cat(token_response), torch.cat(token_slot), torch.cat(targets)
-    build = {"packed": _packed, "padded": _padded, "shared": _shared}[layout]
+    if share[0] > 1 and layout != "packed":
+        raise ValueError("sequence parallelism splits packed micro-batches only (learner.compute.packing: on)")
+    build = {"packed": functools.partial(_packed, share=share), "padded": _padded, "shared": _shared}[layout]
     batch = build(rows, pad_token_id, bucket, token_response, token_slot, targets, response_mask)
     batch.indices = list(indices)
     # Built here, on the host, and copied with the rest: the training loop never makes a tensor from a list.
@@ -125,7 +133,8 @@ def collate(responses: list[Response], indices: list[int], layout: Layout, pad_t
     return _on(batch, device)
 
 
-def _packed(rows, pad_token_id, bucket, token_response, token_slot, targets, response_mask) -> MicroBatch:
+def _packed(rows, pad_token_id, bucket, token_response, token_slot, targets, response_mask,
+            share: tuple[int, int]) -> MicroBatch:
     ids, positions, hidden_pos, starts = [], [], [], [0]
     offset = 0
     for r in rows:
@@ -133,7 +142,7 @@ def _packed(rows, pad_token_id, bucket, token_response, token_slot, targets, res
         ids.extend(row)
         positions.extend(range(len(row)))
         start = offset + len(r.prompt_ids) - 1  # the prompt's last token predicts the first response token
-        hidden_pos.append(torch.arange(start, start + len(r.response_ids)))
+        hidden_pos.extend(range(start, start + len(r.response_ids)))
         offset += len(row)
         starts.append(offset)
     tail = bucketed(offset, bucket) - offset
@@ -141,13 +150,14 @@ def _packed(rows, pad_token_id, bucket, token_response, token_slot, targets, res
     positions.extend(range(tail))
     if tail:
         starts.append(offset + tail)
-    hidden_pos = torch.cat(hidden_pos)
-    return MicroBatch(
+    batch = MicroBatch(
         indices=[], input_ids=torch.tensor([ids]), attention_mask=None, position_ids=torch.tensor([positions]),
-        hidden_row=torch.zeros_like(hidden_pos), hidden_pos=hidden_pos, token_response=token_response,
-        token_slot=token_slot, targets=targets, response_mask=response_mask, real_tokens=offset,
-        cu_seqlens=torch.tensor(starts, dtype=torch.int32), longest_row=max(max(r.length for r in rows), tail),
+        hidden_row=torch.zeros(len(hidden_pos), dtype=torch.long), hidden_pos=torch.tensor(hidden_pos),
+        token_response=token_response, token_slot=token_slot, targets=targets, response_mask=response_mask,
+        real_tokens=offset, cu_seqlens=torch.tensor(starts, dtype=torch.int32),
+        longest_row=max(max(r.length for r in rows), tail),
     )
+    return sequence_share(batch, *share, hidden_pos)
 
 
 def _right_padded(sequences: list[list[int]], pad_token_id: int, width: int) -> tuple[Tensor, Tensor]:
@@ -215,7 +225,7 @@ def _on(batch: MicroBatch, device) -> MicroBatch:
     the work already there, and the host goes on collating the next micro-batch."""
     pin = torch.device(device).type == "cuda"
     for name in ("input_ids", "attention_mask", "position_ids", "hidden_row", "hidden_pos", "token_response",
-                 "token_slot", "targets", "response_mask", "cu_seqlens", "advantages", "filtered"):
+                 "token_slot", "targets", "response_mask", "cu_seqlens", "advantages", "filtered", "response_tokens"):
         value = getattr(batch, name)
         if value is not None:
             setattr(batch, name, (value.pin_memory() if pin else value).to(device, non_blocking=True))
@@ -224,16 +234,54 @@ def _on(batch: MicroBatch, device) -> MicroBatch:
     return batch
 
 
+def sequence_share(batch: MicroBatch, degree: int, index: int, hidden_pos: list[int]) -> MicroBatch:
+    """Share `index` of `degree` of a packed micro-batch whose response tokens are predicted at `hidden_pos` (as
+    host numbers: ascending in a pack), for sequence parallelism (learner/sequence_parallel.py): a contiguous
+    1/degree of its tokens.
+
+    The model runs the share's `input_ids` and `position_ids`; the row boundaries (`cu_seqlens`, `longest_row`)
+    stay the whole pack's, for attention. The head scores only the response tokens predicted from inside the share,
+    and `response_mask` marks only those, so each token is in exactly one share's loss; `response_tokens` keeps each
+    response's whole length (the sample-level loss's per-response mean). Slices only, no read of a tensor's values
+    (`dapo plan` runs it on fake tensors)."""
+    if degree == 1:
+        return batch
+    length = batch.input_ids.shape[1]
+    if length % degree:
+        raise ValueError(f"a pack of {length} tokens does not split in {degree} shares (its bucket must be a multiple)")
+    size = length // degree
+    low, high = index * size, (index + 1) * size
+    first, last = bisect.bisect_left(hidden_pos, low), bisect.bisect_left(hidden_pos, high)  # this share's tokens
+    token_response, token_slot = batch.token_response[first:last], batch.token_slot[first:last]
+    response_mask = torch.zeros_like(batch.response_mask).index_put((token_response, token_slot),
+                                                                    torch.ones(last - first))
+    return dataclasses.replace(
+        batch,
+        input_ids=batch.input_ids[:, low:high], position_ids=batch.position_ids[:, low:high],
+        hidden_row=batch.hidden_row[first:last], hidden_pos=batch.hidden_pos[first:last] - low,
+        token_response=token_response, token_slot=token_slot, targets=batch.targets[first:last],
+        response_mask=response_mask, real_tokens=max(0, min(batch.real_tokens, high) - low),
+        response_tokens=batch.response_mask.sum(dim=-1),
+    )
+
+
 # -- plans ------------------------------------------------------------------------------------------------------
-def balance(indices: list[int], responses: list[Response], world: int) -> list[list[int]]:
-    """Responses dealt to `world` ranks by tokens: longest first, each to the least loaded rank (greedy LPT,
-    within 4/3 of the best split); identical on every rank."""
-    loads = [(0, rank) for rank in range(world)]
+def balance(indices: list[int], responses: list[Response], world: int,
+            attention_crossover: float = math.inf) -> list[list[int]]:
+    """Responses dealt to `world` ranks by cost: longest first, each to the least loaded rank (greedy LPT, within
+    4/3 of the best split); identical on every rank. A row's cost is its tokens plus its attention's share, which
+    grows with the square of its length: `length * (1 + length / attention_crossover)`, the crossover being the
+    length at which a row's causal attention costs as much as its matrix products (`throughput.attention_crossover`;
+    at 32B about 97k tokens, so a 20k-token row costs 1.2x its tokens)."""
+    def cost(i: int) -> float:
+        return responses[i].length * (1.0 + responses[i].length / attention_crossover)
+
+    loads = [(0.0, rank) for rank in range(world)]
     shards: list[list[int]] = [[] for _ in range(world)]
     for i in sorted(indices, key=lambda i: (-responses[i].length, i)):
         load, rank = heapq.heappop(loads)
         shards[rank].append(i)
-        heapq.heappush(loads, (load + responses[i].length, rank))
+        heapq.heappush(loads, (load + cost(i), rank))
     return shards
 
 
@@ -269,26 +317,33 @@ def plan(indices: list[int], responses: list[Response], budget: int, packed: boo
 
 @dataclass
 class Packer:
-    """The trainer's packing settings bound once: its micro-batches, each rank's share, and their tensors."""
+    """The trainer's packing settings bound once: its micro-batches, each rank's share, and their tensors.
+
+    `world` and `rank` count data-parallel ranks: with sequence parallelism, the groups of `sequence_degree` ranks
+    that train on the same micro-batches, each on its `sequence_index`-th share of the tokens."""
 
     layout: Layout
     budget: int  # learner.compute.micro_batch_tokens
     pad_token_id: int
-    bucket: int  # length_bucket
+    bucket: int  # length_bucket (a multiple of sequence_degree)
     device: torch.device
     world: int
     rank: int
+    sequence_degree: int = 1
+    sequence_index: int = 0
+    attention_crossover: float = math.inf  # balance's cost of a row
 
     def collate(self, responses: list[Response], indices: list[int]) -> MicroBatch:
-        return collate(responses, indices, self.layout, self.pad_token_id, self.bucket, self.device)
+        return collate(responses, indices, self.layout, self.pad_token_id, self.bucket, self.device,
+                       (self.sequence_degree, self.sequence_index))
 
     def plan(self, indices: list[int], responses: list[Response]) -> list[list[int]]:
         """Micro-batches of one rank's responses."""
         return plan(indices, responses, self.budget, self.layout == "packed")
 
     def shard(self, indices: list[int], responses: list[Response]) -> list[list[int]]:
-        """Responses dealt to ranks by tokens; identical on every rank."""
-        return balance(indices, responses, self.world)
+        """Responses dealt to ranks by cost; identical on every rank."""
+        return balance(indices, responses, self.world, self.attention_crossover)
 
     def lockstep(self, per_rank: list[list[int]], responses: list[Response]) -> list[tuple[list[int], bool]]:
         """This rank's micro-batches, padded with weight-0 repeats to the busiest rank's count."""

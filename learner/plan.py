@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from learner import attention, sharding, throughput
+from learner import attention, sequence_parallel, sharding, throughput
 from services.config import ConfigError
 
 MODEL_CONFIGS = Path(str(resources.files("services") / "configs" / "models"))
@@ -66,6 +66,7 @@ class Plan:
     learner_ranks: int
     micro_batch_tokens: int
     longest_row: int
+    sequence_parallel: int
     bytes_by_category: dict[str, int]
     capacity_gib: float
     parameters: int
@@ -96,7 +97,8 @@ class Plan:
         lines = [f"{self.preset} on {self.gpus} x {self.gpu} ({self.capacity_gib:.1f} GiB each): learner on "
                  f"{self.learner_ranks} rank{'s' * (self.learner_ranks > 1)}, {self.parameters / 1e9:.2f} B parameters",
                  f"rank 0's peak, one update on a micro-batch of {self.micro_batch_tokens:,} tokens (longest row "
-                 f"{self.longest_row:,}):"]
+                 f"{self.longest_row:,})" + (f", its share of 1/{self.sequence_parallel} (sequence parallel):"
+                                             if self.sequence_parallel > 1 else ":")]
         for name, size in self.bytes_by_category.items():
             lines.append(f"  {name:<16} {size / 2**30:8.2f} GiB")
         lines.append(f"  {'runtime':<16} {RUNTIME_GIB:8.2f} GiB  (not traced: CUDA context, NCCL, allocator)")
@@ -298,6 +300,7 @@ def make_plan(settings, gpus: int, gpu: str = "h100", learner_ranks: int | None 
                         "still counts")
     return Plan(preset=name or settings.redis.run, gpu=gpu, gpus=gpus, learner_ranks=ranks,
                 micro_batch_tokens=compute.micro_batch_tokens, longest_row=longest,
+                sequence_parallel=compute.sequence_parallel,
                 bytes_by_category=by_category, capacity_gib=capacity, parameters=parameters, step_flops=step_flops,
                 publish_bytes_per_rank=served * parameters, learner_seconds=learner_seconds,
                 generation_seconds=generation_seconds, total_steps=learner.total_steps, untraced=untraced)
@@ -313,10 +316,21 @@ def changes_to_try(settings, gpus: int, ranks: int) -> list[tuple[str, dict, int
         changes.append((f"{ranks * 2} learner ranks", {}, ranks * 2))
     if compute.gradient_checkpointing != "full":
         changes.append(("learner.compute.gradient_checkpointing: full", {"gradient_checkpointing": "full"}, ranks))
+    degree = compute.sequence_parallel * 2  # each rank runs 1/degree of a micro-batch's activations
+    if ranks % degree == 0 and _splits_heads(settings, degree):
+        changes.append((f"learner.compute.sequence_parallel: {degree}", {"sequence_parallel": degree}, ranks))
     if compute.micro_batch_tokens // 2 >= settings.generator.max_prompt_tokens + settings.sampling.max_tokens:
         changes.append((f"learner.compute.micro_batch_tokens: {compute.micro_batch_tokens // 2}",
                         {"micro_batch_tokens": compute.micro_batch_tokens // 2}, ranks))
     return changes  # (not fsdp_offload: the fake tensors live on one device, host and GPU alike)
+
+
+def _splits_heads(settings, degree: int) -> bool:
+    try:
+        sequence_parallel.check_heads(model_config(settings), degree)
+    except ValueError:
+        return False
+    return True
 
 
 def main(settings, gpus: int, gpu: str = "h100", learner_gpus: int | None = None, mfu: float = MEASURED_MFU,

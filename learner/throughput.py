@@ -43,6 +43,15 @@ def parameter_counts(model: nn.Module) -> tuple[int, int]:
     return body, head.numel()
 
 
+def attention_crossover(config, body: int) -> float:
+    """The row length at which a row's causal attention costs as many FLOPs as its matrix products: per layer
+    2 d T^2 forward (QK^T and AV, half of the square), against 2 N T over the layers, so T = N / (d L), with d the
+    query heads' width. Attention is not in the MFU's 6N (a conservative count); this is for balancing ranks."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    width = config.num_attention_heads * head_dim
+    return body / (width * config.num_hidden_layers)
+
+
 def model_flops(body: int, head: int, trained: int, trained_scored: int, forward: int, forward_scored: int) -> float:
     """Model FLOPs of a step: 6 N per token trained (forward and backward), 2 N per token of no-grad passes;
     `trained`/`forward` count the tokens through the body, `*_scored` those through the head."""

@@ -56,7 +56,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.nn.utils.rnn import pad_sequence
 
-from learner import activation_checkpointing, attention, dapo, devices, packing, sharding, throughput
+from learner import activation_checkpointing, attention, dapo, devices, packing, sequence_parallel, sharding, throughput
 from learner.logprobs import install_head, response_logprobs
 from learner.packing import MicroBatch, Response
 from learner.update_stats import UpdateStats
@@ -119,15 +119,17 @@ class Trainer:
             )
 
         packed = cfg.compute.packing == "on" or (cfg.compute.packing == "auto" and cuda)
+        degree = cfg.compute.sequence_parallel
         placement = None if model is None else [False, False]  # a caller's model stays where the caller put it
         if model is None:
             self.attention = attention.implementation(cfg.compute.attention, cuda, packed, self.compute_dtype)
             model = AutoModelForCausalLM.from_pretrained(
                 self.model_path, dtype=torch.float32, trust_remote_code=settings.model.trust_remote_code,
-                attn_implementation=self.attention,
+                attn_implementation=sequence_parallel.loaded_attention(self.attention, degree),
             )
         else:
             self.attention = model.config._attn_implementation
+        self.sequence = sequence_parallel.join(model, degree, packed, self.attention)
         activation_checkpointing.prepare_layers(model, cfg.compute.gradient_checkpointing, cfg.compute.compile)
         self.parameter_counts = throughput.parameter_counts(model)
         # The head scores response positions only, in chunks (learner/logprobs.py); installed before any wrapping.
@@ -158,11 +160,13 @@ class Trainer:
                               and not cfg.compute.compile and not self.sharded)
         layout: packing.Layout = "packed" if packed else "shared" if self.share_prompts else "padded"
         self.varlen = self.attention in (attention.VARLEN, "flash_attention_2")
+        bucket = packing.length_bucket(layout, cuda, self.varlen, cfg.compute.micro_batch_tokens)
         self.packer = packing.Packer(
             layout, cfg.compute.micro_batch_tokens, pad_token_id=model.config.pad_token_id or 0,
-            bucket=packing.length_bucket(layout, cuda, self.varlen, cfg.compute.micro_batch_tokens),
-            device=self.accelerator.device, world=self.accelerator.num_processes,
-            rank=self.accelerator.process_index)
+            bucket=math.lcm(bucket, degree),  # a pack splits into `degree` equal shares
+            device=self.accelerator.device, world=max(1, self.accelerator.num_processes // degree),
+            rank=self.accelerator.process_index // degree, sequence_degree=degree, sequence_index=self.sequence.rank,
+            attention_crossover=throughput.attention_crossover(model.config, self.parameter_counts[0]))
         self.peak_tflops = throughput.peak_tflops(self.accelerator.device, cfg.compute.peak_tflops)
         self.reference = None
         if cfg.loss.kl_coef:
@@ -170,7 +174,7 @@ class Trainer:
             # per rank (not sharded): fine for the model sizes where one would turn it on.
             self.reference = AutoModelForCausalLM.from_pretrained(
                 self.model_path, dtype=self.compute_dtype, trust_remote_code=settings.model.trust_remote_code,
-                attn_implementation=self.attention,
+                attn_implementation=model.config._attn_implementation,
             )
             self.heads[id(self.reference)] = install_head(self.reference, self.temperature,
                                                            cfg.compute.head_chunk_tokens,
@@ -268,6 +272,7 @@ class Trainer:
             return [[[] for _ in group.rollout.samples] for group in groups]
         for indices, real in self.packer.lockstep([todo] * self.accelerator.num_processes, responses):
             logp, _ = self._forward(self.model, self.packer.collate(responses, indices), entropy=False)
+            logp = self.sequence.complete(logp)  # each rank of a sequence group scored its share of the tokens
             if real:
                 for row, i in enumerate(indices):
                     values[i] = logp[row, : len(responses[i].response_ids)].float().cpu()
@@ -414,7 +419,7 @@ class Trainer:
                     clip_low=cfg.loss.clip_low, clip_high=cfg.loss.clip_high, dual_clip=cfg.loss.dual_clip,
                     kl_coef=cfg.loss.kl_coef, logp_ref=logp_ref, entropy_coef=cfg.loss.entropy_coef, entropy=entropy,
                 )
-                loss = dapo.aggregate_loss(per_token, mask, cfg.loss.loss_agg, denominator)
+                loss = dapo.aggregate_loss(per_token, mask, cfg.loss.loss_agg, denominator, inputs.response_tokens)
                 backward_started = time.perf_counter()
                 stats.seconds["forward"] += backward_started - forward_started
                 # DDP/FSDP average gradients over ranks: scale so that the average is the global sum / count.
@@ -428,7 +433,8 @@ class Trainer:
     # -- model plumbing ----------------------------------------------------------------------------------------
     def _forward(self, model, inputs: MicroBatch, entropy: bool, entropy_grad: bool = False):
         """Logprobs (and optionally entropies) of the response tokens, padded to [B, R] (learner/logprobs.py)."""
-        return response_logprobs(model, self.heads[id(model)], inputs, self.varlen, entropy, entropy_grad)
+        head = self.heads[id(model)]
+        return response_logprobs(model, head, inputs, self.varlen, entropy, entropy_grad, self.sequence)
 
     def _padded(self, values: list[Tensor], like: Tensor) -> Tensor:
         """Ragged [R_i] tensors -> [B, R] aligned with `like` (zeros beyond each length)."""

@@ -474,6 +474,11 @@ class ComputeConfig(Section):
         False, description="FSDP: keep the parameter shards, their gradients and AdamW state in host memory, copied "
         "to the GPU layer by layer (FSDP2's CPUOffloadPolicy: fits a larger model, runs slower)."
     )
+    sequence_parallel: int = Field(
+        1, ge=1, description="Ranks that split one packed micro-batch's tokens (Ulysses: attention trades the "
+        "sequence split for a head split by all-to-all; learner/sequence_parallel.py): activations per rank / degree, "
+        "for responses too long for one GPU. Needs packing on; 1 = off (verl's DAPO-32B script runs 8)."
+    )
     gradient_sync: Literal["micro_batch", "mini_batch"] = Field(
         "micro_batch", description="FSDP: reduce-scatter each micro-batch's gradient (a rank holds only its shard), "
         "or once per mini-batch (less traffic; meanwhile every rank holds the whole gradient, 4 bytes a parameter)."

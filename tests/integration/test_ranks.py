@@ -396,3 +396,51 @@ def test_the_trainer_shards_itself_with_fsdp2_and_trains_as_one_process(model_pa
     # ... equal one process's under the same policy, and the fp32 model's to bf16 compute's precision
     assert float((bf16 - load_file(tmp_path / "fsdp-bf16-1.safetensors")["logprobs"]).abs().max()) <= TOLERANCE
     assert 0 < float((bf16 - alone["logprobs"]).abs().max()) < 0.1
+
+
+# Sequence parallelism: each world's variants, and the one-process reference each is compared with. Packed rows
+# (the layout it splits); micro-batches of 40 tokens, so a share of a pack over 4 ranks is at most 10 tokens while
+# rows run up to 15: rows cross shares, and attention must see the other ranks' tokens.
+ULYSSES_VARIANTS = {
+    1: [{"name": "one", "compute": {"packing": "on"}},
+        {"name": "one-sample", "loss_agg": "sample", "compute": {"packing": "on"}}],
+    2: [{"name": "ulysses", "compute": {"packing": "on", "sequence_parallel": 2}},
+        {"name": "ulysses-fsdp", "compute": {"packing": "on", "sequence_parallel": 2, "fsdp": True}},
+        {"name": "ulysses-sample", "loss_agg": "sample", "compute": {"packing": "on", "sequence_parallel": 2}},
+        {"name": "ulysses-compiled", "compute": {"packing": "on", "sequence_parallel": 2, "compile": True,
+                                                 "gradient_checkpointing": "selective"}}],
+    4: [{"name": "ulysses", "compute": {"packing": "on", "sequence_parallel": 4}},
+        {"name": "ulysses-2x2", "compute": {"packing": "on", "sequence_parallel": 2, "fsdp": True}}],
+}
+
+
+@pytest.mark.slow
+def test_sequence_parallel_ranks_split_each_row_and_train_as_one_process(model_path, tmp_path):  # noqa: F811
+    """learner.compute.sequence_parallel (Ulysses): a pack's tokens split over 2 and 4 gloo ranks, attention
+    exchanged by all-to-all (the test model's 4 query and 2 key/value heads: at 4 ranks each KV head is repeated).
+    Logprobs, gradients and the weights after a step of 2 updates equal one process's within 1e-5: alone, under
+    FSDP, with the sample-level loss (each response's mean over shares), with compiled layers (the exchange inside
+    the compiled graph), and as 2 data-parallel groups of 2."""
+    here = Path(__file__).resolve().parent
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(here.parents[1]), ACCELERATE_USE_CPU="true")
+    groups = make_groups(n_groups=4, size=4, seed=3)
+    longest = max(len(g.rollout.task.prompt_token_ids) + len(s.token_ids) for g in groups for s in g.rollout.samples)
+    assert longest > 40 // 4  # a row longer than a rank's share
+    for world, variants in ULYSSES_VARIANTS.items():
+        script = tmp_path / f"ulysses-{world}.py"
+        script.write_text(FSDP_TRAINER_WORKER.format(here=str(here), repo=str(here.parents[1]), tmp=str(tmp_path),
+                                                     model=str(model_path), variants=variants))
+        prefix = [sys.executable] if world == 1 else accelerate_launch(world)
+        done = subprocess.run(prefix + [str(script)], env=env, timeout=400, capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr[-3000:]
+    for name, world, reference in (("ulysses", 2, "one"), ("ulysses-fsdp", 2, "one"),
+                                   ("ulysses-sample", 2, "one-sample"), ("ulysses-compiled", 2, "one"),
+                                   ("ulysses", 4, "one"),
+                                   ("ulysses-2x2", 4, "one")):
+        alone, ranks = (load_file(tmp_path / f"{reference}-1.safetensors"),
+                        load_file(tmp_path / f"{name}-{world}.safetensors"))
+        assert ranks.keys() == alone.keys(), name
+        worst = {k: float((ranks[k] - alone[k]).abs().max()) for k in alone}
+        assert max(worst.values()) <= TOLERANCE, (name, world, max(worst.items(), key=lambda kv: kv[1]))
+    moved = load_file(tmp_path / "one-1.safetensors")
+    assert any(float(v.abs().max()) > 0 for k, v in moved.items() if k.startswith("grad/"))  # not a vacuous match

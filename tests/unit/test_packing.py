@@ -111,3 +111,41 @@ def test_packed_rows_restart_their_positions_and_hold_no_padding_but_the_tail():
 
 def test_bucketed():
     assert bucketed(1, 64) == 64 and bucketed(64, 64) == 64 and bucketed(65, 64) == 128 and bucketed(7, 1) == 7
+
+
+@pytest.mark.parametrize("degree", [2, 3, 4])
+def test_sequence_shares_split_a_pack_into_disjoint_parts_that_make_it_whole(degree):
+    """Sequence parallelism's shares (learner/sequence_parallel.py): contiguous, equal token ranges of one pack;
+    every response token is scored in exactly one share, from a position inside it; the row boundaries stay the
+    pack's and each response's whole length is kept (the sample-level loss)."""
+    rows = responses(count=9, seed=5)
+    indices = list(range(len(rows)))
+    whole = collate(rows, indices, "packed", pad_token_id=0, bucket=degree)
+    shares = [collate(rows, indices, "packed", pad_token_id=0, bucket=degree, share=(degree, k)) for k in range(degree)]
+    size = whole.input_ids.shape[1] // degree
+    assert torch.equal(torch.cat([s.input_ids for s in shares], dim=1), whole.input_ids)
+    assert torch.equal(torch.cat([s.position_ids for s in shares], dim=1), whole.position_ids)
+    assert torch.equal(sum(s.response_mask for s in shares), whole.response_mask)
+    scored = sorted((int(r), int(t)) for s in shares for r, t in zip(s.token_response, s.token_slot))
+    assert scored == sorted(zip(whole.token_response.tolist(), whole.token_slot.tolist()))
+    assert sum(s.real_tokens for s in shares) == whole.real_tokens
+    for k, share in enumerate(shares):
+        assert torch.equal(share.cu_seqlens, whole.cu_seqlens) and share.longest_row == whole.longest_row
+        assert share.input_ids.shape[1] == size and bool(((share.hidden_pos >= 0) & (share.hidden_pos < size)).all())
+        mine = (whole.hidden_pos >= k * size) & (whole.hidden_pos < (k + 1) * size)
+        assert torch.equal(share.targets, whole.targets[mine])
+        assert torch.equal(share.input_ids[0, share.hidden_pos], whole.input_ids[0, whole.hidden_pos[mine]])
+        assert torch.equal(share.response_tokens, whole.response_mask.sum(dim=-1))
+    assert any(k * size not in whole.cu_seqlens.tolist() for k in range(1, degree))  # a row crosses a share
+    with pytest.raises(ValueError, match="packed micro-batches only"):
+        collate(rows, indices, "padded", pad_token_id=0, share=(2, 0))
+    with pytest.raises(ValueError, match="does not split"):
+        collate(rows, indices, "packed", pad_token_id=0, bucket=1, share=(64, 0))
+
+
+def test_balance_counts_a_long_rows_attention_as_well_as_its_tokens():
+    """By tokens, rows of 90, 50, 50 and 40 deal 130 | 100; where attention costs as much as the matrix products at
+    100 tokens, the 90-token row (171) outweighs the three others' tokens and gets a rank of its own."""
+    rows = [Response(0, [], [2] * length, torch.zeros(length), 0.0, False) for length in (90, 50, 50, 40)]
+    assert sorted(map(sorted, balance([0, 1, 2, 3], rows, 2))) == [[0, 3], [1, 2]]
+    assert sorted(map(sorted, balance([0, 1, 2, 3], rows, 2, attention_crossover=100.0))) == [[0], [1, 2, 3]]

@@ -1,0 +1,67 @@
+"""Sequence parallelism's pure parts (learner/sequence_parallel.py): which models split over how many ranks, the
+cost that balances ranks, and the sample-level loss over shares. The ranks themselves run in
+tests/integration/test_ranks.py (2 and 4 gloo ranks against one process)."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from learner import dapo, sequence_parallel, throughput
+from learner.plan import MODEL_CONFIGS
+
+
+def shipped(name: str) -> SimpleNamespace:
+    return SimpleNamespace(**json.loads((MODEL_CONFIGS / name).read_text()))
+
+
+@pytest.mark.parametrize("model, degree, splits", [
+    ("qwen2.5-32b.json", 8, True),  # 40 query heads, 8 KV heads: 5 and 1 a rank (verl's DAPO-32B degree)
+    ("qwen2.5-32b.json", 16, False),  # 40 query heads do not split in 16
+    ("qwen2.5-math-1.5b.json", 4, True),  # 12 and 2: each KV head repeated on 2 ranks
+    ("qwen2.5-math-1.5b.json", 3, False),  # 2 KV heads do not divide 3, nor 3 them
+    ("qwen2.5-math-1.5b.json", 8, False),
+])
+def test_the_heads_split_over_the_degree_or_the_config_is_refused(model, degree, splits):
+    config = shipped(model)
+    if splits:
+        sequence_parallel.check_heads(config, degree)
+    else:
+        with pytest.raises(ValueError, match="do not split over that many ranks"):
+            sequence_parallel.check_heads(config, degree)
+
+
+def test_unpacked_rows_or_a_degree_that_does_not_divide_the_ranks_are_refused():
+    with pytest.raises(ValueError, match="packing: on"):
+        sequence_parallel.join(SimpleNamespace(config=shipped("qwen2.5-32b.json")), 8, packed=False,
+                               implementation="sdpa")
+    with pytest.raises(ValueError, match="sequence_parallel 4 must divide the learner's 6 ranks"):
+        sequence_parallel.group(4, world=6, rank=0, inner=None)
+    assert sequence_parallel.join(None, 1, packed=False, implementation="sdpa").degree == 1  # off: nothing asked
+
+
+def test_attention_costs_as_much_as_the_matrix_products_near_97k_tokens_at_32b():
+    """N / (d L): 31.2 B body parameters, 40 x 128-wide query heads, 64 layers (the issue's 20 % at 20k tokens)."""
+    config = shipped("qwen2.5-32b.json")
+    body = 32_763_876_352 - 2 * config.vocab_size * config.hidden_size  # untied embeddings and head
+    crossover = throughput.attention_crossover(config, body)
+    assert 90_000 < crossover < 100_000
+    assert 0.19 < 20_480 / crossover < 0.23
+
+
+def test_the_sample_level_loss_of_the_shares_adds_up_to_the_whole():
+    """Each response's mean over its tokens: a share holds part of them, so it divides by the whole length."""
+    generator = torch.Generator().manual_seed(0)
+    losses = torch.randn(3, 7, generator=generator)
+    mask = torch.tensor([[1.0] * 7, [1.0] * 4 + [0.0] * 3, [1.0] * 2 + [0.0] * 5])
+    whole = dapo.aggregate_loss(losses, mask, "sample", denominator=3)
+    cut = torch.zeros_like(mask)
+    cut[:, :3] = 1
+    parts = [mask * cut, mask * (1 - cut)]
+    shares = sum(dapo.aggregate_loss(losses, part, "sample", 3, lengths=mask.sum(dim=-1)) for part in parts)
+    assert torch.allclose(shares, whole)
+    unaware = sum(dapo.aggregate_loss(losses, part, "sample", 3) for part in parts)
+    assert not torch.allclose(unaware, whole)  # without the lengths each share would be a mean of its own
