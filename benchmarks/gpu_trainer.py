@@ -19,7 +19,10 @@ initialised Qwen2.5-shaped model: nothing to download):
 - `project-no-recompute` (asked for by name): no checkpointing uncompiled, at half the micro-batch;
 - `plain`: a plain loop a user would write (rows right-padded to the longest of each micro-batch, sorted by
   length, full logits and log_softmax, the PPO clipped token-mean loss, transformers' whole-layer checkpointing
-  wherever the preset checkpoints, the same optimizer, mini-batches and pi_old pass).
+  wherever the preset checkpoints, the same optimizer, mini-batches and pi_old pass);
+- `strong`: what a practitioner writes today (`StrongLoop`: packed rows on a varlen flash kernel, torch's
+  checkpoint wrapper with torchtitan's selective policy, compiled layers, fused AdamW, a chunked logprob), the
+  same loss and passes as `plain`. The project's goal is at most 1.0x its step.
 
 Each variant: one warm-up step, then `--steps` timed steps (synchronized), seconds a step, response tokens/s,
 model TFLOP/s and MFU (learner/throughput.py: 6N per trained token, 2N per no-grad token, padding excluded, the
@@ -187,6 +190,116 @@ class PlainLoop:
                 self.optimizer.zero_grad(set_to_none=True)
 
 
+class StrongLoop(PlainLoop):
+    """What a practitioner writes today (verl's FSDP actor, torchtitan's recipes): rows packed without padding
+    (position ids restart; a varlen flash kernel on the rows' boundaries: flash-attn where installed, else PyTorch's
+    own), each decoder layer wrapped in torch's checkpoint wrapper (selective: torchtitan's op-level policy keeping
+    the matrix products and attention, wherever the preset checkpoints) and compiled (on a GPU), fused AdamW, and a
+    chunked logprob: the head's logits for a chunk of response positions at a time, recomputed in backward, never
+    `[tokens x vocab]` at once. Liger's fused kernels are not installed on the lent machine; the chunked head is the
+    part they would replace. Same loss, optimizer settings, mini-batches and pi_old pass as `PlainLoop`."""
+
+    CHUNK = 4096  # response positions through the head at once
+
+    def __init__(self, settings, model_path: Path, device):
+        import importlib.util
+        from functools import partial
+
+        import torch
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+        from torch.utils.checkpoint import create_selective_checkpoint_contexts
+        from transformers import AutoModelForCausalLM
+
+        from learner import activation_checkpointing, attention
+
+        cfg = settings.learner
+        self.cfg, self.device = cfg, device
+        cuda = device.type == "cuda"
+        if cuda and importlib.util.find_spec("flash_attn") is not None:
+            kernel = "flash_attention_2"
+        elif attention.available(cuda, torch.bfloat16):
+            attention.register()
+            kernel = attention.VARLEN
+        else:  # a CPU: SDPA on the block-diagonal mask transformers builds from the position ids
+            kernel = "sdpa"
+        self.attention, self.varlen = kernel, kernel != "sdpa"
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32,
+                                                          attn_implementation=kernel).to(device)
+        layers = self.model.model.layers
+        for i, layer in enumerate(layers):
+            if cfg.compute.gradient_checkpointing == "selective":
+                policy = activation_checkpointing.saved_ops()
+                layer = checkpoint_wrapper(layer, context_fn=partial(
+                    create_selective_checkpoint_contexts, lambda ctx, op, *a, **k: _policy(op in policy)),
+                    preserve_rng_state=False)
+            elif cfg.compute.gradient_checkpointing == "full":
+                layer = checkpoint_wrapper(layer, preserve_rng_state=False)
+            layers[i] = torch.compile(layer, dynamic=True) if cuda else layer
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.optimizer.lr,
+                                           weight_decay=cfg.optimizer.weight_decay, fused=True if cuda else None)
+        self.autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda)
+        self.chunk_logp = torch.compile(_chunk_logp, dynamic=True) if cuda else _chunk_logp
+
+    def _micro_batches(self, rows):
+        rows = sorted(rows, key=lambda r: -len(r[0]))
+        out, current, tokens = [], [], 0
+        for row in rows:  # packed: real tokens up to the budget
+            if current and tokens + len(row[0]) > self.cfg.compute.micro_batch_tokens:
+                out.append(current)
+                current, tokens = [], 0
+            current.append(row)
+            tokens += len(row[0])
+        return out + ([current] if current else [])
+
+    def _logp(self, micro):
+        import torch
+        from torch.utils.checkpoint import checkpoint
+
+        ids, positions, starts, predictors, targets = [], [], [0], [], []
+        for row, start, _ in micro:
+            offset = starts[-1]
+            ids += row
+            positions += range(len(row))
+            predictors += range(offset + start - 1, offset + len(row) - 1)
+            targets += row[start:]
+            starts.append(offset + len(row))
+        kwargs = {}
+        if self.varlen:
+            bounds = torch.tensor(starts, dtype=torch.int32, device=self.device)
+            longest = max(len(row) for row, _, _ in micro)
+            kwargs = {"cu_seq_lens_q": bounds, "cu_seq_lens_k": bounds, "max_length_q": longest,
+                      "max_length_k": longest}
+        ids = torch.tensor([ids], device=self.device)
+        positions = torch.tensor([positions], device=self.device)
+        predictors = torch.tensor(predictors, device=self.device)
+        targets = torch.tensor(targets, device=self.device)
+        with self.autocast:
+            hidden = self.model.model(input_ids=ids, position_ids=positions, use_cache=False,
+                                      **kwargs).last_hidden_state[0, predictors]
+            weight = self.model.lm_head.weight
+            logp = torch.cat([checkpoint(self.chunk_logp, h, weight, t, use_reentrant=False)
+                              for h, t in zip(hidden.split(self.CHUNK), targets.split(self.CHUNK))])
+        lengths = [len(row) - start for row, start, _ in micro]
+        mask = torch.zeros((len(micro), max(lengths)), device=self.device)
+        padded = torch.zeros_like(mask)
+        rows = torch.repeat_interleave(torch.arange(len(micro)), torch.tensor(lengths)).to(self.device)
+        slots = torch.cat([torch.arange(n) for n in lengths]).to(self.device)
+        mask[rows, slots] = 1.0
+        return padded.index_put((rows, slots), logp), mask
+
+
+def _policy(keep: bool):
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _chunk_logp(hidden, weight, targets):
+    """log softmax of the head's logits at the chunk's positions, read at the targets (fp32 after the matmul)."""
+    logits = (hidden @ weight.to(hidden.dtype).T).float()
+    return logits.log_softmax(-1).gather(-1, targets[:, None]).squeeze(-1)
+
+
 def _sync(device) -> None:
     import torch
 
@@ -283,6 +396,9 @@ def measure(shape: str, groups_count: int, steps: int, preset: str, variants: li
     return result
 
 
+BASELINES = {"plain": PlainLoop, "strong": StrongLoop}
+
+
 def measure_variant(variant, base, preset, model_path, n, learner, groups, steps, response_tokens, device) -> dict:
     import torch
 
@@ -291,10 +407,10 @@ def measure_variant(variant, base, preset, model_path, n, learner, groups, steps
     from services.config import load_settings
 
     started = time.perf_counter()
-    if variant == "plain":
-        runner = PlainLoop(base, model_path, device)
+    if variant in BASELINES:
+        runner = BASELINES[variant](base, model_path, device)
         counts = throughput.parameter_counts(runner.model)
-        attention = "sdpa"
+        attention = getattr(runner, "attention", "sdpa")
     else:
         compute = dict(VARIANT_SETTINGS[variant])
         fraction = compute.pop("micro_batch_fraction", 1)
@@ -325,7 +441,8 @@ def measure_variant(variant, base, preset, model_path, n, learner, groups, steps
 
 
 def report(result: dict, command: str) -> str:
-    plain = next((r for r in result["rows"] if r["variant"] == "plain" and "error" not in r), None)
+    plain, strong = (next((r for r in result["rows"] if r["variant"] == name and "error" not in r), None)
+                     for name in ("plain", "strong"))
     lines = [
         f"`{command}`", "",
         f"{result['device']} (torch {result['torch']}, transformers {result.get('transformers', 'n/a')}); "
@@ -333,8 +450,8 @@ def report(result: dict, command: str) -> str:
         f"{result['groups']} groups x {result['n']} responses ({result['response_tokens']:,} response tokens), "
         f"preset `{result['preset']}` (micro_batch_tokens {result['micro_batch_tokens']:,}, "
         f"{result['mini_batches']} mini-batches); median of {result['steps']} steps after a warm-up.", "",
-        "| variant | s / step | vs plain | response tokens/s | model TFLOP/s | MFU | peak GiB | GPU busy |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| variant | s / step | vs plain | vs strong | response tokens/s | model TFLOP/s | MFU | peak GiB | GPU busy |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
 
     def fmt(value, spec):
@@ -342,10 +459,11 @@ def report(result: dict, command: str) -> str:
 
     for row in result["rows"]:
         if "error" in row:
-            lines.append(f"| {row['variant']} | {row['error']} |||||||")
+            lines.append(f"| {row['variant']} | {row['error']} ||||||||")
             continue
-        ratio = row["seconds"] / plain["seconds"] if plain else None
-        lines.append(f"| {row['variant']} ({row['attention']}) | {row['seconds']:.2f} | {fmt(ratio, '.2f')} | "
+        ratios = [row["seconds"] / base["seconds"] if base else None for base in (plain, strong)]
+        lines.append(f"| {row['variant']} ({row['attention']}) | {row['seconds']:.2f} | {fmt(ratios[0], '.2f')} | "
+                     f"{fmt(ratios[1], '.2f')} | "
                      f"{row['response_tokens_per_second']:,.0f} | {row['model_tflops']:.1f} | "
                      f"{fmt(row.get('mfu') and 100 * row['mfu'], '.1f')} % | {fmt(row['peak_gib'], '.1f')} | "
                      f"{fmt(row['gpu_busy'] and 100 * row['gpu_busy'], '.0f')} % |")
@@ -363,9 +481,10 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, nargs=2, default=[64, 320])
     parser.add_argument("--response-tokens", type=int, nargs=2, default=[256, 2048])
     # In the order a lease that runs out first should cut them.
-    parser.add_argument("--variants", nargs="+", default=["plain", "project", "project-selective", "project-full",
-                                                          "project-compiled-off", "project-padded", "project-sdpa"],
-                        choices=["plain", *VARIANT_SETTINGS])
+    parser.add_argument("--variants", nargs="+", default=["plain", "strong", "project", "project-selective",
+                                                          "project-full", "project-compiled-off", "project-padded",
+                                                          "project-sdpa"],
+                        choices=[*BASELINES, *VARIANT_SETTINGS])
     parser.add_argument("--write", action="store_true",
                         help="write benchmarks/results/gpu_trainer-<model>.json (after every variant)")
     args = parser.parse_args()

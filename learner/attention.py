@@ -37,7 +37,8 @@ def stand_in(kernel):
         _stand_in = None
 
 
-def _kernel():
+def kernel():
+    """PyTorch's varlen flash kernel (`stand_in`'s while one is in force); None in a torch without it."""
     if _stand_in is not None:
         return _stand_in
     try:
@@ -50,7 +51,7 @@ def _kernel():
 def available(cuda: bool, dtype: torch.dtype) -> bool:
     """Whether packed rows can run on the varlen kernel: a torch with it, a half-precision compute dtype, and a GPU
     its flash kernel runs on (Ampere or newer; a T4 or V100 keeps SDPA)."""
-    if not (cuda and dtype in (torch.bfloat16, torch.float16) and _kernel() is not None):
+    if not (cuda and dtype in (torch.bfloat16, torch.float16) and kernel() is not None):
         return False
     return torch.backends.cuda.is_flash_attention_available() and torch.cuda.get_device_capability() >= (8, 0)
 
@@ -81,8 +82,8 @@ def varlen_attention_forward(module, query: Tensor, key: Tensor, value: Tensor, 
     dtype = torch.get_autocast_dtype(query.device.type) if torch.is_autocast_enabled(query.device.type) \
         else value.dtype
     q, k, v = (t[0].transpose(0, 1).to(dtype).contiguous() for t in (query, key, value))  # [T, H, D]
-    kernel = _kernel()
-    native_gqa, takes_scale, causal = _options(kernel)
+    run = kernel()
+    native_gqa, takes_scale, causal = _options(run)
     groups = q.shape[1] // k.shape[1]
     if groups > 1 and not native_gqa:
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
@@ -91,7 +92,7 @@ def varlen_attention_forward(module, query: Tensor, key: Tensor, value: Tensor, 
         options["scale"] = scaling
     elif scaling is not None:  # the kernel's own scale is D^-1/2: fold the model's into the queries
         q = q * (scaling * q.shape[-1] ** 0.5)
-    out = kernel(q, k, v, cu_seq_lens_q, cu_seq_lens_q, max_length_q, max_length_q, **options)
+    out = run(q, k, v, cu_seq_lens_q, cu_seq_lens_q, max_length_q, max_length_q, **options)
     return out.unsqueeze(0), None
 
 

@@ -155,7 +155,9 @@ def token_logprobs(hidden: Tensor, weight: Tensor, bias: Tensor | None, targets:
     differentiable in hidden, weight and bias, with at most `chunk_tokens` rows of logits alive at a time
     (`compiled`: each chunk's work through torch.compile)."""
     if hidden.shape[0] == 0:
-        empty = hidden.new_zeros(0, dtype=torch.float32) + 0 * weight.sum()  # keeps the graph (FSDP's hooks)
+        # Keeps the graph through the head and the body (FSDP's hooks, and a sequence-parallel share that scores
+        # nothing still runs its attention's backward exchange with the other ranks of its group).
+        empty = hidden.new_zeros(0, dtype=torch.float32) + 0 * weight.sum() + 0 * hidden.sum()
         return empty, empty
     return _ChunkedTokenLogprobs.apply(hidden, weight, bias, targets, float(temperature), max(1, int(chunk_tokens)),
                                        _matmul_dtype(weight), compiled)

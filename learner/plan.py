@@ -266,6 +266,10 @@ def make_plan(settings, gpus: int, gpu: str = "h100", learner_ranks: int | None 
         raise PlanError(f"{ranks} learner ranks on {gpus} GPUs")
     settings = settings.model_copy(deep=True)
     compute = settings.learner.compute
+    degree = compute.sequence_parallel
+    if ranks % degree or not _splits_heads(settings, degree):
+        raise PlanError(f"learner.compute.sequence_parallel {degree} must divide the {ranks} learner ranks and split "
+                        "the model's attention heads (learner/sequence_parallel.py)")
     compute.packing = "on"  # a GPU packs rows (learner.compute.packing auto)
     compiled, compute.compile = compute.compile, False  # inductor needs real kernels
     try:

@@ -14,9 +14,11 @@ How (DeepSpeed-Ulysses, Jacobs et al. 2023; verl's DAPO-32B script runs a degree
   trainer scales each rank's loss by the world size, as for data-parallel ranks). A value of every token
   (`Trainer.logprobs`) is the sum over the group of each rank's part (`SequenceGroup.complete`).
 
-Activations per rank are 1/degree of the pack's; parameters, gradients and AdamW state are FSDP's business
-(sharded over every rank, the groups' included). The query heads must split evenly over the group; key/value
-heads too, or are repeated up to the degree (grouped-query models with fewer KV heads than the degree).
+Activations per rank are 1/degree of the pack's; parameters, gradients and AdamW state are sharded over every
+rank (the groups' included) with `learner.compute.fsdp`, replicated without it (DDP). The query heads must split
+evenly over the group; key/value heads too, or are repeated up to the degree (grouped-query models with fewer KV
+heads than the degree). `pi_old` and the reference's logprobs are kept whole (`complete`): training cuts its packs
+otherwise than the no-grad pass does.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from learner import attention
 
 ULYSSES = "dapo_ulysses"
 
@@ -61,7 +65,7 @@ def loaded_attention(implementation: str, degree: int) -> str:
     return ULYSSES
 
 
-def join(model, degree: int, packed: bool, implementation: str) -> SequenceGroup:
+def join(model, degree: int, packed: bool, implementation: str, gpu: bool) -> SequenceGroup:
     """This rank's group for `model` (loaded with `loaded_attention`, or a caller's model, switched to it here),
     whose attention kernel is `implementation`; every rank calls it."""
     if degree == 1:
@@ -69,6 +73,10 @@ def join(model, degree: int, packed: bool, implementation: str) -> SequenceGroup
     if not packed:
         raise ValueError("learner.compute.sequence_parallel splits packed micro-batches: set "
                          "learner.compute.packing: on")
+    if gpu and implementation not in (attention.VARLEN, "flash_attention_2"):
+        # SDPA on the pack's dense [T x T] mask in every layer would cost more than the shares save
+        raise ValueError("learner.compute.sequence_parallel on a GPU runs a varlen flash kernel (bf16, torch >= "
+                         "2.10 on Ampere or newer): learner.compute.attention is " + repr(implementation))
     check_heads(model.config, degree)
     model.config._attn_implementation = loaded_attention(implementation, degree)
     import torch.distributed as dist
@@ -114,23 +122,25 @@ def register() -> None:
 
 
 def inner_attention(implementation: str) -> Attention:
-    """The kernel each rank runs on its heads of the whole pack: a varlen kernel where the trainer chose one
-    (it takes the rows' boundaries), otherwise SDPA on a block-diagonal causal mask built from them."""
-    from learner import attention
-
-    if implementation == attention.VARLEN:
+    """The kernel each rank runs on its heads of the whole pack: PyTorch's varlen flash kernel where the trainer
+    chose a varlen kernel (it takes the rows' boundaries), otherwise SDPA on a block-diagonal causal mask built from
+    them (CPUs). flash-attn's transformers wrapper is not used: it picks its kernel by the model's attention name,
+    which is Ulysses' here; PyTorch's own kernel is the same algorithm."""
+    if implementation in (attention.VARLEN, "flash_attention_2"):
+        if attention.kernel() is None:
+            raise ValueError("learner.compute.sequence_parallel runs PyTorch's varlen flash kernel (torch >= 2.10), "
+                             "not in this torch")
         return attention.varlen_attention_forward
-    if implementation == "flash_attention_2":
-        from transformers import AttentionInterface
-
-        return AttentionInterface()["flash_attention_2"]
     return rows_sdpa
 
 
 def rows_sdpa(module, query: Tensor, key: Tensor, value: Tensor, attention_mask, *, scaling=None,
-              cu_seq_lens_q: Tensor, **kwargs) -> tuple[Tensor, None]:
+              cu_seq_lens_q: Tensor, sliding_window=None, softcap=None, s_aux=None, **kwargs) -> tuple[Tensor, None]:
     """Causal SDPA confined to each row of a pack: query [1, Hq, T, D], key/value [1, Hkv, T, D] ->
     ([1, T, Hq, D], None). Dense `[T x T]` mask: for CPUs and tests; a GPU runs a varlen kernel."""
+    if sliding_window is not None or softcap is not None or s_aux is not None:
+        raise ValueError("sequence parallelism runs plain causal attention: this model asks for a sliding window, a "
+                         "softcap or attention sinks")
     length = query.shape[2]
     row = torch.repeat_interleave(torch.arange(len(cu_seq_lens_q) - 1, device=query.device),
                                   torch.diff(cu_seq_lens_q.to(query.device)), output_size=length)
@@ -145,6 +155,9 @@ def attention_forward(module, query: Tensor, key: Tensor, value: Tensor, attenti
     """transformers' attention interface on a rank's share: query [1, Hq, T/d, D], key/value [1, Hkv, T/d, D] ->
     ([1, T/d, Hq, D], None), attending over the whole pack (the forward's `cu_seq_lens_q` are the pack's)."""
     g = sequence_group
+    if torch.is_autocast_enabled(query.device.type):  # the rotary embedding leaves q and k in fp32: half the bytes
+        dtype = torch.get_autocast_dtype(query.device.type)
+        query, key, value = (t.to(dtype) for t in (query, key, value))
     kv_heads = key.shape[1]
     if kv_heads % g.degree:  # fewer KV heads than ranks: repeat each so that every rank gets its queries' one
         key, value = (t.repeat_interleave(g.degree // kv_heads, dim=1) for t in (key, value))

@@ -34,11 +34,12 @@ and entropies are fp32 in every mode; on a CPU, fp32 throughout.
 
 Distributed (`accelerate launch`: DDP, or the trainer's own FSDP2 with `learner.compute.fsdp`): every rank calls
 `train_step` with the same groups (the service's main process broadcasts them); each mini-batch is dealt across
-ranks by tokens, every rank runs the same number of forward passes (weight-0 repeats), and the loss is scaled by
-the world size because DDP and FSDP average gradients. Under FSDP each micro-batch's gradient is reduce-scattered
-at once (`learner.compute.gradient_sync: mini_batch` keeps it whole until the last). DeepSpeed is refused: its
-engine owns accumulation and clipping. Checkpoints: learner/checkpoint.py; every step reports its model TFLOP/s
-and MFU (learner/throughput.py).
+ranks by cost (tokens, and attention's square), every rank runs the same number of forward passes (weight-0
+repeats), and the loss is scaled by the world size because DDP and FSDP average gradients. Under FSDP each
+micro-batch's gradient is reduce-scattered at once (`learner.compute.gradient_sync: mini_batch` keeps it whole until
+the last). With `learner.compute.sequence_parallel` groups of ranks split each pack's tokens
+(learner/sequence_parallel.py). DeepSpeed is refused: its engine owns accumulation and clipping. Checkpoints:
+learner/checkpoint.py; every step reports its model TFLOP/s and MFU (learner/throughput.py).
 """
 
 from __future__ import annotations
@@ -117,7 +118,6 @@ class Trainer:
                 "sampling.top_p=%g: the generators sample from the nucleus, which the learner's logprobs do not "
                 "model, so the importance weights are biased (the paper trains at top_p 1)", settings.sampling.top_p
             )
-
         packed = cfg.compute.packing == "on" or (cfg.compute.packing == "auto" and cuda)
         degree = cfg.compute.sequence_parallel
         placement = None if model is None else [False, False]  # a caller's model stays where the caller put it
@@ -129,7 +129,7 @@ class Trainer:
             )
         else:
             self.attention = model.config._attn_implementation
-        self.sequence = sequence_parallel.join(model, degree, packed, self.attention)
+        self.sequence = sequence_parallel.join(model, degree, packed, self.attention, cuda)
         activation_checkpointing.prepare_layers(model, cfg.compute.gradient_checkpointing, cfg.compute.compile)
         self.parameter_counts = throughput.parameter_counts(model)
         # The head scores response positions only, in chunks (learner/logprobs.py); installed before any wrapping.
@@ -144,9 +144,7 @@ class Trainer:
         # over weights, gradients and moments instead of a foreach kernel for each AdamW operation.
         optimizer = torch.optim.AdamW(
             model.parameters(), lr=cfg.optimizer.lr, betas=tuple(cfg.optimizer.adam_betas),
-            weight_decay=cfg.optimizer.weight_decay,
-            fused=True if cuda else None,
-        )
+            weight_decay=cfg.optimizer.weight_decay, fused=True if cuda else None)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, dapo.LinearWarmup(cfg.optimizer.warmup_steps))
         if self.sharded:  # accelerate must not wrap the sharded model again (in DDP) or autocast its forward
             self.model, self.optimizer = model, self.accelerator.prepare_optimizer(optimizer)
@@ -160,10 +158,9 @@ class Trainer:
                               and not cfg.compute.compile and not self.sharded)
         layout: packing.Layout = "packed" if packed else "shared" if self.share_prompts else "padded"
         self.varlen = self.attention in (attention.VARLEN, "flash_attention_2")
-        bucket = packing.length_bucket(layout, cuda, self.varlen, cfg.compute.micro_batch_tokens)
-        self.packer = packing.Packer(
+        self.packer = packing.Packer(  # (a pack splits into `degree` equal shares: its length a multiple)
             layout, cfg.compute.micro_batch_tokens, pad_token_id=model.config.pad_token_id or 0,
-            bucket=math.lcm(bucket, degree),  # a pack splits into `degree` equal shares
+            bucket=math.lcm(packing.length_bucket(layout, cuda, self.varlen, cfg.compute.micro_batch_tokens), degree),
             device=self.accelerator.device, world=max(1, self.accelerator.num_processes // degree),
             rank=self.accelerator.process_index // degree, sequence_degree=degree, sequence_index=self.sequence.rank,
             attention_crossover=throughput.attention_crossover(model.config, self.parameter_counts[0]))
@@ -177,8 +174,7 @@ class Trainer:
                 attn_implementation=model.config._attn_implementation,
             )
             self.heads[id(self.reference)] = install_head(self.reference, self.temperature,
-                                                           cfg.compute.head_chunk_tokens,
-                                                           cfg.compute.compile)
+                                                           cfg.compute.head_chunk_tokens, cfg.compute.compile)
             self.reference.to(self.accelerator.device).requires_grad_(False).eval()
 
     @property
@@ -271,8 +267,7 @@ class Trainer:
         if not todo:
             return [[[] for _ in group.rollout.samples] for group in groups]
         for indices, real in self.packer.lockstep([todo] * self.accelerator.num_processes, responses):
-            logp, _ = self._forward(self.model, self.packer.collate(responses, indices), entropy=False)
-            logp = self.sequence.complete(logp)  # each rank of a sequence group scored its share of the tokens
+            logp = self.sequence.complete(self._forward(self.model, self.packer.collate(responses, indices), False)[0])
             if real:
                 for row, i in enumerate(indices):
                     values[i] = logp[row, : len(responses[i].response_ids)].float().cpu()
@@ -364,11 +359,12 @@ class Trainer:
                 per_rank[rank].extend(shard)
         for micro, real in self.packer.lockstep(per_rank, batch.responses):
             inputs = self.packer.collate(batch.responses, micro)
-            logp, _ = self._forward(self.model, inputs, entropy=False)
+            # Every share's values (sequence parallelism): training packs these tokens otherwise.
+            logp = self.sequence.complete(self._forward(self.model, inputs, entropy=False)[0])
             stats.count(inputs, trained=False)
             if self.reference is not None:
                 with self.accelerator.autocast():
-                    ref, _ = self._forward(self.reference, inputs, entropy=False)
+                    ref = self.sequence.complete(self._forward(self.reference, inputs, entropy=False)[0])
             if real:
                 for row, i in enumerate(micro):
                     n = len(batch.responses[i].response_ids)
@@ -404,8 +400,9 @@ class Trainer:
                                               entropy_grad=bool(cfg.loss.entropy_coef))
                 mask = dapo.overlong_filter_mask(inputs.response_mask, inputs.filtered)
                 behaviour = self._padded([responses[i].behaviour_logprobs for i in micro], logp)
+                whole = self.sequence.complete(logp.detach())  # (each share's values, under sequence parallelism)
                 for row, i in enumerate(micro):
-                    current = logp[row, :len(responses[i].response_ids)].detach().float()
+                    current = whole[row, :len(responses[i].response_ids)].float()
                     if i not in batch.old_logprobs:  # the step's first mini-batch, before any update: pi_old is now
                         batch.old_logprobs[i] = current
                     if not real and self.reference is not None:  # another rank's rows (weight 0): no pi_ref here
@@ -433,8 +430,8 @@ class Trainer:
     # -- model plumbing ----------------------------------------------------------------------------------------
     def _forward(self, model, inputs: MicroBatch, entropy: bool, entropy_grad: bool = False):
         """Logprobs (and optionally entropies) of the response tokens, padded to [B, R] (learner/logprobs.py)."""
-        head = self.heads[id(model)]
-        return response_logprobs(model, head, inputs, self.varlen, entropy, entropy_grad, self.sequence)
+        return response_logprobs(model, self.heads[id(model)], inputs, self.varlen, entropy, entropy_grad,
+                                 self.sequence)
 
     def _padded(self, values: list[Tensor], like: Tensor) -> Tensor:
         """Ragged [R_i] tensors -> [B, R] aligned with `like` (zeros beyond each length)."""

@@ -218,8 +218,8 @@ def unsharded_gradients(model):
     return held
 
 
-def run(name, dtype="float32", resume=None, **learner):
-    settings = make_settings(tmp / name, micro_batch_tokens=40, lr=1e-3, **learner)
+def run(name, dtype="float32", resume=None, micro_batch_tokens=40, **learner):
+    settings = make_settings(tmp / name, micro_batch_tokens=micro_batch_tokens, lr=1e-3, **learner)
     settings.model.dtype = dtype
     trainer = Trainer(settings, Path({model!r}))
     if resume:  # another world's sharded checkpoint, read back here
@@ -400,43 +400,57 @@ def test_the_trainer_shards_itself_with_fsdp2_and_trains_as_one_process(model_pa
 
 # Sequence parallelism: each world's variants, and the one-process reference each is compared with. Packed rows
 # (the layout it splits); micro-batches of 40 tokens, so a share of a pack over 4 ranks is at most 10 tokens while
-# rows run up to 15: rows cross shares, and attention must see the other ranks' tokens.
-ULYSSES_VARIANTS = {
-    1: [{"name": "one", "compute": {"packing": "on"}},
-        {"name": "one-sample", "loss_agg": "sample", "compute": {"packing": "on"}}],
-    2: [{"name": "ulysses", "compute": {"packing": "on", "sequence_parallel": 2}},
-        {"name": "ulysses-fsdp", "compute": {"packing": "on", "sequence_parallel": 2, "fsdp": True}},
-        {"name": "ulysses-sample", "loss_agg": "sample", "compute": {"packing": "on", "sequence_parallel": 2}},
-        {"name": "ulysses-compiled", "compute": {"packing": "on", "sequence_parallel": 2, "compile": True,
-                                                 "gradient_checkpointing": "selective"}}],
-    4: [{"name": "ulysses", "compute": {"packing": "on", "sequence_parallel": 4}},
-        {"name": "ulysses-2x2", "compute": {"packing": "on", "sequence_parallel": 2, "fsdp": True}}],
-}
+# rows run up to 15: rows cross shares, and attention must see the other ranks' tokens. With 3 mini-batches the
+# pi_old pass packs the tokens otherwise than training does; with the KL term the reference model runs split too;
+# with micro-batches of 8 tokens every row is a pack of its own and some shares hold only prompt tokens (they score
+# nothing, and still take part in the exchanges).
+PACKED = {"packing": "on"}
+ULYSSES_CASES = [  # (variant, world, its reference's name)
+    ({"name": "ulysses", "compute": {**PACKED, "sequence_parallel": 2}}, 2, "one"),
+    ({"name": "ulysses-fsdp", "compute": {**PACKED, "sequence_parallel": 2, "fsdp": True}}, 2, "one"),
+    ({"name": "ulysses-sample", "loss_agg": "sample", "compute": {**PACKED, "sequence_parallel": 2}}, 2, "one-sample"),
+    ({"name": "ulysses-mini", "mini_batches": 3, "compute": {**PACKED, "sequence_parallel": 2}}, 2, "one-mini"),
+    ({"name": "ulysses-kl", "kl_coef": 0.1, "mini_batches": 2, "compute": {**PACKED, "sequence_parallel": 2}}, 2,
+     "one-kl"),
+    ({"name": "ulysses-compiled", "compute": {**PACKED, "sequence_parallel": 2, "compile": True,
+                                              "gradient_checkpointing": "selective"}}, 2, "one"),
+    ({"name": "ulysses", "compute": {**PACKED, "sequence_parallel": 4}}, 4, "one"),
+    ({"name": "ulysses-rows", "micro_batch_tokens": 8, "compute": {**PACKED, "sequence_parallel": 4}}, 4, "one-rows"),
+    ({"name": "ulysses-2x2", "mini_batches": 3, "compute": {**PACKED, "sequence_parallel": 2, "fsdp": True}}, 4,
+     "one-mini"),
+]
+ULYSSES_REFERENCES = [
+    {"name": "one", "compute": PACKED}, {"name": "one-sample", "loss_agg": "sample", "compute": PACKED},
+    {"name": "one-mini", "mini_batches": 3, "compute": PACKED},
+    {"name": "one-kl", "kl_coef": 0.1, "mini_batches": 2, "compute": PACKED},
+    {"name": "one-rows", "micro_batch_tokens": 8, "compute": PACKED},
+]
 
 
 @pytest.mark.slow
 def test_sequence_parallel_ranks_split_each_row_and_train_as_one_process(model_path, tmp_path):  # noqa: F811
     """learner.compute.sequence_parallel (Ulysses): a pack's tokens split over 2 and 4 gloo ranks, attention
     exchanged by all-to-all (the test model's 4 query and 2 key/value heads: at 4 ranks each KV head is repeated).
-    Logprobs, gradients and the weights after a step of 2 updates equal one process's within 1e-5: alone, under
-    FSDP, with the sample-level loss (each response's mean over shares), with compiled layers (the exchange inside
-    the compiled graph), and as 2 data-parallel groups of 2."""
+    Logprobs, gradients and the weights after a step equal one process's within 1e-5: alone, under FSDP, with the
+    sample-level loss (each response's mean over shares), over 3 mini-batches (pi_old recomputed on other packs),
+    with the KL term's reference model, with compiled layers (the exchange inside the compiled graph), with shares
+    that score nothing, and as 2 data-parallel groups of 2."""
     here = Path(__file__).resolve().parent
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(here.parents[1]), ACCELERATE_USE_CPU="true")
     groups = make_groups(n_groups=4, size=4, seed=3)
     longest = max(len(g.rollout.task.prompt_token_ids) + len(s.token_ids) for g in groups for s in g.rollout.samples)
     assert longest > 40 // 4  # a row longer than a rank's share
-    for world, variants in ULYSSES_VARIANTS.items():
+    assert any(len(g.rollout.task.prompt_token_ids) > 3 for g in groups)  # rows of 8 tokens at most: shares of 2 or 3
+    for world, variants in ((1, ULYSSES_REFERENCES), (2, [v for v, w, _ in ULYSSES_CASES if w == 2]),
+                            (4, [v for v, w, _ in ULYSSES_CASES if w == 4])):
         script = tmp_path / f"ulysses-{world}.py"
         script.write_text(FSDP_TRAINER_WORKER.format(here=str(here), repo=str(here.parents[1]), tmp=str(tmp_path),
                                                      model=str(model_path), variants=variants))
         prefix = [sys.executable] if world == 1 else accelerate_launch(world)
         done = subprocess.run(prefix + [str(script)], env=env, timeout=400, capture_output=True, text=True)
         assert done.returncode == 0, done.stderr[-3000:]
-    for name, world, reference in (("ulysses", 2, "one"), ("ulysses-fsdp", 2, "one"),
-                                   ("ulysses-sample", 2, "one-sample"), ("ulysses-compiled", 2, "one"),
-                                   ("ulysses", 4, "one"),
-                                   ("ulysses-2x2", 4, "one")):
+    for variant, world, reference in ULYSSES_CASES:
+        name = variant["name"]
         alone, ranks = (load_file(tmp_path / f"{reference}-1.safetensors"),
                         load_file(tmp_path / f"{name}-{world}.safetensors"))
         assert ranks.keys() == alone.keys(), name

@@ -670,7 +670,7 @@ def test_packed_rows_through_the_varlen_interface_match_padded_rows(model_path, 
         calls.append(1)
         return kernel(*args, **kwargs)
 
-    monkeypatch.setattr(attention, "_kernel", lambda: counted)
+    monkeypatch.setattr(attention, "kernel", lambda: counted)
     groups = make_groups(n_groups=4, size=4, seed=5)
     padded = Trainer(make_settings(tmp_path, **LAYOUTS["padded"], micro_batch_tokens=budget), model_path)
     varlen = Trainer(make_settings(tmp_path, packing="on", attention="varlen", micro_batch_tokens=budget,

@@ -35,12 +35,14 @@ def test_the_heads_split_over_the_degree_or_the_config_is_refused(model, degree,
 
 
 def test_unpacked_rows_or_a_degree_that_does_not_divide_the_ranks_are_refused():
+    model = SimpleNamespace(config=shipped("qwen2.5-32b.json"))
     with pytest.raises(ValueError, match="packing: on"):
-        sequence_parallel.join(SimpleNamespace(config=shipped("qwen2.5-32b.json")), 8, packed=False,
-                               implementation="sdpa")
+        sequence_parallel.join(model, 8, packed=False, implementation="sdpa", gpu=False)
+    with pytest.raises(ValueError, match="on a GPU runs a varlen flash kernel"):  # SDPA's dense mask per layer
+        sequence_parallel.join(model, 8, packed=True, implementation="sdpa", gpu=True)
     with pytest.raises(ValueError, match="sequence_parallel 4 must divide the learner's 6 ranks"):
         sequence_parallel.group(4, world=6, rank=0, inner=None)
-    assert sequence_parallel.join(None, 1, packed=False, implementation="sdpa").degree == 1  # off: nothing asked
+    assert sequence_parallel.join(None, 1, packed=False, implementation="sdpa", gpu=True).degree == 1  # off
 
 
 def test_attention_costs_as_much_as_the_matrix_products_near_97k_tokens_at_32b():

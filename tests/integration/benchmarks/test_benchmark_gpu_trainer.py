@@ -10,16 +10,17 @@ def test_the_benchmark_runs_its_variants_and_reports_them():
     from benchmarks.gpu_trainer import measure
 
     partial = []
-    variants = ["project", "project-padded", "project-selective", "plain"]
+    variants = ["project", "project-padded", "project-selective", "plain", "strong"]
     result = measure("tiny", 2, 1, "tiny-cpu", variants, 4, (4, 12), (8, 40), None,
                      progress=lambda r: partial.append(len(r["rows"])))
     assert [r["variant"] for r in result["rows"]] == variants
-    assert partial == [1, 2, 3, 4]  # written after every variant: a run cut short keeps what it measured
+    assert partial == [1, 2, 3, 4, 5]  # written after every variant: a run cut short keeps what it measured
     for row in result["rows"]:
         assert row["seconds"] > 0 and row["model_tflops"] > 0 and row["response_tokens_per_second"] > 0
         assert row["gpu_busy"] is None and "mfu" not in row  # a CPU: no busy fraction, no peak to divide by
     text = report(result, "python -m benchmarks.gpu_trainer --model tiny")
     assert "| plain (sdpa) |" in text and "| 1.00 |" in text and "2 groups x 4 responses" in text
+    assert "| strong (sdpa) |" in text and "vs strong" in text
 
 
 def test_flops_count_every_trained_and_recomputed_token():
@@ -62,3 +63,31 @@ def test_without_nvml_there_is_no_busy_figure(monkeypatch):
     with BusySampler(types.SimpleNamespace(type="cuda"), every=0.01) as sampler:
         time.sleep(0.05)
     assert sampler.fraction is None
+
+
+def test_the_strong_baseline_scores_and_differentiates_as_the_plain_loop(tmp_path):
+    """`strong` packs rows, checkpoints each layer selectively and scores chunks of positions: the same logprobs
+    and the same gradient as the plain padded loop, on the same rows (a chunk smaller than the rows, so several)."""
+    import torch
+
+    from benchmarks.gpu_trainer import SHAPES, PlainLoop, StrongLoop, build_model
+    from services.config import load_settings
+
+    model = build_model("tiny", tmp_path / "model")
+    settings = load_settings("tiny-cpu", run_dir=str(tmp_path / "run"), model={"name_or_path": str(model)},
+                             learner={"compute": {"gradient_checkpointing": "selective"}})
+    groups = synthetic_groups(2, 3, SHAPES["tiny"]["vocab_size"], (3, 9), (4, 20))
+    rows = [(g.rollout.task.prompt_token_ids + s.token_ids, len(g.rollout.task.prompt_token_ids), 1.0)
+            for g in groups for s in g.rollout.samples]
+    plain, strong = PlainLoop(settings, model, torch.device("cpu")), StrongLoop(settings, model, torch.device("cpu"))
+    strong.CHUNK = 16
+    values = {}
+    for name, loop in (("plain", plain), ("strong", strong)):
+        logp, mask = loop._logp(rows)
+        (logp * mask).sum().backward()
+        values[name] = (logp[mask.bool()], {n.replace("._checkpoint_wrapped_module", ""): p.grad
+                                             for n, p in loop.model.named_parameters()})
+    assert torch.allclose(values["plain"][0], values["strong"][0], atol=1e-5)
+    assert values["plain"][1].keys() == values["strong"][1].keys()
+    for name, grad in values["plain"][1].items():
+        assert torch.allclose(grad, values["strong"][1][name], atol=1e-5), name
