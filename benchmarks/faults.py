@@ -45,6 +45,7 @@ benchmarks/results/faults.json and the table into benchmarks/README.md between t
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import os
@@ -92,11 +93,13 @@ class Injection:
 
 @dataclass
 class AclAttempt:
-    """One Redis command a role's user tried outside its ACL, and whether the server refused it."""
+    """One thing a role tried outside what it may, and whether it was refused: a Redis command outside its user's
+    ACL (`kind` redis), or an HTTP call outside its tokens' audience (`kind` http: refused = 401 or 403)."""
 
     role: str
     command: str
     refused: bool
+    kind: str = "redis"
 
 
 @dataclass
@@ -263,8 +266,10 @@ def analyze(final: list[dict], seen: list[dict], metrics_rows: list[dict], dead:
         "dead_letters": len(dead),
         "dead_reasons": dict(Counter(r.get("reason", "").split(":", 1)[0] for r in dead)),
         "per_kind": per_kind,
-        "acl_attempts": len(acl_attempts),
-        "acl_accepted": sorted({f"{a.role}: {a.command}" for a in acl_attempts if not a.refused}),
+        "acl_attempts": sum(a.kind == "redis" for a in acl_attempts),
+        "acl_accepted": sorted({f"{a.role}: {a.command}" for a in acl_attempts if not a.refused and a.kind == "redis"}),
+        "http_attempts": sum(a.kind == "http" for a in acl_attempts),
+        "http_accepted": sorted({f"{a.role}: {a.command}" for a in acl_attempts if not a.refused and a.kind == "http"}),
     }
 
 
@@ -292,6 +297,39 @@ def outside_acl(client, role: str, streams) -> list[AclAttempt]:
             attempts.append(AclAttempt(role, command, refused=False))
         except redis.exceptions.NoPermissionError:
             attempts.append(AclAttempt(role, command, refused=True))
+    return attempts
+
+
+def outside_audience(pid: int, urls: dict[str, str]) -> list[AclAttempt]:
+    """Try, with every token a live generator holds (read from /proc/PID/environ, as any process of its user
+    could), the HTTP calls outside a generator's audience: scoring on a reward worker, the learner's status, a
+    weights sync on another generator. Each is recorded with whether it was refused (401 or 403); the weights'
+    own route is tried too and must answer, so that the refusals are not those of a token that opens nothing."""
+    import httpx
+
+    environ = Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace").split("\0")
+    env = dict(item.split("=", 1) for item in environ if "=" in item)
+    tokens = {name: env[name] for name in ("DAPO_TOKEN", "DAPO_WEIGHTS_TOKEN") if env.get(name)}
+    other = next(name for name in urls if name.startswith("generator-") and name != env.get("DAPO_WORKER_ID"))
+    reward = next(name for name in urls if name.startswith("reward-"))
+    tries = {"POST /v1/score": ("POST", f"{urls[reward]}/v1/score", [{"response": "Answer: 1", "ground_truth": "1"}]),
+             "GET the learner's /v1/status": ("GET", f"{urls['learner']}/v1/status", None),
+             "POST another generator's /v1/weights/sync": ("POST", f"{urls[other]}/v1/weights/sync", None)}
+    attempts = []
+    for variable, token in tokens.items():
+        headers = {"Authorization": f"Bearer {token}"}
+        for command, (method, url, body) in tries.items():
+            try:
+                status = httpx.request(method, url, json=body, headers=headers, timeout=10).status_code
+            except httpx.HTTPError:  # a service being restarted after a kill: tried again in the next wave
+                continue
+            attempts.append(AclAttempt("generator", f"{command} with {variable}", status in (401, 403), "http"))
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"{urls['learner']}/v1/weights/latest", headers=headers, timeout=10).status_code in (401,
+                                                                                                            403):
+                raise RuntimeError(f"the generator's {variable} does not open the learner's weights")
+    if not tokens:
+        raise RuntimeError("the generator holds no token: it could not pull weights")
     return attempts
 
 
@@ -632,6 +670,10 @@ class Faults:
                   {**letter, b"sig": streams.dead_letter_signature(letter)}, task.task_id, real_task=True,
                   into="dead")
         self.acl_attempts += outside_acl(self.generator_client(), "generator", streams)
+        generators = sorted(name for name in service_pids(self.proc.pid) if name.startswith("generator-"))
+        if generators:  # (one being restarted after a kill is tried in the next wave)
+            urls = json.loads((self.run_dir / "services.json").read_text())["http"]
+            self.acl_attempts += outside_audience(service_pids(self.proc.pid)[generators[0]], urls)
         print(f"[faults] wave {wave}: {len(self.injections)} bad messages written so far", flush=True)
 
     # -- the end ---------------------------------------------------------------------------------------------
@@ -690,6 +732,11 @@ def report(result: dict) -> str:
         f"{len(a['acl_accepted'])} of {a['acl_attempts']}"
         + (f" ({', '.join(a['acl_accepted'])})" if a["acl_accepted"] else ""),
         not a["acl_accepted"] and a["acl_attempts"] > 0)
+    if "http_attempts" in a:  # counted since 2026-11-28 (a token per audience)
+        row("0 HTTP calls outside a generator's audience accepted",
+            f"{len(a['http_accepted'])} of {a['http_attempts']}"
+            + (f" ({', '.join(a['http_accepted'])})" if a["http_accepted"] else ""),
+            not a["http_accepted"] and a["http_attempts"] > 0)
     row("no process left behind by a killed one", f"{len(result['orphans'])} left", not result["orphans"])
     lines += ["", "Work redone after each kill (seconds from the SIGKILL; the median step took "
               f"{metrics_['median_step_s']:.1f} s in this run):", "",

@@ -19,14 +19,18 @@ whole life, which names its holder; a second one on the same folder exits 69 nam
 (a second redis-server on the same data, a second learner). SIGHUP stops a run as SIGTERM and SIGINT do.
 Children die with the launcher: each gets SIGTERM when it dies, even by SIGKILL (PR_SET_PDEATHSIG, Linux), and
 the embedded redis-server holds a lock on its data folder that a second server is refused (naming the holder).
-Secrets: without a configured token the run makes a random one; children get it, the Redis URL and password in
-their environment, and `launch-config.yaml` (the settings they read) is written without them, mode 0600. The
+Secrets: without a configured token the run makes a random one, and a weights token (`weights_token`) too. Each
+child gets in its environment what its role needs, and `launch-config.yaml` (the settings they read) is written
+without secrets, mode 0600: the learner the operator's token and the weights token, generators the weights token
+(it opens only the learner's weights) and the operator token's sha256 (to admit the operator), reward workers only
+that sha256; so no worker holds a token to another service (`/v1/score` included). The
 embedded server has a Redis user per role with a password made for this run: each child's URL is its role's user
 (services/redis_users.py). The run's role keys (services/keys.py) are made once under run_dir/keys.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -239,16 +243,30 @@ def _has_gpu() -> bool:
     return torch.cuda.is_available()
 
 
+TOKEN_VARIABLES = frozenset({"DAPO_TOKEN", "DAPO_TOKEN_SHA256", "DAPO_WEIGHTS_TOKEN"})  # set per role
+
+
 def service_children(settings: Settings, config_path: Path, redis_urls: Mapping[Role, str], generators: int,
                      reward_workers: int, learner_port: int, learner_procs: int = 1,
                      cpus: CpuPlan | None = None) -> list[Child]:
     """The service processes of a run, each on its CPUs with matching threads when `cpus` is given, each with its
     role's Redis URL (`redis_urls`: the role's own user in an embedded run) and no other role's."""
     run_dir = Path(settings.run_dir)
+    operator = settings.token.get_secret_value()
+    # A token per audience: the learner admits the operator's token everywhere and the weights token to the weights
+    # only; generators hold the weights token to pull and know the operator's only by its sha256 (to admit it);
+    # reward workers know only that sha256. So no worker holds a token that opens another service.
+    tokens = {
+        "learner": {"DAPO_TOKEN": operator},
+        "generator": {"DAPO_TOKEN_SHA256": hashlib.sha256(operator.encode()).hexdigest()},
+        "reward": {"DAPO_TOKEN_SHA256": hashlib.sha256(operator.encode()).hexdigest()},
+    }
+    if settings.weights_token is not None:
+        for role in ("learner", "generator"):
+            tokens[role]["DAPO_WEIGHTS_TOKEN"] = settings.weights_token.get_secret_value()
     base_env = {
-        **{k: v for k, v in os.environ.items() if k != EXIT_FILE_ENV},  # `dapo run`'s own, if it has one
+        **{k: v for k, v in os.environ.items() if k != EXIT_FILE_ENV and k not in TOKEN_VARIABLES},  # `dapo run`'s
         # The secrets: not in the config file (dump_settings without_secrets).
-        "DAPO_TOKEN": settings.token.get_secret_value(),
         **({"DAPO_REDIS__PASSWORD": settings.redis.password.get_secret_value()} if settings.redis.password else {}),
         # Every service needs it: the learner serves there, generators send their token nowhere else.
         "DAPO_LEARNER__PUBLIC_URL": f"http://127.0.0.1:{learner_port}",
@@ -260,9 +278,11 @@ def service_children(settings: Settings, config_path: Path, redis_urls: Mapping[
 
     def child(name: str, service: Role, **env: str) -> Child:
         return Child(name, python + [service, "--config", str(config_path)],
-                     {**base_env, "DAPO_REDIS__URL": redis_urls[service], **env}, run_dir / "logs" / f"{name}.log")
+                     {**base_env, **tokens[service], "DAPO_REDIS__URL": redis_urls[service], **env},
+                     run_dir / "logs" / f"{name}.log")
 
-    learner_env = {**base_env, "DAPO_REDIS__URL": redis_urls["learner"], "DAPO_LEARNER__PORT": str(learner_port),
+    learner_env = {**base_env, **tokens["learner"], "DAPO_REDIS__URL": redis_urls["learner"],
+                   "DAPO_LEARNER__PORT": str(learner_port),
                    "DAPO_LEARNER__HOST": "127.0.0.1", "DAPO_WEIGHTS__BROADCAST_PORT": str(free_port()),
                    # one lease identity for every restart of this run's learner: a restart after a crash takes the
                    # run back at once, a learner of another launcher still waits (learner/lease.py)
@@ -442,6 +462,8 @@ def main(settings: Settings, generators: int = 1, reward_workers: int = 1, learn
         redis_url = redis_server.start().url
     if settings.token.get_secret_value() == DEFAULT_TOKEN:
         settings.token = secrets.token_urlsafe(32)  # this run's own: no process or file carries the placeholder
+    if settings.weights_token is None:
+        settings.weights_token = secrets.token_urlsafe(32)  # what generators pull with: it opens nothing else
     config_path = write_launch_config(settings, run_dir)
     create_keys(keys_dir(settings))  # the role keys of the run (services/keys.py), made once, kept for a resume
     redis_urls = {role: redis_server.role_url(role) if redis_server else redis_url for role in ROLES}

@@ -22,7 +22,7 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 
 from services.config import Settings
-from services.http import BackgroundServer, create_app, server_options
+from services.http import BackgroundServer, callers, create_app, server_options
 from services.keys import load_signer
 from services.messages import PromptTask
 from services.models import model_dir
@@ -57,7 +57,7 @@ def build_app(settings: Settings, get_worker: Callable[[], "object | None"]) -> 
         worker = get_worker()
         return worker.readiness() if worker is not None else (False, "starting the engine")
 
-    app = create_app("generator", token=settings.token.get_secret_value(), ready=ready,
+    app = create_app("generator", token=callers(settings), ready=ready,
                      max_body_bytes=int(settings.max_body_mb * 2**20), docs=settings.http_docs)
 
     @app.post("/v1/weights/sync", tags=["weights"])

@@ -46,7 +46,7 @@ class WeightSync:
 
     def __init__(self, settings: Settings, model_dir: str | Path, redis_client, generator_id: str):
         self.settings = settings
-        self.token = settings.token.get_secret_value()
+        self.token = (settings.weights_token or settings.token).get_secret_value()  # the weights' own, if given
         self.timeout = settings.generator.pull_timeout_s
         self.dir = Path(settings.generator.weights_dir or Path(settings.run_dir) / "generators" / generator_id)
         self.dir.mkdir(parents=True, exist_ok=True)

@@ -45,7 +45,7 @@ from services.broadcast import Broadcaster
 from services.config import Settings
 from services.data import Problem, check_alphabet, load_problems, render_prompt, shared_problems
 from services.errors import ExitCode, Unavailable
-from services.http import BackgroundServer, create_app, server_options
+from services.http import BackgroundServer, callers, create_app, server_options
 from services.keys import load_signer
 from services.messages import PromptTask, SamplingParams
 from services.models import TINY_NAME, model_dir
@@ -198,7 +198,7 @@ class LearnerService:
     def create_app(self):
         app = create_app(
             "learner",
-            token=self.settings.token.get_secret_value(),
+            token=callers(self.settings, weights_readers=True),  # the operator, and generators to the weights only
             ready=lambda: (self.ready, self.ready_reason),
             max_body_bytes=int(self.settings.max_body_mb * 1024 * 1024),
             docs=self.settings.http_docs,

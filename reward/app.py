@@ -19,7 +19,7 @@ from starlette.concurrency import run_in_threadpool
 from reward.sandbox import VerifierUnavailable
 from reward.scoring import ScoreItem, Scorer
 from services.config import Settings
-from services.http import create_app
+from services.http import callers, create_app
 from services.messages import Score
 
 MAX_RESPONSE_CHARS = 1_000_000  # ~250k tokens: longer than any L_max in the presets
@@ -83,7 +83,7 @@ def create_reward_app(
 
     app = create_app(
         "reward",
-        token=settings.token.get_secret_value(),
+        token=callers(settings),
         ready=ready or default_ready,
         max_body_bytes=int(settings.max_body_mb * 1024 * 1024),
         docs=settings.http_docs,

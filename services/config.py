@@ -621,7 +621,16 @@ class Settings(BaseSettings):
     run_dir: str = Field("runs/default", description="Run folder: metrics.jsonl, checkpoints, weights, plots.")
     token: SecretStr = Field(
         SecretStr(DEFAULT_TOKEN),
-        description="Shared bearer token of every HTTP endpoint but /healthz, /readyz and /metrics.",
+        description="The operator's bearer token: it opens every HTTP endpoint but /healthz, /readyz and /metrics.",
+    )
+    token_sha256: str | None = Field(
+        None, pattern=r"^[0-9a-f]{64}$", description="sha256 (hex) of the operator's token: a service given it instead "
+        "of `token` checks callers without holding the token (`dapo run` gives generators and reward workers this, so "
+        "none can call another service)."
+    )
+    weights_token: SecretStr | None = Field(
+        None, description="A token that opens only the learner's weights (GET /v1/weights/...): what generators send "
+        "to pull; unset = `token`. `dapo run` makes one per run, so a generator holds no token to any other endpoint."
     )
     max_body_mb: float = Field(64.0, description="Largest accepted HTTP request body.")
     http_max_connections: int = Field(
@@ -658,10 +667,12 @@ class Settings(BaseSettings):
     weights: WeightsConfig = WeightsConfig()
     cpus: CpusConfig = CpusConfig()
 
-    @field_validator("token")
+    @field_validator("token", "weights_token")
     @classmethod
-    def _token_fits_a_header(cls, token: SecretStr) -> SecretStr:
+    def _token_fits_a_header(cls, token: SecretStr | None) -> SecretStr | None:
         # It travels as `Authorization: Bearer <token>`: httpx cannot send anything but ASCII there.
+        if token is None:
+            return token
         value = token.get_secret_value()
         if not value or not all("!" <= c <= "~" for c in value):
             raise ValueError("the token must be printable ASCII, without spaces, and not empty (it is sent in an "

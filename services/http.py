@@ -16,6 +16,7 @@ With `http_tls_certfile` (and its key) every service serves HTTPS (`server_optio
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import ipaddress
 import logging
@@ -23,6 +24,7 @@ import socket
 import ssl
 import threading
 import time
+from dataclasses import dataclass
 from typing import Callable
 
 import anyio
@@ -75,28 +77,62 @@ def check_token(token: str, host: str) -> None:
         )
 
 
-def token_refusal(authorization: bytes | None, token: str) -> tuple[int, str] | None:
-    """Why an `Authorization` header value does not carry `Bearer <token>`: (401, reason) without a bearer token,
-    (403, reason) with a wrong one; None when it does (constant-time comparison)."""
+@dataclass(frozen=True)
+class Caller:
+    """A token a service accepts, known by its sha256 (the service need not hold the token itself), and the path
+    prefix it opens to GET requests; `opens` None: every path and method (the operator)."""
+
+    digest: bytes
+    opens: str | None = None
+
+    @classmethod
+    def of(cls, token: str, opens: str | None = None) -> "Caller":
+        return cls(hashlib.sha256(token.encode()).digest(), opens)
+
+
+WEIGHTS_PATHS = "/v1/weights/"  # what `weights_token` opens on the learner
+
+
+def callers(settings: Settings, weights_readers: bool = False) -> tuple[Caller, ...]:
+    """Whom a service admits: the operator (by `token_sha256` where the service was given only that, else by
+    `token`) and, on the learner (`weights_readers`), the holders of `weights_token`, to the weights only."""
+    operator = (Caller(bytes.fromhex(settings.token_sha256)) if settings.token_sha256
+                else Caller.of(settings.token.get_secret_value()))
+    if weights_readers and settings.weights_token is not None:
+        return operator, Caller.of(settings.weights_token.get_secret_value(), WEIGHTS_PATHS)
+    return (operator,)
+
+
+def token_refusal(authorization: bytes | None, admitted: str | tuple[Caller, ...], method: str = "GET",
+                  path: str = "/") -> tuple[int, str] | None:
+    """Why an `Authorization` header value does not admit `method path`: (401, reason) without a bearer token,
+    (403, reason) with a token no caller holds or one that does not open the path; None when it does (the token
+    given as is, or the `Caller`s; constant-time comparisons of sha256 digests)."""
     scheme, _, credentials = (authorization or b"").partition(b" ")
     if scheme.lower() != b"bearer" or not credentials.strip():
         return 401, "missing bearer token"
-    if not hmac.compare_digest(credentials.strip(), token.encode()):
+    callers_ = (Caller.of(admitted),) if isinstance(admitted, str) else admitted
+    digest = hashlib.sha256(credentials.strip()).digest()
+    matches = [caller for caller in callers_ if hmac.compare_digest(digest, caller.digest)]
+    if not matches:
         return 403, "wrong bearer token"
-    return None
+    if any(c.opens is None or (method in ("GET", "HEAD") and path.startswith(c.opens)) for c in matches):
+        return None
+    return 403, f"this token opens only GET {matches[0].opens}..."
 
 
 class BearerGate:
-    """ASGI middleware: every HTTP request to a path outside `open_paths` needs the bearer token, checked on the
-    headers before the application (or anything that reads the body) sees the request."""
+    """ASGI middleware: every HTTP request to a path outside `open_paths` needs a token the service admits
+    (`callers`), checked on the headers before the application (or anything that reads the body) sees the
+    request."""
 
-    def __init__(self, app: ASGIApp, token: str, open_paths: frozenset[str]):
+    def __init__(self, app: ASGIApp, token: str | tuple[Caller, ...], open_paths: frozenset[str]):
         self.app, self.token, self.open_paths = app, token, open_paths
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"] not in self.open_paths:
             authorization = next((v for k, v in scope["headers"] if k == b"authorization"), None)
-            refusal = token_refusal(authorization, self.token)
+            refusal = token_refusal(authorization, self.token, scope["method"], scope["path"])
             if refusal is not None:
                 status, reason = refusal
                 headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
@@ -108,13 +144,14 @@ class BearerGate:
 def create_app(
     name: str,
     *,
-    token: str,
+    token: str | tuple[Caller, ...],
     ready: Callable[[], tuple[bool, str]] = lambda: (True, "ready"),
     max_body_bytes: int = 64 * 1024 * 1024,
     docs: bool = False,
 ) -> FastAPI:
-    """A FastAPI app with /healthz, /readyz and /metrics, JSON error bodies, a request body limit, and the bearer
-    token required on every other path (`BearerGate`); `/docs` and `/openapi.json` only with `docs`.
+    """A FastAPI app with /healthz, /readyz and /metrics, JSON error bodies, a request body limit, and a bearer
+    token required on every other path (`BearerGate`: the token, or the `callers` it admits); `/docs` and
+    `/openapi.json` only with `docs`.
 
     `ready()` returns (is_ready, reason); /readyz answers 503 with the reason until it is ready.
     """

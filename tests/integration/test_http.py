@@ -4,6 +4,7 @@ off, probes that never wait for busy handlers, the connection limit."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import socket
 import threading
 import time
@@ -14,7 +15,8 @@ import pytest
 from fastapi.testclient import TestClient
 from pydantic import BaseModel
 
-from services.http import create_app, guarded_protocol, token_refusal
+from services.config import DEFAULT_TOKEN, load_settings
+from services.http import callers, create_app, guarded_protocol, token_refusal
 from tests.servers import ServerThread
 
 AUTH = {"Authorization": "Bearer tok"}
@@ -76,6 +78,31 @@ def test_token_refusal_reads_the_header_alone():
     assert token_refusal(b"bearer tok", "tok") is None  # the scheme is case-insensitive (RFC 7235)
     assert token_refusal(b"Bearer tok2", "tok") == (403, "wrong bearer token")
     assert token_refusal(b"Bearer \xff", "tok") == (403, "wrong bearer token")
+
+
+def test_a_token_per_audience_opens_only_what_its_holder_needs():
+    """The learner admits the operator's token everywhere and the weights token to GET /v1/weights/... only; a
+    service given only the operator token's sha256 (generators, reward workers under `dapo run`) admits the operator
+    without holding the token."""
+    settings = load_settings("tiny-cpu", token="operator-token-0123456789abcdef", weights_token="w" * 32)
+    learner = callers(settings, weights_readers=True)
+    operator, weights = b"Bearer operator-token-0123456789abcdef", b"Bearer " + b"w" * 32
+    for method, path in (("GET", "/v1/status"), ("POST", "/v1/weights/sync"), ("GET", "/v1/weights/latest")):
+        assert token_refusal(operator, learner, method, path) is None
+    assert token_refusal(weights, learner, "GET", "/v1/weights/latest") is None
+    assert token_refusal(weights, learner, "GET", "/v1/weights/3/model.safetensors") is None
+    for method, path in (("GET", "/v1/status"), ("POST", "/v1/weights/latest"), ("GET", "/v1/score")):
+        assert token_refusal(weights, learner, method, path) == (403, "this token opens only GET /v1/weights/..."), path
+    assert token_refusal(weights, callers(settings), "GET", "/v1/weights/latest") == (403, "wrong bearer token")
+    digest_only = load_settings("tiny-cpu", token_sha256=hashlib.sha256(b"operator-token-0123456789abcdef").hexdigest())
+    worker = callers(digest_only)
+    assert digest_only.token.get_secret_value() == DEFAULT_TOKEN  # the worker holds no operator token
+    assert token_refusal(operator, worker, "POST", "/v1/score") is None
+    assert token_refusal(f"Bearer {DEFAULT_TOKEN}".encode(), worker, "POST", "/v1/score") == (403, "wrong bearer token")
+    assert token_refusal(weights, worker, "POST", "/v1/score") == (403, "wrong bearer token")
+    client = TestClient(create_app("learner", token=learner))  # through the gate, on the headers
+    assert client.get("/v1/anything", headers={"Authorization": weights.decode()}).status_code == 403
+    assert client.get("/v1/anything", headers={"Authorization": operator.decode()}).status_code == 404
 
 
 def test_docs_only_when_asked_for():

@@ -4,6 +4,7 @@ secret, and every dump of the settings (config.yaml, the trackers' hyperparamete
 
 from __future__ import annotations
 
+import hashlib
 import json
 import stat
 from pathlib import Path
@@ -11,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from cli.launcher import service_children, write_launch_config
+from cli.launcher import TOKEN_VARIABLES, service_children, write_launch_config
 from cli.main import main as dapo
 from learner.records import Records
 from learner.tracking import flat_config
@@ -103,17 +104,38 @@ def test_no_dump_of_the_settings_shows_a_secret(tmp_path):
 
 def test_launch_config_has_no_secret_and_children_get_them_in_their_environment(tmp_path, monkeypatch):
     settings = secret_settings(tmp_path)
+    settings.weights_token = "weights-token-" + "9" * 20  # as `dapo run` makes one
     path = write_launch_config(settings, tmp_path)
     assert mode_of(path) == 0o600
     launch = yaml.safe_load(path.read_text())
+    assert "weights-token-" not in path.read_text() and "weights_token" not in launch
     assert "token" not in launch and {"url", "password"}.isdisjoint(launch["redis"]) and not leaks(path.read_text())
     redis_url = settings.redis.url.get_secret_value()
     children = service_children(settings, path, dict.fromkeys(ROLES, redis_url), 1, 1, 8000)
-    environments = {(c.env["DAPO_TOKEN"], c.env["DAPO_REDIS__URL"], c.env["DAPO_REDIS__PASSWORD"]) for c in children}
-    assert environments == {(TOKEN, redis_url, PASSWORD)}
-    for name, value in zip(("DAPO_TOKEN", "DAPO_REDIS__URL", "DAPO_REDIS__PASSWORD"), environments.pop()):
-        monkeypatch.setenv(name, value)
+    environments = {(c.env["DAPO_REDIS__URL"], c.env["DAPO_REDIS__PASSWORD"]) for c in children}
+    assert environments == {(redis_url, PASSWORD)}
+    learner = next(c for c in children if c.name == "learner")
+    for name in ("DAPO_TOKEN", "DAPO_WEIGHTS_TOKEN", "DAPO_REDIS__URL", "DAPO_REDIS__PASSWORD"):
+        monkeypatch.setenv(name, learner.env[name])
     assert load_settings(path) == settings  # what a child reads: the file, then its environment
+
+
+def test_each_role_gets_the_tokens_of_its_audience_only(tmp_path, monkeypatch):
+    """The learner the operator's token and the weights token; generators the weights token (it opens only the
+    learner's weights) and the operator token's sha256; reward workers that sha256 alone. A token exported in the
+    launcher's shell reaches no worker."""
+    monkeypatch.setenv("DAPO_TOKEN", TOKEN)
+    monkeypatch.setenv("DAPO_WEIGHTS_TOKEN", "w" * 32)
+    settings = load_settings("tiny-cpu", run_dir=str(tmp_path))
+    children = service_children(settings, tmp_path / "c.yaml", dict.fromkeys(ROLES, "redis://r:6379/0"), 2, 1, 8000)
+    digest = hashlib.sha256(TOKEN.encode()).hexdigest()
+    expected = {"learner": {"DAPO_TOKEN": TOKEN, "DAPO_WEIGHTS_TOKEN": "w" * 32},
+                "generator": {"DAPO_TOKEN_SHA256": digest, "DAPO_WEIGHTS_TOKEN": "w" * 32},
+                "reward": {"DAPO_TOKEN_SHA256": digest}}
+    for child in children:
+        tokens = {k: v for k, v in child.env.items() if k in TOKEN_VARIABLES}
+        assert tokens == expected[child.name.split("-")[0]], child.name
+        assert TOKEN not in child.env.values() or child.name == "learner"
 
 
 def test_each_child_gets_its_own_roles_redis_url(tmp_path):

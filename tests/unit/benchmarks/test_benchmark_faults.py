@@ -98,7 +98,8 @@ def test_analyze_and_report_state_each_goal():
              Kill(1, "redis", "redis-server", 11, 200.0, 2, 3.0, back_up_s=1.5, next_step_s=8.0, rolled_back_to=2)]
     metrics = [{"step": 1, "step_seconds": 10.0, "duplicates": 1, "lost": 0},
                {"step": 2, "step_seconds": 20.0, "duplicates": 0, "lost": 2}]
-    acl = [AclAttempt("generator", "FLUSHALL", refused=True), AclAttempt("generator", "XADD scored", refused=False)]
+    acl = [AclAttempt("generator", "FLUSHALL", refused=True), AclAttempt("generator", "XADD scored", refused=False),
+           AclAttempt("generator", "POST /v1/score with DAPO_WEIGHTS_TOKEN", refused=True, kind="http")]
     a = analyze(final, final + [row(2, ["z"])], metrics, dead, injections, kills, acl)
     assert a["forged_trained"] == 1 and a["forged_injected"] == 1
     assert a["injections"]["token id"]["dead_as_expected"] == 1 and a["injections"]["signed, unknown id"][
@@ -113,6 +114,7 @@ def test_analyze_and_report_state_each_goal():
     assert "| the run finishes by itself | exit 0 after 3.0 min | yes |" in text
     assert "| learner | 1 | 12.0 | 30.0 | 1 |" in text
     assert "| 0 Redis commands outside a role's ACL accepted | 1 of 2 (generator: XADD scored) | **no** |" in text
+    assert "| 0 HTTP calls outside a generator's audience accepted | 0 of 1 | yes |" in text
 
 
 def test_a_spilled_payload_is_read_back_and_matched(tmp_path):
