@@ -21,9 +21,9 @@ Children die with the launcher: each gets SIGTERM when it dies, even by SIGKILL 
 the embedded redis-server holds a lock on its data folder that a second server is refused (naming the holder).
 Secrets: without a configured token the run makes a random one, and a weights token (`weights_token`) too. Each
 child gets in its environment what its role needs, and `launch-config.yaml` (the settings they read) is written
-without secrets, mode 0600: the learner the operator's token and the weights token, generators the weights token
-(it opens only the learner's weights) and the operator token's sha256 (to admit the operator), reward workers only
-that sha256; so no worker holds a token to another service (`/v1/score` included). The
+without secrets, mode 0600: every child the operator token's sha256 (to admit the operator; none holds the token),
+the learner and generators the weights token (it opens only the learner's weights); so no worker holds a token to
+another service (`/v1/score` included). The
 embedded server has a Redis user per role with a password made for this run: each child's URL is its role's user
 (services/redis_users.py). The run's role keys (services/keys.py) are made once under run_dir/keys.
 """
@@ -244,6 +244,7 @@ def _has_gpu() -> bool:
 
 
 TOKEN_VARIABLES = frozenset({"DAPO_TOKEN", "DAPO_TOKEN_SHA256", "DAPO_WEIGHTS_TOKEN"})  # set per role
+SET_PER_CHILD = TOKEN_VARIABLES | {"DAPO_REDIS__URL", "DAPO_REDIS__PASSWORD"}
 
 
 def service_children(settings: Settings, config_path: Path, redis_urls: Mapping[Role, str], generators: int,
@@ -252,20 +253,17 @@ def service_children(settings: Settings, config_path: Path, redis_urls: Mapping[
     """The service processes of a run, each on its CPUs with matching threads when `cpus` is given, each with its
     role's Redis URL (`redis_urls`: the role's own user in an embedded run) and no other role's."""
     run_dir = Path(settings.run_dir)
-    operator = settings.token.get_secret_value()
-    # A token per audience: the learner admits the operator's token everywhere and the weights token to the weights
-    # only; generators hold the weights token to pull and know the operator's only by its sha256 (to admit it);
-    # reward workers know only that sha256. So no worker holds a token that opens another service.
-    tokens = {
-        "learner": {"DAPO_TOKEN": operator},
-        "generator": {"DAPO_TOKEN_SHA256": hashlib.sha256(operator.encode()).hexdigest()},
-        "reward": {"DAPO_TOKEN_SHA256": hashlib.sha256(operator.encode()).hexdigest()},
-    }
+    # A token per audience: every service knows the operator's token by its sha256 alone (it admits the operator,
+    # it sends that token nowhere); the learner admits the weights token to the weights only, and generators hold
+    # it to pull. So no child holds a token that opens another service, and none holds the operator's.
+    operator = (settings.token_sha256.get_secret_value() if settings.token_sha256
+                else hashlib.sha256(settings.token.get_secret_value().encode()).hexdigest())
+    tokens = {role: {"DAPO_TOKEN_SHA256": operator} for role in ROLES}
     if settings.weights_token is not None:
         for role in ("learner", "generator"):
             tokens[role]["DAPO_WEIGHTS_TOKEN"] = settings.weights_token.get_secret_value()
-    base_env = {
-        **{k: v for k, v in os.environ.items() if k != EXIT_FILE_ENV and k not in TOKEN_VARIABLES},  # `dapo run`'s
+    base_env = {  # (pydantic-settings reads DAPO_ variables in any case: none set per child comes from the shell)
+        **{k: v for k, v in os.environ.items() if k != EXIT_FILE_ENV and k.upper() not in SET_PER_CHILD},
         # The secrets: not in the config file (dump_settings without_secrets).
         **({"DAPO_REDIS__PASSWORD": settings.redis.password.get_secret_value()} if settings.redis.password else {}),
         # Every service needs it: the learner serves there, generators send their token nowhere else.
@@ -460,7 +458,7 @@ def main(settings: Settings, generators: int = 1, reward_workers: int = 1, learn
         redis_server.run = settings.redis.run  # their keys: this run's only
         redis_server.die_with_parent = True  # a killed launcher leaves no server on the run's data
         redis_url = redis_server.start().url
-    if settings.token.get_secret_value() == DEFAULT_TOKEN:
+    if settings.token.get_secret_value() == DEFAULT_TOKEN and settings.token_sha256 is None:
         settings.token = secrets.token_urlsafe(32)  # this run's own: no process or file carries the placeholder
     if settings.weights_token is None:
         settings.weights_token = secrets.token_urlsafe(32)  # what generators pull with: it opens nothing else

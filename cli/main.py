@@ -119,7 +119,7 @@ def settings_from_args(args: argparse.Namespace):
     """--config, then --set, then flags that name a field; a tracker that is not installed, or a service bound to
     a reachable address with the default token, fails here, before any service starts, with one line."""
     from learner.tracking import check_installed
-    from services.http import check_token
+    from services.http import check_tokens
 
     overrides = parse_overrides(args.set)
     if getattr(args, "report_to", None):
@@ -127,9 +127,8 @@ def settings_from_args(args: argparse.Namespace):
     settings = load_settings(getattr(args, "preset", None) or args.config, origin="--set", **overrides)
     if args.command in ("run", "learner"):
         check_installed(settings.learner.report_to)
-    if args.command in ("learner", "generator", "reward") and not settings.token_sha256:
-        # (given only the token's sha256, a service holds no token to judge: `dapo run` made the token)
-        check_token(settings.token.get_secret_value(), getattr(settings, args.command).host)
+    if args.command in ("learner", "generator", "reward"):
+        check_tokens(settings, getattr(settings, args.command).host)
     return settings
 
 

@@ -623,10 +623,9 @@ class Settings(BaseSettings):
         SecretStr(DEFAULT_TOKEN),
         description="The operator's bearer token: it opens every HTTP endpoint but /healthz, /readyz and /metrics.",
     )
-    token_sha256: str | None = Field(
-        None, pattern=r"^[0-9a-f]{64}$", description="sha256 (hex) of the operator's token: a service given it instead "
-        "of `token` checks callers without holding the token (`dapo run` gives generators and reward workers this, so "
-        "none can call another service)."
+    token_sha256: Secret[str] | None = Field(
+        None, description="sha256 (64 lower-case hex digits) of the operator's token: a service given it instead of "
+        "`token` admits the operator without holding the token (`dapo run` gives every service this, not the token)."
     )
     weights_token: SecretStr | None = Field(
         None, description="A token that opens only the learner's weights (GET /v1/weights/...): what generators send "
@@ -666,6 +665,13 @@ class Settings(BaseSettings):
     learner: LearnerConfig = LearnerConfig()
     weights: WeightsConfig = WeightsConfig()
     cpus: CpusConfig = CpusConfig()
+
+    @field_validator("token_sha256")
+    @classmethod
+    def _a_sha256(cls, digest: Secret[str] | None) -> Secret[str] | None:
+        if digest is not None and not re.fullmatch(r"[0-9a-f]{64}", digest.get_secret_value()):
+            raise ValueError("token_sha256 must be 64 lower-case hex digits: printf %s \"$TOKEN\" | sha256sum")
+        return digest
 
     @field_validator("token", "weights_token")
     @classmethod

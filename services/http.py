@@ -58,7 +58,7 @@ MIN_TOKEN_CHARS = 24  # and MIN_TOKEN_DISTINCT different characters: a random to
 MIN_TOKEN_DISTINCT = 8
 
 
-def check_token(token: str, host: str) -> None:
+def check_token(token: str, host: str, variable: str = "DAPO_TOKEN") -> None:
     """Refuse to serve on a reachable address with the presets' placeholder token (anyone could change state) or a
     weak one that a client on the network can guess (the token guards the weights and every endpoint that changes
     state; the wire's signatures use the role keys of services/keys.py, not the token)."""
@@ -66,15 +66,28 @@ def check_token(token: str, host: str) -> None:
         return
     if token == DEFAULT_TOKEN:
         raise ConfigError(
-            f"refusing to listen on {host} with the default token {DEFAULT_TOKEN!r}: set DAPO_TOKEN "
+            f"refusing to listen on {host} with the default token {DEFAULT_TOKEN!r}: set {variable} "
             "(or bind to 127.0.0.1)"
         )
     if len(token) < MIN_TOKEN_CHARS or len(set(token)) < MIN_TOKEN_DISTINCT:
         raise ConfigError(
             f"refusing to listen on {host} with a weak token ({len(token)} characters, {len(set(token))} different; "
-            f"at least {MIN_TOKEN_CHARS} and {MIN_TOKEN_DISTINCT}): set DAPO_TOKEN to e.g. $(openssl rand -hex 32) "
+            f"at least {MIN_TOKEN_CHARS} and {MIN_TOKEN_DISTINCT}): set {variable} to e.g. $(openssl rand -hex 32) "
             "(or bind to 127.0.0.1)"
         )
+
+
+def check_tokens(settings: Settings, host: str) -> None:
+    """`check_token` on every token a service admits: the operator's (given as its sha256 alone, only the
+    placeholder's digest can be refused) and the weights token."""
+    if settings.token_sha256 is None:
+        check_token(settings.token.get_secret_value(), host)
+    elif not is_loopback(host) and hmac.compare_digest(settings.token_sha256.get_secret_value(),
+                                                        hashlib.sha256(DEFAULT_TOKEN.encode()).hexdigest()):
+        raise ConfigError(f"refusing to listen on {host} with the default token {DEFAULT_TOKEN!r} (its sha256 in "
+                          "DAPO_TOKEN_SHA256)")
+    if settings.weights_token is not None:
+        check_token(settings.weights_token.get_secret_value(), host, "DAPO_WEIGHTS_TOKEN")
 
 
 @dataclass(frozen=True)
@@ -96,7 +109,7 @@ WEIGHTS_PATHS = "/v1/weights/"  # what `weights_token` opens on the learner
 def callers(settings: Settings, weights_readers: bool = False) -> tuple[Caller, ...]:
     """Whom a service admits: the operator (by `token_sha256` where the service was given only that, else by
     `token`) and, on the learner (`weights_readers`), the holders of `weights_token`, to the weights only."""
-    operator = (Caller(bytes.fromhex(settings.token_sha256)) if settings.token_sha256
+    operator = (Caller(bytes.fromhex(settings.token_sha256.get_secret_value())) if settings.token_sha256
                 else Caller.of(settings.token.get_secret_value()))
     if weights_readers and settings.weights_token is not None:
         return operator, Caller.of(settings.weights_token.get_secret_value(), WEIGHTS_PATHS)

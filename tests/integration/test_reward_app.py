@@ -46,6 +46,20 @@ def test_scoring_takes_the_token(app):
         assert anonymous.get("/openapi.json").status_code == 200  # asked for (http_docs): open, for /docs to read
 
 
+def test_a_reward_worker_given_only_the_tokens_sha256_admits_the_operator_and_no_weights_token():
+    """As `dapo run` starts it: no token held, the operator's admitted by its digest, a generator's weights token
+    refused."""
+    import hashlib
+
+    cfg = load_settings("tiny-cpu", token_sha256=hashlib.sha256(TOKEN.encode()).hexdigest(), weights_token="w" * 32)
+    with VerifierPool(workers=1, timeout_s=2.0, memory_mb=cfg.reward.memory_mb) as pool:
+        with TestClient(create_reward_app(cfg, Scorer(pool, cfg.reward))) as worker:
+            body = [{"response": "Answer: 1", "ground_truth": "1"}]
+            assert worker.post("/v1/score", json=body, headers=AUTH).json()[0]["correct"] is True
+            weights = {"Authorization": "Bearer " + "w" * 32}
+            assert worker.post("/v1/score", json=body, headers=weights).status_code == 403
+
+
 def test_pool_share_bounds_the_verifications_in_the_pool():
     """However many requests run at once, at most `places` of their items are in the pool."""
 

@@ -18,7 +18,7 @@ from learner.records import Records
 from learner.tracking import flat_config
 from services.config import DEFAULT_TOKEN, ConfigError, dump_settings, load_settings, secret_fields
 from services.files import write_atomic
-from services.http import MIN_TOKEN_CHARS, check_token, is_loopback
+from services.http import MIN_TOKEN_CHARS, check_token, check_tokens, is_loopback
 from services.keys import ROLES
 
 
@@ -115,9 +115,11 @@ def test_launch_config_has_no_secret_and_children_get_them_in_their_environment(
     environments = {(c.env["DAPO_REDIS__URL"], c.env["DAPO_REDIS__PASSWORD"]) for c in children}
     assert environments == {(redis_url, PASSWORD)}
     learner = next(c for c in children if c.name == "learner")
-    for name in ("DAPO_TOKEN", "DAPO_WEIGHTS_TOKEN", "DAPO_REDIS__URL", "DAPO_REDIS__PASSWORD"):
+    for name in ("DAPO_TOKEN_SHA256", "DAPO_WEIGHTS_TOKEN", "DAPO_REDIS__URL", "DAPO_REDIS__PASSWORD"):
         monkeypatch.setenv(name, learner.env[name])
-    assert load_settings(path) == settings  # what a child reads: the file, then its environment
+    read = load_settings(path)  # what a child reads: the file, then its environment (the token by its sha256)
+    assert read.token_sha256.get_secret_value() == hashlib.sha256(TOKEN.encode()).hexdigest()
+    assert read.model_copy(update={"token": settings.token, "token_sha256": None}) == settings
 
 
 def test_each_role_gets_the_tokens_of_its_audience_only(tmp_path, monkeypatch):
@@ -127,15 +129,37 @@ def test_each_role_gets_the_tokens_of_its_audience_only(tmp_path, monkeypatch):
     monkeypatch.setenv("DAPO_TOKEN", TOKEN)
     monkeypatch.setenv("DAPO_WEIGHTS_TOKEN", "w" * 32)
     settings = load_settings("tiny-cpu", run_dir=str(tmp_path))
+    monkeypatch.setenv("dapo_token", TOKEN)  # pydantic-settings would read it too: in any case, none passes
+    monkeypatch.setenv("Dapo_Redis__Url", "redis://someone-else:6379/0")
     children = service_children(settings, tmp_path / "c.yaml", dict.fromkeys(ROLES, "redis://r:6379/0"), 2, 1, 8000)
     digest = hashlib.sha256(TOKEN.encode()).hexdigest()
-    expected = {"learner": {"DAPO_TOKEN": TOKEN, "DAPO_WEIGHTS_TOKEN": "w" * 32},
+    expected = {"learner": {"DAPO_TOKEN_SHA256": digest, "DAPO_WEIGHTS_TOKEN": "w" * 32},
                 "generator": {"DAPO_TOKEN_SHA256": digest, "DAPO_WEIGHTS_TOKEN": "w" * 32},
                 "reward": {"DAPO_TOKEN_SHA256": digest}}
     for child in children:
-        tokens = {k: v for k, v in child.env.items() if k in TOKEN_VARIABLES}
+        tokens = {k: v for k, v in child.env.items() if k.upper() in TOKEN_VARIABLES}
         assert tokens == expected[child.name.split("-")[0]], child.name
-        assert TOKEN not in child.env.values() or child.name == "learner"
+        assert TOKEN not in child.env.values() and "someone-else" not in str(child.env), child.name
+
+
+@pytest.mark.parametrize("variables, refusal", [
+    ({"DAPO_TOKEN_SHA256": "3b0b3b2f1b3d7e9ac2f4a6c0e1d2b3a4c5d6e7f8091a2b3c4d5e6f708192a3b4"}, None),
+    ({"DAPO_TOKEN_SHA256": "4ccd9e3c9f5fd3fb95e7d1a0b2c9d3f0e8a5b6c7d1e2f3a4b5c6d7e8f9a0b1c2"}, None),
+    ({"DAPO_TOKEN": "3f1c9a7be02d4c58a6e1f0b9d27c4e83", "DAPO_WEIGHTS_TOKEN": "w" * 30}, "weak token.*DAPO_WEIGHTS"),
+    ({"DAPO_TOKEN_SHA256": hashlib.sha256(b"change-me").hexdigest()}, "default token 'change-me' .its sha256"),
+])
+def test_every_token_a_service_admits_is_checked_on_a_reachable_address(monkeypatch, variables, refusal):
+    for name, value in variables.items():
+        monkeypatch.setenv(name, value)
+    settings = load_settings("tiny-cpu")
+    if refusal is None:
+        check_tokens(settings, "0.0.0.0")  # given only a digest, the service holds no token to judge
+    else:
+        with pytest.raises(ConfigError, match=refusal):
+            check_tokens(settings, "0.0.0.0")
+    check_tokens(settings, "127.0.0.1")
+    with pytest.raises(ConfigError, match="64 lower-case hex digits"):
+        load_settings("tiny-cpu", token_sha256="ABC")
 
 
 def test_each_child_gets_its_own_roles_redis_url(tmp_path):
