@@ -53,6 +53,8 @@ CHILD_MAX_OPEN_FILES = 64  # RLIMIT_NOFILE: its pipes to the pool, and little el
 
 
 CLONE_NEWNET, CLONE_NEWUSER = 0x40000000, 0x10000000  # <sched.h>
+UNPRIVILEGED_ID = 65534  # `nobody`: what a verifier started as root runs as (it owns no file and no secret)
+CHILD_MAX_PROCESSES = 256  # RLIMIT_NPROC once it runs as `nobody`: the verifiers' processes and threads, all told
 
 
 def isolate_network() -> str:
@@ -75,12 +77,28 @@ def isolate_network() -> str:
     return "network namespace of its own" + ("" if os.geteuid() == 0 else " (in a user namespace)")
 
 
+def drop_privileges() -> str:
+    """Started as root, become `nobody` (no supplementary group, and a process limit that now counts the verifiers
+    alone): code a hostile response got to run can read no file the services own (the role keys, the run's
+    configuration, mode 0600) and fork no more than `CHILD_MAX_PROCESSES`. Not root: nothing to drop (a user's
+    RLIMIT_NPROC would count every process of the services that share that user, so none is set)."""
+    import resource
+
+    if os.geteuid() != 0:
+        return f"uid {os.geteuid()}, its service's"
+    os.setgroups([])
+    os.setgid(UNPRIVILEGED_ID)
+    os.setuid(UNPRIVILEGED_ID)  # real, effective and saved: no way back
+    resource.setrlimit(resource.RLIMIT_NPROC, (CHILD_MAX_PROCESSES, CHILD_MAX_PROCESSES))
+    return f"uid {UNPRIVILEGED_ID} (nobody)"
+
+
 def _start_child(memory_mb: int, ready) -> None:
     """Pebble initializer: a network namespace of its own (`isolate_network`, before any thread is started), the
-    memory, file size and open files limits, then the verifier's imports (a limit too small for them fails here,
-    at startup, not as failed items; pebble logs the reason and the child exits), then tell the parent its pid and
-    its network isolation. Not RLIMIT_NPROC: it counts every process and thread of the user, so under the user the
-    services share it would stop the verifier's own threads (docs/deploy.md, the verifier's sandbox)."""
+    memory and file size limits, then the verifier's imports (a limit too small for them fails here, at startup, not
+    as failed items; pebble logs the reason and the child exits), then, as root, the switch to `nobody`
+    (`drop_privileges`, after the imports: they read the interpreter's files as the service does), the open files
+    limit, and tell the parent its pid, its network isolation and its user."""
     import resource
 
     network = isolate_network()
@@ -88,8 +106,9 @@ def _start_child(memory_mb: int, ready) -> None:
     resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
     resource.setrlimit(resource.RLIMIT_FSIZE, (CHILD_MAX_FILE_BYTES, CHILD_MAX_FILE_BYTES))
     verify("Answer: $2\\sqrt{2}$", "\\sqrt{8}")
+    user = drop_privileges()
     resource.setrlimit(resource.RLIMIT_NOFILE, (CHILD_MAX_OPEN_FILES, CHILD_MAX_OPEN_FILES))  # after the imports
-    ready.put((os.getpid(), network))
+    ready.put((os.getpid(), network, user))
 
 
 def _verify_in_child(response: str, ground_truth: str, rule: str = "robust") -> Verdict:
@@ -140,6 +159,7 @@ class VerifierPool:
         self._ready = self._context.SimpleQueue()  # pids of children that finished _start_child
         self._ready_pids: set[int] = set()
         self.network = ""  # the children's network isolation, as the last one to start reported it
+        self.user = ""  # and the user they run as
         self._pending: set[Future] = set()
         self._lock = threading.Lock()
         self._closed = False
@@ -204,12 +224,12 @@ class VerifierPool:
         """Live children that have imported the verifier."""
         with self._lock:
             while not self._ready.empty():
-                pid, network = self._ready.get()
+                pid, network, user = self._ready.get()
                 self._ready_pids.add(pid)
-                if network != self.network:
+                if (network, user) != (self.network, self.user):
                     (log.info if network.startswith("network namespace") else log.warning)(
-                        "verifier processes: %s", network)
-                    self.network = network
+                        "verifier processes: %s, %s", network, user)
+                    self.network, self.user = network, user
             self._ready_pids &= set(self.worker_pids())
             return 0 if self.broken else len(self._ready_pids)
 

@@ -142,6 +142,26 @@ def test_every_child_has_a_network_namespace_of_its_own_with_no_interface_up(poo
         assert interfaces == ["lo"]
 
 
+def test_a_child_started_as_root_runs_as_nobody_with_a_process_limit(pool, tmp_path):
+    """Code a hostile response got to run reads no file the services own and forks no bomb: a verifier started as
+    root runs as uid/gid 65534 with no supplementary group and RLIMIT_NPROC; and still verifies."""
+    from reward.sandbox import CHILD_MAX_PROCESSES, UNPRIVILEGED_ID
+
+    if os.geteuid() != 0:
+        pytest.skip("the service does not run as root here: its verifiers keep its user")
+    assert pool.wait_ready(30) and pool.user == f"uid {UNPRIVILEGED_ID} (nobody)"
+    for pid in pool.worker_pids():
+        with open(f"/proc/{pid}/status") as f:
+            status = dict(row.split(":", 1) for row in f)
+        nobody = [str(UNPRIVILEGED_ID)] * 4  # real, effective, saved, file system
+        assert status["Uid"].split() == nobody and status["Gid"].split() == nobody
+        assert status["Groups"].strip() == ""
+        with open(f"/proc/{pid}/limits") as f:
+            rows = {row[:26].strip(): row[26:].split()[:2] for row in f}
+        assert [int(v) for v in rows["Max processes"]] == [CHILD_MAX_PROCESSES] * 2
+    assert pool.verify("Answer: 4", "4").correct  # the verifier still reads what it needs
+
+
 def test_a_memory_limit_too_small_to_verify_fails_items_fast_instead_of_hanging():
     # 40 MiB cannot hold sympy: children fail at startup, the pool says so, and items get `error` verdicts.
     with VerifierPool(workers=1, timeout_s=TIMEOUT_S, memory_mb=40) as small:
