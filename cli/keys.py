@@ -21,6 +21,7 @@ argument exits 2, as any other usage error of `dapo`.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import secrets
 import sys
@@ -58,8 +59,9 @@ def write_acl(root: Path, passwords: dict[str, str], run: str) -> None:
 
 def write_compose_secrets(root: Path, run: str = "default") -> Path:
     """DIR/compose/: every file secret of docker-compose.yml, made from the key folder (keys and Redis users first
-    where missing; the ACL written again for `run`, the passwords kept). The token: $DAPO_TOKEN, else the file's,
-    else a new one."""
+    where missing; the ACL written again for `run`, the passwords kept). The operator's token ($DAPO_TOKEN, else the
+    file's, else a new one: `dapo_token`, mounted into no container) and its sha256 (`dapo_token_sha256`, what the
+    services admit it by); the weights token ($DAPO_WEIGHTS_TOKEN, else the file's, else a new one)."""
     create_keys(root)
     passwords = {user: path.read_text().strip() for user in REDIS_USERS
                  if (path := root / "redis" / f"{user}.password").exists()}
@@ -68,9 +70,14 @@ def write_compose_secrets(root: Path, run: str = "default") -> Path:
     else:
         write_acl(root, passwords, run)
     folder = root / COMPOSE_DIR
-    token_file = folder / "dapo_token"
-    token = os.environ.get("DAPO_TOKEN") or (token_file.read_text().strip() if token_file.exists() else "")
-    values = {"dapo_token": token or secrets.token_hex(32), **compose_secrets(root)}
+    kept = {}
+    for name, variable in (("dapo_token", "DAPO_TOKEN"), ("dapo_weights_token", "DAPO_WEIGHTS_TOKEN")):
+        file = folder / name
+        kept[name] = (os.environ.get(variable) or (file.read_text().strip() if file.exists() else "")
+                      or secrets.token_hex(32))
+    # The services get the operator's token as its sha256 only, the learner and generators the weights token.
+    values = {**kept, "dapo_token_sha256": hashlib.sha256(kept["dapo_token"].encode()).hexdigest(),
+              **compose_secrets(root)}
     for name, value in values.items():
         write_secret(folder / name, value.rstrip("\n"))
         (folder / name).chmod(0o444)  # read by the service's own user through the bind mount (module docstring)

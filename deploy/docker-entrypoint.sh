@@ -1,6 +1,7 @@
 #!/bin/sh
 # Entry point of the dapo images: read the secrets from files (Docker/Compose secrets) where they are named
-# (DAPO_TOKEN_FILE -> DAPO_TOKEN, DAPO_REDIS_PASSWORD_FILE -> DAPO_REDIS__PASSWORD, DAPO_KEYS_PRIVATE_KEY_FILE ->
+# (DAPO_TOKEN_FILE -> DAPO_TOKEN, DAPO_TOKEN_SHA256_FILE -> DAPO_TOKEN_SHA256, DAPO_WEIGHTS_TOKEN_FILE ->
+# DAPO_WEIGHTS_TOKEN, DAPO_REDIS_PASSWORD_FILE -> DAPO_REDIS__PASSWORD, DAPO_KEYS_PRIVATE_KEY_FILE ->
 # DAPO_KEYS__PRIVATE_KEY), so they need not sit in
 # the container's environment as `docker inspect` shows it; then run the command.
 set -eu
@@ -17,6 +18,8 @@ read_secret() {  # $1: the variable to set, $2: the variable naming its file
     fi
 }
 read_secret DAPO_TOKEN DAPO_TOKEN_FILE
+read_secret DAPO_TOKEN_SHA256 DAPO_TOKEN_SHA256_FILE
+read_secret DAPO_WEIGHTS_TOKEN DAPO_WEIGHTS_TOKEN_FILE
 read_secret DAPO_REDIS__PASSWORD DAPO_REDIS_PASSWORD_FILE
 read_secret DAPO_KEYS__PRIVATE_KEY DAPO_KEYS_PRIVATE_KEY_FILE
 

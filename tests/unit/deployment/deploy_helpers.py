@@ -46,7 +46,8 @@ DEFAULT_PORTS = {name: getattr(Settings(), name).port for name in SERVICES}
 # DAPO_ variables that are not Settings fields: the preset (read by load_settings), the token file (read by
 # deploy/docker-entrypoint.sh, as the Redis password file), the stream consumer name (services/streams.py), the log
 # level (cli/main.py).
-NON_FIELD_DAPO_VARIABLES = {"DAPO_CONFIG", "DAPO_TOKEN_FILE", "DAPO_REDIS_PASSWORD_FILE", "DAPO_KEYS_PRIVATE_KEY_FILE",
+NON_FIELD_DAPO_VARIABLES = {"DAPO_CONFIG", "DAPO_TOKEN_FILE", "DAPO_TOKEN_SHA256_FILE", "DAPO_WEIGHTS_TOKEN_FILE",
+                            "DAPO_REDIS_PASSWORD_FILE", "DAPO_KEYS_PRIVATE_KEY_FILE",
                             "DAPO_WORKER_ID",
                             "DAPO_LOG_LEVEL", "DAPO_LOG_DIR", "DAPO_DATA_DIR"}
 

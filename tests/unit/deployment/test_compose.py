@@ -9,6 +9,7 @@ Shared paths, helpers and tool runners: deploy_helpers.py.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -102,7 +103,9 @@ def test_compose_redis_has_a_user_per_role_and_each_service_gets_only_its_own_se
     assert "[ -s /run/secrets/redis_acl ] ||" in redis_service["command"][-1]
     for name in SERVICES:
         service = compose["services"][name]
-        assert {s["source"] for s in service["secrets"]} == {"dapo_token", f"redis_{name}_password", f"{name}_key"}
+        weights = {"dapo_weights_token"} if name in ("learner", "generator") else set()
+        assert {s["source"] for s in service["secrets"]} == {"dapo_token_sha256", f"redis_{name}_password",
+                                                              f"{name}_key"} | weights
         env = service["environment"]
         assert env["DAPO_REDIS__USERNAME"] == name
         assert env["DAPO_REDIS_PASSWORD_FILE"] == f"/run/secrets/redis_{name}_password"
@@ -110,7 +113,7 @@ def test_compose_redis_has_a_user_per_role_and_each_service_gets_only_its_own_se
         assert "DAPO_REDIS__PASSWORD" not in env and "DAPO_KEYS__PRIVATE_KEY" not in env
         public = next(v for v in service["volumes"] if v["target"] == env["DAPO_KEYS__PUBLIC_DIR"])
         assert public["source"] == "/secrets/public" and public["read_only"]
-    assert {s["source"] for s in compose["services"]["bootstrap"]["secrets"]} == {"dapo_token"}
+    assert {s["source"] for s in compose["services"]["bootstrap"]["secrets"]} == {"dapo_token_sha256"}
 
 
 def test_compose_refuses_to_start_without_the_secrets_folder():
@@ -130,19 +133,35 @@ def test_compose_secrets_are_the_files_of_dapo_keys_compose(tmp_path):
     written = {path.name: path for path in folder.iterdir()}
     compose = _compose_resolved()
     assert {name: secret["file"] for name, secret in compose["secrets"].items()} == {
-        name: f"/secrets/{COMPOSE_DIR}/{name}" for name in written}
+        name: f"/secrets/{COMPOSE_DIR}/{name}" for name in written if name != "dapo_token"}  # the operator's own
     assert all(path.stat().st_mode & 0o777 == 0o444 and path.read_text().strip() for path in written.values())
     assert folder.stat().st_mode & 0o777 == 0o700
 
 
-def test_compose_token_is_a_secret_shared_by_every_dapo_service():
+def test_compose_gives_each_service_the_tokens_of_its_audience_only(tmp_path, monkeypatch):
+    """A token per audience, as `dapo run` hands them out: every service the operator token's sha256 (it admits the
+    operator, holds no token to another service), the learner and generators the weights token; the operator's
+    own token, which `dapo keys compose` keeps for the operator, is mounted into no container."""
+    from cli.keys import write_compose_secrets
+
     compose = _compose_resolved()
-    assert compose["secrets"]["dapo_token"]["file"] == "/secrets/compose/dapo_token"
+    assert compose["secrets"]["dapo_token_sha256"]["file"] == "/secrets/compose/dapo_token_sha256"
+    assert "dapo_token" not in compose["secrets"]
     for name in ("bootstrap",) + SERVICES:
         service = compose["services"][name]
-        assert "dapo_token" in {secret["source"] for secret in service["secrets"]}
-        assert service["environment"]["DAPO_TOKEN_FILE"] == "/run/secrets/dapo_token"
-        assert "DAPO_TOKEN" not in service["environment"], "the token belongs in the secret, not the environment"
+        sources = {secret["source"] for secret in service["secrets"]}
+        assert "dapo_token_sha256" in sources and "dapo_token" not in sources, name
+        assert service["environment"]["DAPO_TOKEN_SHA256_FILE"] == "/run/secrets/dapo_token_sha256"
+        assert ("dapo_weights_token" in sources) == (name in ("learner", "generator")), name
+        assert not {"DAPO_TOKEN", "DAPO_TOKEN_FILE", "DAPO_WEIGHTS_TOKEN"} & set(service["environment"]), name
+    monkeypatch.setenv("DAPO_TOKEN", "operator-token-" + "7" * 20)
+    monkeypatch.delenv("DAPO_WEIGHTS_TOKEN", raising=False)
+    folder = write_compose_secrets(tmp_path)
+    assert (folder / "dapo_token_sha256").read_text().strip() == hashlib.sha256(
+        b"operator-token-" + b"7" * 20).hexdigest()
+    weights = (folder / "dapo_weights_token").read_text().strip()
+    assert len(weights) == 64 and weights != (folder / "dapo_token").read_text().strip()
+    assert (write_compose_secrets(tmp_path) / "dapo_weights_token").read_text().strip() == weights  # kept
 
 
 @pytest.mark.parametrize("name", SERVICES)
