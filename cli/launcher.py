@@ -53,7 +53,7 @@ from cli.cores import CpuPlan, Placement, cpu_seconds_by_group
 from learner.checkpoint import Checkpoints
 from learner.lease import INSTANCE_ENV
 from learner.records import METRICS_FILE, read_rows
-from services.config import DEFAULT_TOKEN, Settings, dump_settings, without_password
+from services.config import DEFAULT_TOKEN, ConfigError, Settings, dump_settings, without_password
 from services.errors import ExitCode, Unavailable
 from services.files import write_atomic
 from services.http import free_port
@@ -440,6 +440,10 @@ def main(settings: Settings, generators: int = 1, reward_workers: int = 1, learn
     from cli.bootstrap import ensure_model  # builds the tiny model when it is missing
     from cli.report import against_reference, write_report
 
+    degree = settings.learner.compute.sequence_parallel
+    if learner_procs % degree:  # before anything starts: a learner would fail at every restart
+        raise ConfigError(f"learner.compute.sequence_parallel {degree} must divide the learner's processes "
+                          f"(--learner-procs {learner_procs})")
     run_dir = Path(settings.run_dir).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     run_lock = lock_run_folder(run_dir)  # noqa: F841  (held while this function runs)

@@ -775,6 +775,12 @@ def settings_conflicts(settings: Settings) -> list[str]:
         conflicts.append(f"reward.overlong_buffer {settings.reward.overlong_buffer} is not below sampling.max_tokens "
                          f"{settings.sampling.max_tokens}: the soft overlong punishment (Eq. 13) would start at the "
                          "first token")
+    if settings.learner.compute.sequence_parallel > 1 and settings.learner.compute.packing == "off":
+        conflicts.append(f"learner.compute.sequence_parallel {settings.learner.compute.sequence_parallel} splits "
+                         "packed micro-batches: learner.compute.packing off leaves none (set on, or auto on GPUs)")
+    if settings.weights_token is not None and settings.weights_token == settings.token:
+        conflicts.append("weights_token equals token: generators would hold the operator's token, which opens every "
+                         "endpoint (leave weights_token unset, or make it another one)")
     batch, loss = settings.learner.batch, settings.learner.loss
     if batch.max_staleness > 0 and loss.tis_cap is None and not batch.uncorrected_staleness:
         conflicts.append(f"learner.batch.max_staleness {batch.max_staleness} trains groups sampled by an older "

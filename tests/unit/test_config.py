@@ -174,6 +174,8 @@ def test_a_token_that_cannot_travel_in_an_http_header_is_refused(token, monkeypa
     ({"eval_sampling": {"max_tokens": 300}}, "eval_sampling.max_tokens 300 leaves no room"),
     ({"sampling": {"n": 1}}, "sampling.n 1 has none"),
     ({"reward": {"overlong_buffer": 64}}, "reward.overlong_buffer 64 is not below sampling.max_tokens 64"),
+    ({"learner": {"compute": {"sequence_parallel": 2, "packing": "off"}}}, "packing off leaves none"),
+    ({"token": "t" * 32, "weights_token": "t" * 32}, "weights_token equals token"),
 ])
 def test_settings_that_cannot_work_together_are_refused_when_loaded(overrides, conflict):
     with pytest.raises(ConfigError, match="cannot work together") as err:

@@ -67,3 +67,14 @@ def test_the_sample_level_loss_of_the_shares_adds_up_to_the_whole():
     assert torch.allclose(shares, whole)
     unaware = sum(dapo.aggregate_loss(losses, part, "sample", 3) for part in parts)
     assert not torch.allclose(unaware, whole)  # without the lengths each share would be a mean of its own
+
+
+def test_dapo_run_refuses_a_degree_that_does_not_divide_its_learner_processes(tmp_path):
+    """Before anything starts: a learner that cannot make its groups would fail at every restart."""
+    from cli.launcher import main
+    from services.config import ConfigError, load_settings
+
+    settings = load_settings("tiny-cpu", run_dir=str(tmp_path), learner={"compute": {"sequence_parallel": 2}})
+    with pytest.raises(ConfigError, match="sequence_parallel 2 must divide the learner's processes"):
+        main(settings, learner_procs=1, display=False)
+    assert not any(tmp_path.iterdir())  # nothing started, nothing written
