@@ -142,6 +142,7 @@ class LearnerService:
         self.overlap_publish = self.settings.weights.overlap_delivery and self.cfg.batch.max_staleness >= 1
         self.publishing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="publish")
         self.delivering: Future | None = None  # the delivery in the background, while it runs
+        self.announced = 0  # the newest version announced to the generators (set by `deliver`, in its thread)
         self.stopping = threading.Event()
         self.ready, self.ready_reason = False, "starting"
         self.step = 0
@@ -367,7 +368,11 @@ class LearnerService:
         if push.count <= 0:
             return
         version = self.policy.current
-        tasks = [self.make_task(self.train_problems.next(), "train", version) for _ in range(push.count)]
+        # A task asks for no version the generators have not been told of: while the current one is delivered in
+        # the background (max_staleness >= 1), the one before. Were this process killed before that delivery
+        # ended, a task asking for the current version would wait for one never announced.
+        ready = min(version, self.announced)
+        tasks = [self.make_task(self.train_problems.next(), "train", ready) for _ in range(push.count)]
         self.work.issue(tasks, version, data_cursor=self.train_problems.cursor())
         if push.refill:
             metrics.LEARNER_REFILLS.inc()
@@ -477,6 +482,7 @@ class LearnerService:
         started = time.perf_counter()
         round_ = self.broadcaster.broadcast(shareable_state_dict(weights), version) if self.broadcaster else None
         self.publisher.publish(weights, version)
+        self.announced = version
         metrics.LEARNER_VERSION.set(version)
         return {"delivered_version": version, "delivery_seconds": time.perf_counter() - started,
                 **(round_.figures() if round_ is not None else {})}

@@ -190,6 +190,25 @@ def test_a_resume_does_not_draw_again_the_problems_issued_after_the_checkpoint(s
     assert fresh.train_problems.next().id == issued[0]
 
 
+def test_a_task_asks_for_no_version_the_generators_were_not_told_of(settings):
+    """While version 5 is delivered in the background (weights.overlap_delivery), tasks ask for 4, the newest
+    announced: a learner killed before the delivery ended leaves no task waiting for a version never announced
+    (a resumed learner may not reach it before the run ends: such tasks held the pipeline for good)."""
+    service = LearnerService(settings)
+    service.connect()
+    service.train_problems = TrainProblems([Problem(id=str(i), problem=f"{i}+0=?", answer=str(i)) for i in range(9)],
+                                           seed=3)
+    service.prompt_builder = lambda problem: (problem.problem, [5, 6])
+    service.policy.current, service.announced = 5, 4
+    service.push_train(Push(count=2, refill=False))
+    assert {task.min_version for task in service.work.outbox} == {4}
+    service.work.flush_outbox()
+    service.announced = 5  # delivered: the next tasks ask for it
+    service.push_train(Push(count=1, refill=True))
+    assert [task.min_version for task in service.work.outbox] == [5]
+    service.work.flush_outbox()
+
+
 def reward_stream(service, settings):
     """The `scored` stream as a reward worker writes it (signed with the reward role's key)."""
     return Streams(service.redis, settings, signs_as=("reward",)).stream("scored", ScoredGroup)
