@@ -193,8 +193,9 @@ class PlainLoop:
 class StrongLoop(PlainLoop):
     """What a practitioner writes today (verl's FSDP actor, torchtitan's recipes): rows packed without padding
     (position ids restart; a varlen flash kernel on the rows' boundaries: flash-attn where installed, else PyTorch's
-    own), each decoder layer wrapped in torch's checkpoint wrapper (selective: torchtitan's op-level policy keeping
-    the matrix products and attention, wherever the preset checkpoints) and compiled (on a GPU), fused AdamW, and a
+    own), each decoder layer wrapped in torch's checkpoint wrapper (selective: torchtitan's kind of op-level policy,
+    the project's own `SELECTIVE_CONTEXT`, keeping the matrix products and attention, wherever the preset
+    checkpoints) and compiled (on a GPU), fused AdamW, and a
     chunked logprob: the head's logits for a chunk of response positions at a time, recomputed in backward, never
     `[tokens x vocab]` at once. Liger's fused kernels are not installed on the lent machine; the chunked head is the
     part they would replace. Same loss, optimizer settings, mini-batches and pi_old pass as `PlainLoop`."""
@@ -203,11 +204,9 @@ class StrongLoop(PlainLoop):
 
     def __init__(self, settings, model_path: Path, device):
         import importlib.util
-        from functools import partial
 
         import torch
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-        from torch.utils.checkpoint import create_selective_checkpoint_contexts
         from transformers import AutoModelForCausalLM
 
         from learner import activation_checkpointing, attention
@@ -227,11 +226,9 @@ class StrongLoop(PlainLoop):
                                                           attn_implementation=kernel).to(device)
         layers = self.model.model.layers
         for i, layer in enumerate(layers):
-            if cfg.compute.gradient_checkpointing == "selective":
-                policy = activation_checkpointing.saved_ops()
-                layer = checkpoint_wrapper(layer, context_fn=partial(
-                    create_selective_checkpoint_contexts, lambda ctx, op, *a, **k: _policy(op in policy)),
-                    preserve_rng_state=False)
+            if cfg.compute.gradient_checkpointing == "selective":  # the matrix products and attention kept
+                layer = checkpoint_wrapper(layer, context_fn=activation_checkpointing.SELECTIVE_CONTEXT,
+                                           preserve_rng_state=False)
             elif cfg.compute.gradient_checkpointing == "full":
                 layer = checkpoint_wrapper(layer, preserve_rng_state=False)
             layers[i] = torch.compile(layer, dynamic=True) if cuda else layer
@@ -286,12 +283,6 @@ class StrongLoop(PlainLoop):
         slots = torch.cat([torch.arange(n) for n in lengths]).to(self.device)
         mask[rows, slots] = 1.0
         return padded.index_put((rows, slots), logp), mask
-
-
-def _policy(keep: bool):
-    from torch.utils.checkpoint import CheckpointPolicy
-
-    return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def _chunk_logp(hidden, weight, targets):

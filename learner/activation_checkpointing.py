@@ -55,7 +55,8 @@ def _keep_products(ctx, op, *args, **kwargs) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE if op in saved_ops() else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-_SELECTIVE = functools.partial(create_selective_checkpoint_contexts, _keep_products)
+# The `context_fn` of a selectively checkpointed layer (benchmarks/gpu_trainer.py's strong baseline takes it too).
+SELECTIVE_CONTEXT = functools.partial(create_selective_checkpoint_contexts, _keep_products)
 
 
 def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
@@ -98,5 +99,5 @@ def run_layer(layer: torch.nn.Module, forward, checkpointing: Checkpointing, *ar
     there is no backward to save for."""
     if checkpointing == "off" or not torch.is_grad_enabled():
         return forward(layer, *args, **kwargs)
-    context = {"context_fn": _SELECTIVE} if checkpointing == "selective" else {}
+    context = {"context_fn": SELECTIVE_CONTEXT} if checkpointing == "selective" else {}
     return checkpoint(forward, layer, *args, use_reentrant=False, **context, **kwargs)
