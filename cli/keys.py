@@ -21,13 +21,12 @@ argument exits 2, as any other usage error of `dapo`.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import secrets
 import sys
 from pathlib import Path
 
-from services.config import Settings
+from services.config import Settings, digest_of_token
 from services.errors import ExitCode
 from services.keys import ROLES, KeysError, create_keys, keys_dir, private_key_file, retire, rotate, write_secret
 from services.redis_users import REDIS_USERS, acl_file
@@ -76,8 +75,7 @@ def write_compose_secrets(root: Path, run: str = "default") -> Path:
         kept[name] = (os.environ.get(variable) or (file.read_text().strip() if file.exists() else "")
                       or secrets.token_hex(32))
     # The services get the operator's token as its sha256 only, the learner and generators the weights token.
-    values = {**kept, "dapo_token_sha256": hashlib.sha256(kept["dapo_token"].encode()).hexdigest(),
-              **compose_secrets(root)}
+    values = {**kept, "dapo_token_sha256": digest_of_token(kept["dapo_token"]), **compose_secrets(root)}
     for name, value in values.items():
         write_secret(folder / name, value.rstrip("\n"))
         (folder / name).chmod(0o444)  # read by the service's own user through the bind mount (module docstring)

@@ -30,7 +30,6 @@ embedded server has a Redis user per role with a password made for this run: eac
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -53,7 +52,7 @@ from cli.cores import CpuPlan, Placement, cpu_seconds_by_group
 from learner.checkpoint import Checkpoints
 from learner.lease import INSTANCE_ENV
 from learner.records import METRICS_FILE, read_rows
-from services.config import DEFAULT_TOKEN, ConfigError, Settings, dump_settings, without_password
+from services.config import DEFAULT_TOKEN, ConfigError, Settings, digest_of_token, dump_settings, without_password
 from services.errors import ExitCode, Unavailable
 from services.files import write_atomic
 from services.http import free_port
@@ -257,7 +256,7 @@ def service_children(settings: Settings, config_path: Path, redis_urls: Mapping[
     # it sends that token nowhere); the learner admits the weights token to the weights only, and generators hold
     # it to pull. So no child holds a token that opens another service, and none holds the operator's.
     operator = (settings.token_sha256.get_secret_value() if settings.token_sha256
-                else hashlib.sha256(settings.token.get_secret_value().encode()).hexdigest())
+                else digest_of_token(settings.token.get_secret_value()))
     tokens = {role: {"DAPO_TOKEN_SHA256": operator} for role in ROLES}
     if settings.weights_token is not None:
         for role in ("learner", "generator"):

@@ -16,6 +16,7 @@ file, the environment variable or `--set`).
 from __future__ import annotations
 
 import copy
+import hashlib
 import logging
 import os
 import re
@@ -34,6 +35,11 @@ DEFAULT_PRESET = "tiny-cpu"
 log = logging.getLogger(__name__)
 
 DEFAULT_TOKEN = "change-me"  # the presets' placeholder: accepted on loopback only (services.http.check_token)
+
+
+def digest_of_token(token: str) -> str:
+    """A token as `token_sha256` names it (64 lower-case hex digits): how a service knows a token it does not hold."""
+    return hashlib.sha256(token.encode()).hexdigest()
 
 
 def without_password(url: str) -> str:

@@ -36,7 +36,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from services import metrics as _metrics  # noqa: F401  (registers every dapo_* metric)
-from services.config import DEFAULT_TOKEN, ConfigError, Settings
+from services.config import DEFAULT_TOKEN, ConfigError, Settings, digest_of_token
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +83,7 @@ def check_tokens(settings: Settings, host: str) -> None:
     if settings.token_sha256 is None:
         check_token(settings.token.get_secret_value(), host)
     elif not is_loopback(host) and hmac.compare_digest(settings.token_sha256.get_secret_value(),
-                                                        hashlib.sha256(DEFAULT_TOKEN.encode()).hexdigest()):
+                                                        digest_of_token(DEFAULT_TOKEN)):
         raise ConfigError(f"refusing to listen on {host} with the default token {DEFAULT_TOKEN!r} (its sha256 in "
                           "DAPO_TOKEN_SHA256)")
     if settings.weights_token is not None:
@@ -100,7 +100,7 @@ class Caller:
 
     @classmethod
     def of(cls, token: str, opens: str | None = None) -> "Caller":
-        return cls(hashlib.sha256(token.encode()).digest(), opens)
+        return cls(bytes.fromhex(digest_of_token(token)), opens)
 
 
 WEIGHTS_PATHS = "/v1/weights/"  # what `weights_token` opens on the learner
