@@ -307,8 +307,7 @@ def outside_audience(pid: int, urls: dict[str, str]) -> list[AclAttempt]:
     own route is tried too and must answer, so that the refusals are not those of a token that opens nothing."""
     import httpx
 
-    environ = Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace").split("\0")
-    env = dict(item.split("=", 1) for item in environ if "=" in item)
+    env = environment_of(pid)
     tokens = {name: env[name] for name in ("DAPO_TOKEN", "DAPO_WEIGHTS_TOKEN") if env.get(name)}
     other = next(name for name in urls if name.startswith("generator-") and name != env.get("DAPO_WORKER_ID"))
     reward = next(name for name in urls if name.startswith("reward-"))
@@ -348,14 +347,17 @@ def children_of(pid: int) -> dict[int, str]:
     return found
 
 
-def worker_id(pid: int) -> str | None:
+def environment_of(pid: int) -> dict[str, str]:
+    """A process's environment as it started (from /proc: what any process of its user can read); {} once gone."""
     try:
-        for item in (Path("/proc") / str(pid) / "environ").read_bytes().split(b"\0"):
-            if item.startswith(b"DAPO_WORKER_ID="):
-                return item.split(b"=", 1)[1].decode()
+        items = (Path("/proc") / str(pid) / "environ").read_bytes().decode(errors="replace").split("\0")
     except OSError:
-        return None
-    return None
+        return {}
+    return dict(item.split("=", 1) for item in items if "=" in item)
+
+
+def worker_id(pid: int) -> str | None:
+    return environment_of(pid).get("DAPO_WORKER_ID")
 
 
 def service_pids(launcher: int) -> dict[str, int]:
@@ -670,10 +672,11 @@ class Faults:
                   {**letter, b"sig": streams.dead_letter_signature(letter)}, task.task_id, real_task=True,
                   into="dead")
         self.acl_attempts += outside_acl(self.generator_client(), "generator", streams)
-        generators = sorted(name for name in service_pids(self.proc.pid) if name.startswith("generator-"))
+        pids = service_pids(self.proc.pid)
+        generators = sorted(name for name in pids if name.startswith("generator-"))
         if generators:  # (one being restarted after a kill is tried in the next wave)
             urls = json.loads((self.run_dir / "services.json").read_text())["http"]
-            self.acl_attempts += outside_audience(service_pids(self.proc.pid)[generators[0]], urls)
+            self.acl_attempts += outside_audience(pids[generators[0]], urls)
         print(f"[faults] wave {wave}: {len(self.injections)} bad messages written so far", flush=True)
 
     # -- the end ---------------------------------------------------------------------------------------------
