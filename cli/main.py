@@ -17,7 +17,7 @@ from importlib.metadata import version
 from services.config import ConfigError, load_settings
 from services.data import DataError
 from services.errors import ExitCode, Unavailable
-from services.startup import Stopped, raise_on_signals, record_exit
+from services.startup import Stopped, hide_from_same_user, raise_on_signals, record_exit
 
 TRACKERS = ("wandb", "tensorboard", "mlflow")  # learner.report_to (accelerate's tracker names)
 # command -> (module, function, help). Each function takes the loaded Settings.
@@ -31,6 +31,8 @@ COMMANDS = {
     "plan": ("learner.plan", "main", "whether a preset's learner step fits N GPUs, by running it on fake tensors "
                                      "(no GPU, no weights); its time and cost (learner/plan.py)"),
 }
+# The commands whose processes hold secrets for as long as a run lasts (`ranks` runs the learner's launcher).
+SERVICES = ("run", "learner", "generator", "reward", "ranks")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -141,6 +143,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def run_main(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command in SERVICES:
+        hide_from_same_user()  # its environment and memory hold secrets: no process of its user may read them
     if args.command == "ranks":  # no settings of its own: the learner it runs reads them
         from cli.ranks import run_ranks
 

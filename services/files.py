@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import errno
 import os
+import stat
 from pathlib import Path
+from typing import BinaryIO
 
 
 def write_atomic(path: Path, data: str | bytes, mode: int = 0o666) -> None:
@@ -47,3 +49,28 @@ def fsync_tree(root: Path) -> None:
                 os.fsync(handle.fileno())
     for folder in sorted(folders, key=lambda p: len(p.parts), reverse=True):
         fsync_dir(folder)
+
+
+class NotRegularFile(OSError):
+    """A path that should be a plain file of bounded size is something else (a FIFO, a device, a symlink's target is
+    not followed) or is larger: reading it could block for ever or exhaust memory."""
+
+
+def open_regular(path: Path, max_bytes: int) -> BinaryIO:
+    """Open `path` for reading only if it is a regular file (not a symlink, FIFO or device: O_NOFOLLOW, and
+    O_NONBLOCK so that opening a FIFO never waits for a writer) of at most `max_bytes`. For files another process
+    can write in a shared folder. Raises NotRegularFile, or OSError (ELOOP for a symlink, FileNotFoundError)."""
+    descriptor = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    handle = os.fdopen(descriptor, "rb")
+    info = os.fstat(descriptor)
+    if not stat.S_ISREG(info.st_mode) or info.st_size > max_bytes:
+        handle.close()
+        kind = "a regular file" if stat.S_ISREG(info.st_mode) else "not a regular file"
+        raise NotRegularFile(errno.EINVAL, f"{kind} of {info.st_size} bytes (at most {max_bytes} read)", str(path))
+    return handle
+
+
+def read_regular(path: Path, max_bytes: int) -> bytes:
+    """The bytes of `path`, read as `open_regular` allows (a file that grows meanwhile is read to `max_bytes`)."""
+    with open_regular(path, max_bytes) as handle:
+        return handle.read(max_bytes)

@@ -11,6 +11,7 @@ import contextlib
 import ctypes
 import fcntl
 import os
+import re
 import signal
 import sys
 import threading
@@ -23,7 +24,14 @@ from services.files import write_atomic
 # launch` torchrun reports any rank's failure as 1 (and a SIGTERMed run's as 1 too), so a learner fenced or
 # stopped at the refill limit would look like a crash and be restarted (cli/launcher.py reads the file).
 EXIT_FILE_ENV = "DAPO_EXIT_FILE"
-PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+PR_SET_PDEATHSIG, PR_SET_DUMPABLE = 1, 4  # <linux/prctl.h>
+
+# Names that say a credential whatever program set them (HF_TOKEN, WANDB_API_KEY, AWS_SECRET_ACCESS_KEY, PGPASSWORD,
+# SSH_AUTH_SOCK), as words between underscores (TOKENIZERS_PARALLELISM is not one) or anywhere for the unambiguous.
+CREDENTIAL_WORDS = frozenset({"TOKEN", "KEY", "APIKEY", "AUTH", "COOKIE", "PRIVATE", "PASS", "PASSPHRASE"})
+CREDENTIAL_PARTS = ("PASSWORD", "PASSWD", "SECRET", "CREDENTIAL")
+# A value holding a URL with a password in it (redis://user:pass@host, a proxy with credentials).
+URL_WITH_PASSWORD = re.compile(r"[a-z][a-z0-9+.-]*://[^/\s@:]*:[^/\s@]+@", re.IGNORECASE)
 
 
 def record_exit(code: int) -> None:
@@ -130,13 +138,31 @@ def take_lock(path: Path) -> IO[str]:
 
 
 def scrub_secret_environment() -> list[str]:
-    """Drop the variables that carry a secret (the token, Redis passwords and URLs, a private key) from this process's
-    environment once its settings hold them: the processes it starts from then on inherit none (the reward role's
-    verifier children run the code that parses what generators wrote). Returns the names dropped."""
+    """Drop the variables that carry a secret from this process's environment once its settings hold what it needs:
+    the project's own (the token, Redis passwords and URLs, a private key) and any other that looks like a credential
+    (`looks_secret`: HF_TOKEN, a cloud key, a URL with a password). The processes it starts from then on inherit none
+    (the reward role's verifier children run the code that parses what generators wrote). Returns the names dropped."""
     from services.config import secret_variables
 
     secret = secret_variables()
-    dropped = [name for name in os.environ if name.upper() in secret]
+    dropped = [name for name, value in os.environ.items() if name.upper() in secret or looks_secret(name, value)]
     for name in dropped:
         del os.environ[name]
     return dropped
+
+
+def looks_secret(name: str, value: str) -> bool:
+    """Whether an environment variable looks like a credential, by its name or by a password inside its value."""
+    upper = name.upper()
+    return (bool(CREDENTIAL_WORDS.intersection(upper.split("_"))) or any(part in upper for part in CREDENTIAL_PARTS)
+            or URL_WITH_PASSWORD.search(value) is not None)
+
+
+def hide_from_same_user() -> bool:
+    """Make this process non-dumpable (Linux's PR_SET_DUMPABLE 0): its /proc/PID/environ, mem, maps and fd become
+    root's, and no process of the same user may ptrace it. A sibling role of `dapo run`, or code a hostile response
+    got to run in a verifier, then cannot read the secrets this process was started with or holds in memory. Reset
+    by execve, so every service sets it for itself. Returns whether it is set (False off Linux)."""
+    if not sys.platform.startswith("linux"):
+        return False
+    return ctypes.CDLL(None, use_errno=True).prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) == 0

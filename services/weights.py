@@ -45,7 +45,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import BinaryIO, Callable, Iterator
 
 import httpx
 import torch
@@ -53,12 +53,14 @@ from fastapi import APIRouter, HTTPException
 from fastapi.responses import StreamingResponse
 
 from services.broadcast import parse_round
+from services.files import open_regular, read_regular
 from services.keys import Keyring, load_keyring, load_signer
 from services.messages import WeightsAnnouncement, WeightsBroadcast, WeightsFile, read_announcement
 from services.redis_local import retrying
 from services.streams import run_prefix
 from services.weights_layout import (
     ANNOUNCEMENT_FILE,
+    ANNOUNCEMENT_MAX_BYTES,
     CHUNK,
     PULLING_PREFIX,
     WRITING_PREFIX,
@@ -259,11 +261,12 @@ class WeightPublisher:
 
     def announcement(self, version: int) -> WeightsAnnouncement | None:
         """None for a version that is not on disk (never published, or pruned). Anything else that keeps it from
-        being read (a disk error, no file descriptor left, a garbled file) raises: a fault of this server, not a
-        version that is gone."""
+        being read (a disk error, no file descriptor left, a garbled file, something other than a regular file of
+        bounded size: generators may write in a shared folder) raises: a fault of this server, not a version that
+        is gone. Nothing here waits on a FIFO or follows a symlink (`open_regular`)."""
         path = self.dir / f"v{version}" / ANNOUNCEMENT_FILE
         try:
-            return WeightsAnnouncement.model_validate_json(path.read_text())
+            return WeightsAnnouncement.model_validate_json(read_regular(path, ANNOUNCEMENT_MAX_BYTES))
         except FileNotFoundError:
             return None
 
@@ -280,7 +283,7 @@ class WeightPublisher:
                 self._served[version] = time.monotonic()
             return announcement
 
-    def open_file(self, version: int, name: str) -> tuple[WeightsFile, "os.FileIO"] | None:
+    def open_file(self, version: int, name: str) -> tuple[WeightsFile, BinaryIO] | None:
         """An announced file of a version and an open handle on it (an open handle survives a concurrent prune).
         The version is held SERVING_HOLD_S, and while the download runs (`downloading`): its other files may be
         still to come."""
@@ -290,7 +293,7 @@ class WeightPublisher:
             if entry is None:
                 return None
             try:
-                handle = open(self.dir / f"v{version}" / name, "rb", buffering=0)
+                handle = open_regular(self.dir / f"v{version}" / name, entry.size)
             except FileNotFoundError:
                 return None
             self._served[version] = time.monotonic()

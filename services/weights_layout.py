@@ -20,7 +20,6 @@ import json
 import logging
 import os
 import shutil
-import stat
 import tempfile
 import time
 from pathlib import Path
@@ -28,7 +27,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save
 
-from services.files import fsync_dir, write_atomic
+from services.files import NotRegularFile, fsync_dir, open_regular, read_regular, write_atomic
 from services.keys import Signer
 from services.messages import WeightsAnnouncement, WeightsFile, sign_announcement
 
@@ -38,6 +37,10 @@ WRITING_PREFIX = ".v"  # `.v{version}-*`: a version the learner is writing (rena
 PULLING_PREFIX = ".pull-v"  # `.pull-v{version}-*`: a version a generator is downloading (the same)
 HOLDS_DIR = "holds"
 HOLD_MAX_BYTES = 4096  # a hold is a short JSON list: a larger file is not read
+# Files of a version read back from a folder generators may write to: an announcement lists a few dozen files, an
+# index one line per tensor (about 100 kB at 32B); anything larger is not what the learner wrote.
+ANNOUNCEMENT_MAX_BYTES = 1 << 20
+INDEX_MAX_BYTES = 16 << 20
 HOLD_MAX_VERSIONS = 4  # a generator holds what it serves and what it loads: more pin disk for nothing
 CHUNK = 4 << 20
 log = logging.getLogger(__name__)
@@ -118,7 +121,8 @@ def _same_files(folder: Path, announcement: WeightsAnnouncement) -> bool:
     """Whether `folder` already holds the announced files, intact (read back and hashed: a damaged copy is
     rewritten, not kept)."""
     try:
-        existing = WeightsAnnouncement.model_validate_json((folder / ANNOUNCEMENT_FILE).read_text())
+        existing = WeightsAnnouncement.model_validate_json(read_regular(folder / ANNOUNCEMENT_FILE,
+                                                                       ANNOUNCEMENT_MAX_BYTES))
     except (OSError, ValueError):
         return False
     return existing.sha256 == announcement.sha256 and not any(
@@ -132,17 +136,24 @@ def files_digest(files: list[WeightsFile]) -> str:
 
 
 def check_file(path: Path, expected: WeightsFile) -> str | None:
-    """None if `path` has the expected size and sha256, else what differs (hashing streams the file)."""
+    """None if `path` is a regular file with the expected size and sha256, else what differs (hashing streams the
+    file; a FIFO, a symlink or a larger file is refused unread: `open_regular`)."""
     try:
-        size = path.stat().st_size
-        if size != expected.size:
-            return f"{expected.name}: {size} bytes, announced {expected.size}"
-        digest = hashlib.sha256()
-        with open(path, "rb", buffering=0) as handle:
+        with open_regular(path, expected.size) as handle:
+            size = os.fstat(handle.fileno()).st_size
+            if size != expected.size:
+                return f"{expected.name}: {size} bytes, announced {expected.size}"
+            digest = hashlib.sha256()
             while chunk := handle.read(CHUNK):
                 digest.update(chunk)
     except FileNotFoundError:
         return f"{expected.name}: missing"
+    except NotRegularFile as err:
+        return f"{expected.name}: {err.strerror}"
+    except OSError as err:
+        if err.errno != errno.ELOOP:
+            raise
+        return f"{expected.name}: a symlink, not the file written"
     if digest.hexdigest() != expected.sha256:
         return (f"{expected.name}: sha256 {digest.hexdigest()[:16]}... does not match the announced "
                 f"{expected.sha256[:16]}...")
@@ -156,7 +167,7 @@ def shard_files(announcement: WeightsAnnouncement) -> list[WeightsFile]:
 def check_index(folder: Path, announcement: WeightsAnnouncement) -> str | None:
     """None if the index maps tensors to exactly the announced shards (vLLM loads only what it lists)."""
     try:
-        weight_map = json.loads((folder / INDEX_FILE).read_text())["weight_map"]
+        weight_map = json.loads(read_regular(folder / INDEX_FILE, INDEX_MAX_BYTES))["weight_map"]
     except (OSError, ValueError, KeyError, TypeError) as err:
         return f"{INDEX_FILE}: unreadable ({err})"
     if set(weight_map.values()) != {f.name for f in shard_files(announcement)}:
@@ -202,14 +213,13 @@ def held_versions(root: Path, hold_s: float) -> set[int]:
 
 
 def _read_hold(path: Path, now: float, hold_s: float) -> set[int]:
-    descriptor = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    with os.fdopen(descriptor, "rb") as handle:
-        info = os.fstat(handle.fileno())
-        if not stat.S_ISREG(info.st_mode) or info.st_size > HOLD_MAX_BYTES:
-            log.warning("weights: %s is not a hold (a regular file of at most %d bytes): ignored", path,
-                        HOLD_MAX_BYTES)
-            return set()
-        if now - info.st_mtime > hold_s:
+    try:
+        handle = open_regular(path, HOLD_MAX_BYTES)
+    except NotRegularFile:
+        log.warning("weights: %s is not a hold (a regular file of at most %d bytes): ignored", path, HOLD_MAX_BYTES)
+        return set()
+    with handle:
+        if now - os.fstat(handle.fileno()).st_mtime > hold_s:
             return set()
         versions = json.loads(handle.read(HOLD_MAX_BYTES + 1))
     if not isinstance(versions, list) or not all(isinstance(v, int) and v >= 0 for v in versions):

@@ -36,6 +36,8 @@ def test_dapo_reward_process(settings, short_tmp):
         "DAPO_REWARD__WORKERS": "1",
         "DAPO_RUN_DIR": os.path.join(short_tmp, "run"),
         "DAPO_WORKER_ID": "reward-proc",
+        "HF_TOKEN": "hf_not_for_verifiers",  # credentials of other programs in the operator's shell
+        "DATABASE_URL": "postgres://user:hunter2@db/x",
     }
     log_path = os.path.join(short_tmp, "reward.log")
     with open(log_path, "wb") as log:
@@ -76,7 +78,8 @@ def test_dapo_reward_process(settings, short_tmp):
         for pid in verifiers:
             with open(f"/proc/{pid}/environ", "rb") as environ:
                 names = {entry.split(b"=", 1)[0].decode() for entry in environ.read().split(b"\0") if entry}
-            assert not names & {"DAPO_REDIS__URL", "DAPO_TOKEN", "DAPO_KEYS__PRIVATE_KEY", "DAPO_REDIS__PASSWORD"}
+            assert not names & {"DAPO_REDIS__URL", "DAPO_TOKEN", "DAPO_KEYS__PRIVATE_KEY", "DAPO_REDIS__PASSWORD",
+                                "HF_TOKEN", "DATABASE_URL"}
             assert "DAPO_REDIS__RUN" in names  # what is not a secret stays
     finally:
         proc.send_signal(signal.SIGTERM)

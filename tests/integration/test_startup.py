@@ -166,3 +166,49 @@ def test_a_signal_during_a_deferred_block_lands_after_it():
         assert signal.getsignal(signal.SIGALRM) is raise_alarm  # the handler is back
     finally:
         signal.signal(signal.SIGALRM, previous)
+
+
+# A service started as a user (nobody when the test runs as root, which may read any process), holding a secret in
+# its environment, hidden (`hide_from_same_user`) or not.
+HOLDER = """
+import ctypes, os, sys
+sys.path.insert(0, {repo!r})
+from services.startup import PR_SET_DUMPABLE, hide_from_same_user
+if os.geteuid() == 0:
+    os.setgroups([]); os.setgid(65534); os.setuid(65534)
+    ctypes.CDLL(None).prctl(PR_SET_DUMPABLE, 1, 0, 0, 0)  # a uid change clears it: as if started as that user
+if sys.argv[1] == "hidden":
+    assert hide_from_same_user()
+print("ready", flush=True)
+sys.stdin.read()
+"""
+# Another process of the same user (a sibling role, code run in a verifier) reading the holder's environment.
+READER = """
+import os, sys
+if os.geteuid() == 0:
+    os.setgroups([]); os.setgid(65534); os.setuid(65534)
+try:
+    print(open(f"/proc/{sys.argv[1]}/environ", "rb").read().decode(errors="replace"))
+except PermissionError:
+    print("refused")
+"""
+
+
+@pytest.mark.parametrize("hidden", [False, True], ids=["as-started", "hidden"])
+def test_a_hidden_service_environment_is_unreadable_to_processes_of_its_own_user(hidden):
+    repo = str(Path(__file__).resolve().parents[2])
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER.format(repo=repo), "hidden" if hidden else "shown"],
+                              env={**os.environ, "DAPO_TOKEN": "s3cret-token-of-the-holder"},
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "ready"
+        read = subprocess.run([sys.executable, "-c", READER, str(holder.pid)], capture_output=True, text=True,
+                              timeout=30)
+        assert read.returncode == 0, read.stderr
+        if hidden:
+            assert read.stdout.strip() == "refused"
+        else:  # the same reader sees the secret of a process that did not hide: the test can fail
+            assert "s3cret-token-of-the-holder" in read.stdout
+    finally:
+        holder.kill()
+        holder.wait()

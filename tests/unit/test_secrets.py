@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import stat
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from services.config import DEFAULT_TOKEN, ConfigError, dump_settings, load_sett
 from services.files import write_atomic
 from services.http import MIN_TOKEN_CHARS, check_token, check_tokens, is_loopback
 from services.keys import ROLES
+from services.startup import scrub_secret_environment
 
 
 def mode_of(path: Path) -> int:
@@ -48,10 +50,27 @@ def test_a_weak_token_is_refused_on_a_reachable_address_only(token):
 
 
 def test_service_command_refuses_to_start_with_one_line(monkeypatch, capsys):
+    hidden = []
+    monkeypatch.setattr("cli.main.hide_from_same_user", lambda: hidden.append(True))  # not this test process
     monkeypatch.delenv("DAPO_TOKEN", raising=False)
     assert dapo(["reward", "--set", "reward.host=0.0.0.0"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("dapo: refusing to listen on 0.0.0.0") and "\n" not in err
+    assert hidden == [True]  # a service hides its /proc from its own user before it reads a secret
+
+
+def test_variables_that_look_like_credentials_are_scrubbed_whoever_set_them(monkeypatch):
+    secret = {"HF_TOKEN": "hf_x", "WANDB_API_KEY": "k", "AWS_SECRET_ACCESS_KEY": "k", "AWS_ACCESS_KEY_ID": "k",
+              "PGPASSWORD": "p", "GITHUB_TOKEN": "t", "SSH_AUTH_SOCK": "/tmp/agent", "DAPO_TOKEN_SHA256": "0" * 64,
+              "DATABASE_URL": "postgres://user:hunter2@db:5432/x", "HTTPS_PROXY": "http://me:pw@proxy:3128",
+              "dapo_redis__url": "redis://u:p@host:6379/0"}
+    kept = {"PATH": "/usr/bin", "PWD": "/work", "TOKENIZERS_PARALLELISM": "false", "DAPO_WORKER_ID": "reward-1",
+            "DAPO_EXIT_FILE": "/tmp/x", "DAPO_REDIS__RUN": "r", "NO_PROXY": "localhost", "HTTP_PROXY": "http://proxy:3128",
+            "MONITOR_URL": "https://host/path?a=b@c"}
+    for name, value in {**secret, **kept}.items():
+        monkeypatch.setenv(name, value)
+    assert sorted(scrub_secret_environment()) == sorted(secret)
+    assert all(name not in os.environ for name in secret) and all(os.environ[n] == v for n, v in kept.items())
 
 
 def test_write_atomic_mode(tmp_path):

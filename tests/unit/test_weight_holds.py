@@ -1,5 +1,6 @@
-"""The shared weights folder's holds (services/weights_layout.py): every generator can write there, so the learner
-reads a hold only as a small regular file, and a hold pins a bounded number of versions."""
+"""The shared weights folder (services/weights_layout.py): every generator can write there, so the learner reads a
+hold, an announcement, an index or a shard only as a regular file of bounded size, never waits on a FIFO, never
+follows a symlink, and a hold pins a bounded number of versions."""
 
 from __future__ import annotations
 
@@ -7,7 +8,25 @@ import json
 import os
 import threading
 
-from services.weights_layout import HOLD_MAX_BYTES, HOLD_MAX_VERSIONS, HOLDS_DIR, held_versions, write_hold
+import pytest
+import torch
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from services.files import NotRegularFile
+from services.keys import Signer
+from services.weights_layout import (
+    ANNOUNCEMENT_FILE,
+    HOLD_MAX_BYTES,
+    HOLD_MAX_VERSIONS,
+    HOLDS_DIR,
+    INDEX_FILE,
+    check_file,
+    check_index,
+    held_versions,
+    shard_files,
+    write_hold,
+    write_version,
+)
 
 
 def test_a_fifo_a_symlink_or_a_large_file_in_the_holds_folder_is_skipped_without_blocking(tmp_path, caplog):
@@ -31,3 +50,51 @@ def test_a_fifo_a_symlink_or_a_large_file_in_the_holds_folder_is_skipped_without
 def test_a_hold_pins_at_most_its_newest_few_versions(tmp_path):
     write_hold(tmp_path, "greedy", set(range(100)))
     assert held_versions(tmp_path, 60) == set(range(100 - HOLD_MAX_VERSIONS, 100))
+
+
+def within(seconds: float, call):
+    """call() in a thread: its result, or a failure if it blocks (a FIFO opened without O_NONBLOCK waits forever)."""
+    result: list = []
+
+    def run():
+        try:
+            result.append(call())
+        except Exception as err:  # noqa: BLE001 - handed to the test
+            result.append(err)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(timeout=seconds)
+    assert result, f"{call} blocked"
+    return result[0]
+
+
+@pytest.mark.parametrize("trick", ["fifo", "symlink", "larger"])
+def test_a_version_file_a_generator_replaced_is_refused_unread_and_nothing_blocks(tmp_path, trick):
+    from services.weights import WeightPublisher
+
+    signer = Signer("learner", Ed25519PrivateKey.generate())
+    tensors = {f"layer{i}.weight": torch.full((64, 64), float(i)) for i in range(4)}
+    announcement = write_version(tmp_path, 1, tensors, 32 * 1024, "http://unused", signer, "dapo:t:weights")
+    folder = tmp_path / "v1"
+    shard = shard_files(announcement)[0]
+    elsewhere = tmp_path / "elsewhere"
+    for name in (shard.name, INDEX_FILE, ANNOUNCEMENT_FILE):
+        elsewhere.write_bytes((folder / name).read_bytes())
+        (folder / name).unlink()
+        if trick == "fifo":
+            os.mkfifo(folder / name)
+        elif trick == "symlink":
+            (folder / name).symlink_to(elsewhere)  # the very bytes, but not the file the learner wrote
+        else:
+            (folder / name).write_bytes(elsewhere.read_bytes() + b" " * (64 << 20))
+    assert within(10, lambda: check_file(folder / shard.name, shard)).startswith(shard.name)
+    assert within(10, lambda: check_index(folder, announcement)).startswith(INDEX_FILE)
+    publisher = WeightPublisher.__new__(WeightPublisher)  # only its folder: no Redis, no settings
+    publisher.dir = tmp_path
+    assert isinstance(within(10, lambda: publisher.announcement(1)), (NotRegularFile, OSError))
+    # A republish of the same version (a resume) finds no intact copy and writes it again, whole.
+    again = within(30, lambda: write_version(tmp_path, 1, tensors, 32 * 1024, "http://unused", signer,
+                                             "dapo:t:weights"))
+    assert again.sha256 == announcement.sha256
+    assert not any(check_file(folder / f.name, f) for f in again.files)
