@@ -24,10 +24,24 @@ from pydantic import BaseModel, ConfigDict, Field, SerializationInfo, field_seri
 from services.keys import SIGNER_OF
 
 if TYPE_CHECKING:
+    from services.config import Settings
     from services.keys import Keyring, Signer
 
 SCHEMA_VERSION = 1
 log = logging.getLogger(__name__)
+
+ENVELOPE_BYTES = 1 << 20  # a task's text, ids and fields, beyond its tokens
+TOKEN_BYTES = 96  # a token's share of an entry at most: its id and logprob (msgpack) and its text (UTF-8)
+
+
+def entry_limits(settings: "Settings") -> dict[str, int]:
+    """The largest entry each stream can need, from the prompt room, max_tokens and n: a larger one is refused by
+    its size before it is verified or decoded (a worker could otherwise exhaust a consumer's memory), and the
+    embedded Redis refuses to store any value larger than the largest (`services.redis_local.embedded_server`)."""
+    sampling = (settings.sampling, settings.eval_sampling)
+    prompt = ENVELOPE_BYTES + settings.generator.max_prompt_tokens * TOKEN_BYTES
+    group = prompt + max(s.n for s in sampling) * max(s.max_tokens for s in sampling) * TOKEN_BYTES
+    return {"prompts": prompt, "rollouts": group, "scored": group, "held": group}
 
 
 def _wire(info: SerializationInfo) -> bool:

@@ -7,7 +7,8 @@ generated per run and kept in `redis.conf` (mode 0600) in its data folder; clien
 passwords (`users`, from `dapo run`), it also has the role users of services/redis_users.py, and the default user
 (the launcher's) loses the dangerous commands; each service gets its own user's URL (`role_url`). Its memory
 is bounded: `maxmemory` (redis.embedded_maxmemory_mb) with the policy `noeviction`, so a full server refuses
-writes (OOM errors) rather than grow until the machine kills it or evict the run's state.
+writes (OOM errors) rather than grow until the machine kills it or evict the run's state; the run's embedded server
+also refuses any one value larger than the largest stream entry the settings allow (`proto-max-bulk-len`).
 
 The retry layer lives here: every client this module hands out is a `RetryingRedis`, whose every command
 (scripts and pipelines included) retries with backoff while the server is away, so no call site can forget
@@ -40,6 +41,7 @@ from tenacity import retry, retry_if_exception, retry_if_exception_type, stop_af
 
 from services.config import RedisConfig, Settings
 from services.errors import Unavailable
+from services.messages import ENVELOPE_BYTES, entry_limits
 from services.redis_users import OPERATOR_RULES, role_lines, user_line
 from services.startup import LockHeld, die_with_parent, take_lock
 
@@ -55,6 +57,7 @@ REPLY_TIMEOUT_S = 30.0
 # Past this long a script or function holds the server, every other client is answered BUSY (redis-server's
 # `busy-reply-threshold`, `lua-time-limit` before 7.0; 5 s by default). The stream scripts take microseconds.
 BUSY_REPLY_THRESHOLD_MS = 1000
+MIN_BULK_BYTES = 1 << 20  # the smallest proto-max-bulk-len Redis accepts
 
 
 def _busy(err: BaseException) -> bool:
@@ -194,11 +197,14 @@ class EmbeddedRedis:
     def __init__(self, data_dir: str | os.PathLike, aof: bool = True, port: int = 0, fsync: str = "everysec",
                  password: str | None = None,
                  maxmemory_mb: int = RedisConfig.model_fields["embedded_maxmemory_mb"].default,
-                 users: dict[str, str] | None = None):
+                 users: dict[str, str] | None = None, max_value_bytes: int | None = None):
         self.data_dir = Path(data_dir).resolve()
         self.aof = aof
         self.fsync = fsync
         self.maxmemory_mb = maxmemory_mb
+        # The largest value (one bulk string) a client may send, and its unread input (twice that): a worker cannot
+        # store one entry larger than any stream needs. None: Redis' defaults (512 MB, 1 GB).
+        self.max_value_bytes = None if max_value_bytes is None else max(MIN_BULK_BYTES, max_value_bytes)
         self.port = port  # 0 = unix socket only; a TCP port when containers or other hosts must reach it
         # The password of a server of this folder that is still running, else the given or a new one.
         self.password = password or saved_password(self.data_dir) or secrets.token_hex(24)
@@ -261,6 +267,8 @@ class EmbeddedRedis:
             "--maxmemory", f"{self.maxmemory_mb}mb",
             "--maxmemory-policy", "noeviction",
             "--lua-time-limit", str(BUSY_REPLY_THRESHOLD_MS),
+            *(("--proto-max-bulk-len", str(self.max_value_bytes),
+                "--client-query-buffer-limit", str(2 * self.max_value_bytes)) if self.max_value_bytes else ()),
             "--logfile", str(self.data_dir / "redis.log"),
             "--daemonize", "no",
         ]
@@ -395,7 +403,9 @@ def saved_password(data_dir: Path, user: str = "default") -> str | None:
 def embedded_server(settings: Settings) -> EmbeddedRedis:
     """The run's embedded server as configured (not started)."""
     return EmbeddedRedis(embedded_dir(settings), aof=settings.redis.embedded_aof, fsync=settings.redis.embedded_fsync,
-                         maxmemory_mb=settings.redis.embedded_maxmemory_mb)
+                         maxmemory_mb=settings.redis.embedded_maxmemory_mb,
+                         # the largest entry any stream needs, and a dead letter's own fields beside it
+                         max_value_bytes=max(entry_limits(settings).values()) + ENVELOPE_BYTES)
 
 
 def connect(

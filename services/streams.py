@@ -50,7 +50,7 @@ from services import metrics
 from services.config import Settings, StreamsConfig
 from services.files import write_atomic
 from services.keys import DEAD_LETTER_SIGNER_OF, SIGNER_OF, KeysError, Role, Signer, load_keyring, load_signer
-from services.messages import PromptTask, RolloutGroup, from_wire, to_wire
+from services.messages import ENVELOPE_BYTES, PromptTask, RolloutGroup, entry_limits, from_wire, to_wire
 from services.redis_local import retrying
 
 log = logging.getLogger(__name__)
@@ -598,19 +598,6 @@ def without_ground_truth(stream: str, payload: bytes) -> bytes:
         return msgpack.packb(data, use_bin_type=True)
     except Exception:  # garbage: nothing of a task to blank
         return payload
-
-
-ENVELOPE_BYTES = 1 << 20  # a task's text, ids and fields, beyond its tokens
-TOKEN_BYTES = 96  # a token's share of an entry at most: its id and logprob (msgpack) and its text (UTF-8)
-
-
-def entry_limits(settings: Settings) -> dict[str, int]:
-    """The largest entry each stream can need, from the prompt room, max_tokens and n: a larger one is refused by
-    its size before it is verified or decoded (a worker could otherwise exhaust a consumer's memory)."""
-    sampling = (settings.sampling, settings.eval_sampling)
-    prompt = ENVELOPE_BYTES + settings.generator.max_prompt_tokens * TOKEN_BYTES
-    group = prompt + max(s.n for s in sampling) * max(s.max_tokens for s in sampling) * TOKEN_BYTES
-    return {"prompts": prompt, "rollouts": group, "scored": group, "held": group}
 
 
 def run_prefix(settings: Settings) -> str:

@@ -553,12 +553,35 @@ def test_a_large_dead_payload_that_cannot_be_written_is_dropped_with_its_sha256_
         int(letter["payload_bytes"]) == len(payload)
 
 
+def test_the_runs_embedded_redis_refuses_to_store_a_value_larger_than_any_stream_needs(short_tmp):
+    """The consumer's size check still receives the whole entry; the run's own server never stores one larger than
+    the largest a stream can need (proto-max-bulk-len, from the settings), so no worker can make it that large."""
+    import redis
+
+    from services.messages import entry_limits
+    from services.redis_local import embedded_server
+
+    settings = load_settings("tiny-cpu", run_dir=os.path.join(short_tmp, "run"))
+    largest = max(entry_limits(settings).values())
+    server = embedded_server(settings).start()
+    try:
+        assert largest < server.max_value_bytes < 4 * largest
+        client = redis.Redis(unix_socket_path=str(server.socket_path), password=server.password)
+        client.xadd("s", {"data": b"x" * largest})  # the largest entry the settings allow goes in
+        with pytest.raises((redis.ResponseError, redis.ConnectionError)):
+            client.xadd("s", {"data": b"x" * (server.max_value_bytes + 1)})
+        client = redis.Redis(unix_socket_path=str(server.socket_path), password=server.password)
+        assert client.xlen("s") == 1 and client.ping()  # refused, not stored, and the server answers the next
+    finally:
+        server.stop()
+
+
 def test_an_entry_larger_than_its_stream_can_need_is_dead_lettered_by_its_size_alone(streams, settings):
     """A signed rollout far larger than n x max_tokens tokens: dead-lettered with its size and sha256, neither
     decoded nor kept (no file), and the consumer goes on."""
     import hashlib
 
-    from services.streams import entry_limits
+    from services.messages import entry_limits
 
     limit = entry_limits(settings)["rollouts"]
     assert limit < 2 * 2**20  # tiny-cpu: 8 responses of at most 64 tokens, a prompt room of 2,048
