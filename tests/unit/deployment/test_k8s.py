@@ -132,14 +132,21 @@ def test_services_are_probed_on_healthz_and_readyz_at_their_ports(overlay):
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
-def test_token_comes_from_the_secret(overlay):
+def test_each_service_gets_the_tokens_of_its_audience_from_the_secret(overlay):
+    """A token per audience: every service admits the operator's token by its sha256 and holds no token that opens
+    everything; the learner and the generators also hold the weights token, which opens the weights only."""
     resources = _render(overlay)
     for name, _, container in _dapo_containers(resources):
         if container["args"][1] == "bootstrap":
             continue
         env = {e["name"]: e for e in container.get("env", [])}
-        assert env["DAPO_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "dapo-token", "key": "token"}, name
-        assert "DAPO_TOKEN" not in _by_kind(resources, "ConfigMap")["dapo-env"]["data"]
+        tokens = {variable: env[variable]["valueFrom"]["secretKeyRef"] for variable in env if "TOKEN" in variable}
+        expected = {"DAPO_TOKEN_SHA256": {"name": "dapo-token", "key": "sha256"}}
+        if name != "reward":
+            expected["DAPO_WEIGHTS_TOKEN"] = {"name": "dapo-token", "key": "weights"}
+        assert tokens == expected, name
+        assert not {"DAPO_TOKEN", "DAPO_TOKEN_SHA256", "DAPO_WEIGHTS_TOKEN"} & set(
+            _by_kind(resources, "ConfigMap")["dapo-env"]["data"])
     # No overlay ships the Secret: it is created beforehand, so that `kubectl apply -k` never resets a real
     # token, and no placeholder reaches the services (they refuse it on a reachable address).
     assert "dapo-token" not in _by_kind(resources, "Secret")
