@@ -2,10 +2,11 @@
 
 Rank 0 alone reads and writes the streams, serves HTTP, publishes weights, evaluates, and writes the records and
 checkpoint pointers. Every trainer operation in which all ranks take part (a train step, gathering the weights to
-publish, saving or loading a checkpoint) is a command that rank 0 broadcasts just before it runs the operation
-itself; the other ranks run `follow`, which receives the commands in the same order and runs the same
-operations, so their collectives meet. `stop` ends the followers (rank 0 finished, or was stopped by a signal
-after its checkpoint). Evaluation needs no command: it runs on the generators, from published weights.
+publish or writing each rank's share of them, saving or loading a checkpoint) is a command that rank 0 broadcasts
+just before it runs the operation itself; the other ranks run `follow`, which receives the commands in the same
+order and runs the same operations, so their collectives meet. `stop` ends the followers (rank 0 finished, or was
+stopped by a signal after its checkpoint). Evaluation needs no command: it runs on the generators, from published
+weights.
 
 The wire: a command is msgpack (the groups as their signed-stream payloads), broadcast as a length and then the
 bytes in a uint8 tensor. No pickle crosses ranks.
@@ -27,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 import msgpack
 import torch
 
-from learner import checkpoint
+from learner import checkpoint, publish
 from services.messages import ScoredGroup, from_wire, to_wire
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -36,7 +37,7 @@ if TYPE_CHECKING:  # pragma: no cover
 log = logging.getLogger(__name__)
 
 HEARTBEAT_SECONDS = 30.0
-OPS = ("train", "publish", "save", "load", "idle", "stop")
+OPS = ("train", "publish", "write_shards", "save", "load", "idle", "stop")
 
 
 class RankChannel:
@@ -90,6 +91,12 @@ class RankChannel:
         self.send("publish")
         return trainer.state_dict_for_publish()
 
+    def write_shards(self, trainer: "Trainer", folder, shard_bytes: int) -> tuple[list, int]:
+        """Every rank writes the weights it owns into `folder` (learner/publish.py): every rank's `Written`, and
+        the bytes rank 0 wrote."""
+        self.send("write_shards", folder=str(folder), shard_bytes=shard_bytes)
+        return publish.write_rank_shards(trainer, folder, shard_bytes)
+
     def save(self, trainer: "Trainer", path, extra: dict) -> None:
         self.send("save", path=str(path))
         checkpoint.write(trainer, path, extra)
@@ -116,6 +123,8 @@ def follow(trainer: "Trainer", channel: RankChannel) -> int:
             trainer.train_step([from_wire(ScoredGroup, raw) for raw in command["groups"]])
         elif op == "publish":
             trainer.state_dict_for_publish()  # FSDP gathers the full state on rank 0: every rank takes part
+        elif op == "write_shards":
+            publish.write_rank_shards(trainer, command["folder"], command["shard_bytes"])
         elif op == "save":
             checkpoint.write(trainer, command["path"], {})  # rank 0 writes the extra state
         elif op == "load":

@@ -464,9 +464,19 @@ class LearnerService:
         copies), then delivered (`deliver`). `overlap` (max_staleness >= 1): the delivery runs in the background
         while the next step collects and trains on groups of the versions before; the previous delivery is waited
         for first, so versions are announced in order. Returns the figures for the step record: the gather's (the
-        served bytes each rank gathers) and those of the delivery that ended in this call, if any."""
+        served bytes each rank gathers) and those of the delivery that ended in this call, if any.
+
+        Transport shared-fs on several ranks: every rank writes its own share into the version's folder instead
+        (learner/publish.py: no rank gathers the whole model); rank 0 then completes and announces it, with no
+        overlap (the gather's figures include the writing)."""
         version = self.policy.current
         started = time.perf_counter()
+        if self.settings.weights.transport == "shared-fs" and self.ranks.world > 1:
+            folder = self.publisher.begin(version)
+            writers, written = self.ranks.write_shards(self.trainer, folder, self.publisher.shard_bytes)
+            figures = {"publish_gather_seconds": time.perf_counter() - started, "publish_bytes": float(written),
+                       **self.wait_delivered()}
+            return {**figures, **self.deliver(None, version, written=(folder, writers))}
         weights = self.ranks.weights(self.trainer)
         figures = {"publish_gather_seconds": time.perf_counter() - started,
                    "publish_bytes": float(sum(t.numel() * t.element_size() for t in weights.values())),
@@ -476,12 +486,16 @@ class LearnerService:
             return figures
         return {**figures, **self.deliver(weights, version)}
 
-    def deliver(self, weights: dict, version: int) -> dict[str, float]:
+    def deliver(self, weights: dict | None, version: int, written: tuple | None = None) -> dict[str, float]:
         """A broadcast round first (transport collective), then the files and the announcement (every transport:
-        the way in for generators outside the round). Its figures, naming the version delivered."""
+        the way in for generators outside the round); `written`: (folder, every rank's `Written`), files the ranks
+        wrote, only to complete. Its figures, naming the version delivered."""
         started = time.perf_counter()
         round_ = self.broadcaster.broadcast(shareable_state_dict(weights), version) if self.broadcaster else None
-        self.publisher.publish(weights, version)
+        if written is not None:
+            self.publisher.finish(version, *written)
+        else:
+            self.publisher.publish(weights, version)
         self.announced = version
         metrics.LEARNER_VERSION.set(version)
         return {"delivered_version": version, "delivery_seconds": time.perf_counter() - started,

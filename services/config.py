@@ -294,7 +294,8 @@ class WeightsConfig(Section):
         "NCCL on GPU; files stay the way for generators that join late or miss a round)."
     )
     shared_dir: str | None = Field(
-        None, description="shared-fs: the folder the learner and every generator mount (ReadWriteMany volume, NFS)."
+        None, description="shared-fs: the folder every learner rank and every generator mount (ReadWriteMany volume, "
+        "NFS); each learner rank writes its own share of a version there (learner/publish.py)."
     )
     overlap_delivery: bool = Field(
         False, description="With learner.batch.max_staleness >= 1: deliver each version (broadcast round, files, "

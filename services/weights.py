@@ -64,12 +64,15 @@ from services.weights_layout import (
     CHUNK,
     PULLING_PREFIX,
     WRITING_PREFIX,
+    Written,
+    begin_version,
     check_file,
     check_index,
+    finish_version,
     held_versions,
     remove_unfinished,
     shard_files,
-    write_version,
+    write_shards,
 )
 
 log = logging.getLogger(__name__)
@@ -236,10 +239,24 @@ class WeightPublisher:
         tensors = shareable_state_dict(state_dict)
         # Written into a temporary folder renamed at the end: downloads of older versions go on meanwhile (a 32B
         # version takes minutes to write); only the prune must not remove a folder a download is opening.
-        announcement = write_version(
-            self.dir, version, tensors, self.shard_bytes, f"{self.base_url}/v1/weights/{version}", self.signer,
-            channel(self.prefix),
-        )
+        tmp = self.begin(version)
+        try:
+            written = write_shards(tmp, tensors, self.shard_bytes)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        return self.finish(version, tmp, [written])
+
+    def begin(self, version: int) -> Path:
+        """The temporary folder `version`'s shards are written into (by this process, or by every learner rank:
+        learner/publish.py), then completed by `finish`."""
+        return begin_version(self.dir, version)
+
+    def finish(self, version: int, tmp: Path, writers: list[Written]) -> WeightsAnnouncement:
+        """The index and the signed announcement of what `writers` wrote into `tmp`, the folder renamed into place,
+        old versions pruned, then the announcement (SET latest + PUBLISH). Returns it."""
+        announcement = finish_version(self.dir, tmp, version, writers, f"{self.base_url}/v1/weights/{version}",
+                                      self.signer, channel(self.prefix))
         with self._lock:
             self._prune(keep_also=version)
         payload = announcement.model_dump_json()

@@ -22,6 +22,7 @@ import os
 import shutil
 import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -60,8 +61,48 @@ def shard_plan(tensors: dict[str, torch.Tensor], max_bytes: int) -> list[list[st
     return shards
 
 
-def shard_name(index: int, count: int) -> str:
-    return f"model-{index + 1:05d}-of-{count:05d}.safetensors"
+def shard_name(index: int, count: int, prefix: str = "model") -> str:
+    return f"{prefix}-{index + 1:05d}-of-{count:05d}.safetensors"
+
+
+@dataclass
+class Written:
+    """The shards one writer put in a version's temporary folder: what the index and the announcement list."""
+
+    files: list[WeightsFile] = field(default_factory=list)
+    weight_map: dict[str, str] = field(default_factory=dict)  # tensor name -> its shard
+    total: int = 0  # tensor bytes
+
+    def to_wire(self) -> dict:
+        return {"files": [f.model_dump() for f in self.files], "weight_map": self.weight_map, "total": self.total}
+
+    @classmethod
+    def from_wire(cls, data: dict) -> "Written":
+        return cls([WeightsFile.model_validate(f) for f in data["files"]], dict(data["weight_map"]), data["total"])
+
+
+def begin_version(root: Path, version: int) -> Path:
+    """A temporary folder in `root` for `version`'s files, renamed into place whole by `finish_version`."""
+    return Path(tempfile.mkdtemp(prefix=f"{WRITING_PREFIX}{version}-", dir=root))
+
+
+def write_shards(folder: Path, tensors: dict[str, torch.Tensor], shard_bytes: int, prefix: str = "model") -> Written:
+    """Write `tensors` into `folder` as safetensors shards of at most `shard_bytes` (a bigger tensor is alone), named
+    `{prefix}-NNNNN-of-NNNNN`. Each shard is serialized in memory, hashed from those bytes (no read back), written
+    and fsynced."""
+    plan = shard_plan(tensors, shard_bytes) if tensors else []
+    written = Written()
+    for index, names in enumerate(plan):
+        name = shard_name(index, len(plan), prefix)
+        # One metadata key: safetensors writes its metadata map in hash order, so a second key would give the same
+        # tensors other bytes now and then (and a republished version another digest).
+        data = save({n: tensors[n] for n in names}, metadata={"format": "pt"})
+        written.files.append(WeightsFile(name=name, sha256=hashlib.sha256(data).hexdigest(), size=len(data)))
+        write_atomic(folder / name, data)
+        del data
+        written.weight_map.update(dict.fromkeys(names, name))
+        written.total += sum(tensors[n].numel() * tensors[n].element_size() for n in names)
+    return written
 
 
 def write_version(
@@ -69,24 +110,25 @@ def write_version(
     context: str,
 ) -> WeightsAnnouncement:
     """Write `root/v{version}/` (shards, index, announcement signed by `signer` under `context`, the run's weights
-    channel) atomically; returns the announcement.
-
-    Each shard is serialized in memory, hashed from those bytes (no read back), written and fsynced.
-    """
-    tmp = Path(tempfile.mkdtemp(prefix=f"{WRITING_PREFIX}{version}-", dir=root))
+    channel) atomically; returns the announcement."""
+    tmp = begin_version(root, version)
     try:
-        plan = shard_plan(tensors, shard_bytes)
-        files, weight_map, total = [], {}, 0
-        for index, names in enumerate(plan):
-            name = shard_name(index, len(plan))
-            # One metadata key: safetensors writes its metadata map in hash order, so a second key would give the same
-            # tensors other bytes now and then (and a republished version another digest).
-            data = save({n: tensors[n] for n in names}, metadata={"format": "pt"})
-            files.append(WeightsFile(name=name, sha256=hashlib.sha256(data).hexdigest(), size=len(data)))
-            write_atomic(tmp / name, data)
-            del data
-            weight_map.update(dict.fromkeys(names, name))
-            total += sum(tensors[n].numel() * tensors[n].element_size() for n in names)
+        written = write_shards(tmp, tensors, shard_bytes)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return finish_version(root, tmp, version, [written], url, signer, context)
+
+
+def finish_version(root: Path, tmp: Path, version: int, writers: list[Written], url: str, signer: Signer,
+                   context: str) -> WeightsAnnouncement:
+    """Complete the version whose shards `writers` (one, or each learner rank in turn) wrote into `tmp`: the index,
+    the signed announcement, then the rename to `root/v{version}` (or, when that folder already holds the same
+    bytes, only its announcement replaced). `tmp` is removed on failure."""
+    try:
+        files = [f for written in writers for f in written.files]
+        weight_map = {name: shard for written in writers for name, shard in written.weight_map.items()}
+        total = sum(written.total for written in writers)
         index_bytes = json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1).encode()
         write_atomic(tmp / INDEX_FILE, index_bytes)
         files.append(WeightsFile(name=INDEX_FILE, sha256=hashlib.sha256(index_bytes).hexdigest(),

@@ -1,6 +1,8 @@
 """`dapo run --learner-procs 2`: the learner as 2 ranks under accelerate launch (gloo on CPU). One rank is
 SIGKILLed mid-run: the learner exits non-zero instead of hanging, the launcher starts it again, it resumes from its
-checkpoint on 2 ranks, and the run finishes with every step once in the ledger and `learner_world_size: 2`."""
+checkpoint on 2 ranks, and the run finishes with every step once in the ledger and `learner_world_size: 2`.
+Weights go through a shared folder, so each rank writes its own share of every version (learner/publish.py) and the
+generators load versions written by two ranks."""
 
 from __future__ import annotations
 
@@ -40,8 +42,9 @@ def learner_rank(run_dir: Path, rank: int) -> int:
 
 def test_two_learner_ranks_survive_the_loss_of_one(short_tmp):
     run_dir = Path(short_tmp) / "run"
+    shared = Path(short_tmp) / "shared"
     command = [sys.executable, "-m", "cli", "run", "--no-display", "--learner-procs", "2", "-s", f"run_dir={run_dir}"]
-    for override in small_run(STEPS):
+    for override in [*small_run(STEPS), "weights.transport=shared-fs", f"weights.shared_dir={shared}"]:
         command += ["-s", override]
     proc = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
@@ -68,3 +71,9 @@ def test_two_learner_ranks_survive_the_loss_of_one(short_tmp):
     assert trained and len(trained) == len(set(trained))
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["learner_world_size"] == 2 and summary["steps"] == STEPS
+    newest = max(shared.glob("v*"), key=lambda folder: int(folder.name[1:]))
+    shards = {path.name.split("-")[1] for path in newest.glob("*.safetensors")}
+    assert shards == {"rank000", "rank001"}, sorted(newest.iterdir())  # each rank wrote its share
+    generator_log = (run_dir / "logs" / "generator-0.log").read_text(errors="replace")
+    loaded = [int(v) for v in re.findall(r"now serving weights v(\d+)", generator_log)]
+    assert loaded and max(loaded) >= 1, generator_log[-3000:]  # versions two ranks wrote, loaded into vLLM

@@ -200,11 +200,40 @@ from torch.distributed.fsdp._fully_shard._fsdp_state import _get_module_fsdp_sta
 from torch.distributed.tensor import DTensor
 from test_trainer import make_groups, make_settings, random_offsets, with_behaviour
 from learner.checkpoint import read as read_checkpoint, write as write_checkpoint
+from learner.publish import write_rank_shards
 from learner.trainer import Trainer
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from safetensors.torch import load_file
+from services.keys import Signer
+from services.weights_layout import INDEX_FILE, check_file, finish_version
+import json
 
 state = PartialState(cpu=True, timeout=timedelta(seconds=120))
 tmp, world = Path({tmp!r}), state.num_processes
 groups = make_groups(n_groups=4, size=4, seed=3)
+
+
+def written_by_ranks(name, trainer, weights):
+    # Transport shared-fs: every rank writes the weights it owns (learner/publish.py) and rank 0 completes the
+    # version. Its files verify, and hold exactly the tensors one rank gathers whole.
+    if world == 1:
+        return
+    root = tmp / f"published-{{name}}-{{world}}"
+    folder = root / ".v1-ranks"
+    folder.mkdir(parents=True, exist_ok=True)
+    writers, wrote = write_rank_shards(trainer, folder, 64 * 1024)
+    (root / f"wrote-{{state.process_index}}").write_text(str(wrote))  # (printed lines of two ranks interleave)
+    if not state.is_main_process:
+        return
+    signer = Signer("learner", Ed25519PrivateKey.generate())
+    announcement = finish_version(root, folder, 1, writers, "http://unused", signer, "dapo:t:weights")
+    assert not any(check_file(root / "v1" / f.name, f) for f in announcement.files), name
+    loaded = {{}}
+    for shard in set(json.loads((root / "v1" / INDEX_FILE).read_text())["weight_map"].values()):
+        loaded.update(load_file(root / "v1" / shard))
+    assert loaded.keys() == weights.keys() and all(torch.equal(loaded[n], weights[n]) for n in weights), name
+    sizes = [t.numel() * t.element_size() for t in weights.values()]
+    (root / "sizes").write_text(f"{{sum(sizes)}} {{max(sizes)}}")
 
 
 def unsharded_gradients(model):
@@ -225,6 +254,7 @@ def run(name, dtype="float32", resume=None, micro_batch_tokens=40, **learner):
     if resume:  # another world's sharded checkpoint, read back here
         read_checkpoint(trainer, tmp / resume)
         weights = trainer.state_dict_for_publish()
+        written_by_ranks(name, trainer, weights)
         if state.is_main_process:
             save_file({{"weight/" + n: w.float() for n, w in weights.items()}}, tmp / f"{{name}}-{{world}}.safetensors")
         return
@@ -240,6 +270,7 @@ def run(name, dtype="float32", resume=None, micro_batch_tokens=40, **learner):
     grads = {{n: (g.full_tensor() if isinstance(g, DTensor) else g).contiguous() for n, g in grads.items()}}
     trainer.train_step(behaviour)
     weights = trainer.state_dict_for_publish()
+    written_by_ranks(name, trainer, weights)
     if name == "fsdp":  # the sharded checkpoint, read back by a fresh trainer on this world (and on others)
         write_checkpoint(trainer, tmp / f"ckpt-{{name}}-{{world}}", {{"step": 1}})
         again = Trainer(settings, Path({model!r}))
@@ -376,6 +407,15 @@ def test_the_trainer_shards_itself_with_fsdp2_and_trains_as_one_process(model_pa
     resume = {"name": "resumed", "resume": "ckpt-fsdp-2", "compute": {"fsdp": True}}
     launch([sys.executable], [resume])  # the 2 ranks' sharded checkpoint on one process, and on 4 ranks
     launch(accelerate_launch(4), [resume])
+    # Each rank wrote its own share of the published weights (checked whole in the worker): about 1/N of the bytes
+    # each under FSDP and DDP, all on the first replica's shard group under HSDP (2 x 1: rank 0 alone).
+    for name, world in [(variant["name"], 2) for variant in FSDP_VARIANTS] + [("resumed", 4)]:
+        root = tmp_path / f"published-{name}-{world}"
+        shares = [int((root / f"wrote-{rank}").read_text()) for rank in range(world)]
+        total, largest = map(int, (root / "sizes").read_text().split())
+        writers = 1 if name == "hsdp" else world
+        assert sum(shares) == total and max(shares) <= total / writers + largest, (name, shares)
+        assert shares.count(0) == world - writers, (name, shares)
     alone = load_file(tmp_path / "replicas-1.safetensors")
     for name in ("replicas", "fsdp", "fsdp-held", "hsdp", "offload"):
         ranks = load_file(tmp_path / f"{name}-2.safetensors")

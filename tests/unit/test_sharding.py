@@ -16,3 +16,15 @@ def test_the_policy_computes_in_the_compute_dtype_reduces_in_fp32_and_never_cast
 def test_an_hsdp_shard_group_must_divide_the_ranks():
     with pytest.raises(ValueError, match="fsdp_shard_ranks 3 must divide the learner's 4 ranks"):
         sharding.device_mesh(4, 3, "cpu")
+
+
+def test_the_published_weights_are_dealt_to_the_writing_ranks_by_size():
+    from learner.publish import owners
+
+    sizes = {"embed": 100, "layer.0": 40, "layer.1": 40, "norm": 1, "head": 60}
+    dealt = owners(sizes, [0, 1])
+    assert dealt == owners(dict(reversed(sizes.items())), [0, 1])  # the same on every rank, whatever the order
+    load = [sum(sizes[n] for n, r in dealt.items() if r == rank) for rank in (0, 1)]
+    assert sum(load) == 241 and max(load) <= 241 / 2 + 100
+    assert set(owners(sizes, [4, 5, 6]).values()) == {4, 5, 6}  # HSDP: the first replica's ranks, by number
+    assert set(owners({"only": 8}, [0, 1, 2]).values()) == {0}  # a rank may own nothing
