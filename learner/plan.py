@@ -71,7 +71,8 @@ class Plan:
     capacity_gib: float
     parameters: int
     step_flops: float
-    publish_bytes_per_rank: float
+    served_bytes: float  # the model in the served dtype: what one version weighs
+    shared_fs: bool  # weights.transport shared-fs: each rank gathers and writes its share (learner/publish.py)
     learner_seconds: float
     generation_seconds: float
     total_steps: int
@@ -108,7 +109,9 @@ class Plan:
         lines.append(f"step: {self.step_flops / 1e15:,.1f} PFLOP on the learner, about {self.learner_seconds:,.0f} s "
                      f"at {MEASURED_MFU:.0%} MFU, generation about {self.generation_seconds:,.0f} s; "
                      f"{self.total_steps} steps = {self.gpu_hours:,.0f} GPU-hours")
-        lines.append(f"publish: {self.publish_bytes_per_rank / 2**30:.1f} GiB gathered by each rank per version")
+        share = f"{self.served_bytes / self.learner_ranks / 2**30:.1f} GiB gathered and written by each rank"
+        lines.append(f"publish: {self.served_bytes / 2**30:.1f} GiB a version; " + (
+            f"{share} (shared-fs)" if self.shared_fs else f"gathered by rank 0 (on shared-fs: {share})"))
         lines += [f"estimated, not traced: {note}" for note in self.untraced]
         return "\n".join(lines)
 
@@ -306,7 +309,8 @@ def make_plan(settings, gpus: int, gpu: str = "h100", learner_ranks: int | None 
                 micro_batch_tokens=compute.micro_batch_tokens, longest_row=longest,
                 sequence_parallel=compute.sequence_parallel,
                 bytes_by_category=by_category, capacity_gib=capacity, parameters=parameters, step_flops=step_flops,
-                publish_bytes_per_rank=served * parameters, learner_seconds=learner_seconds,
+                served_bytes=served * parameters, shared_fs=settings.weights.transport == "shared-fs",
+                learner_seconds=learner_seconds,
                 generation_seconds=generation_seconds, total_steps=learner.total_steps, untraced=untraced)
 
 
