@@ -18,8 +18,8 @@ One `train_step(groups)` is one rollout step of the paper (Algorithm 1, the inne
      micro-batch loss is divided by the *mini-batch's* token count (Eq. 12) or response count (sample level), so
      the accumulated gradient equals the gradient of the whole mini-batch at once; the step's statistics stay on
      the device until its end; each micro-batch's tensors are built on the host when it is collated and copied
-     from pinned memory without waiting, so the only wait inside the step is each update's read of its gradient
-     norm (a non-finite one skips the update: step 5);
+     from pinned memory without waiting; a non-finite gradient norm skips its update (step 5) in a GPU's fused
+     AdamW kernel, so no update waits for the device before the step's metrics (on a CPU each reads its norm);
   5. gradient-norm clip, AdamW step per mini-batch (not for a mini-batch with no token in the loss, every response
      overlong-filtered: AdamW's momentum and weight decay would move the weights with no gradient); the
      learning-rate schedule (linear warm-up over `warmup_steps`, then constant) advances once per train_step:
@@ -146,6 +146,7 @@ class Trainer:
             model.parameters(), lr=cfg.optimizer.lr, betas=tuple(cfg.optimizer.adam_betas),
             weight_decay=cfg.optimizer.weight_decay, fused=True if cuda else None)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, dapo.LinearWarmup(cfg.optimizer.warmup_steps))
+        self.skips_on_device = bool(optimizer.defaults.get("fused"))  # a non-finite step (train_step)
         if self.sharded:  # accelerate must not wrap the sharded model again (in DDP) or autocast its forward
             self.model, self.optimizer = model, self.accelerator.prepare_optimizer(optimizer)
         else:
@@ -201,16 +202,14 @@ class Trainer:
                     stats.updates += 1
                     stats.skipped += 1
                     continue
-                grad_norm = float(self._clipped_gradient(batch, mb, stats, first_epoch=epoch == 0))
-                stats.updates += 1
-                if math.isfinite(grad_norm):
-                    stepped_at = time.perf_counter()
+                finite = stats.add_norm(self._clipped_gradient(batch, mb, stats, first_epoch=epoch == 0))
+                stepped_at = time.perf_counter()
+                if self.skips_on_device:  # a non-finite norm skips the update in fused AdamW's kernel: no host read
+                    self.scheduler.optimizer.found_inf = (~finite).float()
                     self.optimizer.step()
-                    stats.seconds["optimizer"] += time.perf_counter() - stepped_at
-                    stats.grad_norm += grad_norm
-                else:  # one bad mini-batch must not poison the weights
-                    stats.skipped += 1
-                    log.warning("train step %d: non-finite gradient norm, update skipped", self.steps_done + 1)
+                elif bool(finite):  # one bad mini-batch must not poison the weights (read here: no device skip)
+                    self.optimizer.step()
+                stats.seconds["optimizer"] += time.perf_counter() - stepped_at
                 self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
 
@@ -234,6 +233,7 @@ class Trainer:
         read has no value (learner/plan.py)."""
         self._clipped_gradient(batch, list(range(len(batch.responses))), UpdateStats(self.accelerator.device),
                                first_epoch=True)
+        self.scheduler.optimizer.found_inf = None  # a skip decided in train_step does not carry over
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
 

@@ -3,10 +3,14 @@ TIS weights, the largest log-ratio and the model FLOPs, reduced over ranks once 
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from learner import dapo, throughput
 from learner.packing import MicroBatch
+
+log = logging.getLogger(__name__)
 
 
 class UpdateStats:
@@ -23,8 +27,8 @@ class UpdateStats:
         # max |log pi - log mu| over the loss tokens: few tokens or the whole policy?
         self.largest_log_ratio = torch.zeros((), dtype=torch.float64, device=device)
         self.updates = 0
-        self.skipped = 0
-        self.grad_norm = 0.0
+        self.skipped = 0  # mini-batches with no loss token (no step taken); non-finite norms are counted on the device
+        self.grad_norms = torch.zeros(2, dtype=torch.float64, device=device)  # the finite norms' sum, non-finite count
         self.seconds = {"forward": 0.0, "backward": 0.0, "optimizer": 0.0}  # forward includes pi_old's pass
         # Tokens through the model (padding excluded) and through its head, for the model FLOPs (host counts).
         self.model_tokens = {"trained": 0, "trained_scored": 0, "forward": 0, "forward_scored": 0}
@@ -33,6 +37,16 @@ class UpdateStats:
         kind = "trained" if trained else "forward"
         self.model_tokens[kind] += inputs.real_tokens
         self.model_tokens[f"{kind}_scored"] += inputs.targets.numel()  # a shape, not a read of the device
+
+    def add_norm(self, norm) -> torch.Tensor:
+        """Count an update and its gradient norm (a device tensor, never read here); whether it is finite."""
+        from torch.distributed.tensor import DTensor
+
+        norm = (norm.full_tensor() if isinstance(norm, DTensor) else norm).detach().double()
+        finite = torch.isfinite(norm)
+        self.grad_norms += torch.stack([torch.where(finite, norm, 0.0), (~finite).double()])
+        self.updates += 1
+        return finite
 
     def add_tokens(self, loss, mask, surrogate, entropy, logp, behaviour, tis, cap, first_epoch) -> None:
         values = {
@@ -70,6 +84,10 @@ class UpdateStats:
         """The step's metrics of the update itself, over all ranks (the step's one read of its sums)."""
         totals = self.reduced(accelerator, parameter_counts)
         tokens = max(totals["tokens"], 1.0)
+        norms, non_finite = self.grad_norms.tolist()  # the same on every rank: the norm is the whole gradient's
+        if non_finite:
+            log.warning("%d of %d updates skipped: non-finite gradient norm", non_finite, self.updates)
+        skipped = self.skipped + int(non_finite)
         return {
             "loss": totals["loss"] / max(self.updates, 1),
             "clip_frac_low": totals["clip_low"] / tokens,
@@ -80,9 +98,9 @@ class UpdateStats:
             "log_ratio_max": totals["log_ratio_max"],
             "tis_mean": totals["tis"] / max(totals["tis_tokens"], 1.0),
             "tis_capped_frac": totals["tis_capped"] / max(totals["tis_tokens"], 1.0),
-            "grad_norm": self.grad_norm / max(self.updates - self.skipped, 1),
+            "grad_norm": norms / max(self.updates - skipped, 1),
             "updates": float(self.updates),
-            "skipped_updates": float(self.skipped),
+            "skipped_updates": float(skipped),
             **throughput.utilisation(totals["model_flops"], seconds, accelerator.num_processes, peak_tflops),
             **{f"{phase}_seconds": value for phase, value in self.seconds.items()},  # this rank's
         }

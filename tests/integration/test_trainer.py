@@ -421,6 +421,30 @@ def test_a_mini_batch_with_no_loss_token_takes_no_step(model_path, tmp_path):
     assert all(torch.equal(before[n], t) for n, t in trainer.state_dict_for_publish().items())
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["read-on-host", "fused-skips-on-device"])
+def test_a_non_finite_gradient_skips_its_update_and_moves_nothing(model_path, tmp_path, monkeypatch, fused):
+    # Without a fused AdamW the host reads the norm and does not step; a fused one (a GPU's) is told by `found_inf`
+    # and skips in its kernel, so the loop reads nothing: weights, moments and step counts stay as they were.
+    if fused:  # CPU's fused kernel honours found_inf as CUDA's does
+        adamw = torch.optim.AdamW
+        monkeypatch.setattr(torch.optim, "AdamW", lambda *args, **kwargs: adamw(*args, **{**kwargs, "fused": True}))
+    trainer = Trainer(make_settings(tmp_path, weight_decay=0.1, mini_batches=2), model_path)
+    assert trainer.skips_on_device == fused
+    groups = make_groups(n_groups=2, size=4, seed=5)
+    groups = with_behaviour(groups, trainer.logprobs(groups))
+    before = {n: t.clone() for n, t in trainer.state_dict_for_publish().items()}
+    embedding = trainer.accelerator.unwrap_model(trainer.model).get_input_embeddings().weight
+    hook = embedding.register_hook(lambda grad: torch.full_like(grad, float("nan")))
+    metrics = trainer.train_step(groups)
+    assert metrics["updates"] == metrics["skipped_updates"] == 2 and metrics["grad_norm"] == 0.0
+    assert all(torch.equal(before[n], t) for n, t in trainer.state_dict_for_publish().items())
+    assert all(float(state["step"]) == 0 for state in trainer.scheduler.optimizer.state.values())
+    hook.remove()
+    metrics = trainer.train_step(groups)  # the same trainer steps again once the gradient is finite
+    assert metrics["skipped_updates"] == 0 and math.isfinite(metrics["grad_norm"]) and metrics["grad_norm"] > 0
+    assert not all(torch.equal(before[n], t) for n, t in trainer.state_dict_for_publish().items())
+
+
 def test_a_rank_without_rows_pads_with_another_ranks_rows_under_kl(model_path, tmp_path, monkeypatch):
     # Rank 1 of 2 with a one-response mini-batch has no rows of its own: it runs rank 0's rows at weight 0 in
     # lockstep, and has no pi_ref for them (its no-grad pass computed only its own); that must not fail.

@@ -111,3 +111,35 @@ def test_the_micro_batch_loop_never_waits_on_the_host(model_path, tmp_path):  # 
         trainer.update_without_reads(batch)
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+def test_a_train_step_reads_the_device_only_for_its_metrics(model_path, tmp_path, monkeypatch):  # noqa: F811
+    """A whole train_step (the pi_old pass, every micro-batch, the clip, the non-finite skip decided by fused
+    AdamW's kernel, two updates) under sync debug mode "error" until its metrics are read at the end; a poisoned
+    gradient skips its update there too."""
+    from learner.update_stats import UpdateStats
+
+    trainer = Trainer(settings(tmp_path, "bfloat16", mini_batches=2), model_path)
+    assert trainer.skips_on_device
+    groups = make_groups(n_groups=4, size=4, seed=5)
+    groups = with_behaviour(groups, trainer.logprobs(groups), random_offsets(groups, seed=3, scale=0.2))
+    trainer.train_step(groups)  # the first: the allocator, lazy initialisation
+    metrics_of = UpdateStats.metrics
+
+    def metrics(self, *args, **kwargs):  # the step's one read: allowed
+        torch.cuda.set_sync_debug_mode("default")
+        return metrics_of(self, *args, **kwargs)
+
+    monkeypatch.setattr(UpdateStats, "metrics", metrics)
+    embedding = trainer.accelerator.unwrap_model(trainer.model).get_input_embeddings().weight
+    for poisoned in (False, True):
+        hook = embedding.register_hook(lambda grad: torch.full_like(grad, float("nan"))) if poisoned else None
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            result = trainer.train_step(groups)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        assert result["skipped_updates"] == (2 if poisoned else 0), result
+        if hook is not None:
+            hook.remove()
