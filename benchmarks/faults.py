@@ -301,15 +301,19 @@ def outside_acl(client, role: str, streams) -> list[AclAttempt]:
 
 
 def outside_audience(pid: int, urls: dict[str, str]) -> list[AclAttempt]:
-    """Try, with every token a live generator holds (read from /proc/PID/environ, as any process of its user
-    could), the HTTP calls outside a generator's audience: scoring on a reward worker, the learner's status, a
-    weights sync on another generator. Each is recorded with whether it was refused (401 or 403); the weights'
-    own route is tried too and must answer, so that the refusals are not those of a token that opens nothing."""
+    """Try, with every token a live generator holds, the HTTP calls outside a generator's audience: scoring on a
+    reward worker, the learner's status, a weights sync on another generator. Each is recorded with whether it was
+    refused (401 or 403); the weights' own route is tried too and must answer, so that the refusals are not those of
+    a token that opens nothing. The tokens are read from /proc/PID/environ, which every service hides from its own
+    user (services.startup.hide_from_same_user): as root the harness reads them anyway, as an attacker who got them
+    would use them; as another user that read is the refusal recorded."""
     import httpx
 
     env = environment_of(pid)
+    if env is None:
+        return [AclAttempt("generator", "read a generator's tokens from /proc/PID/environ", True, "http")]
     tokens = {name: env[name] for name in ("DAPO_TOKEN", "DAPO_WEIGHTS_TOKEN") if env.get(name)}
-    other = next(name for name in urls if name.startswith("generator-") and name != env.get("DAPO_WORKER_ID"))
+    other = next(name for name in urls if name.startswith("generator-") and name != worker_id(pid))
     reward = next(name for name in urls if name.startswith("reward-"))
     tries = {"POST /v1/score": ("POST", f"{urls[reward]}/v1/score", [{"response": "Answer: 1", "ground_truth": "1"}]),
              "GET the learner's /v1/status": ("GET", f"{urls['learner']}/v1/status", None),
@@ -347,17 +351,26 @@ def children_of(pid: int) -> dict[int, str]:
     return found
 
 
-def environment_of(pid: int) -> dict[str, str]:
-    """A process's environment as it started (from /proc: what any process of its user can read); {} once gone."""
+def environment_of(pid: int) -> dict[str, str] | None:
+    """A process's environment as it started (from /proc); {} once gone, None where it may not be read (a service
+    hides it from every process of its user but root's)."""
     try:
         items = (Path("/proc") / str(pid) / "environ").read_bytes().decode(errors="replace").split("\0")
+    except PermissionError:
+        return None
     except OSError:
         return {}
     return dict(item.split("=", 1) for item in items if "=" in item)
 
 
 def worker_id(pid: int) -> str | None:
-    return environment_of(pid).get("DAPO_WORKER_ID")
+    """The name `dapo run` gave a worker, from its command line (`--worker-id`: readable by any process, where its
+    environment is hidden from all but root)."""
+    try:
+        words = (Path("/proc") / str(pid) / "cmdline").read_bytes().decode(errors="replace").split("\0")
+    except OSError:
+        return None
+    return words[words.index("--worker-id") + 1] if "--worker-id" in words[:-1] else None
 
 
 def service_pids(launcher: int) -> dict[str, int]:

@@ -273,8 +273,8 @@ def service_children(settings: Settings, config_path: Path, redis_urls: Mapping[
     }
     python = [sys.executable, "-m", "cli"]
 
-    def child(name: str, service: Role, **env: str) -> Child:
-        return Child(name, python + [service, "--config", str(config_path)],
+    def child(name: str, service: Role, **env: str) -> Child:  # a worker, named on its command line
+        return Child(name, python + [service, "--config", str(config_path), "--worker-id", name],
                      {**base_env, **tokens[service], "DAPO_REDIS__URL": redis_urls[service], **env},
                      run_dir / "logs" / f"{name}.log")
 
@@ -297,13 +297,13 @@ def service_children(settings: Settings, config_path: Path, redis_urls: Mapping[
     for i in range(reward_workers):
         placed = cpus.reward[i] if cpus else None
         children.append(child(f"reward-{i}", "reward", DAPO_REWARD__PORT=str(free_port()),
-                              DAPO_REWARD__HOST="127.0.0.1", DAPO_WORKER_ID=f"reward-{i}",
+                              DAPO_REWARD__HOST="127.0.0.1",
                               **(cores.reward_env(placed) if placed else {})))
         children[-1].placement = placed
     for i in range(generators):
         placed = cpus.generators[i] if cpus else None
         children.append(child(f"generator-{i}", "generator", DAPO_GENERATOR__PORT=str(free_port()),
-                              DAPO_GENERATOR__HOST="127.0.0.1", DAPO_WORKER_ID=f"generator-{i}",
+                              DAPO_GENERATOR__HOST="127.0.0.1",
                               **(cores.generator_env(placed) if placed else {})))
         children[-1].placement = placed
     return children

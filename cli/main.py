@@ -49,6 +49,10 @@ def build_parser() -> argparse.ArgumentParser:
             "--set", "-s", action="append", default=[], metavar="KEY=VALUE",
             help="override a field, e.g. learner.total_steps=20 (repeatable; YAML value syntax)",
         )
+        if name in ("generator", "reward"):
+            cmd.add_argument("--worker-id", default=None,
+                             help="this worker's name in the streams, metrics and logs (default: $DAPO_WORKER_ID, "
+                                  "else kind-host-pid); on the command line, what `ps` shows")
         if name == "bootstrap":
             cmd.add_argument("--force", action="store_true", help="rebuild even if a cached model exists")
             cmd.add_argument("--measure", action="store_true", help="then measure tokens/s and accuracy through vLLM")
@@ -145,6 +149,8 @@ def run_main(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
     if args.command in SERVICES:
         hide_from_same_user()  # its environment and memory hold secrets: no process of its user may read them
+    if getattr(args, "worker_id", None):
+        os.environ["DAPO_WORKER_ID"] = args.worker_id  # read by services.streams.worker_id
     if args.command == "ranks":  # no settings of its own: the learner it runs reads them
         from cli.ranks import run_ranks
 

@@ -73,6 +73,7 @@ class Plan:
     step_flops: float
     served_bytes: float  # the model in the served dtype: what one version weighs
     shared_fs: bool  # weights.transport shared-fs: each rank gathers and writes its share (learner/publish.py)
+    publish_writers: int  # the ranks that share that work: every one, or HSDP's first shard group
     learner_seconds: float
     generation_seconds: float
     total_steps: int
@@ -109,7 +110,8 @@ class Plan:
         lines.append(f"step: {self.step_flops / 1e15:,.1f} PFLOP on the learner, about {self.learner_seconds:,.0f} s "
                      f"at {MEASURED_MFU:.0%} MFU, generation about {self.generation_seconds:,.0f} s; "
                      f"{self.total_steps} steps = {self.gpu_hours:,.0f} GPU-hours")
-        share = f"{self.served_bytes / self.learner_ranks / 2**30:.1f} GiB gathered and written by each rank"
+        share = (f"about {self.served_bytes / self.publish_writers / 2**30:.1f} GiB gathered and written by each of "
+                 f"{self.publish_writers} ranks")
         lines.append(f"publish: {self.served_bytes / 2**30:.1f} GiB a version; " + (
             f"{share} (shared-fs)" if self.shared_fs else f"gathered by rank 0 (on shared-fs: {share})"))
         lines += [f"estimated, not traced: {note}" for note in self.untraced]
@@ -310,6 +312,7 @@ def make_plan(settings, gpus: int, gpu: str = "h100", learner_ranks: int | None 
                 sequence_parallel=compute.sequence_parallel,
                 bytes_by_category=by_category, capacity_gib=capacity, parameters=parameters, step_flops=step_flops,
                 served_bytes=served * parameters, shared_fs=settings.weights.transport == "shared-fs",
+                publish_writers=compute.fsdp_shard_ranks if compute.fsdp and compute.fsdp_shard_ranks else ranks,
                 learner_seconds=learner_seconds,
                 generation_seconds=generation_seconds, total_steps=learner.total_steps, untraced=untraced)
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import random
+import shutil
 import signal
 import threading
 import time
@@ -473,7 +474,11 @@ class LearnerService:
         started = time.perf_counter()
         if self.settings.weights.transport == "shared-fs" and self.ranks.world > 1:
             folder = self.publisher.begin(version)
-            writers, written = self.ranks.write_shards(self.trainer, folder, self.publisher.shard_bytes)
+            try:
+                writers, written = self.ranks.write_shards(self.trainer, folder, self.publisher.shard_bytes)
+            except BaseException:
+                shutil.rmtree(folder, ignore_errors=True)  # (finish_version removes it from there on)
+                raise
             figures = {"publish_gather_seconds": time.perf_counter() - started, "publish_bytes": float(written),
                        **self.wait_delivered()}
             return {**figures, **self.deliver(None, version, written=(folder, writers))}

@@ -72,6 +72,7 @@ def secret_variables(model: type[BaseModel] | None = None, prefix: str = "DAPO_"
     names: set[str] = set()
     for name, field in (model or Settings).model_fields.items():
         kinds = [field.annotation, *typing.get_args(field.annotation)]
+        kinds += [typing.get_origin(kind) for kind in kinds]  # Secret[str] is a generic alias of Secret
         if any(isinstance(kind, type) and issubclass(kind, (Secret, SecretStr)) for kind in kinds):
             names.add(f"{prefix}{name}".upper())
         elif isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
@@ -300,7 +301,8 @@ class WeightsConfig(Section):
     overlap_delivery: bool = Field(
         False, description="With learner.batch.max_staleness >= 1: deliver each version (broadcast round, files, "
         "announcement) in the background while the next step collects and trains (the last step's before the run "
-        "ends). Off: every step delivers its version before it goes on."
+        "ends). Off: every step delivers its version before it goes on. Not on shared-fs with several learner ranks: "
+        "there every rank writes its share of the version, on the step's path (learner/publish.py)."
     )
     shard_mb: float = Field(1024, gt=0, description="Largest safetensors shard of a published version, MB.")
     pull_concurrency: int = Field(4, ge=1, description="Shards a generator downloads or checks at once.")

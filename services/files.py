@@ -4,6 +4,7 @@ every layer imports this, a config error or a key file included, without torch).
 from __future__ import annotations
 
 import errno
+import fcntl
 import os
 import stat
 from pathlib import Path
@@ -60,13 +61,19 @@ def open_regular(path: Path, max_bytes: int) -> BinaryIO:
     """Open `path` for reading only if it is a regular file (not a symlink, FIFO or device: O_NOFOLLOW, and
     O_NONBLOCK so that opening a FIFO never waits for a writer) of at most `max_bytes`. For files another process
     can write in a shared folder. Raises NotRegularFile, or OSError (ELOOP for a symlink, FileNotFoundError)."""
-    descriptor = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    try:
+        descriptor = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError as err:
+        if err.errno in (errno.ENXIO, errno.ENODEV, errno.EOPNOTSUPP):  # a socket, a device without a driver
+            raise NotRegularFile(err.errno, "not a regular file", str(path)) from None
+        raise
     handle = os.fdopen(descriptor, "rb")
     info = os.fstat(descriptor)
     if not stat.S_ISREG(info.st_mode) or info.st_size > max_bytes:
         handle.close()
         kind = "a regular file" if stat.S_ISREG(info.st_mode) else "not a regular file"
         raise NotRegularFile(errno.EINVAL, f"{kind} of {info.st_size} bytes (at most {max_bytes} read)", str(path))
+    fcntl.fcntl(descriptor, fcntl.F_SETFL, fcntl.fcntl(descriptor, fcntl.F_GETFL) & ~os.O_NONBLOCK)  # reads block
     return handle
 
 

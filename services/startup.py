@@ -28,10 +28,12 @@ PR_SET_PDEATHSIG, PR_SET_DUMPABLE = 1, 4  # <linux/prctl.h>
 
 # Names that say a credential whatever program set them (HF_TOKEN, WANDB_API_KEY, AWS_SECRET_ACCESS_KEY, PGPASSWORD,
 # SSH_AUTH_SOCK), as words between underscores (TOKENIZERS_PARALLELISM is not one) or anywhere for the unambiguous.
-CREDENTIAL_WORDS = frozenset({"TOKEN", "KEY", "APIKEY", "AUTH", "COOKIE", "PRIVATE", "PASS", "PASSPHRASE"})
+CREDENTIAL_WORDS = frozenset({"TOKEN", "KEY", "APIKEY", "AUTH", "COOKIE", "PRIVATE", "PASS", "PASSPHRASE", "JWT",
+                              "DSN"})
 CREDENTIAL_PARTS = ("PASSWORD", "PASSWD", "SECRET", "CREDENTIAL")
-# A value holding a URL with a password in it (redis://user:pass@host, a proxy with credentials).
-URL_WITH_PASSWORD = re.compile(r"[a-z][a-z0-9+.-]*://[^/\s@:]*:[^/\s@]+@", re.IGNORECASE)
+# A value holding a credential: a URL with userinfo (redis://user:pass@host, a Sentry DSN's key@host, a proxy with
+# credentials), or an HTTP authorization (OTEL_EXPORTER_OTLP_HEADERS=Authorization=Bearer ...).
+CREDENTIAL_VALUE = re.compile(r"[a-z][a-z0-9+.-]*://[^/\s@]+@|\b(bearer|basic)\s+\S", re.IGNORECASE)
 
 
 def record_exit(code: int) -> None:
@@ -152,10 +154,14 @@ def scrub_secret_environment() -> list[str]:
 
 
 def looks_secret(name: str, value: str) -> bool:
-    """Whether an environment variable looks like a credential, by its name or by a password inside its value."""
+    """Whether an environment variable looks like a credential, by its name or by its value. The project's own
+    `DAPO_` variables are judged by the config's types alone (`secret_variables`): a field such as
+    `DAPO_LEARNER__COMPUTE__SHARE_PROMPT_PASS` is a setting, not a pass."""
     upper = name.upper()
+    if upper.startswith("DAPO_"):
+        return False
     return (bool(CREDENTIAL_WORDS.intersection(upper.split("_"))) or any(part in upper for part in CREDENTIAL_PARTS)
-            or URL_WITH_PASSWORD.search(value) is not None)
+            or CREDENTIAL_VALUE.search(value) is not None)
 
 
 def hide_from_same_user() -> bool:

@@ -165,11 +165,10 @@ def _same_files(folder: Path, announcement: WeightsAnnouncement) -> bool:
     try:
         existing = WeightsAnnouncement.model_validate_json(read_regular(folder / ANNOUNCEMENT_FILE,
                                                                        ANNOUNCEMENT_MAX_BYTES))
-    except (OSError, ValueError):
+        return existing.sha256 == announcement.sha256 and not any(
+            check_file(folder / f.name, f) for f in announcement.files)
+    except (OSError, ValueError):  # anything unreadable there is rewritten
         return False
-    return existing.sha256 == announcement.sha256 and not any(
-        check_file(folder / f.name, f) for f in announcement.files
-    )
 
 
 def files_digest(files: list[WeightsFile]) -> str:
@@ -186,8 +185,10 @@ def check_file(path: Path, expected: WeightsFile) -> str | None:
             if size != expected.size:
                 return f"{expected.name}: {size} bytes, announced {expected.size}"
             digest = hashlib.sha256()
-            while chunk := handle.read(CHUNK):
+            left = expected.size + 1  # a file that grows meanwhile is not hashed without end
+            while left > 0 and (chunk := handle.read(min(CHUNK, left))):
                 digest.update(chunk)
+                left -= len(chunk)
     except FileNotFoundError:
         return f"{expected.name}: missing"
     except NotRegularFile as err:

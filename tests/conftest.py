@@ -80,3 +80,12 @@ def settings(redis_server, short_tmp):
     )
     create_keys(keys_dir(settings))
     return settings
+
+
+@pytest.fixture(autouse=True)
+def _test_process_stays_dumpable(monkeypatch):
+    """`dapo` commands run in this process (cli.main.main) would make it non-dumpable for the rest of the session
+    (services.startup.hide_from_same_user); the services the tests start as processes of their own still hide."""
+    import cli.main
+
+    monkeypatch.setattr(cli.main, "hide_from_same_user", lambda: False)

@@ -63,10 +63,11 @@ def test_variables_that_look_like_credentials_are_scrubbed_whoever_set_them(monk
     secret = {"HF_TOKEN": "hf_x", "WANDB_API_KEY": "k", "AWS_SECRET_ACCESS_KEY": "k", "AWS_ACCESS_KEY_ID": "k",
               "PGPASSWORD": "p", "GITHUB_TOKEN": "t", "SSH_AUTH_SOCK": "/tmp/agent", "DAPO_TOKEN_SHA256": "0" * 64,
               "DATABASE_URL": "postgres://user:hunter2@db:5432/x", "HTTPS_PROXY": "http://me:pw@proxy:3128",
-              "dapo_redis__url": "redis://u:p@host:6379/0"}
+              "dapo_redis__url": "redis://u:p@host:6379/0", "SENTRY_DSN": "https://k3y@o1.ingest.sentry.io/1",
+              "OTEL_EXPORTER_OTLP_HEADERS": "Authorization=Bearer abc", "SERVICE_JWT": "e30.e30.x"}
     kept = {"PATH": "/usr/bin", "PWD": "/work", "TOKENIZERS_PARALLELISM": "false", "DAPO_WORKER_ID": "reward-1",
             "DAPO_EXIT_FILE": "/tmp/x", "DAPO_REDIS__RUN": "r", "NO_PROXY": "localhost", "HTTP_PROXY": "http://proxy:3128",
-            "MONITOR_URL": "https://host/path?a=b@c"}
+            "MONITOR_URL": "https://host/path?a=b@c", "DAPO_LEARNER__COMPUTE__SHARE_PROMPT_PASS": "true"}
     for name, value in {**secret, **kept}.items():
         monkeypatch.setenv(name, value)
     assert sorted(scrub_secret_environment()) == sorted(secret)
@@ -159,6 +160,8 @@ def test_each_role_gets_the_tokens_of_its_audience_only(tmp_path, monkeypatch):
         tokens = {k: v for k, v in child.env.items() if k.upper() in TOKEN_VARIABLES}
         assert tokens == expected[child.name.split("-")[0]], child.name
         assert TOKEN not in child.env.values() and "someone-else" not in str(child.env), child.name
+        if child.name != "learner":  # a worker's name is on its command line: `ps` shows it, its environment is hidden
+            assert child.command[-2:] == ["--worker-id", child.name]
 
 
 @pytest.mark.parametrize("variables, refusal", [

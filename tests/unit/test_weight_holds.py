@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import threading
 
 import pytest
@@ -69,7 +70,7 @@ def within(seconds: float, call):
     return result[0]
 
 
-@pytest.mark.parametrize("trick", ["fifo", "symlink", "larger"])
+@pytest.mark.parametrize("trick", ["fifo", "symlink", "socket", "larger"])
 def test_a_version_file_a_generator_replaced_is_refused_unread_and_nothing_blocks(tmp_path, trick):
     from services.weights import WeightPublisher
 
@@ -86,6 +87,8 @@ def test_a_version_file_a_generator_replaced_is_refused_unread_and_nothing_block
             os.mkfifo(folder / name)
         elif trick == "symlink":
             (folder / name).symlink_to(elsewhere)  # the very bytes, but not the file the learner wrote
+        elif trick == "socket":  # open() of a unix socket fails (ENXIO): refused as not a regular file
+            os.mknod(folder / name, stat.S_IFSOCK | 0o600)
         else:
             (folder / name).write_bytes(elsewhere.read_bytes() + b" " * (64 << 20))
     assert within(10, lambda: check_file(folder / shard.name, shard)).startswith(shard.name)
