@@ -1,6 +1,6 @@
 """The fault suite as a benchmark: one `dapo run` with 2 generators, SIGKILLs of every kind of process, bad messages.
 
-    python -m benchmarks.faults [--steps 24] [--preset tiny-cpu] [--set key=value ...] [--no-readme]
+    python -m benchmarks.faults [--steps 30] [--preset tiny-cpu] [--set key=value ...] [--no-readme]
 
 One run, not one per kill: the goals are about a run (it finishes by itself, every step once, no group trained
 twice), and faults that pile up (a second resume on top of a first, a Redis restart while a restarted learner
@@ -300,6 +300,18 @@ def outside_acl(client, role: str, streams) -> list[AclAttempt]:
     return attempts
 
 
+def oversize_entry(client, streams) -> AclAttempt:
+    """A generator's XADD of an 8 MB entry to its own stream, on a client that does not retry: the run's Redis
+    refuses any value larger than a stream entry can need (proto-max-bulk-len), so none reaches a consumer."""
+    import redis
+
+    try:
+        client.xadd(streams.key("rollouts"), {"data": b"9" * (8 << 20), "sig": b"-"})
+        return AclAttempt("generator", "XADD of an 8 MB entry", refused=False)
+    except (redis.ResponseError, redis.ConnectionError):
+        return AclAttempt("generator", "XADD of an 8 MB entry", refused=True)
+
+
 def outside_audience(pid: int, urls: dict[str, str]) -> list[AclAttempt]:
     """Try, with every token a live generator holds, the HTTP calls outside a generator's audience: scoring on a
     reward worker, the learner's status, a weights sync on another generator. Each is recorded with whether it was
@@ -454,11 +466,11 @@ class Faults:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             self.poll()
+            if not self.alive():  # (before a check that would wait on the run's Redis, gone with it)
+                raise RuntimeError(f"dapo run exited ({self.proc.returncode}) while waiting for {what}")
             value = check()
             if value:
                 return value
-            if not self.alive():
-                raise RuntimeError(f"dapo run exited ({self.proc.returncode}) while waiting for {what}")
             time.sleep(0.25)
         raise TimeoutError(f"timed out waiting for {what}")
 
@@ -498,12 +510,13 @@ class Faults:
 
         return EmbeddedRedis(self.run_dir / "redis").url
 
-    def generator_client(self):
+    def generator_client(self, retrying: bool = True):
         """A client as the run's generator Redis user (its password from the server's redis.conf)."""
         from services.redis_local import EmbeddedRedis, client_for, saved_password
 
         server = EmbeddedRedis(self.run_dir / "redis")
-        return client_for(f"unix://generator:{saved_password(server.data_dir, 'generator')}@{server.socket_path}")
+        return client_for(f"unix://generator:{saved_password(server.data_dir, 'generator')}@{server.socket_path}",
+                          retrying=retrying)
 
     # -- kills -----------------------------------------------------------------------------------------------
     def kill(self, round_: int, kind: str, name: str) -> Kill:
@@ -627,8 +640,10 @@ class Faults:
             "poison", prompt_token_ids=[17, 10, 10**9, 28]))
         task_entry("poison", "prompt longer than the model", "invalid task: prompt of 300 tokens",
                    made_up("poison", prompt_token_ids=[17] * 300))
-        task_entry("poison", "8 MB prompt text", "oversize: 8,", made_up(
-            "poison", prompt_token_ids=None, prompt="1 + " * (2 * 1024 * 1024)))
+        # Larger than a prompts entry can be (1.2 MiB at these settings), smaller than the largest value the run's
+        # Redis takes (2.2 MiB): stored, and refused by its consumer unread. (8 MB: refused by Redis, `oversize_entry`.)
+        task_entry("poison", "1.5 MB prompt text", "oversize: 1,", made_up(
+            "poison", prompt_token_ids=None, prompt="1 + " * 400_000))
         task_entry("poison", "max_tokens 10^6", "invalid task: max_tokens 1000000", made_up(
             "poison", sampling=sampling.model_copy(update={"max_tokens": 10**6})))
         # Malformed: signed (a producer with the token that writes garbage), or no payload at all.
@@ -685,6 +700,7 @@ class Faults:
                   {**letter, b"sig": streams.dead_letter_signature(letter)}, task.task_id, real_task=True,
                   into="dead")
         self.acl_attempts += outside_acl(self.generator_client(), "generator", streams)
+        self.acl_attempts.append(oversize_entry(self.generator_client(retrying=False), streams))
         pids = service_pids(self.proc.pid)
         generators = sorted(name for name in pids if name.startswith("generator-"))
         if generators:  # (one being restarted after a kill is tried in the next wave)
@@ -790,7 +806,7 @@ def report(result: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--steps", type=int, default=24)
+    parser.add_argument("--steps", type=int, default=30)  # 12 kills a step or more apart, after the first wave
     parser.add_argument("--preset", default="tiny-cpu")
     parser.add_argument("--run-dir", default="/tmp/dapo-bench-faults", help="short: the Redis socket lives in it")
     parser.add_argument("--set", action="append", default=[], help="extra key=value overrides")
