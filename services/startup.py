@@ -168,7 +168,9 @@ def hide_from_same_user() -> bool:
     """Make this process non-dumpable (Linux's PR_SET_DUMPABLE 0): its /proc/PID/environ, mem, maps and fd become
     root's, and no process of the same user may ptrace it. A sibling role of `dapo run`, or code a hostile response
     got to run in a verifier, then cannot read the secrets this process was started with or holds in memory. Reset
-    by execve, so every service sets it for itself. Returns whether it is set (False off Linux)."""
-    if not sys.platform.startswith("linux"):
+    by execve, so every service sets it for itself; forked children keep it. Costs: no core dumps, and py-spy, gdb
+    or a library that passes file descriptors with pidfd_getfd need root's CAP_SYS_PTRACE; `DAPO_DUMPABLE=1` keeps a
+    service dumpable. Returns whether it is set (False off Linux, or when kept)."""
+    if not sys.platform.startswith("linux") or os.environ.get("DAPO_DUMPABLE") == "1":
         return False
     return ctypes.CDLL(None, use_errno=True).prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) == 0
