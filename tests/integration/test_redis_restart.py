@@ -184,9 +184,9 @@ def test_a_default_user_without_permissions_loses_the_transactions(binary, short
 
 @pytest.mark.parametrize("binary", [b for b in _servers() if server_version(b) >= (7, 0)], ids=_version)
 def test_on_redis_7_a_worker_role_can_add_dead_letters_and_nothing_else_there(binary, short_tmp, deployment_settings):
-    """A dead letter may hold a scored group's ground truth: a generator or reward worker may write one (XADD,
-    also inside MULTI) but not read, group, trim or delete them (the ACL selector of services/redis_users.py); nor
-    may it add to the stream it reads."""
+    """A generator or reward worker may write a dead letter (XADD, also inside MULTI) but not read, group, trim or
+    delete them (the ACL selectors of services/redis_users.py); nor may it add to the stream it reads; nor read,
+    acknowledge, claim or delete what the next role consumes from its output stream."""
     passwords = {user: f"{user}-secret" for user in REDIS_USERS}
     server = DeploymentRedis(binary, Path(short_tmp), acl_file(passwords, run=deployment_settings.redis.run)).start()
     try:
@@ -211,6 +211,21 @@ def test_on_redis_7_a_worker_role_can_add_dead_letters_and_nothing_else_there(bi
                         lambda: worker.xadd(f"dapo:restart:{read}", {"data": b"x"}, maxlen=0)):
                 with pytest.raises(redis.exceptions.NoPermissionError):
                     add()
+        for role, output, consumer in (("generator", "rollouts", "reward"), ("reward", "scored", "learner")):
+            worker = client_for(server.url(role, passwords[role]))
+            stream = f"dapo:restart:{output}"
+            learner.xgroup_create(stream, consumer, id="0", mkstream=True)
+            entry = learner.xadd(stream, {"data": b"the next role's work"})
+            worker.xadd(stream, {"data": b"its own output"})
+            assert worker.xlen(stream) == 2  # back-pressure reads the length
+            for refused in (lambda: worker.xdel(stream, entry), lambda: worker.xack(stream, consumer, entry),
+                            lambda: worker.xreadgroup(consumer, "spy", {stream: ">"}),
+                            lambda: worker.xclaim(stream, consumer, "spy", 0, [entry]),
+                            lambda: worker.xautoclaim(stream, consumer, "spy", 0),
+                            lambda: worker.xrange(stream), lambda: worker.xtrim(stream, maxlen=0)):
+                with pytest.raises(redis.exceptions.NoPermissionError):
+                    refused()
+            assert learner.xlen(stream) == 2
         assert learner.xlen(dead) == 5  # every letter there, none read, trimmed or deleted by a worker
     finally:
         server.kill()
