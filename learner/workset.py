@@ -62,6 +62,9 @@ LETTERS_PER_SCAN = 256  # dead letters settled per scan (a few round trips each)
 REPAIR_SCAN_SECONDS = 10.0  # how often the run's streams are checked for a last id set in the future (and weighed)
 MEMORY_WARN_SHARE = 0.8  # Redis past this share of its maxmemory: the log names its largest keys (DapoRedisMemoryHigh)
 MEMORY_WARN_EVERY_S = 60.0
+# Past this share a stream longer than its producers may make it is trimmed back (DapoRedisMemoryFull fires at 95 %).
+MEMORY_TRIM_SHARE = 0.95
+DEAD_TRIM_SLACK = 1000  # `dead` is trimmed approximately (XADD MAXLEN ~): legitimately a little longer than its cap
 RUN_STREAMS = ("prompts", "rollouts", "scored", "dead", HELD)
 DROP_KINDS = ("uninformative", "stale", "duplicate")
 
@@ -409,7 +412,31 @@ class WorkingSet:
             log.warning("Redis uses %.0f%% of its maxmemory (%d MB); the largest keys of this run: %s",
                         100 * used / maxmemory, maxmemory // 2**20,
                         ", ".join(f"{name} {size / 2**20:.1f} MB" for name, size in largest))
+        if maxmemory and used >= MEMORY_TRIM_SHARE * maxmemory:
+            self.trim_overfull()
         return sizes
+
+    def trim_overfull(self) -> dict[str, int]:
+        """With Redis nearly full (writes are refused at maxmemory, and then no role can forward or dead-letter):
+        trim each stream longer than its producers may make it back to that length, oldest entries first, and name
+        it. `prompts`, `rollouts` and `scored` producers wait at `streams.high_water`; `dead` is kept near
+        `streams.dead_maxlen`. Only a producer that ignores its limit (a worker's XADD outside the scripts) makes one
+        longer: the culprit. A trimmed entry's task is given up at its deadline and issued again, as one a worker
+        deleted. `held` is the learner's own (a checkpoint releases it). Returns stream -> entries trimmed."""
+        cfg = self.streams.cfg
+        limits = {"prompts": cfg.high_water, "rollouts": cfg.high_water, "scored": cfg.high_water,
+                  "dead": cfg.dead_maxlen + DEAD_TRIM_SLACK}
+        trimmed = {}
+        for name, limit in limits.items():
+            key = self.streams.key(name)
+            if self.redis.xlen(key) > limit and (count := self.redis.xtrim(key, maxlen=limit, approximate=False)):
+                trimmed[name] = count
+                metrics.REDIS_TRIMMED.labels(name).inc(count)
+        if trimmed:
+            log.error("Redis is nearly full: trimmed %s, longer than their producers may make them (a producer that "
+                      "ignores its limit fills Redis: see who writes there)",
+                      ", ".join(f"{count} entries of {name}" for name, count in trimmed.items()))
+        return trimmed
 
     def consumed(self, task_ids) -> None:
         """Groups trained (or aged out) by a step: released from `held` at the next checkpoint."""

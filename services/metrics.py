@@ -23,6 +23,8 @@ REDIS_USED_MEMORY = Gauge("dapo_redis_used_memory_bytes", "Bytes Redis has alloc
 REDIS_MAXMEMORY = Gauge("dapo_redis_maxmemory_bytes", "Redis' maxmemory (0: no limit): beyond it writes are refused.")
 REDIS_KEY_MEMORY = Gauge("dapo_redis_key_memory_bytes", "Bytes each of the run's streams and hashes takes in Redis "
                          "(MEMORY USAGE): what fills it.", ["key"])
+REDIS_TRIMMED = Counter("dapo_redis_trimmed_entries_total", "Entries the learner trimmed from a stream longer than its "
+                        "producers may make it, with Redis nearly full (a producer ignoring its limit).", ["stream"])
 
 # Generator.
 GEN_TOKENS = Counter("dapo_generator_tokens_total", "Response tokens generated.")

@@ -581,6 +581,29 @@ def test_the_learner_weighs_the_runs_keys_and_names_the_largest_when_redis_fills
     assert len([r for r in caplog.records if "maxmemory" in r.getMessage()]) == 1
 
 
+def test_a_stream_a_producer_overfilled_is_trimmed_when_redis_is_nearly_full(settings, caplog, monkeypatch):
+    """A worker that XADDs past its stream's high-water mark (outside the scripts) fills Redis: past 95 % of
+    maxmemory the learner trims such a stream back to what its producers may make it, names it and counts it; a
+    stream within its limit, and `held`, are left alone; below 95 % nothing is trimmed."""
+    from services import metrics
+
+    service = LearnerService(settings)
+    service.connect()
+    flood = service.streams.key("rollouts")
+    high_water = settings.streams.high_water
+    for i in range(high_water + 40):
+        service.redis.xadd(flood, {"data": b"x" * 100, "sig": b"-"})
+    service.redis.xadd(service.streams.key("scored"), {"data": b"within its limit", "sig": b"-"})
+    service.work.weigh_keys()
+    assert service.redis.xlen(flood) == high_water + 40  # Redis is not full: nothing trimmed
+    before = metrics.REDIS_TRIMMED.labels("rollouts")._value.get()
+    monkeypatch.setattr(service.streams, "memory", lambda: (960 * 2**20, 1000 * 2**20))
+    service.work.weigh_keys()
+    assert service.redis.xlen(flood) == high_water and service.redis.xlen(service.streams.key("scored")) == 1
+    assert metrics.REDIS_TRIMMED.labels("rollouts")._value.get() - before == 40
+    assert any("trimmed 40 entries of rollouts" in r.getMessage() for r in caplog.records)
+
+
 def test_a_learner_refuses_a_redis_too_small_for_a_step_and_checkpoints_early_under_memory_pressure(settings):
     """At start, a step of the largest groups beyond redis.held_memory_share of maxmemory is refused with the
     figures; running, Redis past that share makes the step's checkpoint due (it releases `held`)."""
