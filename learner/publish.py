@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from services.weights import shareable_state_dict
+from services.weights import shareable_state_dict, unique_tensors
 from services.weights_layout import Written, write_shards
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -72,19 +72,14 @@ def _gather_to(value, owner: int, group, rank: int, device: torch.device) -> Ten
 
 
 def owned_weights(trainer: "Trainer") -> dict[str, Tensor]:
-    """The parameters this rank writes, whole, on the host in the served dtype (HF names; a tied alias dropped, as
-    `Trainer.state_dict_for_publish`). A collective: every rank calls it, with the same model."""
+    """The parameters this rank writes, whole, on the host in the served dtype (named as `unique_tensors` names
+    them). A collective: every rank calls it, with the same model."""
     from torch.distributed.tensor import DTensor
 
     model = trainer.accelerator.unwrap_model(trainer.model)
     rank = dist.get_rank()
     writers, group = _writers_and_group(model)
-    unique: dict[str, Tensor] = {}
-    seen: set[int] = set()
-    for name, tensor in model.state_dict(keep_vars=True).items():  # a tied alias is the same object
-        if id(tensor) not in seen:
-            seen.add(id(tensor))
-            unique[name] = tensor.detach()
+    unique = unique_tensors(model)
     served = torch.empty((), dtype=trainer.served_dtype).element_size()
     dealt = owners({name: t.numel() * served for name, t in unique.items()}, writers)
     out: dict[str, Tensor] = {}

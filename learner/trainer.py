@@ -61,6 +61,7 @@ from learner import activation_checkpointing, attention, dapo, devices, packing,
 from learner.logprobs import install_head, response_logprobs
 from learner.packing import MicroBatch, Response
 from learner.update_stats import UpdateStats
+from services.weights import unique_tensors
 
 if TYPE_CHECKING:  # pragma: no cover
     from services.config import Settings
@@ -279,7 +280,7 @@ class Trainer:
     def state_dict_for_publish(self) -> dict[str, Tensor]:
         """HF parameter names -> CPU, contiguous tensors in the served dtype, copies (safe to serialize later).
 
-        A tied alias (lm_head.weight of tied-embedding models) is dropped, as save_pretrained does. Under FSDP
+        Each tensor once (`services.weights.unique_tensors`: a tied alias dropped). Under FSDP
         every rank must call this; each rank casts its shard to the served dtype, then they gather one parameter at a
         time (bf16: half the bytes of the fp32 master); the main process keeps each copy on the host (the served
         model), the other ranks drop each gathered parameter at once. The full dictionary is on the main process.
@@ -289,12 +290,7 @@ class Trainer:
         model = self.accelerator.unwrap_model(self.model)
         main = self.accelerator.is_main_process
         out: dict[str, Tensor] = {}
-        seen: set[int] = set()
-        for name, tensor in model.state_dict(keep_vars=True).items():  # a tied alias is the same object
-            if id(tensor) in seen:
-                continue
-            seen.add(id(tensor))
-            value = tensor.detach()
+        for name, value in unique_tensors(model).items():
             if isinstance(value, DTensor):
                 value = value.to(self.served_dtype).full_tensor()  # a collective: every rank, in the same order
             if main:

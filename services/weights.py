@@ -72,7 +72,7 @@ from services.weights_layout import (
     held_versions,
     remove_unfinished,
     shard_files,
-    write_shards,
+    write_version,
 )
 
 log = logging.getLogger(__name__)
@@ -90,6 +90,18 @@ class WeightsError(RuntimeError):
 
 
 # -- pure helpers -------------------------------------------------------------------------------------------
+def unique_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """HF name -> each parameter and buffer once, detached: a tied alias (lm_head.weight of tied-embedding models,
+    the same object as the embedding) is dropped, as save_pretrained does. The same order on every rank."""
+    unique: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        if id(tensor) not in seen:
+            seen.add(id(tensor))
+            unique[name] = tensor.detach()
+    return unique
+
+
 def shareable_state_dict(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Detached, contiguous CPU tensors that safetensors accepts.
 
@@ -236,16 +248,10 @@ class WeightPublisher:
 
     def publish(self, state_dict: dict[str, torch.Tensor], version: int) -> WeightsAnnouncement:
         """Write, hash, prune, then announce (SET latest + PUBLISH). Returns the announcement."""
-        tensors = shareable_state_dict(state_dict)
         # Written into a temporary folder renamed at the end: downloads of older versions go on meanwhile (a 32B
         # version takes minutes to write); only the prune must not remove a folder a download is opening.
-        tmp = self.begin(version)
-        try:
-            written = write_shards(tmp, tensors, self.shard_bytes)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        return self.finish(version, tmp, [written])
+        return self._announce(write_version(self.dir, version, shareable_state_dict(state_dict), self.shard_bytes,
+                                            self._url(version), self.signer, channel(self.prefix)))
 
     def begin(self, version: int) -> Path:
         """The temporary folder `version`'s shards are written into (by this process, or by every learner rank:
@@ -255,8 +261,15 @@ class WeightPublisher:
     def finish(self, version: int, tmp: Path, writers: list[Written]) -> WeightsAnnouncement:
         """The index and the signed announcement of what `writers` wrote into `tmp`, the folder renamed into place,
         old versions pruned, then the announcement (SET latest + PUBLISH). Returns it."""
-        announcement = finish_version(self.dir, tmp, version, writers, f"{self.base_url}/v1/weights/{version}",
-                                      self.signer, channel(self.prefix))
+        return self._announce(finish_version(self.dir, tmp, version, writers, self._url(version), self.signer,
+                                             channel(self.prefix)))
+
+    def _url(self, version: int) -> str:
+        return f"{self.base_url}/v1/weights/{version}"
+
+    def _announce(self, announcement: WeightsAnnouncement) -> WeightsAnnouncement:
+        """A version now on disk: prune the old ones, then announce it (SET latest + PUBLISH)."""
+        version = announcement.version
         with self._lock:
             self._prune(keep_also=version)
         payload = announcement.model_dump_json()

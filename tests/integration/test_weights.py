@@ -43,7 +43,7 @@ from services.weights_layout import (
     remove_unfinished,
     shard_plan,
     write_hold,
-    write_shards,
+    write_version,
 )
 
 TOKEN = "s3cret"
@@ -246,9 +246,9 @@ def test_a_download_does_not_wait_for_a_version_being_written(learner, monkeypat
     def slow_write(*args, **kwargs):
         writing.set()
         finish.wait(30)
-        return write_shards(*args, **kwargs)
+        return write_version(*args, **kwargs)
 
-    monkeypatch.setattr(weights_module, "write_shards", slow_write)
+    monkeypatch.setattr(weights_module, "write_version", slow_write)
     publishing = threading.Thread(target=publisher.publish, args=(tiny_state_dict(seed=2), 2))
     publishing.start()
     try:
