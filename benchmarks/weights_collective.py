@@ -1,14 +1,19 @@
 """Weight sync by broadcast (weights.transport collective) to 1, 2, 4 and 8 generators, against a plain in-memory copy
 of the same bytes, side by side in one run.
 
-One learner process (this one) runs the real `Broadcaster` over gloo on this machine's loopback; each generator is a
-process that runs what an engine's worker runs (services/broadcast.py `receive`: join the round's group, take every
-bucket from the rank before it and hand it on, hash as `weights.verify` says) and what the generator then checks
-(`commit_refusal`: the learner's signature, the digests). The generators are ready and subscribed to the weights
-channel before the learner publishes, as live ones are. Measured:
+One learner process (this one) runs the real `Broadcaster` on this machine; each generator is a process that runs
+what an engine's worker runs (services/broadcast.py `receive`) and what the generator then checks (`commit_refusal`:
+the learner's signature, the digests). The generators are ready and subscribed to the weights channel before the
+learner publishes, as live ones are. Each round takes the same generators down both of the transport's paths:
 
-  broadcast   seconds from the learner's `broadcast()` call until the last generator holds the checked version
-              (the round's announcement on Redis pub/sub, the rendezvous, the stream, the commit, the checks);
+  nearby      registered as on the learner's host (what `dapo run` does): each takes every bucket as a sealed
+              memfd over the round's unix socket and copies it into its own memory; nothing to hash;
+  chain       registered as on other hosts: join the round's gloo group on loopback, take every bucket from the
+              rank before and hand it on, hash as `weights.verify` says;
+
+each timed from the learner's `broadcast()` call until the last generator holds the checked version (the round's
+announcement on Redis pub/sub, the rendezvous, the stream, the commit, the checks). Against:
+
   memcopy     the reference: every generator process copies the version's bytes, at the same moment, from shared
               memory into its own (torch `clone` of a shared-memory tensor): the version moved from the learner's
               memory into each generator's at the speed of memory;
@@ -32,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from services.broadcast import Broadcaster, commit_refusal, leave, parse_round, receive, register_member
+from services.broadcast import HOST, Broadcaster, commit_refusal, leave, parse_round, receive, register_member
 from services.config import load_settings
 from services.keys import create_keys, keys_dir, load_keyring, load_signer
 from services.redis_local import EmbeddedRedis, connect
@@ -40,6 +45,7 @@ from services.streams import run_prefix
 from services.weights import channel, shareable_state_dict
 
 COUNTS = (1, 2, 4, 8)
+PATHS = ("memcopy", "nearby", "chain")
 
 
 def generator_process(settings, member: str, source: torch.Tensor, commands, done) -> None:
@@ -58,11 +64,11 @@ def generator_process(settings, member: str, source: torch.Tensor, commands, don
             del copied
             continue
         announcement = None
-        while announcement is None or member not in announcement.ranks:  # rounds it sat out are still queued
+        while announcement is None or not announcement.takes_part(member):  # rounds it sat out are still queued
             message = pubsub.get_message(timeout=1)
             if message is not None and b'"kind":"broadcast"' in message["data"]:
                 announcement = parse_round(message["data"], keyring, channel(prefix))
-        receipt = receive(announcement, "127.0.0.1", announcement.ranks[member])
+        receipt = receive(announcement, "127.0.0.1", member)
         refusal = commit_refusal(announcement, receipt.commit, receipt.digests, keyring, channel(prefix))
         done.put((member, "round", time.perf_counter(), refusal))
         del receipt
@@ -104,10 +110,13 @@ def measure(mb: int, verify: str, rounds: int, tmp: Path, redis_url: str) -> lis
     for r in range(rounds):
         for count in COUNTS:
             chosen = members[:count]
-            for member in members:
-                (register_member(client, prefix, member, 1) if member in chosen else leave(client, prefix, member))
             times = {}
-            for path in ("memcopy", "broadcast") if r % 2 == 0 else ("broadcast", "memcopy"):
+            for path in PATHS[r % len(PATHS):] + PATHS[:r % len(PATHS)]:  # each round starts with another path
+                for member in members:  # nearby: as on the learner's host; chain: as on another
+                    if member in chosen and path != "memcopy":
+                        register_member(client, prefix, member, 1, host=HOST if path == "nearby" else "far")
+                    else:
+                        leave(client, prefix, member)
                 started = time.perf_counter()
                 if path == "memcopy":
                     for member in chosen:
@@ -128,18 +137,18 @@ def measure(mb: int, verify: str, rounds: int, tmp: Path, redis_url: str) -> lis
                     assert kind == ("copy" if path == "memcopy" else "round"), kind
                     assert path == "memcopy" or refusal is None, refusal
                     finished.append(at)
-                if path == "broadcast":
+                if path != "memcopy":
                     thread.join()
-                    assert result["r"].error is None, result["r"].error
+                    assert result["r"].error is None and result["r"].failed == [], result["r"]
                     sent = result["r"].bytes_sent
                 times[path] = (max(finished) - started, sent)
-            row = {"mb": size / 1e6, "generators": count, "round": r, "broadcast_s": times["broadcast"][0],
-                   "memcopy_s": times["memcopy"][0], "egress_mb": times["broadcast"][1] / 1e6}
+            row = {"mb": size / 1e6, "generators": count, "round": r, "memcopy_s": times["memcopy"][0],
+                   **{f"{path}_s": times[path][0] for path in PATHS[1:]},
+                   **{f"{path}_egress_mb": times[path][1] / 1e6 for path in PATHS[1:]}}
             rows.append(row)
-            print(f"{size / 1e6:8.1f} MB x{count}: broadcast {row['broadcast_s']:.3f}s, "
-                  f"memcopy {row['memcopy_s']:.3f}s, "
-                  f"ratio {row['broadcast_s'] / row['memcopy_s']:.2f}, learner sent {row['egress_mb']:.1f} MB",
-                  flush=True)
+            print(f"{size / 1e6:8.1f} MB x{count}: memcopy {row['memcopy_s']:.3f}s, "
+                  + ", ".join(f"{path} {row[f'{path}_s']:.3f}s ({row[f'{path}_s'] / row['memcopy_s']:.2f}x, learner "
+                              f"sent {row[f'{path}_egress_mb']:.1f} MB)" for path in PATHS[1:]), flush=True)
     for member in members:
         commands[member].put("stop")
     for process in processes:
@@ -173,7 +182,7 @@ def engine_pause(tmp: Path, redis_url: str) -> dict:
         while message is None or b'"kind":"broadcast"' not in message["data"]:
             message = pubsub.get_message(timeout=1)
         announcement = parse_round(message["data"], keyring, channel(prefix))
-        engine.begin_receive(announcement, "127.0.0.1", announcement.ranks["engine"])
+        engine.begin_receive(announcement, "127.0.0.1", "engine")
         for i, prompt in enumerate(prompts):
             engine.submit(f"r{version}-{i}", prompt, sampling)
         steps = 0
@@ -205,16 +214,18 @@ def main() -> None:
     print(f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}, verify {args.verify}, gloo on loopback")
     try:
         rows = [row for mb in args.mb for row in measure(mb, args.verify, args.rounds, tmp, redis_server.url)]
-        print(f"\n| model | generators | broadcast s (median of {args.rounds}) | memcopy s | x memcopy (median of "
-              "per-round ratios) | MB the learner sends |")
-        print("|---:|---:|---:|---:|---:|---:|")
+        print(f"\n| model | generators | memcopy s | nearby s | chain s | nearby x memcopy | chain x memcopy | "
+              f"MB the learner sends (nearby, chain) |   (medians of {args.rounds}; ratios per round)")
+        print("|---:|---:|---:|---:|---:|---:|---:|---:|")
         for mb in sorted({row["mb"] for row in rows}):
             for count in COUNTS:
                 mine = [row for row in rows if row["mb"] == mb and row["generators"] == count]
-                print(f"| {mb:,.1f} MB | {count} | {statistics.median(r['broadcast_s'] for r in mine):.3f} | "
-                      f"{statistics.median(r['memcopy_s'] for r in mine):.3f} | "
-                      f"{statistics.median(r['broadcast_s'] / r['memcopy_s'] for r in mine):.2f} | "
-                      f"{statistics.median(r['egress_mb'] for r in mine):,.1f} |")
+                seconds = [f"{statistics.median(r[f'{path}_s'] for r in mine):.3f}" for path in PATHS]
+                ratios = [f"{statistics.median(r[f'{path}_s'] / r['memcopy_s'] for r in mine):.2f}"
+                          for path in PATHS[1:]]
+                egress = [f"{statistics.median(r[f'{path}_egress_mb'] for r in mine):,.1f}" for path in PATHS[1:]]
+                print(f"| {mb:,.1f} MB | {count} | {' | '.join(seconds)} | {' | '.join(ratios)} | "
+                      f"{', '.join(egress)} |")
         if args.engine:
             print(engine_pause(tmp, redis_server.url))
     finally:

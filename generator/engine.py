@@ -363,10 +363,10 @@ class VllmEngine:
         """The engine's model workers (each takes a rank in a broadcast round)."""
         return len(self._rpc("receive_status", {}))
 
-    def begin_receive(self, announcement: WeightsBroadcast, host: str, first_rank: int) -> None:
+    def begin_receive(self, announcement: WeightsBroadcast, host: str, member: str) -> None:
         """Every worker joins the round (services/broadcast.py) and stages it in the background; generation goes on."""
         self._rpc("begin_receive", {"announcement_json": announcement.model_dump_json(), "host": host,
-                                    "first_rank": first_rank})
+                                    "member": member})
 
     def received(self) -> list[dict] | None:
         """None while a worker is still receiving; else each worker's `receive_status`."""

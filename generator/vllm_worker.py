@@ -103,8 +103,8 @@ class WeightReloadExtension:
             refreshed = refresh_cpu_packed_weights(self.model_runner.get_model())
         return {"seconds": time.perf_counter() - started, "repacked": refreshed}
 
-    def begin_receive(self, announcement_json: str, host: str, first_rank: int) -> None:
-        """Join the round as rank `first_rank` + this worker's rank and stage its buckets, in the background."""
+    def begin_receive(self, announcement_json: str, host: str, member: str) -> None:
+        """Take the round as this worker of generator `member`'s engine and stage its buckets, in the background."""
         from services.broadcast import receive
         from services.messages import WeightsBroadcast
 
@@ -114,7 +114,7 @@ class WeightReloadExtension:
 
         def run() -> None:
             try:
-                self._round = (announcement, receive(announcement, host, first_rank + self.rank, device), None)
+                self._round = (announcement, receive(announcement, host, member, self.rank, device), None)
             except Exception as err:  # reported to the generator by `receive_status`
                 self._round = (announcement, None, f"{type(err).__name__}: {err}")
 

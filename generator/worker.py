@@ -548,12 +548,12 @@ class RolloutWorker:
         if self._receiving is None:
             offered = self.sync.watcher.round
             files = self.sync.watcher.newest  # written after the round: the round is over
-            if (offered is None or offered.version <= self.version or self.id not in offered.ranks
+            if (offered is None or offered.version <= self.version or not offered.takes_part(self.id)
                     or offered.group == self._round_tried or self._pull is not None or self._ready_weights
                     or (files is not None and files.version >= offered.version)):
                 return
             self._round_tried = offered.group
-            self.engine.begin_receive(offered, self.sync.learner_host, offered.ranks[self.id])
+            self.engine.begin_receive(offered, self.sync.learner_host, self.id)
             self._receiving = offered
             self.status = f"receiving weights v{offered.version}"
             return

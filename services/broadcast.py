@@ -28,15 +28,23 @@ One round per version, the same code on CPU (gloo) and GPU (NCCL), built from Py
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
+import hmac
 import json
 import logging
+import mmap
+import os
 import random
 import secrets
+import socket
+import struct
+import threading
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -85,9 +93,10 @@ def layout(tensors: dict[str, torch.Tensor], bucket_bytes: int) -> tuple[list[li
     return buckets, sizes
 
 
-def pack(tensors: dict[str, torch.Tensor], slots: list[TensorSlot], size: int, device="cpu") -> torch.Tensor:
-    """One bucket's bytes (uint8)."""
-    buffer = torch.zeros(size, dtype=torch.uint8, device=device)
+def pack(tensors: dict[str, torch.Tensor], slots: list[TensorSlot], size: int, device="cpu",
+         out: torch.Tensor | None = None) -> torch.Tensor:
+    """One bucket's bytes (uint8), in `out` if given (zeroed, `size` bytes)."""
+    buffer = torch.zeros(size, dtype=torch.uint8, device=device) if out is None else out
     for slot in slots:
         flat = tensors[slot.name].detach().contiguous().view(-1).view(torch.uint8)
         buffer[slot.offset : slot.offset + flat.numel()].copy_(flat)
@@ -175,6 +184,202 @@ def relay(pg, rank: int, world_size: int, sizes: list[int], timeout_s: float, de
     return buckets, commit.cpu().numpy().tobytes()
 
 
+# -- nearby receivers: sealed memory instead of the chain ---------------------------------------------------------
+# On the learner's host every hop of the chain would copy each byte into the kernel and out again, on the same cores
+# (NCCL takes shared memory or P2P within a node for the same reason; gloo has only TCP). A receiver there is
+# handed each bucket as a memfd instead: the learner packs the bucket into it once and seals it (F_SEAL_WRITE: no
+# process can change its bytes after), and every receiver copies it out in parallel. The fd comes over the round's
+# abstract unix socket, from the learner's pid (the signed round names it; SO_PEERCRED shows it), so a sealed
+# bucket needs no digest: nothing on the way can alter it. The learner serves only its own user with the round's
+# token (which only readers of the weights channel have).
+SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
+_CREDENTIALS = struct.Struct("3i")  # SO_PEERCRED: pid, uid, gid
+_COMMIT_MAX = 1 << 20  # bytes: a commit holds a digest per bucket
+
+
+def host_identity() -> str:
+    """The same for two processes that can pass fds over an abstract unix socket and check each other's pid and
+    uid: the same kernel (boot id) and network, pid and user namespaces ("" where that cannot be read)."""
+    try:
+        boot = open("/proc/sys/kernel/random/boot_id").read().strip()
+        return "/".join([boot, *(str(os.stat(f"/proc/self/ns/{ns}").st_ino) for ns in ("net", "pid", "user"))])
+    except OSError:
+        return ""
+
+
+HOST = host_identity()
+
+
+def _peer(conn: socket.socket) -> tuple[int, int]:
+    pid, uid, _ = _CREDENTIALS.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CREDENTIALS.size))
+    return pid, uid
+
+
+def sealed_bucket(size: int, fill) -> int:
+    """A memfd of `size` bytes that `fill(uint8 tensor)` wrote, sealed against any change: its fd."""
+    fd = os.memfd_create("dapo-weights-bucket", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(fd, size)
+        if size:
+            with mmap.mmap(fd, size) as view:
+                target = torch.frombuffer(view, dtype=torch.uint8)
+                fill(target)
+                del target  # the mapping must be gone before F_SEAL_WRITE
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS | fcntl.F_SEAL_SEAL)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def copy_sealed(fd: int, size: int) -> torch.Tensor:
+    """This process's own copy of a sealed bucket; ValueError if the fd is not sealed or not `size` bytes."""
+    if fcntl.fcntl(fd, fcntl.F_GET_SEALS) & SEALS != SEALS:
+        raise ValueError("a bucket came unsealed: its bytes could still change")
+    if os.fstat(fd).st_size != size:
+        raise ValueError(f"a bucket of {os.fstat(fd).st_size} bytes where the round says {size}")
+    bucket = torch.empty(size, dtype=torch.uint8)
+    if size:
+        with mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ) as view:
+            source = np.frombuffer(view, dtype=np.uint8)
+            bucket.numpy()[:] = source
+            del source
+    return bucket
+
+
+def take_handoff(announcement: WeightsBroadcast, member: str, worker: int) -> tuple[list[torch.Tensor], bytes]:
+    """A nearby receiving worker's round: every bucket from the learner's socket, copied out of its sealed memfd as
+    it comes, then the commit. ConnectionError when the socket is not the learner's or the round ends early."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC) as conn:
+        conn.settimeout(announcement.join_timeout_s)
+        conn.connect("\0" + announcement.handoff)
+        if (pid := _peer(conn)[0]) != announcement.learner_pid:
+            raise ConnectionError(f"the round's socket is served by pid {pid}, not the learner's "
+                                  f"({announcement.learner_pid})")
+        conn.sendall(json.dumps({"token": announcement.handoff_token, "member": member, "worker": worker}).encode())
+        conn.settimeout(announcement.timeout_s)
+        buckets = []
+        for index, size in enumerate(announcement.bucket_bytes):
+            message, fds, _, _ = socket.recv_fds(conn, 8, 1)
+            try:
+                if message != struct.pack("!Q", index) or len(fds) != 1:
+                    raise ConnectionError(f"the learner ended the round before bucket {index}")
+                buckets.append(copy_sealed(fds[0], size))
+            finally:
+                for fd in fds:
+                    os.close(fd)
+        commit = conn.recv(_COMMIT_MAX)
+        if not commit:
+            raise ConnectionError("the learner ended the round before its commit")
+        conn.sendall(b"ok")  # the learner counts this worker as served
+    return buckets, commit
+
+
+class Handoff:
+    """The learner's side of a round's nearby receivers: a thread accepts their connections on the round's abstract
+    socket (own user, the round's token, an expected worker, once each) and hands each every bucket as soon as it
+    is sealed, then the commit. `finish` says who was not served."""
+
+    def __init__(self, name: str, token: str, expected: dict[str, int], buckets: int, timeout_s: float,
+                 join_timeout_s: float):
+        self.name, self.token, self.buckets, self.timeout_s = name, token, buckets, timeout_s
+        self.expected = {(member, worker) for member, workers in expected.items() for worker in range(workers)}
+        self.fds: list[int] = []
+        self.commit: bytes | None = None
+        self.closed = False
+        self.claimed: set[tuple[str, int]] = set()  # a receiver that showed the token is being served
+        self.ended: set[tuple[str, int]] = set()  # ... and its service ended, served or not
+        self.served: set[tuple[str, int]] = set()
+        self.changed = threading.Condition()
+        self.server = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+        self.server.bind("\0" + name)  # OSError if taken: the round's name is new, so someone squats it
+        self.server.listen(64)
+        self.server.settimeout(0.2)
+        self.join_deadline = time.monotonic() + join_timeout_s
+        threading.Thread(target=self._accept, name="weights-handoff", daemon=True).start()
+
+    def _accept(self) -> None:
+        # A bounded number of connections: whoever else connects costs a thread until its hello times out.
+        budget = 4 * len(self.expected) + 8
+        while not self.closed and time.monotonic() < self.join_deadline and len(self.claimed) < len(self.expected) \
+                and budget > 0:
+            try:
+                conn, _ = self.server.accept()
+            except (TimeoutError, OSError):
+                continue
+            budget -= 1
+            threading.Thread(target=self._serve, args=(conn,), name="weights-handoff-to", daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        who = None
+        with conn:
+            try:
+                conn.settimeout(max(self.join_deadline - time.monotonic(), 0.1))
+                hello = json.loads(conn.recv(1024) or b"null")
+                if _peer(conn)[1] != os.getuid() or not hmac.compare_digest(str(hello["token"]), self.token):
+                    raise PermissionError("not the learner's user, or not the round's token")
+                with self.changed:
+                    if (hello["member"], hello["worker"]) not in self.expected - self.claimed:
+                        raise PermissionError(f"{hello['member']!r} worker {hello['worker']!r} is not a receiver of "
+                                              "this round, or came twice")
+                    who = (hello["member"], hello["worker"])
+                    self.claimed.add(who)
+                conn.settimeout(self.timeout_s)
+                if self._hand_over(conn) and conn.recv(8) == b"ok":
+                    with self.changed:
+                        self.served.add(who)
+            except (OSError, ValueError, KeyError, TypeError, PermissionError) as err:
+                log.warning("broadcast: a nearby receiver was not served: %s", err)
+            finally:
+                if who is not None:
+                    with self.changed:
+                        self.ended.add(who)
+                        self.changed.notify_all()
+
+    def _hand_over(self, conn: socket.socket) -> bool:
+        """Every bucket's fd as it is sealed, then the commit; False if the round ended first."""
+        for index in range(self.buckets):
+            with self.changed:  # an fd is sent under the lock: `close` closes them under it
+                self.changed.wait_for(lambda: self.closed or len(self.fds) > index, self.timeout_s)
+                if self.closed or len(self.fds) <= index:
+                    return False
+                socket.send_fds(conn, [struct.pack("!Q", index)], [self.fds[index]])
+        with self.changed:
+            self.changed.wait_for(lambda: self.closed or self.commit is not None, self.timeout_s)
+            if self.closed or self.commit is None:
+                return False
+        conn.sendall(self.commit)
+        return True
+
+    def add(self, fd: int) -> None:
+        with self.changed:
+            self.fds.append(fd)
+            self.changed.notify_all()
+
+    def finish(self, commit: bytes) -> list[str]:
+        """Hand every receiver the commit, then wait until each took it, or the join window passed and every one
+        that came was served or failed (at most the join timeout and one `timeout_s`); the members not served."""
+        deadline = max(self.join_deadline, time.monotonic()) + self.timeout_s
+        with self.changed:
+            self.commit = commit
+            self.changed.notify_all()
+            while not (self.served >= self.expected
+                       or (time.monotonic() >= self.join_deadline and self.ended >= self.claimed)):
+                if time.monotonic() >= deadline:
+                    break
+                self.changed.wait(0.05)
+        return sorted({member for member, _ in self.expected - self.served})
+
+    def close(self) -> None:
+        with self.changed:
+            self.closed = True
+            for fd in self.fds:
+                os.close(fd)
+            self.fds = []
+            self.changed.notify_all()
+        self.server.close()
+
+
 @dataclass
 class Receipt:
     """What a receiving worker staged: the buckets, the digests it computed (by bucket index), the commit."""
@@ -185,9 +390,14 @@ class Receipt:
     seconds: float
 
 
-def receive(announcement: WeightsBroadcast, host: str, rank: int, device="cpu") -> Receipt:
-    """A receiving worker's whole round: join, relay, hash what `verify` asks for (random buckets for sampled)."""
+def receive(announcement: WeightsBroadcast, host: str, member: str, worker: int = 0, device="cpu") -> Receipt:
+    """A receiving worker's whole round (`worker` of generator `member`'s engine): nearby, the sealed buckets;
+    else join the chain, relay, and hash what `verify` asks for (random buckets for sampled)."""
     started = time.perf_counter()
+    if member in announcement.nearby:
+        buckets, commit = take_handoff(announcement, member, worker)
+        return Receipt(buckets, {}, commit.decode(), time.perf_counter() - started)
+    rank = announcement.ranks[member] + worker
     count = len(announcement.bucket_bytes)
     if announcement.verify == "full":
         hashed = set(range(count))
@@ -221,7 +431,7 @@ def commit_refusal(announcement: WeightsBroadcast, commit_json: str, digests: di
         return refusal
     if (commit.version, commit.group) != (announcement.version, announcement.group):
         return f"the commit is for v{commit.version} round {commit.group}, not this round"
-    if announcement.verify != "off" and len(commit.digests) != len(announcement.bucket_bytes):
+    if announcement.verify != "off" and announcement.ranks and len(commit.digests) != len(announcement.bucket_bytes):
         return f"the commit has {len(commit.digests)} digests for {len(announcement.bucket_bytes)} buckets"
     if bad := [i for i, hexdigest in digests.items() if commit.digests[i] != hexdigest]:
         return f"digest mismatch in bucket(s) {bad[:5]}: bytes changed on the way"
@@ -258,19 +468,21 @@ class Broadcaster:
         self.join_timeout_s = cfg.broadcast_join_timeout_s
         self.bucket_bytes = int(cfg.bucket_mb * 1024 * 1024)
         self.verify = cfg.verify
+        self.take_nearby = cfg.broadcast_nearby
         self.backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
         self.device = "cuda" if self.backend == "nccl" else "cpu"
         self.store = dist.TCPStore("0.0.0.0", cfg.broadcast_port, is_master=True, wait_for_workers=False,
                                    timeout=timedelta(seconds=self.join_timeout_s), use_libuv=True)
         self.port = self.store.port
         self.since: dict[str, float] = {}  # member -> its process's start, as the last `members` read it
+        self.nearby: set[str] = set()  # members on this host (gloo): sealed memory, not the chain
         self.paused: dict[tuple[str, float], float] = {}  # (member, its process's start) -> when it may again
 
     def members(self) -> dict[str, int]:
         """Fresh members not sitting out: generator id -> its engine's workers. Drops stale ones."""
         now, clock = time.time(), time.monotonic()
         fresh, stale = {}, []
-        self.since = {}
+        self.since, self.nearby = {}, set()
         for raw_id, raw in (self.redis.hgetall(self.members_key) or {}).items():
             member = raw_id.decode() if isinstance(raw_id, bytes) else raw_id
             try:
@@ -284,6 +496,8 @@ class Broadcaster:
             elif self.paused.get((member, since), 0.0) <= clock:
                 fresh[member] = workers
                 self.since[member] = since
+                if self.take_nearby and self.backend == "gloo" and HOST and record.get("host") == HOST:
+                    self.nearby.add(member)
         if stale:
             self.redis.hdel(self.members_key, *stale)
         return fresh
@@ -294,55 +508,84 @@ class Broadcaster:
         if not members:
             return None
         started = time.perf_counter()
-        ranks, world_size = {}, 1
-        for member, workers in sorted(members.items()):
-            ranks[member] = world_size
-            world_size += workers
+        nearby = sorted(self.nearby & set(members))
         slots, sizes = layout(tensors, self.bucket_bytes)
         group = f"v{version}-{secrets.token_hex(6)}"
+        token, handoff = secrets.token_hex(16), None
+        try:
+            handoff = Handoff(f"dapo-weights-{group}", token, {m: members[m] for m in nearby}, len(sizes),
+                              self.timeout_s, self.join_timeout_s) if nearby else None
+        except OSError as err:
+            log.warning("broadcast: no nearby socket for v%d (%s): every member takes the chain", version, err)
+            nearby = []
+        ranks, world_size = {}, 1
+        for member, workers in sorted(members.items()):
+            if member not in nearby:
+                ranks[member] = world_size
+                world_size += workers
         announcement = sign_announcement(
             WeightsBroadcast(version=version, group=group, port=self.port, backend=self.backend,
                              world_size=world_size, ranks=ranks, buckets=slots, bucket_bytes=sizes,
-                             verify=self.verify, timeout_s=self.timeout_s, join_timeout_s=self.join_timeout_s),
+                             nearby=nearby, handoff=handoff.name if handoff else "", handoff_token=token,
+                             learner_pid=os.getpid(), verify=self.verify, timeout_s=self.timeout_s,
+                             join_timeout_s=self.join_timeout_s),
             self.signer, round_context(self.channel),
         )
         result = RoundResult(version, sorted(members))
         self.redis.publish(self.channel, announcement.model_dump_json())
         try:
-            pg = join(self.store, group, 0, world_size, self.backend, self.timeout_s, self.join_timeout_s)
-            result.bytes_sent = self._stream(pg, tensors, announcement)
+            pg = join(self.store, group, 0, world_size, self.backend, self.timeout_s, self.join_timeout_s) \
+                if ranks else None
+            result.bytes_sent, commit = self._stream(pg, handoff, tensors, announcement)
+            result.failed = handoff.finish(commit) if handoff else []
         except Exception as err:
             result.error = f"{type(err).__name__}: {err}"
             result.failed = self._absent(group, ranks, members)
-            for member in result.failed:
-                self.paused[(member, self.since[member])] = time.monotonic() + MEMBER_PAUSE_S
             log.warning("broadcast of v%d failed (%s); %s get it through the files", version, result.error,
                         ", ".join(result.failed) or "those after the break")
+        finally:
+            if handoff is not None:
+                handoff.close()
+        for member in result.failed:
+            self.paused[(member, self.since[member])] = time.monotonic() + MEMBER_PAUSE_S
         result.seconds = time.perf_counter() - started
         return result
 
-    def _stream(self, pg, tensors: dict[str, torch.Tensor], announcement: WeightsBroadcast) -> int:
-        timeout = timedelta(seconds=self.timeout_s)
-        digests, sends, sent = [], [], 0
-        for tag, (slots, size) in enumerate(zip(announcement.buckets, announcement.bucket_bytes)):
-            bucket = pack(tensors, slots, size, self.device)
-            sends.append(pg.send([bucket], 1, tag))
-            if self.verify != "off":
-                digests.append(digest(bucket))  # while the bucket is on the wire
-            while len(sends) > 2:
-                sends.pop(0).wait(timeout)
-            sent += size
-        commit = sign_announcement(
+    def _commit(self, announcement: WeightsBroadcast, digests: list[str]) -> bytes:
+        return sign_announcement(
             BroadcastCommit(version=announcement.version, group=announcement.group, digests=digests),
             self.signer, round_context(self.channel),
         ).model_dump_json().encode()
+
+    def _stream(self, pg, handoff: Handoff | None, tensors: dict[str, torch.Tensor],
+                announcement: WeightsBroadcast) -> tuple[int, bytes]:
+        """Every bucket packed once: sealed for the nearby receivers, sent down the chain (and hashed for the commit
+        while on the wire) for the others. The bytes sent and the signed commit."""
+        timeout = timedelta(seconds=self.timeout_s)
+        digests, sends, sent = [], [], 0
+        for tag, (slots, size) in enumerate(zip(announcement.buckets, announcement.bucket_bytes)):
+            if pg is None:  # nearby receivers only: packed straight into the sealed memory
+                handoff.add(sealed_bucket(size, lambda out: pack(tensors, slots, size, out=out)))
+            else:
+                bucket = pack(tensors, slots, size, self.device)
+                sends.append(pg.send([bucket], 1, tag))
+                if handoff is not None:
+                    handoff.add(sealed_bucket(size, lambda out: out.copy_(bucket)))
+                if self.verify != "off":
+                    digests.append(digest(bucket))  # while the bucket is on the wire
+                while len(sends) > 2:
+                    sends.pop(0).wait(timeout)
+            sent += size
+        commit = self._commit(announcement, digests)
+        if pg is None:
+            return sent, commit
         payload = torch.frombuffer(bytearray(commit), dtype=torch.uint8).to(self.device)
         tag = len(announcement.bucket_bytes)
         sends.append(pg.send([torch.tensor([len(commit)], dtype=torch.int64, device=self.device)], 1, tag))
         sends.append(pg.send([payload], 1, tag + 1))
         for send in sends:
             send.wait(timeout)
-        return sent + len(commit)
+        return sent + len(commit), commit
 
     def _absent(self, group: str, ranks: dict[str, int], members: dict[str, int]) -> list[str]:
         """Members with a worker that never joined the round's group."""
@@ -354,9 +597,10 @@ class Broadcaster:
 PROCESS_STARTED = time.time()  # tells a restarted generator from the one that failed a round under its id
 
 
-def register_member(redis_client, prefix: str, generator_id: str, workers: int) -> None:
-    """Ask to be in the next rounds (renewed every heartbeat; MEMBER_TTL_S unrenewed and the learner drops it)."""
-    record = {"workers": workers, "at": time.time(), "since": PROCESS_STARTED}
+def register_member(redis_client, prefix: str, generator_id: str, workers: int, host: str = HOST) -> None:
+    """Ask to be in the next rounds (renewed every heartbeat; MEMBER_TTL_S unrenewed and the learner drops it).
+    `host`: where its engine's workers run (`host_identity`), for the learner to tell nearby ones."""
+    record = {"workers": workers, "at": time.time(), "since": PROCESS_STARTED, "host": host}
     redis_client.hset(members_key(prefix), generator_id, json.dumps(record))
 
 

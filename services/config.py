@@ -325,7 +325,13 @@ class WeightsConfig(Section):
     bucket_mb: float = Field(256, gt=0, description="collective: bytes per streamed bucket, MB.")
     verify: Literal["full", "sampled", "off"] = Field(
         "full", description="collective: what a generator hashes before it serves a version: every bucket (sha256, "
-        "about a second per 1.5 GB on one core), a random eighth of them, or nothing (the round stays signed)."
+        "about a second per 1.5 GB on one core), a random eighth of them, or nothing (the round stays signed). "
+        "A nearby generator hashes nothing: its buckets come sealed."
+    )
+    broadcast_nearby: bool = Field(
+        True, description="collective on gloo: a generator on the learner's host (same kernel, network, pid and user "
+        "namespaces) takes every bucket as a sealed memfd from the learner, one copy and nothing to hash, instead of "
+        "the TCP chain. Off: every generator takes the chain."
     )
 
     @model_validator(mode="after")

@@ -217,8 +217,14 @@ class WeightsBroadcast(BaseModel):
     group: str = Field(pattern=r"^[A-Za-z0-9-]{1,64}$", description="The round's store prefix, new every round.")
     port: int = Field(ge=1, le=65535, description="The learner's rendezvous store (weights.broadcast_port).")
     backend: Literal["gloo", "nccl"]
-    world_size: int = Field(ge=2)
+    world_size: int = Field(ge=1, description="The chain's ranks: the learner (0) and every worker of `ranks`.")
     ranks: dict[str, int] = Field(description="Generator id -> its engine's first worker's rank (the learner: 0).")
+    nearby: list[str] = Field(default=[], description="Generators on the learner's host: their workers take sealed "
+                              "memory from the learner's `handoff` socket instead of the chain (gloo only).")
+    handoff: str = Field(default="", pattern=r"^[A-Za-z0-9-]{0,100}$",
+                         description="The round's abstract unix socket (nearby receivers).")
+    handoff_token: str = Field(default="", max_length=64, description="What a nearby receiver shows the socket.")
+    learner_pid: int = Field(default=0, ge=0, description="Who must serve `handoff` (its peer credentials).")
     buckets: list[list[TensorSlot]] = Field(min_length=1)
     bucket_bytes: list[int]
     verify: Literal["full", "sampled", "off"]
@@ -227,9 +233,13 @@ class WeightsBroadcast(BaseModel):
     published_at: float = Field(default_factory=time.time)
     signature: str = ""
 
+    def takes_part(self, member: str) -> bool:
+        return member in self.ranks or member in self.nearby
+
 
 class BroadcastCommit(BaseModel):
-    """The last message of a round, streamed after the buckets: their sha256 digests (none under verify off)."""
+    """The last message of a round, streamed after the buckets: their sha256 digests (none under verify off, or
+    when no receiver takes the chain)."""
 
     model_config = ConfigDict(extra="forbid")
 

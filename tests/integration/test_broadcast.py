@@ -6,9 +6,12 @@ that never joins, one killed mid-stream, the first link of the chain killed."""
 from __future__ import annotations
 
 import hashlib
+import json
+import mmap
 import multiprocessing as mp
 import os
 import queue
+import socket
 import threading
 import time
 
@@ -18,14 +21,19 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from services import broadcast as broadcast_module
 from services.broadcast import (
+    HOST,
     MEMBER_TTL_S,
     Broadcaster,
+    Handoff,
     commit_refusal,
+    copy_sealed,
     join,
     layout,
     pack,
+    receive,
     register_member,
     relay,
+    sealed_bucket,
     store_client,
     unpack,
 )
@@ -69,10 +77,14 @@ def fingerprint(tensor: torch.Tensor) -> tuple[str, list[int], str]:
 
 
 def receiver(member: str, inbox, port: int, die_after: int | None, out) -> None:
-    """One rank of the chain, as an engine's worker runs it, started (its imports done) before the round: its
-    announcement comes through `inbox`. `die_after`: exit at once after that bucket."""
+    """One rank of the chain, or a nearby receiver, as an engine's worker runs it, started (its imports done)
+    before the round: its announcement comes through `inbox`. `die_after`: exit at once after that bucket. Puts
+    (its rank, or its name when nearby; {tensor name: fingerprint} or None; the commit or the error)."""
     out.put(("ready", member, None))
     announcement = WeightsBroadcast.model_validate_json(inbox.get())
+    if member in announcement.nearby:
+        take_nearby(announcement, member, die_after, out)
+        return
     rank = announcement.ranks[member]
     try:
         pg = join(store_client("127.0.0.1", port, TIMEOUT_S), announcement.group, rank, announcement.world_size,
@@ -94,6 +106,25 @@ def receiver(member: str, inbox, port: int, die_after: int | None, out) -> None:
     os._exit(0)  # gloo's threads torn down by the interpreter may abort the process (tests/integration/test_ranks)
 
 
+def take_nearby(announcement: WeightsBroadcast, member: str, die_after: int | None, out) -> None:
+    if die_after is not None:  # a worker killed with the round half taken: hello, one bucket, gone
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        conn.connect("\0" + announcement.handoff)
+        conn.sendall(json.dumps({"token": announcement.handoff_token, "member": member, "worker": 0}).encode())
+        socket.recv_fds(conn, 8, 1)
+        os._exit(0)
+    try:
+        receipt = receive(announcement, "127.0.0.1", member)
+        named = {name: fingerprint(tensor) for slots, bucket in zip(announcement.buckets, receipt.buckets)
+                 for name, tensor in unpack(bucket, slots)}
+        out.put((member, named, receipt.commit))
+    except Exception as err:
+        out.put((member, None, f"{type(err).__name__}: {err}"))
+    out.close()
+    out.join_thread()
+    os._exit(0)
+
+
 @pytest.fixture
 def rounds(settings):
     settings.weights = WeightsConfig(transport="collective", broadcast_port=0, bucket_mb=0.02,
@@ -108,12 +139,13 @@ def rounds(settings):
     out = context.Queue()
     started = []
 
-    def run(members: dict[str, int | None], version: int = 1, tensors=None):
-        """Register `members` (id -> the bucket after which it dies, or None), broadcast, start their ranks as the
-        round names them; (round result, announcement, {rank: (tensors, commit or error)}, seconds)."""
+    def run(members: dict[str, int | None], version: int = 1, tensors=None, nearby: tuple[str, ...] = ()):
+        """Register `members` (id -> the bucket after which it dies, or None; those in `nearby` on this host, the
+        others as if on another), broadcast, start their receivers as the round names them; (round result,
+        announcement, {rank or nearby member: (tensors, commit or error)}, seconds)."""
         inboxes = {}
         for member, die_after in members.items():
-            register_member(client, prefix, member, workers=1)
+            register_member(client, prefix, member, workers=1, host=HOST if member in nearby else "another-host")
             if not member.startswith("absent"):
                 inboxes[member] = context.Queue()
                 started.append(context.Process(target=receiver,
@@ -212,3 +244,98 @@ def test_stale_and_garbled_memberships_are_dropped(rounds):
     register_member(client, rounds["prefix"], "fresh", workers=2)
     assert rounds["broadcaster"].members() == {"fresh": 2}
     assert set(client.hkeys(key)) == {b"fresh"}
+
+
+# -- nearby receivers: sealed memory from the learner's host --------------------------------------------------
+def test_nearby_receivers_take_sealed_buckets_whole_without_the_chain_or_digests(rounds):
+    tensors = state(2)
+    nearby = ("gen-a", "gen-b", "gen-c")
+    sent, announcement, received, _ = rounds["run"](dict.fromkeys(nearby), tensors=tensors, nearby=nearby)
+    assert sent.error is None and sent.failed == []
+    assert announcement.nearby == list(nearby) and announcement.ranks == {} and announcement.world_size == 1
+    assert sent.bytes_sent == sum(announcement.bucket_bytes)  # packed once for all of them
+    assert sorted(received) == list(nearby)
+    for named, commit in received.values():
+        assert named == {name: fingerprint(tensor) for name, tensor in tensors.items()}, commit
+        assert BroadcastCommit.model_validate_json(commit).digests == []  # sealed: nothing to hash
+        assert commit_refusal(announcement, commit, {}, rounds["keyring"], channel(rounds["prefix"])) is None
+
+
+def test_a_round_with_nearby_and_chained_members_gives_each_the_same_bytes(rounds):
+    tensors = state(3)
+    sent, announcement, received, _ = rounds["run"]({"gen-far": None, "gen-near": None}, tensors=tensors,
+                                                    nearby=("gen-near",))
+    assert sent.error is None and sent.failed == []
+    assert announcement.ranks == {"gen-far": 1} and announcement.nearby == ["gen-near"]
+    assert sorted(received, key=str) == [1, "gen-near"]
+    for named, commit in received.values():
+        assert named == {name: fingerprint(tensor) for name, tensor in tensors.items()}, commit
+        assert len(BroadcastCommit.model_validate_json(commit).digests) == len(announcement.bucket_bytes)
+
+
+def test_nearby_members_absent_or_killed_mid_round_cost_one_timeout_and_only_themselves(rounds):
+    nearby = ("gen-a", "absent-b", "gen-c")
+    sent, announcement, received, seconds = rounds["run"]({"gen-a": None, "absent-b": None, "gen-c": 0},
+                                                          nearby=nearby)
+    assert sent.error is None and sent.failed == ["absent-b", "gen-c"] and seconds < TIMEOUT_S * 3
+    assert received["gen-a"][0] is not None
+    again, announcement, _, _ = rounds["run"]({"gen-a": None}, version=2, nearby=nearby)
+    assert again.failed == [] and announcement.nearby == ["gen-a"]  # the two that failed sit out
+
+
+def test_the_handoff_serves_only_the_rounds_receivers_and_they_take_it_only_from_the_learner():
+    name = f"dapo-weights-test-{os.getpid()}-{time.monotonic_ns()}"
+    handoff = Handoff(name, "the-token", {"gen-n": 1}, 1, TIMEOUT_S, TIMEOUT_S)
+    handoff.add(sealed_bucket(32, lambda out: out.fill_(7)))
+    announcement = WeightsBroadcast(version=1, group="v1-test", port=1, backend="gloo", world_size=1, ranks={},
+                                    nearby=["gen-n"], handoff=name, handoff_token="the-token",
+                                    learner_pid=os.getpid(), buckets=[[]], bucket_bytes=[32], verify="full",
+                                    timeout_s=TIMEOUT_S, join_timeout_s=TIMEOUT_S)
+
+    def ask(token: str, member: str) -> list[int]:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as conn:
+            conn.settimeout(TIMEOUT_S)
+            conn.connect("\0" + name)
+            conn.sendall(json.dumps({"token": token, "member": member, "worker": 0}).encode())
+            return socket.recv_fds(conn, 8, 1)[1]
+
+    try:
+        assert ask("a-guess", "gen-n") == [] and ask("the-token", "gen-x") == []  # closed unserved
+        if os.getuid() == 0:  # another user with the right token: refused by its credentials
+            child = os.fork()
+            if child == 0:
+                os.setuid(65534)
+                os._exit(len(ask("the-token", "gen-n")))
+            assert os.waitstatus_to_exitcode(os.waitpid(child, 0)[1]) == 0
+        with pytest.raises(ConnectionError, match="not the learner's"):  # a socket someone else serves
+            broadcast_module.take_handoff(announcement.model_copy(update={"learner_pid": os.getpid() + 1}),
+                                          "gen-n", 0)
+        taken = {}
+        thread = threading.Thread(target=lambda: taken.update(r=broadcast_module.take_handoff(announcement,
+                                                                                                "gen-n", 0)))
+        thread.start()
+        assert handoff.finish(b"the commit") == []
+        thread.join(TIMEOUT_S)
+        (bucket,), commit = taken["r"]
+        assert commit == b"the commit" and torch.equal(bucket, torch.full((32,), 7, dtype=torch.uint8))
+    finally:
+        handoff.close()
+
+
+def test_a_sealed_bucket_cannot_be_changed_and_an_unsealed_one_is_refused():
+    fd = sealed_bucket(64, lambda out: out.fill_(3))
+    try:
+        with pytest.raises(PermissionError):
+            os.write(fd, b"x")
+        with pytest.raises(PermissionError):
+            mmap.mmap(fd, 64)  # a writable shared mapping
+        assert torch.equal(copy_sealed(fd, 64), torch.full((64,), 3, dtype=torch.uint8))
+        with pytest.raises(ValueError, match="64 bytes where the round says 65"):
+            copy_sealed(fd, 65)
+    finally:
+        os.close(fd)
+    unsealed = os.memfd_create("test", os.MFD_ALLOW_SEALING)
+    os.ftruncate(unsealed, 64)
+    with pytest.raises(ValueError, match="unsealed"):
+        copy_sealed(unsealed, 64)
+    os.close(unsealed)

@@ -258,7 +258,7 @@ def test_a_broadcast_round_streams_a_version_into_the_engine_while_it_generates(
 
     base, _, other_state = models
     settings.weights = WeightsConfig(transport="collective", broadcast_port=0, bucket_mb=0.1,
-                                     broadcast_timeout_s=30)
+                                     broadcast_timeout_s=30, broadcast_nearby=False)  # the chain, as between hosts
     client = connect(settings)
     keyring = load_keyring(settings)
     prefix = run_prefix(settings)
@@ -274,7 +274,7 @@ def test_a_broadcast_round_streams_a_version_into_the_engine_while_it_generates(
     sending.start()
     offered = wait_for(lambda: watcher.round, 30, "the round on the weights channel")
     assert offered.ranks == {"gen-0": 1} and offered.world_size == 2 and len(offered.bucket_bytes) > 3
-    engine.begin_receive(offered, "127.0.0.1", offered.ranks["gen-0"])
+    engine.begin_receive(offered, "127.0.0.1", "gen-0")
     during = engine.generate(prompts, GREEDY)  # the engine is not paused by the stream, nor changed by it
     assert [s.token_ids for g in during for s in g] == [s.token_ids for g in before for s in g]
     statuses = wait_for(engine.received, 60, "the staged round")
