@@ -15,6 +15,12 @@ One round per version, the same code on CPU (gloo) and GPU (NCCL), built from Py
             (`relay`). The learner sends each version once, whatever the number of engines; a bucket reaches the
             last engine one bucket-time after the first. NCCL's own broadcast pipelines the same way; gloo's is a
             tree whose root sends log2(N) copies, hence the chain. A rank whose successor fails keeps receiving.
+  nearby    A generator whose engine runs on the learner's host (same kernel, network, pid and user namespaces:
+            `dapo run`) is not in the chain: the learner packs each bucket once into a memfd, seals it against any
+            write, and hands the fd to each of its workers over the round's abstract unix socket (`Handoff`,
+            `take_handoff`); they copy it out in parallel. Over TCP every hop would copy each byte into the kernel
+            and out again on the same cores (NCCL takes shared memory within a node for the same reason; gloo has
+            only TCP). Sealed bytes from the learner's pid cannot have changed: nothing to hash.
   commit    After the buckets the learner streams a signed `BroadcastCommit`: the sha256 of every bucket, hashed
             while the bucket was on the wire. Receivers stage the buckets without touching the engine and hash all
             of them (`weights.verify` full), a random eighth (sampled) or none (off; the round and commit are still
