@@ -449,6 +449,7 @@ def commit_refusal(announcement: WeightsBroadcast, commit_json: str, digests: di
 class RoundResult:
     version: int
     members: list[str]
+    nearby: list[str] = field(default_factory=list)  # those that took sealed memory, not the chain
     failed: list[str] = field(default_factory=list)
     seconds: float = 0.0
     bytes_sent: int = 0
@@ -458,7 +459,7 @@ class RoundResult:
         """For the learner's step record; a failed round counts at least one failed member."""
         failed = max(len(self.failed), 1 if self.error else 0)
         return {"broadcast_seconds": self.seconds, "broadcast_members": len(self.members),
-                "broadcast_failed": failed, "broadcast_bytes": self.bytes_sent}
+                "broadcast_nearby": len(self.nearby), "broadcast_failed": failed, "broadcast_bytes": self.bytes_sent}
 
 
 class Broadcaster:
@@ -537,7 +538,7 @@ class Broadcaster:
                              join_timeout_s=self.join_timeout_s),
             self.signer, round_context(self.channel),
         )
-        result = RoundResult(version, sorted(members))
+        result = RoundResult(version, sorted(members), nearby)
         self.redis.publish(self.channel, announcement.model_dump_json())
         try:
             pg = join(self.store, group, 0, world_size, self.backend, self.timeout_s, self.join_timeout_s) \
