@@ -18,7 +18,7 @@ One round per version, the same code on CPU (gloo) and GPU (NCCL), built from Py
   nearby    A generator whose engine runs on the learner's host (same kernel, network, pid and user namespaces:
             `dapo run`) is not in the chain: the learner packs each bucket once into a memfd, seals it against any
             write, and hands the fd to each of its workers over the round's abstract unix socket (`Handoff`,
-            `take_handoff`); they copy it out in parallel. Over TCP every hop would copy each byte into the kernel
+            `take_handoff`), which map it: no copy. Over TCP every hop would copy each byte into the kernel
             and out again on the same cores (NCCL takes shared memory within a node for the same reason; gloo has
             only TCP). Sealed bytes from the learner's pid cannot have changed: nothing to hash.
   commit    After the buckets the learner streams a signed `BroadcastCommit`: the sha256 of every bucket, hashed
@@ -50,7 +50,6 @@ import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -194,10 +193,11 @@ def relay(pg, rank: int, world_size: int, sizes: list[int], timeout_s: float, de
 # On the learner's host every hop of the chain would copy each byte into the kernel and out again, on the same cores
 # (NCCL takes shared memory or P2P within a node for the same reason; gloo has only TCP). A receiver there is
 # handed each bucket as a memfd instead: the learner packs the bucket into it once and seals it (F_SEAL_WRITE: no
-# process can change its bytes after), and every receiver copies it out in parallel. The fd comes over the round's
-# abstract unix socket, from the learner's pid (the signed round names it; SO_PEERCRED shows it), so a sealed
-# bucket needs no digest: nothing on the way can alter it. The learner serves only its own user with the round's
-# token (which only readers of the weights channel have).
+# process can change its bytes after), and every receiver maps it: sealed bytes are as good as a copy of its own,
+# so there is none (one copy of the version in memory for every engine on the host, until they have loaded it).
+# The fd comes over the round's abstract unix socket, from the learner's pid (the signed round names it;
+# SO_PEERCRED shows it), so a sealed bucket needs no digest: nothing on the way can alter it. The learner serves
+# only its own user with the round's token (which only readers of the weights channel have).
 SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
 _CREDENTIALS = struct.Struct("3i")  # SO_PEERCRED: pid, uid, gid
 _COMMIT_MAX = 1 << 20  # bytes: a commit holds a digest per bucket
@@ -238,23 +238,24 @@ def sealed_bucket(size: int, fill) -> int:
     return fd
 
 
-def copy_sealed(fd: int, size: int) -> torch.Tensor:
-    """This process's own copy of a sealed bucket; ValueError if the fd is not sealed or not `size` bytes."""
+def map_sealed(fd: int, size: int) -> torch.Tensor:
+    """A sealed bucket as this process's own tensor, without a copy: a private mapping of the memfd (its pages
+    shared with every other receiver until one writes; a write stays private), every page mapped now so that
+    the engine's load does not fault them in. ValueError if the fd is not sealed or not `size` bytes."""
     if fcntl.fcntl(fd, fcntl.F_GET_SEALS) & SEALS != SEALS:
         raise ValueError("a bucket came unsealed: its bytes could still change")
     if os.fstat(fd).st_size != size:
         raise ValueError(f"a bucket of {os.fstat(fd).st_size} bytes where the round says {size}")
-    bucket = torch.empty(size, dtype=torch.uint8)
-    if size:
-        with mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ) as view:
-            source = np.frombuffer(view, dtype=np.uint8)
-            bucket.numpy()[:] = source
-            del source
+    if not size:
+        return torch.empty(0, dtype=torch.uint8)
+    bucket = torch.frombuffer(mmap.mmap(fd, size, mmap.MAP_PRIVATE, mmap.PROT_READ | mmap.PROT_WRITE),
+                              dtype=torch.uint8)  # holds the mapping for as long as the tensor lives
+    bucket[:: mmap.PAGESIZE].sum()  # a read per page: mapped now, in the receiving thread, not at load
     return bucket
 
 
 def take_handoff(announcement: WeightsBroadcast, member: str, worker: int) -> tuple[list[torch.Tensor], bytes]:
-    """A nearby receiving worker's round: every bucket from the learner's socket, copied out of its sealed memfd as
+    """A nearby receiving worker's round: every bucket from the learner's socket, mapped from its sealed memfd as
     it comes, then the commit. ConnectionError when the socket is not the learner's or the round ends early."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC) as conn:
         conn.settimeout(announcement.join_timeout_s)
@@ -270,7 +271,7 @@ def take_handoff(announcement: WeightsBroadcast, member: str, worker: int) -> tu
             try:
                 if message != struct.pack("!Q", index) or len(fds) != 1:
                     raise ConnectionError(f"the learner ended the round before bucket {index}")
-                buckets.append(copy_sealed(fds[0], size))
+                buckets.append(map_sealed(fds[0], size))
             finally:
                 for fd in fds:
                     os.close(fd)

@@ -26,9 +26,9 @@ from services.broadcast import (
     Broadcaster,
     Handoff,
     commit_refusal,
-    copy_sealed,
     join,
     layout,
+    map_sealed,
     pack,
     receive,
     register_member,
@@ -329,13 +329,17 @@ def test_a_sealed_bucket_cannot_be_changed_and_an_unsealed_one_is_refused():
             os.write(fd, b"x")
         with pytest.raises(PermissionError):
             mmap.mmap(fd, 64)  # a writable shared mapping
-        assert torch.equal(copy_sealed(fd, 64), torch.full((64,), 3, dtype=torch.uint8))
+        mine, theirs = map_sealed(fd, 64), map_sealed(fd, 64)
+        assert torch.equal(mine, torch.full((64,), 3, dtype=torch.uint8))
+        mine.fill_(9)  # a receiver that writes into its bucket writes into a private copy of the page
+        assert torch.equal(theirs, torch.full((64,), 3, dtype=torch.uint8))
+        assert torch.equal(map_sealed(fd, 64), torch.full((64,), 3, dtype=torch.uint8))
         with pytest.raises(ValueError, match="64 bytes where the round says 65"):
-            copy_sealed(fd, 65)
+            map_sealed(fd, 65)
     finally:
         os.close(fd)
     unsealed = os.memfd_create("test", os.MFD_ALLOW_SEALING)
     os.ftruncate(unsealed, 64)
     with pytest.raises(ValueError, match="unsealed"):
-        copy_sealed(unsealed, 64)
+        map_sealed(unsealed, 64)
     os.close(unsealed)
