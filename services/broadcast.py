@@ -200,7 +200,8 @@ def relay(pg, rank: int, world_size: int, sizes: list[int], timeout_s: float, de
 # only its own user with the round's token (which only readers of the weights channel have).
 SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
 _CREDENTIALS = struct.Struct("3i")  # SO_PEERCRED: pid, uid, gid
-_COMMIT_MAX = 1 << 20  # bytes: a commit holds a digest per bucket
+_COMMIT_MAX = 64 << 20  # bytes: a commit holds a digest per bucket (about 70 bytes each)
+_COMMIT_PIECE = 1 << 15  # bytes per message: well under any socket's send buffer, whatever the commit's size
 
 
 def host_identity() -> str:
@@ -275,11 +276,26 @@ def take_handoff(announcement: WeightsBroadcast, member: str, worker: int) -> tu
             finally:
                 for fd in fds:
                     os.close(fd)
-        commit = conn.recv(_COMMIT_MAX)
-        if not commit:
-            raise ConnectionError("the learner ended the round before its commit")
+        commit = _take_commit(conn)
         conn.sendall(b"ok")  # the learner counts this worker as served
     return buckets, commit
+
+
+def _take_commit(conn: socket.socket) -> bytes:
+    """The commit, as `Handoff` sends it: its length, then pieces (one message could not hold a large one)."""
+    header = conn.recv(8)
+    if len(header) != 8:
+        raise ConnectionError("the learner ended the round before its commit")
+    (length,) = struct.unpack("!Q", header)
+    if length > _COMMIT_MAX:
+        raise ConnectionError(f"a commit of {length} bytes (at most {_COMMIT_MAX})")
+    pieces, taken = [], 0
+    while taken < length:
+        if not (piece := conn.recv(_COMMIT_PIECE)):
+            raise ConnectionError("the learner ended the round inside its commit")
+        pieces.append(piece)
+        taken += len(piece)
+    return b"".join(pieces)
 
 
 class Handoff:
@@ -355,7 +371,9 @@ class Handoff:
             self.changed.wait_for(lambda: self.closed or self.commit is not None, self.timeout_s)
             if self.closed or self.commit is None:
                 return False
-        conn.sendall(self.commit)
+        conn.sendall(struct.pack("!Q", len(self.commit)))
+        for start in range(0, len(self.commit), _COMMIT_PIECE):
+            conn.sendall(self.commit[start:start + _COMMIT_PIECE])
         return True
 
     def add(self, fd: int) -> None:

@@ -314,10 +314,11 @@ def test_the_handoff_serves_only_the_rounds_receivers_and_they_take_it_only_from
         thread = threading.Thread(target=lambda: taken.update(r=broadcast_module.take_handoff(announcement,
                                                                                                 "gen-n", 0)))
         thread.start()
-        assert handoff.finish(b"the commit") == []
+        large = os.urandom(3 << 20)  # a commit of ~45,000 digests: more than one message on any socket holds
+        assert handoff.finish(large) == []
         thread.join(TIMEOUT_S)
         (bucket,), commit = taken["r"]
-        assert commit == b"the commit" and torch.equal(bucket, torch.full((32,), 7, dtype=torch.uint8))
+        assert commit == large and torch.equal(bucket, torch.full((32,), 7, dtype=torch.uint8))
     finally:
         handoff.close()
 
