@@ -61,3 +61,33 @@ def test_a_recipe_that_does_not_fit_says_so_and_finds_the_change_that_does():
     assert code == 1 and "does NOT fit" in out, out
     tried = re.search(r"^with learner.compute.gradient_checkpointing: full: ([\d.]+) GiB, fits$", out, re.M)
     assert tried and float(tried[1]) < figures(out)["total"], out
+
+
+def test_the_peak_only_tracker_finds_pytorchs_peak_by_category():
+    """The plan's tracker skips PyTorch's per-module peaks (learner/plan.py `peak_only`): its overall peak, by
+    category, is MemTracker's own, on a model and its optimizer through forward, backward and a step."""
+    import torch
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    from learner.plan import peak_only
+
+    def peak(tracker_class) -> dict:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(*(torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(),
+                                                          torch.nn.Linear(256, 64)) for _ in range(3)))
+        optimizer = torch.optim.AdamW(model.parameters())
+
+        def update() -> None:
+            model(torch.randn(32, 64)).square().sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+
+        update()  # as the plan does: AdamW's moments made, then the steady state tracked
+        tracker = tracker_class()
+        tracker.track_external(model, optimizer)
+        with tracker:
+            update()
+        return {str(device): dict(stats) for device, stats in tracker.get_tracker_snapshot("peak").items()}
+
+    full = peak(MemTracker)
+    assert full["cpu"]["Total"] > 0 and peak(peak_only(MemTracker)) == full
