@@ -36,15 +36,38 @@ def _kind(path: Path) -> str | None:
     return path.relative_to(TESTS).parts[0]
 
 
+# Under `-n 2 --dist loadgroup` (the README's command): every file with a slow test runs on one worker, one
+# test after another (one heavy job at a time on 2 cores, a module's engine or model made once); the single-threaded
+# ones (`dapo plan`'s processes, the tiny model's rebuild) and the other files, each whole, share the other
+# worker's time.
+HEAVY, SINGLE_THREADED = "heavy", "single-threaded"
+SINGLE_THREADED_FILES = {"test_plan.py", "test_shipped_model.py"}
+
+
+def pytest_collection_finish(session):
+    """Under loadgroup, pytest-xdist names each grouped test `nodeid@group`; pytest 9.2 ignores the renaming
+    (hence pytest < 9.2 in pyproject.toml), which would run two heavy files at once without a word."""
+    if getattr(session.config.option, "loadgroup", False) and any(
+            item.get_closest_marker("xdist_group") and "@" not in item.nodeid for item in session.items):
+        raise pytest.UsageError("pytest-xdist did not group the tests (--dist loadgroup): check pytest's version")
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(items):
     """Mark every test with the kind of the folder it lives in (the first one under tests/, so subfolders count as
-    their kind's); skip `gpu` tests where no CUDA device is visible."""
+    their kind's) and its xdist group; skip `gpu` tests where no CUDA device is visible."""
     cuda = None
+    heavy_files = {item.path for item in items if item.get_closest_marker("slow")}
     for item in items:
         kind = _kind(item.path)
         if kind not in KINDS:
             raise pytest.UsageError(f"{item.nodeid}: tests live under tests/unit, tests/integration or tests/e2e")
         item.add_marker(kind)
+        if item.path.name in SINGLE_THREADED_FILES:
+            group = SINGLE_THREADED
+        else:  # any other file is a unit of its own: its module's fixtures made once
+            group = HEAVY if item.path in heavy_files else item.path.relative_to(TESTS).as_posix()
+        item.add_marker(pytest.mark.xdist_group(group))
         if item.get_closest_marker("gpu"):
             if cuda is None:
                 import torch
