@@ -206,10 +206,12 @@ _COMMIT_PIECE = 1 << 15  # bytes per message: well under any socket's send buffe
 
 def host_identity() -> str:
     """The same for two processes that can pass fds over an abstract unix socket and check each other's pid and
-    uid: the same kernel (boot id) and network, pid and user namespaces ("" where that cannot be read)."""
+    uid: the same kernel (boot id), network, pid and user namespaces, and uid (the learner serves only its own)
+    ("" where that cannot be read)."""
     try:
         boot = open("/proc/sys/kernel/random/boot_id").read().strip()
-        return "/".join([boot, *(str(os.stat(f"/proc/self/ns/{ns}").st_ino) for ns in ("net", "pid", "user"))])
+        namespaces = [str(os.stat(f"/proc/self/ns/{ns}").st_ino) for ns in ("net", "pid", "user")]
+        return "/".join([boot, *namespaces, str(os.getuid())])
     except OSError:
         return ""
 
@@ -265,9 +267,10 @@ def take_handoff(announcement: WeightsBroadcast, member: str, worker: int) -> tu
             raise ConnectionError(f"the round's socket is served by pid {pid}, not the learner's "
                                   f"({announcement.learner_pid})")
         conn.sendall(json.dumps({"token": announcement.handoff_token, "member": member, "worker": worker}).encode())
-        conn.settimeout(announcement.timeout_s)
         buckets = []
         for index, size in enumerate(announcement.bucket_bytes):
+            # the first bucket may wait for the chain's join, when there is a chain
+            conn.settimeout(announcement.timeout_s + (announcement.join_timeout_s if index == 0 else 0))
             message, fds, _, _ = socket.recv_fds(conn, 8, 1)
             try:
                 if message != struct.pack("!Q", index) or len(fds) != 1:
@@ -328,7 +331,13 @@ class Handoff:
                 and budget > 0:
             try:
                 conn, _ = self.server.accept()
-            except (TimeoutError, OSError):
+            except TimeoutError:
+                continue
+            except OSError:  # out of fds, say: not a reason to spin
+                time.sleep(0.05)
+                continue
+            if _peer(conn)[1] != os.getuid():  # any user can see the name: others cost no budget and no thread
+                conn.close()
                 continue
             budget -= 1
             threading.Thread(target=self._serve, args=(conn,), name="weights-handoff-to", daemon=True).start()
@@ -339,8 +348,8 @@ class Handoff:
             try:
                 conn.settimeout(max(self.join_deadline - time.monotonic(), 0.1))
                 hello = json.loads(conn.recv(1024) or b"null")
-                if _peer(conn)[1] != os.getuid() or not hmac.compare_digest(str(hello["token"]), self.token):
-                    raise PermissionError("not the learner's user, or not the round's token")
+                if not hmac.compare_digest(str(hello["token"]), self.token):
+                    raise PermissionError("not the round's token")
                 with self.changed:
                     if (hello["member"], hello["worker"]) not in self.expected - self.claimed:
                         raise PermissionError(f"{hello['member']!r} worker {hello['worker']!r} is not a receiver of "
@@ -351,7 +360,7 @@ class Handoff:
                 if self._hand_over(conn) and conn.recv(8) == b"ok":
                     with self.changed:
                         self.served.add(who)
-            except (OSError, ValueError, KeyError, TypeError, PermissionError) as err:
+            except (OSError, ValueError, KeyError, TypeError, PermissionError, RecursionError) as err:
                 log.warning("broadcast: a nearby receiver was not served: %s", err)
             finally:
                 if who is not None:
@@ -362,11 +371,16 @@ class Handoff:
     def _hand_over(self, conn: socket.socket) -> bool:
         """Every bucket's fd as it is sealed, then the commit; False if the round ended first."""
         for index in range(self.buckets):
-            with self.changed:  # an fd is sent under the lock: `close` closes them under it
-                self.changed.wait_for(lambda: self.closed or len(self.fds) > index, self.timeout_s)
+            with self.changed:  # a copy of the fd taken under the lock (`close` closes them under it) ...
+                wait = self.timeout_s + max(self.join_deadline - time.monotonic(), 0) if index == 0 else self.timeout_s
+                self.changed.wait_for(lambda: self.closed or len(self.fds) > index, wait)
                 if self.closed or len(self.fds) <= index:
                     return False
-                socket.send_fds(conn, [struct.pack("!Q", index)], [self.fds[index]])
+                fd = os.dup(self.fds[index])
+            try:  # ... and sent outside it: a receiver slow to read holds up no one else
+                socket.send_fds(conn, [struct.pack("!Q", index)], [fd])
+            finally:
+                os.close(fd)
         with self.changed:
             self.changed.wait_for(lambda: self.closed or self.commit is not None, self.timeout_s)
             if self.closed or self.commit is None:
@@ -558,15 +572,21 @@ class Broadcaster:
             self.signer, round_context(self.channel),
         )
         result = RoundResult(version, sorted(members), nearby)
-        self.redis.publish(self.channel, announcement.model_dump_json())
         try:
-            pg = join(self.store, group, 0, world_size, self.backend, self.timeout_s, self.join_timeout_s) \
-                if ranks else None
-            result.bytes_sent, commit = self._stream(pg, handoff, tensors, announcement)
+            self.redis.publish(self.channel, announcement.model_dump_json())
+            pg, chain_error = None, None
+            if ranks:
+                try:
+                    pg = join(self.store, group, 0, world_size, self.backend, self.timeout_s, self.join_timeout_s)
+                except Exception as err:  # the chain's fault: the nearby receivers are not in it
+                    chain_error = err
+            result.bytes_sent, commit, chain_error = self._stream(pg, handoff, tensors, announcement, chain_error)
             result.failed = handoff.finish(commit) if handoff else []
+            if chain_error is not None:
+                raise chain_error
         except Exception as err:
             result.error = f"{type(err).__name__}: {err}"
-            result.failed = self._absent(group, ranks, members)
+            result.failed = sorted({*result.failed, *self._absent(group, ranks, members)})
             log.warning("broadcast of v%d failed (%s); %s get it through the files", version, result.error,
                         ", ".join(result.failed) or "those after the break")
         finally:
@@ -583,35 +603,53 @@ class Broadcaster:
             self.signer, round_context(self.channel),
         ).model_dump_json().encode()
 
-    def _stream(self, pg, handoff: Handoff | None, tensors: dict[str, torch.Tensor],
-                announcement: WeightsBroadcast) -> tuple[int, bytes]:
+    def _stream(self, pg, handoff: Handoff | None, tensors: dict[str, torch.Tensor], announcement: WeightsBroadcast,
+                chain_error: Exception | None) -> tuple[int, bytes, Exception | None]:
         """Every bucket packed once: sealed for the nearby receivers, sent down the chain (and hashed for the commit
-        while on the wire) for the others. The bytes sent and the signed commit."""
+        while on the wire) for the others. A chain that fails (`chain_error`, or a send) stops only the chain: the
+        nearby receivers still get every bucket and a commit with every digest. The bytes sent, the signed commit
+        and the chain's error."""
         timeout = timedelta(seconds=self.timeout_s)
+        hashing = self.verify != "off" and bool(announcement.ranks)
         digests, sends, sent = [], [], 0
+
+        def sealed(out: torch.Tensor, slots, size) -> None:
+            pack(tensors, slots, size, out=out)
+            if hashing:
+                digests.append(digest(out))
+
         for tag, (slots, size) in enumerate(zip(announcement.buckets, announcement.bucket_bytes)):
-            if pg is None:  # nearby receivers only: packed straight into the sealed memory
-                handoff.add(sealed_bucket(size, lambda out: pack(tensors, slots, size, out=out)))
-            else:
-                bucket = pack(tensors, slots, size, self.device)
+            if pg is None or chain_error is not None:  # no chain (or no longer): packed straight into sealed memory
+                if handoff is None:
+                    break
+                handoff.add(sealed_bucket(size, lambda out: sealed(out, slots, size)))
+                sent += size
+                continue
+            bucket = pack(tensors, slots, size, self.device)
+            try:
                 sends.append(pg.send([bucket], 1, tag))
-                if handoff is not None:
-                    handoff.add(sealed_bucket(size, lambda out: out.copy_(bucket)))
-                if self.verify != "off":
-                    digests.append(digest(bucket))  # while the bucket is on the wire
                 while len(sends) > 2:
                     sends.pop(0).wait(timeout)
+            except Exception as err:
+                chain_error = err
+            if handoff is not None:
+                handoff.add(sealed_bucket(size, lambda out: out.copy_(bucket)))
+            if hashing:
+                digests.append(digest(bucket))  # while the bucket is on the wire
             sent += size
         commit = self._commit(announcement, digests)
-        if pg is None:
-            return sent, commit
-        payload = torch.frombuffer(bytearray(commit), dtype=torch.uint8).to(self.device)
-        tag = len(announcement.bucket_bytes)
-        sends.append(pg.send([torch.tensor([len(commit)], dtype=torch.int64, device=self.device)], 1, tag))
-        sends.append(pg.send([payload], 1, tag + 1))
-        for send in sends:
-            send.wait(timeout)
-        return sent + len(commit), commit
+        if pg is None or chain_error is not None:
+            return sent, commit, chain_error
+        try:
+            payload = torch.frombuffer(bytearray(commit), dtype=torch.uint8).to(self.device)
+            tag = len(announcement.bucket_bytes)
+            sends.append(pg.send([torch.tensor([len(commit)], dtype=torch.int64, device=self.device)], 1, tag))
+            sends.append(pg.send([payload], 1, tag + 1))
+            for send in sends:
+                send.wait(timeout)
+        except Exception as err:
+            chain_error = err
+        return sent + len(commit), commit, chain_error
 
     def _absent(self, group: str, ranks: dict[str, int], members: dict[str, int]) -> list[str]:
         """Members with a worker that never joined the round's group."""

@@ -273,6 +273,17 @@ def test_a_round_with_nearby_and_chained_members_gives_each_the_same_bytes(round
         assert len(BroadcastCommit.model_validate_json(commit).digests) == len(announcement.bucket_bytes)
 
 
+def test_a_chain_that_fails_costs_the_nearby_members_nothing(rounds):
+    tensors = state(4)
+    sent, announcement, received, seconds = rounds["run"]({"absent-far": None, "gen-near": None}, tensors=tensors,
+                                                          nearby=("gen-near",))
+    assert sent.error is not None and sent.failed == ["absent-far"] and seconds < TIMEOUT_S * 3
+    named, commit = received["gen-near"]
+    assert named == {name: fingerprint(tensor) for name, tensor in tensors.items()}, commit
+    assert len(BroadcastCommit.model_validate_json(commit).digests) == len(announcement.bucket_bytes)
+    assert commit_refusal(announcement, commit, {}, rounds["keyring"], channel(rounds["prefix"])) is None
+
+
 def test_nearby_members_absent_or_killed_mid_round_cost_one_timeout_and_only_themselves(rounds):
     nearby = ("gen-a", "absent-b", "gen-c")
     sent, announcement, received, seconds = rounds["run"]({"gen-a": None, "absent-b": None, "gen-c": 0},
@@ -305,7 +316,10 @@ def test_the_handoff_serves_only_the_rounds_receivers_and_they_take_it_only_from
             child = os.fork()
             if child == 0:
                 os.setuid(65534)
-                os._exit(len(ask("the-token", "gen-n")))
+                try:
+                    os._exit(len(ask("the-token", "gen-n")))
+                except OSError:  # closed at once: refused before its hello was read
+                    os._exit(0)
             assert os.waitstatus_to_exitcode(os.waitpid(child, 0)[1]) == 0
         with pytest.raises(ConnectionError, match="not the learner's"):  # a socket someone else serves
             broadcast_module.take_handoff(announcement.model_copy(update={"learner_pid": os.getpid() + 1}),
