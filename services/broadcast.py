@@ -271,8 +271,10 @@ def take_handoff(announcement: WeightsBroadcast, member: str, worker: int) -> tu
         for index, size in enumerate(announcement.bucket_bytes):
             # the first bucket may wait for the chain's join, when there is a chain
             conn.settimeout(announcement.timeout_s + (announcement.join_timeout_s if index == 0 else 0))
-            message, fds, _, _ = socket.recv_fds(conn, 8, 1)
+            message, fds, flags, _ = socket.recv_fds(conn, 8, 1)
             try:
+                if flags & socket.MSG_CTRUNC:  # the kernel dropped the fd: this process is out of them
+                    raise ConnectionError(f"bucket {index}'s fd did not fit: this process is at its open-file limit")
                 if message != struct.pack("!Q", index) or len(fds) != 1:
                     raise ConnectionError(f"the learner ended the round before bucket {index}")
                 buckets.append(map_sealed(fds[0], size))

@@ -358,3 +358,35 @@ def test_a_sealed_bucket_cannot_be_changed_and_an_unsealed_one_is_refused():
     with pytest.raises(ValueError, match="unsealed"):
         map_sealed(unsealed, 64)
     os.close(unsealed)
+
+
+def test_a_receiver_out_of_file_descriptors_says_so():
+    name = f"dapo-weights-test-{os.getpid()}-{time.monotonic_ns()}"
+    handoff = Handoff(name, "the-token", {"gen-n": 1}, 1, TIMEOUT_S, TIMEOUT_S)
+    handoff.add(sealed_bucket(32, lambda out: out.fill_(7)))
+    announcement = WeightsBroadcast(version=1, group="v1-test", port=1, backend="gloo", world_size=1, ranks={},
+                                    nearby=["gen-n"], handoff=name, handoff_token="the-token",
+                                    learner_pid=os.getpid(), buckets=[[]], bucket_bytes=[32], verify="full",
+                                    timeout_s=TIMEOUT_S, join_timeout_s=TIMEOUT_S)
+    child = os.fork()
+    if child == 0:  # every fd but one taken: the socket gets it, the bucket's fd finds none
+        code = 1
+        try:
+            import resource
+
+            resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
+            while True:
+                try:
+                    os.dup(0)
+                except OSError:
+                    break
+            os.close(63)
+            broadcast_module.take_handoff(announcement, "gen-n", 0)
+        except ConnectionError as err:
+            code = 0 if "open-file limit" in str(err) else 2
+        finally:
+            os._exit(code)
+    try:
+        assert os.waitstatus_to_exitcode(os.waitpid(child, 0)[1]) == 0
+    finally:
+        handoff.close()
