@@ -294,7 +294,8 @@ def test_nearby_members_absent_or_killed_mid_round_cost_one_timeout_and_only_the
     assert again.failed == [] and announcement.nearby == ["gen-a"]  # the two that failed sit out
 
 
-def test_the_handoff_serves_only_the_rounds_receivers_and_they_take_it_only_from_the_learner():
+def one_bucket_handoff() -> tuple[Handoff, WeightsBroadcast]:
+    """The learner's side of a round with one bucket (32 bytes of 7) for one nearby worker, gen-n, and its round."""
     name = f"dapo-weights-test-{os.getpid()}-{time.monotonic_ns()}"
     handoff = Handoff(name, "the-token", {"gen-n": 1}, 1, TIMEOUT_S, TIMEOUT_S)
     handoff.add(sealed_bucket(32, lambda out: out.fill_(7)))
@@ -302,6 +303,12 @@ def test_the_handoff_serves_only_the_rounds_receivers_and_they_take_it_only_from
                                     nearby=["gen-n"], handoff=name, handoff_token="the-token",
                                     learner_pid=os.getpid(), buckets=[[]], bucket_bytes=[32], verify="full",
                                     timeout_s=TIMEOUT_S, join_timeout_s=TIMEOUT_S)
+    return handoff, announcement
+
+
+def test_the_handoff_serves_only_the_rounds_receivers_and_they_take_it_only_from_the_learner():
+    handoff, announcement = one_bucket_handoff()
+    name = announcement.handoff
 
     def ask(token: str, member: str) -> list[int]:
         with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as conn:
@@ -361,13 +368,7 @@ def test_a_sealed_bucket_cannot_be_changed_and_an_unsealed_one_is_refused():
 
 
 def test_a_receiver_out_of_file_descriptors_says_so():
-    name = f"dapo-weights-test-{os.getpid()}-{time.monotonic_ns()}"
-    handoff = Handoff(name, "the-token", {"gen-n": 1}, 1, TIMEOUT_S, TIMEOUT_S)
-    handoff.add(sealed_bucket(32, lambda out: out.fill_(7)))
-    announcement = WeightsBroadcast(version=1, group="v1-test", port=1, backend="gloo", world_size=1, ranks={},
-                                    nearby=["gen-n"], handoff=name, handoff_token="the-token",
-                                    learner_pid=os.getpid(), buckets=[[]], bucket_bytes=[32], verify="full",
-                                    timeout_s=TIMEOUT_S, join_timeout_s=TIMEOUT_S)
+    handoff, announcement = one_bucket_handoff()
     child = os.fork()
     if child == 0:  # every fd but one taken: the socket gets it, the bucket's fd finds none
         code = 1
