@@ -219,10 +219,10 @@ def kl_k3(logp_sampler: Tensor, logp_other: Tensor) -> Tensor:
 
 
 def token_entropy(logits: Tensor) -> Tensor:
-    """Entropy of the next-token distribution at each position: logsumexp(z) - sum softmax(z) * z."""
-    logits = logits.float()
-    log_norm = torch.logsumexp(logits, dim=-1)
-    return log_norm - (torch.softmax(logits, dim=-1) * logits).sum(dim=-1)
+    """Entropy of the next-token distribution at each position: -sum p log p, from log p itself (logsumexp(z) -
+    sum p z is the same in exact arithmetic, but cancels two numbers the size of the largest logit)."""
+    log_p = torch.log_softmax(logits.float(), dim=-1)
+    return -(log_p.exp() * log_p).sum(dim=-1)
 
 
 def token_loss(

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
+from torch._subclasses.fake_tensor import is_fake
 from torch.nn import functional as F
 
 from learner import activation_checkpointing, attention
@@ -45,7 +46,7 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
     logsumexp's own); everything else is updated in place."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, temperature, chunk_tokens, dtype, compiled):
+    def forward(ctx, hidden, weight, bias, targets, temperature, chunk_tokens, dtype, out_kernel, compiled):
         n = hidden.shape[0]
         logp = torch.empty(n, device=hidden.device, dtype=torch.float32)
         lse = torch.empty_like(logp)
@@ -55,10 +56,11 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
         chunk_stats = _compiled(_chunk_stats) if compiled else _chunk_stats
         for start in range(0, n, chunk_tokens):
             end = min(start + chunk_tokens, n)
-            logp[start:end], lse[start:end], entropy[start:end] = chunk_stats(hidden[start:end], w, b,
-                                                                              targets[start:end], temperature, dtype)
+            logp[start:end], lse[start:end], entropy[start:end] = chunk_stats(
+                hidden[start:end], w, b, targets[start:end], temperature, dtype, out_kernel)
         ctx.save_for_backward(hidden, weight, bias, targets, lse, entropy)
-        ctx.temperature, ctx.chunk_tokens, ctx.dtype, ctx.compiled = temperature, chunk_tokens, dtype, compiled
+        ctx.temperature, ctx.chunk_tokens, ctx.compiled = temperature, chunk_tokens, compiled
+        ctx.dtype, ctx.out_kernel = dtype, out_kernel
         ctx.set_materialize_grads(False)
         ctx.mark_non_differentiable(targets)
         return logp, entropy
@@ -72,7 +74,7 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
         grad_weight = torch.zeros_like(weight, dtype=torch.float32) if want_weight else None
         grad_bias = torch.zeros_like(bias, dtype=torch.float32) if want_bias and bias is not None else None
         if grad_logp is None and grad_entropy is None:
-            return grad_hidden, grad_weight, grad_bias, None, None, None, None, None
+            return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None
         w = weight.to(dtype)
         b = None if bias is None else bias.to(dtype)
         chunk_logit_grads = _compiled(_chunk_logit_grads) if ctx.compiled else _chunk_logit_grads
@@ -82,7 +84,7 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
             grad_z = chunk_logit_grads(
                 h, w, b, targets[start:end], lse[start:end], entropy[start:end],
                 None if grad_logp is None else grad_logp[start:end],
-                None if grad_entropy is None else grad_entropy[start:end], temperature, dtype)
+                None if grad_entropy is None else grad_entropy[start:end], temperature, dtype, ctx.out_kernel)
             if grad_hidden is not None:
                 grad_hidden[start:end] = (grad_z @ w).to(hidden.dtype)
             if grad_weight is not None:
@@ -97,25 +99,26 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
             grad_weight = grad_weight.to(weight.dtype)
         if grad_bias is not None:
             grad_bias = grad_bias.to(bias.dtype)
-        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None
 
 
 def _chunk_stats(hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, temperature: float,
-                 dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
+                 dtype: torch.dtype, out_kernel: bool) -> tuple[Tensor, Tensor, Tensor]:
     """(logp of the targets, logsumexp, entropy) of one chunk, [c] each in fp32."""
-    z = _chunk_logits(hidden, weight, bias, dtype, temperature)
+    z = _chunk_logits(hidden, weight, bias, dtype, temperature, out_kernel)
     lse = torch.logsumexp(z, dim=-1)
-    logp = z.gather(-1, targets[:, None]).squeeze(-1) - lse
-    # H = lse - sum_v p_v z_v (the softmax's entropy at temperature T)
-    p = (z - lse[:, None]).exp_()
-    return logp, lse, lse - p.mul_(z).sum(-1)
+    log_p = z.sub_(lse[:, None])
+    # H = -sum_v p_v log p_v (the softmax's entropy at temperature T), from log p itself: lse - sum_v p_v z_v, the
+    # same in exact arithmetic, loses digits to the cancellation of two numbers the size of the largest logit.
+    p = log_p.exp()
+    return log_p.gather(-1, targets[:, None]).squeeze(-1), lse, p.mul_(log_p).sum(-1).neg_()
 
 
 def _chunk_logit_grads(hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, lse: Tensor,
                        entropy: Tensor, grad_logp: Tensor | None, grad_entropy: Tensor | None, temperature: float,
-                       dtype: torch.dtype) -> Tensor:
+                       dtype: torch.dtype, out_kernel: bool) -> Tensor:
     """The loss's gradient in one chunk's logits h W^T + b, [c, V] in `dtype`, from the logits recomputed."""
-    log_p = _chunk_logits(hidden, weight, bias, dtype, temperature).sub_(lse[:, None])
+    log_p = _chunk_logits(hidden, weight, bias, dtype, temperature, out_kernel).sub_(lse[:, None])
     p = log_p.exp()
     # d logp_target / dz = onehot - p;  dH / dz = -p (log p + H):  grad_z = -p (g_logp + g_H (log p + H)),
     # plus g_logp at the target. log_p becomes the bracket, p the gradient, in place.
@@ -141,12 +144,32 @@ def _compiled(chunk_function):
     return activation_checkpointing.compiled(chunk_function)
 
 
-def _chunk_logits(hidden: Tensor, weight: Tensor, bias: Tensor | None, dtype: torch.dtype,
-                  temperature: float) -> Tensor:
-    """z = (h W^T + b) / T of one chunk, a fresh fp32 tensor (safe to update in place)."""
-    z = F.linear(hidden.to(dtype), weight, bias)
-    z = z.float() if z.dtype != torch.float32 else z
+def _chunk_logits(hidden: Tensor, weight: Tensor, bias: Tensor | None, dtype: torch.dtype, temperature: float,
+                  out_kernel: bool) -> Tensor:
+    """z = (h W^T + b) / T of one chunk, a fresh fp32 tensor (safe to update in place).
+
+    From bf16 operands the matmul's fp32 accumulator is kept as it is: logits rounded to bf16 before the logsumexp
+    would move each logp by up to 2^-9 of its logit (0.03 nats at a logit of 16), more than one update at lr 1e-6
+    moves it, and the ratios, clip decisions and TIS weights would follow that noise. `out_kernel`: aten's mm with
+    `out_dtype` (CUDA's cuBLAS, and fake tensors for `dapo plan`); elsewhere (CPU) the operands' exact products in
+    fp32 copies, the same values."""
+    h = hidden.to(dtype)
+    if dtype.itemsize >= 4:
+        z = h @ weight.t()
+    elif out_kernel:
+        z = torch.mm(h, weight.t(), out_dtype=torch.float32)
+    else:
+        with torch.autocast(h.device.type, enabled=False):  # or autocast would round the product to bf16 again
+            z = h.float() @ weight.t().float()
+    if bias is not None:
+        z.add_(bias)
     return z.div_(temperature)
+
+
+def _has_out_dtype_kernel(weight: Tensor) -> bool:
+    """Whether aten's mm with `out_dtype` (bf16 in, fp32 out) runs on the weight's backend: CUDA does; a fake tensor
+    (`dapo plan`) stands for a GPU's; the CPU has no such kernel."""
+    return weight.is_cuda or is_fake(weight)
 
 
 def token_logprobs(hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, temperature: float = 1.0,
@@ -160,7 +183,7 @@ def token_logprobs(hidden: Tensor, weight: Tensor, bias: Tensor | None, targets:
         empty = hidden.new_zeros(0, dtype=torch.float32) + 0 * weight.sum() + 0 * hidden.sum()
         return empty, empty
     return _ChunkedTokenLogprobs.apply(hidden, weight, bias, targets, float(temperature), max(1, int(chunk_tokens)),
-                                       _matmul_dtype(weight), compiled)
+                                       _matmul_dtype(weight), _has_out_dtype_kernel(weight), compiled)
 
 
 @dataclass

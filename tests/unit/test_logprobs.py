@@ -82,3 +82,56 @@ def test_the_head_is_the_linear_layer_until_asked():
     logp, entropy = reference(hidden[rows, positions], linear.weight, None, targets, 0.7)
     torch.testing.assert_close(scored[:, 0], logp, rtol=0, atol=1e-5)
     torch.testing.assert_close(scored[:, 1], entropy, rtol=0, atol=1e-5)
+
+
+def bf16_head_inputs():
+    """bf16 operands with logits of a real model's size (tens of nats), and the reference from their exact logits."""
+    generator = torch.Generator().manual_seed(1)
+    hidden = (torch.randn(96, 64, generator=generator) * 2).bfloat16()
+    weight = (torch.randn(3000, 64, generator=generator) * 0.6).bfloat16()
+    targets = torch.randint(0, 3000, (96,), generator=generator)
+    log_p = ((hidden.double() @ weight.double().t()) / 0.7).log_softmax(-1)
+    return hidden, weight, targets, (log_p.gather(-1, targets[:, None]).squeeze(-1), -(log_p.exp() * log_p).sum(-1))
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_bf16_operands_give_logprobs_of_fp32_precision(autocast):
+    # The head's matmul keeps its fp32 accumulator: FSDP2's bf16 parameters (no autocast) and bf16 autocast alike.
+    hidden, weight, targets, (ref_logp, ref_entropy) = bf16_head_inputs()
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        logp, entropy = token_logprobs(hidden.float() if autocast else hidden,
+                                       weight.float() if autocast else weight, None, targets, 0.7, 40)
+    assert logp.dtype == entropy.dtype == torch.float32
+    torch.testing.assert_close(logp.double(), ref_logp, rtol=0, atol=2e-5)
+    torch.testing.assert_close(entropy.double(), ref_entropy, rtol=0, atol=2e-5)
+    # What logits rounded to bf16 would have given: off by far more than an update at lr 1e-6 moves a logprob.
+    rounded = (hidden.double() @ weight.double().t()).bfloat16().double() / 0.7
+    rounded_logp = rounded.log_softmax(-1).gather(-1, targets[:, None]).squeeze(-1)
+    assert (rounded_logp - ref_logp).abs().max() > 1e-2
+
+
+def test_dapo_plan_sees_the_gpus_bf16_in_fp32_out_matmul():
+    # Under fake tensors (`dapo plan`) the head runs aten's mm with out_dtype, as on CUDA: no fp32 copy of the weight.
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen, self.copies = set(), []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            self.seen.add(str(func))
+            if func is torch.ops.aten._to_copy.default:
+                self.copies.append((tuple(out.shape), out.dtype))
+            return out
+
+    hidden, weight, targets, _ = bf16_head_inputs()
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        fake = [mode.from_tensor(t) for t in (hidden, weight.requires_grad_(), targets)]
+        with Ops() as ops:
+            logp, _ = token_logprobs(fake[0], fake[1], None, fake[2], 0.7, 40)
+            logp.sum().backward()
+    assert "aten.mm.dtype" in ops.seen and logp.dtype == torch.float32
+    assert (tuple(weight.shape), torch.float32) not in ops.copies, ops.copies
