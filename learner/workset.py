@@ -65,6 +65,9 @@ MEMORY_WARN_EVERY_S = 60.0
 # Past this share a stream longer than its producers may make it is trimmed back (DapoRedisMemoryFull fires at 95 %).
 MEMORY_TRIM_SHARE = 0.95
 DEAD_TRIM_SLACK = 1000  # `dead` is trimmed approximately (XADD MAXLEN ~): legitimately a little longer than its cap
+# Redis still full after that: a stream the workers write that takes this share of maxmemory loses its older half.
+WORKER_STREAM_SHARE = 0.25
+WORKER_STREAMS = ("rollouts", "scored", "dead")
 RUN_STREAMS = ("prompts", "rollouts", "scored", "dead", HELD)
 DROP_KINDS = ("uninformative", "stale", "duplicate")
 
@@ -143,6 +146,9 @@ class WorkingSet:
         self.cursor_key = streams.key(DATA_CURSOR)
         self._cursor_after: dict[str, dict] = {}  # task id -> the data cursor once that task is pushed
         self.redis = streams.redis
+        # A write of the learner's refused by a full Redis trims what producers overfilled, then is retried (XLEN and
+        # XTRIM are never refused for memory); without it the learner would wait on the one process that frees it.
+        self.redis.on_full = self.trim_overfull
         self.consumer = consumer_name("learner")
         self.outbox: deque[PromptTask] = deque()
         self.eval_round: EvalRound | None = None  # while `evaluating`
@@ -421,8 +427,11 @@ class WorkingSet:
         trim each stream longer than its producers may make it back to that length, oldest entries first, and name
         it. `prompts`, `rollouts` and `scored` producers wait at `streams.high_water`; `dead` is kept near
         `streams.dead_maxlen`. Only a producer that ignores its limit (a worker's XADD outside the scripts) makes one
-        longer: the culprit. A trimmed entry's task is given up at its deadline and issued again, as one a worker
-        deleted. `held` is the learner's own (a checkpoint releases it). Returns stream -> entries trimmed."""
+        longer: the culprit. A flood of large entries fills Redis within those lengths: if Redis is still full, the
+        largest stream the workers write, if it takes WORKER_STREAM_SHARE of maxmemory (in a run of the sizes
+        `redis_budget` checks, none comes near), loses its older half, once a call. A trimmed entry's task is given
+        up at its deadline and issued again, as one a worker deleted. `held` is the learner's own (a checkpoint
+        releases it). Returns stream -> entries trimmed."""
         cfg = self.streams.cfg
         limits = {"prompts": cfg.high_water, "rollouts": cfg.high_water, "scored": cfg.high_water,
                   "dead": cfg.dead_maxlen + DEAD_TRIM_SLACK}
@@ -431,10 +440,18 @@ class WorkingSet:
             key = self.streams.key(name)
             if self.redis.xlen(key) > limit and (count := self.redis.xtrim(key, maxlen=limit, approximate=False)):
                 trimmed[name] = count
-                metrics.REDIS_TRIMMED.labels(name).inc(count)
+        used, maxmemory = self.streams.memory()
+        if maxmemory and used >= MEMORY_TRIM_SHARE * maxmemory:
+            sizes = self.streams.key_memory(WORKER_STREAMS)
+            name = max(sizes, key=sizes.get)
+            key = self.streams.key(name)
+            if sizes[name] >= WORKER_STREAM_SHARE * maxmemory and (length := self.redis.xlen(key)):
+                trimmed[name] = trimmed.get(name, 0) + self.redis.xtrim(key, maxlen=length // 2, approximate=False)
+        for name, count in trimmed.items():
+            metrics.REDIS_TRIMMED.labels(name).inc(count)
         if trimmed:
-            log.error("Redis is nearly full: trimmed %s, longer than their producers may make them (a producer that "
-                      "ignores its limit fills Redis: see who writes there)",
+            log.error("Redis is nearly full: trimmed %s, longer or larger than their producers may make them (a "
+                      "producer that ignores its limit fills Redis: see who writes there)",
                       ", ".join(f"{count} entries of {name}" for name, count in trimmed.items()))
         return trimmed
 

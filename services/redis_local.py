@@ -32,6 +32,7 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable
 
 import redis
 from redis.backoff import NoBackoff
@@ -66,13 +67,25 @@ def _busy(err: BaseException) -> bool:
     return isinstance(err, redis.ResponseError) and re.search(r"(^|caused error: )BUSY ", str(err)) is not None
 
 
+def _log_retry(state) -> None:
+    err = state.outcome.exception()
+    if isinstance(err, redis.exceptions.OutOfMemoryError):
+        log.warning("Redis is full (it refuses writes past its maxmemory: %s): retrying while the learner frees it "
+                    "(its log names what fills it)", err)
+    else:
+        log.warning("Redis unreachable (%s), retrying", err)
+
+
+# A full Redis (maxmemory, noeviction) refuses a write whole: nothing of a refused script or transaction was
+# applied, so it is retried like a lost connection; the learner frees Redis meanwhile (`RetryingRedis.on_full`).
 retry_redis = retry(
-    retry=retry_if_exception_type((redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError))
+    retry=retry_if_exception_type((redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError,
+                                   redis.exceptions.OutOfMemoryError))
     | retry_if_exception(_busy),
     wait=wait_exponential(multiplier=0.1, max=5),
     stop=stop_after_delay(300),
     reraise=True,
-    before_sleep=lambda state: log.warning("Redis unreachable (%s), retrying", state.outcome.exception()),
+    before_sleep=_log_retry,
 )
 
 
@@ -96,8 +109,21 @@ def end_busy_script(client: redis.Redis) -> None:
             # NOTBUSY: not that kind (a function, not a script), or it ended meanwhile
 
 
+def _before_retry(err: redis.ResponseError, client: redis.Redis, on_full: Callable[[], object] | None) -> None:
+    """What a refusal asks of the client before it retries: a long script ended, a full Redis freed."""
+    if _busy(err):
+        end_busy_script(client)
+    elif on_full is not None and isinstance(err, redis.exceptions.OutOfMemoryError):
+        try:
+            on_full()
+        except redis.RedisError as hook_err:  # the retry goes on; the next refusal tries again
+            log.warning("freeing Redis failed (%s)", hook_err)
+
+
 class RetryingPipeline(Pipeline):
     """A pipeline whose `execute` retries; the queued commands are re-sent (execute() clears them, even on error)."""
+
+    on_full: Callable[[], object] | None = None
 
     def execute(self, raise_on_error: bool = True):
         stack = list(self.command_stack)
@@ -107,28 +133,33 @@ class RetryingPipeline(Pipeline):
             try:
                 return Pipeline.execute(self, raise_on_error)
             except redis.ResponseError as err:
-                if _busy(err):
-                    end_busy_script(redis.Redis(connection_pool=self.connection_pool))
+                _before_retry(err, redis.Redis(connection_pool=self.connection_pool), self.on_full)
                 raise
 
         return retry_redis(attempt)()
 
 
 class RetryingRedis(redis.Redis):
-    """A client whose every command retries while Redis is away (restart, failover) or held by a long script (it
-    asks the server to end it, if its user may): one place, no forgetting."""
+    """A client whose every command retries while Redis is away (restart, failover), held by a long script (it
+    asks the server to end it, if its user may) or full: one place, no forgetting.
+
+    `on_full`: what this client's owner does to free Redis when a write is refused for maxmemory, before it
+    retries (the learner trims what its producers overfilled; a worker only waits)."""
+
+    on_full: Callable[[], object] | None = None
 
     @retry_redis
     def execute_command(self, *args, **options):
         try:
             return super().execute_command(*args, **options)
         except redis.ResponseError as err:
-            if _busy(err):
-                end_busy_script(self)
+            _before_retry(err, self, self.on_full)
             raise
 
     def pipeline(self, transaction: bool = True, shard_hint=None) -> RetryingPipeline:
-        return RetryingPipeline(self.connection_pool, self.response_callbacks, transaction, shard_hint)
+        pipe = RetryingPipeline(self.connection_pool, self.response_callbacks, transaction, shard_hint)
+        pipe.on_full = self.on_full
+        return pipe
 
 
 def retrying(client: redis.Redis) -> RetryingRedis:

@@ -604,6 +604,42 @@ def test_a_stream_a_producer_overfilled_is_trimmed_when_redis_is_nearly_full(set
     assert any("trimmed 40 entries of rollouts" in r.getMessage() for r in caplog.records)
 
 
+def test_a_write_refused_by_a_full_redis_waits_while_the_learner_frees_it(settings, redis_server, caplog):
+    """A worker that floods its output stream (XADD outside the scripts) with large entries fills Redis to
+    maxmemory with fewer entries than its high-water mark, and Redis refuses every write (OOM). A worker's write
+    then waits, retrying, instead of failing; the learner's own next write trims the stream that fills Redis
+    (RetryingRedis.on_full: its older half, as often as needed) and goes through, and then so does the worker's."""
+    import threading
+
+    import redis
+
+    from services.redis_local import retrying
+
+    service = LearnerService(settings)
+    service.connect()
+    raw = redis.Redis.from_url(redis_server.url)  # no retries: the flood itself
+    flood = service.streams.key("rollouts")
+    for _ in range(20):  # fewer than the high-water mark: nothing longer than its producers may make it
+        raw.xadd(flood, {"data": b"x" * 100_000, "sig": b"-"})
+    raw.config_set("maxmemory", service.streams.memory()[0] - 500_000)  # full: every write refused, none evicted
+    with pytest.raises(redis.exceptions.OutOfMemoryError):
+        raw.xadd(flood, {"data": b"x", "sig": b"-"})
+    worker = retrying(redis.Redis.from_url(redis_server.url))  # a client of its own: no learner's hook
+    done = threading.Event()
+    thread = threading.Thread(target=lambda: (worker.xadd(service.streams.key("dead"), {"data": b"late"}), done.set()),
+                              daemon=True)
+    thread.start()
+    assert not done.wait(1.0)  # refused, and retrying
+    service.work.outbox.append(PromptTask(task_id="train-0", prompt_id="p0", prompt="1 + 1", ground_truth="2"))
+    service.work.flush_outbox()  # refused at first: the learner trims the flood, and it goes through
+    assert service.work.issued_task("train-0") is not None
+    assert raw.xlen(flood) <= 10
+    assert done.wait(10.0) and raw.xlen(service.streams.key("dead")) == 1
+    thread.join()
+    assert any("Redis is full" in r.getMessage() for r in caplog.records)
+    assert any("trimmed" in r.getMessage() and "of rollouts" in r.getMessage() for r in caplog.records)
+
+
 def test_a_learner_refuses_a_redis_too_small_for_a_step_and_checkpoints_early_under_memory_pressure(settings):
     """At start, a step of the largest groups beyond redis.held_memory_share of maxmemory is refused with the
     figures; running, Redis past that share makes the step's checkpoint due (it releases `held`)."""
