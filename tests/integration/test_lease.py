@@ -131,6 +131,26 @@ def test_a_learner_cut_off_from_redis_ends_before_its_lease_can_lapse(settings, 
         holder.release()
 
 
+def test_a_full_redis_does_not_cost_the_learner_its_lease(settings, redis_server):
+    # Redis at maxmemory refuses every write that needs memory; a renewal is a PEXPIRE, which needs none, so a flood
+    # that fills Redis does not end the learner (the learner then trims it: learner/workset.py `trim_overfull`).
+    import redis
+
+    fences, losses = Fences(), Fences()
+    holder = lease(settings, fences, losses).acquire()
+    raw = redis.Redis.from_url(redis_server.url)
+    try:
+        raw.xadd("flood", {"data": b"x" * 200_000})
+        raw.config_set("maxmemory", int(raw.info("memory")["used_memory"]) - 100_000)
+        with pytest.raises(redis.exceptions.OutOfMemoryError):
+            raw.set("any-write", "x")
+        assert not losses.fired.wait(timeout=2 * TTL) and not fences.fired.is_set()
+        assert holder.renew() == "renewed"
+    finally:
+        raw.config_set("maxmemory", 0)
+        holder.release()
+
+
 def test_different_runs_do_not_conflict(settings):
     first = lease(settings).acquire()
     other = lease(for_run(settings, "other"))
