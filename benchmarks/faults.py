@@ -31,7 +31,9 @@ after a rotation removed it), a generator's own signed dead letter retiring an i
 delivered. Each wave also has the generator's Redis user (its password read from the run's
 redis.conf, as a compromised generator pod holds it) try commands outside its ACL (services/redis_users.py):
 write `scored`, read `issued`, overwrite the weights announcement, FLUSHALL, CONFIG SET, a script writing
-`scored`; every one must be refused.
+`scored`; every one must be refused. And each wave that generator user fills Redis to its maxmemory (64 MB here)
+with 2 MB entries in its own stream (fewer than the stream's high-water mark), after which Redis refuses every
+write: the learner must free it (`trim_overfull`), every role wait meanwhile, and the run go on.
 
 Counting, after the run (the pure part is `analyze`, unit-tested on synthetic inputs): the final ledger.jsonl
 (steps 1..N each once, no task id trained twice); every ledger row seen while polling (steps cut back and
@@ -72,7 +74,9 @@ PHASES = (0.25, 0.5, 0.75)  # when in a step a round's kills land, as a fraction
 OVERRIDES = [  # small steps: 12 kills fit in about half an hour on 2 shared cores
     "learner.batch.prompts_per_step=8", "sampling.n=8", "sampling.max_tokens=48", "learner.eval_every=0",
     "learner.checkpoints.every=1",
+    "redis.embedded_maxmemory_mb=64",  # a flood fills it in seconds (and the AOF stays small)
 ]
+FLOOD_ENTRY_BYTES = 2_000_000  # above any entry a stream needs here (1.3 MB), below the largest value Redis takes
 RUN_NAME = "faults"
 
 
@@ -81,7 +85,7 @@ RUN_NAME = "faults"
 class Injection:
     """One bad message written into a stream, and what should become of it."""
 
-    kind: str  # poison | malformed | forged
+    kind: str  # poison | malformed | forged | flood (entries that fill Redis: counted apart)
     label: str  # what it is, for the table
     stream: str  # where it was written
     expect: str  # the start of the dead letter's reason
@@ -217,14 +221,20 @@ def analyze(final: list[dict], seen: list[dict], metrics_rows: list[dict], dead:
     pairs, unmatched = match_dead(dead, injections)
     trained_ever = {task for row in [*final, *seen] for task in row.get("trained", [])}
     by_label: dict[str, dict] = {}
+    floods = [i for i in injections if i.kind == "flood"]
     for inj in injections:
+        if inj.kind == "flood":
+            continue
         entry = by_label.setdefault(inj.label, {"kind": inj.kind, "stream": inj.stream, "expect": inj.expect,
                                                 "injected": 0, "dead_as_expected": 0, "dead_otherwise": 0,
                                                 "trained": 0, "reasons": []})
         entry["injected"] += 1
         if inj.task_id and not inj.real_task and inj.task_id in trained_ever:
             entry["trained"] += 1
+    flood_dead = sum(1 for row, inj in pairs if inj.kind == "flood" and row.get("reason", "").startswith(inj.expect))
     for row, inj in pairs:
+        if inj.kind == "flood":
+            continue
         entry = by_label[inj.label]
         reason = row.get("reason", "")
         if reason.startswith(inj.expect):
@@ -259,6 +269,7 @@ def analyze(final: list[dict], seen: list[dict], metrics_rows: list[dict], dead:
                                                           if r.get("step_seconds")]) else None,
         },
         "injections": by_label,
+        "flood": {"entries": len(floods), "dead_as_expected": flood_dead},
         "forged_injected": len(forged),
         "forged_trained": sum(by_label[i.label]["trained"] for i in {i.label: i for i in forged}.values()),
         "legit_dead": legit,
@@ -423,6 +434,7 @@ class Faults:
         self.token = "faults-" + uuid.uuid4().hex
         self.injections: list[Injection] = []
         self.acl_attempts: list[AclAttempt] = []
+        self.floods: list[dict] = []
         self.kills: list[Kill] = []
         self.seen: dict[tuple, dict] = {}  # every ledger row ever read
         self.timeline: list[tuple[float, int]] = []
@@ -701,12 +713,43 @@ class Faults:
                   into="dead")
         self.acl_attempts += outside_acl(self.generator_client(), "generator", streams)
         self.acl_attempts.append(oversize_entry(self.generator_client(retrying=False), streams))
+        self.flood(wave)
         pids = service_pids(self.proc.pid)
         generators = sorted(name for name in pids if name.startswith("generator-"))
         if generators:  # (one being restarted after a kill is tried in the next wave)
             urls = json.loads((self.run_dir / "services.json").read_text())["http"]
             self.acl_attempts += outside_audience(pids[generators[0]], urls)
         print(f"[faults] wave {wave}: {len(self.injections)} bad messages written so far", flush=True)
+
+    def flood(self, wave: int, timeout: float = 120.0) -> None:
+        """As the generator's Redis user (no retries), XADD 2 MB entries to `rollouts` until Redis refuses one for
+        memory; then time how long until Redis is below 95 % of maxmemory again (the learner trims within 10 s)."""
+        import redis
+
+        from learner.workset import MEMORY_TRIM_SHARE
+
+        streams, _ = self.streams()
+        client, payload = self.generator_client(retrying=False), b"F" * FLOOD_ENTRY_BYTES
+        entries, filled = 0, False
+        try:
+            while entries < 10_000:
+                client.xadd(streams.key("rollouts"), {"data": payload, "sig": b"-"})
+                entries += 1
+        except redis.exceptions.OutOfMemoryError:
+            filled = True
+        full_at = time.monotonic()
+        self.injections += [Injection("flood", "2 MB entries until Redis was full", "rollouts", "oversize",
+                                      digest(payload), at=time.time()) for _ in range(entries)]
+        writable_after = None
+        while time.monotonic() - full_at < timeout:
+            used, maxmemory = streams.memory()
+            if used < MEMORY_TRIM_SHARE * maxmemory:
+                writable_after = time.monotonic() - full_at
+                break
+            time.sleep(0.25)
+        self.floods.append({"wave": wave, "entries": entries, "filled": filled, "writable_after_s": writable_after})
+        print(f"[faults] wave {wave}: {entries} entries of 2 MB filled Redis ({filled}); below 95 % again after "
+              f"{writable_after} s", flush=True)
 
     # -- the end ---------------------------------------------------------------------------------------------
     def dead_letters(self) -> list[dict]:
@@ -769,6 +812,14 @@ def report(result: dict) -> str:
             f"{len(a['http_accepted'])} of {a['http_attempts']}"
             + (f" ({', '.join(a['http_accepted'])})" if a["http_accepted"] else ""),
             not a["http_accepted"] and a["http_attempts"] > 0)
+    floods = result.get("floods")
+    if floods is not None:  # since 2026-11-29: a generator fills Redis to maxmemory each wave
+        back = [f["writable_after_s"] for f in floods]
+        row("Redis filled to maxmemory by a generator: it is freed, the run goes on",
+            f"{len(floods)} floods of {fmt([f['entries'] for f in floods], 'd')} entries of 2 MB (writes refused: "
+            f"{sum(f['filled'] for f in floods)} of {len(floods)}); below 95 % again after {fmt(back)} s; "
+            f"{a['flood']['dead_as_expected']} of {a['flood']['entries']} dead-lettered (`oversize`), the rest "
+            "trimmed", all(f["filled"] for f in floods) and None not in back and result["returncode"] == 0)
     row("no process left behind by a killed one", f"{len(result['orphans'])} left", not result["orphans"])
     lines += ["", "Work redone after each kill (seconds from the SIGKILL; the median step took "
               f"{metrics_['median_step_s']:.1f} s in this run):", "",
@@ -873,6 +924,7 @@ def main(argv: list[str] | None = None) -> int:
         "kills": [asdict(k) for k in faults.kills],
         "injections": [asdict(i) for i in faults.injections],
         "acl_attempts": [asdict(a) for a in faults.acl_attempts],
+        "floods": faults.floods,
         "dead_letters": [{k: v for k, v in row.items() if k != "data"} for row in dead],
         "orphans": orphans,
         "analysis": analysis,

@@ -139,3 +139,22 @@ def test_a_dead_letter_carrying_a_ground_truth_is_found():
     assert ground_truth_in("scored", scored("42")) and ground_truth_in("held", scored("x"))
     assert not ground_truth_in("scored", scored("")) and not ground_truth_in("prompts", scored("42"))
     assert not ground_truth_in("scored", b"\xff garbage")
+
+
+def test_a_flood_is_counted_apart_and_its_letters_are_not_legitimate():
+    flood = b"F" * 100
+    injections = [Injection("flood", "2 MB entries", "rollouts", "oversize", digest(flood)) for _ in range(3)]
+    dead = [{"stream": "rollouts", "reason": "oversize: 2,000,000 bytes", "payload_sha256": digest(flood)}]
+    a = analyze([row(1, ["a"])], [row(1, ["a"])], [{"step": 1, "step_seconds": 5.0}], dead, injections, [], [])
+    assert a["legit_dead"] == [] and a["injections"] == {} and a["flood"] == {"entries": 3, "dead_as_expected": 1}
+    floods = [{"wave": 1, "entries": 3, "filled": True, "writable_after_s": 4.0}]
+    text = report({"analysis": a, "command_short": "c", "steps": 1, "kills": [], "returncode": 0, "minutes": 1.0,
+                   "conditions": "", "orphans": [], "floods": floods})
+    assert ("| Redis filled to maxmemory by a generator: it is freed, the run goes on | 1 floods of 3 entries of 2 MB "
+            "(writes refused: 1 of 1); below 95 % again after 4.0 s; 1 of 3 dead-lettered (`oversize`), the rest "
+            "trimmed | yes |") in text
+    floods[0]["writable_after_s"] = None  # Redis never freed: the goal is missed
+    text = report({"analysis": a, "command_short": "c", "steps": 1, "kills": [], "returncode": 0, "minutes": 1.0,
+                   "conditions": "", "orphans": [], "floods": floods})
+    (line,) = [line for line in text.splitlines() if line.startswith("| Redis filled")]
+    assert line.endswith("| **no** |")
