@@ -67,21 +67,28 @@ def _busy(err: BaseException) -> bool:
     return isinstance(err, redis.ResponseError) and re.search(r"(^|caused error: )BUSY ", str(err)) is not None
 
 
+def _full(err: BaseException) -> bool:
+    """Redis refused a write for maxmemory: `OOM command not allowed...`, which redis-py raises as OutOfMemoryError,
+    except inside a script (`Error running script ...: -OOM command not allowed...`): a plain ResponseError."""
+    return isinstance(err, redis.exceptions.OutOfMemoryError) or (
+        isinstance(err, redis.ResponseError) and "OOM command not allowed" in str(err))
+
+
 def _log_retry(state) -> None:
     err = state.outcome.exception()
-    if isinstance(err, redis.exceptions.OutOfMemoryError):
+    if _full(err):
         log.warning("Redis is full (it refuses writes past its maxmemory: %s): retrying while the learner frees it "
                     "(its log names what fills it)", err)
     else:
         log.warning("Redis unreachable (%s), retrying", err)
 
 
-# A full Redis (maxmemory, noeviction) refuses a write whole: nothing of a refused script or transaction was
-# applied, so it is retried like a lost connection; the learner frees Redis meanwhile (`RetryingRedis.on_full`).
+# A full Redis (maxmemory, noeviction) refuses a write whole: nothing of a refused transaction was applied, nor of
+# a script (refused at its first write), so it is retried like a lost connection; the learner frees Redis meanwhile
+# (`RetryingRedis.on_full`).
 retry_redis = retry(
-    retry=retry_if_exception_type((redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError,
-                                   redis.exceptions.OutOfMemoryError))
-    | retry_if_exception(_busy),
+    retry=retry_if_exception_type((redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError))
+    | retry_if_exception(_busy) | retry_if_exception(_full),
     wait=wait_exponential(multiplier=0.1, max=5),
     stop=stop_after_delay(300),
     reraise=True,
@@ -113,7 +120,7 @@ def _before_retry(err: redis.ResponseError, client: redis.Redis, on_full: Callab
     """What a refusal asks of the client before it retries: a long script ended, a full Redis freed."""
     if _busy(err):
         end_busy_script(client)
-    elif on_full is not None and isinstance(err, redis.exceptions.OutOfMemoryError):
+    elif on_full is not None and _full(err):
         try:
             on_full()
         except redis.RedisError as hook_err:  # the retry goes on; the next refusal tries again

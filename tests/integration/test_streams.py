@@ -502,6 +502,30 @@ def test_embedded_redis_is_bounded_and_refuses_writes_beyond_maxmemory_without_e
         assert 4 <= written < 20 and client.exists(*[f"k{i}" for i in range(written)]) == written  # none evicted
 
 
+def test_a_producer_waits_out_a_full_redis_and_then_produces_once(settings, redis_server):
+    """A write refused for maxmemory is retried, not raised, in a stream script too (where redis-py reports it as a
+    plain `Error running script ...: -OOM command not allowed`): the producer waits until Redis has room (here,
+    maxmemory lifted after a second) and its entry is written once."""
+    import redis
+
+    streams = Streams(connect(settings), settings, signs_as=ROLES)
+    prompts = streams.stream("prompts", PromptTask)
+    prompts.produce(task(0))  # the stream and its consumer group exist
+    raw = redis.Redis.from_url(redis_server.url)
+    raw.config_set("maxmemory", int(raw.info("memory")["used_memory"]) - 100_000)
+    from services.streams import _PRODUCE
+
+    with pytest.raises(redis.ResponseError, match="OOM command not allowed") as refused:  # the script, no retries
+        raw.register_script(_PRODUCE)(keys=[prompts.key], args=[100, b"x", b"-"])
+    assert not isinstance(refused.value, redis.exceptions.OutOfMemoryError)
+    timer = threading.Timer(1.0, raw.config_set, ("maxmemory", 0))
+    timer.start()
+    started = time.monotonic()
+    prompts.produce(task(1))
+    timer.join()
+    assert time.monotonic() - started >= 0.9 and raw.xlen(streams.key("prompts")) == 2
+
+
 def test_the_dead_stream_is_trimmed_to_about_its_maxlen(settings):
     settings = settings.model_copy(update={"streams": settings.streams.model_copy(update={"dead_maxlen": 10})})
     streams = Streams(connect(settings), settings, signs_as=ROLES)
