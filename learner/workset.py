@@ -47,8 +47,17 @@ from learner.policy import PolicyVersion
 from learner.records import GeneratorClocks
 from services import metrics
 from services.config import LearnerConfig
-from services.messages import PromptTask, ScoredGroup, from_wire
-from services.streams import FIELD, ISSUED, Delivery, Streams, consumer_name, entry_ids_key, task_id_in_payload
+from services.messages import PromptTask, RolloutGroup, ScoredGroup, from_wire
+from services.streams import (
+    FIELD,
+    ISSUED,
+    Delivery,
+    Streams,
+    consumer_name,
+    entry_ids_key,
+    id_order,
+    task_id_in_payload,
+)
 
 log = logging.getLogger(__name__)
 
@@ -375,6 +384,37 @@ class WorkingSet:
         if gone or eval_gone:
             log.warning("%d train and %d eval tasks died in the pipeline (see the dead stream)", gone, eval_gone)
 
+    def settle_parked_letters(self) -> None:
+        """After a (re)start: settle the workers' letters that no learner has (written while none ran, or just before
+        the last one ended; the scan reads on from the newest letter at start). A parked entry waits in its
+        stream's consumer group for the learner to settle its letter: the letters naming one still parked are read
+        back from the oldest such entry's time, and only those settled (the others were, by the last learner)."""
+        parked = {(name, entry_id) for name, model in (("prompts", PromptTask), ("rollouts", RolloutGroup))
+                  for entry_id in self.streams.stream(name, model).parked()}
+        if not parked:
+            return
+        end = id_order(self._dead_cursor)
+        cursor = f"{max(min(id_order(entry_id)[0] for _, entry_id in parked) - 1, 0)}-0"  # a letter follows its entry
+        lost, settled = [], 0
+        while id_order(cursor) < end:
+            after, letters = self.streams.dead_letters_after(cursor, count=LETTERS_PER_SCAN)
+            if after == cursor:
+                break
+            cursor = after
+            for entry_id, fields in letters:
+                if id_order(entry_id) > end:
+                    break  # the scan's own from here
+                named = (fields.get(b"stream", b"").decode(errors="replace"),
+                         fields.get(b"entry_id", b"").decode(errors="replace"))
+                if named in parked:
+                    parked.discard(named)  # settled once: a second letter for it would find it gone
+                    settled += 1
+                    if task_id := self.streams.settle_dead_letter(fields):
+                        lost.append(task_id)
+        gone, eval_gone = self.lose(lost)
+        log.info("%d dead letters no learner had settled: %d train and %d eval tasks given up", settled, gone,
+                 eval_gone)
+
     def expire_overdue(self) -> None:
         """Tasks past their deadline (learner/deadlines.py) are not waited for any more: their entry may have been
         deleted or trimmed, or a worker holds them and never answers. Counted lost (the step refills, an evaluation
@@ -478,6 +518,7 @@ class WorkingSet:
         for task_id, _ in self.redis.hscan_iter(self.issued_key, count=1000):
             self.deadlines.pushed(task_id.decode(), now)
         outcome = self.readmit_held(skip, counted)
+        self.settle_parked_letters()
         claimed = self.claim_pending()
         if any(outcome.values()) or claimed:
             log.info(

@@ -527,6 +527,13 @@ class Stream(Generic[M]):
         _ack_and_delete(self.redis.pipeline(transaction=True), self.key, self.group, entry_id).execute()
         return payload, found
 
+    def parked(self, count: int = 10_000) -> list[str]:
+        """Ids of the entries workers parked here with a dead letter and no learner settled yet, oldest first."""
+        self._ensure_group()
+        rows = self._grouped(self.redis.xpending_range, self.key, self.group, min="-", max="+", count=count,
+                             consumername=DEAD_LETTERED)
+        return [row["message_id"].decode() for row in rows]
+
     def take_over(self, consumer: str, count: int) -> int:
         """Claim every pending entry for `consumer` now, whoever holds it (the caller knows its holder is dead);
         they come back through `recover`. JUSTID: a claim is not a delivery (max_deliveries counts stay put)."""
@@ -650,16 +657,16 @@ class Streams:
                 info = self.redis.xinfo_stream(key)
             except redis.ResponseError:  # no such stream yet
                 continue
-            if _id_key(info["last-generated-id"])[0] <= horizon:
+            if id_order(info["last-generated-id"])[0] <= horizon:
                 continue
             future = [entry_id for entry_id, _ in self.redis.xrange(key, min=f"{horizon + 1}-0", max="+")]
             if future:
                 self.redis.xdel(key, *future)
             newest = self.redis.xrevrange(key, count=1)
-            last = max([f"{now_ms}-0", *(entry_id.decode() for entry_id, _ in newest)], key=_id_key)
+            last = max([f"{now_ms}-0", *(entry_id.decode() for entry_id, _ in newest)], key=id_order)
             self.redis.execute_command("XSETID", key, last)
             for group in self.redis.xinfo_groups(key):
-                if _id_key(group["last-delivered-id"])[0] > horizon:
+                if id_order(group["last-delivered-id"])[0] > horizon:
                     self.redis.xgroup_setid(key, group["name"], last)
             log.error("stream %s had its last id set in the future (%d entries dated after now + %ds deleted): "
                       "writable again from %s", key, len(future), FUTURE_ID_TOLERANCE_MS // 1000, last)
@@ -814,7 +821,7 @@ def _dead_letter_fields(letter: dict) -> list:
     return [part for name in sorted(named) for part in (name, named[name])]
 
 
-def _id_key(entry_id: bytes | str) -> tuple[int, int]:
+def id_order(entry_id: bytes | str) -> tuple[int, int]:
     """A stream entry id `<ms>-<seq>` as numbers, for comparing."""
     ms, _, seq = (entry_id.decode() if isinstance(entry_id, bytes) else entry_id).partition("-")
     return int(ms), int(seq or 0)

@@ -559,6 +559,34 @@ def test_a_dead_letter_whose_payload_went_to_a_file_still_names_its_task(setting
     assert not service.work.assembler.in_flight and service.work.assembler.stats.lost == 1
 
 
+def test_a_workers_letter_no_learner_settled_is_settled_at_the_restart(settings, caplog):
+    """A generator parks a task's entry with a dead letter just before the learner ends (or while it is down). The
+    restarted learner reads on from the newest letter at its start, so it settles, at start, the letters of entries
+    still parked: the task is given up at once (not at its deadline), the entry is not dead-lettered again as
+    `unsettled`, and letters the last learner settled are not read again."""
+    caplog.set_level("INFO", logger="learner.workset")
+    first = LearnerService(settings)
+    first.connect()
+    issue_tasks(first, 3)
+    prompts = Streams(first.redis, settings, signs_as=("generator",)).stream("prompts", PromptTask)
+    deliveries = prompts.consume("gen", count=10, block_ms=0)
+    prompts.dead(deliveries[0].id, deliveries[0].payload, "engine failure on this task alone: test")
+    first.work.scan_dead_letters()  # settled by the first learner
+    assert first.work.issued_task("train-0") is None
+    prompts.dead(deliveries[1].id, deliveries[1].payload, "engine failure on this task alone: test")
+    # the first learner ends before its next scan
+    restarted = LearnerService(settings)
+    restarted.connect()
+    restarted.work.limit_vocabulary(100)
+    restarted.work.scan_dead_letters()  # reads on from the newest letter: not this one
+    assert restarted.work.issued_task("train-1") is not None and prompts.parked() == [deliveries[1].id]
+    restarted.work.restore(skip=set(), counted=set())
+    assert restarted.work.issued_task("train-1") is None and prompts.parked() == []
+    assert restarted.work.issued_task("train-2") is not None
+    assert any(r.getMessage().startswith("1 dead letters no learner had settled") for r in caplog.records)
+    assert not [r for r in caplog.records if "retires no task" in r.getMessage()]
+
+
 def test_the_learner_weighs_the_runs_keys_and_names_the_largest_when_redis_fills(settings, caplog, monkeypatch):
     """What fills Redis is on /metrics (bytes per stream and hash of the run) and, past 80 % of maxmemory, named in
     the log with its size, before writes are refused."""
