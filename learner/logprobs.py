@@ -166,10 +166,14 @@ def _chunk_logits(hidden: Tensor, weight: Tensor, bias: Tensor | None, dtype: to
     return z.div_(temperature)
 
 
+# aten's mm with `out_dtype` came with torch 2.8 (pyproject allows 2.6): before, the fp32 copies give the same values.
+_MM_OUT_DTYPE = "dtype" in torch.ops.aten.mm.overloads()
+
+
 def _has_out_dtype_kernel(weight: Tensor) -> bool:
     """Whether aten's mm with `out_dtype` (bf16 in, fp32 out) runs on the weight's backend: CUDA does; a fake tensor
     (`dapo plan`) stands for a GPU's; the CPU has no such kernel."""
-    return weight.is_cuda or is_fake(weight)
+    return _MM_OUT_DTYPE and (weight.is_cuda or is_fake(weight))
 
 
 def token_logprobs(hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, temperature: float = 1.0,
