@@ -39,7 +39,7 @@ import redis
 
 from services.config import Settings
 from services.errors import ExitCode, Unavailable
-from services.redis_local import connect, retry_redis
+from services.redis_local import before_retry, connect, retry_redis
 from services.startup import record_exit
 from services.streams import run_prefix
 
@@ -122,7 +122,8 @@ def exit_lost(seconds: float) -> None:
 
 class LearnerLease:
     def __init__(self, settings: Settings, *, ttl_s: float | None = None,
-                 on_fenced: Callable[[str], None] = exit_fenced, on_lost: Callable[[float], None] = exit_lost):
+                 on_fenced: Callable[[str], None] = exit_fenced, on_lost: Callable[[float], None] = exit_lost,
+                 on_full: Callable[[], object] | None = None):
         self.ttl_s = float(settings.learner.lease_ttl_s if ttl_s is None else ttl_s)
         self.interval_s = self.ttl_s / 6
         # One attempt per command within one renewal interval: a renewal must fail in time, not retry past the TTL.
@@ -133,6 +134,7 @@ class LearnerLease:
         self.instance = f"{self.identity}@{socket.gethostname()}:{os.getpid()}"
         self.on_fenced = on_fenced
         self.on_lost = on_lost
+        self.on_full = on_full  # taking the lease needs memory: what frees a full Redis first (its renewal does not)
         self._renewed_at = 0.0  # when the last renewal that got through was sent
         self._renew = self.redis.register_script(_RENEW)
         self._release = self.redis.register_script(_RELEASE)
@@ -154,7 +156,14 @@ class LearnerLease:
     def acquire(self) -> "LearnerLease":
         """Take the lease, waiting up to one TTL for a holder's to lapse, and keep it renewed; LeaseHeld if the
         holder kept it. Redis errors at start are retried as by every client (services.redis_local)."""
-        retry_redis(self._acquire)()
+        def attempt() -> None:
+            try:
+                self._acquire()
+            except redis.ResponseError as err:
+                before_retry(err, self.redis, self.on_full)
+                raise
+
+        retry_redis(attempt)()
         log.info("learner lease on run %s taken by %s (TTL %.0f s)", self.run, self.instance, self.ttl_s)
         self._stop.clear()
         self._threads = [threading.Thread(target=loop, name=f"learner-lease-{loop.__name__}", daemon=True)

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
-from torch._subclasses.fake_tensor import is_fake
+from torch._subclasses.fake_tensor import FakeTensorMode, is_fake
 from torch.nn import functional as F
 
 from learner import activation_checkpointing, attention
@@ -51,13 +51,13 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
         logp = torch.empty(n, device=hidden.device, dtype=torch.float32)
         lse = torch.empty_like(logp)
         entropy = torch.empty_like(logp)
-        w = weight.to(dtype)
+        w = _logits_weight(weight.to(dtype), out_kernel)
         b = None if bias is None else bias.to(dtype)
         chunk_stats = _compiled(_chunk_stats) if compiled else _chunk_stats
         for start in range(0, n, chunk_tokens):
             end = min(start + chunk_tokens, n)
             logp[start:end], lse[start:end], entropy[start:end] = chunk_stats(
-                hidden[start:end], w, b, targets[start:end], temperature, dtype, out_kernel)
+                hidden[start:end], w, b, targets[start:end], temperature, dtype)
         ctx.save_for_backward(hidden, weight, bias, targets, lse, entropy)
         ctx.temperature, ctx.chunk_tokens, ctx.compiled = temperature, chunk_tokens, compiled
         ctx.dtype, ctx.out_kernel = dtype, out_kernel
@@ -76,15 +76,16 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
         if grad_logp is None and grad_entropy is None:
             return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None
         w = weight.to(dtype)
+        w_logits = _logits_weight(w, ctx.out_kernel)
         b = None if bias is None else bias.to(dtype)
         chunk_logit_grads = _compiled(_chunk_logit_grads) if ctx.compiled else _chunk_logit_grads
         for start in range(0, hidden.shape[0], chunk_tokens):
             end = min(start + chunk_tokens, hidden.shape[0])
             h = hidden[start:end].to(dtype)
             grad_z = chunk_logit_grads(
-                h, w, b, targets[start:end], lse[start:end], entropy[start:end],
+                h, w_logits, b, targets[start:end], lse[start:end], entropy[start:end],
                 None if grad_logp is None else grad_logp[start:end],
-                None if grad_entropy is None else grad_entropy[start:end], temperature, dtype, ctx.out_kernel)
+                None if grad_entropy is None else grad_entropy[start:end], temperature, dtype)
             if grad_hidden is not None:
                 grad_hidden[start:end] = (grad_z @ w).to(hidden.dtype)
             if grad_weight is not None:
@@ -103,9 +104,9 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
 
 
 def _chunk_stats(hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, temperature: float,
-                 dtype: torch.dtype, out_kernel: bool) -> tuple[Tensor, Tensor, Tensor]:
+                 dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
     """(logp of the targets, logsumexp, entropy) of one chunk, [c] each in fp32."""
-    z = _chunk_logits(hidden, weight, bias, dtype, temperature, out_kernel)
+    z = _chunk_logits(hidden, weight, bias, dtype, temperature)
     lse = torch.logsumexp(z, dim=-1)
     log_p = z.sub_(lse[:, None])
     # H = -sum_v p_v log p_v (the softmax's entropy at temperature T), from log p itself: lse - sum_v p_v z_v, the
@@ -116,9 +117,9 @@ def _chunk_stats(hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: T
 
 def _chunk_logit_grads(hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, lse: Tensor,
                        entropy: Tensor, grad_logp: Tensor | None, grad_entropy: Tensor | None, temperature: float,
-                       dtype: torch.dtype, out_kernel: bool) -> Tensor:
+                       dtype: torch.dtype) -> Tensor:
     """The loss's gradient in one chunk's logits h W^T + b, [c, V] in `dtype`, from the logits recomputed."""
-    log_p = _chunk_logits(hidden, weight, bias, dtype, temperature, out_kernel).sub_(lse[:, None])
+    log_p = _chunk_logits(hidden, weight, bias, dtype, temperature).sub_(lse[:, None])
     p = log_p.exp()
     # d logp_target / dz = onehot - p;  dH / dz = -p (log p + H):  grad_z = -p (g_logp + g_H (log p + H)),
     # plus g_logp at the target. log_p becomes the bracket, p the gradient, in place.
@@ -144,30 +145,48 @@ def _compiled(chunk_function):
     return activation_checkpointing.compiled(chunk_function)
 
 
-def _chunk_logits(hidden: Tensor, weight: Tensor, bias: Tensor | None, dtype: torch.dtype, temperature: float,
-                  out_kernel: bool) -> Tensor:
+def _chunk_logits(hidden: Tensor, weight: Tensor, bias: Tensor | None, dtype: torch.dtype,
+                  temperature: float) -> Tensor:
     """z = (h W^T + b) / T of one chunk, a fresh fp32 tensor (safe to update in place).
 
     From bf16 operands the matmul's fp32 accumulator is kept as it is: logits rounded to bf16 before the logsumexp
     would move each logp by up to 2^-9 of its logit (0.03 nats at a logit of 16), more than one update at lr 1e-6
-    moves it, and the ratios, clip decisions and TIS weights would follow that noise. `out_kernel`: aten's mm with
-    `out_dtype` (CUDA's cuBLAS, and fake tensors for `dapo plan`); elsewhere (CPU) the operands' exact products in
-    fp32 copies, the same values."""
+    moves it, and the ratios, clip decisions and TIS weights would follow that noise. `weight` comes from
+    `_logits_weight`: in `dtype` for aten's mm with `out_dtype`, or that weight's fp32 copy where the kernel is
+    missing (the operands' exact products in fp32, the same values)."""
     h = hidden.to(dtype)
-    if dtype.itemsize >= 4:
-        z = h @ weight.t()
-    elif out_kernel:
+    if weight.dtype != h.dtype:
+        with torch.autocast(h.device.type, enabled=False):  # or autocast would round the product to bf16 again
+            z = h.float() @ weight.t()
+    elif dtype.itemsize < 4:
         z = torch.mm(h, weight.t(), out_dtype=torch.float32)
     else:
-        with torch.autocast(h.device.type, enabled=False):  # or autocast would round the product to bf16 again
-            z = h.float() @ weight.t().float()
+        z = h @ weight.t()
     if bias is not None:
         z.add_(bias)
     return z.div_(temperature)
 
 
-# aten's mm with `out_dtype` came with torch 2.8 (pyproject allows 2.6): before, the fp32 copies give the same values.
-_MM_OUT_DTYPE = "dtype" in torch.ops.aten.mm.overloads()
+def _logits_weight(weight: Tensor, out_kernel: bool) -> Tensor:
+    """The head's weight for `_chunk_logits`, made once per pass: as it is, unless it is bf16 (or fp16) and aten's mm
+    with `out_dtype` does not run here, then its fp32 copy."""
+    return weight if weight.dtype.itemsize >= 4 or out_kernel else weight.float()
+
+
+def _probe_out_dtype_kernel() -> bool:
+    """Whether aten's mm with `out_dtype` works under fake tensors (what `dapo plan` and torch.compile trace with):
+    the overload came with torch 2.8, its fake-tensor rule works from about 2.10 (pytorch#163393)."""
+    if "dtype" not in torch.ops.aten.mm.overloads():
+        return False
+    try:
+        with FakeTensorMode():
+            square = torch.empty(2, 2, dtype=torch.bfloat16)
+            return torch.mm(square, square, out_dtype=torch.float32).dtype == torch.float32
+    except Exception:  # any failure of that rule means: not here
+        return False
+
+
+_MM_OUT_DTYPE = _probe_out_dtype_kernel()
 
 
 def _has_out_dtype_kernel(weight: Tensor) -> bool:

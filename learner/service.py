@@ -163,7 +163,10 @@ class LearnerService:
     def claim_run(self) -> None:
         """Take the run's single-writer lease (learner/lease.py) before anything of the run is written: LeaseHeld
         (exit 69) while another learner holds it."""
-        self.lease = LearnerLease(self.settings).acquire()
+        # Redis may be full already (a worker's flood while no learner ran): the lease's write trims it first, as
+        # every write of the learner's does (`connect`).
+        trim = Streams(connect(self.settings), self.settings, signs_as=()).trim_overfull
+        self.lease = LearnerLease(self.settings, on_full=trim).acquire()
 
     def release_run(self) -> None:
         # A delivery still running (the process ends on an error or a second signal) finishes first: nothing of
@@ -179,6 +182,9 @@ class LearnerService:
         Records.write_config(self.settings)
         self.redis = connect(self.settings)
         self.streams = Streams(self.redis, self.settings, signs_as=("learner",))
+        # A write of the learner's refused by a full Redis first trims what producers overfilled (FUNCTION LOAD's
+        # below included): the learner is the one process that frees Redis, and must not wait on itself.
+        self.redis.on_full = self.streams.trim_overfull
         self.streams.scripts.load()  # the learner owns the stream functions: this release's, before any worker's call
         self.work = WorkingSet(self.streams, self.cfg, self.policy)
         self.publisher = WeightPublisher(self.settings, self.redis, self.cfg.public_base_url())

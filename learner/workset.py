@@ -50,7 +50,9 @@ from services.config import LearnerConfig
 from services.messages import PromptTask, RolloutGroup, ScoredGroup, from_wire
 from services.streams import (
     FIELD,
+    FUTURE_ID_TOLERANCE_MS,
     ISSUED,
+    MEMORY_TRIM_SHARE,
     Delivery,
     Streams,
     consumer_name,
@@ -71,12 +73,6 @@ LETTERS_PER_SCAN = 256  # dead letters settled per scan (a few round trips each)
 REPAIR_SCAN_SECONDS = 10.0  # how often the run's streams are checked for a last id set in the future (and weighed)
 MEMORY_WARN_SHARE = 0.8  # Redis past this share of its maxmemory: the log names its largest keys (DapoRedisMemoryHigh)
 MEMORY_WARN_EVERY_S = 60.0
-# Past this share a stream longer than its producers may make it is trimmed back (DapoRedisMemoryFull fires at 95 %).
-MEMORY_TRIM_SHARE = 0.95
-DEAD_TRIM_SLACK = 1000  # `dead` is trimmed approximately (XADD MAXLEN ~): legitimately a little longer than its cap
-# Redis still full after that: a stream the workers write that takes this share of maxmemory loses its older half.
-WORKER_STREAM_SHARE = 0.25
-WORKER_STREAMS = ("rollouts", "scored", "dead")
 RUN_STREAMS = ("prompts", "rollouts", "scored", "dead", HELD)
 DROP_KINDS = ("uninformative", "stale", "duplicate")
 
@@ -155,9 +151,6 @@ class WorkingSet:
         self.cursor_key = streams.key(DATA_CURSOR)
         self._cursor_after: dict[str, dict] = {}  # task id -> the data cursor once that task is pushed
         self.redis = streams.redis
-        # A write of the learner's refused by a full Redis trims what producers overfilled, then is retried (XLEN and
-        # XTRIM are never refused for memory); without it the learner would wait on the one process that frees it.
-        self.redis.on_full = self.trim_overfull
         self.consumer = consumer_name("learner")
         self.outbox: deque[PromptTask] = deque()
         self.eval_round: EvalRound | None = None  # while `evaluating`
@@ -394,7 +387,9 @@ class WorkingSet:
         if not parked:
             return
         end = id_order(self._dead_cursor)
-        cursor = f"{max(min(id_order(entry_id)[0] for _, entry_id in parked) - 1, 0)}-0"  # a letter follows its entry
+        # A letter follows its entry, but a worker may date an entry up to FUTURE_ID_TOLERANCE_MS ahead (an XADD id)
+        oldest = min(id_order(entry_id)[0] for _, entry_id in parked)
+        cursor = f"{max(oldest - FUTURE_ID_TOLERANCE_MS - 1, 0)}-0"
         lost, settled = [], 0
         while id_order(cursor) < end:
             after, letters = self.streams.dead_letters_after(cursor, count=LETTERS_PER_SCAN)
@@ -459,41 +454,8 @@ class WorkingSet:
                         100 * used / maxmemory, maxmemory // 2**20,
                         ", ".join(f"{name} {size / 2**20:.1f} MB" for name, size in largest))
         if maxmemory and used >= MEMORY_TRIM_SHARE * maxmemory:
-            self.trim_overfull()
+            self.streams.trim_overfull()
         return sizes
-
-    def trim_overfull(self) -> dict[str, int]:
-        """With Redis nearly full (writes are refused at maxmemory, and then no role can forward or dead-letter):
-        trim each stream longer than its producers may make it back to that length, oldest entries first, and name
-        it. `prompts`, `rollouts` and `scored` producers wait at `streams.high_water`; `dead` is kept near
-        `streams.dead_maxlen`. Only a producer that ignores its limit (a worker's XADD outside the scripts) makes one
-        longer: the culprit. A flood of large entries fills Redis within those lengths: if Redis is still full, the
-        largest stream the workers write, if it takes WORKER_STREAM_SHARE of maxmemory (in a run of the sizes
-        `redis_budget` checks, none comes near), loses its older half, once a call. A trimmed entry's task is given
-        up at its deadline and issued again, as one a worker deleted. `held` is the learner's own (a checkpoint
-        releases it). Returns stream -> entries trimmed."""
-        cfg = self.streams.cfg
-        limits = {"prompts": cfg.high_water, "rollouts": cfg.high_water, "scored": cfg.high_water,
-                  "dead": cfg.dead_maxlen + DEAD_TRIM_SLACK}
-        trimmed = {}
-        for name, limit in limits.items():
-            key = self.streams.key(name)
-            if self.redis.xlen(key) > limit and (count := self.redis.xtrim(key, maxlen=limit, approximate=False)):
-                trimmed[name] = count
-        used, maxmemory = self.streams.memory()
-        if maxmemory and used >= MEMORY_TRIM_SHARE * maxmemory:
-            sizes = self.streams.key_memory(WORKER_STREAMS)
-            name = max(sizes, key=sizes.get)
-            key = self.streams.key(name)
-            if sizes[name] >= WORKER_STREAM_SHARE * maxmemory and (length := self.redis.xlen(key)):
-                trimmed[name] = trimmed.get(name, 0) + self.redis.xtrim(key, maxlen=length // 2, approximate=False)
-        for name, count in trimmed.items():
-            metrics.REDIS_TRIMMED.labels(name).inc(count)
-        if trimmed:
-            log.error("Redis is nearly full: trimmed %s, longer or larger than their producers may make them (a "
-                      "producer that ignores its limit fills Redis: see who writes there)",
-                      ", ".join(f"{count} entries of {name}" for name, count in trimmed.items()))
-        return trimmed
 
     def consumed(self, task_ids) -> None:
         """Groups trained (or aged out) by a step: released from `held` at the next checkpoint."""

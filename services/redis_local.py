@@ -30,6 +30,7 @@ import signal
 import socket
 import subprocess
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Callable
@@ -116,19 +117,28 @@ def end_busy_script(client: redis.Redis) -> None:
             # NOTBUSY: not that kind (a function, not a script), or it ended meanwhile
 
 
-def _before_retry(err: redis.ResponseError, client: redis.Redis, on_full: Callable[[], object] | None) -> None:
-    """What a refusal asks of the client before it retries: a long script ended, a full Redis freed."""
+_freeing = threading.local()
+
+
+def before_retry(err: redis.ResponseError, client: redis.Redis, on_full: Callable[[], object] | None) -> None:
+    """What a refusal asks of the client before it retries: a long script ended, a full Redis freed (`on_full`,
+    never from inside itself: a refusal there is retried as any other)."""
     if _busy(err):
         end_busy_script(client)
-    elif on_full is not None and _full(err):
+    elif on_full is not None and _full(err) and not getattr(_freeing, "active", False):
+        _freeing.active = True
         try:
             on_full()
         except redis.RedisError as hook_err:  # the retry goes on; the next refusal tries again
             log.warning("freeing Redis failed (%s)", hook_err)
+        finally:
+            _freeing.active = False
 
 
 class RetryingPipeline(Pipeline):
-    """A pipeline whose `execute` retries; the queued commands are re-sent (execute() clears them, even on error)."""
+    """A pipeline whose `execute` retries; the queued commands are re-sent (execute() clears them, even on error).
+    A transaction is applied whole or not at all; a plain pipeline is re-sent whole, so only idempotent commands
+    belong in one."""
 
     on_full: Callable[[], object] | None = None
 
@@ -140,7 +150,7 @@ class RetryingPipeline(Pipeline):
             try:
                 return Pipeline.execute(self, raise_on_error)
             except redis.ResponseError as err:
-                _before_retry(err, redis.Redis(connection_pool=self.connection_pool), self.on_full)
+                before_retry(err, redis.Redis(connection_pool=self.connection_pool), self.on_full)
                 raise
 
         return retry_redis(attempt)()
@@ -160,7 +170,7 @@ class RetryingRedis(redis.Redis):
         try:
             return super().execute_command(*args, **options)
         except redis.ResponseError as err:
-            _before_retry(err, self, self.on_full)
+            before_retry(err, self, self.on_full)
             raise
 
     def pipeline(self, transaction: bool = True, shard_hint=None) -> RetryingPipeline:

@@ -141,6 +141,13 @@ return n
 # An entry id this far past the server's clock was not made by `XADD *`: a client chose it (services/streams.py
 # `repair_future_ids`).
 FUTURE_ID_TOLERANCE_MS = 60_000
+# Past this share of maxmemory (writes are refused at it) streams overfilled by their producers are trimmed
+# (`Streams.trim_overfull`; the alert DapoRedisMemoryFull fires at 95 %).
+MEMORY_TRIM_SHARE = 0.95
+DEAD_TRIM_SLACK = 1000  # `dead` is trimmed approximately (XADD MAXLEN ~): legitimately a little longer than its cap
+# Redis still full after that: a stream the workers write that takes this share of maxmemory loses its older half.
+WORKER_STREAM_SHARE = 0.25
+WORKER_STREAMS = ("rollouts", "scored", "dead")
 
 # Redis 7 runs the four scripts above as one function library, loaded by the first client allowed to (the learner:
 # FUNCTION LOAD), so that the worker roles' Redis users need FCALL of these functions only and can run no code of
@@ -787,6 +794,39 @@ class Streams:
         """Redis' used memory and its maxmemory (0: no limit), bytes."""
         info = self.redis.info("memory")
         return int(info["used_memory"]), int(info["maxmemory"])
+
+    def trim_overfull(self) -> dict[str, int]:
+        """With Redis nearly full (writes are refused at maxmemory, and then no role can forward or dead-letter):
+        trim each stream longer than its producers may make it back to that length, oldest entries first, and name
+        it. `prompts`, `rollouts` and `scored` producers wait at `streams.high_water`; `dead` is kept near
+        `streams.dead_maxlen`. Only a producer that ignores its limit (a worker's XADD outside the scripts) makes one
+        longer: the culprit. A flood of large entries fills Redis within those lengths: if Redis is still full, the
+        largest stream the workers write, if it takes WORKER_STREAM_SHARE of maxmemory (in a run of the sizes
+        `learner/redis_budget.py` checks, none comes near), loses its older half, once a call. A trimmed entry's
+        task is given up at its deadline and issued again, as one a worker deleted (a trimmed letter's too). `held`
+        is the learner's own (a checkpoint releases it). Every command here is accepted by a full Redis (none is
+        in a transaction): it is the learner's `on_full` (services/redis_local.py). Returns stream -> trimmed."""
+        limits = {"prompts": self.cfg.high_water, "rollouts": self.cfg.high_water, "scored": self.cfg.high_water,
+                  "dead": self.cfg.dead_maxlen + DEAD_TRIM_SLACK}
+        trimmed = {}
+        for name, limit in limits.items():
+            key = self.key(name)
+            if self.redis.xlen(key) > limit and (count := self.redis.xtrim(key, maxlen=limit, approximate=False)):
+                trimmed[name] = count
+        used, maxmemory = self.memory()
+        if maxmemory and used >= MEMORY_TRIM_SHARE * maxmemory:
+            sizes = self.key_memory(WORKER_STREAMS)
+            name = max(sizes, key=sizes.get)
+            if sizes[name] >= WORKER_STREAM_SHARE * maxmemory and (length := self.redis.xlen(self.key(name))):
+                trimmed[name] = trimmed.get(name, 0) + self.redis.xtrim(self.key(name), maxlen=length // 2,
+                                                                        approximate=False)
+        for name, count in trimmed.items():
+            metrics.REDIS_TRIMMED.labels(name).inc(count)
+        if trimmed:
+            log.error("Redis is nearly full: trimmed %s, longer or larger than their producers may make them (a "
+                      "producer that ignores its limit fills Redis: see who writes there)",
+                      ", ".join(f"{count} entries of {name}" for name, count in trimmed.items()))
+        return trimmed
 
     def key_memory(self, names: Collection[str]) -> dict[str, int]:
         """Bytes each of the run's keys `names` takes in Redis (MEMORY USAGE, sampled for streams; 0: no such key)."""

@@ -668,6 +668,27 @@ def test_a_write_refused_by_a_full_redis_waits_while_the_learner_frees_it(settin
     assert any("trimmed" in r.getMessage() and "of rollouts" in r.getMessage() for r in caplog.records)
 
 
+def test_a_learner_starts_on_a_redis_a_worker_filled_while_none_ran(settings, redis_server):
+    """A flood that filled Redis while no learner ran: the learner's first writes (its lease, then its streams)
+    free Redis first, as every write of the learner's does, instead of retrying until they give up."""
+    import redis
+
+    raw = redis.Redis.from_url(redis_server.url)
+    flood = Streams(raw, settings, signs_as=()).key("rollouts")
+    for _ in range(40):  # 4 MB: a Redis of 4.5 MB holds a step of these settings' (1 MB of `held`)
+        raw.xadd(flood, {"data": b"x" * 100_000, "sig": b"-"})
+    raw.config_set("maxmemory", int(raw.info("memory")["used_memory"]) - 500_000)
+    with pytest.raises(redis.exceptions.OutOfMemoryError):
+        raw.set("any-write", "x")
+    service = LearnerService(settings)
+    service.claim_run()
+    try:
+        service.connect()
+        assert service.lease.holder() == service.lease.instance and raw.xlen(flood) <= 20
+    finally:
+        service.release_run()
+
+
 def test_a_learner_refuses_a_redis_too_small_for_a_step_and_checkpoints_early_under_memory_pressure(settings):
     """At start, a step of the largest groups beyond redis.held_memory_share of maxmemory is refused with the
     figures; running, Redis past that share makes the step's checkpoint due (it releases `held`)."""

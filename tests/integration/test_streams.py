@@ -515,9 +515,8 @@ def test_a_producer_waits_out_a_full_redis_and_then_produces_once(settings, redi
     raw.config_set("maxmemory", int(raw.info("memory")["used_memory"]) - 100_000)
     from services.streams import _PRODUCE
 
-    with pytest.raises(redis.ResponseError, match="OOM command not allowed") as refused:  # the script, no retries
-        raw.register_script(_PRODUCE)(keys=[prompts.key], args=[100, b"x", b"-"])
-    assert not isinstance(refused.value, redis.exceptions.OutOfMemoryError)
+    with pytest.raises(redis.ResponseError, match="OOM command not allowed"):  # the script, no retries (Redis 6.2:
+        raw.register_script(_PRODUCE)(keys=[prompts.key], args=[100, b"x", b"-"])  # not an OutOfMemoryError)
     timer = threading.Timer(1.0, raw.config_set, ("maxmemory", 0))
     timer.start()
     started = time.monotonic()
