@@ -33,7 +33,7 @@ redis.conf, as a compromised generator pod holds it) try commands outside its AC
 write `scored`, read `issued`, overwrite the weights announcement, FLUSHALL, CONFIG SET, a script writing
 `scored`; every one must be refused. And each wave that generator user fills Redis to its maxmemory (64 MB here)
 with 2 MB entries in its own stream (fewer than the stream's high-water mark), after which Redis refuses every
-write: the learner must free it (`trim_overfull`), every role wait meanwhile, and the run go on.
+write: the learner must free it (`Streams.trim_overfull`), every role wait meanwhile, and the run go on.
 
 Counting, after the run (the pure part is `analyze`, unit-tested on synthetic inputs): the final ledger.jsonl
 (steps 1..N each once, no task id trained twice); every ledger row seen while polling (steps cut back and
@@ -726,7 +726,7 @@ class Faults:
         memory; then time how long until Redis is below 95 % of maxmemory again (the learner trims within 10 s)."""
         import redis
 
-        from learner.workset import MEMORY_TRIM_SHARE
+        from services.streams import MEMORY_TRIM_SHARE
 
         streams, _ = self.streams()
         client, payload = self.generator_client(retrying=False), b"F" * FLOOD_ENTRY_BYTES

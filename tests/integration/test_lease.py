@@ -133,7 +133,7 @@ def test_a_learner_cut_off_from_redis_ends_before_its_lease_can_lapse(settings, 
 
 def test_a_full_redis_does_not_cost_the_learner_its_lease(settings, redis_server):
     # Redis at maxmemory refuses every write that needs memory; a renewal is a PEXPIRE, which needs none, so a flood
-    # that fills Redis does not end the learner (the learner then trims it: learner/workset.py `trim_overfull`).
+    # that fills Redis does not end the learner (the learner then trims it: services/streams.py `trim_overfull`).
     import redis
 
     fences, losses = Fences(), Fences()
