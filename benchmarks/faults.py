@@ -819,7 +819,7 @@ def report(result: dict) -> str:
             f"{len(floods)} floods of {fmt([f['entries'] for f in floods], 'd')} entries of 2 MB (writes refused: "
             f"{sum(f['filled'] for f in floods)} of {len(floods)}); below 95 % again after {fmt(back)} s; "
             f"{a['flood']['dead_as_expected']} of {a['flood']['entries']} dead-lettered (`oversize`), the rest "
-            "trimmed", all(f["filled"] for f in floods) and None not in back and result["returncode"] == 0)
+            "trimmed unread", all(f["filled"] for f in floods) and None not in back and result["returncode"] == 0)
     row("no process left behind by a killed one", f"{len(result['orphans'])} left", not result["orphans"])
     lines += ["", "Work redone after each kill (seconds from the SIGKILL; the median step took "
               f"{metrics_['median_step_s']:.1f} s in this run):", "",

@@ -152,7 +152,7 @@ def test_a_flood_is_counted_apart_and_its_letters_are_not_legitimate():
                    "conditions": "", "orphans": [], "floods": floods})
     assert ("| Redis filled to maxmemory by a generator: it is freed, the run goes on | 1 floods of 3 entries of 2 MB "
             "(writes refused: 1 of 1); below 95 % again after 4.0 s; 1 of 3 dead-lettered (`oversize`), the rest "
-            "trimmed | yes |") in text
+            "trimmed unread | yes |") in text
     floods[0]["writable_after_s"] = None  # Redis never freed: the goal is missed
     text = report({"analysis": a, "command_short": "c", "steps": 1, "kills": [], "returncode": 0, "minutes": 1.0,
                    "conditions": "", "orphans": [], "floods": floods})
