@@ -122,8 +122,7 @@ def exit_lost(seconds: float) -> None:
 
 class LearnerLease:
     def __init__(self, settings: Settings, *, ttl_s: float | None = None,
-                 on_fenced: Callable[[str], None] = exit_fenced, on_lost: Callable[[float], None] = exit_lost,
-                 on_full: Callable[[], object] | None = None):
+                 on_fenced: Callable[[str], None] = exit_fenced, on_lost: Callable[[float], None] = exit_lost):
         self.ttl_s = float(settings.learner.lease_ttl_s if ttl_s is None else ttl_s)
         self.interval_s = self.ttl_s / 6
         # One attempt per command within one renewal interval: a renewal must fail in time, not retry past the TTL.
@@ -134,7 +133,8 @@ class LearnerLease:
         self.instance = f"{self.identity}@{socket.gethostname()}:{os.getpid()}"
         self.on_fenced = on_fenced
         self.on_lost = on_lost
-        self.on_full = on_full  # taking the lease needs memory: what frees a full Redis first (its renewal does not)
+        # Taking the lease needs memory: what frees a full Redis first (the learner's trim; its renewal needs none).
+        self.on_full: Callable[[], object] | None = None
         self._renewed_at = 0.0  # when the last renewal that got through was sent
         self._renew = self.redis.register_script(_RENEW)
         self._release = self.redis.register_script(_RELEASE)

@@ -46,12 +46,12 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
     logsumexp's own); everything else is updated in place."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, temperature, chunk_tokens, dtype, out_kernel, compiled):
+    def forward(ctx, hidden, weight, bias, targets, temperature, chunk_tokens, dtype, compiled):
         n = hidden.shape[0]
         logp = torch.empty(n, device=hidden.device, dtype=torch.float32)
         lse = torch.empty_like(logp)
         entropy = torch.empty_like(logp)
-        w = _logits_weight(weight.to(dtype), out_kernel)
+        w = _logits_weight(weight.to(dtype))
         b = None if bias is None else bias.to(dtype)
         chunk_stats = _compiled(_chunk_stats) if compiled else _chunk_stats
         for start in range(0, n, chunk_tokens):
@@ -59,8 +59,7 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
             logp[start:end], lse[start:end], entropy[start:end] = chunk_stats(
                 hidden[start:end], w, b, targets[start:end], temperature, dtype)
         ctx.save_for_backward(hidden, weight, bias, targets, lse, entropy)
-        ctx.temperature, ctx.chunk_tokens, ctx.compiled = temperature, chunk_tokens, compiled
-        ctx.dtype, ctx.out_kernel = dtype, out_kernel
+        ctx.temperature, ctx.chunk_tokens, ctx.dtype, ctx.compiled = temperature, chunk_tokens, dtype, compiled
         ctx.set_materialize_grads(False)
         ctx.mark_non_differentiable(targets)
         return logp, entropy
@@ -74,9 +73,9 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
         grad_weight = torch.zeros_like(weight, dtype=torch.float32) if want_weight else None
         grad_bias = torch.zeros_like(bias, dtype=torch.float32) if want_bias and bias is not None else None
         if grad_logp is None and grad_entropy is None:
-            return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None
+            return grad_hidden, grad_weight, grad_bias, None, None, None, None, None
         w = weight.to(dtype)
-        w_logits = _logits_weight(w, ctx.out_kernel)
+        w_logits = _logits_weight(w)
         b = None if bias is None else bias.to(dtype)
         chunk_logit_grads = _compiled(_chunk_logit_grads) if ctx.compiled else _chunk_logit_grads
         for start in range(0, hidden.shape[0], chunk_tokens):
@@ -100,7 +99,7 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
             grad_weight = grad_weight.to(weight.dtype)
         if grad_bias is not None:
             grad_bias = grad_bias.to(bias.dtype)
-        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None
 
 
 def _chunk_stats(hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, temperature: float,
@@ -167,15 +166,17 @@ def _chunk_logits(hidden: Tensor, weight: Tensor, bias: Tensor | None, dtype: to
     return z.div_(temperature)
 
 
-def _logits_weight(weight: Tensor, out_kernel: bool) -> Tensor:
+def _logits_weight(weight: Tensor) -> Tensor:
     """The head's weight for `_chunk_logits`, made once per pass: as it is, unless it is bf16 (or fp16) and aten's mm
     with `out_dtype` does not run here, then its fp32 copy."""
-    return weight if weight.dtype.itemsize >= 4 or out_kernel else weight.float()
+    return weight if weight.dtype.itemsize >= 4 or _has_out_dtype_kernel(weight) else weight.float()
 
 
-def _probe_out_dtype_kernel() -> bool:
+@functools.cache
+def out_dtype_kernel_works() -> bool:
     """Whether aten's mm with `out_dtype` works under fake tensors (what `dapo plan` and torch.compile trace with):
-    the overload came with torch 2.8, its fake-tensor rule works from about 2.10 (pytorch#163393)."""
+    the overload came with torch 2.8, its fake-tensor rule works from about 2.10 (pytorch#163393). Probed once, on
+    first use."""
     if "dtype" not in torch.ops.aten.mm.overloads():
         return False
     try:
@@ -186,13 +187,10 @@ def _probe_out_dtype_kernel() -> bool:
         return False
 
 
-_MM_OUT_DTYPE = _probe_out_dtype_kernel()
-
-
 def _has_out_dtype_kernel(weight: Tensor) -> bool:
     """Whether aten's mm with `out_dtype` (bf16 in, fp32 out) runs on the weight's backend: CUDA does; a fake tensor
     (`dapo plan`) stands for a GPU's; the CPU has no such kernel."""
-    return _MM_OUT_DTYPE and (weight.is_cuda or is_fake(weight))
+    return (weight.is_cuda or is_fake(weight)) and out_dtype_kernel_works()
 
 
 def token_logprobs(hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, temperature: float = 1.0,
@@ -206,7 +204,7 @@ def token_logprobs(hidden: Tensor, weight: Tensor, bias: Tensor | None, targets:
         empty = hidden.new_zeros(0, dtype=torch.float32) + 0 * weight.sum() + 0 * hidden.sum()
         return empty, empty
     return _ChunkedTokenLogprobs.apply(hidden, weight, bias, targets, float(temperature), max(1, int(chunk_tokens)),
-                                       _matmul_dtype(weight), _has_out_dtype_kernel(weight), compiled)
+                                       _matmul_dtype(weight), compiled)
 
 
 @dataclass

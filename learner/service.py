@@ -165,8 +165,9 @@ class LearnerService:
         (exit 69) while another learner holds it."""
         # Redis may be full already (a worker's flood while no learner ran): the lease's write trims it first, as
         # every write of the learner's does (`connect`).
-        trim = Streams(connect(self.settings), self.settings, signs_as=()).trim_overfull
-        self.lease = LearnerLease(self.settings, on_full=trim).acquire()
+        lease = LearnerLease(self.settings)
+        lease.on_full = Streams(lease.redis, self.settings, signs_as=()).trim_overfull
+        self.lease = lease.acquire()
 
     def release_run(self) -> None:
         # A delivery still running (the process ends on an error or a second signal) finishes first: nothing of

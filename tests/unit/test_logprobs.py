@@ -110,7 +110,7 @@ def test_bf16_operands_give_logprobs_of_fp32_precision(autocast):
     assert (rounded_logp - ref_logp).abs().max() > 1e-2
 
 
-@pytest.mark.skipif(not logprobs._MM_OUT_DTYPE, reason="this torch has no fake-tensor rule for aten's mm.dtype")
+@pytest.mark.skipif(not logprobs.out_dtype_kernel_works(), reason="this torch has no fake-tensor rule for mm.dtype")
 def test_dapo_plan_sees_the_gpus_bf16_in_fp32_out_matmul():
     # Under fake tensors (`dapo plan`) the head runs aten's mm with out_dtype, as on CUDA: no fp32 copy of the weight.
     from torch._subclasses.fake_tensor import FakeTensorMode
