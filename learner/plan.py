@@ -15,8 +15,9 @@ What the fake tensors cannot trace is added by a stated formula, and the report 
 - the runtime: CUDA context, NCCL buffers and the caching allocator's slack, `RUNTIME_GIB`;
 - compiled layers (`learner.compute.compile`) run uncompiled here: inductor fuses temporaries away, so the plan
   is an upper bound for them;
-- FSDP's CPU offload: fake tensors live on one device (a fake CUDA device aborts a CPU-only torch), so what it
-  moves to the host still counts, and the plan never suggests it.
+- FSDP's CPU offload: fake tensors live on one device (a fake CUDA device aborts a CPU-only torch), so the plan
+  sorts by category what offload keeps on the host (`OFFLOADED`: the parameter shards, their gradients, and all
+  the optimizer makes, since it steps there): the GPU's peak is that of the rest, the host's is reported beside it.
 
 Time and cost are estimates on top: the step's model FLOPs (6N a trained token, 2N more under full activation
 checkpointing, 2N for the pi_old pass over the batch but its first mini-batch) at a stated MFU, and generation at a
@@ -41,6 +42,8 @@ from services.config import ConfigError
 MODEL_CONFIGS = Path(str(resources.files("services") / "configs" / "models"))
 RUNTIME_GIB = 2.0  # CUDA context (~0.5), NCCL buffers (~1), allocator slack: not tensors, so not traced
 HEADROOM = 0.10  # a plan "fits" with at least this share of the card free
+MORE_GPUS = (2, 4)  # where nothing else fits: the run on this many times the GPUs, learner ranks alike
+PAIRS_PLANNED = 2  # where no single change fits: the likeliest pairs of them planned
 
 # --gpu -> (its name in learner/throughput.py's peak TFLOP/s table, memory as torch reports the card in GiB)
 GPUS = {"h100": ("H100", 79.1), "h200": ("H200", 139.8), "a100": ("A100", 79.1), "a100-40gb": ("A100", 39.4),
@@ -48,6 +51,9 @@ GPUS = {"h100": ("H100", 79.1), "h200": ("H200", 139.8), "a100": ("A100", 79.1),
 MEASURED_MFU = 0.41  # the 1.5B shape on one H200 (benchmarks/README.md, "GPU trainer")
 GENERATED_TOKENS_PER_GPU_S_AT_1B = 40_000.0  # assumed vLLM decode throughput of a 1B model per GPU, scaled by 1/N
 
+# FSDPMemTracker's categories that FSDP2's CPUOffloadPolicy keeps in host memory: the shards, their gradients, and
+# AdamW's state and step temporaries (the tracker counts all the optimizer makes as its state; it steps on the host).
+OFFLOADED = ("Sharded Param", "Sharded Grad", "OptState")
 # FSDPMemTracker's categories, grouped as the report shows them.
 CATEGORIES = {"parameters": ("Sharded Param", "Unsharded Param", "Buffer", "All Gather", "Parameter"),
               "gradients": ("Sharded Grad", "Unsharded Grad", "Reduce Scatter", "Gradient"),
@@ -68,7 +74,8 @@ class Plan:
     micro_batch_tokens: int
     longest_row: int
     sequence_parallel: int
-    bytes_by_category: dict[str, int]
+    bytes_by_category: dict[str, int]  # on the GPU
+    host_bytes: int  # in host memory (FSDP's CPU offload), at the GPU's peak
     capacity_gib: float
     parameters: int
     step_flops: float
@@ -78,6 +85,7 @@ class Plan:
     learner_seconds: float
     generation_seconds: float
     total_steps: int
+    mfu: float = MEASURED_MFU  # what learner_seconds assumes
     untraced: list[str] = field(default_factory=list)
 
     @property
@@ -108,8 +116,11 @@ class Plan:
         lines.append(f"  {'total':<16} {self.peak_gib:8.2f} GiB  = {1 - self.headroom:.0%} of the card: "
                      + (f"fits with {self.headroom:.0%} headroom" if self.fits
                         else f"does NOT fit with {HEADROOM:.0%} headroom"))
+        if self.host_bytes:
+            lines.append(f"  {'host memory':<16} {self.host_bytes / 2**30:8.2f} GiB  (fsdp_offload: parameter shards, "
+                         "their gradients, AdamW state; not on the card)")
         lines.append(f"step: {self.step_flops / 1e15:,.1f} PFLOP on the learner, about {self.learner_seconds:,.0f} s "
-                     f"at {MEASURED_MFU:.0%} MFU, generation about {self.generation_seconds:,.0f} s; "
+                     f"at {self.mfu:.0%} MFU, generation about {self.generation_seconds:,.0f} s; "
                      f"{self.total_steps} steps = {self.gpu_hours:,.0f} GPU-hours")
         share = (f"about {self.served_bytes / self.publish_writers / 2**30:.1f} GiB gathered and written by each of "
                  f"{self.publish_writers} ranks")
@@ -208,9 +219,9 @@ def _rows(settings, budget: int, vocab: int) -> tuple[list, int]:
     return groups, longest
 
 
-def traced_peak(settings, ranks: int) -> tuple[dict[str, int], int, int]:
-    """Rank 0's peak bytes by category over one update of the trainer under fake tensors; (bytes, parameters,
-    longest row)."""
+def traced_peak(settings, ranks: int) -> tuple[dict[str, int], int, int, int]:
+    """Rank 0's peak GPU bytes by category over one update of the trainer under fake tensors; (bytes, parameters,
+    longest row, host bytes at that peak: what FSDP's CPU offload keeps there)."""
     from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
     from transformers import AutoModelForCausalLM
 
@@ -239,26 +250,39 @@ def traced_peak(settings, ranks: int) -> tuple[dict[str, int], int, int]:
                 with tracked:
                     trainer.update_without_reads(batch)
                 peak = tracked.get_tracker_snapshot("peak")
-    by_category = {name: 0 for name in CATEGORIES}
+    offloaded = OFFLOADED if compute.fsdp and compute.fsdp_offload else ()
+    by_category, host = {name: 0 for name in CATEGORIES}, 0
     for device_stats in peak.values():
         for kind, size in device_stats.items():
             label = getattr(kind, "value", kind)
-            if label != "Total":  # the sum of the others
+            if label in offloaded:
+                host += size
+            elif label != "Total":  # the sum of the others
                 by_category[next((n for n, kinds in CATEGORIES.items() if label in kinds), "other")] += size
-    return by_category, parameters, longest
+    return by_category, parameters, longest, host
 
 
-def peak_only(tracker_class: type) -> type:
+def peak_only(tracker_class: type, elsewhere: tuple[str, ...] = ()) -> type:
     """`tracker_class` (PyTorch's MemTracker or FSDPMemTracker) keeping only the overall peak. Theirs also updates
     the peak of every tracked module on every op, a walk over all of them: two thirds of a 28-layer plan's time,
-    for figures the plan never reads. The overall peak is theirs, line for line."""
+    for figures the plan never reads. The overall peak is theirs, line for line; with `elsewhere` (categories on
+    another device, `OFFLOADED`), the peak of the others."""
     from torch.distributed._tools.mem_tracker import _TOTAL_KEY
 
+    def here(snapshot: dict) -> int:
+        return snapshot[_TOTAL_KEY] - sum(snapshot.get(kind, 0) for kind in elsewhere)
+
     class PeakOnly(tracker_class):
+        def __enter__(self):
+            super().__enter__()
+            if self._depth == 1:  # theirs starts the peak at the total on entry
+                self._peak_mem = {device: here(snapshot) for device, snapshot in self._peak_mem_snap.items()}
+            return self
+
         def _update_peak_stats(self, peak_state) -> None:
             for device, snapshot in self._curr_mem_snap.items():
-                if self._peak_mem.get(device, 0) < snapshot[_TOTAL_KEY]:
-                    self._peak_mem[device] = snapshot[_TOTAL_KEY]
+                if self._peak_mem.get(device, 0) < here(snapshot):
+                    self._peak_mem[device] = here(snapshot)
                     self._peak_mem_snap[device] = copy.deepcopy(snapshot)
 
     return PeakOnly
@@ -270,7 +294,8 @@ def _tracker(trainer):
 
     optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)  # the torch optimizer accelerate wraps
     if trainer.sharded:
-        return peak_only(FSDPMemTracker)(trainer.model, optimizer)
+        offloaded = OFFLOADED if trainer.settings.learner.compute.fsdp_offload else ()
+        return peak_only(FSDPMemTracker, offloaded)(trainer.model, optimizer)
     tracker = peak_only(MemTracker)()
     tracker.track_external(trainer.model, optimizer)
     return tracker
@@ -283,9 +308,13 @@ def make_plan(settings, gpus: int, gpu: str = "h100", learner_ranks: int | None 
     as the shipped overlays split them; the one card when there is one)."""
     if gpu not in GPUS:
         raise PlanError(f"unknown GPU {gpu!r}: one of {', '.join(GPUS)}")
-    ranks = learner_ranks or max(1, gpus // 2)
-    if ranks > gpus:
-        raise PlanError(f"{ranks} learner ranks on {gpus} GPUs")
+    ranks = max(1, gpus // 2) if learner_ranks is None else learner_ranks
+    if not 1 <= ranks <= gpus:
+        raise PlanError(f"{ranks} learner ranks on {gpus} GPUs: from 1 to all of them")
+    if not 0 < mfu <= 1:
+        raise PlanError(f"MFU {mfu}: a share of the peak, above 0 and at most 1")
+    if generated_tokens_per_gpu_s is not None and generated_tokens_per_gpu_s <= 0:
+        raise PlanError(f"{generated_tokens_per_gpu_s} generated tokens per second per GPU: must be above 0")
     settings = settings.model_copy(deep=True)
     compute = settings.learner.compute
     degree = compute.sequence_parallel
@@ -295,7 +324,7 @@ def make_plan(settings, gpus: int, gpu: str = "h100", learner_ranks: int | None 
     compute.packing = "on"  # a GPU packs rows (learner.compute.packing auto)
     compiled, compute.compile = compute.compile, False  # inductor needs real kernels
     try:
-        by_category, parameters, longest = traced_peak(settings, ranks)
+        by_category, parameters, longest, host = traced_peak(settings, ranks)
     finally:
         from accelerate.state import AcceleratorState
 
@@ -321,36 +350,80 @@ def make_plan(settings, gpus: int, gpu: str = "h100", learner_ranks: int | None 
                 "informative, responses of max_tokens / 2 on average"]
     if compiled:
         untraced.append("compiled layers ran uncompiled: an upper bound (inductor fuses temporaries away)")
-    if compute.fsdp_offload:
-        untraced.append("fsdp_offload: host and GPU are one fake device here, so what offload moves to the host "
-                        "still counts")
+    if host:
+        untraced.append("fsdp_offload: the time leaves out AdamW's step on the host and the copies between host and "
+                        "GPU; what the host holds is sorted by category (one fake device holds both)")
     return Plan(preset=name or settings.redis.run, gpu=gpu, gpus=gpus, learner_ranks=ranks,
                 micro_batch_tokens=compute.micro_batch_tokens, longest_row=longest,
                 sequence_parallel=compute.sequence_parallel,
-                bytes_by_category=by_category, capacity_gib=capacity, parameters=parameters, step_flops=step_flops,
+                bytes_by_category=by_category, host_bytes=host, capacity_gib=capacity, parameters=parameters,
+                step_flops=step_flops,
                 served_bytes=served * parameters, shared_fs=settings.weights.transport == "shared-fs",
                 publish_writers=compute.fsdp_shard_ranks if compute.fsdp and compute.fsdp_shard_ranks else ranks,
                 learner_seconds=learner_seconds,
-                generation_seconds=generation_seconds, total_steps=learner.total_steps, untraced=untraced)
+                generation_seconds=generation_seconds, total_steps=learner.total_steps, mfu=mfu, untraced=untraced)
 
 
-def changes_to_try(settings, gpus: int, ranks: int) -> list[tuple[str, dict, int]]:
-    """Single changes that lower a rank's peak, cheapest first: (what, learner.compute changes, learner ranks)."""
+@dataclass(frozen=True)
+class Change:
+    """A change `dapo plan` tries: `compute` (learner.compute fields) set, the run on `gpus` GPUs of which `ranks`
+    are the learner's."""
+    what: str
+    compute: dict
+    gpus: int
+    ranks: int
+
+    def applied(self, settings):
+        changed = settings.model_copy(deep=True)
+        for key, value in self.compute.items():
+            setattr(changed.learner.compute, key, value)
+        return changed
+
+    def __add__(self, other: Change) -> Change:
+        return Change(f"{self.what} and {other.what}", {**self.compute, **other.compute}, max(self.gpus, other.gpus),
+                      max(self.ranks, other.ranks))
+
+
+def changes_to_try(settings, gpus: int, ranks: int) -> list[Change]:
+    """Single changes that lower a rank's peak, cheapest first. More GPUs come last: they cost the most."""
     compute = settings.learner.compute
     changes = []
     if not compute.fsdp and ranks > 1:
-        changes.append(("learner.compute.fsdp: true", {"fsdp": True}, ranks))
+        changes.append(Change("learner.compute.fsdp: true", {"fsdp": True}, gpus, ranks))
     if compute.fsdp and ranks * 2 < gpus:
-        changes.append((f"{ranks * 2} learner ranks", {}, ranks * 2))
+        changes.append(Change(f"{ranks * 2} learner ranks", {}, gpus, ranks * 2))
     if compute.gradient_checkpointing != "full":
-        changes.append(("learner.compute.gradient_checkpointing: full", {"gradient_checkpointing": "full"}, ranks))
+        changes.append(Change("learner.compute.gradient_checkpointing: full", {"gradient_checkpointing": "full"}, gpus,
+                              ranks))
     degree = compute.sequence_parallel * 2  # each rank runs 1/degree of a micro-batch's activations
     if ranks % degree == 0 and _splits_heads(settings, degree):
-        changes.append((f"learner.compute.sequence_parallel: {degree}", {"sequence_parallel": degree}, ranks))
+        changes.append(Change(f"learner.compute.sequence_parallel: {degree}", {"sequence_parallel": degree}, gpus,
+                              ranks))
     if compute.micro_batch_tokens // 2 >= settings.generator.max_prompt_tokens + settings.sampling.max_tokens:
-        changes.append((f"learner.compute.micro_batch_tokens: {compute.micro_batch_tokens // 2}",
-                        {"micro_batch_tokens": compute.micro_batch_tokens // 2}, ranks))
-    return changes  # (not fsdp_offload: the fake tensors live on one device, host and GPU alike)
+        changes.append(Change(f"learner.compute.micro_batch_tokens: {compute.micro_batch_tokens // 2}",
+                              {"micro_batch_tokens": compute.micro_batch_tokens // 2}, gpus, ranks))
+    if compute.fsdp and not compute.fsdp_offload:
+        changes.append(Change("learner.compute.fsdp_offload: true (slower: AdamW steps on the host)",
+                              {"fsdp_offload": True}, gpus, ranks))
+    if compute.fsdp:  # more ranks shard the state thinner; the activations stay
+        changes += [Change(f"{gpus * factor} GPUs, {ranks * factor} learner ranks", {}, gpus * factor, ranks * factor)
+                    for factor in MORE_GPUS]
+    return changes
+
+
+def pairs_that_may_fit(plan: Plan, savings: list[tuple[Change, float]]) -> list[Change]:
+    """Pairs of single changes whose savings (GiB off `plan`'s peak, each planned alone) would add up to a fit,
+    cheapest first (the earlier in `changes_to_try`'s order, the cheaper); at most one of a pair changes the world.
+    Savings need not add (offload and more ranks both thin the sharded state): each pair is planned before it is
+    said to fit."""
+    limit = plan.capacity_gib * (1 - HEADROOM)
+    pairs = []
+    for i, (first, saved_first) in enumerate(savings):
+        for j, (second, saved_second) in enumerate(savings[i + 1:], i + 1):
+            moves_world = [(c.gpus, c.ranks) != (plan.gpus, plan.learner_ranks) for c in (first, second)]
+            if not all(moves_world) and plan.peak_gib - saved_first - saved_second <= limit:
+                pairs.append((i + j, first + second))
+    return [pair for _, pair in sorted(pairs, key=lambda cost_pair: cost_pair[0])]
 
 
 def _splits_heads(settings, degree: int) -> bool:
@@ -361,22 +434,32 @@ def _splits_heads(settings, degree: int) -> bool:
     return True
 
 
+def planned(settings, change: Change, options: dict) -> Plan:
+    """The plan of `settings` with `change`, its figure printed."""
+    plan = make_plan(change.applied(settings), change.gpus, learner_ranks=change.ranks, **options)
+    host = f" (and {plan.host_bytes / 2**30:.1f} GiB of host memory)" if plan.host_bytes else ""
+    print(f"with {change.what}: {plan.peak_gib:.1f} GiB{host}, {'fits' if plan.fits else 'does not fit'}", flush=True)
+    return plan
+
+
 def main(settings, gpus: int, gpu: str = "h100", learner_gpus: int | None = None, mfu: float = MEASURED_MFU,
          tokens_per_gpu_s: float | None = None, name: str = "") -> int:
-    """`dapo plan`: print the plan; where it does not fit, the first single change that does. 0 if it fits."""
+    """`dapo plan`: print the plan; where it does not fit, the first single change that does, else the first pair
+    (of those whose savings add up to a fit) that does. 0 if it fits."""
     options = {"gpu": gpu, "mfu": mfu, "generated_tokens_per_gpu_s": tokens_per_gpu_s, "name": name}
     plan = make_plan(settings, gpus, learner_ranks=learner_gpus, **options)
     print(plan.report(), flush=True)
     if plan.fits:
         return 0
-    for what, compute, ranks in changes_to_try(settings, gpus, plan.learner_ranks):
-        changed = settings.model_copy(deep=True)
-        for key, value in compute.items():
-            setattr(changed.learner.compute, key, value)
-        other = make_plan(changed, gpus, learner_ranks=ranks, **options)
-        print(f"with {what}: {other.peak_gib:.1f} GiB, {'fits' if other.fits else 'does not fit'}", flush=True)
-        if other.fits:
-            break
-    else:
-        print("no single change of these fits: more GPUs, or several changes at once (--set)", flush=True)
+    savings = []
+    for change in changes_to_try(settings, gpus, plan.learner_ranks):
+        changed = planned(settings, change, options)
+        if changed.fits:
+            return 1
+        savings.append((change, plan.peak_gib - changed.peak_gib))
+    for pair in pairs_that_may_fit(plan, savings)[:PAIRS_PLANNED]:
+        if planned(settings, pair, options).fits:
+            return 1
+    print(f"no single change of these fits, nor the {PAIRS_PLANNED} likeliest pairs: several at once (--set)",
+          flush=True)
     return 1

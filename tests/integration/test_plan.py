@@ -5,6 +5,7 @@ process."""
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -25,8 +26,8 @@ def figures(out: str) -> dict[str, float]:
 
 
 def test_the_tiny_default_plans_in_seconds_and_fits():
-    code, out = plan("tiny-cpu", "--gpus", "1")
-    assert code == 0, out
+    code, out = plan("tiny-cpu", "--gpus", "1", "--mfu", "0.2")
+    assert code == 0 and "at 20% MFU" in out, out  # the time estimate says the MFU it assumes
     sizes = figures(out)
     assert {"parameters", "gradients", "optimizer state", "activations", "runtime", "total"} <= sizes.keys(), out
     assert sizes["activations"] > 0 and "fits with" in out
@@ -38,6 +39,73 @@ def test_an_unknown_card_or_a_row_longer_than_the_micro_batch_is_a_usage_error()
     assert code == 2 and "unknown GPU 'tpu'" in out
     code, out = plan("tiny-cpu", "--gpus", "1", "--set", "learner.compute.micro_batch_tokens=100")
     assert code == 2 and "longer than learner.compute.micro_batch_tokens 100" in out
+    from learner.plan import PlanError, make_plan
+    from services.config import load_settings
+
+    settings = load_settings("tiny-cpu")  # (each refused before anything is traced)
+    for figures_given, reason in (({"gpus": 0}, "1 learner ranks on 0 GPUs"),
+                                  ({"gpus": 2, "learner_ranks": 0}, "0 learner ranks on 2 GPUs"),
+                                  ({"gpus": 1, "mfu": 0.0}, "MFU 0.0: a share of the peak"),
+                                  ({"gpus": 2, "generated_tokens_per_gpu_s": -5.0}, "-5.0 generated tokens per")):
+        with pytest.raises(PlanError, match=reason):
+            make_plan(settings, **figures_given)
+
+
+def offload_plans() -> dict:
+    """The tiny preset's plan under FSDP on 2 ranks, without and with CPU offload, in bytes (its figures are too
+    small for the report's GiB)."""
+    script = """if True:
+        import json
+        from learner import plan
+        from services.config import load_settings
+        figures = {}
+        for offload in (False, True):
+            settings = load_settings("tiny-cpu", learner={"compute": {"fsdp": True, "fsdp_offload": offload}})
+            made = plan.make_plan(settings, 4)
+            figures[str(offload)] = {**made.bytes_by_category, "host": made.host_bytes, "parameters_n": made.parameters}
+        print(json.dumps(figures))
+    """
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+def test_with_cpu_offload_the_plan_keeps_the_shards_and_adamw_off_the_card():
+    """`fsdp_offload`: the parameter shards (fp32) and AdamW's two moments are in host memory, a rank's 1/2 of
+    12 bytes a parameter; the card holds the layers gathered in turn and the same activations as without it."""
+    kept, offloaded = offload_plans().values()
+    parameters = kept.pop("parameters_n")
+    assert offloaded["optimizer state"] == 0 and kept["optimizer state"] >= 8 * parameters / 2
+    assert offloaded["host"] == pytest.approx(12 * parameters / 2, rel=0.05) and kept["host"] == 0
+    assert offloaded["activations"] == kept["activations"] > 0
+    assert offloaded["parameters"] < kept["parameters"]
+
+
+def test_the_changes_a_plan_tries_end_with_offload_then_more_gpus_and_pairs_add_up():
+    from learner.plan import MORE_GPUS, Plan, changes_to_try, pairs_that_may_fit
+    from services.config import load_settings
+
+    sharded = load_settings("dapo-qwen2.5-32b")
+    tried = changes_to_try(sharded, 32, 16)
+    assert [change.what.split(" (")[0] for change in tried[-1 - len(MORE_GPUS):]] == [
+        "learner.compute.fsdp_offload: true", *(f"{32 * k} GPUs, {16 * k} learner ranks" for k in MORE_GPUS)]
+    assert (tried[-1].gpus, tried[-1].ranks) == (32 * MORE_GPUS[-1], 16 * MORE_GPUS[-1])
+    replicas = load_settings("dapo-qwen2.5-32b", learner={"compute": {"fsdp": False}})
+    assert changes_to_try(replicas, 32, 16)[0].what == "learner.compute.fsdp: true"
+    assert not any("offload" in c.what or "GPUs" in c.what for c in changes_to_try(replicas, 32, 16))
+
+    # A 100 GiB peak on a 100 GiB card: 90 fits, so savings of 10 do (cheapest first); two worlds never pair.
+    plan = Plan(preset="p", gpu="x", gpus=32, learner_ranks=16, micro_batch_tokens=1, longest_row=1,
+                sequence_parallel=1, bytes_by_category={"activations": int(98 * 2**30)}, host_bytes=0,
+                capacity_gib=100.0, parameters=1, step_flops=0, served_bytes=0, shared_fs=False, publish_writers=1,
+                learner_seconds=0, generation_seconds=0, total_steps=1)
+    split, offload, more, much_more = tried[0], tried[-3], tried[-2], tried[-1]
+    assert split.what == "learner.compute.sequence_parallel: 2"
+    pairs = pairs_that_may_fit(plan, [(split, 6.0), (offload, 5.0), (more, 3.0), (much_more, 5.0)])
+    assert [pair.what for pair in pairs] == [(split + offload).what, (split + much_more).what,
+                                             (offload + much_more).what]
+    both = offload + more
+    assert both.compute == {"fsdp_offload": True} and (both.gpus, both.ranks) == (64, 32)
 
 
 @pytest.mark.slow
@@ -63,31 +131,64 @@ def test_a_recipe_that_does_not_fit_says_so_and_finds_the_change_that_does():
     assert tried and float(tried[1]) < figures(out)["total"], out
 
 
+def tracked_peak(tracker_class, width: int = 256) -> dict:
+    """`tracker_class`'s peak snapshot over a model's forward, backward and AdamW step (after a first one, as the
+    plan does: AdamW's moments made, then the steady state tracked)."""
+    import torch
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(torch.nn.Sequential(torch.nn.Linear(64, width), torch.nn.GELU(),
+                                                      torch.nn.Linear(width, 64)) for _ in range(3)))
+    optimizer = torch.optim.AdamW(model.parameters())
+
+    def update() -> None:
+        model(torch.randn(32, 64)).square().sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    update()
+    tracker = tracker_class() if issubclass(tracker_class, MemTracker) else tracker_class
+    tracker.track_external(model, optimizer)
+    with tracker:
+        update()
+    return {str(device): dict(stats) for device, stats in tracker.get_tracker_snapshot("peak").items()}
+
+
 def test_the_peak_only_tracker_finds_pytorchs_peak_by_category():
     """The plan's tracker skips PyTorch's per-module peaks (learner/plan.py `peak_only`): its overall peak, by
     category, is MemTracker's own, on a model and its optimizer through forward, backward and a step."""
-    import torch
     from torch.distributed._tools.mem_tracker import MemTracker
 
     from learner.plan import peak_only
 
-    def peak(tracker_class) -> dict:
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(*(torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(),
-                                                          torch.nn.Linear(256, 64)) for _ in range(3)))
-        optimizer = torch.optim.AdamW(model.parameters())
+    full = tracked_peak(MemTracker)
+    assert full["cpu"]["Total"] > 0 and tracked_peak(peak_only(MemTracker)) == full
 
-        def update() -> None:
-            model(torch.randn(32, 64)).square().sum().backward()
-            optimizer.step()
-            optimizer.zero_grad()
 
-        update()  # as the plan does: AdamW's moments made, then the steady state tracked
-        tracker = tracker_class()
-        tracker.track_external(model, optimizer)
-        with tracker:
-            update()
-        return {str(device): dict(stats) for device, stats in tracker.get_tracker_snapshot("peak").items()}
+def test_the_peak_without_what_offload_moves_is_the_highest_moment_of_the_rest():
+    """With FSDP's CPU offload the plan's GPU peak leaves out what the host holds (`peak_only`'s `elsewhere`): it is
+    the highest of every moment's total less those categories, entry included. Here wide layers' AdamW moments and
+    weights outweigh every moment's rest, so the total on entry (the peak PyTorch's tracker starts from) is not it."""
+    from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker
 
-    full = peak(MemTracker)
-    assert full["cpu"]["Total"] > 0 and peak(peak_only(MemTracker)) == full
+    from learner.plan import peak_only
+
+    def rest(snapshot: dict) -> int:
+        return snapshot[_TOTAL_KEY] - snapshot.get("Optstate", 0)
+
+    moments, on_entry = [], []
+
+    class EveryMoment(MemTracker):
+        def __enter__(self):
+            super().__enter__()
+            on_entry.extend(snapshot[_TOTAL_KEY] for snapshot in self._curr_mem_snap.values())
+            moments.extend(rest(snapshot) for snapshot in self._curr_mem_snap.values())
+            return self
+
+        def _update_peak_stats(self, peak_state) -> None:
+            moments.extend(rest(snapshot) for snapshot in self._curr_mem_snap.values())
+
+    tracked_peak(EveryMoment, width=4096)
+    peak = tracked_peak(peak_only(MemTracker, ("Optstate",)), width=4096)["cpu"]
+    assert on_entry[0] > max(moments) > 0 and rest(peak) == max(moments)
