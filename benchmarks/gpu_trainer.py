@@ -27,7 +27,8 @@ initialised Qwen2.5-shaped model: nothing to download):
 Each variant: one warm-up step, then `--steps` timed steps (synchronized), seconds a step, response tokens/s,
 model TFLOP/s and MFU (learner/throughput.py: 6N per trained token, 2N per no-grad token, padding excluded, the
 same count for every variant), peak memory (torch.cuda.max_memory_allocated) and the GPU busy fraction over the
-timed steps (NVML's utilisation, sampled from a thread: `BusySampler`).
+timed steps (NVML's utilisation, sampled from a thread: `BusySampler`). After `project`'s steps, what publishing
+its weights costs beside the step (`publish_figures`).
 
     python -m benchmarks.gpu_trainer --model 1.5b --write          # on a GPU (the issue's shape)
     python -m benchmarks.gpu_trainer --model tiny --groups 2 --steps 1   # a CPU smoke run of the same code
@@ -426,9 +427,38 @@ def measure_variant(variant, base, preset, model_path, n, learner, groups, steps
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
     step = statistics.median(seconds)
     use = throughput.utilisation(flops, step, 1, throughput.peak_tflops(device))
+    published = publish_figures(runner, settings, step) if variant == "project" else {}
     return {"variant": variant, "attention": attention, "seconds": step, "all_seconds": seconds,
             "response_tokens_per_second": response_tokens / step, **use, "peak_gib": peak,
-            "gpu_busy": busy.fraction, "setup_seconds": setup}
+            "gpu_busy": busy.fraction, "setup_seconds": setup, **published}
+
+
+def publish_figures(trainer, settings, step_seconds: float) -> dict:
+    """What publishing the trained weights costs beside the step, as the learner publishes them on one rank
+    (learner/service.py `publish`): the gather to the host in the served dtype, then the version's files written
+    (safetensors shards, sha256, fsync, the signed announcement; not Redis's SET and PUBLISH). With overlap
+    (max_staleness >= 1 and weights.overlap_delivery) only the gather, and what the writing takes beyond the next
+    step, are on the step's path."""
+    from services.keys import create_keys, keys_dir, load_signer
+    from services.streams import run_prefix
+    from services.weights import channel, shareable_state_dict
+    from services.weights_layout import write_version
+
+    create_keys(keys_dir(settings))
+    started = time.perf_counter()
+    weights = shareable_state_dict(trainer.state_dict_for_publish())
+    gathered = time.perf_counter() - started
+    with tempfile.TemporaryDirectory() as folder:
+        started = time.perf_counter()
+        write_version(Path(folder), 1, weights, int(settings.weights.shard_mb * 2**20), "http://bench/v1/weights/1",
+                      load_signer(settings, "learner"), channel(run_prefix(settings)))
+        written = time.perf_counter() - started
+    overlap = settings.weights.overlap_delivery and settings.learner.batch.max_staleness >= 1
+    on_path = gathered + (max(0.0, written - step_seconds) if overlap else written)
+    return {"publish_bytes": sum(t.numel() * t.element_size() for t in weights.values()),
+            "publish_gather_seconds": gathered, "publish_write_seconds": written, "publish_overlapped": overlap,
+            "publish_share": on_path / step_seconds,
+            "publish_share_overlapped": (gathered + max(0.0, written - step_seconds)) / step_seconds}
 
 
 def report(result: dict, command: str) -> str:
@@ -458,6 +488,15 @@ def report(result: dict, command: str) -> str:
                      f"{row['response_tokens_per_second']:,.0f} | {row['model_tflops']:.1f} | "
                      f"{fmt(row.get('mfu') and 100 * row['mfu'], '.1f')} % | {fmt(row['peak_gib'], '.1f')} | "
                      f"{fmt(row['gpu_busy'] and 100 * row['gpu_busy'], '.0f')} % |")
+    for row in result["rows"]:
+        if "publish_share" in row:
+            lines += ["", f"Publishing after the `{row['variant']}` step ({row['publish_bytes'] / 2**30:.2f} GiB "
+                      f"served): the gather to the host {row['publish_gather_seconds']:.2f} s, the version's files "
+                      f"{row['publish_write_seconds']:.2f} s; on the step's path "
+                      f"{100 * row['publish_share']:.1f} % of the step "
+                      + ("(overlapped, as the preset delivers)." if row["publish_overlapped"] else
+                         f"(the preset delivers on the path; {100 * row['publish_share_overlapped']:.1f} % with "
+                         "weights.overlap_delivery). Goal: at most 5 %.")]
     return "\n".join(lines) + "\n"
 
 

@@ -186,7 +186,7 @@ def _fake_world(ranks: int):
         sharding.device_mesh.cache_clear()  # its meshes were of the fake group
 
 
-def _rows(settings, budget: int, vocab: int) -> tuple[list, int]:
+def heaviest_rows(settings, budget: int, vocab: int) -> tuple[list, int]:
     """Scored groups whose responses make rank 0's heaviest micro-batch: the longest row (a full prompt and
     max_tokens) and shorter ones up to `budget` tokens; (groups, longest row)."""
     from services.messages import PromptTask, RolloutGroup, Sample, SamplingParams, Score, ScoredGroup
@@ -229,7 +229,7 @@ def traced_peak(settings, ranks: int) -> tuple[dict[str, int], int, int, int]:
 
     config = model_config(settings)
     compute = settings.learner.compute
-    groups, longest = _rows(settings, compute.micro_batch_tokens, config.vocab_size)
+    groups, longest = heaviest_rows(settings, compute.micro_batch_tokens, config.vocab_size)
     attention.register()
     with attention.stand_in(_flash_memory_kernel):
         with _fake_world(ranks) if ranks > 1 else contextlib.nullcontext():

@@ -21,6 +21,11 @@ def test_the_benchmark_runs_its_variants_and_reports_them():
     text = report(result, "python -m benchmarks.gpu_trainer --model tiny")
     assert "| plain (sdpa) |" in text and "| 1.00 |" in text and "2 groups x 4 responses" in text
     assert "| strong (sdpa) |" in text and "vs strong" in text
+    project = result["rows"][0]  # publishing its weights, timed beside its step
+    assert project["publish_bytes"] > 0 and project["publish_gather_seconds"] > 0
+    assert project["publish_share"] >= project["publish_share_overlapped"] > 0
+    assert not any("publish_share" in row for row in result["rows"][1:])
+    assert "Publishing after the `project` step" in text and "% of the step" in text
 
 
 def test_flops_count_every_trained_and_recomputed_token():
