@@ -4,9 +4,10 @@ What runs is the learner's own step (`Trainer.update_without_reads`): the preset
 weights: shipped in services/configs/models, or read from a local folder), built of fake tensors
 (`FakeTensorMode`: shapes, dtypes and devices, no storage, no arithmetic) on a fake process group of the learner's
 ranks, wrapped as the trainer wraps it (FSDP2 and its precision policy, activation checkpointing, the chunked
-head), AdamW, and one update on rank 0's heaviest micro-batch: the longest row the preset allows (a full prompt and
-`sampling.max_tokens`) packed with others up to `micro_batch_tokens`. PyTorch's `FSDPMemTracker` (or `MemTracker`
-without FSDP) counts every tensor alive by category; the plan reports rank 0's peak.
+head), AdamW, and one update accumulating two of rank 0's heaviest micro-batch: the longest row the preset allows (a
+full prompt and `sampling.max_tokens`) packed with others up to `micro_batch_tokens`, so that the second runs while
+the first one's gradient is held, as in a run's mini-batches. PyTorch's `FSDPMemTracker` (or `MemTracker` without
+FSDP) counts every tensor alive by category; the plan reports rank 0's peak.
 
 What the fake tensors cannot trace is added by a stated formula, and the report says so:
 - attention: the trainer's varlen FlashAttention kernel has no fake implementation on a machine without CUDA, so a
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import itertools
 import json
 import math
 from dataclasses import dataclass, field
@@ -42,6 +44,9 @@ from services.config import ConfigError
 MODEL_CONFIGS = Path(str(resources.files("services") / "configs" / "models"))
 RUNTIME_GIB = 2.0  # CUDA context (~0.5), NCCL buffers (~1), allocator slack: not tensors, so not traced
 HEADROOM = 0.10  # a plan "fits" with at least this share of the card free
+# Micro-batches the plan's update accumulates: from the second on, the gradient of those before is held (the whole
+# gradient without FSDP or under gradient_sync mini_batch, the rank's shard with micro_batch), as in a run's steps.
+ACCUMULATED = 2
 MORE_GPUS = (2, 4)  # where nothing else fits: the run on this many times the GPUs, learner ranks alike
 PAIRS_PLANNED = 2  # where no single change fits: the likeliest pairs of them planned
 
@@ -107,9 +112,10 @@ class Plan:
     def report(self) -> str:
         lines = [f"{self.preset} on {self.gpus} x {self.gpu} ({self.capacity_gib:.1f} GiB each): learner on "
                  f"{self.learner_ranks} rank{'s' * (self.learner_ranks > 1)}, {self.parameters / 1e9:.2f} B parameters",
-                 f"rank 0's peak, one update on a micro-batch of {self.micro_batch_tokens:,} tokens (longest row "
-                 f"{self.longest_row:,})" + (f", its share of 1/{self.sequence_parallel} (sequence parallel):"
-                                             if self.sequence_parallel > 1 else ":")]
+                 f"rank 0's peak, one update accumulating {ACCUMULATED} micro-batches of up to "
+                 f"{self.micro_batch_tokens:,} tokens (longest row {self.longest_row:,})"
+                 + (f", its share of 1/{self.sequence_parallel} (sequence parallel):" if self.sequence_parallel > 1
+                    else ":")]
         for name, size in self.bytes_by_category.items():
             lines.append(f"  {name:<16} {size / 2**30:8.2f} GiB")
         lines.append(f"  {'runtime':<16} {RUNTIME_GIB:8.2f} GiB  (not traced: CUDA context, NCCL, allocator)")
@@ -186,9 +192,10 @@ def _fake_world(ranks: int):
         sharding.device_mesh.cache_clear()  # its meshes were of the fake group
 
 
-def heaviest_rows(settings, budget: int, vocab: int) -> tuple[list, int]:
-    """Scored groups whose responses make rank 0's heaviest micro-batch: the longest row (a full prompt and
-    max_tokens) and shorter ones up to `budget` tokens; (groups, longest row)."""
+def heaviest_rows(settings, budget: int, vocab: int, micro_batches: int = ACCUMULATED) -> tuple[list, int]:
+    """Scored groups whose responses make `micro_batches` of rank 0's heaviest micro-batch, each the longest row (a
+    full prompt and max_tokens) and shorter ones up to `budget` tokens (the packer's first fit may move the shorter
+    ones between them); (groups, longest row)."""
     from services.messages import PromptTask, RolloutGroup, Sample, SamplingParams, Score, ScoredGroup
 
     context = settings.generator.max_model_len or settings.generator.max_prompt_tokens + settings.sampling.max_tokens
@@ -205,11 +212,11 @@ def heaviest_rows(settings, budget: int, vocab: int) -> tuple[list, int]:
         room -= prompt + size
     n = settings.sampling.n
     groups = []
-    for g in range(math.ceil(len(lengths) / n)):
+    for g, twin in itertools.product(range(math.ceil(len(lengths) / n)), range(micro_batches)):
         part = lengths[g * n:(g + 1) * n]
         sampling = SamplingParams(n=len(part), max_tokens=settings.sampling.max_tokens)
-        task = PromptTask(task_id=f"plan-{g}", prompt_id=f"plan-{g}", prompt="", prompt_token_ids=[1] * prompt,
-                          ground_truth="0", sampling=sampling)
+        task = PromptTask(task_id=f"plan-{twin}-{g}", prompt_id=f"plan-{twin}-{g}", prompt="",
+                          prompt_token_ids=[1] * prompt, ground_truth="0", sampling=sampling)
         samples = [Sample(text="", token_ids=[min(2, vocab - 1)] * size, logprobs=[-1.0] * size,
                           finish_reason="length") for size in part]
         scores = [Score(reward=float(i % 2), correct=bool(i % 2), overlong=False, rule="answer_line")
@@ -273,6 +280,27 @@ def peak_only(tracker_class: type, elsewhere: tuple[str, ...] = ()) -> type:
         return snapshot[_TOTAL_KEY] - sum(snapshot.get(kind, 0) for kind in elsewhere)
 
     class PeakOnly(tracker_class):
+        # Theirs refuses a second forward of a top-level module in one tracked region (its per-module figures would
+        # mix), and an update of several micro-batches runs one for each: such a module's figures, which the plan
+        # never reads, are dropped before it runs again.
+        def _forget_if_top_level(self, module) -> None:
+            name = self._mod_tracker.get_known_fqn(module)
+            if not self._mod_tracker.is_bw and set(self._mod_tracker.parents) - {name} == {"Global"}:
+                self.memory_tracking.pop(module, None)
+
+        def _pre_fw_hook(self, module, inputs) -> None:  # MemTracker's (FSDPMemTracker's does nothing)
+            self._forget_if_top_level(module)
+            super()._pre_fw_hook(module, inputs)
+
+        def _fsdp_state_pre_forward(self, fsdp_module, pre_forward):  # FSDPMemTracker's
+            theirs = super()._fsdp_state_pre_forward(fsdp_module, pre_forward)
+
+            def forgetting(*args, **kwargs):
+                self._forget_if_top_level(fsdp_module)
+                return theirs(*args, **kwargs)
+
+            return forgetting
+
         def __enter__(self):
             super().__enter__()
             if self._depth == 1:  # theirs starts the peak at the total on entry

@@ -100,7 +100,7 @@ def test_the_changes_a_plan_tries_end_with_offload_then_more_gpus_and_pairs_add_
                 capacity_gib=100.0, parameters=1, step_flops=0, served_bytes=0, shared_fs=False, publish_writers=1,
                 learner_seconds=0, generation_seconds=0, total_steps=1)
     split, offload, more, much_more = tried[0], tried[-3], tried[-2], tried[-1]
-    assert split.what == "learner.compute.sequence_parallel: 2"
+    assert split.what == "learner.compute.sequence_parallel: 4"  # the preset splits over 2
     pairs = pairs_that_may_fit(plan, [(split, 6.0), (offload, 5.0), (more, 3.0), (much_more, 5.0)])
     assert [pair.what for pair in pairs] == [(split + offload).what, (split + much_more).what,
                                              (offload + much_more).what]
