@@ -52,17 +52,17 @@ def test_an_unknown_card_or_a_row_longer_than_the_micro_batch_is_a_usage_error()
 
 
 def offload_plans() -> dict:
-    """The tiny preset's plan under FSDP on 2 ranks, without and with CPU offload, in bytes (its figures are too
-    small for the report's GiB)."""
+    """The tiny preset's plan on 2 ranks under FSDP, without and with CPU offload, and as replicas, in bytes (its
+    figures are too small for the report's GiB)."""
     script = """if True:
         import json
         from learner import plan
         from services.config import load_settings
         figures = {}
-        for offload in (False, True):
-            settings = load_settings("tiny-cpu", learner={"compute": {"fsdp": True, "fsdp_offload": offload}})
+        for name, fsdp, offload in (("kept", True, False), ("offloaded", True, True), ("replicas", False, False)):
+            settings = load_settings("tiny-cpu", learner={"compute": {"fsdp": fsdp, "fsdp_offload": offload}})
             made = plan.make_plan(settings, 4)
-            figures[str(offload)] = {**made.bytes_by_category, "host": made.host_bytes, "parameters_n": made.parameters}
+            figures[name] = {**made.bytes_by_category, "host": made.host_bytes, "parameters_n": made.parameters}
         print(json.dumps(figures))
     """
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
@@ -73,7 +73,7 @@ def offload_plans() -> dict:
 def test_with_cpu_offload_the_plan_keeps_the_shards_and_adamw_off_the_card():
     """`fsdp_offload`: the parameter shards (fp32) and AdamW's two moments are in host memory, a rank's 1/2 of
     12 bytes a parameter; the card holds the layers gathered in turn and the same activations as without it."""
-    kept, offloaded = offload_plans().values()
+    kept, offloaded, _ = offload_plans().values()
     parameters = kept.pop("parameters_n")
     assert offloaded["optimizer state"] == 0 and kept["optimizer state"] >= 8 * parameters / 2
     assert offloaded["host"] == pytest.approx(12 * parameters / 2, rel=0.05) and kept["host"] == 0
@@ -127,6 +127,10 @@ def test_a_recipe_that_does_not_fit_says_so_and_finds_the_change_that_does():
     # The 1.5B preset on one 48 GB card: its selective checkpointing keeps too much; full checkpointing fits.
     code, out = plan("dapo-qwen2.5-math-1.5b", "--gpus", "1", "--gpu", "l40s")
     assert code == 1 and "does NOT fit" in out, out
+    # The update accumulates micro-batches: from the second on, the whole fp32 gradient of a replica is held (one
+    # micro-batch traced alone peaked before any gradient existed, 5.75 GiB short).
+    parameters = float(re.search(r"([\d.]+) B parameters", out)[1]) * 1e9
+    assert figures(out)["gradients"] == pytest.approx(4 * parameters / GIB, rel=0.01), out
     tried = re.search(r"^with learner.compute.gradient_checkpointing: full: ([\d.]+) GiB, fits$", out, re.M)
     assert tried and float(tried[1]) < figures(out)["total"], out
 
