@@ -52,15 +52,15 @@ def test_an_unknown_card_or_a_row_longer_than_the_micro_batch_is_a_usage_error()
 
 
 def offload_plans() -> dict:
-    """The tiny preset's plan on 2 ranks under FSDP, without and with CPU offload, and as replicas, in bytes (its
-    figures are too small for the report's GiB)."""
+    """The tiny preset's plan on 2 ranks under FSDP, without and with CPU offload, in bytes (its figures are too
+    small for the report's GiB)."""
     script = """if True:
         import json
         from learner import plan
         from services.config import load_settings
         figures = {}
-        for name, fsdp, offload in (("kept", True, False), ("offloaded", True, True), ("replicas", False, False)):
-            settings = load_settings("tiny-cpu", learner={"compute": {"fsdp": fsdp, "fsdp_offload": offload}})
+        for name, offload in (("kept", False), ("offloaded", True)):
+            settings = load_settings("tiny-cpu", learner={"compute": {"fsdp": True, "fsdp_offload": offload}})
             made = plan.make_plan(settings, 4)
             figures[name] = {**made.bytes_by_category, "host": made.host_bytes, "parameters_n": made.parameters}
         print(json.dumps(figures))
@@ -73,7 +73,7 @@ def offload_plans() -> dict:
 def test_with_cpu_offload_the_plan_keeps_the_shards_and_adamw_off_the_card():
     """`fsdp_offload`: the parameter shards (fp32) and AdamW's two moments are in host memory, a rank's 1/2 of
     12 bytes a parameter; the card holds the layers gathered in turn and the same activations as without it."""
-    kept, offloaded, _ = offload_plans().values()
+    kept, offloaded = offload_plans().values()
     parameters = kept.pop("parameters_n")
     assert offloaded["optimizer state"] == 0 and kept["optimizer state"] >= 8 * parameters / 2
     assert offloaded["host"] == pytest.approx(12 * parameters / 2, rel=0.05) and kept["host"] == 0
