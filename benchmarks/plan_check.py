@@ -1,8 +1,9 @@
 """`dapo plan` against one GPU: the peak the plan predicts for the preset's heaviest micro-batch, and the peak the
 trainer's same update reaches on the card, on the same rows (the issue's goal: within 15 %).
 
-The plan (`learner.plan.make_plan`, one learner rank) runs the trainer's update under fake tensors on the host and
-counts the tensors alive at rank 0's peak; here the same `Trainer` then runs that update, on the same rows
+The plan (`learner.plan.make_plan`, one learner rank, in a process of its own that sees no GPU, as `dapo plan` runs)
+runs the trainer's update under fake tensors on the host and counts the tensors alive at rank 0's peak; here the
+same `Trainer` then runs that update, on the same rows
 (`learner.plan.heaviest_rows`: the longest row the preset allows, packed with others up to `micro_batch_tokens`),
 on the GPU: one update, then one more whose `torch.cuda.max_memory_allocated` is the measured peak (the steady
 state, as the plan tracks its second update). Both uncompiled, as the plan traces (inductor fuses temporaries
@@ -18,6 +19,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -56,6 +59,27 @@ def measured_peak(settings, model_path: Path, vocab: int, compiled: bool) -> dic
     return peak
 
 
+PLAN_IN_CHILD = """if True:
+    import json, sys
+    from learner import plan
+    from services.config import load_settings
+    preset, gpu, overrides = json.loads(sys.argv[1])
+    made = plan.make_plan(load_settings(preset, **overrides), 1, gpu=gpu, learner_ranks=1)
+    print(json.dumps({"bytes": made.bytes_by_category, "micro_batch_tokens": made.micro_batch_tokens,
+                      "longest_row": made.longest_row}))
+"""
+
+
+def planned(preset: str, gpu: str, overrides: dict) -> dict:
+    """`dapo plan`'s figures for one rank, made as `dapo plan` makes them: in a process of its own that sees no GPU
+    (its fake tensors live on the host; the process measured here keeps no tensor of it)."""
+    done = subprocess.run([sys.executable, "-c", PLAN_IN_CHILD, json.dumps([preset, gpu, overrides])],
+                          capture_output=True, text=True, cwd=ROOT, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    if done.returncode:
+        raise RuntimeError(f"the plan failed:\n{done.stderr[-4000:]}")
+    return json.loads(done.stdout.splitlines()[-1])
+
+
 def check(preset: str, gpu: str, compiled: bool) -> dict:
     import torch
 
@@ -70,19 +94,20 @@ def check(preset: str, gpu: str, compiled: bool) -> dict:
                  "num_key_value_heads": config.num_key_value_heads, "vocab_size": config.vocab_size,
                  "tie_word_embeddings": config.tie_word_embeddings}
         model_path = build_model("tiny", Path(tmp) / "model", **shape)
-        settings = load_settings(preset, run_dir=str(Path(tmp) / "run"), model={"name_or_path": str(model_path)},
-                                 learner={"checkpoints": {"every": 0}, "compute": {"packing": "on"}})
-        made = plan.make_plan(settings, 1, gpu=gpu, learner_ranks=1)
-        planned = sum(made.bytes_by_category.values()) / 2**30
+        overrides = {"run_dir": str(Path(tmp) / "run"), "model": {"name_or_path": str(model_path)},
+                     "learner": {"checkpoints": {"every": 0}, "compute": {"packing": "on"}}}
+        made = planned(preset, gpu, overrides)
+        settings = load_settings(preset, **overrides)
         rows = [measured_peak(settings, model_path, config.vocab_size, False)]
         if compiled:
             rows.append(measured_peak(settings, model_path, config.vocab_size, True))
+    planned_gib = sum(made["bytes"].values()) / 2**30
     for row in rows:
-        row["plan_over_measured"] = planned / row["allocated_gib"] if row["allocated_gib"] else None
+        row["plan_over_measured"] = planned_gib / row["allocated_gib"] if row["allocated_gib"] else None
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     return {"preset": preset, "device": device, "torch": torch.__version__, "gpu": gpu,
-            "micro_batch_tokens": made.micro_batch_tokens, "longest_row": made.longest_row,
-            "plan_gib": planned, "plan_by_category_gib": {k: v / 2**30 for k, v in made.bytes_by_category.items()},
+            "micro_batch_tokens": made["micro_batch_tokens"], "longest_row": made["longest_row"],
+            "plan_gib": planned_gib, "plan_by_category_gib": {k: v / 2**30 for k, v in made["bytes"].items()},
             "plan_runtime_gib": plan.RUNTIME_GIB, "measured": rows}
 
 

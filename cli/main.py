@@ -147,6 +147,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def run_main(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "plan":  # fake tensors on the host: a visible GPU would take the inputs (learner/plan.py)
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
     if args.command in SERVICES:
         hide_from_same_user()  # its environment and memory hold secrets: no process of its user may read them
     if getattr(args, "worker_id", None):

@@ -123,8 +123,8 @@ class Plan:
                      + (f"fits with {self.headroom:.0%} headroom" if self.fits
                         else f"does NOT fit with {HEADROOM:.0%} headroom"))
         if self.host_bytes:
-            lines.append(f"  {'host memory':<16} {self.host_bytes / 2**30:8.2f} GiB  (fsdp_offload: parameter shards, "
-                         "their gradients, AdamW state; not on the card)")
+            lines.append(f"  {'host memory':<16} {self.host_bytes / 2**30:8.2f} GiB  (fsdp_offload, at the card's "
+                         "peak: parameter shards, their gradients, AdamW state; its step's temporaries come on top)")
         lines.append(f"step: {self.step_flops / 1e15:,.1f} PFLOP on the learner, about {self.learner_seconds:,.0f} s "
                      f"at {self.mfu:.0%} MFU, generation about {self.generation_seconds:,.0f} s; "
                      f"{self.total_steps} steps = {self.gpu_hours:,.0f} GPU-hours")
@@ -192,15 +192,19 @@ def _fake_world(ranks: int):
         sharding.device_mesh.cache_clear()  # its meshes were of the fake group
 
 
+def longest_row(settings) -> int:
+    """The longest row the preset lets a generator make: its context (a full prompt and max_tokens)."""
+    return settings.generator.max_model_len or settings.generator.max_prompt_tokens + settings.sampling.max_tokens
+
+
 def heaviest_rows(settings, budget: int, vocab: int, micro_batches: int = ACCUMULATED) -> tuple[list, int]:
     """Scored groups whose responses make `micro_batches` of rank 0's heaviest micro-batch, each the longest row (a
     full prompt and max_tokens) and shorter ones up to `budget` tokens (the packer's first fit may move the shorter
     ones between them); (groups, longest row)."""
     from services.messages import PromptTask, RolloutGroup, Sample, SamplingParams, Score, ScoredGroup
 
-    context = settings.generator.max_model_len or settings.generator.max_prompt_tokens + settings.sampling.max_tokens
-    prompt = context - settings.sampling.max_tokens  # the prompt room a generator leaves
-    longest = prompt + settings.sampling.max_tokens
+    longest = longest_row(settings)
+    prompt = longest - settings.sampling.max_tokens  # the prompt room a generator leaves
     if longest > budget:
         raise PlanError(f"the longest row ({prompt} prompt + {settings.sampling.max_tokens} response tokens) is "
                         f"longer than learner.compute.micro_batch_tokens {budget}")
@@ -427,7 +431,7 @@ def changes_to_try(settings, gpus: int, ranks: int) -> list[Change]:
     if ranks % degree == 0 and _splits_heads(settings, degree):
         changes.append(Change(f"learner.compute.sequence_parallel: {degree}", {"sequence_parallel": degree}, gpus,
                               ranks))
-    if compute.micro_batch_tokens // 2 >= settings.generator.max_prompt_tokens + settings.sampling.max_tokens:
+    if compute.micro_batch_tokens // 2 >= longest_row(settings):
         changes.append(Change(f"learner.compute.micro_batch_tokens: {compute.micro_batch_tokens // 2}",
                               {"micro_batch_tokens": compute.micro_batch_tokens // 2}, gpus, ranks))
     if compute.fsdp and not compute.fsdp_offload:

@@ -8,7 +8,7 @@
 #
 #     scripts/gpu_check.sh [all | PARTS] [model shape: 0.5b | 1.5b | 7b]
 #     PARTS: a comma list of bench, plan, tests (e.g. plan,tests: a lease's 10-minute call holds bench alone).
-#     (BENCH_SECONDS bounds the benchmark, default 400; PLAN_SECONDS the plan check, default 150, PLAN_COMPILED=1
+#     (BENCH_SECONDS bounds the benchmark, default 400; PLAN_SECONDS the plan check, default 240, PLAN_COMPILED=1
 #     also measures the compiled update; TEST_SECONDS the tests, default 150; BENCH_STEPS the timed steps a
 #     variant, default 2). The benchmark goes first: its figures are what a short lease is for, and it writes them
 #     after every variant.
@@ -33,7 +33,7 @@ if wants bench; then
 fi
 if wants plan; then
     preset=${PLAN_PRESET:-dapo-qwen2.5-math-1.5b}
-    timeout "${PLAN_SECONDS:-150}" python3 -m benchmarks.plan_check --preset "$preset" ${PLAN_COMPILED:+--compiled} \
+    timeout "${PLAN_SECONDS:-240}" python3 -m benchmarks.plan_check --preset "$preset" ${PLAN_COMPILED:+--compiled} \
         --write 2>&1 | tee "$logs/plan_check.log"
     if [ -n "${OUT:-}" ]; then cp "benchmarks/results/plan_check-$preset.json" "$OUT/" 2>/dev/null; fi
 fi

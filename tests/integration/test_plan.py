@@ -196,3 +196,18 @@ def test_the_peak_without_what_offload_moves_is_the_highest_moment_of_the_rest()
     tracked_peak(EveryMoment, width=4096)
     peak = tracked_peak(peak_only(MemTracker, ("Optstate",)), width=4096)["cpu"]
     assert on_entry[0] > max(moments) > 0 and rest(peak) == max(moments)
+
+
+def test_dapo_plan_hides_the_gpus_from_its_fake_tensors(monkeypatch):
+    """On a machine with a GPU, accelerate would put the plan's inputs there while its fake model stays on the host:
+    `dapo plan` runs with no GPU visible, as on a machine without one."""
+    import os
+
+    import learner.plan
+    from cli.main import run_main
+
+    seen = []
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    monkeypatch.setattr(learner.plan, "main", lambda *args, **kwargs: seen.append(os.environ["CUDA_VISIBLE_DEVICES"]))
+    run_main(["plan", "tiny-cpu", "--gpus", "1"])
+    assert seen == [""]
