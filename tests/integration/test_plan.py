@@ -9,6 +9,7 @@ import json
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -120,6 +121,12 @@ def test_the_papers_recipe_fits_its_overlay_with_headroom_and_shards_its_state()
     assert sizes["total"] <= 0.9 * 79.1, out
     headroom = int(re.search(r"fits with (\d+)% headroom", out)[1])
     assert headroom >= 10
+    # docs/deploy.md prints this budget as the plan prints it (its bracketed comments aside): every figure and line.
+    deploy = (Path(__file__).resolve().parents[2] / "docs" / "deploy.md").read_text()
+    shown = deploy.split("$ dapo plan dapo-qwen2.5-32b --gpus 32\n", 1)[1].split("```", 1)[0]
+    assert figures(shown) == sizes, (shown, out)
+    printed = [line for line in out.splitlines() if not line.startswith(("  ", "estimated"))]
+    assert [line for line in shown.splitlines() if not line.startswith("  ")] == printed, (shown, out)
 
 
 @pytest.mark.slow
