@@ -352,7 +352,8 @@ def make_plan(settings, gpus: int, gpu: str = "h100", learner_ranks: int | None 
     degree = compute.sequence_parallel
     if ranks % degree or not _splits_heads(settings, degree):
         raise PlanError(f"learner.compute.sequence_parallel {degree} must divide the {ranks} learner ranks and split "
-                        "the model's attention heads (learner/sequence_parallel.py)")
+                        "the model's attention heads (learner/sequence_parallel.py): plan on more GPUs, or --set "
+                        "learner.compute.sequence_parallel=1")
     compute.packing = "on"  # a GPU packs rows (learner.compute.packing auto)
     compiled, compute.compile = compute.compile, False  # inductor needs real kernels
     try:
