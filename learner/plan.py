@@ -80,7 +80,7 @@ class Plan:
     longest_row: int
     sequence_parallel: int
     bytes_by_category: dict[str, int]  # on the GPU
-    host_bytes: int  # in host memory (FSDP's CPU offload), at the GPU's peak
+    host_bytes: int  # in host memory (FSDP's CPU offload): its own peak
     capacity_gib: float
     parameters: int
     step_flops: float
@@ -123,8 +123,8 @@ class Plan:
                      + (f"fits with {self.headroom:.0%} headroom" if self.fits
                         else f"does NOT fit with {HEADROOM:.0%} headroom"))
         if self.host_bytes:
-            lines.append(f"  {'host memory':<16} {self.host_bytes / 2**30:8.2f} GiB  (fsdp_offload, at the card's "
-                         "peak: parameter shards, their gradients, AdamW state; its step's temporaries come on top)")
+            lines.append(f"  {'host memory':<16} {self.host_bytes / 2**30:8.2f} GiB  (fsdp_offload, its own peak: "
+                         "parameter shards, their gradients, AdamW's state and step; not on the card)")
         lines.append(f"step: {self.step_flops / 1e15:,.1f} PFLOP on the learner, about {self.learner_seconds:,.0f} s "
                      f"at {self.mfu:.0%} MFU, generation about {self.generation_seconds:,.0f} s; "
                      f"{self.total_steps} steps = {self.gpu_hours:,.0f} GPU-hours")
@@ -232,7 +232,7 @@ def heaviest_rows(settings, budget: int, vocab: int, micro_batches: int = ACCUMU
 
 def traced_peak(settings, ranks: int) -> tuple[dict[str, int], int, int, int]:
     """Rank 0's peak GPU bytes by category over one update of the trainer under fake tensors; (bytes, parameters,
-    longest row, host bytes at that peak: what FSDP's CPU offload keeps there)."""
+    longest row, the host's own peak bytes: what FSDP's CPU offload keeps there)."""
     from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
     from transformers import AutoModelForCausalLM
 
@@ -262,15 +262,13 @@ def traced_peak(settings, ranks: int) -> tuple[dict[str, int], int, int, int]:
                     trainer.update_without_reads(batch)
                 peak = tracked.get_tracker_snapshot("peak")
     offloaded = OFFLOADED if compute.fsdp and compute.fsdp_offload else ()
-    by_category, host = {name: 0 for name in CATEGORIES}, 0
+    by_category = {name: 0 for name in CATEGORIES}
     for device_stats in peak.values():
         for kind, size in device_stats.items():
             label = getattr(kind, "value", kind)
-            if label in offloaded:
-                host += size
-            elif label != "Total":  # the sum of the others
+            if label not in (*offloaded, "Total"):  # (the total is the sum of the others)
                 by_category[next((n for n, kinds in CATEGORIES.items() if label in kinds), "other")] += size
-    return by_category, parameters, longest, host
+    return by_category, parameters, longest, tracked.elsewhere_peak
 
 
 def peak_only(tracker_class: type, elsewhere: tuple[str, ...] = ()) -> type:
@@ -305,14 +303,18 @@ def peak_only(tracker_class: type, elsewhere: tuple[str, ...] = ()) -> type:
 
             return forgetting
 
+        elsewhere_peak = 0  # the highest of the `elsewhere` categories together, at any moment
+
         def __enter__(self):
             super().__enter__()
             if self._depth == 1:  # theirs starts the peak at the total on entry
                 self._peak_mem = {device: here(snapshot) for device, snapshot in self._peak_mem_snap.items()}
+                self.elsewhere_peak = max((s[_TOTAL_KEY] - here(s) for s in self._peak_mem_snap.values()), default=0)
             return self
 
         def _update_peak_stats(self, peak_state) -> None:
             for device, snapshot in self._curr_mem_snap.items():
+                self.elsewhere_peak = max(self.elsewhere_peak, snapshot[_TOTAL_KEY] - here(snapshot))
                 if self._peak_mem.get(device, 0) < here(snapshot):
                     self._peak_mem[device] = here(snapshot)
                     self._peak_mem_snap[device] = copy.deepcopy(snapshot)
