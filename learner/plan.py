@@ -492,9 +492,10 @@ def main(settings, gpus: int, gpu: str = "h100", learner_gpus: int | None = None
         if changed.fits:
             return 1
         savings.append((change, plan.peak_gib - changed.peak_gib))
-    for pair in pairs_that_may_fit(plan, savings)[:PAIRS_PLANNED]:
+    pairs = pairs_that_may_fit(plan, savings)[:PAIRS_PLANNED]
+    for pair in pairs:
         if planned(settings, pair, options).fits:
             return 1
-    print(f"no single change of these fits, nor the {PAIRS_PLANNED} likeliest pairs: several at once (--set)",
-          flush=True)
+    print(f"no single change of these fits, nor {len(pairs)} pair{'s' * (len(pairs) != 1)} of them whose savings "
+          "add up: several changes at once (--set)", flush=True)
     return 1
