@@ -454,11 +454,11 @@ def publish_figures(trainer, settings, step_seconds: float) -> dict:
                       load_signer(settings, "learner"), channel(run_prefix(settings)))
         written = time.perf_counter() - started
     overlap = settings.weights.overlap_delivery and settings.learner.batch.max_staleness >= 1
-    on_path = gathered + (max(0.0, written - step_seconds) if overlap else written)
+    overlapped = gathered + max(0.0, written - step_seconds)  # the writing beyond the next step waits
     return {"publish_bytes": sum(t.numel() * t.element_size() for t in weights.values()),
             "publish_gather_seconds": gathered, "publish_write_seconds": written, "publish_overlapped": overlap,
-            "publish_share": on_path / step_seconds,
-            "publish_share_overlapped": (gathered + max(0.0, written - step_seconds)) / step_seconds}
+            "publish_share": (overlapped if overlap else gathered + written) / step_seconds,
+            "publish_share_overlapped": overlapped / step_seconds}
 
 
 def report(result: dict, command: str) -> str:

@@ -197,8 +197,8 @@ def longest_row(settings) -> int:
     return settings.generator.max_model_len or settings.generator.max_prompt_tokens + settings.sampling.max_tokens
 
 
-def heaviest_rows(settings, budget: int, vocab: int, micro_batches: int = ACCUMULATED) -> tuple[list, int]:
-    """Scored groups whose responses make `micro_batches` of rank 0's heaviest micro-batch, each the longest row (a
+def heaviest_rows(settings, budget: int, vocab: int) -> tuple[list, int]:
+    """Scored groups whose responses make `ACCUMULATED` of rank 0's heaviest micro-batch, each the longest row (a
     full prompt and max_tokens) and shorter ones up to `budget` tokens (the packer's first fit may move the shorter
     ones between them); (groups, longest row)."""
     from services.messages import PromptTask, RolloutGroup, Sample, SamplingParams, Score, ScoredGroup
@@ -216,7 +216,7 @@ def heaviest_rows(settings, budget: int, vocab: int, micro_batches: int = ACCUMU
         room -= prompt + size
     n = settings.sampling.n
     groups = []
-    for g, twin in itertools.product(range(math.ceil(len(lengths) / n)), range(micro_batches)):
+    for g, twin in itertools.product(range(math.ceil(len(lengths) / n)), range(ACCUMULATED)):
         part = lengths[g * n:(g + 1) * n]
         sampling = SamplingParams(n=len(part), max_tokens=settings.sampling.max_tokens)
         task = PromptTask(task_id=f"plan-{twin}-{g}", prompt_id=f"plan-{twin}-{g}", prompt="",
@@ -241,6 +241,7 @@ def traced_peak(settings, ranks: int) -> tuple[dict[str, int], int, int, int]:
     config = model_config(settings)
     compute = settings.learner.compute
     groups, longest = heaviest_rows(settings, compute.micro_batch_tokens, config.vocab_size)
+    offloaded = OFFLOADED if compute.fsdp and compute.fsdp_offload else ()
     attention.register()
     with attention.stand_in(_flash_memory_kernel):
         with _fake_world(ranks) if ranks > 1 else contextlib.nullcontext():
@@ -257,11 +258,10 @@ def traced_peak(settings, ranks: int) -> tuple[dict[str, int], int, int, int]:
                 # process holds some of its activations past their backward (by the tracker's count); the
                 # second is the steady state, as from a run's second step on.
                 trainer.update_without_reads(batch)
-                tracked = _tracker(trainer)
+                tracked = _tracker(trainer, offloaded)
                 with tracked:
                     trainer.update_without_reads(batch)
                 peak = tracked.get_tracker_snapshot("peak")
-    offloaded = OFFLOADED if compute.fsdp and compute.fsdp_offload else ()
     by_category = {name: 0 for name in CATEGORIES}
     for device_stats in peak.values():
         for kind, size in device_stats.items():
@@ -313,22 +313,22 @@ def peak_only(tracker_class: type, elsewhere: tuple[str, ...] = ()) -> type:
             return self
 
         def _update_peak_stats(self, peak_state) -> None:
-            for device, snapshot in self._curr_mem_snap.items():
-                self.elsewhere_peak = max(self.elsewhere_peak, snapshot[_TOTAL_KEY] - here(snapshot))
-                if self._peak_mem.get(device, 0) < here(snapshot):
-                    self._peak_mem[device] = here(snapshot)
+            for device, snapshot in self._curr_mem_snap.items():  # (on every op: once each)
+                rest = here(snapshot)
+                self.elsewhere_peak = max(self.elsewhere_peak, snapshot[_TOTAL_KEY] - rest)
+                if self._peak_mem.get(device, 0) < rest:
+                    self._peak_mem[device] = rest
                     self._peak_mem_snap[device] = copy.deepcopy(snapshot)
 
     return PeakOnly
 
 
-def _tracker(trainer):
+def _tracker(trainer, offloaded: tuple[str, ...]):
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     from torch.distributed._tools.mem_tracker import MemTracker
 
     optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)  # the torch optimizer accelerate wraps
     if trainer.sharded:
-        offloaded = OFFLOADED if trainer.settings.learner.compute.fsdp_offload else ()
         return peak_only(FSDPMemTracker, offloaded)(trainer.model, optimizer)
     tracker = peak_only(MemTracker)()
     tracker.track_external(trainer.model, optimizer)
