@@ -299,10 +299,11 @@ class WeightsConfig(Section):
         "NFS); each learner rank writes its own share of a version there (learner/publish.py)."
     )
     overlap_delivery: bool = Field(
-        False, description="With learner.batch.max_staleness >= 1: deliver each version (broadcast round, files, "
+        True, description="With learner.batch.max_staleness >= 1: deliver each version (broadcast round, files, "
         "announcement) in the background while the next step collects and trains (the last step's before the run "
-        "ends). Off: every step delivers its version before it goes on. Not on shared-fs with several learner ranks: "
-        "there every rank writes its share of the version, on the step's path (learner/publish.py)."
+        "ends; tasks ask for the newest version announced meanwhile). Off: every step delivers its version before "
+        "it goes on. Not on shared-fs with several learner ranks: there every rank writes its share of the version, "
+        "on the step's path (learner/publish.py)."
     )
     shard_mb: float = Field(1024, gt=0, description="Largest safetensors shard of a published version, MB.")
     pull_concurrency: int = Field(4, ge=1, description="Shards a generator downloads or checks at once.")

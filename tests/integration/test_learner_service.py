@@ -1092,8 +1092,7 @@ def test_synchronous_steps(pipeline, tmp_path):
 @pytest.mark.slow
 def test_asynchronous_steps(pipeline, tmp_path):
     run_dir = tmp_path / "async"
-    code = run_learner(pipeline, run_dir, {**LEARNER, "max_staleness": 1, "eval_every": 0, "total_steps": 4},
-                       weights={"overlap_delivery": True})
+    code = run_learner(pipeline, run_dir, {**LEARNER, "max_staleness": 1, "eval_every": 0, "total_steps": 4})
     assert code == 0, pipeline.tail(f"learner-{run_dir.name}")
     steps = step_lines(read_jsonl(run_dir / METRICS_FILE))
     assert [r["step"] for r in steps] == [1, 2, 3, 4]
@@ -1103,8 +1102,9 @@ def test_asynchronous_steps(pipeline, tmp_path):
     assert len(assert_trained_once(run_dir)) == 16
     # generation overlapped training: some groups were sampled by the previous version
     assert any(r["staleness"] > 0 for r in steps), [r["staleness"] for r in steps]
-    # and publishing overlapped the next step: each step's record reports the delivery of the version before its
-    # own, which ended in the background; the last step delivers its own before the learner ends
+    # and publishing overlapped the next step (weights.overlap_delivery, on by default): each step's record reports
+    # the delivery of the version before its own, which ended in the background; the last step delivers its own
+    # before the learner ends
     versions = [r["version"] for r in steps]
     assert [r.get("delivered_version") for r in steps] == [None, *versions[:2], versions[3]]
     assert all(r["delivery_seconds"] > 0 for r in steps[1:])
