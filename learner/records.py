@@ -113,6 +113,17 @@ def wait_split(wait_seconds: float, groups: list[ScoredGroup]) -> dict[str, floa
     return {"wait_generation_seconds": wait_seconds * share, "wait_verification_seconds": wait_seconds * (1 - share)}
 
 
+def with_delivery(figures: dict, delivery: dict) -> dict:
+    """A step's `figures` with those of a version `delivery` that ended after the ones they hold: its own under
+    their names (`delivered_version`, `delivery_seconds`, a broadcast round's), and every version whose delivery
+    ended in the step, oldest first (`delivered_versions`: a step can see two end, its own on the path after the
+    one before it in the background)."""
+    if not delivery:
+        return figures
+    versions = [*figures.get("delivered_versions", []), delivery["delivered_version"]]
+    return {**figures, **delivery, "delivered_versions": versions}
+
+
 def step_record(step: int, version: int, batch: Batch, lags: list[int], result: dict, timing: dict) -> dict[str, Any]:
     """One line of metrics.jsonl: the batch's statistics, the update's metrics (`result` of Trainer.train_step)
     and where the step's time went (`timing`)."""

@@ -38,7 +38,7 @@ from learner.evaluation import EvalRound
 from learner.lease import LearnerLease
 from learner.policy import PolicyVersion
 from learner.ranks import RankChannel, follow
-from learner.records import Records, step_record, wait_split
+from learner.records import Records, step_record, wait_split, with_delivery
 from learner.redis_budget import MB, held_budget, largest_group_bytes, memory_pressed
 from learner.workset import WorkingSet
 from services import metrics
@@ -327,6 +327,9 @@ class LearnerService:
         final = self.finished()  # decided once: the evaluation, the checkpoint and the loop agree on the last step
         if self.eval_due(final):
             record["eval_drain_seconds"] = self.drain_train()
+            # The version evaluated is announced before its tasks ask for it (push_train's rule); generators could
+            # not sample it sooner anyway.
+            record = with_delivery(record, self.wait_delivered())
             summary = self.evaluate()
             if summary is not None:
                 record.update(summary)
@@ -467,12 +470,12 @@ class LearnerService:
         self.ready_reason = "publishing weights"
         self.publish()
 
-    def publish(self, overlap: bool = False) -> dict[str, float]:
+    def publish(self, overlap: bool = False) -> dict:
         """Announce the current policy: its weights gathered in the served dtype (every rank takes part; host
         copies), then delivered (`deliver`). `overlap` (max_staleness >= 1): the delivery runs in the background
         while the next step collects and trains on groups of the versions before; the previous delivery is waited
         for first, so versions are announced in order. Returns the figures for the step record: the gather's (the
-        served bytes each rank gathers) and those of the delivery that ended in this call, if any.
+        served bytes each rank gathers) and those of the deliveries that ended in this call (`with_delivery`).
 
         Transport shared-fs on several ranks: every rank writes its own share into the version's folder instead
         (learner/publish.py: no rank gathers the whole model); rank 0 then completes and announces it, with no
@@ -486,17 +489,17 @@ class LearnerService:
             except BaseException:
                 shutil.rmtree(folder, ignore_errors=True)  # (finish_version removes it from there on)
                 raise
-            figures = {"publish_gather_seconds": time.perf_counter() - started, "publish_bytes": float(written),
-                       **self.wait_delivered()}
-            return {**figures, **self.deliver(None, version, written=(folder, writers))}
+            figures = with_delivery({"publish_gather_seconds": time.perf_counter() - started,
+                                     "publish_bytes": float(written)}, self.wait_delivered())
+            return with_delivery(figures, self.deliver(None, version, written=(folder, writers)))
         weights = self.ranks.weights(self.trainer)
-        figures = {"publish_gather_seconds": time.perf_counter() - started,
-                   "publish_bytes": float(sum(t.numel() * t.element_size() for t in weights.values())),
-                   **self.wait_delivered()}
+        figures = with_delivery({"publish_gather_seconds": time.perf_counter() - started,
+                                 "publish_bytes": float(sum(t.numel() * t.element_size() for t in weights.values()))},
+                                self.wait_delivered())
         if overlap:
             self.delivering = self.publishing.submit(self.deliver, weights, version)
             return figures
-        return {**figures, **self.deliver(weights, version)}
+        return with_delivery(figures, self.deliver(weights, version))
 
     def deliver(self, weights: dict | None, version: int, written: tuple | None = None) -> dict[str, float]:
         """A broadcast round first (transport collective), then the files and the announcement (every transport:

@@ -1075,7 +1075,8 @@ def test_synchronous_steps(pipeline, tmp_path):
         assert 0 < r["forward_seconds"] + r["backward_seconds"] + r["optimizer_seconds"] <= r["train_seconds"]
         assert r["publish_seconds"] > 0 and r["learner_idle_seconds"] >= r["wait_seconds"]
         # synchronous: the step delivers its own version before it goes on
-        assert r["delivered_version"] == r["version"] and 0 < r["delivery_seconds"] <= r["publish_seconds"]
+        assert r["delivered_versions"] == [r["delivered_version"]] == [r["version"]]
+        assert 0 < r["delivery_seconds"] <= r["publish_seconds"]
         assert r["publish_bytes"] > 0 and r["publish_gather_seconds"] < r["publish_seconds"]
         assert r["world_size"] == 1
     # the generator worked for these steps (its first group only set its baseline)
@@ -1104,9 +1105,9 @@ def test_asynchronous_steps(pipeline, tmp_path):
     assert any(r["staleness"] > 0 for r in steps), [r["staleness"] for r in steps]
     # and publishing overlapped the next step (weights.overlap_delivery, on by default): each step's record reports
     # the delivery of the version before its own, which ended in the background; the last step delivers its own
-    # before the learner ends
+    # before the learner ends, after the one before it (that step's record lists both)
     versions = [r["version"] for r in steps]
-    assert [r.get("delivered_version") for r in steps] == [None, *versions[:2], versions[3]]
+    assert [r.get("delivered_versions") for r in steps] == [None, versions[:1], versions[1:2], versions[2:]]
     assert all(r["delivery_seconds"] > 0 for r in steps[1:])
     announced = json.loads(pipeline.redis.get(latest_key(f"dapo:{Pipeline.RUN}:")))
     assert announced["version"] == steps[-1]["version"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from cli.launcher import step_breakdown
-from learner.records import PHASES, GeneratorClocks, wait_split
+from learner.records import PHASES, GeneratorClocks, wait_split, with_delivery
 from services.messages import PromptTask, RolloutGroup, Sample, Score, ScoredGroup
 
 
@@ -42,6 +42,17 @@ def test_the_wait_is_split_by_the_batch_latencies():
     split = wait_split(10.0, groups)  # generation 8 s, verification 2 s in all
     assert split == pytest.approx({"wait_generation_seconds": 8.0, "wait_verification_seconds": 2.0})
     assert wait_split(4.0, []) == {"wait_generation_seconds": 4.0, "wait_verification_seconds": 0.0}
+
+
+def test_a_step_that_sees_two_deliveries_end_names_the_newest_and_lists_both():
+    gather = {"publish_gather_seconds": 0.2, "publish_bytes": 8.0}
+    assert with_delivery(gather, {}) == gather  # nothing ended in the step
+    background = {"delivered_version": 3, "delivery_seconds": 1.5, "broadcast_members": 2}
+    on_the_path = {"delivered_version": 4, "delivery_seconds": 0.5, "broadcast_members": 1}
+    step = with_delivery(with_delivery(gather, background), on_the_path)
+    assert step == {**gather, "delivered_version": 4, "delivery_seconds": 0.5, "broadcast_members": 1,
+                    "delivered_versions": [3, 4]}
+    assert gather == {"publish_gather_seconds": 0.2, "publish_bytes": 8.0}  # not changed in place
 
 
 def test_the_live_view_shows_where_the_last_step_went():
