@@ -370,8 +370,9 @@ def summarize(stack: Stack, result: dict) -> None:
                                if BAD_LINE.search(line)]
     loads = LOADED.findall("\n".join(result.get("logs", [])))
     result["loads"] = {way: loads.count(way) for way in ("broadcast", "pull+verify")}
-    rounds = [m for m in metrics if "broadcast_members" in m]
-    if rounds:  # the step records of weights.transport collective
+    # every delivery of weights.transport collective that had members (a step record lists those that ended in it)
+    rounds = [d for m in metrics for d in m.get("deliveries", []) if "broadcast_members" in d]
+    if rounds:
         result["broadcast"] = {
             "rounds": len(rounds),
             "rounds_all_received": sum(1 for m in rounds if m["broadcast_members"] and not m["broadcast_failed"]),

@@ -114,14 +114,15 @@ def wait_split(wait_seconds: float, groups: list[ScoredGroup]) -> dict[str, floa
 
 
 def with_delivery(figures: dict, delivery: dict) -> dict:
-    """A step's `figures` with those of a version `delivery` that ended after the ones they hold: its own under
-    their names (`delivered_version`, `delivery_seconds`, a broadcast round's), and every version whose delivery
-    ended in the step, oldest first (`delivered_versions`: a step can see two end, its own on the path after the
-    one before it in the background)."""
+    """A step's `figures` with those of a version `delivery` that ended after the ones they hold: the newest's
+    under their names (`delivered_version`, `delivery_seconds`, its broadcast round's), and every delivery that
+    ended in the step, oldest first, under `deliveries` (a step can see two end: the one before in the background,
+    then its own)."""
     if not delivery:
         return figures
-    versions = [*figures.get("delivered_versions", []), delivery["delivered_version"]]
-    return {**figures, **delivery, "delivered_versions": versions}
+    earlier = figures.get("deliveries", [])
+    replaced = set(earlier[-1]) if earlier else set()  # the older one's names: none of its figures stays on top
+    return {**{k: v for k, v in figures.items() if k not in replaced}, **delivery, "deliveries": [*earlier, delivery]}
 
 
 def step_record(step: int, version: int, batch: Batch, lags: list[int], result: dict, timing: dict) -> dict[str, Any]:

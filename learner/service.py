@@ -42,7 +42,7 @@ from learner.records import Records, step_record, wait_split, with_delivery
 from learner.redis_budget import MB, held_budget, largest_group_bytes, memory_pressed
 from learner.workset import WorkingSet
 from services import metrics
-from services.broadcast import Broadcaster
+from services.broadcast import Broadcaster, newest_streamed
 from services.config import Settings
 from services.data import Problem, check_alphabet, load_problems, render_prompt, shared_problems
 from services.errors import ExitCode, Unavailable
@@ -139,8 +139,6 @@ class LearnerService:
         self.run_dir = Path(settings.run_dir)
         self.checkpoints = Checkpoints(self.run_dir, keep=self.cfg.checkpoints.keep)
         self.broadcaster: Broadcaster | None = None  # transport collective: rank 0 of every weights round
-        # weights.overlap_delivery, max_staleness >= 1: a version's delivery overlaps the next step
-        self.overlap_publish = self.settings.weights.overlap_delivery and self.cfg.batch.max_staleness >= 1
         self.publishing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="publish")
         self.delivering: Future | None = None  # the delivery in the background, while it runs
         self.announced = 0  # the newest version announced to the generators (set by `deliver`, in its thread)
@@ -158,6 +156,14 @@ class LearnerService:
         self.lease: LearnerLease | None = None
         self.train_started = time.monotonic()
         self.eval_seconds = 0.0  # spent evaluating since train_started: not training time
+
+    @property
+    def overlap_publish(self) -> bool:
+        """weights.overlap_delivery with max_staleness >= 1: a version's delivery overlaps the next step. Not a
+        broadcast round over NCCL: one in a thread beside the trainer's collectives on the same GPU is not yet
+        measured (concurrent NCCL communicators on one device can deadlock), so it stays on the step's path."""
+        nccl = self.broadcaster is not None and self.broadcaster.backend == "nccl"
+        return self.settings.weights.overlap_delivery and self.cfg.batch.max_staleness >= 1 and not nccl
 
     # -- setup -------------------------------------------------------------------------------------------------
     def claim_run(self) -> None:
@@ -310,10 +316,7 @@ class LearnerService:
             result = self.train(batch)
             self.policy.advance()
             published = time.perf_counter()
-            # The last step's version is delivered before the run ends, as on the synchronous path: generators
-            # pull it while this learner still serves it.
-            last = self.step + 1 >= self.cfg.total_steps
-            broadcast = self.publish(overlap=self.overlap_publish and not last)
+            broadcast = self.publish(overlap=self.overlap_publish)
             publish_seconds = time.perf_counter() - published
         else:
             log.warning("step %d: refill limit with no informative group in hand: no update", self.step + 1)
@@ -325,11 +328,17 @@ class LearnerService:
                   "world_size": self.ranks.world}
         record = step_record(self.step, self.policy.current, batch, lags, result, timing)
         final = self.finished()  # decided once: the evaluation, the checkpoint and the loop agree on the last step
-        if self.eval_due(final):
+        evaluating = self.eval_due(final)
+        if evaluating:
             record["eval_drain_seconds"] = self.drain_train()
-            # The version evaluated is announced before its tasks ask for it (push_train's rule); generators could
-            # not sample it sooner anyway.
+        if evaluating or final or self.stopping.is_set():
+            # The step's version is announced before an evaluation's tasks ask for it (push_train's rule; generators
+            # could not sample it sooner anyway) and before the run ends (generators pull it while this learner
+            # still serves it).
+            waited_delivery = time.perf_counter()
             record = with_delivery(record, self.wait_delivered())
+            record["announce_wait_seconds"] = time.perf_counter() - waited_delivery
+        if evaluating:
             summary = self.evaluate()
             if summary is not None:
                 record.update(summary)
@@ -454,10 +463,14 @@ class LearnerService:
                      checkpointed, issued)
 
     def ensure_monotonic_version(self) -> None:
-        """Generators may have been told of any version announced in Redis or published in the weights folder (a
-        Redis that lost its last writes forgot the newest): the restored policy is published after all of them."""
+        """Generators may have been told of any version announced in Redis, published in the weights folder (a
+        Redis that lost its last writes forgot the newest) or streamed in a broadcast round (before its files and
+        announcement): the restored policy is published after all of them."""
         announced = latest_announcement(self.redis, self.streams.prefix, self.publisher.keyring)
-        newest = max([*self.publisher.versions(), *([announced.version] if announced else [])], default=-1)
+        streamed = newest_streamed(retrying(self.redis), self.streams.prefix)
+        told = [*self.publisher.versions(), *([announced.version] if announced else []),
+                *([streamed] if streamed is not None else [])]
+        newest = max(told, default=-1)
         if newest > self.policy.current:
             log.warning(
                 "generators were told of v%d (a lineage the restart discarded); the restored policy (v%d) is "
@@ -492,10 +505,12 @@ class LearnerService:
             figures = with_delivery({"publish_gather_seconds": time.perf_counter() - started,
                                      "publish_bytes": float(written)}, self.wait_delivered())
             return with_delivery(figures, self.deliver(None, version, written=(folder, writers)))
+        delivered = self.wait_delivered()  # first: the host holds one served copy of the weights at a time
+        started = time.perf_counter()
         weights = self.ranks.weights(self.trainer)
         figures = with_delivery({"publish_gather_seconds": time.perf_counter() - started,
                                  "publish_bytes": float(sum(t.numel() * t.element_size() for t in weights.values()))},
-                                self.wait_delivered())
+                                delivered)
         if overlap:
             self.delivering = self.publishing.submit(self.deliver, weights, version)
             return figures
@@ -651,7 +666,8 @@ def main(settings: Settings) -> int:
 
     Under `accelerate launch` every process joins the process group first; rank 0 runs the service, the others
     follow it (learner/ranks.py). Until the model is loaded a signal stops rank 0 at once (`services.startup`);
-    then the first one finishes the step and checkpoints, a second one stops at once."""
+    then the first one finishes the step and checkpoints, a second one stops at once (after a weights delivery
+    still running in the background: nothing of this learner is announced after its lease is gone)."""
     from datetime import timedelta
 
     import torch

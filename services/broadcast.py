@@ -75,6 +75,16 @@ def members_key(prefix: str) -> str:
     return prefix.rstrip(":") + ":weights:members"
 
 
+def streamed_key(prefix: str) -> str:
+    """The newest version a round began to stream: members may hold it before, or without, its announcement."""
+    return prefix.rstrip(":") + ":weights:streamed"
+
+
+def newest_streamed(redis_client, prefix: str) -> int | None:
+    raw = redis_client.get(streamed_key(prefix))
+    return int(raw) if raw is not None else None
+
+
 def round_context(channel: str) -> str:
     """What rounds and commits are signed under: the run's weights channel, apart from file announcements."""
     return channel + ":broadcast"
@@ -506,6 +516,7 @@ class Broadcaster:
         self.signer = signer
         self.channel = channel
         self.members_key = members_key(prefix)
+        self.streamed_key = streamed_key(prefix)
         self.timeout_s = cfg.broadcast_timeout_s
         self.join_timeout_s = cfg.broadcast_join_timeout_s
         self.bucket_bytes = int(cfg.bucket_mb * 1024 * 1024)
@@ -574,6 +585,9 @@ class Broadcaster:
             self.signer, round_context(self.channel),
         )
         result = RoundResult(version, sorted(members), nearby)
+        # Recorded before any member can take it: a learner killed before the files and the announcement restarts
+        # its versions after this one (generators ignore a round no newer than what they serve).
+        self.redis.set(self.streamed_key, version)
         try:
             self.redis.publish(self.channel, announcement.model_dump_json())
             pg, chain_error = None, None

@@ -303,7 +303,8 @@ class WeightsConfig(Section):
         "announcement) in the background while the next step collects and trains (the last step's before the run "
         "ends; tasks ask for the newest version announced meanwhile). Off: every step delivers its version before "
         "it goes on. Not on shared-fs with several learner ranks: there every rank writes its share of the version, "
-        "on the step's path (learner/publish.py)."
+        "on the step's path (learner/publish.py); nor for a broadcast round over NCCL (collective on GPUs), not yet "
+        "measured beside the trainer's collectives on the same GPU."
     )
     shard_mb: float = Field(1024, gt=0, description="Largest safetensors shard of a published version, MB.")
     pull_concurrency: int = Field(4, ge=1, description="Shards a generator downloads or checks at once.")

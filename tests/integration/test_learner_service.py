@@ -30,13 +30,14 @@ from learner.evaluation import EvalRound
 from learner.records import LEDGER_FILE, METRICS_FILE, truncate_jsonl
 from learner.service import LearnerService, TrainProblems, data_spec
 from learner.workset import ISSUED, task_id_in_payload
+from services.broadcast import Broadcaster
 from services.config import load_settings, moved_keys
 from services.data import Problem
 from services.http import free_port
 from services.keys import ROLES
 from services.messages import PromptTask, RolloutGroup, Sample, SamplingParams, Score, ScoredGroup, to_wire
 from services.streams import Streams, _dead_letter_fields
-from services.weights import latest_key
+from services.weights import channel, latest_key
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -188,6 +189,23 @@ def test_a_resume_does_not_draw_again_the_problems_issued_after_the_checkpoint(s
     fresh = learner()
     fresh.seek_data(checkpointed)
     assert fresh.train_problems.next().id == issued[0]
+
+
+def test_publishing_overlaps_the_next_step_where_staleness_allows_but_not_a_round_over_nccl(settings):
+    from types import SimpleNamespace
+
+    service = LearnerService(settings)
+    service.cfg.batch.max_staleness = 1
+    assert settings.weights.overlap_delivery and service.overlap_publish  # the default
+    service.broadcaster = SimpleNamespace(backend="gloo")
+    assert service.overlap_publish
+    service.broadcaster = SimpleNamespace(backend="nccl")  # collective on GPUs: on the step's path
+    assert not service.overlap_publish
+    service.broadcaster = None
+    service.cfg.batch.max_staleness = 0  # the paper's synchronous loop
+    assert not service.overlap_publish
+    service.cfg.batch.max_staleness, settings.weights.overlap_delivery = 1, False
+    assert not service.overlap_publish
 
 
 def test_a_task_asks_for_no_version_the_generators_were_not_told_of(settings):
@@ -840,6 +858,23 @@ def test_a_version_published_before_redis_lost_it_is_not_reused(settings):
     assert service.policy.current == 5 and service.policy.jumps == [(2, 5)]
 
 
+def test_a_version_a_broadcast_round_streamed_before_its_announcement_is_not_reused(settings):
+    """The learner was killed after a round streamed v6 into the engines but before v6's files and announcement: a
+    resume at v2 publishes after v6 (the engines holding v6 ignore any version up to it)."""
+    service = LearnerService(settings)
+    service.connect()
+    settings.weights.broadcast_port = 0  # any free one
+    broadcaster = Broadcaster(settings, service.redis, service.publisher.signer, service.streams.prefix,
+                              channel(service.streams.prefix))
+    broadcaster.members = lambda: {"generator-0": 1}  # a member that then never joins: the round fails
+    broadcaster.since = {"generator-0": 0.0}  # (as `members` records it)
+    broadcaster.join_timeout_s = broadcaster.timeout_s = 0.5
+    broadcaster.broadcast({"w": torch.zeros(2)}, version=6)
+    service.policy.current = 2
+    service.ensure_monotonic_version()
+    assert service.policy.current == 7 and service.policy.jumps == [(2, 7)]
+
+
 def test_tasks_lost_with_a_redis_crash_are_no_longer_waited_for(settings, redis_server):
     """A machine crash can cost Redis its last second of AOF: tasks pushed then (and their `issued` records,
     written atomically with them) are gone, and the learner stops waiting for them once it sees the restart."""
@@ -1075,7 +1110,7 @@ def test_synchronous_steps(pipeline, tmp_path):
         assert 0 < r["forward_seconds"] + r["backward_seconds"] + r["optimizer_seconds"] <= r["train_seconds"]
         assert r["publish_seconds"] > 0 and r["learner_idle_seconds"] >= r["wait_seconds"]
         # synchronous: the step delivers its own version before it goes on
-        assert r["delivered_versions"] == [r["delivered_version"]] == [r["version"]]
+        assert [d["delivered_version"] for d in r["deliveries"]] == [r["delivered_version"]] == [r["version"]]
         assert 0 < r["delivery_seconds"] <= r["publish_seconds"]
         assert r["publish_bytes"] > 0 and r["publish_gather_seconds"] < r["publish_seconds"]
         assert r["world_size"] == 1
@@ -1107,8 +1142,10 @@ def test_asynchronous_steps(pipeline, tmp_path):
     # the delivery of the version before its own, which ended in the background; the last step delivers its own
     # before the learner ends, after the one before it (that step's record lists both)
     versions = [r["version"] for r in steps]
-    assert [r.get("delivered_versions") for r in steps] == [None, versions[:1], versions[1:2], versions[2:]]
-    assert all(r["delivery_seconds"] > 0 for r in steps[1:])
+    delivered = [[d["delivered_version"] for d in r.get("deliveries", [])] for r in steps]
+    assert delivered == [[], versions[:1], versions[1:2], versions[2:]]
+    assert all(d["delivery_seconds"] > 0 for r in steps for d in r.get("deliveries", []))
+    assert "announce_wait_seconds" in steps[-1] and "announce_wait_seconds" not in steps[0]
     announced = json.loads(pipeline.redis.get(latest_key(f"dapo:{Pipeline.RUN}:")))
     assert announced["version"] == steps[-1]["version"]
 
@@ -1240,11 +1277,13 @@ def test_http_while_running_and_sigterm_checkpoints_then_exits(pipeline, tmp_pat
     assert status["ready"] and status["step"] >= 1 and status["total_steps"] == 100
     assert httpx.get(f"{base}/v1/weights/latest").status_code == 401  # the token guards the weights
     latest = httpx.get(f"{base}/v1/weights/latest", headers=auth).json()
-    assert latest["version"] >= status["version"] - 1
+    # the current version may still await its gather, and the one before it its delivery in the background
+    assert latest["version"] >= status["version"] - 2
     assert "dapo_learner_step" in httpx.get(f"{base}/metrics").text
     process.send_signal(signal.SIGTERM)
     assert wait_exit(pipeline, process, "learner-term", 120) == 0, pipeline.tail("learner-term")
     last_step = read_jsonl(run_dir / METRICS_FILE)[-1]["step"]
     assert 1 <= last_step < 100
+    assert read_jsonl(run_dir / METRICS_FILE)[-1]["delivered_version"] == last_step  # announced before the end
     assert (run_dir / "checkpoints" / "latest").read_text() == f"step-{last_step}"  # checkpoint_every 0: SIGTERM's
     assert "stopped by signal" in pipeline.tail("learner-term")
