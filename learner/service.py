@@ -494,6 +494,7 @@ class LearnerService:
         (learner/publish.py: no rank gathers the whole model); rank 0 then completes and announces it, with no
         overlap (the gather's figures include the writing)."""
         version = self.policy.current
+        delivered = self.wait_delivered()  # first: the host holds one served copy of the weights at a time
         started = time.perf_counter()
         if self.settings.weights.transport == "shared-fs" and self.ranks.world > 1:
             folder = self.publisher.begin(version)
@@ -503,10 +504,8 @@ class LearnerService:
                 shutil.rmtree(folder, ignore_errors=True)  # (finish_version removes it from there on)
                 raise
             figures = with_delivery({"publish_gather_seconds": time.perf_counter() - started,
-                                     "publish_bytes": float(written)}, self.wait_delivered())
+                                     "publish_bytes": float(written)}, delivered)
             return with_delivery(figures, self.deliver(None, version, written=(folder, writers)))
-        delivered = self.wait_delivered()  # first: the host holds one served copy of the weights at a time
-        started = time.perf_counter()
         weights = self.ranks.weights(self.trainer)
         figures = with_delivery({"publish_gather_seconds": time.perf_counter() - started,
                                  "publish_bytes": float(sum(t.numel() * t.element_size() for t in weights.values()))},
