@@ -283,14 +283,14 @@ class LearnerService:
                 while not self.stopping.is_set() and self.run_step():
                     pass
         except RefillLimitReached as err:
-            self.wait_delivered()
+            self.finish_delivery()
             log.error("stopping at step %d: %s", self.step + 1, err)
             metrics.LEARNER_REFILL_LIMIT.inc()
             self.checkpoint_if_new()
             self.checkpoints.record_stop(self.step, self.cfg.batch.max_refills, str(err))
             self.ranks.stop()
             return ExitCode.REFILL_LIMIT
-        self.wait_delivered()  # the last version trained is announced before the run ends
+        self.finish_delivery()
         self.checkpoint_if_new()
         self.ranks.stop()
         if self.stopping.is_set():
@@ -535,6 +535,14 @@ class LearnerService:
         step's path would raise it); its figures."""
         delivering, self.delivering = self.delivering, None
         return delivering.result() if delivering is not None else {}
+
+    def finish_delivery(self) -> None:
+        """The last version trained is announced before the run ends. A delivery still running here came after the
+        last step's record was written (a SIGTERM past the step's own check): its figures go to the log."""
+        late = self.wait_delivered()
+        if late:
+            log.info("v%d announced after step %d's record: delivery %.2fs", late["delivered_version"], self.step,
+                     late["delivery_seconds"])
 
     def checkpoint_due(self, final: bool) -> bool:
         every = self.cfg.checkpoints.every
