@@ -222,7 +222,9 @@ class BatchAssembler:
         self.oversample_min, self.oversample_max = oversample_min, oversample_max
         self.oversample_margin = oversample_margin
         self.filter_metric = filter_metric
-        self.ratio = ratio or InformativeRatio(memory=max(64.0, 4.0 * target))
+        # Without dynamic sampling every group is usable: the estimate starts at 1 and drops only with stale groups.
+        prior = 0.5 if dynamic_sampling else 1.0
+        self.ratio = ratio or InformativeRatio(memory=max(64.0, 4.0 * target), prior=prior)
         self.seen = RecentIds(dedupe_capacity or max(10_000, int(8 * target * oversample_max)))
         self.ready: list[tuple[int, int, ScoredGroup]] = []  # (policy version, arrival, group)
         self.in_flight: dict[str, int] = {}  # task id -> learner version when pushed
@@ -277,7 +279,10 @@ class BatchAssembler:
         return self.in_hand(train_version) + self.ratio.value * len(self.in_flight)
 
     def oversample_factor(self) -> float:
-        return self.ratio.oversample(self.oversample_min, self.oversample_max, self.oversample_margin)
+        """margin / r, bounded; without dynamic sampling no margin (nothing is filtered out: 1 / r, 1 until groups
+        go stale), so the GRPO baseline pushes its B prompts a step, not more."""
+        margin = self.oversample_margin if self.dynamic_sampling else 1.0
+        return self.ratio.oversample(self.oversample_min, self.oversample_max, margin)
 
     def supply_cap(self, ahead: bool) -> float:
         """Pacing: the most informative groups versions V..V+k can train on (k * B when pushing ahead).

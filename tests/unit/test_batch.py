@@ -274,6 +274,22 @@ def test_without_dynamic_sampling_every_group_counts():
     assert a.ratio.value > 0.5  # every group was usable
 
 
+@pytest.mark.parametrize("staleness", [0, 2])
+def test_without_dynamic_sampling_each_step_pushes_its_b_prompts_and_trains_them_all(staleness):
+    # The GRPO baseline (ablation row 1) samples B prompts a step: no margin, no over-sampling to throw away.
+    a = BatchAssembler(8, dynamic_sampling=False, max_staleness=staleness, oversample_margin=1.25)
+    pushed = trained = 0
+    for version in range(4):
+        ids = push(a, a.plan(version).count, version)
+        pushed += len(ids)
+        arrive(a, ids, lambda i: ALL_WRONG if i % 2 else MIXED, version)
+        assert a.status(version) == "train" and a.plan(version).count == 0  # no refill
+        batch = a.take_batch(version)
+        trained += len(batch.groups)
+        assert batch.stats.stale_dropped == 0 and batch.stats.uninformative == 0
+    assert pushed == trained == 4 * 8
+
+
 def test_unfiltered_and_filtered_rewards_are_both_recorded():
     a = BatchAssembler(1, ratio=with_ratio(1.0))
     arrive(a, push(a, 3), lambda i: [ALL_RIGHT, ALL_WRONG, MIXED][i])
