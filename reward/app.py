@@ -63,7 +63,11 @@ class PoolShare:
         pending = []
         for item in items:
             self._places.acquire()
-            future = self.scorer.submit([item])
+            try:
+                future = self.scorer.submit([item])
+            except BaseException:
+                self._places.release()  # a pool that refused the item (closing, broken) holds no place of it
+                raise
             future.add_done_callback(lambda _: self._places.release())
             pending.append(future)
         return [score for item, future in zip(items, pending) for score in self.scorer.collect([item], future)]

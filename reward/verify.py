@@ -11,7 +11,8 @@ ground truth, -1 otherwise. Deciding "the final answer" and "equals" is the whol
 2. Clean it: Unicode minus and spaces, Markdown decoration, math delimiters, `\\text{}`, a trailing period.
 3. Compare. A numeric ground truth (what DAPO-Math-17k and AIME use) is compared exactly as a rational
    number: leading zeros, thousands separators (`1,000`, `1\\,000`, `1 000`, but never `1,5`), currency and
-   units are handled, and hedged answers (`12 or 13`) are wrong. Anything else, and numbers written as LaTeX
+   units and scale words (`5 million`) are handled; hedged answers (`12 or 13`, `12. Or 13.`), numbers side by
+   side (`3 5`) and sides of `=` that differ (`4 = 5`) are wrong. Anything else, and numbers written as LaTeX
    expressions (`2^{10}`), go to math-verify, which knows fractions against decimals, sets, intervals,
    equations and symbolic equality.
 
@@ -110,13 +111,15 @@ class Candidate:
 
 # `Answer: 7`, `**Answer:** 7`, `**Answer**: 7`, `Final answer: 7`, `The answer is 7`, `ANSWER：7`. The match
 # stops at the marker, so a later marker on the same line ("Final Answer: The final answer is 5") is found too.
-_ANSWER_RE = re.compile(r"(?i)\banswer\b(?P<colon>[ \t*_]*:|[ \t]+is\b[ \t]*:?)[ \t*_]*")
+_ANSWER_RE = re.compile(r"(?i)\banswer\b(?P<colon>[ \t*_]*:|[ \t]+is\b[ \t]*:?)[ \t*_]*(?:\}[ \t*_]*)?")
 # After "answer is" (no colon) only an answer-looking start counts: "the answer is 7", not "the answer is right".
 _IS_FORM_START = re.compile(r"[-+$\\(\[{\d.*_`\"']")
-# `Answer:` counts at the start of a line (after Markdown, a list number, "The final") or after "final".
+# `Answer:` counts at the start of a line (after Markdown or LaTeX bold, a list number, "The final") or after "final".
 _COLON_FORM_PREFIX = re.compile(
-    r"(?im)(?:^[\s#>*_\-\d.)]*(?:(?:the|my|our)\s+)?(?:final\s+)?[\s*_]*|final[\s*_]*)$"
+    r"(?im)(?:^[\s#>*_\-\d.)]*(?:\\(?:textbf|textit|text|mathbf|emph)\s*\{[\s*_]*)?(?:(?:the|my|our)\s+)?"
+    r"(?:final\s+)?[\s*_]*|final[\s*_]*)$"
 )
+_DISPLAY_CLOSE = {"$$": "$$", "\\[": "\\]"}
 _NEXT_LINE = re.compile(r"[ \t]*\n[ \t]*\n?[ \t]*([^\n]+)")
 _BOX_RE = re.compile(r"\\(?:boxed|fbox)(?![A-Za-z])(?P<space>\s*)")
 
@@ -197,6 +200,11 @@ def _last_answer_line(text: str) -> Candidate | None:
             if following is None:
                 continue
             rest = following.group(1)
+            if rest.strip() in _DISPLAY_CLOSE:  # the answer is a display on the lines below: `$$`, 5, `$$`
+                close = text.find(_DISPLAY_CLOSE[rest.strip()], following.end())
+                if close < 0:
+                    continue  # cut off inside the display
+                rest = text[following.end() : close]
         if rest.count("{") > rest.count("}"):
             continue  # cut off inside a group ("the answer is \boxed{12"): not a complete answer
         return Candidate(rest, RULE_ANSWER_LINE, m.start())
@@ -222,9 +230,15 @@ _WRAPPERS = re.compile(
     r"\\(?:text|textbf|textit|textrm|texttt|mathrm|mathbf|mathit|mbox|operatorname|boxed|fbox|displaystyle)"
     r"\s*\{([^{}]*)\}"
 )
-_SPACING = re.compile(r"\\[,;: ]|~|\\quad|\\qquad|\\enspace|\\thinspace")
+# A matrix row break `\\` is matched whole and kept: its second backslash and a blank are not the `\ ` space
+# (reading `\begin{pmatrix} 1 \\ 2 \end{pmatrix}` as one entry `1 2`, math-verify added it up to 3).
+_SPACING = re.compile(r"\\\\|\\[,;: ]|~|\\quad|\\qquad|\\enspace|\\thinspace")
 # A Minerva-style tail: "$5$. I hope it is correct."
 _SENTENCE_END = re.compile(r"(?<=[\d$}\])a-zA-Z])\.\s+(?=[A-Z])")
+
+
+def _blank_unless_row_break(match: re.Match) -> str:
+    return match.group() if match.group() == "\\\\" else " "
 
 
 def clean_answer(text: str, unwrap: bool = True) -> str:
@@ -234,11 +248,11 @@ def clean_answer(text: str, unwrap: bool = True) -> str:
     text = _SENTENCE_END.split(text, maxsplit=1)[0]
     # Math delimiters: $...$, $$...$$, \(...\), \[...\]; a lone `$` ("Answer: $42", copied from the prompt).
     text = re.sub(r"(?<!\\)\$", " ", text)
-    text = re.sub(r"\\[()\[\]]", " ", text)
+    text = re.sub(r"\\\\|\\[()\[\]]", _blank_unless_row_break, text)
     text = re.sub(r"\\!\s*", "", text.replace("{,}", ","))  # `11,\! 111`: a negative space, and TeX ignores the blank
     text = text.replace("\\left", "").replace("\\right", "")
     text = text.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
-    text = _SPACING.sub(" ", text)
+    text = _SPACING.sub(_blank_unless_row_break, text)
     for _ in range(8 if unwrap else 0):  # nested wrappers unwrap inside out; 8 levels is plenty for answers
         unwrapped = _WRAPPERS.sub(r"\1", text)
         if unwrapped == text:
@@ -272,6 +286,11 @@ _UNIT_TOKEN = re.compile(
     r"\s*(?:\\%|%|°|\^\s*\{?\s*\\circ\s*\}?|\\circ|\\degree|\^\s*\{?\s*[23]\s*\}?|/\s*[A-Za-z]+(?![A-Za-z])"
     r"|[A-Za-z]+(?![A-Za-z])\.?)"
 )
+# A number's scale in words: `5 million` is 5000000 (not 5 of a unit called "million").
+_SCALE_WORDS = {"hundred": 100, "thousand": 10**3, "million": 10**6, "billion": 10**9, "trillion": 10**12, "dozen": 12}
+_SCALE = re.compile(r"(?i)\s*(" + "|".join(_SCALE_WORDS) + r")(?![A-Za-z])")
+# Words after a number that change its value: never units.
+_OPERATOR_WORDS = {"squared", "cubed", "factorial", "times", "plus", "minus", "over", "divided", "mod", "modulo"}
 _SQUARED = re.compile(r"\^\s*\{?\s*[23]\s*\}?")  # `cm^2`: a unit squared; after a bare number (`2^3`) a power
 # What may stand left of `=` in a one-number answer: a variable (`x`, `a_1`, `\theta`) or arithmetic (`2+3 = 5`).
 _NAME_OR_ARITHMETIC = re.compile(
@@ -292,6 +311,7 @@ _SHORT_UNITS = {
 HEDGE_WORDS = {
     "or", "and", "nor", "either", "neither", "maybe", "perhaps", "possibly", "probably", "approximately",
     "approx", "about", "around", "roughly", "between", "not", "nearly", "almost", "likely", "unsure", "guess",
+    "alternatively", "otherwise", "might",
 }
 _HEDGE_RE = re.compile(
     r"(?i)\b(?:" + "|".join(sorted(HEDGE_WORDS)) + r")\b|\\lor\b|\\vee\b|\\pm\b|±|\\approx\b|≈|\\sim\b|\?"
@@ -306,7 +326,9 @@ def _units_only(rest: str) -> bool:
         if m is None or m.end() == pos:
             return rest[pos:].strip() == ""
         word = m.group().strip().rstrip(".")
-        if word.isalpha() and (word.lower() in HEDGE_WORDS or (len(word) <= 2 and word not in _SHORT_UNITS)):
+        lowered = word.lower()
+        if word.isalpha() and (lowered in HEDGE_WORDS or lowered in _OPERATOR_WORDS or lowered in _SCALE_WORDS
+                               or (len(word) <= 2 and word not in _SHORT_UNITS)):
             return False
         if _SQUARED.fullmatch(word) and not after_unit:
             return False  # `2^3` is 8, not 2 cubic somethings
@@ -327,7 +349,8 @@ def parse_number(text: str) -> Fraction | None:
     """The exact value of a cleaned answer that is one plain number (units allowed), else None.
 
     `025` -> 25, `1,000` -> 1000, `1 000` -> 1000, `-3.50` -> -7/2, `\\frac{3}{4}` -> 3/4, `12 cm` -> 12,
-    `1,5` -> None (not a thousands separator: a list, or a decimal comma we refuse to guess),
+    `2.5 million` -> 2500000, `1,5` -> None (not a thousands separator: a list, or a decimal comma we refuse to
+    guess),
     `12 or 13` -> None.
     """
     if "=" in text:
@@ -362,7 +385,12 @@ def parse_number(text: str) -> Fraction | None:
             if decimal or int(g["den"]) == 0:
                 return None
             value /= int(g["den"])
-    if not _units_only(text[m.end() :]):
+    rest = text[m.end() :]
+    scale = _SCALE.match(rest)
+    if scale:
+        value *= _SCALE_WORDS[scale.group(1).lower()]
+        rest = rest[scale.end() :]
+    if not _units_only(rest):
         return None
     return sign * value
 
@@ -465,7 +493,8 @@ def verify(response: str, ground_truth: str) -> Verdict:
 
     truth_value = parse_number(truth)
     if truth_value is not None:
-        return _verify_number(truth_value, truth_latex, answer, answer_latex, candidate.rule)
+        tail = _SENTENCE_END.split(normalize_text(candidate.text).strip(), maxsplit=1)[1:]
+        return _verify_number(truth_value, truth_latex, answer, answer_latex, candidate.rule, "".join(tail))
 
     # Non-numeric truth (LaTeX, a set, an interval, a word): the same text first, then math-verify.
     if _canonical_text(answer) == _canonical_text(truth):
@@ -474,25 +503,50 @@ def verify(response: str, ground_truth: str) -> Verdict:
     return Verdict(ok, answer, RULE_MATH_VERIFY, detail)
 
 
-def _verify_number(truth_value: Fraction, truth_latex: str, answer: str, answer_latex: str, rule: str) -> Verdict:
+_NUMBER_IN_TEXT = re.compile(r"\d[\d,]*(?:\.\d+)?")
+# Numbers side by side: `3 5`, `3 -5` (math-verify would add them up); `2 \frac12` and `3 - 5` do not match.
+_NUMBERS_APART = re.compile(r"\d\s*[,;]\s*\d|\d\s+[-+]?\d")
+
+
+def _hedge_after(tail: str, value: Fraction | None) -> str | None:
+    """What makes the sentences after a numeric answer a hedge (`12. Or 13.`, `12. Maybe not.`): a hedge word, or
+    a number other than the answer's value. None for a closing remark (`12. I hope it is correct.`)."""
+    hedge = _HEDGE_RE.search(tail)
+    if hedge:
+        return hedge.group()
+    others = [n for n in _NUMBER_IN_TEXT.findall(tail) if value is None or parse_number(n.rstrip(",")) != value]
+    return others[0] if others else None
+
+
+def _verify_number(truth_value: Fraction, truth_latex: str, answer: str, answer_latex: str, rule: str,
+                   tail: str = "") -> Verdict:
     hedge = _HEDGE_RE.search(answer)
     if hedge:
         return Verdict(False, answer, rule, f"hedged answer ({hedge.group()!r})")
     if "=" in answer and _value_side(answer) is None:  # math-verify would compare `x^2 - 4 = 0` by its right side
         return Verdict(False, answer, rule, "an equation or several values where one number is expected")
     value = parse_number(answer)
+    if "=" in answer and value is not None:
+        stated = [parse_number(side) for side in answer.split("=")[:-1]]
+        if any(side is not None and side != value for side in stated):  # `4 = 5` states two values
+            return Verdict(False, answer, rule, "sides of `=` that are different numbers")
+    if tail:
+        hedge_after = _hedge_after(tail, value)
+        if hedge_after is not None:
+            return Verdict(False, answer, rule, f"hedged answer (after it: {hedge_after!r})")
     if value is None:
-        if re.search(r"\d\s*[,;]\s*\d", answer):
+        if _NUMBERS_APART.search(answer):
             return Verdict(False, answer, rule, "several numbers (or a decimal comma) where one number is expected")
         # A number written as an expression (`2^{10}`, `\\sqrt{16}`): math-verify evaluates it.
         ok, detail = _math_verify(truth_latex, answer_latex)
         return Verdict(ok, answer, RULE_MATH_VERIFY, detail)
     if value == truth_value:
         return Verdict(True, answer, rule, f"equals {_format(truth_value)}")
-    if _is_integer(truth_value) and "%" not in answer + truth_latex:
-        # An integer truth is exact: no rounding tolerance, so 2.9999999 is not 3 and 23-digit answers stay exact.
+    if _is_integer(truth_value) and "%" not in truth_latex:
+        # An integer truth is exact: no rounding tolerance, so 2.9999999 is not 3 and 23-digit answers stay exact;
+        # `500%` is not 5 (a percentage reads as its number: `5%` for 5 is equal above).
         return Verdict(False, answer, rule, f"{_format(value)} != {_format(truth_value)}")
-    # A non-integer truth or a percentage: a rounded decimal of 1/3, or `12%` for 0.12, is math-verify's call.
+    # A non-integer truth or a percentage truth: a rounded decimal of 1/3, or `12%` for 0.12, is math-verify's call.
     ok, detail = _math_verify(truth_latex, answer_latex)
     return Verdict(ok, answer, RULE_MATH_VERIFY, detail)
 

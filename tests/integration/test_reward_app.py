@@ -96,6 +96,27 @@ def test_pool_share_bounds_the_verifications_in_the_pool():
     assert [len(r) for r in results] == [12, 12, 12] and scorer.most == 2
 
 
+def test_a_pool_that_refuses_an_item_keeps_every_place():
+    class RefusingScorer:
+        def submit(self, items):
+            raise RuntimeError("pool closed")
+
+    share = PoolShare(RefusingScorer(), places=1)
+    errors = []
+
+    def score_twice():  # the second call would wait for ever on a place the first one leaked
+        for _ in range(2):
+            try:
+                share.score([1])
+            except RuntimeError as err:
+                errors.append(str(err))
+
+    thread = threading.Thread(target=score_twice, daemon=True)
+    thread.start()
+    thread.join(timeout=10)
+    assert not thread.is_alive() and errors == ["pool closed"] * 2
+
+
 def test_score_a_batch(client):
     body = [
         {"response": "work...\n**Answer:** 025", "ground_truth": "25"},

@@ -151,6 +151,28 @@ CASES = [
     ("negative-thin-space", r"\boxed{11111111100}", r"11,\! 111,\! 111,\! 100", True, B,
      r"MATH-500 writes thousands as `,\!` then a blank, which TeX ignores"),
     ("answer-is-colon", "We add them, so the answer is: 42", "42", True, A, "`the answer is:` states the answer"),
+    # --- found in review (2026-11-29): each scored wrongly before ---
+    ("matrix-rows-wrong", r"Answer: $\begin{pmatrix} 0 \\ 3 \end{pmatrix}$", r"\begin{pmatrix} 1 \\ 2 \end{pmatrix}",
+     False, M, r"a row break `\\` is not a space: read as one entry `0 3`, math-verify added it up to 3"),
+    ("matrix-one-entry", r"Answer: $\begin{pmatrix} 3 \end{pmatrix}$", r"\begin{pmatrix} 1 \\ 2 \end{pmatrix}", False,
+     M, "a one-entry vector is not a two-entry one"),
+    ("matrix-rows-right", r"$\boxed{\begin{pmatrix} 1 \\ 2 \end{pmatrix}}$", r"\begin{pmatrix} 1 \\ 2 \end{pmatrix}",
+     True, B, "the same column vector"),
+    ("numbers-apart", "Answer: 3 5", "8", False, A, "two numbers side by side are not their sum"),
+    ("numbers-apart-math", "Answer: $3$ $5$", "8", False, A, "nor in separate math spans"),
+    ("numbers-apart-signed", "Answer: 3 -5", "-2", False, A, "nor with a sign on the second"),
+    ("scale-word", "Answer: 5 million", "5", False, A, "`million` scales the number: it is no unit"),
+    ("scale-word-value", r"Answer: $2.5\text{ million}$", "2500000", True, A, "2.5 million is 2500000"),
+    ("operator-word", "Answer: 5 squared", "5", False, M, "`squared` changes the value: no unit"),
+    ("hedge-after-stop", "Answer: 12. Or 13.", "12", False, A, "a hedge in the sentence after the answer"),
+    ("hedge-after-stop-number", "Answer: $12$.  Alternatively, $13$.", "12", False, A,
+     "another number in the sentence after the answer"),
+    ("remark-after-stop", "Answer: 12. Thus AB = 12.", "12", True, A,
+     "a closing sentence that repeats the value is no hedge"),
+    ("percent-of-integer", "Answer: 500%", "5", False, A, "500% is not the integer 5 asked for"),
+    ("sides-differ", "Answer: 4 = 5", "5", False, A, "`4 = 5` states two different values"),
+    ("display-below-marker", "Answer:\n$$\n5\n$$", "5", True, A, "a display on the lines after `Answer:`"),
+    ("latex-bold-marker", r"\textbf{Answer:} 5", "5", True, A, "the marker in LaTeX bold"),
 ]
 
 # Cases where math-verify alone (parse the truth, parse the response, verify) gets the verdict wrong.
