@@ -70,10 +70,13 @@ class SamplingParams(BaseModel):
     seed: int | None = None
 
 
+MAX_TASK_ID_CHARS = 128  # the learner's are `train-` and 32 hex digits; a dead letter copies the id of any entry
+
+
 class PromptTask(Message):
     """One prompt to sample a group for. `task_id` is unique per request (a refill gets a new one)."""
 
-    task_id: str = Field(default_factory=lambda: uuid.uuid4().hex)
+    task_id: str = Field(default_factory=lambda: uuid.uuid4().hex, min_length=1, max_length=MAX_TASK_ID_CHARS)
     prompt_id: str
     prompt: str = Field(description="The prompt text, template already applied.")
     prompt_token_ids: list[int] | None = Field(None, description="Pre-tokenized prompt (preferred by engines).")

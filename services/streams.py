@@ -50,7 +50,15 @@ from services import metrics
 from services.config import Settings, StreamsConfig
 from services.files import write_atomic
 from services.keys import DEAD_LETTER_SIGNER_OF, SIGNER_OF, KeysError, Role, Signer, load_keyring, load_signer
-from services.messages import ENVELOPE_BYTES, PromptTask, RolloutGroup, entry_limits, from_wire, to_wire
+from services.messages import (
+    ENVELOPE_BYTES,
+    MAX_TASK_ID_CHARS,
+    PromptTask,
+    RolloutGroup,
+    entry_limits,
+    from_wire,
+    to_wire,
+)
 from services.redis_local import retrying
 
 log = logging.getLogger(__name__)
@@ -592,12 +600,15 @@ def task_id_in_payload(stream: str, payload: bytes) -> str | None:
     try:
         data = msgpack.unpackb(payload, raw=False)
         if stream == "prompts":
-            return str(data["task_id"])
-        if stream == "rollouts":
-            return str(data["task"]["task_id"])
-        return str(data["rollout"]["task"]["task_id"])
+            task_id = data["task_id"]
+        elif stream == "rollouts":
+            task_id = data["task"]["task_id"]
+        else:
+            task_id = data["rollout"]["task"]["task_id"]
     except Exception:  # garbage in a dead letter: nothing to learn from it
         return None
+    # Only what the schema accepts: a forged entry's `[True] * 10**6` would make a letter larger than Redis takes.
+    return task_id if isinstance(task_id, str) and 0 < len(task_id) <= MAX_TASK_ID_CHARS else None
 
 
 def without_ground_truth(stream: str, payload: bytes) -> bytes:

@@ -621,3 +621,21 @@ def test_an_entry_larger_than_its_stream_can_need_is_dead_lettered_by_its_size_a
     assert letter["data"] == b"" and letter["payload_file"] == "" and letter["task_id"] == ""  # nothing decoded
     assert letter["payload_sha256"] == hashlib.sha256(payload).hexdigest()
     assert not (Path(settings.run_dir) / "dead-letters").exists()  # nor written to disk
+
+
+def test_a_forged_entry_whose_task_id_is_no_id_is_dead_lettered_without_it(streams, settings):
+    """The letter copies an entry's task id: a forged rollout naming `[True] * ~limit` as its id (each True 6
+    characters as text) made a letter larger than Redis takes, and the consumer stuck on it for good."""
+    from services.messages import entry_limits
+
+    limit = entry_limits(settings)["rollouts"]
+    rollouts = streams.stream("rollouts", RolloutGroup)
+    rollouts.produce(group_for(task(0)))
+    payload = msgpack.packb({"task": {"task_id": [True] * (limit - 200)}})
+    assert len(payload) <= limit
+    streams.redis.xadd(rollouts.key, {b"data": payload, b"sig": b"nobody"})
+    streams.redis.xadd(rollouts.key, {b"data": msgpack.packb({"task": {"task_id": "x" * 129}}), b"sig": b"nobody"})
+    rollouts.produce(group_for(task(2)))
+    assert [d.message.task.task_id for d in rollouts.consume("c1", count=10)] == ["t0", "t2"]
+    letters = streams.dead_letters()
+    assert len(letters) == 2 and all(d["reason"].startswith("forged") and d["task_id"] == "" for d in letters)
