@@ -85,8 +85,9 @@ class Checkpoints:
         """The steps of the checkpoint folders present, in order."""
         if not self.dir.is_dir():
             return []
-        return sorted(int(p.name.removeprefix(PREFIX)) for p in self.dir.iterdir()
-                      if p.is_dir() and p.name.startswith(PREFIX) and p.name.removeprefix(PREFIX).isdigit())
+        return sorted(int(p.name.removeprefix(PREFIX)) for p in self.dir.iterdir() if p.is_dir()
+                      and p.name.startswith(PREFIX) and (digits := p.name.removeprefix(PREFIX)).isascii()
+                      and digits.isdigit())  # ASCII only: `"²".isdigit()` is true, and int() refuses it
 
     def latest_step(self) -> int | None:
         """The step of the checkpoint `latest` names; None when there is none."""

@@ -28,6 +28,6 @@ def share_cpu_threads(accelerator) -> None:
         return
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     budget = os.environ.get("OMP_NUM_THREADS")
-    cores = int(budget) if budget and budget.isdigit() else cores
+    cores = int(budget) if budget and budget.isascii() and budget.isdigit() else cores
     local = int(os.environ.get("LOCAL_WORLD_SIZE", accelerator.num_processes))
     torch.set_num_threads(max(1, cores // max(local, 1)))

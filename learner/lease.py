@@ -98,7 +98,7 @@ def identity() -> str:
 def process_gone(place: str) -> bool:
     """Whether `host:pid` names a process of this host that no longer exists (elsewhere: not known, False)."""
     host, _, pid = place.rpartition(":")
-    if host != socket.gethostname() or not pid.isdigit():
+    if host != socket.gethostname() or not (pid.isascii() and pid.isdigit()):  # a word read from Redis
         return False
     try:
         os.kill(int(pid), 0)

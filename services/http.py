@@ -177,7 +177,7 @@ def create_app(
     async def limit_body(request: Request, call_next):
         length = request.headers.get("content-length")
         if length is not None:
-            if not length.isdigit():
+            if not (length.isascii() and length.isdigit()):
                 return JSONResponse({"error": "invalid Content-Length"}, status_code=400)
             if int(length) > max_body_bytes:
                 return JSONResponse(

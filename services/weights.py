@@ -45,11 +45,12 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import BinaryIO, Callable, Iterator
+from typing import Annotated, BinaryIO, Callable, Iterator
 
 import httpx
 import torch
 from fastapi import APIRouter, HTTPException
+from fastapi import Path as PathParameter
 from fastapi.responses import StreamingResponse
 
 from services.broadcast import parse_round
@@ -221,7 +222,8 @@ def _prefix(streams_or_prefix) -> str:
 
 def _version_of(folder: Path) -> int | None:
     name = folder.name
-    return int(name[1:]) if name.startswith("v") and name[1:].isdigit() else None
+    digits = name[1:]  # ASCII only: `"²".isdigit()` is true, and int() refuses it
+    return int(digits) if name.startswith("v") and digits.isascii() and digits.isdigit() else None
 
 
 # -- learner side -------------------------------------------------------------------------------------------
@@ -359,6 +361,10 @@ class WeightPublisher:
                 shutil.rmtree(self.dir / f"v{version}", ignore_errors=True)
 
 
+# A version in a request: 422 beyond what a policy version can be, before it names a folder (ENAMETOOLONG: a 500).
+RequestedVersion = Annotated[int, PathParameter(ge=0, le=2**63 - 1)]
+
+
 def weights_router(publisher: WeightPublisher) -> APIRouter:
     """`GET /v1/weights/latest` and `GET /v1/weights/{version}` (behind the app's bearer token, services/http.py)."""
     router = APIRouter(prefix="/v1/weights", tags=["weights"])
@@ -371,14 +377,14 @@ def weights_router(publisher: WeightPublisher) -> APIRouter:
         return announcement
 
     @router.get("/{version}", response_model=WeightsAnnouncement)
-    def manifest(version: int) -> WeightsAnnouncement:
+    def manifest(version: RequestedVersion) -> WeightsAnnouncement:
         announcement = publisher.served(version)
         if announcement is None:
             raise HTTPException(404, f"weights version {version} is unknown or was pruned")
         return announcement
 
     @router.get("/{version}/{name}")
-    def download(version: int, name: str):
+    def download(version: RequestedVersion, name: str):
         opened = publisher.open_file(version, name)
         if opened is None:
             raise HTTPException(404, f"weights version {version} has no file {name!r} (unknown or pruned)")

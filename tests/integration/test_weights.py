@@ -138,6 +138,10 @@ def test_endpoints_require_token_and_404_unknown(learner):
     assert missing.status_code == 404 and "unknown" in missing.json()["error"]
     for name in ("announcement.json", "..%2Fv0%2Fannouncement.json", "other.safetensors"):  # only announced files
         assert httpx.get(f"{server.url}/v1/weights/0/{name}", headers=auth).status_code == 404
+    for version in ("9" * 300, "-1", str(2**63)):  # no version a policy can have: refused before it names a folder
+        for path in (version, f"{version}/{shard}"):
+            refused = httpx.get(f"{server.url}/v1/weights/{path}", headers=auth)
+            assert refused.status_code == 422, (path[:20], refused.status_code)
 
 
 def test_pull_refuses_bad_token_and_bad_checksum_without_leftovers(learner, short_tmp):
@@ -176,6 +180,7 @@ def test_publisher_keeps_last_versions_and_serves_only_those(learner, settings):
     keep = settings.weights.keep_versions
     for version in range(keep + 2):
         publisher.publish(tiny_state_dict(seed=version), version=version)
+    (publisher.dir / "v\u00b2").mkdir()  # a stray folder (generators may write in a shared one): no version
     assert publisher.versions() == list(range(2, keep + 2))
     assert publisher.latest().version == keep + 1
     assert publisher.open_file(0, "model-00001-of-00001.safetensors") is None
