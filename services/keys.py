@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import logging
 import time
 from pathlib import Path
 from typing import Literal, get_args
@@ -48,6 +49,8 @@ from cryptography.hazmat.primitives.serialization import Encoding, NoEncryption,
 from services.config import Settings
 from services.errors import Unavailable
 from services.files import write_atomic
+
+log = logging.getLogger(__name__)
 
 Role = Literal["learner", "generator", "reward"]
 ROLES: tuple[Role, ...] = get_args(Role)
@@ -119,32 +122,45 @@ class Keyring:
         self._keys: dict[str, tuple[Role, Ed25519PublicKey]] = {}
         self._listing: tuple = ()
         self._checked_at = float("-inf")
-        self.refresh()
+        self.refresh(strict=True)
 
-    def refresh(self) -> None:
-        """Re-read the folder if its files changed (a key added by a rotation, one retired)."""
+    def refresh(self, strict: bool = False) -> None:
+        """Re-read the folder if its files changed (a key added by a rotation, one retired). `strict` (at start): a
+        malformed key file raises KeysError. Later a refresh runs on the message path (an unknown key id forces
+        one), so a malformed file is skipped and logged there (a key already read under its name is kept): one
+        bad file must not stop the consumers."""
         self._checked_at = time.monotonic()
         try:
             listing = tuple(sorted((p.name, p.stat().st_mtime_ns) for p in self.dir.glob("*.pub")))
             if listing != self._listing:
-                self._keys, self._listing = self._read(listing), listing
+                self._keys, self._listing = self._read(listing, strict), listing
         except FileNotFoundError:
             return  # a key retired while the folder was read: the keys so far until the next look
         except OSError as err:
             raise KeysError(f"cannot read the public keys in {self.dir}: {err}") from None
 
-    def _read(self, listing: tuple) -> dict[str, tuple[Role, Ed25519PublicKey]]:
+    def _read(self, listing: tuple, strict: bool) -> dict[str, tuple[Role, Ed25519PublicKey]]:
         keys = {}
         for name, _ in listing:
             kid = name[: -len(".pub")]
-            role = kid.rpartition("-")[0]
-            if role not in ROLES:
-                raise KeysError(f"{self.dir / name}: a public key is named {{role}}-{{id}}.pub, role one of {ROLES}")
-            public = Ed25519PublicKey.from_public_bytes(_unb64((self.dir / name).read_text(), str(self.dir / name)))
-            if key_id(role, public) != kid:
-                raise KeysError(f"{self.dir / name}: the file name is not the key's id ({key_id(role, public)})")
-            keys[kid] = (role, public)
+            try:
+                keys[kid] = self._read_key(name, kid)
+            except KeysError as err:
+                if strict:
+                    raise
+                log.error("public key skipped: %s", err)
+                if kid in self._keys:
+                    keys[kid] = self._keys[kid]
         return keys
+
+    def _read_key(self, name: str, kid: str) -> tuple[Role, Ed25519PublicKey]:
+        role = kid.rpartition("-")[0]
+        if role not in ROLES:
+            raise KeysError(f"{self.dir / name}: a public key is named {{role}}-{{id}}.pub, role one of {ROLES}")
+        public = Ed25519PublicKey.from_public_bytes(_unb64((self.dir / name).read_text(), str(self.dir / name)))
+        if key_id(role, public) != kid:
+            raise KeysError(f"{self.dir / name}: the file name is not the key's id ({key_id(role, public)})")
+        return role, public
 
     def kids(self, role: Role) -> list[str]:
         self._maybe_refresh(force=False)
@@ -226,7 +242,8 @@ def new_key(folder: Path, role: Role) -> str:
     kid = key_id(role, private.public_key())
     public = folder / "public"
     public.mkdir(mode=0o755, parents=True, exist_ok=True)
-    (public / f"{kid}.pub").write_text(_b64(private.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw)) + "\n")
+    raw = private.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw)
+    write_atomic(public / f"{kid}.pub", _b64(raw) + "\n", mode=0o644)  # whole: verifiers re-read the folder any time
     write_secret(private_key_file(folder, role),
                    _b64(private.private_bytes(Encoding.Raw, PrivateFormat.Raw, NoEncryption())))
     return kid

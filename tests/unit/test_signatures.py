@@ -208,3 +208,18 @@ def test_a_key_retired_while_the_keyring_reads_the_folder_is_no_crash(tmp_path, 
     monkeypatch.undo()
     keyring.refresh()
     assert len(keyring.kids("reward")) == 2
+
+
+def test_a_malformed_key_file_stops_a_start_but_never_the_message_path(tmp_path):
+    # A forged entry under an unknown kid forces a re-read of the folder: a bad file (a half-written one, a stray)
+    # then met there must give a `forged:` reason, not an error out of every consumer.
+    create_keys(tmp_path)
+    keyring = Keyring(tmp_path / "public")
+    good = signer(tmp_path, "generator").sign("ctx", b"x")
+    (tmp_path / "public" / "generator-0123456789abcdef.pub").write_text("")
+    (tmp_path / "public" / "nobody-0123456789abcdef.pub").write_text("x")
+    reason = keyring.refusal("generator-ffffffffffffffff:AAAA", "generator", "rollouts", "ctx", b"x")
+    assert reason.startswith("forged: key id 'generator-ffffffffffffffff' is not in the keyring")
+    assert keyring.refusal(good, "generator", "rollouts", "ctx", b"x") is None  # the good keys stay
+    with pytest.raises(KeysError, match="holds 0 bytes"):
+        Keyring(tmp_path / "public")  # at start: the configuration is wrong, and the service says so
