@@ -147,6 +147,10 @@ class StreamsConfig(Section):
         65_536, ge=0, description="A dead letter's payload beyond this many bytes goes to a file under "
         "run_dir/dead-letters (named by its sha256, which the letter records with its size), not into Redis."
     )
+    dead_payload_dir_mb: float = Field(
+        1024.0, gt=0, description="run_dir/dead-letters keeps the newest payload files within this many MiB (and "
+        "at most dead_maxlen of them): a writer of forged entries cannot fill the disk."
+    )
 
 
 class ModelConfig(Section):

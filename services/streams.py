@@ -33,6 +33,7 @@ a server that came back without a consumer group (NOGROUP) gets it re-created an
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import logging
@@ -709,7 +710,27 @@ class Streams:
             log.error("dead letter payload of %d bytes (sha256 %s) dropped: cannot write %s (%s)",
                       len(payload), digest, path, err)
             path = ""
+        else:
+            self.prune_dead_payloads(path)
         return {FIELD: b"", b"payload_sha256": digest, b"payload_bytes": len(payload), b"payload_file": str(path)}
+
+    def prune_dead_payloads(self, newest: Path) -> None:
+        """Keep the newest payload files (`newest`, just written, always) within streams.dead_payload_dir_mb and
+        streams.dead_maxlen: the letters of older ones are trimmed too, or soon will be, and a letter whose file is
+        gone still has its sha256 and size."""
+        try:
+            files = []
+            for path in self.dead_dir.glob("*.msgpack"):
+                with contextlib.suppress(FileNotFoundError):  # pruned by another consumer meanwhile
+                    info = path.stat()
+                    files.append((path == newest, info.st_mtime_ns, info.st_size, path))
+            budget, kept = self.cfg.dead_payload_dir_mb * 2**20, 0
+            for rank, (is_newest, _, size, path) in enumerate(sorted(files, reverse=True)):
+                kept += size
+                if not is_newest and (kept > budget or rank >= self.cfg.dead_maxlen):
+                    path.unlink(missing_ok=True)
+        except OSError as err:
+            log.warning("dead letter payloads in %s not pruned: %s", self.dead_dir, err)
 
     def dead_letter_signature(self, letter: dict) -> str:
         """The signature of every field of a dead letter, by the role that consumes the stream it names. The learner

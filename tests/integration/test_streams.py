@@ -560,6 +560,22 @@ def test_a_large_dead_payload_goes_to_a_file_named_by_its_sha256_and_the_letter_
     assert [letter[b"task_id"] for _, letter in streams.dead_letters_after("0-0")[1]] == [b"t7"]
 
 
+def test_the_dead_payload_folder_keeps_the_newest_files_within_its_budget(settings):
+    """A writer of forged entries cannot fill the consumer's disk through the payload files."""
+    cfg = settings.streams.model_copy(update={"dead_payload_max_bytes": 0, "dead_payload_dir_mb": 2000 / 2**20,
+                                              "dead_maxlen": 5})
+    streams = Streams(connect(settings), settings.model_copy(update={"streams": cfg}), signs_as=ROLES)
+    rollouts = streams.stream("rollouts", RolloutGroup)
+    folder = Path(settings.run_dir) / "dead-letters"
+    payloads = [to_wire(group_for(task(100 + i))) for i in range(12)]
+    for i, payload in enumerate(payloads):
+        rollouts.dead(f"{i + 1}-0", payload, "test")
+        files = list(folder.glob("*.msgpack"))
+        assert sum(f.stat().st_size for f in files) <= max(2000, len(payload)) and len(files) <= 5
+        assert Path(streams.dead_letters()[0]["payload_file"]).read_bytes() == payload  # the newest is kept
+    assert len(list(folder.glob("*.msgpack"))) >= 2000 // max(map(len, payloads))
+
+
 def test_a_large_dead_payload_that_cannot_be_written_is_dropped_with_its_sha256_and_size(settings):
     import hashlib
 
