@@ -30,6 +30,12 @@ One round per version, the same code on CPU (gloo) and GPU (NCCL), built from Py
             everyone (gloo connects a full mesh): the learner leaves it out of rounds for MEMBER_PAUSE_S, and this
             version reaches the others through the files, which the learner writes after every round as before (the
             way in for a generator that starts late, restarts or misses a round).
+  newcomers Memberships are a generator's word, and any generator may write any id (`weights:members`): one that
+            registered a new id (or a new process start) every heartbeat and never joined would fail every round.
+            So a member process not yet seen joining a round is a newcomer: at most NEWCOMERS_PER_ROUND a round,
+            and once a newcomer failed to join, none for MEMBER_PAUSE_S (those that joined keep their places). Such
+            an insider costs one join timeout per MEMBER_PAUSE_S; a genuine generator started meanwhile takes the
+            files until then.
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ import hashlib
 import hmac
 import json
 import logging
+import math
 import mmap
 import os
 import random
@@ -67,6 +74,7 @@ log = logging.getLogger(__name__)
 ALIGN = 16  # bytes: every tensor starts at an offset its dtype can be viewed at
 MEMBER_TTL_S = 60.0  # a membership not renewed this long is dropped (generators renew every heartbeat)
 MEMBER_PAUSE_S = 300.0  # a member process that failed a round sits out this long (a restarted one need not)
+NEWCOMERS_PER_ROUND = 16  # member processes never seen joining a round, taken into one round at most
 SAMPLED_SHARE = 8  # verify sampled: one bucket in this many, at random, at least one
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -530,27 +538,38 @@ class Broadcaster:
         self.since: dict[str, float] = {}  # member -> its process's start, as the last `members` read it
         self.nearby: set[str] = set()  # members on this host (gloo): sealed memory, not the chain
         self.paused: dict[tuple[str, float], float] = {}  # (member, its process's start) -> when it may again
+        self.joined: set[tuple[str, float]] = set()  # member processes seen joining a round: no newcomers
+        self.newcomers: set[str] = set()  # this round's
+        self.newcomers_from = float("-inf")  # monotonic time from which newcomers are taken again
 
     def members(self) -> dict[str, int]:
-        """Fresh members not sitting out: generator id -> its engine's workers. Drops stale ones."""
+        """Fresh members not sitting out, newcomers within their bounds (module docstring): generator id -> its
+        engine's workers. Drops stale ones."""
         now, clock = time.time(), time.monotonic()
         fresh, stale = {}, []
-        self.since, self.nearby = {}, set()
-        for raw_id, raw in (self.redis.hgetall(self.members_key) or {}).items():
+        self.since, self.nearby, self.newcomers = {}, set(), set()
+        self.paused = {process: until for process, until in self.paused.items() if until > clock}
+        for raw_id, raw in sorted((self.redis.hgetall(self.members_key) or {}).items()):
             member = raw_id.decode() if isinstance(raw_id, bytes) else raw_id
             try:
                 record = json.loads(raw)
                 workers, at, since = int(record["workers"]), float(record["at"]), float(record["since"])
-            except (ValueError, KeyError, TypeError):
+            except (ValueError, KeyError, TypeError, OverflowError):
                 stale.append(member)
                 continue
-            if now - at > MEMBER_TTL_S or not 1 <= workers <= 64:
+            if not (math.isfinite(at) and math.isfinite(since)) or now - at > MEMBER_TTL_S or not 1 <= workers <= 64:
                 stale.append(member)
-            elif self.paused.get((member, since), 0.0) <= clock:
-                fresh[member] = workers
-                self.since[member] = since
-                if self.take_nearby and self.backend == "gloo" and HOST and record.get("host") == HOST:
-                    self.nearby.add(member)
+                continue
+            if (member, since) in self.paused:
+                continue
+            if (member, since) not in self.joined:
+                if clock < self.newcomers_from or len(self.newcomers) >= NEWCOMERS_PER_ROUND:
+                    continue
+                self.newcomers.add(member)
+            fresh[member] = workers
+            self.since[member] = since
+            if self.take_nearby and self.backend == "gloo" and HOST and record.get("host") == HOST:
+                self.nearby.add(member)
         if stale:
             self.redis.hdel(self.members_key, *stale)
         return fresh
@@ -610,6 +629,9 @@ class Broadcaster:
                 handoff.close()
         for member in result.failed:
             self.paused[(member, self.since[member])] = time.monotonic() + MEMBER_PAUSE_S
+        self.joined |= {(member, self.since[member]) for member in members if member not in result.failed}
+        if self.newcomers & set(result.failed):
+            self.newcomers_from = time.monotonic() + MEMBER_PAUSE_S
         result.seconds = time.perf_counter() - started
         return result
 

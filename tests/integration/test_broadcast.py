@@ -23,6 +23,7 @@ from services import broadcast as broadcast_module
 from services.broadcast import (
     HOST,
     MEMBER_TTL_S,
+    NEWCOMERS_PER_ROUND,
     Broadcaster,
     Handoff,
     commit_refusal,
@@ -216,10 +217,33 @@ def test_a_member_that_never_joins_costs_one_timeout_and_sits_out_the_next_round
     assert received[announcement.ranks["gen-a"]][0] is None
     again, announcement, received, _ = rounds["run"]({"gen-a": None}, version=2)
     assert again.error is None and announcement.ranks == {"gen-a": 1} and received[1][0] is not None
-    # a new process under the failed member's id (a restart) is not held to its predecessor's failure
+    # a new process under the failed member's id (a restart) is not held to its predecessor's failure: a newcomer,
+    # it is taken once the newcomers' pause after a newcomer's failure is over
     monkeypatch.setattr(broadcast_module, "PROCESS_STARTED", broadcast_module.PROCESS_STARTED + 1.0)
     register_member(rounds["client"], rounds["prefix"], "absent-b", workers=1)
+    assert "absent-b" not in rounds["broadcaster"].members()
+    rounds["broadcaster"].newcomers_from = time.monotonic()
     assert "absent-b" in rounds["broadcaster"].members()
+
+
+def test_a_generator_that_registers_new_ids_that_never_join_costs_one_timeout_per_pause(rounds):
+    """Any generator may write any membership: new ids (or process starts) every heartbeat, never joining, fail
+    one round; then newcomers wait MEMBER_PAUSE_S while the members that joined keep their rounds."""
+    sent, _, _, _ = rounds["run"]({"gen-a": None, "absent-1": None})
+    assert sent.failed == ["absent-1"]
+    for version, fake in ((2, "absent-2"), (3, "absent-3")):
+        again, announcement, received, seconds = rounds["run"]({"gen-a": None, fake: None}, version=version)
+        assert again.error is None and announcement.ranks == {"gen-a": 1} and received[1][0] is not None
+        assert seconds < TIMEOUT_S  # no join timeout
+    broadcaster = rounds["broadcaster"]
+    broadcaster.newcomers_from = time.monotonic()  # the pause is over: newcomers again, NEWCOMERS_PER_ROUND at most
+    for i in range(NEWCOMERS_PER_ROUND + 4):
+        register_member(rounds["client"], rounds["prefix"], f"new-{i:02d}", workers=1)
+    taken = broadcaster.members()
+    assert "gen-a" in taken and len(taken) == 1 + NEWCOMERS_PER_ROUND
+    client, key = rounds["client"], f"{rounds['prefix'].rstrip(':')}:weights:members"
+    client.hset(key, "nan", '{"workers": 1, "at": %f, "since": NaN}' % time.time())  # never matched by a pause
+    assert "nan" not in broadcaster.members() and b"nan" not in client.hkeys(key)
 
 
 def test_a_member_killed_mid_stream_costs_only_those_after_it(rounds):
