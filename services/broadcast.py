@@ -164,6 +164,9 @@ def store_client(host: str, port: int, timeout_s: float) -> dist.TCPStore:
     return dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s), use_libuv=True)
 
 
+_COMMIT_MAX = 64 << 20  # bytes: a commit holds a digest per bucket (about 70 bytes each)
+
+
 def relay(pg, rank: int, world_size: int, sizes: list[int], timeout_s: float, device="cpu",
           on_bucket=None) -> tuple[list[torch.Tensor], bytes]:
     """A receiving rank's part of the chain: take each bucket from rank - 1, hand it on to rank + 1 while taking
@@ -195,6 +198,8 @@ def relay(pg, rank: int, world_size: int, sizes: list[int], timeout_s: float, de
             on_bucket(tag, bucket)
     length = torch.empty(1, dtype=torch.int64, device=device)
     pg.recv([length], rank - 1, len(sizes)).wait(timeout)
+    if not 0 < int(length.item()) <= _COMMIT_MAX:  # the previous rank's word (any generator): bound what it costs
+        raise ConnectionError(f"a commit of {int(length.item())} bytes (at most {_COMMIT_MAX})")
     hand_on(length, len(sizes))
     commit = torch.empty(int(length.item()), dtype=torch.uint8, device=device)
     pg.recv([commit], rank - 1, len(sizes) + 1).wait(timeout)
@@ -218,7 +223,6 @@ def relay(pg, rank: int, world_size: int, sizes: list[int], timeout_s: float, de
 # only its own user with the round's token (which only readers of the weights channel have).
 SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
 _CREDENTIALS = struct.Struct("3i")  # SO_PEERCRED: pid, uid, gid
-_COMMIT_MAX = 64 << 20  # bytes: a commit holds a digest per bucket (about 70 bytes each)
 _COMMIT_PIECE = 1 << 15  # bytes per message: well under any socket's send buffer, whatever the commit's size
 
 

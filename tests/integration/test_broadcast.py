@@ -14,6 +14,7 @@ import queue
 import socket
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -415,3 +416,15 @@ def test_a_receiver_out_of_file_descriptors_says_so():
         assert os.waitstatus_to_exitcode(os.waitpid(child, 0)[1]) == 0
     finally:
         handoff.close()
+
+
+def test_a_commit_length_beyond_any_commit_from_the_previous_rank_is_refused_before_it_is_allocated():
+    """The chain's previous rank is any generator: its word for the commit's length must not size an allocation."""
+
+    class PreviousRank:  # a process group whose rank - 1 sends one bucket, then a commit of 2^40 bytes
+        def recv(self, tensors, source, tag):
+            tensors[0].fill_(1 << 40 if tag == 1 else 7)
+            return SimpleNamespace(wait=lambda timeout: None)
+
+    with pytest.raises(ConnectionError, match="a commit of 1099511627776 bytes"):
+        relay(PreviousRank(), rank=1, world_size=2, sizes=[4], timeout_s=1.0)
