@@ -316,7 +316,8 @@ class WeightsConfig(Section):
         3600.0, description="shared-fs: a generator's hold on the versions it serves or loads lapses this long "
         "unrenewed."
     )
-    keep_versions: int = Field(3, description="Published weight versions kept on disk (and those generators hold).")
+    keep_versions: int = Field(3, description="Published weight versions kept on disk, and at most as many older "
+                               "ones that generators hold or are pulling.")
     broadcast_port: int = Field(
         8003, ge=0, le=65535, description="collective: the learner's rendezvous port (a TCPStore; 0 = any free one)."
     )

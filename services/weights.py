@@ -353,9 +353,16 @@ class WeightPublisher:
 
     def _prune(self, keep_also: int) -> None:
         """Keep the newest `keep_versions`, `keep_also` and what generators hold (shared-fs) or are pulling
-        (HTTP); drop the rest."""
+        (HTTP), of those at most `keep_versions` more, the newest: holds and requests are any generator's word (or
+        any holder of the weights token's), and asking for every old version must not fill the disk. Drop the
+        rest."""
         versions = sorted(v for p in self.dir.iterdir() if p.is_dir() and (v := _version_of(p)) is not None)
-        keep = set(versions[-self.keep:]) | {keep_also} | held_versions(self.dir, self.hold_s) | self._serving()
+        newest = set(versions[-self.keep:]) | {keep_also}
+        asked = sorted((held_versions(self.dir, self.hold_s) | self._serving()) & set(versions) - newest)
+        keep = newest | set(asked[-self.keep:])
+        if len(asked) > self.keep:
+            log.warning("weights: %d older versions held or being pulled, more than weights.keep_versions (%d): "
+                        "the oldest pruned", len(asked), self.keep)
         for version in versions:
             if version not in keep:
                 shutil.rmtree(self.dir / f"v{version}", ignore_errors=True)

@@ -193,6 +193,20 @@ def test_publisher_keeps_last_versions_and_serves_only_those(learner, settings):
     assert not [p for p in publisher.dir.iterdir() if p.name.startswith(".")]  # no temporary folders left
 
 
+def test_holds_and_requests_on_every_old_version_keep_at_most_keep_versions_more(shared_settings):
+    """Holds are any generator's word (requests any weights token's): one holding every version must not keep them
+    all on disk. The newest `keep_versions` of what is held stay; the older go."""
+    publisher = WeightPublisher(shared_settings, connect(shared_settings), "http://learner.invalid:8000")
+    keep = shared_settings.weights.keep_versions
+    total = 3 * keep + 2
+    for version in range(total):
+        write_hold(publisher.dir, f"greedy-{version}", {version})  # one hold file per version: each within its cap
+        publisher.served(version - 1)  # and a request for the version before, as a pull would
+        publisher.publish(tiny_state_dict(seed=version), version=version)
+    newest = list(range(total - keep, total))
+    assert publisher.versions() == [*range(total - 2 * keep, total - keep), *newest]
+
+
 def test_a_version_being_pulled_over_http_outlives_keep_versions_until_its_hold_lapses(learner, settings, monkeypatch):
     """A pull opens its next file when one ends: a version whose files are being downloaded is not pruned under it,
     however many versions are published meanwhile, nor for SERVING_HOLD_S after; then it goes."""
