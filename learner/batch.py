@@ -147,6 +147,14 @@ class StepStats:
     correct: int = 0
     samples: int = 0
 
+    def count_scored(self, group: ScoredGroup, sign: int = 1) -> None:
+        """Count a scored group's arrival (sign -1: take it back)."""
+        rewards = group_rewards(group)
+        self.scored += sign
+        self.reward_sum += sign * sum(rewards)
+        self.samples += sign * len(rewards)
+        self.correct += sign * sum(1 for s in group.scores if s.correct)
+
     @property
     def reward_all(self) -> float | None:
         return self.reward_sum / self.samples if self.samples else None
@@ -364,11 +372,7 @@ class BatchAssembler:
         stale = self.too_stale(group, version)
         usable = self.is_usable(group)
         if fresh:
-            self.stats.scored += 1
-            rewards = group_rewards(group)
-            self.stats.reward_sum += sum(rewards)
-            self.stats.samples += len(rewards)
-            self.stats.correct += sum(1 for s in group.scores if s.correct)
+            self.stats.count_scored(group)
             self.ratio.observe(usable and not stale)
         if stale:
             if fresh:
@@ -384,10 +388,15 @@ class BatchAssembler:
         self.ready.append((group.rollout.policy_version, self._arrivals, group))
         return "informative"
 
-    def retract(self, task_id: str) -> None:
-        """Undo the admission of a group the service could not take over (it will be delivered again)."""
+    def retract(self, group: ScoredGroup) -> None:
+        """Undo the fresh admission of an informative group the service could not take over: it will be delivered
+        again, so it is in flight once more (a synchronous step waits for it) and counted when it comes back."""
+        task_id = task_id_of(group)
         self.ready = [entry for entry in self.ready if task_id_of(entry[2]) != task_id]
         self.seen.discard(task_id)
+        self.in_flight[task_id] = group.rollout.policy_version
+        self.stats.count_scored(group, -1)
+        self.stats.informative -= 1
 
     # -- when to train --------------------------------------------------------------------------------------
     def status(self, version: int) -> Status:

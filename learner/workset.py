@@ -327,7 +327,7 @@ class WorkingSet:
         verdict = self.assembler.admit(group, self.version())
         if verdict == "informative":
             if not self.scored.forward(delivery, self.held, group, idempotent=True):
-                self.assembler.retract(task_id)  # reclaimed meanwhile: it comes back and is admitted then
+                self.assembler.retract(group)  # reclaimed meanwhile: it comes back and is admitted then
             return
         self.scored.ack(delivery)
         if verdict != "duplicate":

@@ -237,6 +237,21 @@ def test_duplicates_are_admitted_once():
     assert len(a.ready) == 1 and a.stats.duplicates == 1 and a.stats.scored == 1
 
 
+def test_a_retracted_group_is_in_flight_again_and_counted_once_when_it_comes_back():
+    # The service could not take the group over (reclaimed meanwhile): a synchronous step waits for it again.
+    a = BatchAssembler(2, max_staleness=0, ratio=with_ratio(1.0))
+    first, second = push(a, 2)
+    arrive(a, [first], lambda i: MIXED)
+    (admitted,) = [g for _, _, g in a.ready]
+    a.retract(admitted)
+    assert first in a.in_flight and not a.ready and a.stats.scored == a.stats.informative == a.stats.samples == 0
+    arrive(a, [second], lambda i: MIXED)
+    assert a.status(0) == "wait"
+    assert a.admit(admitted, 0) == "informative" and a.status(0) == "train"
+    batch = a.take_batch(0)
+    assert len(batch.groups) == 2 and batch.stats.scored == 2 and batch.stats.reward_all == pytest.approx(0.0)
+
+
 def test_recent_ids_forget_the_oldest():
     ids = RecentIds(2)
     for t in "abc":
