@@ -124,7 +124,9 @@ class RewardWorker:
             if self._stop.is_set():
                 for rest, _, _, rest_pending in in_flight[index:]:
                     rest_pending.cancel()
-                    self.rollouts.release(rest)
+                    # Not counted as a delivery: a stop (a scale-down) is not the group's fault, and a group
+                    # interrupted max_deliveries times would go to dead without ever failing.
+                    self.rollouts.release(rest, unused=True)
                 break
             try:
                 scores = self.scorer.collect(items, pending, started)

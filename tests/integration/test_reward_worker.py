@@ -174,6 +174,7 @@ def test_stop_releases_the_groups_not_yet_forwarded(settings, streams, pool):
     assert worker.process(deliveries) == 0  # stopping: nothing is forwarded, everything is handed back
     again = worker.rollouts.consume("reward-other", count=2, block_ms=100)
     assert sorted(d.message.task.task_id for d in again) == ["a", "b"]
+    assert [d.deliveries for d in again] == [1, 1]  # a stop is not the group's fault: not counted
     assert streams.redis.xlen(streams.key("scored")) == 0
 
 
