@@ -51,6 +51,8 @@ FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "abort"}
 # A prompt text is tokenized only when it could fit: no token of a real vocabulary is longer than this (bytes).
 MAX_BYTES_PER_TOKEN = 64
 MAX_SEED = 2**63 - 1  # torch generators take 64-bit seeds; a larger one would fail inside the engine
+MAX_TEMPERATURE = 2.0  # vLLM refuses more
+MIN_TEMPERATURE = 0.01  # vLLM raises a lower positive temperature to this (SamplingParams.__post_init__)
 
 
 class EngineFailure(RuntimeError):
@@ -106,8 +108,12 @@ def check_task(task: PromptTask, encode: Callable[[str], list[int]], vocab_size:
     prompt plus max_tokens within the model length (never a response cut short of the L_max the reward uses),
     sampling parameters in range. A huge prompt text is refused by its size, before tokenizing it."""
     sampling = task.sampling
-    if not math.isfinite(sampling.temperature) or sampling.temperature < 0:
-        raise InvalidTask(f"temperature {sampling.temperature} is not a finite number >= 0")
+    if not (math.isfinite(sampling.temperature) and 0 <= sampling.temperature <= MAX_TEMPERATURE):
+        raise InvalidTask(f"temperature {sampling.temperature} is outside [0, {MAX_TEMPERATURE}]")
+    if 0 < sampling.temperature < MIN_TEMPERATURE:  # vLLM would sample at 0.01: behaviour logprobs at another T
+        raise InvalidTask(f"temperature {sampling.temperature} is below {MIN_TEMPERATURE} and not 0 (greedy)")
+    if sampling.temperature == 0 and sampling.n > 1:
+        raise InvalidTask(f"n = {sampling.n} greedy samples: greedy sampling gives one")
     if not 0 < sampling.top_p <= 1:
         raise InvalidTask(f"top_p {sampling.top_p} is outside (0, 1]")
     if sampling.n < 1:
@@ -294,14 +300,17 @@ class VllmEngine:
 
     def submit(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams) -> None:
         """Queue one prompt (n samples), unchecked: callers pass ids from `check` (tests may pass poison)."""
+        from vllm import exceptions as vllm_exceptions
         from vllm.inputs import TokensPrompt
 
+        # vLLM's own request checks: the engine is fine, the task is not (VLLMClientError since 0.11: no ValueError)
+        refusals = (ValueError, getattr(vllm_exceptions, "VLLMClientError", ValueError))
         try:
             self.llm.llm_engine.add_request(
                 request_id, TokensPrompt(prompt_token_ids=prompt_token_ids), self.engine_params(sampling)
             )
-        except ValueError as err:  # vLLM's own request checks: the engine is fine, the task is not
-            raise InvalidTask(f"refused by vLLM: {err}") from err
+        except refusals as err:
+            raise InvalidTask(f"refused by vLLM: {type(err).__name__}: {err}") from err
         except Exception as err:
             raise EngineFailure(f"add_request failed: {type(err).__name__}: {err}") from err
 

@@ -27,7 +27,7 @@ from safetensors.torch import save_file
 from servers import ServerThread, free_port
 from tiny_qwen import build_model_folder, random_qwen2
 
-from generator.engine import EngineFailure, VllmEngine
+from generator.engine import EngineFailure, InvalidTask, VllmEngine
 from generator.service import build_app
 from generator.sync import WeightSync
 from generator.vllm_logs import RELOAD_LOGGER, WARMUP_LOGGER
@@ -149,6 +149,16 @@ def test_sampled_logprobs_match_transformers(engine, models):
     assert checked > 200
     assert worst < LOGPROB_TOLERANCE, f"max |logprob difference| {worst:.2e} over {checked} tokens"
     assert unknown_ids > 0  # ids beyond the tokenizer's vocabulary were sampled and decoded without error
+
+
+def test_a_request_vllm_refuses_is_the_tasks_fault_and_the_engine_goes_on(engine):
+    """vLLM refuses requests with VLLMValidationError, no ValueError: taken for a dead engine, one bad task cost
+    an engine restart per bisection step."""
+    prompt = prompts_of(engine)[0]
+    with pytest.raises(InvalidTask, match="refused by vLLM"):
+        engine.submit("refused", prompt, SamplingParams(n=2, temperature=0.0, max_tokens=4))  # greedy n > 1
+    (group,) = engine.generate([prompt], SamplingParams(n=2, temperature=1.0, max_tokens=4, seed=0))
+    assert len(group) == 2
 
 
 def test_behaviour_logprobs_agree_with_the_learner_at_temperature_0_7(engine, models, tmp_path):

@@ -73,7 +73,8 @@ def test_check_task_passes_servable_tasks():
     assert checked() == encode("12+3=")
     assert checked(ids=[0, 5, 999]) == [0, 5, 999]  # the task's own ids win over its text
     assert checked(ids=[7] * 192) == [7] * 192  # exactly fills max_model_len with max_tokens 64
-    assert checked(temperature=0.0, top_p=1.0, n=1024, seed=2**63 - 1) == encode("12+3=")
+    assert checked(temperature=1.0, top_p=1.0, n=1024, seed=2**63 - 1) == encode("12+3=")
+    assert checked(temperature=0.0, n=1) == checked(temperature=2.0) == checked(temperature=0.01)
 
 
 @pytest.mark.parametrize(("kwargs", "reason"), [
@@ -87,7 +88,10 @@ def test_check_task_passes_servable_tasks():
     (dict(ids=[], prompt=""), "empty prompt"),
     (dict(max_tokens=256), "max_tokens 256 is outside [1, max_model_len 256)"),
     (dict(max_tokens=0), "max_tokens 0 is outside"),
-    (dict(temperature=float("inf")), "temperature inf is not a finite number >= 0"),
+    (dict(temperature=float("inf")), "temperature inf is outside [0, 2.0]"),
+    (dict(temperature=2.5), "temperature 2.5 is outside [0, 2.0]"),  # vLLM refuses it: the task, not the engine
+    (dict(temperature=0.001), "temperature 0.001 is below 0.01 and not 0"),  # vLLM would sample at 0.01
+    (dict(temperature=0.0, n=4), "n = 4 greedy samples"),
     (dict(temperature=float("nan")), "temperature nan"),
     (dict(temperature=-0.5), "temperature -0.5"),
     (dict(top_p=0.0), "top_p 0.0 is outside (0, 1]"),
