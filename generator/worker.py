@@ -172,7 +172,7 @@ class RolloutWorker:
         self.restarts = 0
         self.ready = False
         self.status = "starting"
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # stop() runs in a signal handler, on the very thread that may hold it
         self._stop = threading.Event()
         self._deadline = float("inf")
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="weights-pull")
@@ -368,6 +368,10 @@ class RolloutWorker:
     def _submit(self, delivery: Delivery[PromptTask], now: float) -> bool:
         """Check the task and hand it to the engine; False if the engine died (it was restarted)."""
         task = delivery.message
+        if task.min_version > self.version:  # the served version went back (an engine restart after a broadcast)
+            self.deferred[delivery.id] = (delivery, now)
+            self._sync_now.set()
+            return True
         try:
             prompt_ids = self.engine.check(task)
             self.engine.submit(delivery.id, prompt_ids, task.sampling)
@@ -536,6 +540,8 @@ class RolloutWorker:
         the engine, so this generator serves the files' version again (and the newer one comes as files do)."""
         self.engine.restart(str(self.weights_folder) if self.weights_folder else None)
         self._receiving = None
+        if self._ready_weights is not None and self._ready_weights.staged:
+            self._ready_weights = None  # staged in the old engine's workers: gone with them
         self.version, self.version_sha = self.folder_version
         metrics.GEN_VERSION.set(self.version)
         self.restarts += 1

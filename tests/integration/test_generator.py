@@ -719,6 +719,26 @@ def test_poison_task_is_found_by_bisection_and_only_it_is_dead_lettered(service,
     assert prompts.pending() == 0 and service["client"].xlen(rollouts.key) == 0
 
 
+def test_an_engine_restart_after_a_broadcast_drops_the_staged_round_and_keeps_newer_tasks_waiting(service, engine):
+    """A version that came by broadcast lived only in the engine: a restart serves the files' version again. A
+    round staged in the old engine's workers is gone with them (loading it failed the fresh engine too), and a
+    task asking for the broadcast version waits for it instead of running on the older weights."""
+    from services.messages import WeightsBroadcast
+
+    settings, streams = service["settings"], service["streams"]
+    prompts = streams.stream("prompts", PromptTask)
+    worker = RolloutWorker(settings, engine, streams, WeightSync(settings, service["base"], service["client"], "r"),
+                           "restarter")
+    worker.version = 6  # streamed by a round; the files' version is 0
+    worker._ready_weights = _Ready(None, None, 0.0, staged=WeightsBroadcast.model_construct(version=7))
+    worker._restart_engine("test")
+    assert worker.version == 0 and worker._ready_weights is None
+    issue(prompts, task(prompts_of(engine)[0], GREEDY, min_version=6))
+    (delivery,) = prompts.consume("restarter", count=1)
+    assert worker._submit(delivery, time.monotonic())
+    assert delivery.id in worker.deferred and delivery.id not in worker.inflight and not engine.has_unfinished()
+
+
 def first_letters(streams) -> list[dict]:
     """The dead letters but the `unsettled` ones: with no learner to settle them, a parked entry is reclaimed after
     the visibility timeout and dead-lettered again so (services/streams.py PARKED_DELIVERIES)."""
