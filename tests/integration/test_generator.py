@@ -737,6 +737,9 @@ def test_an_engine_restart_after_a_broadcast_drops_the_staged_round_and_keeps_ne
     (delivery,) = prompts.consume("restarter", count=1)
     assert worker._submit(delivery, time.monotonic())
     assert delivery.id in worker.deferred and delivery.id not in worker.inflight and not engine.has_unfinished()
+    with worker._lock:  # SIGTERM's handler calls stop() on the loop's thread, which may hold the lock right then
+        worker.stop()
+    assert worker._stop.is_set()
 
 
 def first_letters(streams) -> list[dict]:
