@@ -307,7 +307,6 @@ class LearnerService:
         if batch is None:
             return False
         waited = time.perf_counter() - t0
-        drops = self.work.take_drops()
         self.push_train(self.work.plan_ahead(version))  # overlap (a no-op when max_staleness = 0)
         self.work.flush_outbox()
         result: dict[str, float] = {}
@@ -345,7 +344,7 @@ class LearnerService:
         idle = waited + record.get("eval_drain_seconds", 0.0) + record.get("eval_seconds", 0.0)
         record["learner_idle_seconds"] = idle  # waiting on the pipeline
         record.update(self.work.generator_clocks.take())
-        self.records.step(record, batch, drops)
+        self.records.step(record, batch, self.work.take_drops())  # taken last: the drain's and evaluation's too
         log.info(
             "step %d v%d: %d groups (refills %d%s), reward all %.3f trained %.3f, %.1fs%s",
             self.step, self.policy.current, len(batch.groups), batch.refills,
@@ -392,8 +391,12 @@ class LearnerService:
         # the background (max_staleness >= 1), the one before. Were this process killed before that delivery
         # ended, a task asking for the current version would wait for one never announced.
         ready = min(version, self.announced)
-        tasks = [self.make_task(self.train_problems.next(), "train", ready) for _ in range(push.count)]
-        self.work.issue(tasks, version, data_cursor=self.train_problems.cursor())
+        tasks, cursors = [], []
+        for _ in range(push.count):
+            before = self.train_problems.cursor()
+            tasks.append(self.make_task(self.train_problems.next(), "train", ready))
+            cursors.append((before, self.train_problems.cursor()))
+        self.work.issue(tasks, version, cursors)
         if push.refill:
             metrics.LEARNER_REFILLS.inc()
             status = self.work.status()
@@ -415,8 +418,15 @@ class LearnerService:
 
     # -- resume, publish, checkpoint ---------------------------------------------------------------------------
     def start_fresh(self) -> bool:
+        """No checkpoint to start from. Resuming, a process of this run may have died before its first checkpoint:
+        its groups are re-admitted (held) or still come (issued), so the data goes on after the problems it issued.
+        Not resuming (`checkpoints.resume: false`), the run starts over from its first problem."""
         self.ensure_monotonic_version()
-        self.work.start_fresh()
+        if self.cfg.checkpoints.resume:
+            self.seek_data(self.train_problems.cursor())
+        else:
+            self.work.forget_data_cursor()
+        self.work.restore(skip=set(), counted=set())
         self.records.cut_after(-1)
         return False
 
@@ -576,7 +586,7 @@ class LearnerService:
         extra = {
             "step": self.step,
             "policy": self.policy.state(),
-            "data_cursor": self.train_problems.cursor(),
+            "data_cursor": self.work.data_cursor(self.train_problems.cursor()),  # not the problems still queued
             **self.work.checkpoint_state(),  # the informative-ratio estimate, the groups consumed and carried
             "last_eval_step": self.last_eval_step,
             "saved_at": time.time(),
@@ -603,7 +613,9 @@ class LearnerService:
         if self.step == 0:
             return not (resumed and self.records.has_evaluation(0))
         # At total_steps only: the time limit counts this process's training, which has not begun.
-        return resumed and self.last_eval_step != self.step and self.eval_due(self.step >= self.cfg.total_steps)
+        # metrics.jsonl too: a resume that redid it and was killed before the next checkpoint wrote it already.
+        return (resumed and self.last_eval_step != self.step and self.eval_due(self.step >= self.cfg.total_steps)
+                and not self.records.has_evaluation(self.step))
 
     def evaluation_line(self) -> None:
         """Evaluate the current version and record it on a line of its own: the baseline at step 0, or the

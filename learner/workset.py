@@ -149,7 +149,8 @@ class WorkingSet:
         # The model's embedding rows, from the model's config (0 refuses every token: `limit_vocabulary` first).
         self.vocab_size = 0
         self.cursor_key = streams.key(DATA_CURSOR)
-        self._cursor_after: dict[str, dict] = {}  # task id -> the data cursor once that task is pushed
+        # task id -> the data cursors before and after its problem was drawn (train tasks not pushed yet)
+        self._cursors: dict[str, tuple[dict, dict]] = {}
         self.redis = streams.redis
         self.consumer = consumer_name("learner")
         self.outbox: deque[PromptTask] = deque()
@@ -169,10 +170,11 @@ class WorkingSet:
         """The model's embedding rows: a group with a token id at or past them is refused (before any is read)."""
         self.vocab_size = size
 
-    def issue(self, tasks: list[PromptTask], version: int, data_cursor: dict | None = None) -> None:
-        """Training tasks for the policy `version`: counted in flight by the assembler, then queued for pushing."""
+    def issue(self, tasks: list[PromptTask], version: int, cursors: list[tuple[dict, dict]] | None = None) -> None:
+        """Training tasks for the policy `version`: counted in flight by the assembler, then queued for pushing;
+        `cursors`: each task's data cursors before and after its problem was drawn (`push`)."""
         self.assembler.issued([t.task_id for t in tasks], version)
-        self.push(tasks, data_cursor=data_cursor)
+        self.push(tasks, cursors=cursors)
 
     def next_batch(self, version: int) -> Batch | Push:
         """The batch of this step when it is in hand (or the refill limit says to stop waiting), else the tasks to
@@ -211,10 +213,6 @@ class WorkingSet:
             self.eval_round = None
             self.unqueue({t.task_id for t in tasks})
 
-    def start_fresh(self) -> None:
-        self.forget_data_cursor()
-        self.restore(skip=set(), counted=set())
-
     def resume(self, step: int, state: dict) -> None:
         """From a checkpoint of `step` (its `checkpoint_state`): the batch warm-up goes on where it was, a late
         duplicate of a group it trained stays out, and `held` is re-admitted but for what it consumed."""
@@ -239,19 +237,25 @@ class WorkingSet:
         }
 
     # -- pushing -----------------------------------------------------------------------------------------------
-    def push(self, tasks: list[PromptTask], data_cursor: dict | None = None) -> None:
-        """Queue tasks; `data_cursor`, the training data's position after them, is kept in Redis once they are
-        pushed: a resumed learner continues after the last problem it issued, whose groups survive the crash, not
-        after the checkpoint's cursor (which would draw those problems a second time)."""
+    def push(self, tasks: list[PromptTask], cursors: list[tuple[dict, dict]] | None = None) -> None:
+        """Queue tasks; `cursors`, the training data's position before and after each task's problem. The position
+        after the last task pushed is kept in Redis: a resumed learner continues after the last problem it issued,
+        whose groups survive the crash, not after the checkpoint's cursor (which would draw those problems a second
+        time). A checkpoint takes the position before the first one still queued (`data_cursor`)."""
         self.outbox.extend(tasks)
-        if tasks and data_cursor is not None:
-            self._cursor_after[tasks[-1].task_id] = data_cursor
+        self._cursors.update(zip((t.task_id for t in tasks), cursors or ()))
+
+    def data_cursor(self, drawn: dict) -> dict:
+        """The data cursor a checkpoint keeps: `drawn` (after every problem drawn), or before the first train task
+        still queued (a full prompts stream): a resume loses the queue, so it draws those problems again."""
+        queued = next((self._cursors[t.task_id] for t in self.outbox if t.task_id in self._cursors), None)
+        return queued[0] if queued is not None else drawn
 
     def unqueue(self, task_ids: set[str]) -> None:
         """Forget queued tasks that were never pushed (an evaluation that ended)."""
         self.outbox = deque(t for t in self.outbox if t.task_id not in task_ids)
         for task_id in task_ids:
-            self._cursor_after.pop(task_id, None)
+            self._cursors.pop(task_id, None)
 
     def issued_data_cursor(self) -> dict | None:
         """The data cursor after the last training task pushed in this run (None if none was, or Redis lost it)."""
@@ -264,21 +268,25 @@ class WorkingSet:
     def flush_outbox(self) -> None:
         """Produce queued tasks while the prompts stream has room (never block on back-pressure: keep reading)."""
         room = self.prompts.room() if self.outbox else 0
-        while self.outbox and room > 0:
-            task = self.outbox.popleft()
-            try:  # recorded as issued (ground truth included), atomically; generators get no ground truth
-                self.prompts.produce(task.for_generators(), register=(self.issued_key, task.task_id, task))
-            except redis.ResponseError as err:
-                if " ID" not in str(err):
-                    raise
-                self.outbox.appendleft(task)  # a client set the stream's last id in the future: repair, go on
-                self.streams.repair_future_ids(["prompts"])
-                return
-            self.deadlines.pushed(task.task_id, time.monotonic())
-            room -= 1
-            cursor = self._cursor_after.pop(task.task_id, None)
-            if cursor is not None:  # a crash just before this line draws this push's problems again: rare, harmless
-                self.redis.set(self.cursor_key, json.dumps(cursor))
+        pushed_cursor = None
+        try:
+            while self.outbox and room > 0:
+                task = self.outbox.popleft()
+                try:  # recorded as issued (ground truth included), atomically; generators get no ground truth
+                    self.prompts.produce(task.for_generators(), register=(self.issued_key, task.task_id, task))
+                except redis.ResponseError as err:
+                    if " ID" not in str(err):
+                        raise
+                    self.outbox.appendleft(task)  # a client set the stream's last id in the future: repair, go on
+                    self.streams.repair_future_ids(["prompts"])
+                    return
+                self.deadlines.pushed(task.task_id, time.monotonic())
+                room -= 1
+                cursors = self._cursors.pop(task.task_id, None)
+                pushed_cursor = cursors[1] if cursors is not None else pushed_cursor
+        finally:
+            if pushed_cursor is not None:  # a crash before this line draws these problems again: rare, harmless
+                self.redis.set(self.cursor_key, json.dumps(pushed_cursor))
 
     def issued_task(self, task_id: str) -> PromptTask | None:
         raw = self.redis.hget(self.issued_key, task_id)
@@ -532,8 +540,8 @@ class WorkingSet:
             if verdict == "informative":
                 outcome["kept"] += 1
                 kept.add(task_id)
-            else:
-                doomed.append(entry_id)
+            else:  # stays held until the next checkpoint lists it: a kill before then drops it again, in the ledger
+                self.consumed([task_id])
                 outcome["dropped"] += 1
                 self.drops[verdict].append(task_id)
         self.held.delete(doomed)

@@ -108,6 +108,9 @@ def test_a_resume_redoes_the_evaluation_a_stop_cut_short(tmp_path):
     assert service.records.has_evaluation(0) and (tmp_path / METRICS_FILE).exists()
     service.step, service.last_eval_step = 6, 3  # step 6's evaluation was cut short
     assert service.eval_missing(resumed=True)
+    service.records.evaluation({"step": 6, "version": 6, "eval_accuracy": 0.3})  # redone, then killed again
+    assert not service.eval_missing(resumed=True)  # before a checkpoint recorded it: not a second line
+    service.records.cut_after(5)
     service.last_eval_step = 6
     assert not service.eval_missing(resumed=True)
     service.step = 7  # no evaluation due at step 7
@@ -189,6 +192,42 @@ def test_a_resume_does_not_draw_again_the_problems_issued_after_the_checkpoint(s
     fresh = learner()
     fresh.seek_data(checkpointed)
     assert fresh.train_problems.next().id == issued[0]
+
+
+def test_the_data_goes_on_after_a_kill_before_the_first_checkpoint_and_past_only_what_was_pushed(settings):
+    """A learner killed before its first checkpoint: the next one starts without one, yet the groups of the
+    problems issued come back, so it draws after them (not from the first problem again). A push the full prompts
+    stream cut short: the checkpoint's cursor stops before the problems still queued (a resume draws them), and
+    Redis keeps the cursor after the last one pushed."""
+    problems = [Problem(id=str(i), problem=f"{i}+0=?", answer=str(i)) for i in range(40)]
+    settings.streams.high_water = 4
+
+    def learner() -> LearnerService:
+        service = LearnerService(settings)
+        service.connect()
+        service.train_problems = TrainProblems(problems, seed=5)
+        service.prompt_builder = lambda problem: (problem.problem, [5, 6])
+        return service
+
+    first = learner()
+    first.push_train(Push(count=6, refill=False))
+    drawn = [task.prompt_id for task in first.work.outbox]
+    first.work.flush_outbox()  # 4 pushed, 2 queued behind the full stream
+    assert len(first.work.outbox) == 2
+    checkpointed = first.work.data_cursor(first.train_problems.cursor())
+    after_pushed = first.work.issued_data_cursor()
+    for cursor in (checkpointed, after_pushed):  # both continue with the first problem not pushed
+        fresh = TrainProblems(problems, seed=5)
+        fresh.seek(cursor)
+        assert fresh.next().id == drawn[4]
+
+    second = learner()  # first was killed before any checkpoint: resume on, none to resume from
+    second.start_fresh()
+    assert second.train_problems.next().id == drawn[4]
+    settings.learner.checkpoints.resume = False  # starting over: from the first problem
+    third = learner()
+    third.start_fresh()
+    assert third.train_problems.next().id == TrainProblems(problems, seed=5).next().id
 
 
 def test_publishing_overlaps_the_next_step_where_staleness_allows_but_not_a_round_over_nccl(settings):
@@ -283,6 +322,29 @@ def issue_tasks(service, count: int) -> list[PromptTask]:
     service.work.outbox.extend(tasks)
     service.work.flush_outbox()
     return tasks
+
+
+def test_a_held_group_dropped_at_a_restart_stays_held_until_a_checkpoint_lists_it(settings):
+    """A restart finds a held group too stale for the restored version: it is dropped in the next ledger line, and
+    deleted from `held` only by the next checkpoint's release, so a second kill before that drops it (and ledgers
+    it) again instead of losing it from every record."""
+    first = LearnerService(settings)
+    first.connect()
+    first.work.limit_vocabulary(100)
+    (task,) = issue_tasks(first, 1)
+    reward_stream(first, settings).produce(scored_group(task, [True, False] * 8))
+    first.work.pump()
+    assert len(list(first.work.held.entries())) == 1
+    for attempt in range(2):  # two kills in a row, no checkpoint between
+        restarted = LearnerService(settings)
+        restarted.connect()
+        restarted.work.limit_vocabulary(100)
+        restarted.policy.current = settings.learner.batch.max_staleness + 5  # the group is too old for it
+        restarted.work.restore(skip=set(), counted=set())
+        assert restarted.work.take_drops()["stale"] == [task.task_id], attempt
+        assert len(list(restarted.work.held.entries())) == 1
+        assert task.task_id in restarted.work.consumed_since_checkpoint
+    assert restarted.work.release() == 1 and not list(restarted.work.held.entries())
 
 
 def test_only_dead_letters_a_service_signed_make_a_task_lost(settings):
@@ -464,7 +526,7 @@ def test_tasks_a_previous_learner_issued_are_forgotten_at_their_deadline_when_no
     second = LearnerService(settings)  # the process after a crash
     second.connect()
     second.work.limit_vocabulary(100)
-    second.work.start_fresh()
+    second.work.restore(skip=set(), counted=set())
     reward_stream(second, settings).produce(scored_group(tasks[1], [True, False] * 8))
     second.work.pump()
     time.sleep(0.6)
