@@ -235,6 +235,13 @@ class LearnerLease:
                 self._lost(f"no renewal reached Redis for {now() - self._renewed_at:.0f} s")
                 return
 
+    def check(self) -> None:
+        """The watchdog's test on the caller's thread, before a write only the run's learner may make (a checkpoint
+        becoming `latest`): a process frozen past TTL/2 that wakes up mid-checkpoint must not commit it before the
+        watchdog's thread gets to run."""
+        if now() - self._renewed_at > self.ttl_s / 2:
+            self._lost(f"no renewal reached Redis for {now() - self._renewed_at:.0f} s (found before a commit)")
+
     def _lost(self, why: str) -> None:
         if self._stop.is_set():  # released meanwhile, or the other thread got here first
             return

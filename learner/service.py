@@ -593,6 +593,8 @@ class LearnerService:
         }  # RNG: the trainer saves torch/python/numpy RNG state per rank; the data order is a function of (seed, epoch)
         started = time.perf_counter()
         self.ranks.save(self.trainer, path, extra)
+        if self.lease is not None:
+            self.lease.check()  # a learner that lost the run commits nothing
         self.checkpoints.commit(self.step)  # durable before held is released
         released = self.work.release()
         self.last_checkpoint_step = self.step

@@ -115,6 +115,21 @@ def test_a_lease_found_lapsed_is_lost_not_silently_taken_again(settings):
         holder.release()
 
 
+def test_a_process_frozen_past_half_its_ttl_commits_nothing_even_before_its_watchdog_runs(settings):
+    losses = Fences()
+    holder = lease(settings, losses=losses).acquire()
+    try:
+        holder.check()
+        assert not losses.fired.is_set()
+        holder.stop_renewing()  # as if frozen: no renewal, no watchdog turn yet
+        holder._stop.clear()
+        holder._renewed_at -= TTL  # woken up past TTL/2, about to commit a checkpoint
+        holder.check()
+        assert losses.fired.is_set()
+    finally:
+        holder.release()
+
+
 def test_a_learner_cut_off_from_redis_ends_before_its_lease_can_lapse(settings, redis_server):
     # Cut off from Redis (a partition; the disk still there), it cannot know whether another learner takes the
     # run once the TTL is over: with no renewal through for TTL/2 it ends (its supervisor restarts it), not later.
