@@ -4,12 +4,14 @@ of services/keys.py and services/redis_users.py; docs/deploy.md, "Roles, keys an
     dapo keys init [--dir DIR]          every role's key where missing: DIR/private/{role}.key, DIR/public/{kid}.pub
     dapo keys rotate ROLE [--dir DIR]   a new current key for ROLE, the previous one still trusted
     dapo keys retire KID [--dir DIR]    stop trusting KID (once nothing signed under it is in flight)
-    dapo keys redis-users [--dir DIR]   DIR/redis/{user}.password and DIR/redis/users.acl (hashed, default user off;
-                                        the users reach the keys of redis.run only)
-    dapo keys compose [--dir DIR]       every secret docker-compose.yml mounts, as files in DIR/compose/ (keys and
-                                        Redis users made first where missing, the ACL for the run $DAPO_RUN, else
-                                        `default`, as docker-compose.yml; the bearer token from $DAPO_TOKEN, else
-                                        the one there, else a new one)
+    dapo keys redis-users [--dir DIR] [--run RUN]
+                                        DIR/redis/{user}.password and DIR/redis/users.acl (hashed, default user off;
+                                        the users reach the keys of RUN only: --run, else $DAPO_RUN, else `default`,
+                                        the run of docker-compose.yml and of the Kubernetes overlays)
+    dapo keys compose [--dir DIR] [--run RUN]
+                                        every secret docker-compose.yml mounts, as files in DIR/compose/ (keys and
+                                        Redis users made first where missing, the ACL for RUN as redis-users; the
+                                        bearer token from $DAPO_TOKEN, else the one there, else a new one)
     dapo keys compose-env [--dir DIR]   the old name of `compose` (it wrote environment variables, which Compose
                                         cannot mount into a read-only container): does the same, says so
 
@@ -82,8 +84,19 @@ def write_compose_secrets(root: Path, run: str = "default") -> Path:
     return folder
 
 
-def main(settings: Settings, action: str, name: str | None, folder: str | None) -> int:
+def main(settings: Settings, action: str, name: str | None, folder: str | None, run: str | None = None) -> int:
     root = Path(folder) if folder else keys_dir(settings)
+    # The deployments' run (docker-compose.yml's ${DAPO_RUN:-default}, the Kubernetes overlays' redis.run), not the
+    # preset's: `dapo run` makes its own Redis users.
+    run = run or os.environ.get("DAPO_RUN") or "default"
+    try:
+        return _keys(root, action, name, run)
+    except (OSError, KeysError) as err:
+        print(f"dapo keys {action}: {err}", file=sys.stderr)
+        return ExitCode.UNAVAILABLE
+
+
+def _keys(root: Path, action: str, name: str | None, run: str) -> int:
     usage = None
     if action == "init":
         for role, kid in create_keys(root).items():
@@ -91,8 +104,12 @@ def main(settings: Settings, action: str, name: str | None, folder: str | None) 
     elif action == "rotate":
         if name not in ROLES:
             usage = f"name a role, one of {', '.join(ROLES)}"
+        elif not private_key_file(root, name).exists():
+            usage = f"no {name} key in {root} to rotate (`dapo keys init --dir {root}` makes the keys)"
         else:
             print(f"{name}: {rotate(root, name)} (the previous key stays trusted until `dapo keys retire` names it)")
+    elif action == "retire" and not name:
+        usage = "name the key id to retire"
     elif action == "retire":
         try:
             retire(root, name or "")
@@ -101,7 +118,6 @@ def main(settings: Settings, action: str, name: str | None, folder: str | None) 
             known = ", ".join(sorted(path.stem for path in (root / "public").glob("*.pub"))) or "none"
             usage = f"{err} (the key ids there: {known})"
     elif action in ("compose", "compose-env"):
-        run = os.environ.get("DAPO_RUN") or "default"  # the run docker-compose.yml names (${DAPO_RUN:-default})
         line = (f"{write_compose_secrets(root, run)}: the secrets docker-compose.yml mounts for the run {run} "
                 f"(DAPO_SECRETS_DIR={root})")
         if action == "compose-env":  # its output was eval'ed by a shell: nothing on stdout
@@ -109,7 +125,7 @@ def main(settings: Settings, action: str, name: str | None, folder: str | None) 
         else:
             print(line)
     else:  # redis-users
-        print(make_redis_users(root, settings.redis.run))
+        print(make_redis_users(root, run))
     if usage:
         print(f"dapo keys {action}: {usage}", file=sys.stderr)
         return ExitCode.USAGE

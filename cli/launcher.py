@@ -52,7 +52,15 @@ from cli.cores import CpuPlan, Placement, cpu_seconds_by_group
 from learner.checkpoint import Checkpoints
 from learner.lease import INSTANCE_ENV
 from learner.records import METRICS_FILE, read_rows
-from services.config import DEFAULT_TOKEN, ConfigError, Settings, digest_of_token, dump_settings, without_password
+from services.config import (
+    DEFAULT_TOKEN,
+    ConfigError,
+    Settings,
+    digest_of_token,
+    dump_settings,
+    names_a_field,
+    without_password,
+)
 from services.errors import ExitCode, Unavailable
 from services.files import write_atomic
 from services.http import free_port
@@ -243,7 +251,6 @@ def _has_gpu() -> bool:
 
 
 TOKEN_VARIABLES = frozenset({"DAPO_TOKEN", "DAPO_TOKEN_SHA256", "DAPO_WEIGHTS_TOKEN"})  # set per role
-SET_PER_CHILD = TOKEN_VARIABLES | {"DAPO_REDIS__URL", "DAPO_REDIS__PASSWORD"}
 
 
 def service_children(settings: Settings, config_path: Path, redis_urls: Mapping[Role, str], generators: int,
@@ -261,8 +268,11 @@ def service_children(settings: Settings, config_path: Path, redis_urls: Mapping[
     if settings.weights_token is not None:
         for role in ("learner", "generator"):
             tokens[role]["DAPO_WEIGHTS_TOKEN"] = settings.weights_token.get_secret_value()
-    base_env = {  # (pydantic-settings reads DAPO_ variables in any case: none set per child comes from the shell)
-        **{k: v for k, v in os.environ.items() if k != EXIT_FILE_ENV and k.upper() not in SET_PER_CHILD},
+    # Children read the run's settings from the launch config, resolved here from the shell's DAPO_ variables, the
+    # file and --set: a field's variable passed on would beat the file, and so undo --set in the children alone
+    # (`DAPO_RUN_DIR=/a dapo run --set run_dir=/b`: the launcher in /b, its services in /a).
+    base_env = {
+        **{k: v for k, v in os.environ.items() if k != EXIT_FILE_ENV and not names_a_field(k)},
         # The secrets: not in the config file (dump_settings without_secrets).
         **({"DAPO_REDIS__PASSWORD": settings.redis.password.get_secret_value()} if settings.redis.password else {}),
         # Every service needs it: the learner serves there, generators send their token nowhere else.

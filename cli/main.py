@@ -60,6 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
             cmd.add_argument("action", choices=["init", "rotate", "retire", "redis-users", "compose", "compose-env"])
             cmd.add_argument("name", nargs="?", help="rotate: the role; retire: the key id")
             cmd.add_argument("--dir", default=None, help="the key folder (default keys.dir, run_dir/keys)")
+            cmd.add_argument("--run", default=None,
+                             help="redis-users, compose: the run whose keys the Redis users reach (default $DAPO_RUN, "
+                                  "else `default`: the run of docker-compose.yml and of the Kubernetes overlays)")
         if name == "plan":  # (learner.plan imports torch: its names are not imported here)
             cmd.add_argument("preset", nargs="?", help="the preset to plan (as --config)")
             cmd.add_argument("--gpus", type=int, required=True, help="GPUs of the whole run (learner and generators)")
@@ -99,8 +102,12 @@ def parse_overrides(pairs: list[str]) -> dict:
         key, value = pair.split("=", 1)
         node = overrides
         *parents, leaf = key.strip().split(".")
-        for part in parents:
+        for depth, part in enumerate(parents):
             node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"--set {key}: {'.'.join(parents[:depth + 1])} is already set to a value")
+        if isinstance(node.get(leaf), dict):
+            raise ConfigError(f"--set {key}: keys under {key} are already set")
         try:
             node[leaf] = yaml.safe_load(value)
         except yaml.YAMLError as err:  # e.g. `*+` (a YAML alias) or `{problem} ...` (a mapping): quote the value
@@ -157,8 +164,13 @@ def run_main(argv: list[str] | None) -> int:
         from cli.ranks import run_ranks
 
         return run_ranks(args.argv)
+    level = os.environ.get("DAPO_LOG_LEVEL", "INFO").upper()
+    if not isinstance(logging.getLevelName(level), int):
+        print(f"dapo: DAPO_LOG_LEVEL={level!r} is not a log level (DEBUG, INFO, WARNING, ERROR, CRITICAL)",
+              file=sys.stderr)
+        return ExitCode.USAGE
     logging.basicConfig(
-        level=os.environ.get("DAPO_LOG_LEVEL", "INFO"),
+        level=level,
         format=f"%(asctime)s {args.command} %(levelname)s %(name)s: %(message)s",
     )
     log_to_folder(args.command)
@@ -193,7 +205,7 @@ def run_command(args: argparse.Namespace, settings) -> int:
     if args.command == "bootstrap":
         return entry(settings, force=args.force, measure=args.measure) or 0
     if args.command == "keys":
-        return entry(settings, args.action, args.name, args.dir)
+        return entry(settings, args.action, args.name, args.dir, args.run)
     if args.command == "plan":
         return entry(settings, args.gpus, args.gpu, args.learner_gpus, args.mfu, args.tokens_per_gpu_s,
                      name=args.preset or args.config or "")

@@ -23,7 +23,7 @@ import re
 import typing
 from importlib import resources
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Mapping
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, Secret, SecretStr, ValidationError, field_validator, model_validator
@@ -78,6 +78,13 @@ def secret_variables(model: type[BaseModel] | None = None, prefix: str = "DAPO_"
         elif isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
             names |= secret_variables(field.annotation, f"{prefix}{name}__")
     return names
+
+
+def names_a_field(variable: str) -> bool:
+    """Whether an environment variable sets a field of the settings (`DAPO_RUN_DIR`, `DAPO_LEARNER__...`, an old
+    flat key too), as opposed to the process's own (`DAPO_LOG_LEVEL`, `DAPO_DATA_DIR`, `DAPO_WORKER_ID`...)."""
+    name = variable.upper()
+    return name.startswith("DAPO_") and name[len("DAPO_"):].split("__", 1)[0].lower() in Settings.model_fields
 
 
 class Section(BaseModel):
@@ -565,6 +572,13 @@ class CpusConfig(Section):
     generators: str = Field("auto", description="CPUs of the generators (dealt in equal slices, one per generator).")
     reward: str = Field("auto", description="CPUs of the reward workers (its pool has one process per CPU).")
 
+    @field_validator("learner", "generators", "reward")
+    @classmethod
+    def _cpu_list(cls, value: str) -> str:
+        if value != "auto" and not re.fullmatch(r"\s*\d+(?:\s*-\s*\d+)?(?:\s*,\s*\d+(?:\s*-\s*\d+)?)*\s*,?\s*", value):
+            raise ValueError(f"`auto` or a CPU list such as `0-3,8`, got {value!r}")
+        return value
+
 
 def _learner_sections() -> dict[tuple[str, ...], tuple[str, ...]]:
     """The learner's flat keys of before its sections (learner.lr is now learner.optimizer.lr)."""
@@ -741,11 +755,15 @@ def read_preset(preset: str | os.PathLike | None, _seen: tuple[Path, ...] = ()) 
         data = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as err:
         raise ConfigError(f"{path}: not valid YAML: {err}") from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise ConfigError(f"{path}: cannot be read as a UTF-8 YAML file ({err})") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: top level must be a mapping")
     base = data.pop("base", None)
     if base is None:
         return [(path, data)]
+    if not isinstance(base, str) or not base:
+        raise ConfigError(f"{path}: `base:` names a preset or a YAML file, got {base!r}")
     base_ref = base if Path(base).suffix not in (".yaml", ".yml") else path.parent / base
     return read_preset(base_ref, _seen + (path,)) + [(path, data)]
 
@@ -755,6 +773,8 @@ def load_settings(preset: str | os.PathLike | None = None, *, origin: str = "ove
 
     `origin` names where the keyword overrides come from (`--set` on the command line) in error messages."""
     layers = read_preset(preset)
+    for name, meant in misspelt_variables(os.environ).items():
+        log.warning("%s sets nothing: a section's field takes two underscores (%s)", name, meant)
     data: dict = {}
     for _, layer in layers:
         _deep_update(data, moved_keys(layer))
@@ -778,6 +798,27 @@ def load_settings(preset: str | os.PathLike | None = None, *, origin: str = "ove
     if conflicts := settings_conflicts(settings):
         raise ConfigError("settings that cannot work together:\n" + "\n".join(f"  {c}" for c in conflicts))
     return settings
+
+
+def misspelt_variables(environ: Mapping[str, str]) -> dict[str, str]:
+    """`DAPO_REDIS_URL` -> `DAPO_REDIS__URL`: variables that name a section's field with one underscore, which
+    pydantic-settings reads as no field at all (the section's variables take `__`)."""
+    found = {}
+    for name in environ:
+        upper = name.upper()
+        if not upper.startswith("DAPO_") or "__" in upper or upper in COMPOSE_VARIABLES:
+            continue
+        for section, field in Settings.model_fields.items():
+            model = field.annotation
+            prefix = f"{section}_"
+            rest = upper[len("DAPO_"):].lower()
+            if (isinstance(model, type) and issubclass(model, BaseModel) and rest.startswith(prefix)
+                    and rest[len(prefix):] in model.model_fields):
+                found[name] = f"DAPO_{section}__{rest[len(prefix):]}".upper()
+    return found
+
+
+COMPOSE_VARIABLES = {"DAPO_LEARNER_PORT"}  # docker-compose.yml's own (the host port), no settings
 
 
 def settings_conflicts(settings: Settings) -> list[str]:

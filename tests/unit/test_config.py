@@ -162,6 +162,31 @@ def test_dapo_version_and_a_bad_set_key_from_the_command_line(capsys):
     assert "reward.wrokers: unknown key (from --set reward.wrokers)" in err and "Traceback" not in err
 
 
+
+@pytest.mark.parametrize("sets, said", [
+    (["learner.total_steps=20", "learner.total_steps.x=1"], "learner.total_steps is already set to a value"),
+    (["learner=5", "learner.total_steps=3"], "learner is already set to a value"),
+    (["learner.total_steps=3", "learner=5"], "keys under learner are already set"),
+])
+def test_a_set_key_that_is_both_a_value_and_a_section_is_one_line(sets, said, capsys):
+    from cli.main import main
+
+    assert main(["reward", *(arg for pair in sets for arg in ("--set", pair))]) == 2
+    err = capsys.readouterr().err
+    assert said in err and "Traceback" not in err
+
+
+def test_a_log_level_in_lower_case_works_and_a_bad_one_is_one_line(monkeypatch, capsys):
+    from cli.main import main
+
+    monkeypatch.setenv("DAPO_LOG_LEVEL", "loud")
+    assert main(["reward", "--set", "reward.wrokers=2"]) == 2
+    assert "DAPO_LOG_LEVEL='LOUD' is not a log level" in capsys.readouterr().err
+    monkeypatch.setenv("DAPO_LOG_LEVEL", "debug")
+    assert main(["reward", "--set", "reward.wrokers=2"]) == 2  # got past the level: the config's error
+    assert "unknown key" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("token", ["", "two words", "clé-secrète"])
 def test_a_token_that_cannot_travel_in_an_http_header_is_refused(token, monkeypatch):
     monkeypatch.setenv("DAPO_TOKEN", token)
@@ -279,3 +304,24 @@ def test_the_32b_recipe_shards_its_learner_with_the_trainers_own_fsdp_and_the_ot
         False, None, False, "micro_batch")
     with pytest.raises(ConfigError, match="fsdp_shard_ranks"):
         load_settings("tiny-cpu", learner={"compute": {"fsdp_shard_ranks": 0}})
+
+
+def test_a_cpu_list_base_or_file_that_cannot_be_used_is_a_config_error(tmp_path):
+    with pytest.raises(ConfigError, match="a CPU list such as `0-3,8`, got '0-1,x'"):
+        load_settings(cpus={"learner": "0-1,x"})  # before `dapo run` starts Redis, not a traceback after
+    assert load_settings(cpus={"learner": "0-3, 8", "reward": "auto"}).cpus.learner == "0-3, 8"
+    (tmp_path / "base.yaml").write_text("base: 5\n")
+    with pytest.raises(ConfigError, match="`base:` names a preset or a YAML file, got 5"):
+        load_settings(tmp_path / "base.yaml")
+    (tmp_path / "bytes.yaml").write_bytes(b"\xff\xfe")
+    with pytest.raises(ConfigError, match="cannot be read as a UTF-8 YAML file"):
+        load_settings(tmp_path / "bytes.yaml")
+
+
+def test_a_section_variable_with_one_underscore_is_named_with_the_one_meant(monkeypatch, caplog):
+    monkeypatch.setenv("DAPO_REDIS_URL", "redis://elsewhere:6379/0")  # one underscore: no field, Redis embedded
+    monkeypatch.setenv("DAPO_DATA_DIR", "/data")  # the process's own variable: nothing to say
+    with caplog.at_level("WARNING", logger="services.config"):
+        assert load_settings().redis.url is None
+    said = [r.getMessage() for r in caplog.records]
+    assert said == ["DAPO_REDIS_URL sets nothing: a section's field takes two underscores (DAPO_REDIS__URL)"]

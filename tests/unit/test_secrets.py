@@ -164,6 +164,21 @@ def test_each_role_gets_the_tokens_of_its_audience_only(tmp_path, monkeypatch):
             assert child.command[-2:] == ["--worker-id", child.name]
 
 
+def test_a_shell_variable_of_a_field_reaches_no_child_so_set_holds_in_every_process(tmp_path, monkeypatch):
+    """Children read the launch config, which the launcher resolved from the shell's variables and --set: a field's
+    variable passed on would beat it (`DAPO_RUN_DIR=/a dapo run --set run_dir=/b` ran the services in /a)."""
+    monkeypatch.setenv("DAPO_RUN_DIR", "/a")
+    monkeypatch.setenv("dapo_learner__total_steps", "5")
+    monkeypatch.setenv("DAPO_KEYS__PRIVATE_KEY", "k" * 43)  # one role's key would reach every role
+    monkeypatch.setenv("DAPO_LOG_LEVEL", "DEBUG")  # the process's own: passed on
+    settings = load_settings("tiny-cpu", run_dir=str(tmp_path))
+    children = service_children(settings, tmp_path / "c.yaml", dict.fromkeys(ROLES, "redis://r:6379/0"), 1, 1, 8000)
+    for child in children:
+        names = {name.upper() for name in child.env}
+        assert not names & {"DAPO_RUN_DIR", "DAPO_LEARNER__TOTAL_STEPS", "DAPO_KEYS__PRIVATE_KEY"}, child.name
+        assert child.env["DAPO_LOG_LEVEL"] == "DEBUG" and child.env["DAPO_REDIS__URL"] == "redis://r:6379/0"
+
+
 @pytest.mark.parametrize("variables, refusal", [
     ({"DAPO_TOKEN_SHA256": "3b0b3b2f1b3d7e9ac2f4a6c0e1d2b3a4c5d6e7f8091a2b3c4d5e6f708192a3b4"}, None),
     ({"DAPO_TOKEN_SHA256": "4ccd9e3c9f5fd3fb95e7d1a0b2c9d3f0e8a5b6c7d1e2f3a4b5c6d7e8f9a0b1c2"}, None),

@@ -146,6 +146,8 @@ def test_dapo_keys_makes_the_deployment_secrets(tmp_path):
     assert keys(settings, "init", None, None) == 0 and len(list((tmp_path / "keys" / "public").glob("*.pub"))) == 3
     assert keys(settings, "redis-users", None, str(tmp_path / "deploy")) == 0
     acl = (tmp_path / "deploy" / "redis" / "users.acl").read_text()
+    # the deployments' run (compose, the Kubernetes overlays: `default`), not the tiny-cpu preset's own
+    assert "~dapo:default:*" in acl and "tiny-cpu" not in acl
     passwords = {p.stem: p.read_text() for p in (tmp_path / "deploy" / "redis").glob("*.password")}
     assert sorted(passwords) == ["autoscaler", "generator", "learner", "reward"]
     default = acl.splitlines()[0]  # off (no one logs in as it), with what the AOF replay's EXEC re-check needs
@@ -188,6 +190,13 @@ def test_dapo_keys_usage_errors_exit_2(tmp_path, capsys):
     current = next(path.stem for path in (tmp_path / "keys" / "public").glob("reward-*.pub"))
     assert keys(settings, "retire", current, None) == 2  # the role's current key: rotate it first
     assert "rotate it first" in capsys.readouterr().err
+    assert keys(settings, "rotate", "generator", str(tmp_path / "none")) == 2  # no keys there to rotate
+    assert not (tmp_path / "none").exists()
+    (tmp_path / "file").write_text("")
+    assert keys(settings, "init", None, str(tmp_path / "file" / "keys")) == 69  # one line, no traceback
+    assert "dapo keys init: " in capsys.readouterr().err
+    assert keys(settings, "redis-users", None, str(tmp_path / "k8s"), "other") == 0
+    assert "~dapo:other:*" in (tmp_path / "k8s" / "redis" / "users.acl").read_text()
 
 
 def test_a_key_retired_while_the_keyring_reads_the_folder_is_no_crash(tmp_path, monkeypatch):
