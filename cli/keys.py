@@ -6,8 +6,9 @@ of services/keys.py and services/redis_users.py; docs/deploy.md, "Roles, keys an
     dapo keys retire KID [--dir DIR]    stop trusting KID (once nothing signed under it is in flight)
     dapo keys redis-users [--dir DIR] [--run RUN]
                                         DIR/redis/{user}.password and DIR/redis/users.acl (hashed, default user off;
-                                        the users reach the keys of RUN only: --run, else $DAPO_RUN, else `default`,
-                                        the run of docker-compose.yml and of the Kubernetes overlays)
+                                        the users reach the keys of RUN only: --run, else $DAPO_RUN, else
+                                        $DAPO_REDIS__RUN, else `default`, the run of docker-compose.yml and of the
+                                        Kubernetes overlays)
     dapo keys compose [--dir DIR] [--run RUN]
                                         every secret docker-compose.yml mounts, as files in DIR/compose/ (keys and
                                         Redis users made first where missing, the ACL for RUN as redis-users; the
@@ -87,8 +88,8 @@ def write_compose_secrets(root: Path, run: str = "default") -> Path:
 def main(settings: Settings, action: str, name: str | None, folder: str | None, run: str | None = None) -> int:
     root = Path(folder) if folder else keys_dir(settings)
     # The deployments' run (docker-compose.yml's ${DAPO_RUN:-default}, the Kubernetes overlays' redis.run), not the
-    # preset's: `dapo run` makes its own Redis users.
-    run = run or os.environ.get("DAPO_RUN") or "default"
+    # preset's: `dapo run` makes its own Redis users. A run named in the environment as a service reads it counts.
+    run = run or os.environ.get("DAPO_RUN") or os.environ.get("DAPO_REDIS__RUN") or "default"
     try:
         return _keys(root, action, name, run)
     except (OSError, KeysError) as err:

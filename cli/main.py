@@ -62,7 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
             cmd.add_argument("--dir", default=None, help="the key folder (default keys.dir, run_dir/keys)")
             cmd.add_argument("--run", default=None,
                              help="redis-users, compose: the run whose keys the Redis users reach (default $DAPO_RUN, "
-                                  "else `default`: the run of docker-compose.yml and of the Kubernetes overlays)")
+                                  "else $DAPO_REDIS__RUN, else `default`: the run of docker-compose.yml and of the "
+                                  "Kubernetes overlays)")
         if name == "plan":  # (learner.plan imports torch: its names are not imported here)
             cmd.add_argument("preset", nargs="?", help="the preset to plan (as --config)")
             cmd.add_argument("--gpus", type=int, required=True, help="GPUs of the whole run (learner and generators)")
@@ -164,9 +165,10 @@ def run_main(argv: list[str] | None) -> int:
         from cli.ranks import run_ranks
 
         return run_ranks(args.argv)
-    level = os.environ.get("DAPO_LOG_LEVEL", "INFO").upper()
+    given = os.environ.get("DAPO_LOG_LEVEL", "INFO")
+    level = given.upper()
     if not isinstance(logging.getLevelName(level), int):
-        print(f"dapo: DAPO_LOG_LEVEL={level!r} is not a log level (DEBUG, INFO, WARNING, ERROR, CRITICAL)",
+        print(f"dapo: DAPO_LOG_LEVEL={given!r} is not a log level (DEBUG, INFO, WARNING, ERROR, CRITICAL)",
               file=sys.stderr)
         return ExitCode.USAGE
     logging.basicConfig(

@@ -34,7 +34,6 @@ from __future__ import annotations
 import gc
 import json
 import logging
-import math
 import os
 import time
 from dataclasses import dataclass
@@ -42,7 +41,7 @@ from pathlib import Path
 from typing import Callable
 
 from generator.vllm_logs import quiet_expected_vllm_records
-from services.config import Settings
+from services.config import Settings, sampling_refusal
 from services.messages import PromptTask, Sample, SamplingParams, WeightsBroadcast
 
 log = logging.getLogger(__name__)
@@ -51,8 +50,6 @@ FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "abort"}
 # A prompt text is tokenized only when it could fit: no token of a real vocabulary is longer than this (bytes).
 MAX_BYTES_PER_TOKEN = 64
 MAX_SEED = 2**63 - 1  # torch generators take 64-bit seeds; a larger one would fail inside the engine
-MAX_TEMPERATURE = 2.0  # vLLM refuses more
-MIN_TEMPERATURE = 0.01  # vLLM raises a lower positive temperature to this (SamplingParams.__post_init__)
 
 
 class EngineFailure(RuntimeError):
@@ -108,12 +105,8 @@ def check_task(task: PromptTask, encode: Callable[[str], list[int]], vocab_size:
     prompt plus max_tokens within the model length (never a response cut short of the L_max the reward uses),
     sampling parameters in range. A huge prompt text is refused by its size, before tokenizing it."""
     sampling = task.sampling
-    if not (math.isfinite(sampling.temperature) and 0 <= sampling.temperature <= MAX_TEMPERATURE):
-        raise InvalidTask(f"temperature {sampling.temperature} is outside [0, {MAX_TEMPERATURE}]")
-    if 0 < sampling.temperature < MIN_TEMPERATURE:  # vLLM would sample at 0.01: behaviour logprobs at another T
-        raise InvalidTask(f"temperature {sampling.temperature} is below {MIN_TEMPERATURE} and not 0 (greedy)")
-    if sampling.temperature == 0 and sampling.n > 1:
-        raise InvalidTask(f"n = {sampling.n} greedy samples: greedy sampling gives one")
+    if refusal := sampling_refusal(sampling.temperature, sampling.n):
+        raise InvalidTask(refusal)
     if not 0 < sampling.top_p <= 1:
         raise InvalidTask(f"top_p {sampling.top_p} is outside (0, 1]")
     if sampling.n < 1:

@@ -7,14 +7,16 @@ Vocabulary (k = max_staleness, B = prompts_per_step, B_t = the target of rollout
   ready      informative groups in hand, carried surplus included, oldest policy first.
   in flight  train prompts pushed and not scored yet.
   ratio r    running estimate of the share of pushed prompts that come back usable (informative, fresh),
-             from decayed counts with a weak prior of 1/2 (the first push of a run is 2 B).
+             from decayed counts with a weak prior of 1/2 (the first push of a run is 2 B); without dynamic
+             sampling every fresh group is usable: a prior of 1, and B prompts a step.
   supply     ready + r * in_flight: the informative groups expected without pushing anything more.
 
 Rules
   warm-up    B_t = ceil(B t / W) over the first W = batch_warmup_steps steps, then B (W = 0: B from step 1,
              the paper): the first updates come after a fraction of a full step's generation.
   sizing     a push covers the expected deficit B - supply, times the over-sampling factor
-             clamp(m / r, oversample_min, oversample_max): sized from the observed ratio, not a fixed multiple.
+             clamp(m / r, oversample_min, oversample_max): sized from the observed ratio, not a fixed multiple
+             (m = 1 without dynamic sampling: nothing is filtered out to hedge against).
              The margin m (oversample_margin, 1 = push the expected need) buys fewer refill rounds: a push sized
              at exactly the expected need falls short about every other step (the informative count of a push
              scatters around its mean), and each refill waits a whole generation.
@@ -394,7 +396,7 @@ class BatchAssembler:
         task_id = task_id_of(group)
         self.ready = [entry for entry in self.ready if task_id_of(entry[2]) != task_id]
         self.seen.discard(task_id)
-        self.in_flight[task_id] = group.rollout.policy_version
+        self.in_flight[task_id] = group.rollout.policy_version  # (about when it was pushed: only counted)
         self.stats.count_scored(group, -1)
         self.stats.informative -= 1
 

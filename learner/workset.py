@@ -336,6 +336,7 @@ class WorkingSet:
         if verdict == "informative":
             if not self.scored.forward(delivery, self.held, group, idempotent=True):
                 self.assembler.retract(group)  # reclaimed meanwhile: it comes back and is admitted then
+                self.deadlines.pushed(task_id, time.monotonic())  # and is given up if it never does
             return
         self.scored.ack(delivery)
         if verdict != "duplicate":
@@ -540,8 +541,11 @@ class WorkingSet:
             if verdict == "informative":
                 outcome["kept"] += 1
                 kept.add(task_id)
-            else:  # stays held until the next checkpoint lists it: a kill before then drops it again, in the ledger
-                self.consumed([task_id])
+            else:
+                if verdict == "duplicate":  # another entry of the task is the one kept: delete this one alone
+                    doomed.append(entry_id)
+                else:  # held until the next checkpoint lists it: a kill before then drops it again, in the ledger
+                    self.consumed([task_id])
                 outcome["dropped"] += 1
                 self.drops[verdict].append(task_id)
         self.held.delete(doomed)

@@ -286,11 +286,12 @@ _UNIT_TOKEN = re.compile(
     r"\s*(?:\\%|%|°|\^\s*\{?\s*\\circ\s*\}?|\\circ|\\degree|\^\s*\{?\s*[23]\s*\}?|/\s*[A-Za-z]+(?![A-Za-z])"
     r"|[A-Za-z]+(?![A-Za-z])\.?)"
 )
-# A number's scale in words: `5 million` is 5000000 (not 5 of a unit called "million").
-_SCALE_WORDS = {"hundred": 100, "thousand": 10**3, "million": 10**6, "billion": 10**9, "trillion": 10**12, "dozen": 12}
+# A number's scale in words: `5 million` is 5000000, or 5 counted in millions (`_verify_number` takes either); not
+# 5 of a unit called "million". (`7 dozen` stays a count of dozens: GSM8K asks "how many dozens".)
+_SCALE_WORDS = {"hundred": 100, "thousand": 10**3, "million": 10**6, "billion": 10**9, "trillion": 10**12}
 _SCALE = re.compile(r"(?i)\s*(" + "|".join(_SCALE_WORDS) + r")(?![A-Za-z])")
-# Words after a number that change its value: never units.
-_OPERATOR_WORDS = {"squared", "cubed", "factorial", "times", "plus", "minus", "over", "divided", "mod", "modulo"}
+# Words right after a number that change its value: never units (`3 times 4` fails anyway: `4` is no unit).
+_OPERATOR_WORDS = {"squared", "cubed", "factorial"}
 _SQUARED = re.compile(r"\^\s*\{?\s*[23]\s*\}?")  # `cm^2`: a unit squared; after a bare number (`2^3`) a power
 # What may stand left of `=` in a one-number answer: a variable (`x`, `a_1`, `\theta`) or arithmetic (`2+3 = 5`).
 _NAME_OR_ARITHMETIC = re.compile(
@@ -345,7 +346,7 @@ def _value_side(text: str) -> str | None:
     return value if all(named) else None
 
 
-def parse_number(text: str) -> Fraction | None:
+def parse_number(text: str, scaled: bool = True) -> Fraction | None:
     """The exact value of a cleaned answer that is one plain number (units allowed), else None.
 
     `025` -> 25, `1,000` -> 1000, `1 000` -> 1000, `-3.50` -> -7/2, `\\frac{3}{4}` -> 3/4, `12 cm` -> 12,
@@ -388,7 +389,7 @@ def parse_number(text: str) -> Fraction | None:
     rest = text[m.end() :]
     scale = _SCALE.match(rest)
     if scale:
-        value *= _SCALE_WORDS[scale.group(1).lower()]
+        value *= _SCALE_WORDS[scale.group(1).lower()] if scaled else 1
         rest = rest[scale.end() :]
     if not _units_only(rest):
         return None
@@ -503,19 +504,25 @@ def verify(response: str, ground_truth: str) -> Verdict:
     return Verdict(ok, answer, RULE_MATH_VERIFY, detail)
 
 
-_NUMBER_IN_TEXT = re.compile(r"\d[\d,]*(?:\.\d+)?")
+# The sentence after a numeric answer is a hedge when it starts like one (`12. Or 13.`, `12. Maybe 14.`) or is
+# another number alone (`12. 13.`); a remark (`12. Indeed 3 x 4 = 12.`, `12. Done in 3 steps.`) is not.
+_HEDGE_START = re.compile(
+    r"(?i)\s*(?:or|alternatively|otherwise|maybe|perhaps|possibly|probably|might|either|unless|else)\b"
+)
+_BARE_NUMBER = re.compile(r"\s*\$?\s*([-+]?\d[\d,]*(?:\.\d+)?)\s*\$?\s*[.?!]?\s*")
 # Numbers side by side: `3 5`, `3 -5` (math-verify would add them up); `2 \frac12` and `3 - 5` do not match.
 _NUMBERS_APART = re.compile(r"\d\s*[,;]\s*\d|\d\s+[-+]?\d")
 
 
 def _hedge_after(tail: str, value: Fraction | None) -> str | None:
-    """What makes the sentences after a numeric answer a hedge (`12. Or 13.`, `12. Maybe not.`): a hedge word, or
-    a number other than the answer's value. None for a closing remark (`12. I hope it is correct.`)."""
-    hedge = _HEDGE_RE.search(tail)
-    if hedge:
-        return hedge.group()
-    others = [n for n in _NUMBER_IN_TEXT.findall(tail) if value is None or parse_number(n.rstrip(",")) != value]
-    return others[0] if others else None
+    """What makes the sentence after a numeric answer a hedge (`_HEDGE_START`, `_BARE_NUMBER`), else None."""
+    sentence = re.split(r"(?<=[.?!])\s", tail.strip(), maxsplit=1)[0]
+    if start := _HEDGE_START.match(sentence):
+        return start.group().strip()
+    bare = _BARE_NUMBER.fullmatch(sentence)
+    if bare and parse_number(bare.group(1)) != value:
+        return bare.group(1)
+    return None
 
 
 def _verify_number(truth_value: Fraction, truth_latex: str, answer: str, answer_latex: str, rule: str,
@@ -540,7 +547,7 @@ def _verify_number(truth_value: Fraction, truth_latex: str, answer: str, answer_
         # A number written as an expression (`2^{10}`, `\\sqrt{16}`): math-verify evaluates it.
         ok, detail = _math_verify(truth_latex, answer_latex)
         return Verdict(ok, answer, RULE_MATH_VERIFY, detail)
-    if value == truth_value:
+    if value == truth_value or (_SCALE.search(answer) and parse_number(answer, scaled=False) == truth_value):
         return Verdict(True, answer, rule, f"equals {_format(truth_value)}")
     if _is_integer(truth_value) and "%" not in truth_latex:
         # An integer truth is exact: no rounding tolerance, so 2.9999999 is not 3 and 23-digit answers stay exact;

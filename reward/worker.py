@@ -123,10 +123,9 @@ class RewardWorker:
                 touched = time.monotonic()
             if self._stop.is_set():
                 for rest, _, _, rest_pending in in_flight[index:]:
-                    rest_pending.cancel()
-                    # Not counted as a delivery: a stop (a scale-down) is not the group's fault, and a group
-                    # interrupted max_deliveries times would go to dead without ever failing.
-                    self.rollouts.release(rest, unused=True)
+                    # A group whose verification had not begun is not counted as a delivery: a stop (a scale-down)
+                    # is not its fault. One being verified keeps its count (Stream.release: work that started).
+                    self.rollouts.release(rest, unused=rest_pending.cancel())
                 break
             try:
                 scores = self.scorer.collect(items, pending, started)

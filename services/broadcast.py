@@ -553,7 +553,10 @@ class Broadcaster:
         fresh, stale = {}, []
         self.since, self.nearby, self.newcomers = {}, set(), set()
         self.paused = {process: until for process, until in self.paused.items() if until > clock}
-        for raw_id, raw in sorted((self.redis.hgetall(self.members_key) or {}).items()):
+        listed = list((self.redis.hgetall(self.members_key) or {}).items())
+        random.shuffle(listed)  # which newcomers a round takes: ids chosen to sort first keep no one out
+        seen = set()
+        for raw_id, raw in listed:
             member = raw_id.decode() if isinstance(raw_id, bytes) else raw_id
             try:
                 record = json.loads(raw)
@@ -564,6 +567,7 @@ class Broadcaster:
             if not (math.isfinite(at) and math.isfinite(since)) or now - at > MEMBER_TTL_S or not 1 <= workers <= 64:
                 stale.append(member)
                 continue
+            seen.add((member, since))
             if (member, since) in self.paused:
                 continue
             if (member, since) not in self.joined:
@@ -576,6 +580,7 @@ class Broadcaster:
                 self.nearby.add(member)
         if stale:
             self.redis.hdel(self.members_key, *stale)
+        self.joined &= seen  # member processes no longer listed: gone
         return fresh
 
     def broadcast(self, tensors: dict[str, torch.Tensor], version: int) -> RoundResult | None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import logging
+import math
 import os
 import re
 import typing
@@ -234,6 +235,21 @@ class DataConfig(Section):
     seed: int = Field(0, description="Data order seed.")
 
 
+MIN_TEMPERATURE = 0.01  # vLLM raises a lower positive temperature to this: behaviour logprobs at another T
+MAX_TEMPERATURE = 2.0  # vLLM refuses more
+
+
+def sampling_refusal(temperature: float, n: int) -> str | None:
+    """Why the engine cannot sample `n` responses at `temperature` as asked (None: it can). 0 is greedy."""
+    if not (math.isfinite(temperature) and 0 <= temperature <= MAX_TEMPERATURE):
+        return f"temperature {temperature} is outside [0, {MAX_TEMPERATURE}]"
+    if 0 < temperature < MIN_TEMPERATURE:
+        return f"temperature {temperature} is below {MIN_TEMPERATURE} and not 0 (greedy)"
+    if temperature == 0 and n > 1:
+        return f"n = {n} greedy samples: greedy sampling gives one"
+    return None
+
+
 class SamplingConfig(Section):
     n: int = Field(16, description="Responses per prompt, the group size G (paper: 16).")
     temperature: float = Field(1.0, description="Sampling temperature (paper: 1.0).")
@@ -323,7 +339,7 @@ class WeightsConfig(Section):
         3600.0, description="shared-fs: a generator's hold on the versions it serves or loads lapses this long "
         "unrenewed."
     )
-    keep_versions: int = Field(3, description="Published weight versions kept on disk, and at most as many older "
+    keep_versions: int = Field(3, ge=1, description="Published weight versions kept on disk, and at most as many older "
                                "ones that generators hold or are pulling.")
     broadcast_port: int = Field(
         8003, ge=0, le=65535, description="collective: the learner's rendezvous port (a TCPStore; 0 = any free one)."
@@ -828,6 +844,8 @@ def settings_conflicts(settings: Settings) -> list[str]:
     max_model_len = settings.generator.max_model_len
     for section in ("sampling", "eval_sampling"):
         max_tokens = getattr(settings, section).max_tokens
+        if refusal := sampling_refusal(getattr(settings, section).temperature, getattr(settings, section).n):
+            conflicts.append(f"{section}: {refusal}: the generator would refuse every task")
         if max_model_len is not None and max_tokens >= max_model_len:
             conflicts.append(f"{section}.max_tokens {max_tokens} leaves no room for a prompt in "
                              f"generator.max_model_len {max_model_len}: the generator would refuse every task")

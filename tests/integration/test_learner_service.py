@@ -347,6 +347,25 @@ def test_a_held_group_dropped_at_a_restart_stays_held_until_a_checkpoint_lists_i
     assert restarted.work.release() == 1 and not list(restarted.work.held.entries())
 
 
+
+def test_a_second_held_entry_of_a_task_is_deleted_alone_at_a_restart(settings):
+    """Two entries of one task in `held` (a forward retried after its reply was lost): the restart keeps the first
+    for training and deletes the duplicate alone, not the task's kept entry with it at the next checkpoint."""
+    first = LearnerService(settings)
+    first.connect()
+    first.work.limit_vocabulary(100)
+    (task,) = issue_tasks(first, 1)
+    group = scored_group(task, [True, False] * 8)
+    first.work.held.produce(group)
+    first.work.held.produce(group)
+    restarted = LearnerService(settings)
+    restarted.connect()
+    restarted.work.limit_vocabulary(100)
+    restarted.work.restore(skip=set(), counted=set())
+    assert [task_id_of(g) for _, _, g in restarted.work.assembler.ready] == [task.task_id]
+    assert len(list(restarted.work.held.entries())) == 1 and not restarted.work.consumed_since_checkpoint
+
+
 def test_only_dead_letters_a_service_signed_make_a_task_lost(settings):
     """A dead prompt makes the learner stop waiting for its task; a dead letter that anyone with Redis access
     added (unsigned, or signed with another key) must not, or it could cancel any task whose id it read."""

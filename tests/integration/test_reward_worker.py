@@ -174,8 +174,27 @@ def test_stop_releases_the_groups_not_yet_forwarded(settings, streams, pool):
     assert worker.process(deliveries) == 0  # stopping: nothing is forwarded, everything is handed back
     again = worker.rollouts.consume("reward-other", count=2, block_ms=100)
     assert sorted(d.message.task.task_id for d in again) == ["a", "b"]
-    assert [d.deliveries for d in again] == [1, 1]  # a stop is not the group's fault: not counted
     assert streams.redis.xlen(streams.key("scored")) == 0
+
+
+def test_a_stop_before_a_groups_verification_began_does_not_count_as_its_delivery(settings, streams):
+    """A scale-down is not the group's fault: interrupted max_deliveries times, it went to dead without failing."""
+    from concurrent.futures import Future
+
+    class Waiting(Scorer):  # verification never begins: the stop finds every group not started
+        def __init__(self):
+            self.cfg = settings.reward
+
+        def submit(self, items):
+            return Future()
+
+    worker = RewardWorker(settings, Waiting(), streams, consumer="reward-test")
+    worker.rollouts.produce(issued(streams, rollout("a", "1", ["Answer: 1"])))
+    deliveries = worker.rollouts.consume("reward-test", count=1, block_ms=100)
+    worker.stop()
+    assert worker.process(deliveries) == 0
+    (again,) = worker.rollouts.consume("reward-other", count=1, block_ms=100)
+    assert again.deliveries == 1
 
 
 def test_a_group_whose_verifier_pool_fails_is_handed_back_not_scored_wrong(settings, streams):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from services.config import CONFIG_DIR, ConfigError, Settings, dump_settings, load_settings
@@ -181,7 +183,7 @@ def test_a_log_level_in_lower_case_works_and_a_bad_one_is_one_line(monkeypatch, 
 
     monkeypatch.setenv("DAPO_LOG_LEVEL", "loud")
     assert main(["reward", "--set", "reward.wrokers=2"]) == 2
-    assert "DAPO_LOG_LEVEL='LOUD' is not a log level" in capsys.readouterr().err
+    assert "DAPO_LOG_LEVEL='loud' is not a log level" in capsys.readouterr().err
     monkeypatch.setenv("DAPO_LOG_LEVEL", "debug")
     assert main(["reward", "--set", "reward.wrokers=2"]) == 2  # got past the level: the config's error
     assert "unknown key" in capsys.readouterr().err
@@ -325,3 +327,14 @@ def test_a_section_variable_with_one_underscore_is_named_with_the_one_meant(monk
         assert load_settings().redis.url is None
     said = [r.getMessage() for r in caplog.records]
     assert said == ["DAPO_REDIS_URL sets nothing: a section's field takes two underscores (DAPO_REDIS__URL)"]
+
+
+@pytest.mark.parametrize("section, sampling, refusal", [
+    ("eval_sampling", {"temperature": 0.0}, "n = 4 greedy samples"),  # greedy evaluation wants n: 1
+    ("sampling", {"temperature": 2.5}, "temperature 2.5 is outside [0, 2.0]"),
+    ("sampling", {"temperature": 0.001}, "temperature 0.001 is below 0.01 and not 0"),
+])
+def test_sampling_every_task_would_be_refused_for_is_refused_at_load(section, sampling, refusal):
+    with pytest.raises(ConfigError, match=f"{section}: {re.escape(refusal)}"):
+        load_settings(**{section: sampling})
+    assert load_settings(eval_sampling={"temperature": 0.0, "n": 1}).eval_sampling.n == 1
