@@ -162,17 +162,22 @@ def scored_group(task: PromptTask, correct: list[bool]) -> ScoredGroup:
                        scores=scores)
 
 
+def learner_drawing(settings, problems: list[Problem], seed: int) -> LearnerService:
+    """A connected learner service drawing its train tasks from `problems` (prompts as token ids 5, 6)."""
+    service = LearnerService(settings)
+    service.connect()
+    service.train_problems = TrainProblems(problems, seed=seed)
+    service.prompt_builder = lambda problem: (problem.problem, [5, 6])
+    return service
+
+
 def test_a_resume_does_not_draw_again_the_problems_issued_after_the_checkpoint(settings):
     """Their groups survive the crash (held, or still in the pipeline) and are trained by the resumed learner, so
     it continues the data after the last problem issued, not after the checkpoint's cursor."""
     problems = [Problem(id=str(i), problem=f"{i}+0=?", answer=str(i)) for i in range(20)]
 
     def learner() -> LearnerService:
-        service = LearnerService(settings)
-        service.connect()
-        service.train_problems = TrainProblems(problems, seed=3)
-        service.prompt_builder = lambda problem: (problem.problem, [5, 6])
-        return service
+        return learner_drawing(settings, problems, seed=3)
 
     first = learner()
     checkpointed = first.train_problems.cursor()  # the checkpoint is written here, then 2 pushes follow
@@ -203,11 +208,7 @@ def test_the_data_goes_on_after_a_kill_before_the_first_checkpoint_and_past_only
     settings.streams.high_water = 4
 
     def learner() -> LearnerService:
-        service = LearnerService(settings)
-        service.connect()
-        service.train_problems = TrainProblems(problems, seed=5)
-        service.prompt_builder = lambda problem: (problem.problem, [5, 6])
-        return service
+        return learner_drawing(settings, problems, seed=5)
 
     first = learner()
     first.push_train(Push(count=6, refill=False))
