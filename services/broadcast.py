@@ -545,6 +545,7 @@ class Broadcaster:
         self.joined: set[tuple[str, float]] = set()  # member processes seen joining a round: no newcomers
         self.newcomers: set[str] = set()  # this round's
         self.newcomers_from = float("-inf")  # monotonic time from which newcomers are taken again
+        self.shuffler = random.Random()  # its own: rounds run beside training, whose seeded `random` they must not move
 
     def members(self) -> dict[str, int]:
         """Fresh members not sitting out, newcomers within their bounds (module docstring): generator id -> its
@@ -554,7 +555,7 @@ class Broadcaster:
         self.since, self.nearby, self.newcomers = {}, set(), set()
         self.paused = {process: until for process, until in self.paused.items() if until > clock}
         listed = list((self.redis.hgetall(self.members_key) or {}).items())
-        random.shuffle(listed)  # which newcomers a round takes: ids chosen to sort first keep no one out
+        self.shuffler.shuffle(listed)  # which newcomers a round takes: ids chosen to sort first keep no one out
         seen = set()
         for raw_id, raw in listed:
             member = raw_id.decode() if isinstance(raw_id, bytes) else raw_id
