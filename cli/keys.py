@@ -113,7 +113,7 @@ def _keys(root: Path, action: str, name: str | None, run: str) -> int:
         usage = "name the key id to retire"
     elif action == "retire":
         try:
-            retire(root, name or "")
+            retire(root, name)
             print(f"retired {name}")
         except KeysError as err:  # no such key, or the role's current one: the argument is wrong
             known = ", ".join(sorted(path.stem for path in (root / "public").glob("*.pub"))) or "none"

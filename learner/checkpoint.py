@@ -46,7 +46,7 @@ from torch import Tensor
 from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-from services.files import fsync_dir, fsync_tree, write_atomic
+from services.files import fsync_dir, fsync_tree, numbered, write_atomic
 
 if TYPE_CHECKING:  # pragma: no cover
     from learner.trainer import Trainer
@@ -85,9 +85,7 @@ class Checkpoints:
         """The steps of the checkpoint folders present, in order."""
         if not self.dir.is_dir():
             return []
-        return sorted(int(p.name.removeprefix(PREFIX)) for p in self.dir.iterdir() if p.is_dir()
-                      and p.name.startswith(PREFIX) and (digits := p.name.removeprefix(PREFIX)).isascii()
-                      and digits.isdigit())  # ASCII only: `"²".isdigit()` is true, and int() refuses it
+        return sorted(step for p in self.dir.iterdir() if p.is_dir() and (step := numbered(p.name, PREFIX)) is not None)
 
     def latest_step(self) -> int | None:
         """The step of the checkpoint `latest` names; None when there is none."""

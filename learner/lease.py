@@ -231,16 +231,14 @@ class LearnerLease:
     def _watch_loop(self) -> None:
         """No I/O here: a renewal blocked on a socket must not keep the process writing past TTL/2."""
         while not self._stop.wait(self.interval_s / 2):
-            if now() - self._renewed_at > self.ttl_s / 2:
-                self._lost(f"no renewal reached Redis for {now() - self._renewed_at:.0f} s")
-                return
+            self.check()  # lost: `_lost` sets _stop, which ends the loop
 
     def check(self) -> None:
-        """The watchdog's test on the caller's thread, before a write only the run's learner may make (a checkpoint
-        becoming `latest`): a process frozen past TTL/2 that wakes up mid-checkpoint must not commit it before the
-        watchdog's thread gets to run."""
+        """The watchdog's test, also on the caller's thread before a write only the run's learner may make (a
+        checkpoint becoming `latest`): a process frozen past TTL/2 that wakes up mid-checkpoint must not commit it
+        before the watchdog's thread gets to run."""
         if now() - self._renewed_at > self.ttl_s / 2:
-            self._lost(f"no renewal reached Redis for {now() - self._renewed_at:.0f} s (found before a commit)")
+            self._lost(f"no renewal reached Redis for {now() - self._renewed_at:.0f} s")
 
     def _lost(self, why: str) -> None:
         if self._stop.is_set():  # released meanwhile, or the other thread got here first

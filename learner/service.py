@@ -391,11 +391,12 @@ class LearnerService:
         # the background (max_staleness >= 1), the one before. Were this process killed before that delivery
         # ended, a task asking for the current version would wait for one never announced.
         ready = min(version, self.announced)
-        tasks, cursors = [], []
+        tasks, cursors, before = [], [], self.train_problems.cursor()
         for _ in range(push.count):
-            before = self.train_problems.cursor()
             tasks.append(self.make_task(self.train_problems.next(), "train", ready))
-            cursors.append((before, self.train_problems.cursor()))
+            after = self.train_problems.cursor()
+            cursors.append((before, after))
+            before = after
         self.work.issue(tasks, version, cursors)
         if push.refill:
             metrics.LEARNER_REFILLS.inc()

@@ -282,8 +282,8 @@ class WorkingSet:
                     return
                 self.deadlines.pushed(task.task_id, time.monotonic())
                 room -= 1
-                cursors = self._cursors.pop(task.task_id, None)
-                pushed_cursor = cursors[1] if cursors is not None else pushed_cursor
+                if (cursors := self._cursors.pop(task.task_id, None)) is not None:
+                    pushed_cursor = cursors[1]
         finally:
             if pushed_cursor is not None:  # a crash before this line draws these problems again: rare, harmless
                 self.redis.set(self.cursor_key, json.dumps(pushed_cursor))

@@ -824,10 +824,10 @@ def misspelt_variables(environ: Mapping[str, str]) -> dict[str, str]:
         upper = name.upper()
         if not upper.startswith("DAPO_") or "__" in upper or upper in COMPOSE_VARIABLES:
             continue
+        rest = upper[len("DAPO_"):].lower()
         for section, field in Settings.model_fields.items():
             model = field.annotation
             prefix = f"{section}_"
-            rest = upper[len("DAPO_"):].lower()
             if (isinstance(model, type) and issubclass(model, BaseModel) and rest.startswith(prefix)
                     and rest[len(prefix):] in model.model_fields):
                 found[name] = f"DAPO_{section}__{rest[len(prefix):]}".upper()

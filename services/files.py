@@ -11,6 +11,13 @@ from pathlib import Path
 from typing import BinaryIO
 
 
+def numbered(name: str, prefix: str) -> int | None:
+    """N of a folder named `{prefix}N` (`v12`, `step-40`), else None: ASCII digits only (`"²".isdigit()` is true,
+    and int() refuses it; the folders may hold anything a generator or an operator put there)."""
+    digits = name.removeprefix(prefix)
+    return int(digits) if name.startswith(prefix) and digits.isascii() and digits.isdigit() else None
+
+
 def write_atomic(path: Path, data: str | bytes, mode: int = 0o666) -> None:
     """Replace `path` with `data` so that readers see the old content or the new, never a partial file.
 

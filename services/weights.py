@@ -54,7 +54,7 @@ from fastapi import Path as PathParameter
 from fastapi.responses import StreamingResponse
 
 from services.broadcast import parse_round
-from services.files import open_regular, read_regular
+from services.files import numbered, open_regular, read_regular
 from services.keys import Keyring, load_keyring, load_signer
 from services.messages import WeightsAnnouncement, WeightsBroadcast, WeightsFile, read_announcement
 from services.redis_local import retrying
@@ -221,9 +221,7 @@ def _prefix(streams_or_prefix) -> str:
 
 
 def _version_of(folder: Path) -> int | None:
-    name = folder.name
-    digits = name[1:]  # ASCII only: `"²".isdigit()` is true, and int() refuses it
-    return int(digits) if name.startswith("v") and digits.isascii() and digits.isdigit() else None
+    return numbered(folder.name, "v")
 
 
 # -- learner side -------------------------------------------------------------------------------------------
