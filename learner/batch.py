@@ -359,11 +359,14 @@ class BatchAssembler:
         correct = [score.correct for score in group.scores]
         return is_informative(filter_values(correct, group_rewards(group), self.filter_metric))
 
-    def admit(self, group: ScoredGroup, version: int, *, fresh: bool = True) -> Admission:
+    def admit(self, group: ScoredGroup, version: int, *, fresh: bool = True, observe: bool = True) -> Admission:
         """Classify an arriving train group; informative ones join `ready`.
 
         `fresh=False` re-admits a group already counted before (the working set read back after a restart):
-        it is neither counted in the step's statistics nor observed by the ratio estimate again.
+        it is not counted in the step's statistics again. `observe=False` keeps it from the ratio estimate: the
+        working set holds only groups that were informative when they arrived, a biased sample of what a push
+        yields (and after a restart those of a discarded lineage come back stale), so only groups arriving from
+        the stream estimate the ratio.
         """
         task_id = task_id_of(group)
         if task_id in self.seen:
@@ -375,6 +378,7 @@ class BatchAssembler:
         usable = self.is_usable(group)
         if fresh:
             self.stats.count_scored(group)
+        if fresh and observe:
             self.ratio.observe(usable and not stale)
         if stale:
             if fresh:

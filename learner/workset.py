@@ -537,7 +537,7 @@ class WorkingSet:
                 self.held.dead(entry_id, payload, refused[:2000])
                 outcome["refused"] += 1
                 continue
-            verdict = self.assembler.admit(group, version, fresh=task_id not in counted)
+            verdict = self.assembler.admit(group, version, fresh=task_id not in counted, observe=False)
             if verdict == "informative":
                 outcome["kept"] += 1
                 kept.add(task_id)

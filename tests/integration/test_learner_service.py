@@ -349,6 +349,28 @@ def test_a_held_group_dropped_at_a_restart_stays_held_until_a_checkpoint_lists_i
 
 
 
+def test_held_groups_read_back_at_a_restart_leave_the_ratio_estimate_alone(settings):
+    """`held` holds only groups that were informative when they arrived (and after a kill, those of the discarded
+    lineage come back too stale): a biased sample, so re-admitting them must not move the estimate that sizes the
+    pushes (it dropped from 0.8 to 0.1 at a resume, and the next steps pushed up to 4x what they needed)."""
+    first = LearnerService(settings)
+    first.connect()
+    first.work.limit_vocabulary(100)
+    tasks = issue_tasks(first, 4)
+    for task in tasks:
+        reward_stream(first, settings).produce(scored_group(task, [True, False] * 8))
+    first.work.pump()
+    restarted = LearnerService(settings)
+    restarted.connect()
+    restarted.work.limit_vocabulary(100)
+    before = restarted.work.assembler.ratio.state()
+    restarted.policy.current = settings.learner.batch.max_staleness + 5  # half of them too old for it
+    restarted.work.restore(skip=set(), counted=set())
+    assert len(restarted.work.take_drops()["stale"]) == 4
+    assert restarted.work.assembler.ratio.state() == before
+    assert restarted.work.assembler.stats.stale_dropped == 4  # still counted in the step's statistics
+
+
 def test_a_second_held_entry_of_a_task_is_deleted_alone_at_a_restart(settings):
     """Two entries of one task in `held` (a forward retried after its reply was lost): the restart keeps the first
     for training and deletes the duplicate alone, not the task's kept entry with it at the next checkpoint."""
