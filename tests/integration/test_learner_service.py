@@ -615,6 +615,36 @@ def test_streams_whose_last_id_a_worker_set_to_the_maximum_are_repaired_and_the_
     assert service.redis.xrange(prompts.key, min=largest, max="+") == []
 
 
+@pytest.mark.parametrize("attack", ["xclaim lastid", "xgroup create"])
+def test_a_consumer_group_a_worker_moved_past_the_end_of_its_stream_is_set_back(settings, attack):
+    """A worker may XCLAIM on the stream it reads, and make the next role's consumer group: with LASTID, or a group
+    made at the largest id, the group's cursor lies past every id the stream will make, and XREADGROUP delivers
+    nothing new for good (every task dies at its deadline, is pushed again, and is never delivered). The learner's
+    periodic check sets the group back to its newest pending entry: what was pending stays with its consumer, what
+    the attack skipped is delivered, once."""
+    service = LearnerService(settings)
+    service.connect()
+    service.work.limit_vocabulary(100)
+    largest = "18446744073709551615-18446744073709551615"
+    prompts = Streams(service.redis, settings, signs_as=("generator",)).stream("prompts", PromptTask)
+    if attack == "xgroup create":  # before any group exists (a run's start)
+        service.redis.delete(prompts.key)
+        service.redis.xgroup_create(prompts.key, "generator", id=largest, mkstream=True)
+    issue_tasks(service, 2)
+    if attack == "xclaim lastid":
+        (held,) = prompts.consume("gen-a", count=1, block_ms=0)
+        service.redis.execute_command("XCLAIM", prompts.key, "generator", "spy", 0, "0-1", "JUSTID",  # none pending
+                                      "LASTID", largest, parse_justid=True)
+    assert prompts.consume("gen-b", count=10, block_ms=0) == []  # stalled
+    service.work._repaired_at = 0.0  # the periodic check, due now
+    service.work.pump()
+    delivered = [d.message.task_id for d in prompts.consume("gen-b", count=10, block_ms=0)]
+    assert delivered == (["train-1"] if attack == "xclaim lastid" else ["train-0", "train-1"])
+    if attack == "xclaim lastid":
+        assert prompts.ack(held)  # still its consumer's
+    assert prompts.consume("gen-c", count=10, block_ms=0) == []  # nothing twice
+
+
 def test_no_re_split_splice_or_replay_of_a_signed_dead_letter_makes_a_task_lost(settings):
     """The attack on the old signature (stream, reason, data joined by newlines), with only Redis access: write a
     victim task's bytes unsigned into `prompts`, let a generator dead-letter them (a letter a service signed, but

@@ -275,3 +275,37 @@ def test_on_redis_7_worker_roles_call_the_stream_functions_and_run_no_code_of_th
         assert learner.hget(entry_ids_key(upgraded.key(ISSUED)), "t0").decode() == pushed
     finally:
         server.kill()
+
+
+@pytest.mark.parametrize("binary", [b for b in _servers() if server_version(b) >= (7, 0)], ids=_version)
+def test_on_redis_7_each_key_of_a_worker_takes_only_the_commands_its_work_sends_there(binary, short_tmp,
+                                                                                     deployment_settings):
+    """With the consumer commands on every key of its role, a worker could make `issued` or `weights:members` a
+    stream (XGROUP CREATE ... MKSTREAM while absent: every later push, restart or round of the learner failed with
+    WRONGTYPE), and with HSET on its forward markers' namespace fill Redis with keys nothing trims. Each key now
+    takes the commands sent there and no other; the pipeline still runs under these users (the tests above)."""
+    passwords = {user: secrets.token_hex(16) for user in REDIS_USERS}
+    server = DeploymentRedis(binary, Path(short_tmp), acl_file(passwords, run=deployment_settings.redis.run)).start()
+    try:
+        key = "dapo:restart:{}".format
+        generator = client_for(server.url("generator", passwords["generator"]))
+        reward = client_for(server.url("reward", passwords["reward"]))
+        autoscaler = client_for(server.url("autoscaler", passwords["autoscaler"]))
+        attacks = [(generator, "XGROUP", "CREATE", key("weights:members"), "g", "$", "MKSTREAM"),
+                   (generator, "XGROUP", "CREATE", key("weights:latest"), "g", "$", "MKSTREAM"),
+                   (generator, "HSET", key("prompts:forwarded:1-0"), "junk", "x" * 1000),
+                   (generator, "HSET", key("prompts"), "junk", "x"),
+                   (generator, "GET", key("weights:members")),
+                   (reward, "XGROUP", "CREATE", key("issued"), "g", "$", "MKSTREAM"),
+                   (reward, "XLEN", key("issued")),
+                   (reward, "HMGET", key("rollouts"), "x"),
+                   (reward, "SET", key("rollouts:forwarded:1-0"), "x")]
+        for client, *command in attacks:
+            with pytest.raises(redis.exceptions.NoPermissionError):
+                client.execute_command(*command)
+        generator.hset(key("weights:members"), "g", "{}")  # what each does send there
+        assert generator.hdel(key("weights:members"), "g") == 1 and generator.get(key("weights:latest")) is None
+        assert reward.hmget(key("issued"), ["t"]) == [None]
+        assert autoscaler.info("server")["redis_version"]  # KEDA's redis-streams scaler asks before XINFO GROUPS
+    finally:
+        server.kill()
