@@ -122,6 +122,17 @@ class VerifierUnavailable(RuntimeError):
     """The verifier processes failed while the item waited; the item itself has no verdict (retry it later)."""
 
 
+class Verification(Future):
+    """Verdicts to come (one item's, or a batch's); `started()`: whether a child has taken any of its items."""
+
+    def __init__(self, tasks: list[Future] | None = None):
+        super().__init__()
+        self.tasks = tasks or []  # pebble's futures of its items (a verdict given at once has none)
+
+    def started(self) -> bool:
+        return any(task.running() or (task.done() and not task.cancelled()) for task in self.tasks)
+
+
 @dataclass
 class PoolStats:
     verified: int = 0
@@ -158,6 +169,9 @@ class VerifierPool:
         self._launched: threading.Event | None = None  # set once the current pool's children are spawned
         self._ready = self._context.SimpleQueue()  # pids of children that finished _start_child
         self._ready_pids: set[int] = set()
+        # Read at once, whoever asks (`ready_workers`): a pipe nobody reads fills after some 600 replaced children,
+        # and the next one then blocks in its start for good, before it takes an item (no time limit runs yet).
+        threading.Thread(target=self._read_ready, name="verifier-ready", daemon=True).start()
         self.network = ""  # the children's network isolation, as the last one to start reported it
         self.user = ""  # and the user they run as
         self._pending: set[Future] = set()
@@ -220,22 +234,27 @@ class VerifierPool:
             time.sleep(0.02)
         return False
 
-    def ready_workers(self) -> int:
-        """Live children that have imported the verifier."""
-        with self._lock:
-            while not self._ready.empty():
-                pid, network, user = self._ready.get()
+    def _read_ready(self) -> None:
+        """Record each child that finished its start (until close() sends None)."""
+        while (started := self._ready.get()) is not None:
+            pid, network, user = started
+            with self._lock:
                 self._ready_pids.add(pid)
                 if (network, user) != (self.network, self.user):
                     (log.info if network.startswith("network namespace") else log.warning)(
                         "verifier processes: %s, %s", network, user)
                     self.network, self.user = network, user
+
+    def ready_workers(self) -> int:
+        """Live children that have imported the verifier."""
+        with self._lock:
             self._ready_pids &= set(self.worker_pids())
             return 0 if self.broken else len(self._ready_pids)
 
-    def worker_pids(self) -> list[int]:
-        """PIDs of the live children, for inspection and fault-injection tests (pebble has no public accessor)."""
-        pool = self._pool
+    def worker_pids(self, pool: ProcessPool | None = None) -> list[int]:
+        """PIDs of the live children (of `pool`, default the current one), for inspection and fault-injection
+        tests (pebble has no public accessor)."""
+        pool = pool or self._pool
         if pool is None:
             return []
         workers = pool._pool_manager.worker_manager.workers
@@ -248,6 +267,7 @@ class VerifierPool:
             self._closed = True  # a launch not begun yet will not begin; one under way has ended (it holds the lock)
             pending, self._pending = self._pending, set()
             pool = self._pool
+        self._ready.put(None)
         for future in pending:
             _settle(future, error=RuntimeError("verifier pool closed"))
         if pool is not None:
@@ -271,24 +291,25 @@ class VerifierPool:
 
     # ---- API ---------------------------------------------------------------------------------------------
 
-    def submit(self, response: str, ground_truth: str) -> Future:
+    def submit(self, response: str, ground_truth: str) -> Verification:
         """Queue one verification; the future resolves to a Verdict (never raises for bad input)."""
         if self.broken:
-            verdict: Future = Future()
+            verdict = Verification()
             verdict.set_result(Verdict(False, None, RULE_ERROR, self.broken))
             return verdict
         return self._track(*self._schedule(response, ground_truth))
 
-    def submit_many(self, pairs: list[tuple[str, str]]) -> Future:
+    def submit_many(self, pairs: list[tuple[str, str]]) -> Verification:
         """Queue (response, ground_truth) pairs; the future resolves to their Verdicts, in order.
 
         Cancelling the future drops its items that no child has started yet (and stops those running).
         """
-        batch: Future = Future()
         if not pairs:
+            batch = Verification()
             batch.set_result([])
             return batch
         items = [self.submit(response, truth) for response, truth in pairs]
+        batch = Verification([task for item in items for task in item.tasks])
         remaining = [len(items)]
 
         def on_item(_done: Future) -> None:
@@ -328,9 +349,9 @@ class VerifierPool:
             raise RuntimeError("verifier pool closed")
         return pool, pool.schedule(_verify_in_child, args=(response, ground_truth, self.rule), timeout=self.timeout_s)
 
-    def _track(self, pool: ProcessPool, task: Future) -> Future:
+    def _track(self, pool: ProcessPool, task: Future) -> Verification:
         """A future of the task's Verdict, which close() can fail (pebble's own are cancelled by stop())."""
-        verdict: Future = Future()
+        verdict = Verification([task])
         with self._lock:
             self._pending.add(verdict)
         verdict.add_done_callback(lambda v: v.cancelled() and task.cancel())
@@ -376,6 +397,12 @@ class VerifierPool:
                 return
             self._launched = self._launch(replacing=broken)
         broken.stop()
+        # pebble stops a pool's children only in join(), which its own callback threads (this may be one) cannot
+        # call: the surviving children would wait on the dead pool's pipe for the life of the service.
+        for pid in self.worker_pids(broken):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        threading.Thread(target=broken.join, kwargs={"timeout": 10}, name="verifier-reap", daemon=True).start()
 
 
 def _settle(future: Future, *, result=None, error: BaseException | None = None) -> None:

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import time
-from concurrent.futures import Future
 from dataclasses import dataclass
 
-from reward.sandbox import VerifierPool
+from reward.sandbox import Verification, VerifierPool
 from reward.shaping import shape
 from reward.verify import RULE_ERROR, RULE_TIMEOUT, Verdict
 from services import metrics
@@ -35,11 +34,11 @@ class Scorer:
         self.pool = pool
         self.cfg = cfg
 
-    def submit(self, items: list[ScoreItem]) -> Future:
+    def submit(self, items: list[ScoreItem]) -> Verification:
         """Queue items for verification (so several groups can be in flight at once); cancellable."""
         return self.pool.submit_many([(item.response, item.ground_truth) for item in items])
 
-    def collect(self, items: list[ScoreItem], pending: Future, started: float | None = None) -> list[Score]:
+    def collect(self, items: list[ScoreItem], pending: Verification, started: float | None = None) -> list[Score]:
         """Wait for the verdicts of `submit(items)` and turn them into Scores."""
         verdicts: list[Verdict] = pending.result()
         scores = [shaped(verdict, item, self.cfg) for item, verdict in zip(items, verdicts, strict=True)]

@@ -125,7 +125,9 @@ class RewardWorker:
                 for rest, _, _, rest_pending in in_flight[index:]:
                     # A group whose verification had not begun is not counted as a delivery: a stop (a scale-down)
                     # is not its fault. One being verified keeps its count (Stream.release: work that started).
-                    self.rollouts.release(rest, unused=rest_pending.cancel())
+                    unused = not rest_pending.started()
+                    rest_pending.cancel()
+                    self.rollouts.release(rest, unused=unused)
                 break
             try:
                 scores = self.scorer.collect(items, pending, started)

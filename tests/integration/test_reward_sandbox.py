@@ -98,6 +98,33 @@ def test_an_idle_child_killed_breaks_no_later_item():
         assert alone.wait_ready(30) and idle_pid not in alone.worker_pids()
 
 
+def test_the_children_s_start_messages_are_read_whether_or_not_anyone_asks_how_many_are_ready(pool):
+    """Every child a timeout or a death replaces says it started, through a pipe: read only when someone asked
+    (/readyz), it filled after some 600 replacements, and the next child blocked in its start for good, holding
+    every later item (no time limit runs before a child takes one). A thousand messages go through now, unasked."""
+    started = (os.getpid(), "network namespace of its own", "uid 65534 (nobody)")  # a child's, in size
+    sent = threading.Thread(target=lambda: [pool._ready.put(started) for _ in range(1000)], daemon=True)
+    sent.start()
+    sent.join(timeout=20)
+    assert not sent.is_alive()
+    assert pool.verify(HANG, "1").rule == "timeout"
+    assert pool.verify("Answer: 8", "8").correct
+
+
+def test_the_survivors_of_a_pool_given_up_on_are_stopped():
+    """Pebble gives up on a pool when an idle child dies, and stops the others only in a join() that its own
+    threads cannot call: they waited on the dead pool's pipe for the life of the service (80 MB each)."""
+    with VerifierPool(workers=2, timeout_s=30, memory_mb=1024) as both:
+        first, survivor = both.worker_pids()
+        os.kill(first, signal.SIGKILL)
+        time.sleep(1.0)  # pebble has given up on the pool
+        assert both.verify("Answer: 9", "9").correct
+        deadline = time.monotonic() + 10
+        while survivor in children_of(os.getpid()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert survivor not in children_of(os.getpid())
+
+
 def test_hostile_items_do_not_delay_the_others_beyond_the_limit(pool):
     assert pool.wait_ready(30)
     started = time.monotonic()

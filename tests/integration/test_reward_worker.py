@@ -12,7 +12,7 @@ import pytest
 import redis
 
 import reward.worker as reward_worker_module
-from reward.sandbox import VerifierPool
+from reward.sandbox import Verification, VerifierPool
 from reward.scoring import Scorer
 from reward.worker import RewardWorker
 from services.keys import ROLES
@@ -179,14 +179,12 @@ def test_stop_releases_the_groups_not_yet_forwarded(settings, streams, pool):
 
 def test_a_stop_before_a_groups_verification_began_does_not_count_as_its_delivery(settings, streams):
     """A scale-down is not the group's fault: interrupted max_deliveries times, it went to dead without failing."""
-    from concurrent.futures import Future
-
     class Waiting(Scorer):  # verification never begins: the stop finds every group not started
         def __init__(self):
             self.cfg = settings.reward
 
         def submit(self, items):
-            return Future()
+            return Verification()
 
     worker = RewardWorker(settings, Waiting(), streams, consumer="reward-test")
     worker.rollouts.produce(issued(streams, rollout("a", "1", ["Answer: 1"])))
@@ -195,6 +193,28 @@ def test_a_stop_before_a_groups_verification_began_does_not_count_as_its_deliver
     assert worker.process(deliveries) == 0
     (again,) = worker.rollouts.consume("reward-other", count=1, block_ms=100)
     assert again.deliveries == 1
+
+
+def test_a_stop_while_a_group_is_being_verified_keeps_its_delivery_count(settings, streams, pool):
+    """Work that began keeps its count (a group that hangs whoever verifies it must still reach `dead`); the batch's
+    own future never runs, so asking it to cancel said `not begun` even with its items in the children."""
+    worker = RewardWorker(settings, Scorer(pool, settings.reward), streams, consumer="reward-test")
+    worker.rollouts.produce(issued(streams, rollout("h", "1", ["Answer: $(x+y+z)^{999}$"])))  # runs to the limit
+    deliveries = worker.rollouts.consume("reward-test", count=1, block_ms=100)
+    submit = worker.scorer.submit
+
+    def submit_then_stop(items):
+        pending = submit(items)
+        deadline = time.monotonic() + 10
+        while not pending.started() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        worker.stop()
+        return pending
+
+    worker.scorer.submit = submit_then_stop
+    assert worker.process(deliveries) == 0
+    (again,) = worker.rollouts.consume("reward-other", count=1, block_ms=2000)
+    assert again.deliveries == 2
 
 
 def test_a_group_whose_verifier_pool_fails_is_handed_back_not_scored_wrong(settings, streams):
