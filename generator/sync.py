@@ -77,9 +77,10 @@ class WeightSync:
         self.watcher.offer(announcement)
         return announcement
 
-    def register(self, workers: int) -> None:
-        """collective: be in the learner's next rounds (renewed every heartbeat)."""
-        register_member(self.redis, self.prefix, self.id, workers)
+    def register(self, workers: int, busy: bool = False) -> None:
+        """collective: be in the learner's next rounds (renewed every heartbeat); `busy`: loading a version from
+        the files, left out of rounds meanwhile."""
+        register_member(self.redis, self.prefix, self.id, workers, busy=busy)
 
     def leave(self) -> None:
         if self.collective:

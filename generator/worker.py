@@ -50,6 +50,7 @@ from pathlib import Path
 from generator.engine import EngineFailure, InvalidTask, VllmEngine
 from generator.sync import WeightSync
 from services import metrics
+from services.broadcast import MEMBER_TTL_S
 from services.config import Settings
 from services.errors import ExitCode
 from services.messages import PromptTask, RolloutGroup, WeightsAnnouncement, WeightsBroadcast
@@ -149,6 +150,12 @@ def entry_time(entry_id: str) -> float:
     return int(entry_id.split("-", 1)[0]) / 1000.0
 
 
+def heartbeat_interval(settings: Settings) -> float:
+    """Seconds between heartbeats: a third of the longest a claim (streams.visibility_timeout_s) or a membership of
+    broadcast rounds (MEMBER_TTL_S) may go unrenewed, so that one late beat loses neither."""
+    return max(0.05, min(settings.streams.visibility_timeout_s, MEMBER_TTL_S) / 3)
+
+
 class RolloutWorker:
     def __init__(self, settings: Settings, engine: VllmEngine, streams: Streams, sync: WeightSync, generator_id: str):
         self.settings = settings
@@ -181,6 +188,7 @@ class RolloutWorker:
         self._ready_weights: _Ready | None = None
         self._receiving: WeightsBroadcast | None = None  # a broadcast round the engine's workers are taking
         self._round_tried: str | None = None  # the last round joined (a round is tried once)
+        self._listed_busy = False  # as the membership of broadcast rounds says: loading a version from the files
         self._next_round_poll = 0.0
         self._failed: dict[tuple[int, str], tuple[float, str]] = {}  # (version, sha) -> (retry after, reason)
         self._waiters: list[tuple[int, concurrent.futures.Future]] = []
@@ -488,6 +496,21 @@ class RolloutWorker:
             self._hand_back(list(self.inflight), "update", unused=True)
         if self._ready_weights is not None and not self.inflight:
             self._apply(self._ready_weights)
+        if self.sync.collective:
+            self._list_busy()
+
+    def _list_busy(self) -> None:
+        """Say in the membership of broadcast rounds whether this generator is loading a version from the files:
+        it skips rounds meanwhile (`_advance_round`), and a member that does not join is paused for MEMBER_PAUSE_S
+        (and a newcomer closes the rounds to newcomers as long): a late joiner's next round would fail so."""
+        busy = self._pull is not None or self._ready_weights is not None
+        if busy == self._listed_busy or not (self._workers and self.ready):
+            return
+        try:
+            self.sync.register(self._workers, busy=busy)
+            self._listed_busy = busy
+        except Exception as err:  # Redis gone: the heartbeat says it again
+            log.warning("broadcast membership not updated: %s", err)
 
     def _refuse(self, target: WeightsAnnouncement, reason: str, message: str, now: float) -> None:
         log.error("weights v%d refused (%s): %s; still serving v%d", target.version, reason, message, self.version)
@@ -651,13 +674,13 @@ class RolloutWorker:
                 log.warning("could not release %s: %s", delivery.id, err)
 
     def _heartbeat_loop(self) -> None:
-        interval = max(0.05, self.settings.streams.visibility_timeout_s / 3)
+        interval = heartbeat_interval(self.settings)
         while not self._finished.wait(interval):
             if self._stalled():
                 return
             if self._workers and self.ready:
                 try:
-                    self.sync.register(self._workers)
+                    self.sync.register(self._workers, busy=self._listed_busy)
                 except Exception as err:
                     log.warning("broadcast membership not renewed: %s", err)
             ids = self._owned  # a snapshot the loop thread publishes (never iterate its dicts from here)

@@ -491,10 +491,13 @@ class LearnerService:
             self.policy.republish_as(newest + 1)
 
     def publish_initial(self) -> None:
+        """The policy at the start, by the files alone: a round for it would wait out its join timeout on every
+        generator up already (at a fresh start they serve version 0 from the model folder, after a restart the
+        version the checkpoint holds; neither joins a round for what it serves), and pause them all."""
         self.ready_reason = "publishing weights"
-        self.publish()
+        self.publish(broadcast=False)
 
-    def publish(self, overlap: bool = False) -> dict:
+    def publish(self, overlap: bool = False, broadcast: bool = True) -> dict:
         """Announce the current policy: its weights gathered in the served dtype (every rank takes part; host
         copies), then delivered (`deliver`). `overlap` (max_staleness >= 1): the delivery runs in the background
         while the next step collects and trains on groups of the versions before; the previous delivery is waited
@@ -516,22 +519,25 @@ class LearnerService:
                 raise
             figures = with_delivery({"publish_gather_seconds": time.perf_counter() - started,
                                      "publish_bytes": float(written)}, delivered)
-            return with_delivery(figures, self.deliver(None, version, written=(folder, writers)))
+            return with_delivery(figures, self.deliver(None, version, written=(folder, writers),
+                                                       broadcast=broadcast))
         weights = self.ranks.weights(self.trainer)
         figures = with_delivery({"publish_gather_seconds": time.perf_counter() - started,
                                  "publish_bytes": float(sum(t.numel() * t.element_size() for t in weights.values()))},
                                 delivered)
         if overlap:
-            self.delivering = self.publishing.submit(self.deliver, weights, version)
+            self.delivering = self.publishing.submit(self.deliver, weights, version, broadcast=broadcast)
             return figures
-        return with_delivery(figures, self.deliver(weights, version))
+        return with_delivery(figures, self.deliver(weights, version, broadcast=broadcast))
 
-    def deliver(self, weights: dict | None, version: int, written: tuple | None = None) -> dict[str, float]:
-        """A broadcast round first (transport collective), then the files and the announcement (every transport:
-        the way in for generators outside the round); `written`: (folder, every rank's `Written`), files the ranks
-        wrote, only to complete. Its figures, naming the version delivered."""
+    def deliver(self, weights: dict | None, version: int, written: tuple | None = None,
+                broadcast: bool = True) -> dict[str, float]:
+        """A broadcast round first (transport collective; not `broadcast`: none), then the files and the
+        announcement (every transport: the way in for generators outside the round); `written`: (folder, every
+        rank's `Written`), files the ranks wrote, only to complete. Its figures, naming the version delivered."""
         started = time.perf_counter()
-        round_ = self.broadcaster.broadcast(shareable_state_dict(weights), version) if self.broadcaster else None
+        rounds = self.broadcaster if broadcast else None
+        round_ = rounds.broadcast(shareable_state_dict(weights), version) if rounds else None
         if written is not None:
             self.publisher.finish(version, *written)
         else:

@@ -4,7 +4,9 @@ One round per version, the same code on CPU (gloo) and GPU (NCCL), built from Py
 (a `TCPStore`, a `PrefixStore` per round, `ProcessGroupGloo` / `ProcessGroupNCCL`) outside any default world:
 
   members   A generator that serves the current version asks to be in the next rounds: it writes its engine's
-            worker count to the hash `dapo:{run}:weights:members` every heartbeat (`register_member`).
+            worker count to the hash `dapo:{run}:weights:members` every heartbeat (`register_member`). One
+            that is loading a version from the files says so (`busy`: it would not join) and sits rounds out
+            meanwhile, without the pause of a member that failed one.
   round     After an update the learner picks the fresh members, gives each engine's workers consecutive ranks
             (the learner is rank 0), cuts the served-dtype state dict into buckets of `weights.bucket_mb`
             (`layout`), and publishes a signed `WeightsBroadcast` on the weights channel. Every worker of every
@@ -569,7 +571,7 @@ class Broadcaster:
                 stale.append(member)
                 continue
             seen.add((member, since))
-            if (member, since) in self.paused:
+            if record.get("busy") is True or (member, since) in self.paused:
                 continue
             if (member, since) not in self.joined:
                 if clock < self.newcomers_from or len(self.newcomers) >= NEWCOMERS_PER_ROUND:
@@ -709,10 +711,12 @@ class Broadcaster:
 PROCESS_STARTED = time.time()  # tells a restarted generator from the one that failed a round under its id
 
 
-def register_member(redis_client, prefix: str, generator_id: str, workers: int, host: str = HOST) -> None:
+def register_member(redis_client, prefix: str, generator_id: str, workers: int, host: str = HOST,
+                    busy: bool = False) -> None:
     """Ask to be in the next rounds (renewed every heartbeat; MEMBER_TTL_S unrenewed and the learner drops it).
-    `host`: where its engine's workers run (`host_identity`), for the learner to tell nearby ones."""
-    record = {"workers": workers, "at": time.time(), "since": PROCESS_STARTED, "host": host}
+    `host`: where its engine's workers run (`host_identity`), for the learner to tell nearby ones; `busy`: loading a
+    version from the files (it would not join: left out of rounds until it says otherwise, not paused)."""
+    record = {"workers": workers, "at": time.time(), "since": PROCESS_STARTED, "host": host, "busy": busy}
     redis_client.hset(members_key(prefix), generator_id, json.dumps(record))
 
 

@@ -36,7 +36,8 @@ def metric_families(text: str) -> set[str]:
 def test_dapo_run_end_to_end_with_weights_broadcast_to_two_generators(short_tmp):
     """One `dapo run` serves both end-to-end checks (a run costs most of this test): the default run's folder,
     plots, secrets and live /metrics, with two generators and `weights.transport=collective`, where after every
-    update both generators are in the round and take the version from the stream (their logs say so), none fails.
+    update each generator that serves is in the round and takes the version from the stream (their logs say so),
+    none fails, and the last round reaches both.
     The default file transport runs end to end in tests/e2e/test_run_survives.py and test_run_learner_ranks.py."""
     run_dir = Path(short_tmp) / "run"
     command = [sys.executable, "-m", "cli", "run", "--no-display", "--generators", "2", "-s", f"run_dir={run_dir}",
@@ -84,16 +85,27 @@ def test_dapo_run_end_to_end_with_weights_broadcast_to_two_generators(short_tmp)
     for r in trained:
         if r.get("eval_accuracy") is not None or r["step"] == STEPS:
             assert r["version"] in [d["delivered_version"] for d in r["deliveries"]], r
-    # both on the learner's host: sealed memory, not the chain (tests/integration/test_generator.py: the chain)
-    assert [(d["broadcast_members"], d["broadcast_nearby"], d["broadcast_failed"]) for d in deliveries] \
-        == [(2, 2, 0)] * STEPS
+    # `dapo run` trains as soon as one generator serves, and rounds come back to back (max_staleness 2): a generator
+    # that is still loading a version (from the files: its engine came up after a round read its members; or from
+    # the last round, draining) is listed `busy` and sits that round out, taking the version from the files. So:
+    # no round failed, all on the learner's host (sealed memory, not the chain: tests/integration/test_generator.py),
+    # each version was loaded by broadcast by exactly its round's members, each generator took some by broadcast
+    # and served every version once at most, in order, up to the last, and the last round reached both.
+    rounds = [(d["broadcast_members"], d["broadcast_nearby"], d["broadcast_failed"]) for d in deliveries]
+    assert all(failed == 0 and nearby == members >= 1 for members, nearby, failed in rounds), rounds
+    assert rounds[-1] == (2, 2, 0), rounds
     assert all(d["broadcast_bytes"] > 0 and d["broadcast_seconds"] > 0 for d in deliveries)
+    streamed_to = dict.fromkeys(range(1, STEPS + 1), 0)
     for name in ("generator-0", "generator-1"):
         log_text = (run_dir / "logs" / f"{name}.log").read_text()
         served = [line for line in log_text.splitlines() if "now serving weights" in line]
-        assert [line.split("now serving weights ")[1].split()[0] for line in served] == \
-            [f"v{version}" for version in range(STEPS + 1)]
-        assert all("broadcast" in line for line in served[1:]), served  # not the files
+        versions = [int(line.split("now serving weights v")[1].split()[0]) for line in served]
+        assert versions == sorted(set(versions)) and versions[0] == 0 and versions[-1] == STEPS, served
+        streamed = [version for version, line in zip(versions, served) if "broadcast" in line]
+        assert streamed, served
+        for version in streamed:
+            streamed_to[version] += 1
+    assert [streamed_to[version] for version in range(1, STEPS + 1)] == [members for members, _, _ in rounds]
 
     for plot in ("reward", "eval_accuracy", "response_length", "entropy", "clip_fractions"):
         png = run_dir / "plots" / f"{plot}.png"

@@ -271,6 +271,19 @@ def test_stale_and_garbled_memberships_are_dropped(rounds):
     assert set(client.hkeys(key)) == {b"fresh"}
 
 
+def test_a_member_loading_a_version_from_the_files_sits_rounds_out_without_a_pause(rounds):
+    """A generator pulling a version from the files (a late joiner's first, or after a missed round) skips rounds
+    until it has loaded it: listed as usual, its next round failed on it, and it (a newcomer: every newcomer) sat
+    out MEMBER_PAUSE_S. It says `busy`, and is in the first round after it says otherwise, with no failure."""
+    broadcaster, client, prefix = rounds["broadcaster"], rounds["client"], rounds["prefix"]
+    register_member(client, prefix, "gen-a", workers=1)
+    register_member(client, prefix, "loading", workers=1, busy=True)
+    assert broadcaster.members() == {"gen-a": 1}
+    assert ("loading", broadcast_module.PROCESS_STARTED) not in broadcaster.paused
+    register_member(client, prefix, "loading", workers=1)
+    assert broadcaster.members() == {"gen-a": 1, "loading": 1}
+
+
 # -- nearby receivers: sealed memory from the learner's host --------------------------------------------------
 def test_nearby_receivers_take_sealed_buckets_whole_without_the_chain_or_digests(rounds):
     tensors = state(2)

@@ -18,6 +18,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import msgpack
 import pytest
@@ -232,8 +233,6 @@ def test_the_data_goes_on_after_a_kill_before_the_first_checkpoint_and_past_only
 
 
 def test_publishing_overlaps_the_next_step_where_staleness_allows_but_not_a_round_over_nccl(settings):
-    from types import SimpleNamespace
-
     service = LearnerService(settings)
     service.cfg.batch.max_staleness = 1
     assert settings.weights.overlap_delivery and service.overlap_publish  # the default
@@ -246,6 +245,22 @@ def test_publishing_overlaps_the_next_step_where_staleness_allows_but_not_a_roun
     assert not service.overlap_publish
     service.cfg.batch.max_staleness, settings.weights.overlap_delivery = 1, False
     assert not service.overlap_publish
+
+
+def test_the_policy_at_the_start_goes_by_the_files_alone_and_every_update_by_a_round(settings):
+    """Generators up before the learner serve its starting policy already (version 0 from the model folder, or the
+    checkpoint's after a learner restart) and join no round for it: a round at the start waited out its join
+    timeout on each and paused them all, and broadcasts stopped for MEMBER_PAUSE_S after every learner restart."""
+    service = LearnerService(settings)
+    service.connect()
+    rounds = []
+    service.broadcaster = SimpleNamespace(broadcast=lambda tensors, version: rounds.append(version))
+    service.ranks = SimpleNamespace(weights=lambda trainer: {"w": torch.zeros(4)}, world=1)
+    service.publish_initial()
+    assert rounds == [] and service.announced == 0 and 0 in service.publisher.versions()
+    service.policy.current = 1
+    service.publish()
+    assert rounds == [1] and service.announced == 1
 
 
 def test_a_task_asks_for_no_version_the_generators_were_not_told_of(settings):

@@ -23,7 +23,8 @@ from generator.engine import (
 )
 from generator.service import sync_status_code
 from generator.sync import WeightSync, pulls_from
-from generator.worker import _Rates, entry_time, halves
+from generator.worker import _Rates, entry_time, halves, heartbeat_interval
+from services.broadcast import MEMBER_TTL_S
 from services.config import load_settings
 from services.http import create_app
 from services.keys import load_signer
@@ -133,6 +134,14 @@ def test_rates_and_entry_time():
     tokens_per_s, _ = rates.add(50, now=20.0)  # the old events left the window
     assert tokens_per_s == pytest.approx(50.0)
     assert entry_time("1700000000123-4") == pytest.approx(1700000000.123)
+
+
+def test_a_heartbeat_renews_claims_and_memberships_before_either_lapses():
+    """Every visibility_timeout_s / 3 alone let a membership of broadcast rounds (dropped after MEMBER_TTL_S)
+    lapse between two beats when the visibility timeout is longer than three times it."""
+    for visibility in (0.3, 30.0, 300.0, 3600.0):
+        settings = load_settings("tiny-cpu", streams={"visibility_timeout_s": visibility})
+        assert 3 * heartbeat_interval(settings) <= min(visibility, MEMBER_TTL_S)
 
 
 def test_sync_status_codes():
