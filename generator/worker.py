@@ -65,6 +65,7 @@ BAD_VERSION = {"checksum", "shape", "format", "untrusted_url"}  # refusals of th
 ROUND_POLL_S = 0.02  # how often the loop asks the engine's workers whether a broadcast round is in
 RETRY_FAILED_SYNC_S = 30.0  # a refused version is not retried automatically before this (POST /sync forces it)
 IDLE_BLOCK_MS = 100  # longest wait for new tasks while idle: bounds how late an announcement or a stop is seen
+BACKPRESSURE_WAIT_S = 0.1  # idle with `rollouts` at its high-water mark: look again after this
 
 
 def exit_stalled(seconds: float) -> None:
@@ -355,6 +356,14 @@ class RolloutWorker:
         # (a 1 ms block held finished groups back up to 100 ms, and an in-process engine would stop meanwhile).
         # Idle, it blocks: new tasks end the wait at once, and a version or a shutdown is seen within IDLE_BLOCK_MS.
         block_ms = 0 if busy or self._pull is not None else min(self.settings.streams.block_ms, IDLE_BLOCK_MS)
+        # Back-pressure: take no more tasks than `rollouts` has room for (the reward workers are behind, or down);
+        # what is in flight is still written (at most tasks_per_batch beyond the mark per generator).
+        room = min(room, self.rollouts.room())
+        if room <= 0:
+            if not busy:  # (busy: the engine's step is the wait)
+                self._stop.wait(BACKPRESSURE_WAIT_S)
+                metrics.STREAM_BACKPRESSURE.labels("rollouts").inc(BACKPRESSURE_WAIT_S)
+            return
         deliveries = self.prompts.consume(self.id, count=room, block_ms=block_ms)
         if not deliveries:
             self._last_empty_read = now

@@ -25,12 +25,14 @@ import time
 
 from reward.sandbox import VerifierUnavailable
 from reward.scoring import Scorer, group_items
+from services import metrics
 from services.config import Settings
 from services.messages import PromptTask, RolloutGroup, ScoredGroup, from_wire
 from services.streams import ISSUED, Delivery, Streams, consumer_name
 
 log = logging.getLogger(__name__)
 POOL_FAILURE_PAUSE_S = 0.5  # after the verifier pool failed under a read: its restart, not a busy loop of reclaims
+BACKPRESSURE_WAIT_S = 0.1  # `scored` at its high-water mark: look again after this
 UNCOUNTED_POOL_FAILURES = 10  # hand-backs of one group for a pool failure that do not count as deliveries
 
 
@@ -71,7 +73,13 @@ class RewardWorker:
                 self._stop.wait(1.0)
 
     def run_once(self, block_ms: int | None = None) -> int:
-        """One read: score and forward what arrived. Returns the number of groups forwarded."""
+        """One read: score and forward what arrived. Returns the number of groups forwarded. Back-pressure: no read
+        while `scored` is at its high-water mark (the learner is behind, or down)."""
+        if self.scored.room() <= 0:
+            self._stop.wait(BACKPRESSURE_WAIT_S)
+            metrics.STREAM_BACKPRESSURE.labels("scored").inc(BACKPRESSURE_WAIT_S)
+            self.last_poll = time.monotonic()  # waiting on purpose is not a stall
+            return 0
         if not self._recovered:
             # Entries this consumer name held before a restart (DAPO_WORKER_ID is stable across restarts).
             deliveries = self.rollouts.recover(self.consumer, count=self.groups_per_read)

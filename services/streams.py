@@ -3,7 +3,8 @@
 One consumer group per stage reads each stream (`prompts` -> generator, `rollouts` -> reward, `scored` ->
 learner). The life of a message:
 
-1. `produce` waits while the stream holds `high_water` entries (back-pressure; nothing is ever trimmed).
+1. `produce` waits while the stream holds `high_water` entries (back-pressure; nothing is ever trimmed). A worker,
+   whose results go downstream with `forward`, reads no more input than its output stream has `room()` for.
 2. `consume` first reclaims entries another consumer has held longer than the visibility timeout (it died),
    then reads new ones. An entry delivered more than `max_deliveries` times, whose signature does not check
    out (`forged: ...`), or whose payload does not parse (bad msgpack, schema, unknown version), goes to the
@@ -847,9 +848,10 @@ class Streams:
     def trim_overfull(self) -> dict[str, int]:
         """With Redis nearly full (writes are refused at maxmemory, and then no role can forward or dead-letter):
         trim each stream longer than its producers may make it back to that length, oldest entries first, and name
-        it. `prompts`, `rollouts` and `scored` producers wait at `streams.high_water`; `dead` is kept near
+        it. `prompts`, `rollouts` and `scored` producers wait at `streams.high_water` (a worker reads no more input
+        than its output has room for: past the mark by its tasks in flight at most); `dead` is kept near
         `streams.dead_maxlen`. Only a producer that ignores its limit (a worker's XADD outside the scripts) makes one
-        longer: the culprit. A flood of large entries fills Redis within those lengths: if Redis is still full, the
+        much longer: the culprit. A flood of large entries fills Redis within those lengths: if Redis is still full, the
         largest stream the workers write, if it takes WORKER_STREAM_SHARE of maxmemory (in a run of the sizes
         `learner/redis_budget.py` checks, none comes near), loses its older half, once a call. A trimmed entry's
         task is given up at its deadline and issued again, as one a worker deleted (a trimmed letter's too). `held`

@@ -603,6 +603,30 @@ def test_stop_hands_back_unfinished_tasks(service, engine):
     prompts.ack(again)
 
 
+def test_a_generator_takes_no_task_while_rollouts_is_at_its_high_water_mark(service, engine):
+    """Back-pressure reaches the workers: with the reward workers behind (or down) a generator read tasks as fast
+    as it sampled them, `rollouts` grew without bound, and the learner's trim at a full Redis deleted unread work.
+    It now reads no more than `rollouts` has room for, and goes on once the reward side drains it."""
+    settings, streams = service["settings"], service["streams"]
+    settings.streams.high_water = 2
+    prompts, rollouts = streams.stream("prompts", PromptTask), streams.stream("rollouts", RolloutGroup)
+    small = SamplingParams(n=2, temperature=1.0, max_tokens=4)
+    for i in range(2):
+        rollouts.produce(RolloutGroup(task=task(prompts_of(engine)[0], small, prompt_id=f"old{i}").for_generators(),
+                                      policy_version=0, generator_id="before", samples=[]))
+    issue(prompts, task(prompts_of(engine)[0], small, prompt_id="waits"))
+    sync = WeightSync(settings, service["base"], service["client"], "pressed")
+    worker = RolloutWorker(settings, engine, streams, sync, "pressed")
+    with Running(worker):
+        wait_for(lambda: worker.ready, 60, "the worker serving")
+        time.sleep(1.0)
+        assert worker.groups_written == 0 and service["client"].xlen(prompts.key) == 1
+        assert service["client"].xpending(prompts.key, "generator")["pending"] == 0  # not even read
+        for delivery in rollouts.consume("reward", count=2, block_ms=0):
+            rollouts.ack(delivery)
+        wait_for(lambda: worker.groups_written == 1, 60, "the task once rollouts had room")
+
+
 def test_a_hung_engine_hands_back_its_tasks_and_ends_the_generator(service, engine, monkeypatch):
     """The heartbeat would hold a hung engine's tasks for ever: a loop turn over stall_timeout_s hands them back
     at once and ends the process (here: on_stall, watched instead of os._exit)."""

@@ -16,7 +16,7 @@ from reward.sandbox import Verification, VerifierPool
 from reward.scoring import Scorer
 from reward.worker import RewardWorker
 from services.keys import ROLES
-from services.messages import PromptTask, RolloutGroup, Sample, SamplingParams, ScoredGroup, to_wire
+from services.messages import PromptTask, RolloutGroup, Sample, SamplingParams, Score, ScoredGroup, to_wire
 from services.streams import ISSUED, Streams
 
 HANG = "Answer: $(x+y+z)^{999}$"  # sympy expands ~500k terms: only the sandbox's time limit ends it
@@ -162,6 +162,22 @@ def test_run_in_a_thread_and_stop(settings, streams, pool):
     worker.stop()
     thread.join(timeout=5)
     assert not thread.is_alive()
+
+
+def test_a_reward_worker_reads_nothing_while_scored_is_at_its_high_water_mark(settings, streams, pool):
+    """Back-pressure reaches the workers: with the learner behind (or down) the reward tier scored whatever came,
+    `scored` grew without bound, and the learner's trim at a full Redis deleted unread groups."""
+    settings.streams.high_water = 1
+    worker = RewardWorker(settings, Scorer(pool, settings.reward), streams, consumer="reward-test")
+    worker.scored.produce(ScoredGroup(rollout=rollout("old", "1", ["Answer: 1"]), scores=[Score(reward=1.0,
+                                      correct=True, overlong=False, rule="answer_line")]))
+    worker.rollouts.produce(issued(streams, rollout("a", "1", ["Answer: 1"])))
+    assert worker.run_once(block_ms=10) == 0
+    assert streams.redis.xlen(streams.key("rollouts")) == 1
+    assert streams.redis.xpending(streams.key("rollouts"), "reward")["pending"] == 0  # not even read
+    (waiting,) = worker.scored.consume("learner-test", count=1, block_ms=0)
+    worker.scored.ack(waiting)
+    assert drain(worker, 1) == 1
 
 
 def test_stop_releases_the_groups_not_yet_forwarded(settings, streams, pool):
