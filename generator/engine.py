@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Callable
 
 from generator.vllm_logs import quiet_expected_vllm_records
-from services.config import Settings, sampling_refusal
+from services.config import Settings, default_max_model_len, sampling_refusal
 from services.messages import PromptTask, Sample, SamplingParams, WeightsBroadcast
 
 log = logging.getLogger(__name__)
@@ -133,13 +133,6 @@ def check_task(task: PromptTask, encode: Callable[[str], list[int]], vocab_size:
         if not 0 <= token < vocab_size:
             raise InvalidTask(f"token id {token} at position {position} is outside the vocabulary [0, {vocab_size})")
     return list(ids)
-
-
-def default_max_model_len(settings: Settings) -> int:
-    if settings.generator.max_model_len:
-        return settings.generator.max_model_len
-    longest = max(settings.sampling.max_tokens, settings.eval_sampling.max_tokens)
-    return settings.generator.max_prompt_tokens + longest
 
 
 def default_max_num_seqs(settings: Settings) -> int:

@@ -43,8 +43,8 @@ from learner.redis_budget import MB, held_budget, largest_group_bytes, memory_pr
 from learner.workset import WorkingSet
 from services import metrics
 from services.broadcast import Broadcaster, newest_streamed
-from services.config import Settings
-from services.data import Problem, check_alphabet, load_problems, render_prompt, shared_problems
+from services.config import Settings, default_max_model_len
+from services.data import DataError, Problem, check_alphabet, load_problems, render_prompt, shared_problems
 from services.errors import ExitCode, Unavailable
 from services.http import BackgroundServer, callers, create_app, server_options
 from services.keys import load_signer
@@ -100,7 +100,14 @@ class TrainProblems:
         return {"epoch": self.epoch, "index": self.index, "seed": self.seed, "size": len(self.problems)}
 
     def seek(self, cursor: dict) -> None:
-        self.epoch, self.index = int(cursor["epoch"]), int(cursor["index"])
+        """Go on from `cursor`. One of another order (data.seed changed, or the data set's size: a file edited,
+        de-duplication switched) would redraw some problems of the epoch and skip others: the next epoch begins."""
+        epoch, index = int(cursor["epoch"]), int(cursor["index"])
+        if cursor.get("seed", self.seed) != self.seed or cursor.get("size", len(self.problems)) != len(self.problems):
+            log.warning("the data cursor %s was taken on another order (now seed %s, %d problems): the training "
+                        "data starts over at epoch %d", cursor, self.seed, len(self.problems), epoch + 1)
+            epoch, index = epoch + 1, 0
+        self.epoch, self.index = epoch, index
         self._order = self._order_of(self.epoch)
 
     def seek_past(self, cursor: dict) -> bool:
@@ -125,10 +132,19 @@ class PromptBuilder:
         # By the problem's text: ids are the data files' own, and a train and an eval file may both count from 0.
         cached = self._cache.get(problem.problem)
         if cached is None:
-            text = render_prompt(problem, self.tokenizer, self.template, raw_template=self.raw_template)
-            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-            cached = self._cache[problem.problem] = (text, list(ids))
+            text = self.text(problem)
+            cached = self._cache[problem.problem] = (text, self.ids(problem, text))
         return cached
+
+    def text(self, problem: Problem) -> str:
+        return render_prompt(problem, self.tokenizer, self.template, raw_template=self.raw_template)
+
+    def ids(self, problem: Problem, text: str | None = None) -> list[int]:
+        """The prompt's token ids (not cached: the length check at load reads every problem once)."""
+        cached = self._cache.get(problem.problem)
+        if cached is not None:
+            return cached[1]
+        return list(self.tokenizer(text or self.text(problem), add_special_tokens=False)["input_ids"])
 
 
 # -- the service (rank 0) --------------------------------------------------------------------------------------
@@ -256,6 +272,13 @@ class LearnerService:
         if self.settings.model.name_or_path == TINY_NAME:  # its tokenizer knows the synthetic task's characters only
             vocabulary = {tokenizer.decode([i]) for i in tokenizer.get_vocab().values()}
             check_alphabet([*train, *self.eval_problems], vocabulary)
+            if missing := set(self.prompt_builder(train[0])[0]) - vocabulary:
+                raise DataError(f"the prompt template (data.prompt_template {data.prompt_template}) has characters "
+                                f"{''.join(sorted(missing))!r} that are not in the tiny model's alphabet: its "
+                                "tokenizer would drop them from every prompt (use `raw`, with a data.raw_template "
+                                "in its alphabet)")
+        train = self.fitting(train, self.settings.sampling.max_tokens, "training")
+        self.eval_problems = self.fitting(self.eval_problems, self.settings.eval_sampling.max_tokens, "held-out")
         if shared := shared_problems(train, self.eval_problems):
             log.warning("%d of the %d held-out problems are also training problems (data.train %s, data.eval %s): "
                         "the held-out accuracy is partly measured on the training set", shared,
@@ -264,6 +287,21 @@ class LearnerService:
         self.trainer = build_trainer(self.settings)
         self.ranks = RankChannel(self.trainer.accelerator)
         self.records.tracking = Tracking(self.trainer.accelerator, self.settings, self.checkpointed_step())
+
+    def fitting(self, problems: list[Problem], max_tokens: int, kind: str) -> list[Problem]:
+        """The problems whose prompt leaves `max_tokens` of room in the generators' context (max_model_len): a
+        longer one would be refused by every generator, dead-lettered and issued again every epoch (verl filters
+        them alike: filter_overlong_prompts). Says how many were left out."""
+        room = default_max_model_len(self.settings) - max_tokens
+        kept = [problem for problem in problems if len(self.prompt_builder.ids(problem)) <= room]
+        if len(kept) < len(problems):
+            log.warning("%d of the %d %s problems have prompts longer than the %d tokens the generators leave them "
+                        "(generator.max_model_len - max_tokens %d): left out", len(problems) - len(kept),
+                        len(problems), kind, room, max_tokens)
+        if problems and not kept:
+            raise DataError(f"no {kind} problem has a prompt of at most {room} tokens (generator.max_model_len - "
+                            f"max_tokens {max_tokens})")
+        return kept
 
     # -- the run -----------------------------------------------------------------------------------------------
     def run(self) -> int:

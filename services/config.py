@@ -234,6 +234,19 @@ class DataConfig(Section):
     )
     seed: int = Field(0, description="Data order seed.")
 
+    @field_validator("raw_template")
+    @classmethod
+    def _one_problem_slot(cls, template: str) -> str:
+        """The problem goes where `{problem}` stands (str.format: a literal brace is written `{{` or `}}`)."""
+        try:
+            filled = template.format(problem="\0")
+        except (IndexError, KeyError, ValueError) as err:
+            raise ValueError(f"{template!r} is not a format string with one field, {{problem}} (write a literal "
+                             f"brace as {{{{ or }}}}): {type(err).__name__} {err}") from None
+        if "\0" not in filled:
+            raise ValueError(f"{template!r} has no {{problem}}: every prompt would be the same text")
+        return template
+
 
 MIN_TEMPERATURE = 0.01  # vLLM raises a lower positive temperature to this: behaviour logprobs at another T
 MAX_TEMPERATURE = 2.0  # vLLM refuses more
@@ -835,6 +848,14 @@ def misspelt_variables(environ: Mapping[str, str]) -> dict[str, str]:
 
 
 COMPOSE_VARIABLES = {"DAPO_LEARNER_PORT"}  # docker-compose.yml's own (the host port), no settings
+
+
+def default_max_model_len(settings: Settings) -> int:
+    """The generators' context: generator.max_model_len, or the prompt room plus the longest response asked for."""
+    if settings.generator.max_model_len:
+        return settings.generator.max_model_len
+    longest = max(settings.sampling.max_tokens, settings.eval_sampling.max_tokens)
+    return settings.generator.max_prompt_tokens + longest
 
 
 def settings_conflicts(settings: Settings) -> list[str]:

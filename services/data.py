@@ -253,12 +253,15 @@ def strip_dapo_template(text: str) -> str:
 
 def checked_problem(where: str, ident: Any, fallback_id: str, text: Any, answer: Any) -> Problem:
     """One row as a Problem, refused with its place in the file unless the problem is non-empty text and the
-    answer a non-empty value (a number is kept as its text); a missing, null or empty id becomes `fallback_id`."""
+    answer a non-empty value (a number is kept as its text); a missing, null or empty id becomes `fallback_id`. A
+    problem still in the DAPO template (a row copied from the verl layout) is stripped of it: the prompt puts it
+    back once (`render_prompt`)."""
     if not isinstance(text, str) or not text.strip():
         raise DataError(f"{where}: the problem must be non-empty text, not {type(text).__name__} {str(text)[:40]!r}")
     if answer is None or isinstance(answer, (dict, list)) or not str(answer).strip():
         raise DataError(f"{where}: the answer must be a non-empty value, not {str(answer)[:40]!r}")
-    return Problem(id=fallback_id if ident in (None, "") else str(ident), problem=text, answer=str(answer))
+    return Problem(id=fallback_id if ident in (None, "") else str(ident), problem=strip_dapo_template(text),
+                   answer=str(answer))
 
 
 def read_jsonl(path: str | os.PathLike) -> list[Problem]:
@@ -366,13 +369,15 @@ class DedupeReport:
 
     def summary(self) -> str:
         return (
-            f"{self.total} rows, {self.unique} distinct problems, {len(self.duplicates)} duplicates, "
-            f"{len(self.conflicts)} with conflicting answers (first answer kept)"
+            f"{self.total} rows, {self.unique} problems kept, {len(self.duplicates)} duplicates, "
+            f"{len(self.conflicts)} with conflicting answers (left out: which is the truth?)"
         )
 
 
 def dedupe(problems: Iterable[Problem]) -> tuple[list[Problem], DedupeReport]:
-    """Keep the first row of each whitespace-normalised problem text; report duplicates and answer conflicts."""
+    """Keep the first row of each whitespace-normalised problem text; report duplicates and answer conflicts. A
+    problem whose rows disagree on the answer is left out (DAPO-Math-17k has 12, 4 of them with the placeholder
+    answer -1 first): the first row is no more likely to be right, and a wrong truth trains the opposite way."""
     first: dict[str, Problem] = {}
     answers: dict[str, list[str]] = {}
     report = DedupeReport(total=0, unique=0)
@@ -388,7 +393,8 @@ def dedupe(problems: Iterable[Problem]) -> tuple[list[Problem], DedupeReport]:
         if p.answer.strip() not in (a.strip() for a in answers[key]):
             answers[key].append(p.answer)
             report.conflicts[kept.id] = answers[key]
-    unique = list(first.values())
+    conflicting = {kept.id for kept in first.values()} & set(report.conflicts)
+    unique = [problem for problem in first.values() if problem.id not in conflicting]
     report.unique = len(unique)
     return unique, report
 
@@ -430,11 +436,13 @@ def load_problems(spec: str, settings: Settings | None = None) -> list[Problem]:
         problems = read_jsonl(path)
     else:
         raise DataError(f"{path}: unknown format (expected .jsonl or .parquet)")
+    if not problems:
+        raise DataError(f"{path}: no problems in it")
     if not s.data.dedupe:
         return problems
     unique, report = dedupe(problems)
     if report.duplicates:
-        log.info("%s: %s", spec, report.summary())
+        (log.warning if report.conflicts else log.info)("%s: %s", spec, report.summary())
     return unique
 
 

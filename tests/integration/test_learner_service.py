@@ -78,6 +78,46 @@ def test_train_problems_cursor_restores_the_same_stream_of_problems():
     assert [resumed.next().id for _ in range(6)] == [first.next().id for _ in range(6)]
 
 
+def test_a_cursor_taken_on_another_order_starts_the_next_epoch_instead_of_redrawing_some_problems(caplog):
+    """data.seed changed (or the data set's size) between a checkpoint and its resume: the rest of the epoch on
+    the new order would draw some problems again and never others."""
+    problems = [Problem(id=str(i), problem=f"{i}+0=?", answer=str(i)) for i in range(6)]
+    first = TrainProblems(problems, seed=3)
+    [first.next() for _ in range(4)]
+    for other in (TrainProblems(problems, seed=4), TrainProblems(problems[:5], seed=3)):
+        other.seek(first.cursor())
+        assert (other.epoch, other.index) == (1, 0)
+    assert "another order" in caplog.text
+    same = TrainProblems(problems, seed=3)
+    same.seek(first.cursor())
+    assert (same.epoch, same.index) == (0, 4)
+
+
+def test_prompts_the_generators_cannot_fit_are_left_out_at_load_and_the_tiny_model_refuses_a_template_it_cannot_spell(
+        settings, caplog):
+    """A prompt longer than generator.max_model_len - max_tokens was refused by every generator, dead-lettered, and
+    issued again every epoch; the tiny model's character tokenizer dropped the letters of the DAPO instruction it
+    does not know from every prompt, silently."""
+    from transformers import AutoTokenizer
+
+    from learner.service import PromptBuilder
+    from services.data import DataError
+    from services.models import model_dir
+
+    service = LearnerService(settings)
+    service.prompt_builder = PromptBuilder(AutoTokenizer.from_pretrained(model_dir(settings)), settings)
+    short, long = Problem(id="s", problem="1+2", answer="3"), Problem(id="l", problem="1+2" * 100, answer="3")
+    assert [p.id for p in service.fitting([short, long], settings.sampling.max_tokens, "training")] == ["s"]
+    assert "1 of the 2 training problems have prompts longer than" in caplog.text
+    with pytest.raises(DataError, match="no held-out problem"):
+        service.fitting([long], settings.eval_sampling.max_tokens, "held-out")
+    settings.data.prompt_template = "dapo"
+    tiny = LearnerService(settings)
+    tiny.connect()
+    with pytest.raises(DataError, match="not in the tiny model's alphabet"):
+        tiny.load()
+
+
 def test_time_limit_ends_the_run_with_an_evaluation_and_a_checkpoint(tmp_path):
     from learner.service import LearnerService
 

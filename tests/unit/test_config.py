@@ -338,3 +338,13 @@ def test_sampling_every_task_would_be_refused_for_is_refused_at_load(section, sa
     with pytest.raises(ConfigError, match=f"{section}: {re.escape(refusal)}"):
         load_settings(**{section: sampling})
     assert load_settings(eval_sampling={"temperature": 0.0, "n": 1}).eval_sampling.n == 1
+
+
+@pytest.mark.parametrize("template, error", [("no slot", "has no {problem}"), ("\\boxed{} {problem}", "literal brace"),
+                                             ("{other} {problem}", "one field")])
+def test_a_raw_template_without_its_one_problem_field_is_refused_at_load(template, error):
+    """Without {problem} every prompt was the same text; a stray brace failed at the first prompt, after the model
+    had loaded."""
+    with pytest.raises(ConfigError, match=re.escape(error)):
+        load_settings("tiny-cpu", data={"raw_template": template})
+    assert load_settings("tiny-cpu", data={"raw_template": "{{ {problem} }}"}).data.raw_template

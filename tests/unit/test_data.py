@@ -163,7 +163,7 @@ def test_dapo17k_rows_distinct_problems_and_conflicts():
     rows = load_problems("dapo17k", make_settings(dedupe=False))
     assert len(rows) == 17917
     unique, report = dedupe(rows)
-    assert (report.total, report.unique, len(unique)) == (17917, 17188, 17188)
+    assert (report.total, report.unique, len(unique)) == (17917, 17176, 17176)  # 17,188 distinct, 12 disagree
     assert len(report.duplicates) == 729
     assert len(report.conflicts) == 12
     assert all(len(set(answers)) >= 2 for answers in report.conflicts.values())
@@ -175,8 +175,8 @@ def test_dapo17k_rows_distinct_problems_and_conflicts():
             if "duplicate_of" in row:
                 marked[row["id"]] = row["duplicate_of"]
     assert report.duplicates == marked
-    assert len(load_problems("dapo17k")) == 17188  # data.dedupe is on by default
-    assert "17917 rows, 17188 distinct problems, 729 duplicates, 12 with conflicting answers" in report.summary()
+    assert len(load_problems("dapo17k")) == 17176  # data.dedupe is on by default
+    assert "17917 rows, 17176 problems kept, 729 duplicates, 12 with conflicting answers" in report.summary()
 
 
 @needs_shared_data
@@ -235,17 +235,34 @@ def test_a_json_array_file_and_null_or_zero_ids(tmp_path):
     assert load_problems(str(path)) == [Problem("mine-0", "1+1?", "2"), Problem("mine-1", "3+3?", "6")]
 
 
-def test_dedupe_normalises_whitespace_and_keeps_first():
+def test_dedupe_normalises_whitespace_keeps_the_first_and_leaves_out_problems_whose_rows_disagree():
+    """DAPO-Math-17k repeats problems, 12 of them with different answers (4 with the placeholder -1 first): which
+    row is right is unknown, and a wrong truth trains the wrong way, so they are left out."""
     rows = [
         Problem("a", "What is  1+1?", "2"),
         Problem("b", "What is 1+1? ", "2"),
         Problem("c", "What\nis 1+1?", "3"),
         Problem("d", "Other", "5"),
+        Problem("e", "Other ", " 5"),
     ]
     unique, report = dedupe(rows)
-    assert [p.id for p in unique] == ["a", "d"]
-    assert report.duplicates == {"b": "a", "c": "a"}
+    assert [p.id for p in unique] == ["d"]
+    assert report.duplicates == {"b": "a", "c": "a", "e": "d"}
     assert report.conflicts == {"a": ["2", "3"]}
+    assert report.unique == 1 and "left out" in report.summary()
+
+
+def test_a_jsonl_row_still_in_the_dapo_template_is_stripped_of_it_and_an_empty_file_is_refused(tmp_path):
+    """A jsonl made from the verl layout keeps the instruction in the problem: the prompt wrapped it twice."""
+    path = tmp_path / "copied.jsonl"
+    path.write_text(json.dumps({"problem": DAPO_TEMPLATE.format(problem="What is 2+2?"), "answer": "4"}) + "\n")
+    (problem,) = load_problems(str(path), make_settings())
+    assert problem.problem == "What is 2+2?"
+    assert render_prompt(problem, None, "dapo").count("Solve the following") == 1
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    with pytest.raises(DataError, match="empty.jsonl: no problems"):
+        load_problems(str(empty), make_settings())
 
 
 # --------------------------------------------------------------------------- parquet (verl layout)

@@ -15,7 +15,6 @@ from tiny_qwen import VOCAB_ROWS, build_model_folder, build_tokenizer, random_qw
 from generator.engine import (
     InvalidTask,
     check_task,
-    default_max_model_len,
     default_max_num_seqs,
     map_finish_reason,
     safe_decode,
@@ -25,7 +24,7 @@ from generator.service import sync_status_code
 from generator.sync import WeightSync, pulls_from
 from generator.worker import _Rates, entry_time, halves, heartbeat_interval
 from services.broadcast import MEMBER_TTL_S
-from services.config import load_settings
+from services.config import default_max_model_len, load_settings
 from services.http import create_app
 from services.keys import load_signer
 from services.messages import PromptTask, SamplingParams, sign_announcement
