@@ -32,6 +32,7 @@ import copy
 import itertools
 import json
 import math
+import os
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -137,21 +138,31 @@ class Plan:
 
 
 def model_config(settings):
-    """The preset's model config: from its local folder when there is one, else the shipped copy."""
+    """The preset's model config, never its weights: a local folder's config.json (the tiny model's, built here),
+    else the shipped copy, else the hub's config.json alone (from the cache when HF_HUB_OFFLINE is set)."""
     from transformers import AutoConfig
 
-    from services.models import ModelNotAvailable, model_dir
+    from services.models import TINY_NAME, ModelNotAvailable, hf_cache_dir, model_dir
 
-    with contextlib.suppress(ModelNotAvailable, OSError):
-        folder = model_dir(settings)
-        if (folder / "config.json").is_file():
-            return AutoConfig.from_pretrained(folder)
-    shipped = MODEL_CONFIGS / f"{settings.model.name_or_path.rsplit('/', 1)[-1].lower()}.json"
-    if not shipped.is_file():
-        raise PlanError(f"no config for model {settings.model.name_or_path!r}: point model.name_or_path at a folder "
-                        f"with its config.json, or add one to {MODEL_CONFIGS}")
-    values = {k: v for k, v in json.loads(shipped.read_text()).items() if not k.startswith("_")}
-    return AutoConfig.for_model(values.pop("model_type"), **values)
+    name = settings.model.name_or_path
+    if name == TINY_NAME or Path(name).expanduser().is_dir():
+        try:
+            return AutoConfig.from_pretrained(model_dir(settings))
+        except ModelNotAvailable as err:
+            raise PlanError(str(err)) from None
+    shipped = MODEL_CONFIGS / f"{name.rsplit('/', 1)[-1].lower()}.json"
+    if shipped.is_file():
+        values = {k: v for k, v in json.loads(shipped.read_text()).items() if not k.startswith("_")}
+        return AutoConfig.for_model(values.pop("model_type"), **values)
+    try:
+        from huggingface_hub import hf_hub_download
+
+        offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes")
+        return AutoConfig.from_pretrained(Path(hf_hub_download(name, "config.json", cache_dir=str(hf_cache_dir()),
+                                                               local_files_only=offline)).parent)
+    except Exception as err:  # the hub raises several types; all mean "no config here"
+        raise PlanError(f"no config for model {name!r}: point model.name_or_path at a folder with its config.json, "
+                        f"or add one to {MODEL_CONFIGS} ({type(err).__name__})") from None
 
 
 class _FlashAttentionMemory(torch.autograd.Function):
@@ -198,9 +209,8 @@ def longest_row(settings) -> int:
 
 
 def heaviest_rows(settings, budget: int, vocab: int) -> tuple[list, int]:
-    """Scored groups whose responses make `ACCUMULATED` of rank 0's heaviest micro-batch, each the longest row (a
-    full prompt and max_tokens) and shorter ones up to `budget` tokens (the packer's first fit may move the shorter
-    ones between them); (groups, longest row)."""
+    """Scored groups whose responses make `ACCUMULATED` of rank 0's heaviest micro-batch, each `budget` tokens of
+    the longest rows (a full prompt and max_tokens) and one shorter; (groups, longest row)."""
     from services.messages import PromptTask, RolloutGroup, Sample, SamplingParams, Score, ScoredGroup
 
     longest = longest_row(settings)
@@ -208,16 +218,18 @@ def heaviest_rows(settings, budget: int, vocab: int) -> tuple[list, int]:
     if longest > budget:
         raise PlanError(f"the longest row ({prompt} prompt + {settings.sampling.max_tokens} response tokens) is "
                         f"longer than learner.compute.micro_batch_tokens {budget}")
+    # Truncated responses are common in a DAPO run, and the packer places the longest rows first and fills the
+    # budget: rows of a full prompt and max_tokens, and one shorter to the budget's last token. Each row its own
+    # group (no shared prompt block), so a micro-batch holds exactly `budget` tokens.
     lengths = [settings.sampling.max_tokens]
-    room = int(budget * 0.95) - longest
-    while room > prompt + 64:
-        size = min(settings.sampling.max_tokens // 4, room - prompt)
+    room = budget - longest
+    while room > prompt:
+        size = min(settings.sampling.max_tokens, room - prompt)
         lengths.append(size)
         room -= prompt + size
-    n = settings.sampling.n
     groups = []
-    for g, twin in itertools.product(range(math.ceil(len(lengths) / n)), range(ACCUMULATED)):
-        part = lengths[g * n:(g + 1) * n]
+    for g, twin in itertools.product(range(len(lengths)), range(ACCUMULATED)):
+        part = lengths[g:g + 1]
         sampling = SamplingParams(n=len(part), max_tokens=settings.sampling.max_tokens)
         task = PromptTask(task_id=f"plan-{twin}-{g}", prompt_id=f"plan-{twin}-{g}", prompt="",
                           prompt_token_ids=[1] * prompt, ground_truth="0", sampling=sampling)
@@ -244,7 +256,7 @@ def traced_peak(settings, ranks: int) -> tuple[dict[str, int], int, int, int]:
     offloaded = OFFLOADED if compute.fsdp and compute.fsdp_offload else ()
     attention.register()
     with attention.stand_in(_flash_memory_kernel):
-        with _fake_world(ranks) if ranks > 1 else contextlib.nullcontext():
+        with _fake_world(ranks) if ranks > 1 or compute.fsdp else contextlib.nullcontext():
             if compute.fsdp:  # the mesh is a real tensor of rank numbers: made before the fake mode
                 sharding.device_mesh(ranks, compute.fsdp_shard_ranks, "cpu")
             with FakeTensorMode(allow_non_fake_inputs=True):
@@ -340,22 +352,33 @@ def make_plan(settings, gpus: int, gpu: str = "h100", learner_ranks: int | None 
               name: str = "") -> Plan:
     """The plan of `settings` on `gpus` cards of kind `gpu`, the learner on `learner_ranks` of them (default: half,
     as the shipped overlays split them; the one card when there is one)."""
+    gpu = gpu.lower()
     if gpu not in GPUS:
         raise PlanError(f"unknown GPU {gpu!r}: one of {', '.join(GPUS)}")
+    if gpus < 1:
+        raise PlanError(f"--gpus {gpus}: at least 1")
     ranks = max(1, gpus // 2) if learner_ranks is None else learner_ranks
     if not 1 <= ranks <= gpus:
         raise PlanError(f"{ranks} learner ranks on {gpus} GPUs: from 1 to all of them")
-    if not 0 < mfu <= 1:
+    if not 0 < mfu <= 1:  # (NaN fails this too)
         raise PlanError(f"MFU {mfu}: a share of the peak, above 0 and at most 1")
-    if generated_tokens_per_gpu_s is not None and generated_tokens_per_gpu_s <= 0:
-        raise PlanError(f"{generated_tokens_per_gpu_s} generated tokens per second per GPU: must be above 0")
+    if generated_tokens_per_gpu_s is not None and not 0 < generated_tokens_per_gpu_s < math.inf:
+        raise PlanError(f"{generated_tokens_per_gpu_s} generated tokens per second per GPU: a number above 0")
     settings = settings.model_copy(deep=True)
     compute = settings.learner.compute
+    if settings.learner.loss.kl_coef:
+        raise PlanError("learner.loss.kl_coef > 0 keeps a reference model beside the policy, which the plan does not "
+                        "trace: plan without it (--set learner.loss.kl_coef=0) and add the reference's weights")
+    if compute.fsdp and compute.fsdp_shard_ranks and ranks % compute.fsdp_shard_ranks:
+        raise PlanError(f"learner.compute.fsdp_shard_ranks {compute.fsdp_shard_ranks} must divide the {ranks} "
+                        "learner ranks (HSDP: shards within a group, replicas across groups)")
     degree = compute.sequence_parallel
     if ranks % degree or not _splits_heads(settings, degree):
         raise PlanError(f"learner.compute.sequence_parallel {degree} must divide the {ranks} learner ranks and split "
                         "the model's attention heads (learner/sequence_parallel.py): plan on more GPUs, or --set "
                         "learner.compute.sequence_parallel=1")
+    if not settings.learner.batch.dynamic_sampling:
+        informative_ratio = 1.0  # the learner pushes exactly B prompts a step and trains them all
     compute.packing = "on"  # a GPU packs rows (learner.compute.packing auto)
     compiled, compute.compile = compute.compile, False  # inductor needs real kernels
     try:
@@ -462,16 +485,22 @@ def pairs_that_may_fit(plan: Plan, savings: list[tuple[Change, float]]) -> list[
 
 
 def _splits_heads(settings, degree: int) -> bool:
+    config = model_config(settings)  # (its PlanError is the user's to read)
     try:
-        sequence_parallel.check_heads(model_config(settings), degree)
+        sequence_parallel.check_heads(config, degree)
     except ValueError:
         return False
     return True
 
 
-def planned(settings, change: Change, options: dict) -> Plan:
-    """The plan of `settings` with `change`, its figure printed."""
-    plan = make_plan(change.applied(settings), change.gpus, learner_ranks=change.ranks, **options)
+def planned(settings, change: Change, options: dict) -> Plan | None:
+    """The plan of `settings` with `change`, its figure printed; None (said) when the change cannot be planned with
+    the rest of the settings (e.g. an fsdp_shard_ranks that does not divide its ranks)."""
+    try:
+        plan = make_plan(change.applied(settings), change.gpus, learner_ranks=change.ranks, **options)
+    except PlanError as err:
+        print(f"with {change.what}: not planned ({err})", flush=True)
+        return None
     host = f" (and {plan.host_bytes / 2**30:.1f} GiB of host memory)" if plan.host_bytes else ""
     print(f"with {change.what}: {plan.peak_gib:.1f} GiB{host}, {'fits' if plan.fits else 'does not fit'}", flush=True)
     return plan
@@ -489,12 +518,14 @@ def main(settings, gpus: int, gpu: str = "h100", learner_gpus: int | None = None
     savings = []
     for change in changes_to_try(settings, gpus, plan.learner_ranks):
         changed = planned(settings, change, options)
+        if changed is None:
+            continue
         if changed.fits:
             return 1
         savings.append((change, plan.peak_gib - changed.peak_gib))
     pairs = pairs_that_may_fit(plan, savings)[:PAIRS_PLANNED]
     for pair in pairs:
-        if planned(settings, pair, options).fits:
+        if (changed := planned(settings, pair, options)) is not None and changed.fits:
             return 1
     print(f"no single change of these fits, nor {len(pairs)} pair{'s' * (len(pairs) != 1)} of them whose savings "
           "add up: several changes at once (--set)", flush=True)

@@ -44,12 +44,53 @@ def test_an_unknown_card_or_a_row_longer_than_the_micro_batch_is_a_usage_error()
     from services.config import load_settings
 
     settings = load_settings("tiny-cpu")  # (each refused before anything is traced)
-    for figures_given, reason in (({"gpus": 0}, "1 learner ranks on 0 GPUs"),
+    for figures_given, reason in (({"gpus": 0}, "--gpus 0: at least 1"),
+                                  ({"gpus": 1, "generated_tokens_per_gpu_s": float("nan")}, "nan generated tokens"),
                                   ({"gpus": 2, "learner_ranks": 0}, "0 learner ranks on 2 GPUs"),
                                   ({"gpus": 1, "mfu": 0.0}, "MFU 0.0: a share of the peak"),
                                   ({"gpus": 2, "generated_tokens_per_gpu_s": -5.0}, "-5.0 generated tokens per")):
         with pytest.raises(PlanError, match=reason):
             make_plan(settings, **figures_given)
+
+
+def test_settings_the_plan_cannot_trace_are_refused_in_one_line_and_a_hub_model_costs_no_weights(monkeypatch):
+    """Each was a traceback (or, for a model with no config, another check's message); a hub id downloaded the
+    model's every safetensors file (65 GB at 32B) before the plan fell back to the shipped config."""
+    from learner import plan as plan_module
+    from learner.plan import PlanError, make_plan, model_config
+    from services.config import load_settings
+
+    for overrides, reason in (({"learner": {"loss": {"kl_coef": 0.01}}}, "kl_coef > 0 keeps a reference model"),
+                              ({"learner": {"compute": {"fsdp": True, "fsdp_shard_ranks": 3}}},
+                               "fsdp_shard_ranks 3 must divide the 2 learner ranks"),
+                              ({"model": {"name_or_path": "/nonexistent/model"}}, "no config for model")):
+        with pytest.raises(PlanError, match=re.escape(reason)):
+            make_plan(load_settings("tiny-cpu", **overrides), 4)
+
+    def no_weights(*args, **kwargs):
+        raise AssertionError(f"a download: {args} {kwargs}")
+
+    monkeypatch.setattr("huggingface_hub.snapshot_download", no_weights)
+    monkeypatch.setattr("huggingface_hub.hf_hub_download", no_weights)
+    assert model_config(load_settings("dapo-qwen2.5-32b")).num_hidden_layers == 64
+    # The card's name in any case; and the GRPO rows push B prompts a step (no dynamic sampling): half the sampling.
+    monkeypatch.setattr(plan_module, "traced_peak", lambda settings, ranks: ({"parameters": 2**30}, 10**9, 64, 0))
+    dapo = make_plan(load_settings("tiny-cpu"), 2, gpu="H100")
+    grpo = make_plan(load_settings("tiny-cpu", learner={"batch": {"dynamic_sampling": False}}), 2, gpu="H100")
+    assert grpo.generation_seconds == pytest.approx(dapo.generation_seconds / 2)
+
+
+def test_a_one_card_fsdp_plan_leaves_no_process_group_behind_for_the_next_plan():
+    """The search plans more ranks after a one-card plan that did not fit: under FSDP that plan made a real
+    one-process group and kept it, and the next one failed (`default process group twice`)."""
+    script = """if True:
+        from learner import plan
+        from services.config import load_settings
+        settings = load_settings("tiny-cpu", learner={"compute": {"fsdp": True}})
+        print(plan.make_plan(settings, 1).learner_ranks, plan.make_plan(settings, 2, learner_ranks=2).learner_ranks)
+    """
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0 and done.stdout.split()[-2:] == ["1", "2"], done.stderr[-3000:]
 
 
 def offload_plans() -> dict:
