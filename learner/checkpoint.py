@@ -92,6 +92,10 @@ class Checkpoints:
         pointer = self.dir / LATEST
         return int(pointer.read_text().strip().removeprefix(PREFIX)) if pointer.is_file() else None
 
+    def extra_state(self, step: int) -> dict:
+        """The caller's state saved with step-N (`write`'s extra_state), read without loading the checkpoint."""
+        return json.loads((self.path(step) / TRAINER_STATE).read_text())["extra_state"]
+
     def commit(self, step: int) -> None:
         """Point `latest` at step-N (written by `write`), durably, then prune all but the newest `keep`."""
         write_atomic(self.dir / LATEST, self.path(step).name)

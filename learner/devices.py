@@ -19,6 +19,11 @@ def check_accelerator(accelerator) -> None:
                          "the head's fp32 logprobs included: launch a multi-GPU accelerate config "
                          "(deploy/accelerate/fsdp.yaml) and set learner.compute.fsdp: true, the trainer shards the "
                          "model itself (learner/sharding.py)")
+    if accelerator.gradient_accumulation_steps != 1:  # (ACCELERATE_GRADIENT_ACCUMULATION_STEPS in the environment)
+        raise ValueError(f"accelerate's gradient accumulation ({accelerator.gradient_accumulation_steps} steps) would "
+                         "divide every loss the trainer backpropagates by it (the clip threshold moves with it): the "
+                         "trainer accumulates its micro-batches itself (learner.compute.micro_batch_tokens); unset "
+                         "ACCELERATE_GRADIENT_ACCUMULATION_STEPS")
 
 
 def share_cpu_threads(accelerator) -> None:

@@ -43,7 +43,7 @@ from learner.redis_budget import MB, held_budget, largest_group_bytes, memory_pr
 from learner.workset import WorkingSet
 from services import metrics
 from services.broadcast import Broadcaster, newest_streamed
-from services.config import Settings, default_max_model_len
+from services.config import ConfigError, Settings, default_max_model_len
 from services.data import DataError, Problem, check_alphabet, load_problems, render_prompt, shared_problems
 from services.errors import ExitCode, Unavailable
 from services.http import BackgroundServer, callers, create_app, server_options
@@ -63,6 +63,29 @@ PROGRESS_LOG_SECONDS = 30.0
 def data_spec(value: str, split: str) -> str:
     """`synthetic` means the split of the built-in task; anything else is a named set or a path."""
     return f"synthetic-{split}" if value == "synthetic" else value
+
+
+def recipe(settings: Settings) -> dict:
+    """The settings that say what a checkpoint's policy was trained on and for: the model, the sampling, the loss,
+    the reward and its shaping, dynamic sampling, the training data. A resume that changes one of them would go on
+    as another experiment under the same name (an ablation row resuming another's checkpoint)."""
+    reward = settings.reward
+    return {
+        "model.name_or_path": settings.model.name_or_path,
+        **{f"sampling.{key}": value for key, value in settings.sampling.model_dump(mode="json").items()},
+        **{f"learner.loss.{key}": value for key, value in settings.learner.loss.model_dump(mode="json").items()},
+        "learner.batch.dynamic_sampling": settings.learner.batch.dynamic_sampling,
+        **{f"reward.{key}": getattr(reward, key)
+           for key in ("answer_rule", "soft_overlong", "overlong_buffer", "overlong_penalty")},
+        "data.train": settings.data.train, "data.prompt_template": settings.data.prompt_template,
+    }
+
+
+def recipe_changes(saved: dict, settings: Settings) -> list[str]:
+    """`key saved -> now` for each recipe setting that differs from a checkpoint's (`saved`)."""
+    now = recipe(settings)
+    return [f"{key} {saved.get(key)!r} -> {now.get(key)!r}" for key in sorted(saved.keys() | now.keys())
+            if saved.get(key) != now.get(key)]
 
 
 def held_out_problems(settings: Settings) -> list[Problem]:
@@ -478,6 +501,11 @@ class LearnerService:
         if step is None:
             return self.start_fresh()
         path = self.checkpoints.path(step)
+        saved = self.checkpoints.extra_state(step).get("recipe")  # (none in a checkpoint from before 2026-11-29)
+        if saved is not None and (changes := recipe_changes(saved, self.settings)):
+            raise ConfigError(f"the checkpoint {path} was trained with other settings ({'; '.join(changes)}): going "
+                              "on would be another experiment under this run's name. Give it its own run_dir (and "
+                              "redis.run), or set learner.checkpoints.resume=false to start over here")
         extra = self.ranks.load(self.trainer, path)
         self.step = int(extra["step"])
         self.policy.restore(extra["policy"])
@@ -634,6 +662,7 @@ class LearnerService:
             "data_cursor": self.work.data_cursor(self.train_problems.cursor()),  # not the problems still queued
             **self.work.checkpoint_state(),  # the informative-ratio estimate, the groups consumed and carried
             "last_eval_step": self.last_eval_step,
+            "recipe": recipe(self.settings),
             "saved_at": time.time(),
         }  # RNG: the trainer saves torch/python/numpy RNG state per rank; the data order is a function of (seed, epoch)
         started = time.perf_counter()

@@ -89,7 +89,7 @@ class UpdateStats:
             log.warning("%d of %d updates skipped: non-finite gradient norm", non_finite, self.updates)
         skipped = self.skipped + int(non_finite)
         return {
-            "loss": totals["loss"] / max(self.updates, 1),
+            "loss": totals["loss"] / max(self.updates - self.skipped, 1),  # (a non-finite update's loss counted)
             "clip_frac_low": totals["clip_low"] / tokens,
             "clip_frac_high": totals["clip_high"] / tokens,
             "clip_frac_dual": totals["clip_dual"] / tokens,

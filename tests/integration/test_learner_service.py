@@ -118,6 +118,23 @@ def test_prompts_the_generators_cannot_fit_are_left_out_at_load_and_the_tiny_mod
         tiny.load()
 
 
+def test_a_resume_with_another_recipe_is_refused_before_anything_is_loaded(settings):
+    """Nothing compared the settings a checkpoint was trained with: an ablation row (compose's one run folder) or
+    a changed temperature resumed another experiment's weights and went on under the same name."""
+    from learner.service import recipe
+    from services.config import ConfigError
+
+    service = LearnerService(settings)
+    folder = service.checkpoints.path(3)
+    folder.mkdir(parents=True)
+    (folder / "trainer_state.json").write_text(json.dumps({"format": 1, "extra_state": {"recipe": recipe(settings)}}))
+    (service.checkpoints.dir / "latest").write_text("step-3")
+    settings.sampling.temperature = 0.7
+    settings.learner.loss.clip_high = 0.2
+    with pytest.raises(ConfigError, match=r"learner.loss.clip_high 0.28 -> 0.2; sampling.temperature 1.0 -> 0.7"):
+        service.resume()
+
+
 def test_time_limit_ends_the_run_with_an_evaluation_and_a_checkpoint(tmp_path):
     from learner.service import LearnerService
 

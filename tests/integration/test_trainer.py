@@ -311,6 +311,14 @@ def test_accelerates_own_fsdp_is_refused_for_rounding_the_logprobs(model_path, t
         Trainer(make_settings(tmp_path), model_path)
 
 
+def test_accelerates_gradient_accumulation_is_refused_for_scaling_every_loss(model_path, tmp_path, monkeypatch):
+    """Set in the environment, it divides every loss the trainer backpropagates (and so the gradient the clip
+    threshold is measured against) by its step count."""
+    monkeypatch.setenv("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", "4")
+    with pytest.raises(ValueError, match="unset ACCELERATE_GRADIENT_ACCUMULATION_STEPS"):
+        Trainer(make_settings(tmp_path), model_path)
+
+
 @pytest.mark.slow
 def test_compiled_checkpointed_layers_give_the_eager_gradient(model_path, tmp_path):
     # learner.compute.compile on a 10-layer model, packs of several lengths: the layers share their compiled graphs
@@ -419,6 +427,20 @@ def test_a_mini_batch_with_no_loss_token_takes_no_step(model_path, tmp_path):
     metrics = trainer.train_step(groups)
     assert metrics["updates"] == metrics["skipped_updates"] == 2
     assert all(torch.equal(before[n], t) for n, t in trainer.state_dict_for_publish().items())
+
+
+def test_the_step_loss_is_the_mean_over_the_updates_taken_not_over_the_skipped_ones(model_path, tmp_path):
+    """A mini-batch whose every response is overlong-filtered takes no step; the step's loss counted it as a zero
+    update all the same (halved here), while grad_norm left it out."""
+    trained = make_groups(n_groups=1, size=2, seed=5)
+    filtered = make_groups(n_groups=1, size=2, seed=6, overlong=[True, True])
+    settings = make_settings(tmp_path, overlong_filter=True, mini_batches=2, lr=0.0)
+    trainer = Trainer(settings, model_path)
+    both = with_behaviour(trained + filtered, trainer.logprobs(trained + filtered))
+    metrics = trainer.train_step(both)
+    assert (metrics["updates"], metrics["skipped_updates"]) == (2, 1)
+    alone = Trainer(make_settings(tmp_path, overlong_filter=True, mini_batches=1, lr=0.0), model_path)
+    assert metrics["loss"] == pytest.approx(alone.train_step(both[:1])["loss"], rel=1e-5)
 
 
 @pytest.mark.parametrize("fused", [False, True], ids=["read-on-host", "fused-skips-on-device"])
