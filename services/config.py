@@ -16,7 +16,9 @@ file, the environment variable or `--set`).
 from __future__ import annotations
 
 import copy
+import difflib
 import hashlib
+import itertools
 import logging
 import math
 import os
@@ -803,7 +805,7 @@ def load_settings(preset: str | os.PathLike | None = None, *, origin: str = "ove
     `origin` names where the keyword overrides come from (`--set` on the command line) in error messages."""
     layers = read_preset(preset)
     for name, meant in misspelt_variables(os.environ).items():
-        log.warning("%s sets nothing: a section's field takes two underscores (%s)", name, meant)
+        log.warning("%s sets nothing (%s; a section's field takes two underscores)", name, meant)
     data: dict = {}
     for _, layer in layers:
         _deep_update(data, moved_keys(layer))
@@ -830,21 +832,66 @@ def load_settings(preset: str | os.PathLike | None = None, *, origin: str = "ove
 
 
 def misspelt_variables(environ: Mapping[str, str]) -> dict[str, str]:
-    """`DAPO_REDIS_URL` -> `DAPO_REDIS__URL`: variables that name a section's field with one underscore, which
-    pydantic-settings reads as no field at all (the section's variables take `__`)."""
+    """DAPO_ variables that set nothing, each with what it likely meant: a section's field with one underscore
+    (`DAPO_REDIS_URL` -> `DAPO_REDIS__URL`), a path with a section run into its parent (`DAPO_LEARNER_LOSS__CLIP_HIGH`
+    -> `DAPO_LEARNER__LOSS__CLIP_HIGH`), a path through no field (`no setting learner.los.clip_high`), a near miss of
+    a top-level name (`DAPO_TOKEN_SHA265` -> `DAPO_TOKEN_SHA256`). pydantic-settings ignores them all, silently: an
+    ablation set through the environment would run with the preset's value."""
     found = {}
+    tops = [name for name in Settings.model_fields if not _is_section(Settings.model_fields[name].annotation)]
     for name in environ:
         upper = name.upper()
-        if not upper.startswith("DAPO_") or "__" in upper or upper in COMPOSE_VARIABLES:
+        if not upper.startswith("DAPO_") or upper in COMPOSE_VARIABLES:
             continue
         rest = upper[len("DAPO_"):].lower()
-        for section, field in Settings.model_fields.items():
-            model = field.annotation
-            prefix = f"{section}_"
-            if (isinstance(model, type) and issubclass(model, BaseModel) and rest.startswith(prefix)
-                    and rest[len(prefix):] in model.model_fields):
-                found[name] = f"DAPO_{section}__{rest[len(prefix):]}".upper()
+        parts = rest.split("__")
+        if len(parts) > 1:
+            if _field_path(parts) or tuple(parts) in MOVED_KEYS:
+                continue
+            meant = _split_section(parts)
+            found[name] = (f"DAPO_{'__'.join(meant)}".upper() if meant
+                           else f"no setting {'.'.join(parts)}")
+        elif rest not in Settings.model_fields and not rest.endswith("_file"):  # (secrets from files: their own)
+            meant = _split_section([rest])
+            if meant and len(meant) > 1:
+                found[name] = f"DAPO_{'__'.join(meant)}".upper()
+            elif close := difflib.get_close_matches(rest, tops, n=1, cutoff=0.85):
+                found[name] = f"DAPO_{close[0]}".upper()
     return found
+
+
+def _is_section(annotation: Any) -> bool:
+    return isinstance(annotation, type) and issubclass(annotation, BaseModel)
+
+
+def _field_path(parts: list[str], model: type[BaseModel] = None) -> bool:
+    """Whether `parts` walks the settings tree to a field (a mapping field takes any key below it)."""
+    model = model or Settings
+    field = model.model_fields.get(parts[0])
+    if field is None:
+        return False
+    if len(parts) == 1:
+        return True
+    if _is_section(field.annotation):
+        return _field_path(parts[1:], field.annotation)
+    return typing.get_origin(field.annotation) is dict
+
+
+def _split_section(parts: list[str]) -> list[str] | None:
+    """`parts` with its first part cut at underscores into sections where that makes a field path (old flat keys
+    put where they are now: MOVED_KEYS); None if no cut does."""
+    words = parts[0].split("_")
+    for cuts in range(1, len(words)):
+        for positions in itertools.combinations(range(1, len(words)), cuts):
+            bounds = (0, *positions, len(words))
+            head = ["_".join(words[a:b]) for a, b in zip(bounds, bounds[1:])]
+            path = head + parts[1:]
+            moved = next((new + tuple(path[len(old):]) for old, new in MOVED_KEYS.items()
+                          if tuple(path[:len(old)]) == old), None)
+            for candidate in (path, list(moved or ())):
+                if candidate and _field_path(candidate):
+                    return candidate
+    return None
 
 
 COMPOSE_VARIABLES = {"DAPO_LEARNER_PORT"}  # docker-compose.yml's own (the host port), no settings

@@ -326,7 +326,26 @@ def test_a_section_variable_with_one_underscore_is_named_with_the_one_meant(monk
     with caplog.at_level("WARNING", logger="services.config"):
         assert load_settings().redis.url is None
     said = [r.getMessage() for r in caplog.records]
-    assert said == ["DAPO_REDIS_URL sets nothing: a section's field takes two underscores (DAPO_REDIS__URL)"]
+    assert said == ["DAPO_REDIS_URL sets nothing (DAPO_REDIS__URL; a section's field takes two underscores)"]
+
+
+@pytest.mark.parametrize("variable, meant", [
+    ("DAPO_LEARNER_LOSS__CLIP_HIGH", "DAPO_LEARNER__LOSS__CLIP_HIGH"),  # a section run into its parent
+    ("DAPO_LEARNER_CLIP_HIGH", "DAPO_LEARNER__LOSS__CLIP_HIGH"),  # an old flat key, with one underscore
+    # (a path through a known section to no field is refused already: `unknown key`)
+    ("DAPO_LERNER__LOSS__CLIP_HIGH", "no setting lerner.loss.clip_high"),
+    ("DAPO_TOKEN_SHA265", "DAPO_TOKEN_SHA256"), ("DAPO_WEIGHT_TOKEN", "DAPO_WEIGHTS_TOKEN")])
+def test_a_variable_that_sets_nothing_is_named_with_what_it_likely_meant(monkeypatch, caplog, variable, meant):
+    """pydantic-settings ignores a DAPO_ variable that names no field: an ablation set through the environment
+    (a clip, a learning rate) ran with the preset's value and said nothing."""
+    monkeypatch.setenv(variable, "0.2")
+    for own in ("DAPO_CONFIG", "DAPO_WORKER_ID", "DAPO_LOG_DIR", "DAPO_TOKEN_FILE", "DAPO_RUN", "DAPO_RUN_DIR",
+                "DAPO_LEARNER__LOSS__CLIP_LOW", "DAPO_LEARNER__REPORT_TO"):
+        monkeypatch.setenv(own, "[]" if own.endswith("REPORT_TO") else "0.2" if "CLIP" in own else "x")
+    with caplog.at_level("WARNING", logger="services.config"):
+        load_settings("tiny-cpu")
+    assert [r.getMessage() for r in caplog.records] == [f"{variable} sets nothing ({meant}; a section's field takes "
+                                                        "two underscores)"]
 
 
 @pytest.mark.parametrize("section, sampling, refusal", [
