@@ -603,7 +603,9 @@ class Broadcaster:
             log.warning("broadcast: no nearby socket for v%d (%s): every member takes the chain", version, err)
             nearby = []
         ranks, world_size = {}, 1
-        for member, workers in sorted(members.items()):
+        chain = sorted(members.items())
+        self.shuffler.shuffle(chain)  # a new order each round: an id chosen to sort first is not every round's relay
+        for member, workers in chain:
             if member not in nearby:
                 ranks[member] = world_size
                 world_size += workers

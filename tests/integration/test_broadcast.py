@@ -11,6 +11,7 @@ import mmap
 import multiprocessing as mp
 import os
 import queue
+import random
 import socket
 import threading
 import time
@@ -135,6 +136,7 @@ def rounds(settings):
     keyring = load_keyring(settings)
     prefix = run_prefix(settings)
     broadcaster = Broadcaster(settings, client, load_signer(settings, "learner", keyring), prefix, channel(prefix))
+    broadcaster.shuffler = SimpleNamespace(shuffle=lambda items: None)  # the chain in sorted order: tests name ranks
     pubsub = client.pubsub(ignore_subscribe_messages=True)
     pubsub.subscribe(channel(prefix))
     context = mp.get_context("spawn")
@@ -190,7 +192,8 @@ def test_every_rank_of_the_chain_gets_the_version_whole_and_the_learner_sends_it
     tensors = state(1)
     sent, announcement, received, _ = rounds["run"]({"gen-a": None, "gen-b": None, "gen-c": None}, tensors=tensors)
     assert sent.error is None and sent.failed == [] and sent.members == ["gen-a", "gen-b", "gen-c"]
-    assert announcement.ranks == {"gen-a": 1, "gen-b": 2, "gen-c": 3} and announcement.world_size == 4
+    assert sorted(announcement.ranks.values()) == [1, 2, 3] and announcement.world_size == 4
+    assert sent.members == sorted(announcement.ranks)
     total = sum(announcement.bucket_bytes)
     assert total <= sent.bytes_sent < total + 4096  # one copy and the commit, not one per member
     assert sorted(received) == [1, 2, 3]
@@ -199,6 +202,28 @@ def test_every_rank_of_the_chain_gets_the_version_whole_and_the_learner_sends_it
         assert named == {name: fingerprint(tensor) for name, tensor in tensors.items()}
         digests = {0: BroadcastCommit.model_validate_json(commit).digests[0]}
         assert commit_refusal(announcement, commit, digests, rounds["keyring"], channel(rounds["prefix"])) is None
+
+
+def test_the_chain_takes_a_new_order_every_round(rounds, monkeypatch):
+    """In a sorted chain a member whose id sorts first relayed every round to all the others: one that joins and
+    then withholds buckets (it is never blamed: it joined) cost everyone after it every version."""
+    broadcaster = rounds["broadcaster"]
+    broadcaster.shuffler = random.Random(0)  # as made (the fixture keeps the chain sorted for the other tests)
+    orders = set()
+    monkeypatch.setattr(broadcast_module, "join", lambda *args, **kwargs: (_ for _ in ()).throw(OSError("no chain")))
+    for member in ("gen-a", "gen-b", "gen-c"):
+        register_member(rounds["client"], rounds["prefix"], member, workers=1, host="another-host")
+    pubsub = rounds["client"].pubsub(ignore_subscribe_messages=True)
+    pubsub.subscribe(channel(rounds["prefix"]))
+    for version in range(1, 13):
+        broadcaster.broadcast(state(), version)
+        message = next(filter(None, (pubsub.get_message(timeout=1) for _ in range(10))))
+        ranks = WeightsBroadcast.model_validate_json(message["data"]).ranks
+        orders.add(tuple(sorted(ranks, key=ranks.get)))
+        broadcaster.paused.clear()  # (the round failed without a chain: everyone again)
+        broadcaster.newcomers_from = float("-inf")
+    pubsub.close()
+    assert len(orders) > 1
 
 
 def test_a_commit_not_signed_by_the_learner_is_refused(rounds):
