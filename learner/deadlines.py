@@ -4,7 +4,9 @@ A task whose group never comes back (its stream entry deleted or trimmed, a cons
 holds it and stalls without dying) would otherwise keep the synchronous loop, an evaluation or a drain waiting
 forever. Each pushed task gets a deadline: `factor` times the 95th percentile of the round trips (pushed -> its
 scored group read) of the last `window` tasks, and never less than `floor_s` (before any group came back it is
-`floor_s` alone: a cold engine's first batch may take long). Past it the task counts as lost; the step refills.
+`floor_s` alone: a cold engine's first batch may take long), and never more than `ceiling_s` (the round trips are
+the workers' to make: one that answers every task it holds just before its deadline would raise it without end).
+Past it the task counts as lost; the step refills.
 """
 
 from __future__ import annotations
@@ -13,8 +15,8 @@ from collections import deque
 
 
 class Deadlines:
-    def __init__(self, factor: float, floor_s: float, window: int = 256):
-        self.factor, self.floor_s = factor, floor_s
+    def __init__(self, factor: float, floor_s: float, window: int = 256, ceiling_s: float = float("inf")):
+        self.factor, self.floor_s, self.ceiling_s = factor, floor_s, max(floor_s, ceiling_s)
         self.pushed_at: dict[str, float] = {}
         self.round_trips: deque[float] = deque(maxlen=window)
 
@@ -37,7 +39,7 @@ class Deadlines:
             return self.floor_s
         ordered = sorted(self.round_trips)
         p95 = ordered[min(len(ordered) - 1, int(0.95 * len(ordered)))]
-        return max(self.floor_s, self.factor * p95)
+        return min(max(self.floor_s, self.factor * p95), self.ceiling_s)
 
     def overdue(self, now: float) -> list[str]:
         """The tasks past their deadline, forgotten here (the caller counts them lost)."""

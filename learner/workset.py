@@ -158,7 +158,9 @@ class WorkingSet:
         self.consumed_since_checkpoint: set[str] = set()
         self.drops: dict[str, list[str]] = {kind: [] for kind in DROP_KINDS}
         self.generator_clocks = GeneratorClocks()  # where the generators' time went (from the groups read)
-        self.deadlines = Deadlines(learner_cfg.batch.task_deadline_factor, learner_cfg.batch.task_deadline_min_s)
+        batch = learner_cfg.batch
+        self.deadlines = Deadlines(batch.task_deadline_factor, batch.task_deadline_min_s,
+                                   ceiling_s=batch.task_deadline_max_s)
         self._dead_cursor = streams.last_dead_letter_id()
         self._dead_scanned_at = 0.0
         self._repaired_at = 0.0

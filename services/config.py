@@ -448,6 +448,11 @@ class LearnerBatchConfig(Section):
         600.0, gt=0, description="The shortest deadline, and the deadline before any group came back (a cold "
         "engine's first batch may take long)."
     )
+    task_deadline_max_s: float = Field(
+        21600.0, gt=0, description="The longest deadline: a worker that holds tasks and answers each just before its "
+        "deadline raises the percentile it is measured by, about 3.6 times a round, and would stall the run for "
+        "ever longer (the paper's whole step generates in about 2.4 hours: `dapo plan`)."
+    )
 
 
 class OptimizerConfig(Section):

@@ -30,3 +30,16 @@ def test_the_deadline_is_a_multiple_of_the_95th_percentile_of_recent_round_trips
     deadlines.returned("never-pushed", now=5.0)  # a duplicate or an unknown task: nothing measured
     assert deadlines.limit_s() == 8.0
     assert deadlines.overdue(now=7.0) == [] and deadlines.overdue(now=9.0) == ["slow"]
+
+
+def test_a_worker_answering_just_before_each_deadline_cannot_raise_it_past_the_ceiling():
+    """The round trips are the workers' to make: one holding every task it reads and answering just in time
+    multiplied the deadline about 3.6 times a round (600 s, 2,360 s, 9,400 s...), stalling the run ever longer."""
+    deadlines = Deadlines(factor=4.0, floor_s=600.0, window=16, ceiling_s=3600.0)
+    for round_ in range(6):
+        limit = deadlines.limit_s()
+        for i in range(16):
+            deadlines.pushed(f"r{round_}-{i}", now=0.0)
+            deadlines.returned(f"r{round_}-{i}", now=0.99 * limit)
+    assert deadlines.limit_s() == 3600.0
+    assert Deadlines(factor=4.0, floor_s=600.0, ceiling_s=60.0).limit_s() == 600.0  # the floor wins a lower ceiling
