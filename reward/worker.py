@@ -19,6 +19,7 @@ or already settled: a late duplicate) goes to `dead` as `provenance: ...`, which
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import threading
 import time
@@ -32,6 +33,7 @@ from services.streams import ISSUED, Delivery, Streams, consumer_name
 
 log = logging.getLogger(__name__)
 POOL_FAILURE_PAUSE_S = 0.5  # after the verifier pool failed under a read: its restart, not a busy loop of reclaims
+WAIT_SLICE_S = 1.0  # while a group is verified, how often the worker looks for a stop
 BACKPRESSURE_WAIT_S = 0.1  # `scored` at its high-water mark: look again after this
 UNCOUNTED_POOL_FAILURES = 10  # hand-backs of one group for a pool failure that do not count as deliveries
 
@@ -47,8 +49,9 @@ class RewardWorker:
         # Two groups per verifier process keep every process busy while the previous group is forwarded.
         self.groups_per_read = max(2, 2 * settings.reward.workers)
         self.groups_done = 0
-        # Heartbeat on the groups still to score, between groups: a read of slow items (a timeout each) outlasting
-        # the visibility timeout would otherwise be reclaimed and scored twice, a delivery counted each time.
+        # Heartbeat on the groups still to score, also while one is verified: a group of slow items (a timeout each,
+        # ceil(n / workers) of them in a row) outlasting the visibility timeout would otherwise be reclaimed and
+        # scored again elsewhere, a delivery counted each time.
         self.touch_every_s = settings.streams.visibility_timeout_s / 4
         self.last_poll = 0.0  # monotonic time of the last read or forward (for readiness)
         self._stop = threading.Event()
@@ -126,9 +129,14 @@ class RewardWorker:
             in_flight.append((delivery, group, items, self.scorer.submit(items)))
         forwarded, pool_failed, touched = 0, False, time.monotonic()
         for index, (delivery, group, items, pending) in enumerate(in_flight):
-            if time.monotonic() - touched >= self.touch_every_s:
-                self.rollouts.touch(self.consumer, [rest.id for rest, _, _, _ in in_flight[index:]])
-                touched = time.monotonic()
+            while True:  # wait for the group's verdicts, renewing the claims and watching for a stop meanwhile
+                if time.monotonic() - touched >= self.touch_every_s:
+                    self.rollouts.touch(self.consumer, [rest.id for rest, _, _, _ in in_flight[index:]])
+                    touched = time.monotonic()
+                if pending.done() or self._stop.is_set():
+                    break
+                concurrent.futures.wait([pending], timeout=min(self.touch_every_s, WAIT_SLICE_S))
+                self.last_poll = time.monotonic()  # alive: a group of slow items must not look like a stall
             if self._stop.is_set():
                 for rest, _, _, rest_pending in in_flight[index:]:
                     # A group whose verification had not begun is not counted as a delivery: a stop (a scale-down)

@@ -281,6 +281,21 @@ def test_a_pool_failure_hands_the_group_back_without_counting_a_delivery(setting
     assert dead["reason"].startswith("delivered") and failures == 100 - 1 - settings.streams.max_deliveries
 
 
+def test_a_group_being_verified_keeps_its_claim_while_its_slow_items_run(settings, streams, pool, monkeypatch):
+    """The claims were renewed only between groups: one group of items that each run to the verifier's limit
+    (ceil(n / workers) limits in a row) outlasted the visibility timeout and was taken over and verified again."""
+    worker = RewardWorker(settings, Scorer(pool, settings.reward), streams, consumer="reward-test")
+    worker.touch_every_s = 0.2
+    hang = "Answer: $(x+y+z)^{999}$"  # runs to the pool's 1 s limit
+    worker.rollouts.produce(issued(streams, rollout("slow", "1", [hang, hang, hang])))
+    (delivery,) = worker.rollouts.consume("reward-test", count=1, block_ms=100)
+    touch, touched = worker.rollouts.touch, []
+    monkeypatch.setattr(worker.rollouts, "touch", lambda consumer, ids: touched.append(list(ids)) or touch(consumer,
+                                                                                                            ids))
+    assert worker.process([delivery]) == 1
+    assert touched.count([delivery.id]) >= 2
+
+
 def test_a_long_read_renews_its_claim_on_the_groups_still_to_score(settings, streams, pool, monkeypatch):
     """Between groups, the worker resets the idle time of the groups it has not scored yet, so a read of slow items
     is not reclaimed (and scored twice) by another worker."""
