@@ -408,6 +408,9 @@ def make_plan(settings, gpus: int, gpu: str = "h100", learner_ranks: int | None 
                 "informative, responses of max_tokens / 2 on average"]
     if compiled:
         untraced.append("compiled layers ran uncompiled: an upper bound (inductor fuses temporaries away)")
+    if not compute.fsdp and ranks > 1:  # accelerate wraps replicas in DDP; the plan traces one process, unwrapped
+        by_category["gradients"] = by_category.get("gradients", 0) + 4 * parameters
+        untraced.append("DDP's gradient buckets (replicas, fsdp off): 4 bytes a parameter, in gradients")
     if host:
         untraced.append("fsdp_offload: the time leaves out AdamW's step on the host and the copies between host and "
                         "GPU; what the host holds is sorted by category (one fake device holds both)")

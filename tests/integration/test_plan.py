@@ -78,6 +78,10 @@ def test_settings_the_plan_cannot_trace_are_refused_in_one_line_and_a_hub_model_
     dapo = make_plan(load_settings("tiny-cpu"), 2, gpu="H100")
     grpo = make_plan(load_settings("tiny-cpu", learner={"batch": {"dynamic_sampling": False}}), 2, gpu="H100")
     assert grpo.generation_seconds == pytest.approx(dapo.generation_seconds / 2)
+    # Replicas (fsdp off) on several ranks run under DDP, whose buckets hold a second copy of the gradients.
+    replicas = make_plan(load_settings("tiny-cpu", learner={"compute": {"fsdp": False}}), 4)
+    alone = make_plan(load_settings("tiny-cpu", learner={"compute": {"fsdp": False}}), 1)
+    assert replicas.bytes_by_category["gradients"] - alone.bytes_by_category.get("gradients", 0) == 4 * 10**9
 
 
 def test_a_one_card_fsdp_plan_leaves_no_process_group_behind_for_the_next_plan():
