@@ -82,10 +82,10 @@ def recipe(settings: Settings) -> dict:
 
 
 def recipe_changes(saved: dict, settings: Settings) -> list[str]:
-    """`key saved -> now` for each recipe setting that differs from a checkpoint's (`saved`)."""
+    """`key saved -> now` for each recipe setting of a checkpoint's (`saved`) that differs now (a setting a later
+    release added is not in it: no change)."""
     now = recipe(settings)
-    return [f"{key} {saved.get(key)!r} -> {now.get(key)!r}" for key in sorted(saved.keys() | now.keys())
-            if saved.get(key) != now.get(key)]
+    return [f"{key} {value!r} -> {now.get(key)!r}" for key, value in sorted(saved.items()) if now.get(key) != value]
 
 
 def held_out_problems(settings: Settings) -> list[Problem]:

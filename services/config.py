@@ -449,9 +449,10 @@ class LearnerBatchConfig(Section):
         "engine's first batch may take long)."
     )
     task_deadline_max_s: float = Field(
-        21600.0, gt=0, description="The longest deadline: a worker that holds tasks and answers each just before its "
+        86400.0, gt=0, description="The longest deadline: a worker that holds tasks and answers each just before its "
         "deadline raises the percentile it is measured by, about 3.6 times a round, and would stall the run for "
-        "ever longer (the paper's whole step generates in about 2.4 hours: `dapo plan`)."
+        "ever longer. Keep it well above a step's generation and update (the paper's recipe: about 3.6 hours on its "
+        "overlay's 32 GPUs, `dapo plan`), or a slow step's tasks count as lost while they wait."
     )
 
 

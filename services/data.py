@@ -393,8 +393,8 @@ def dedupe(problems: Iterable[Problem]) -> tuple[list[Problem], DedupeReport]:
         if p.answer.strip() not in (a.strip() for a in answers[key]):
             answers[key].append(p.answer)
             report.conflicts[kept.id] = answers[key]
-    conflicting = {kept.id for kept in first.values()} & set(report.conflicts)
-    unique = [problem for problem in first.values() if problem.id not in conflicting]
+    conflicting = {key for key, seen in answers.items() if len(seen) > 1}
+    unique = [problem for key, problem in first.items() if key not in conflicting]
     report.unique = len(unique)
     return unique, report
 

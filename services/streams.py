@@ -681,7 +681,8 @@ class Streams:
         repaired = []
         for name in names:
             key = self.key(name)
-            try:
+            try:  # the groups first: a stream's last id only grows, so no group read before it can be past it
+                groups = self.redis.xinfo_groups(key)  # legitimately (a read between the two calls)
                 info = self.redis.xinfo_stream(key)
             except redis.ResponseError:  # no such stream yet
                 continue
@@ -696,7 +697,7 @@ class Streams:
                 log.error("stream %s had its last id set in the future (%d entries dated after now + %ds deleted): "
                           "writable again from %s", key, len(future), FUTURE_ID_TOLERANCE_MS // 1000, last)
                 repaired.append(name)
-            for group in self.redis.xinfo_groups(key):
+            for group in groups:
                 if id_order(group["last-delivered-id"]) <= id_order(last):
                     continue
                 newest_pending = self.redis.xpending(key, group["name"])["max"]

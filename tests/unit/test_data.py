@@ -250,6 +250,9 @@ def test_dedupe_normalises_whitespace_keeps_the_first_and_leaves_out_problems_wh
     assert report.duplicates == {"b": "a", "c": "a", "e": "d"}
     assert report.conflicts == {"a": ["2", "3"]}
     assert report.unique == 1 and "left out" in report.summary()
+    # by text, not id: two files each numbering from 0 lose only the problem whose rows disagree
+    unique, _ = dedupe([Problem("0", "1+1=?", "2"), Problem("0", "2+2=?", "4"), Problem("1", "2+2=?", "5")])
+    assert [p.problem for p in unique] == ["1+1=?"]
 
 
 def test_a_jsonl_row_still_in_the_dapo_template_is_stripped_of_it_and_an_empty_file_is_refused(tmp_path):
