@@ -726,6 +726,29 @@ def test_a_consumer_group_a_worker_moved_past_the_end_of_its_stream_is_set_back(
     assert prompts.consume("gen-c", count=10, block_ms=0) == []  # nothing twice
 
 
+def test_a_group_that_read_a_new_entry_during_the_check_is_not_set_back(settings, monkeypatch):
+    """The check reads the stream's last id and its groups in two calls: an entry added and read between them put a
+    legitimate group past the last id it had read, and the group was set back (the entry delivered twice)."""
+    service = LearnerService(settings)
+    service.connect()
+    service.work.limit_vocabulary(100)
+    issue_tasks(service, 1)
+    prompts = Streams(service.redis, settings, signs_as=("generator",)).stream("prompts", PromptTask)
+    assert len(prompts.consume("gen-a", count=1, block_ms=0)) == 1
+    xinfo_stream = service.redis.xinfo_stream
+
+    def with_traffic(key, *args, **kwargs):  # a push and a generator's read land beside the check's own calls
+        if key == prompts.key and not with_traffic.done:
+            with_traffic.done = True
+            issue_tasks(service, 2)
+            prompts.consume("gen-b", count=5, block_ms=0)
+        return xinfo_stream(key, *args, **kwargs)
+
+    with_traffic.done = False
+    monkeypatch.setattr(service.redis, "xinfo_stream", with_traffic)
+    assert service.streams.repair_future_ids(["prompts"]) == []
+
+
 def test_no_re_split_splice_or_replay_of_a_signed_dead_letter_makes_a_task_lost(settings):
     """The attack on the old signature (stream, reason, data joined by newlines), with only Redis access: write a
     victim task's bytes unsigned into `prompts`, let a generator dead-letter them (a letter a service signed, but
