@@ -735,17 +735,20 @@ def test_a_group_that_read_a_new_entry_during_the_check_is_not_set_back(settings
     issue_tasks(service, 1)
     prompts = Streams(service.redis, settings, signs_as=("generator",)).stream("prompts", PromptTask)
     assert len(prompts.consume("gen-a", count=1, block_ms=0)) == 1
-    xinfo_stream = service.redis.xinfo_stream
+    injected = []
 
-    def with_traffic(key, *args, **kwargs):  # a push and a generator's read land beside the check's own calls
-        if key == prompts.key and not with_traffic.done:
-            with_traffic.done = True
-            issue_tasks(service, 2)
-            prompts.consume("gen-b", count=5, block_ms=0)
-        return xinfo_stream(key, *args, **kwargs)
+    def then_traffic(real):  # a push and a generator's read land between the check's two calls
+        def call(key, *args, **kwargs):
+            reply = real(key, *args, **kwargs)
+            if key == prompts.key and not injected:
+                injected.append(key)
+                issue_tasks(service, 2)
+                prompts.consume("gen-b", count=5, block_ms=0)
+            return reply
+        return call
 
-    with_traffic.done = False
-    monkeypatch.setattr(service.redis, "xinfo_stream", with_traffic)
+    for name in ("xinfo_stream", "xinfo_groups"):
+        monkeypatch.setattr(service.redis, name, then_traffic(getattr(service.redis, name)))
     assert service.streams.repair_future_ids(["prompts"]) == []
 
 
