@@ -36,8 +36,8 @@ def metric_families(text: str) -> set[str]:
 def test_dapo_run_end_to_end_with_weights_broadcast_to_two_generators(short_tmp):
     """One `dapo run` serves both end-to-end checks (a run costs most of this test): the default run's folder,
     plots, secrets and live /metrics, with two generators and `weights.transport=collective`, where after every
-    update each generator that serves is in the round and takes the version from the stream (their logs say so),
-    none fails, and the last round reaches both.
+    update each generator that serves and is not loading a version is in the round and takes the version from the
+    stream (their logs say so), and none fails.
     The default file transport runs end to end in tests/e2e/test_run_survives.py and test_run_learner_ranks.py."""
     run_dir = Path(short_tmp) / "run"
     command = [sys.executable, "-m", "cli", "run", "--no-display", "--generators", "2", "-s", f"run_dir={run_dir}",
@@ -89,11 +89,10 @@ def test_dapo_run_end_to_end_with_weights_broadcast_to_two_generators(short_tmp)
     # that is still loading a version (from the files: its engine came up after a round read its members; or from
     # the last round, draining) is listed `busy` and sits that round out, taking the version from the files. So:
     # no round failed, all on the learner's host (sealed memory, not the chain: tests/integration/test_generator.py),
-    # each version was loaded by broadcast by exactly its round's members, each generator took some by broadcast
-    # and served every version once at most, in order, up to the last, and the last round reached both.
+    # each version was loaded by broadcast by exactly its round's members, and each generator took some by
+    # broadcast and served every version once at most, in order, up to the last.
     rounds = [(d["broadcast_members"], d["broadcast_nearby"], d["broadcast_failed"]) for d in deliveries]
     assert all(failed == 0 and nearby == members >= 1 for members, nearby, failed in rounds), rounds
-    assert rounds[-1] == (2, 2, 0), rounds
     assert all(d["broadcast_bytes"] > 0 and d["broadcast_seconds"] > 0 for d in deliveries)
     streamed_to = dict.fromkeys(range(1, STEPS + 1), 0)
     for name in ("generator-0", "generator-1"):
