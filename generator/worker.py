@@ -65,7 +65,6 @@ BAD_VERSION = {"checksum", "shape", "format", "untrusted_url"}  # refusals of th
 ROUND_POLL_S = 0.02  # how often the loop asks the engine's workers whether a broadcast round is in
 RETRY_FAILED_SYNC_S = 30.0  # a refused version is not retried automatically before this (POST /sync forces it)
 IDLE_BLOCK_MS = 100  # longest wait for new tasks while idle: bounds how late an announcement or a stop is seen
-BACKPRESSURE_WAIT_S = 0.1  # idle with `rollouts` at its high-water mark: look again after this
 
 
 def exit_stalled(seconds: float) -> None:
@@ -361,8 +360,7 @@ class RolloutWorker:
         room = min(room, self.rollouts.room())
         if room <= 0:
             if not busy:  # (busy: the engine's step is the wait)
-                self._stop.wait(BACKPRESSURE_WAIT_S)
-                metrics.STREAM_BACKPRESSURE.labels("rollouts").inc(BACKPRESSURE_WAIT_S)
+                self.rollouts.wait_for_room(self._stop)
             return
         deliveries = self.prompts.consume(self.id, count=room, block_ms=block_ms)
         if not deliveries:

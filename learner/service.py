@@ -155,19 +155,21 @@ class PromptBuilder:
         # By the problem's text: ids are the data files' own, and a train and an eval file may both count from 0.
         cached = self._cache.get(problem.problem)
         if cached is None:
-            text = self.text(problem)
-            cached = self._cache[problem.problem] = (text, self.ids(problem, text))
+            text = self._render(problem)
+            cached = self._cache[problem.problem] = (text, self._encode(text))
         return cached
 
-    def text(self, problem: Problem) -> str:
+    def ids(self, problem: Problem) -> list[int]:
+        """The prompt's token ids, not cached here: the length check at load reads every problem once, and caching
+        them all would hold the whole data set's ids (a drawn problem is encoded again, once)."""
+        cached = self._cache.get(problem.problem)
+        return cached[1] if cached is not None else self._encode(self._render(problem))
+
+    def _render(self, problem: Problem) -> str:
         return render_prompt(problem, self.tokenizer, self.template, raw_template=self.raw_template)
 
-    def ids(self, problem: Problem, text: str | None = None) -> list[int]:
-        """The prompt's token ids (not cached: the length check at load reads every problem once)."""
-        cached = self._cache.get(problem.problem)
-        if cached is not None:
-            return cached[1]
-        return list(self.tokenizer(text or self.text(problem), add_special_tokens=False)["input_ids"])
+    def _encode(self, text: str) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
 # -- the service (rank 0) --------------------------------------------------------------------------------------

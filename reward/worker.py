@@ -26,7 +26,6 @@ import time
 
 from reward.sandbox import VerifierUnavailable
 from reward.scoring import Scorer, group_items
-from services import metrics
 from services.config import Settings
 from services.messages import PromptTask, RolloutGroup, ScoredGroup, from_wire
 from services.streams import ISSUED, Delivery, Streams, consumer_name
@@ -34,7 +33,6 @@ from services.streams import ISSUED, Delivery, Streams, consumer_name
 log = logging.getLogger(__name__)
 POOL_FAILURE_PAUSE_S = 0.5  # after the verifier pool failed under a read: its restart, not a busy loop of reclaims
 WAIT_SLICE_S = 1.0  # while a group is verified, how often the worker looks for a stop
-BACKPRESSURE_WAIT_S = 0.1  # `scored` at its high-water mark: look again after this
 UNCOUNTED_POOL_FAILURES = 10  # hand-backs of one group for a pool failure that do not count as deliveries
 
 
@@ -79,8 +77,7 @@ class RewardWorker:
         """One read: score and forward what arrived. Returns the number of groups forwarded. Back-pressure: no read
         while `scored` is at its high-water mark (the learner is behind, or down)."""
         if self.scored.room() <= 0:
-            self._stop.wait(BACKPRESSURE_WAIT_S)
-            metrics.STREAM_BACKPRESSURE.labels("scored").inc(BACKPRESSURE_WAIT_S)
+            self.scored.wait_for_room(self._stop)
             self.last_poll = time.monotonic()  # waiting on purpose is not a stall
             return 0
         if not self._recovered:

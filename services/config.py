@@ -78,7 +78,7 @@ def secret_variables(model: type[BaseModel] | None = None, prefix: str = "DAPO_"
         kinds += [typing.get_origin(kind) for kind in kinds]  # Secret[str] is a generic alias of Secret
         if any(isinstance(kind, type) and issubclass(kind, (Secret, SecretStr)) for kind in kinds):
             names.add(f"{prefix}{name}".upper())
-        elif isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
+        elif _is_section(field.annotation):
             names |= secret_variables(field.annotation, f"{prefix}{name}__")
     return names
 
@@ -840,7 +840,7 @@ def load_settings(preset: str | os.PathLike | None = None, *, origin: str = "ove
 def misspelt_variables(environ: Mapping[str, str]) -> dict[str, str]:
     """DAPO_ variables that set nothing, each with what it likely meant: a section's field with one underscore
     (`DAPO_REDIS_URL` -> `DAPO_REDIS__URL`), a path with a section run into its parent (`DAPO_LEARNER_LOSS__CLIP_HIGH`
-    -> `DAPO_LEARNER__LOSS__CLIP_HIGH`), a path through no field (`no setting learner.los.clip_high`), a near miss of
+    -> `DAPO_LEARNER__LOSS__CLIP_HIGH`), a path through no section (`no setting lerner.loss.clip_high`), a near miss of
     a top-level name (`DAPO_TOKEN_SHA265` -> `DAPO_TOKEN_SHA256`). pydantic-settings ignores them all, silently: an
     ablation set through the environment would run with the preset's value."""
     found = {}

@@ -39,6 +39,7 @@ import functools
 import hashlib
 import logging
 import re
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -108,6 +109,7 @@ redis.call('XDEL', KEYS[1], ARGV[2])
 if tonumber(ARGV[6]) > 0 then redis.call('SET', KEYS[3], ARGV[3], 'PX', ARGV[6]) end
 return 1
 """
+BACKPRESSURE_WAIT_S = 0.1  # a worker whose output stream is at its high-water mark looks again after this
 FORWARD_MARKER_MS = 600_000  # longer than the client retries a command (services.redis_local: 5 minutes)
 
 # KEYS: stream [, register hash, entry ids hash]. ARGV: high water, payload, signature [, register field, registered
@@ -313,6 +315,12 @@ class Stream(Generic[M]):
     def room(self) -> int:
         """How many messages can be produced now without waiting."""
         return max(0, self.cfg.high_water - self._depth())
+
+    def wait_for_room(self, stop: threading.Event) -> None:
+        """A worker whose output is this stream, at its high-water mark: wait a moment before reading more input
+        (back-pressure on `forward`, which never waits itself: finished work is always written)."""
+        stop.wait(BACKPRESSURE_WAIT_S)
+        metrics.STREAM_BACKPRESSURE.labels(self.name).inc(BACKPRESSURE_WAIT_S)
 
     def _xadd(self, payload: bytes, register: tuple[str, str, bytes] | None = None) -> str | None:
         """XADD below high water (and HSET into the register); None when the stream is full."""
