@@ -702,6 +702,16 @@ class Faults:
             write("forged", "issued task's group, signed with a generator's key", "scored",
                   "forged: signed by the generator role", signed("scored", genuine, streams.signers["generator"]),
                   task.task_id, real_task=True)
+            # A reward worker that scored a genuine rollout and rewrote its samples: the rollout's own signature
+            # (which the group carries on) no longer holds. The digest is of the group without its ground truth.
+            scored = group(task)
+            vouched = scored.model_copy(update={"rollout_signature": signed(
+                "rollouts", to_wire(scored.rollout.as_generated()))[b"sig"].decode()})
+            planted = [Sample(token_ids=[22, 23], logprobs=[-0.3, -0.3], text="planted", finish_reason="stop")]
+            rewritten = vouched.model_copy(update={"rollout": vouched.rollout.model_copy(
+                update={"samples": planted * task.sampling.n})})
+            write("forged", "issued task's rollout, rewritten by its reward worker", "scored",
+                  "forged: bad signature", signed("scored", to_wire(rewritten)), task.task_id, real_task=True)
             # A generator's own signed letter retiring an issued task it was never delivered, the task's bytes in
             # it: it retires nothing (the learner reads what a letter retires from the entry its writer parked),
             # so the genuine group still trains; were the task retired, that group would be dead-lettered as

@@ -12,7 +12,9 @@ deduplicated on every admission.
 Provenance. The learner trains only what it asked for: every task it pushes is recorded first in the hash
 `dapo:{run}:issued` (task id -> the task as sent), which lives in Redis and so survives a learner restart. A
 scored group whose task id is not there, or whose task or rollout does not match the issued task (prompt,
-token ids, sampling, n samples and n scores), goes to `dead` with the reason (`provenance: ...`). Entries are
+token ids, sampling, n samples and n scores), goes to `dead` with the reason (`provenance: ...`); so does one
+whose rollout is not as its generator signed it (`forged: ...`: a reward worker vouches for its scores only, the
+generator's signature travels with the rollout, `Streams.rollout_refusal`). Entries are
 removed once the group is settled (dropped, evaluated, or trained and checkpointed). Task and record are
 written in one script, so after a Redis restart the tasks in flight missing from `issued` were lost with it.
 
@@ -35,6 +37,7 @@ import logging
 import math
 import time
 from collections import deque
+from collections.abc import Callable
 
 import msgpack
 import numpy as np
@@ -77,18 +80,19 @@ RUN_STREAMS = ("prompts", "rollouts", "scored", "dead", HELD)
 DROP_KINDS = ("uninformative", "stale", "duplicate")
 
 
-def provenance_error(group: ScoredGroup, issued: PromptTask | None, vocab_size: int) -> str | None:
+def provenance_error(group: ScoredGroup, issued: PromptTask | None, vocab_size: int,
+                     rollout_refusal: Callable[[ScoredGroup], str | None]) -> str | None:
     """Why a scored group must not be trained (None if it may): the learner never issued its task id, the
-    group's task or rollout does not match the task as issued (`provenance: ...`: the genuine group may still
-    come), or its samples are unusable (`malformed: ...`, `shape_error`: the task is given up, as for a dead
-    prompt)."""
+    group's task does not match the task as issued (`provenance: ...`), its rollout is not as a generator wrote
+    it (`forged: ...`, `rollout_refusal`: `Streams.rollout_refusal`; for both the genuine group may still come),
+    or its samples are unusable (`malformed: ...`, `shape_error`: the task is given up, as for a dead prompt)."""
     task = group.rollout.task
     if issued is None:
         return f"provenance: unknown task id {task.task_id!r} (not issued by this run's learner)"
     if task != issued:
         changed = [name for name in PromptTask.model_fields if getattr(task, name) != getattr(issued, name)]
         return f"provenance: task {task.task_id} does not match the task as issued (differs in {', '.join(changed)})"
-    return shape_error(group, vocab_size)
+    return rollout_refusal(group) or shape_error(group, vocab_size)
 
 
 def shape_error(group: ScoredGroup, vocab_size: int) -> str | None:
@@ -322,7 +326,7 @@ class WorkingSet:
         group = delivery.message
         task_id = task_id_of(group)
         if task_id not in self.assembler.seen:  # a duplicate of a settled group is dropped below, not checked
-            reason = provenance_error(group, self.issued_task(task_id), self.vocab_size)
+            reason = provenance_error(group, self.issued_task(task_id), self.vocab_size, self.streams.rollout_refusal)
             if reason is not None:
                 self.scored.reject(delivery, reason)
                 return

@@ -27,7 +27,7 @@ import time
 from reward.sandbox import VerifierUnavailable
 from reward.scoring import Scorer, group_items
 from services.config import Settings
-from services.messages import PromptTask, RolloutGroup, ScoredGroup, from_wire
+from services.messages import PromptTask, RolloutGroup, ScoredGroup, from_wire, to_wire
 from services.streams import ISSUED, Delivery, Streams, consumer_name
 
 log = logging.getLogger(__name__)
@@ -101,6 +101,10 @@ class RewardWorker:
         out: list[RolloutGroup | str] = []
         for delivery, raw in zip(deliveries, issued):
             task = delivery.message.task
+            if to_wire(delivery.message) != delivery.payload:  # what the learner re-encodes to check its signature
+                out.append("provenance: the rollout's bytes are not as `to_wire` writes them, so the learner "
+                           "could not check its generator's signature once it is scored")
+                continue
             if raw is None:
                 out.append(f"provenance: unknown task id {task.task_id!r} (not issued by this run's learner, or "
                            "settled)")
@@ -157,7 +161,8 @@ class RewardWorker:
                 self.rollouts.release(delivery)
                 continue
             self._pool_failures.pop(delivery.id, None)
-            result = ScoredGroup(rollout=group, scores=scores, reward_worker_id=self.consumer)
+            result = ScoredGroup(rollout=group, scores=scores, reward_worker_id=self.consumer,
+                                 rollout_signature=delivery.signature.decode(errors="replace"))
             if self.rollouts.forward(delivery, self.scored, result):
                 forwarded += 1
             started = time.perf_counter()

@@ -144,6 +144,11 @@ class RolloutGroup(Message):
     generator_reload_s: float = Field(0.0, ge=0, description="Seconds spent pulling and loading weight versions.")
     generator_idle_s: float = Field(0.0, ge=0, description="Seconds with no task in the engine and no version loading.")
 
+    def as_generated(self) -> "RolloutGroup":
+        """The group as its generator wrote it: its task as generators get it (a reward worker adds the ground
+        truth, the one change it may make; `ScoredGroup.rollout_signature` covers the rest)."""
+        return self.model_copy(update={"task": self.task.for_generators()})
+
 
 class Score(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -164,6 +169,9 @@ class ScoredGroup(Message):
 
     rollout: RolloutGroup
     scores: list[Score]
+    rollout_signature: str = Field(
+        "", max_length=256, description="The generator's `sig` of the rollout entry the scores are for, as the reward "
+        "worker read it (`Streams.rollout_refusal`): a reward worker vouches for its scores, not for the samples.")
     reward_worker_id: str = ""
     scored_at: float = Field(default_factory=time.time)
 

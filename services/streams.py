@@ -58,6 +58,7 @@ from services.messages import (
     MAX_TASK_ID_CHARS,
     PromptTask,
     RolloutGroup,
+    ScoredGroup,
     entry_limits,
     from_wire,
     to_wire,
@@ -663,6 +664,15 @@ class Streams:
 
     def key(self, *parts: str) -> str:
         return self.prefix + ":".join(parts)
+
+    def rollout_refusal(self, group: ScoredGroup) -> str | None:
+        """Why a scored group's rollout is not an entry a generator wrote to `rollouts` (None: it is). The reward
+        worker carries the entry's signature on (`rollout_signature`) and adds only the task's ground truth
+        (`RolloutGroup.as_generated`): a reward worker that altered a sample, a logprob or the policy version it
+        was sampled with is refused."""
+        refusal = self.keyring.refusal(group.rollout_signature, SIGNER_OF["rollouts"], "rollouts",
+                                       self.key("rollouts"), to_wire(group.rollout.as_generated()))
+        return refusal and f"{refusal} (the rollout's own signature, which its reward worker carries on)"
 
     def stream(self, name: str, model: type[M]) -> Stream[M]:
         return Stream(self, name, model)

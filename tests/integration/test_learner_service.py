@@ -24,6 +24,7 @@ import msgpack
 import pytest
 import redis
 import torch
+from signing import vouched
 
 from learner.batch import Push, task_id_of
 from learner.checkpoint import CHECKPOINTS, STOPPED, Checkpoints
@@ -349,8 +350,15 @@ def test_a_task_asks_for_no_version_the_generators_were_not_told_of(settings):
 
 
 def reward_stream(service, settings):
-    """The `scored` stream as a reward worker writes it (signed with the reward role's key)."""
-    return Streams(service.redis, settings, signs_as=("reward",)).stream("scored", ScoredGroup)
+    """The `scored` stream as a reward worker writes it (signed with the reward role's key; its Streams also holds
+    the generator role's, to vouch for rollouts as a generator would have: `vouched`)."""
+    return Streams(service.redis, settings, signs_as=("reward", "generator")).stream("scored", ScoredGroup)
+
+
+def produce_scored(service, settings, group: ScoredGroup) -> None:
+    """`group` written to `scored` as a reward worker forwards a genuine rollout it scored."""
+    scored = reward_stream(service, settings)
+    scored.produce(vouched(scored.streams, group))
 
 
 def learner_that_issued(settings) -> tuple[LearnerService, PromptTask]:
@@ -375,16 +383,16 @@ def test_learner_trains_only_groups_it_issued_and_that_match(settings):
 
     scored = reward_stream(service, settings)
     made_up = issued.model_copy(update={"task_id": "train-made-up"})
-    scored.produce(scored_group(made_up, [True, False]))
+    scored.produce(vouched(scored.streams, scored_group(made_up, [True, False])))
     other_prompt = issued.model_copy(update={"prompt_token_ids": [7, 8]})
-    scored.produce(scored_group(other_prompt, [True, False]))
+    scored.produce(vouched(scored.streams, scored_group(other_prompt, [True, False])))
     genuine = to_wire(scored_group(issued, [True, False]))
     tampered = to_wire(scored_group(issued.model_copy(update={"ground_truth": "3"}), [True, False]))
     service.redis.xadd(scored.key, {b"data": tampered, b"sig": scored.signature(genuine)})
     service.work.pump()
     # The refused groups named a real task: it is not taken for lost, its genuine group is still to come.
     assert "train-1" in service.work.assembler.in_flight and service.work.issued_task("train-1") == issued
-    scored.produce(scored_group(issued, [True, False]))
+    scored.produce(vouched(scored.streams, scored_group(issued, [True, False])))
     service.work.pump()
 
     reasons = [d["reason"] for d in reversed(service.streams.dead_letters())]
@@ -414,7 +422,7 @@ def test_a_held_group_dropped_at_a_restart_stays_held_until_a_checkpoint_lists_i
     first.connect()
     first.work.limit_vocabulary(100)
     (task,) = issue_tasks(first, 1)
-    reward_stream(first, settings).produce(scored_group(task, [True, False] * 8))
+    produce_scored(first, settings, scored_group(task, [True, False] * 8))
     first.work.pump()
     assert len(list(first.work.held.entries())) == 1
     for attempt in range(2):  # two kills in a row, no checkpoint between
@@ -439,7 +447,7 @@ def test_held_groups_read_back_at_a_restart_leave_the_ratio_estimate_alone(setti
     first.work.limit_vocabulary(100)
     tasks = issue_tasks(first, 4)
     for task in tasks:
-        reward_stream(first, settings).produce(scored_group(task, [True, False] * 8))
+        produce_scored(first, settings, scored_group(task, [True, False] * 8))
     first.work.pump()
     restarted = LearnerService(settings)
     restarted.connect()
@@ -597,7 +605,7 @@ def test_a_dead_letter_of_a_scored_group_carries_no_ground_truth(settings):
     everything of the group but the task's ground truth (worker users of Redis 6.2 can read `dead`)."""
     service, issued = learner_that_issued(settings)
     refused = issued.model_copy(update={"prompt_token_ids": [7, 8]})  # does not match: refused for provenance
-    reward_stream(service, settings).produce(scored_group(refused, [True, False]))
+    produce_scored(service, settings, scored_group(refused, [True, False]))
     service.work.pump()
     (letter,) = service.streams.dead_letters()
     assert letter["reason"].startswith("provenance:")
@@ -622,7 +630,7 @@ def test_a_task_whose_entry_a_worker_deleted_is_given_up_at_its_deadline(setting
     prompts = Streams(service.redis, settings, signs_as=("generator",)).stream("prompts", PromptTask)
     taken = {d.message.task_id: d for d in prompts.consume("gen", count=10, block_ms=0)}
     service.redis.xdel(prompts.key, taken["train-0"].id, taken["eval-0"].id)
-    reward_stream(service, settings).produce(scored_group(tasks[1], [True, False] * 8))
+    produce_scored(service, settings, scored_group(tasks[1], [True, False] * 8))
     service.work.pump()
     service.work.expire_overdue()
     assert sorted(service.work.assembler.in_flight) == ["train-0"]  # not late yet
@@ -632,7 +640,7 @@ def test_a_task_whose_entry_a_worker_deleted_is_given_up_at_its_deadline(setting
     assert service.work.assembler.in_flight == {} and service.work.assembler.stats.lost == 1
     assert round_.lost == {"eval-0"} and round_.done
     assert service.work.issued_task("train-0") is None and service.work.issued_task("train-1") is not None
-    reward_stream(service, settings).produce(scored_group(tasks[0], [True, False] * 8))  # it came after all
+    produce_scored(service, settings, scored_group(tasks[0], [True, False] * 8))  # it came after all
     service.work.pump()
     assert service.streams.dead_letters()[0]["reason"].startswith("provenance: unknown task id 'train-0'")
 
@@ -650,7 +658,7 @@ def test_tasks_a_previous_learner_issued_are_forgotten_at_their_deadline_when_no
     second.connect()
     second.work.limit_vocabulary(100)
     second.work.restore(skip=set(), counted=set())
-    reward_stream(second, settings).produce(scored_group(tasks[1], [True, False] * 8))
+    produce_scored(second, settings, scored_group(tasks[1], [True, False] * 8))
     second.work.pump()
     time.sleep(0.6)
     second.work.expire_overdue()
@@ -690,7 +698,7 @@ def test_streams_whose_last_id_a_worker_set_to_the_maximum_are_repaired_and_the_
     service.work.assembler.issued(["train-2"], 0)
     service.work.outbox.append(late)
     service.work.flush_outbox()
-    scored.produce(scored_group(late, [True, False] * 8))
+    scored.produce(vouched(scored.streams, scored_group(late, [True, False] * 8)))
     service.work.pump()
     assert "train-2" not in service.work.assembler.in_flight  # its group came through the repaired stream
     assert service.redis.xrange(prompts.key, min=largest, max="+") == []
@@ -974,7 +982,7 @@ def test_a_group_whose_samples_the_trainer_cannot_use_is_refused_and_its_task_gi
     service, issued = learner_that_issued(settings)
     short = scored_group(issued, [True, False])
     short.rollout.samples[0].logprobs.pop()
-    reward_stream(service, settings).produce(short)
+    produce_scored(service, settings, short)
     service.work.pump()
     service.work.scan_dead_letters()
     (dead,) = service.streams.dead_letters()
@@ -987,7 +995,7 @@ def test_a_signed_group_of_its_own_task_with_the_wrong_number_of_samples_gives_t
     """The generator that took the prompt answered it with n=3 samples for n=2 (version skew, an engine fault): no
     other group of the task will come, so the learner must not wait for one (an evaluation's drain would hang)."""
     service, issued = learner_that_issued(settings)
-    reward_stream(service, settings).produce(scored_group(issued, [True, False, False]))
+    produce_scored(service, settings, scored_group(issued, [True, False, False]))
     service.work.pump()
     service.work.scan_dead_letters()
     (dead,) = service.streams.dead_letters()
@@ -1001,14 +1009,14 @@ def test_a_signed_group_outside_the_bounds_is_dead_lettered_before_it_is_held(se
     service, issued = learner_that_issued(settings)
     huge = scored_group(issued, [True, False])
     huge.rollout.samples[1].token_ids[0] = 10**9
-    reward_stream(service, settings).produce(huge)
+    produce_scored(service, settings, huge)
     long = scored_group(issued, [True, False])
     long.rollout.samples[0].token_ids[:] = [1] * 1002
     long.rollout.samples[0].logprobs[:] = [-0.1] * 1002
-    reward_stream(service, settings).produce(long)
+    produce_scored(service, settings, long)
     nan = scored_group(issued, [True, False])
     nan.rollout.samples[0].logprobs[0] = float("nan")
-    reward_stream(service, settings).produce(nan)
+    produce_scored(service, settings, nan)
     service.work.pump()
     service.work.scan_dead_letters()
     assert [d["reason"] for d in reversed(service.streams.dead_letters())] == [
@@ -1035,7 +1043,7 @@ def test_a_group_that_crashes_the_update_is_quarantined_after_one_retry(settings
     through clears the count."""
     first, issued = learner_that_issued(settings)
     first.ranks = FailingRanks()
-    reward_stream(first, settings).produce(scored_group(issued, [True, False]))
+    produce_scored(first, settings, scored_group(issued, [True, False]))
     first.work.pump()
     assert first.redis.xlen(first.work.held.key) == 1
 
@@ -1069,7 +1077,7 @@ def test_a_group_that_crashes_the_update_is_quarantined_after_one_retry(settings
 
 def test_an_update_that_goes_through_on_retry_clears_the_failure(settings):
     first, issued = learner_that_issued(settings)
-    reward_stream(first, settings).produce(scored_group(issued, [True, False]))
+    produce_scored(first, settings, scored_group(issued, [True, False]))
     first.work.pump()
     first.work.suspect(["train-1"], "RuntimeError: a transient fault")
     retried = LearnerService(settings)

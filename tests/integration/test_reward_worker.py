@@ -96,6 +96,10 @@ def test_rollouts_in_scored_out_and_acked(settings, streams, pool):
     assert [s.rule for s in t3.scores] == ["timeout", "answer_line"]
     assert [s.correct for s in t3.scores] == [False, True]
     assert [g.rollout.task.ground_truth for g in scored.values()] == ["25", "\\frac{1}{2}", "7"]  # from `issued`
+    # each carries its rollout's own signature on: the learner checks the generator's word for the samples
+    assert [streams.rollout_refusal(g) for g in scored.values()] == [None] * 3
+    altered = t1.rollout.model_copy(update={"policy_version": 4})
+    assert streams.rollout_refusal(t1.model_copy(update={"rollout": altered})).startswith("forged: bad signature")
 
 
 def test_the_ground_truth_comes_from_the_learner_and_only_to_the_task_as_issued(settings, streams, pool):
@@ -133,18 +137,25 @@ def test_a_malformed_rollout_goes_to_dead(settings, streams, pool):
     bad_schema["schema_version"] = 99
     payload = msgpack.packb(bad_schema, use_bin_type=True)
     streams.redis.xadd(rollouts.key, {b"data": payload, b"sig": rollouts.signature(payload)})
+    # valid, signed, but not the bytes `to_wire` writes (fields in another order): the learner could not re-encode
+    # them to check the signature the scored group carries, so the reward role refuses it before scoring
+    reordered = issued(streams, rollout("reordered", "1", ["Answer: 1"])).model_dump(context={"wire": True})
+    payload = msgpack.packb(dict(reversed(reordered.items())), use_bin_type=True)
+    streams.redis.xadd(rollouts.key, {b"data": payload, b"sig": rollouts.signature(payload)})
 
     worker = RewardWorker(settings, Scorer(pool, settings.reward), streams, consumer="reward-test")
     assert drain(worker, 1) == 1
     worker.run_once(block_ms=100)
 
     dead = streams.dead_letters()
-    assert len(dead) == 2
-    assert all(d["stream"] == "rollouts" and "unparseable RolloutGroup" in d["reason"] for d in dead)
-    # the learner settles the letters: a signed group the reward could not parse retires no task, even one its
-    # bytes name (any generator could write it: the genuine group may still come), and its entry is deleted
-    assert [d["task_id"] for d in dead] == ["bad", ""]
-    assert [streams.settle_dead_letter(fields) for _, fields in streams.dead_letters_after("0-0")[1]] == [None, None]
+    assert len(dead) == 3
+    assert dead[0]["reason"].startswith("provenance: the rollout's bytes are not as `to_wire` writes them")
+    assert all(d["stream"] == "rollouts" and "unparseable RolloutGroup" in d["reason"] for d in dead[1:])
+    # the learner settles the letters: a signed group the reward could not parse (or vouch for) retires no task,
+    # even one its bytes name (any generator could write it: the genuine group may still come), and its entry is
+    # deleted
+    assert [d["task_id"] for d in dead] == ["reordered", "bad", ""]
+    assert [streams.settle_dead_letter(fields) for _, fields in streams.dead_letters_after("0-0")[1]] == [None] * 3
     assert streams.redis.xlen(rollouts.key) == 0 and rollouts.pending() == 0
     scored = streams.stream("scored", ScoredGroup).consume("learner-test", count=10, block_ms=200)
     assert [d.message.rollout.task.task_id for d in scored] == ["good"]

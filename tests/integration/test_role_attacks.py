@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from signing import vouched
 
 from learner.service import LearnerService
 from services.keys import Signer
@@ -54,13 +55,18 @@ def test_signed_attacks_on_the_roles_are_dead_lettered_and_the_genuine_group_tra
     retired = {role: Signer(role, Ed25519PrivateKey.generate()) for role in ("reward", "learner")}
     service.redis.xadd(scored_key, {b"data": payload, b"sig": retired["reward"].sign(scored_key, payload)})
     service.redis.xadd(prompts_key, {b"data": made_up, b"sig": retired["learner"].sign(prompts_key, made_up)})
+    # A compromised reward pod that rewrote the samples (and the policy version) of a genuine rollout it scored.
+    genuine = vouched(generator, group(issued))
+    rewritten = genuine.rollout.model_copy(update={"policy_version": 7, "samples": [
+        Sample(token_ids=[9, 9], logprobs=[-0.5, -0.5], text="planted", finish_reason="stop")] * 2})
+    reward.stream("scored", ScoredGroup).produce(genuine.model_copy(update={"rollout": rewritten}))
 
     service.work.pump()
     tasks = generator.stream("prompts", PromptTask).consume("gen", count=10, block_ms=0)
     assert [d.message.task_id for d in tasks] == ["train-1"]  # only the learner's own task reaches a generator
     # no forged group admitted
     assert "train-1" in service.work.assembler.in_flight and not service.work.assembler.ready
-    reward.stream("scored", ScoredGroup).produce(group(issued))  # the genuine group, by the reward role
+    reward.stream("scored", ScoredGroup).produce(genuine)  # the genuine group, by the reward role
     service.work.pump()
     assert [g.rollout.task for _, _, g in service.work.assembler.ready] == [issued]
 
@@ -71,6 +77,8 @@ def test_signed_attacks_on_the_roles_are_dead_lettered_and_the_genuine_group_tra
         f"forged: signed by the reward role's key {kids['reward']}, and only the learner role signs prompts",
         f"forged: key id {retired['reward'].kid!r} is not in the keyring (retired by a rotation, or never issued)",
         f"forged: key id {retired['learner'].kid!r} is not in the keyring (retired by a rotation, or never issued)",
+        f"forged: bad signature under {kids['generator']} (tampered, or not signed with that key) (the rollout's own "
+        "signature, which its reward worker carries on)",
     ])
     service.work.scan_dead_letters()
     assert service.work.assembler.stats.lost == 0  # forged letters never make a task lost

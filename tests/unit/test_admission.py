@@ -11,6 +11,8 @@ from learner.workset import QUARANTINE_AFTER, provenance_error, quarantine_reaso
 from services.messages import PromptTask, RolloutGroup, Sample, SamplingParams, Score, ScoredGroup
 
 VOCAB = 100
+SIGNED = lambda group: None  # noqa: E731 (Streams.rollout_refusal of a rollout as its generator signed it)
+FORGED = lambda group: "forged: bad signature under generator-0 (the rollout's own signature)"  # noqa: E731
 TASK = PromptTask(task_id="train-1", prompt_id="p1", prompt="1+1=", prompt_token_ids=[5, 6], ground_truth="2",
                   sampling=SamplingParams(n=2, max_tokens=4))
 
@@ -27,7 +29,7 @@ def test_a_group_the_trainer_can_use_passes():
     assert shape_error(group(), VOCAB) is None
     assert shape_error(group(token_ids=(0, VOCAB - 1, 3, 4), logprobs=(0.0, -1.0, -2.0, -3.0)), VOCAB) is None
     assert shape_error(group(token_ids=(), logprobs=()), VOCAB) is None  # an empty response (abort)
-    assert provenance_error(group(), TASK, VOCAB) is None
+    assert provenance_error(group(), TASK, VOCAB, SIGNED) is None
 
 
 @pytest.mark.parametrize(
@@ -47,15 +49,22 @@ def test_a_group_the_trainer_can_use_passes():
 )
 def test_a_group_the_trainer_cannot_use_is_malformed_with_the_exact_reason(bad, reason):
     assert shape_error(bad, VOCAB) == f"malformed: task train-1 {reason}"
-    assert provenance_error(bad, TASK, VOCAB) == shape_error(bad, VOCAB)  # the task matches: the shape decides
+    assert provenance_error(bad, TASK, VOCAB, SIGNED) == shape_error(bad, VOCAB)  # the task matches: the shape decides
 
 
 def test_provenance_comes_before_the_shape():
     bad = group(token_ids=(-5, 2))
-    assert provenance_error(bad, None, VOCAB).startswith("provenance: unknown task id")
+    assert provenance_error(bad, None, VOCAB, FORGED).startswith("provenance: unknown task id")
     other = TASK.model_copy(update={"ground_truth": "3"})
-    assert provenance_error(bad, other, VOCAB) == (
+    assert provenance_error(bad, other, VOCAB, FORGED) == (
         "provenance: task train-1 does not match the task as issued (differs in ground_truth)")
+
+
+def test_a_rollout_not_as_its_generator_signed_it_is_forged_before_its_shape_is_read():
+    """A reward worker that altered the samples must not get the task given up by making them malformed: a forged
+    group retires nothing (its task is issued again at its deadline)."""
+    assert provenance_error(group(token_ids=(-5, 2)), TASK, VOCAB, FORGED) == FORGED(None)
+    assert provenance_error(group(), TASK, VOCAB, FORGED) == FORGED(None)
 
 
 def test_a_group_is_quarantined_after_one_retry_with_the_error():
