@@ -80,8 +80,9 @@ RANKS_STOP_SECONDS = 120.0  # SIGTERM to SIGKILL for the learner's ranks: rank 0
 # comes after torchrun's (TORCH_ELASTIC_SHUTDOWN_TIMEOUT): no rank outlives the run.
 LEARNER_STOP_SECONDS = RANKS_STOP_SECONDS + 20.0
 # The learner's own exits, not restarted: finished (or SIGTERM), refill limit with on_refill_limit=stop, fenced
-# (another learner took the run's lease, learner/lease.py: a restart would only wait for it and fail).
-LEARNER_DONE = (0, ExitCode.REFILL_LIMIT, ExitCode.FENCED, ExitCode.DATA_ERROR)  # a restart would not change them
+# (another learner took the run's lease, learner/lease.py: a restart would only wait for it and fail), a usage error
+# (its configuration: a recipe that differs from its checkpoint's, say), a data error.
+LEARNER_DONE = (0, ExitCode.REFILL_LIMIT, ExitCode.FENCED, ExitCode.USAGE, ExitCode.DATA_ERROR)
 RUN_LOCK = ".dapo-run.lock"  # in the run folder: held (flock) by the one launcher of that folder
 
 
@@ -118,6 +119,7 @@ class Child:
     # How far it got (the learner: its furthest step recorded); None: progress is a run of STABLE_SECONDS
     progress: Callable[[], int] | None = None
     progress_mark: int = -1  # the furthest progress seen when it last started
+    restart_env: dict[str, str] = field(default_factory=dict)  # added to its environment when it starts again
     restarts: int = 0
     gave_up: bool = False  # crashed RESTART_LIMIT times in a row: not started again
     started_at: float = field(default_factory=time.monotonic)
@@ -202,6 +204,7 @@ class Child:
         self.restarts += 1
         log.warning("%s exited with %s; restart %d", self.name, self.exit_code, self.restarts)
         self.cpu_before, self.cpu_now = self.cpu_total, 0.0
+        self.env = {**self.env, **self.restart_env}
         self.start()
         return True
 
@@ -303,7 +306,9 @@ def service_children(settings: Settings, config_path: Path, redis_urls: Mapping[
     children = [Child("learner", learner_command(learner_procs) + ["--config", str(config_path)], learner_env,
                       run_dir / "logs" / "learner.log", stop_seconds=LEARNER_STOP_SECONDS,
                       placement=cpus.learner if cpus else None, exit_file=run_dir / "logs" / "learner.exit",
-                      progress=lambda: steps_recorded(run_dir / METRICS_FILE))]
+                      progress=lambda: steps_recorded(run_dir / METRICS_FILE),
+                      # `resume: false` starts the run over once: a restart after a crash resumes its checkpoint
+                      restart_env={"DAPO_LEARNER__CHECKPOINTS__RESUME": "true"})]
     for i in range(reward_workers):
         placed = cpus.reward[i] if cpus else None
         children.append(child(f"reward-{i}", "reward", DAPO_REWARD__PORT=str(free_port()),

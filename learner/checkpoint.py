@@ -93,17 +93,32 @@ class Checkpoints:
         return int(pointer.read_text().strip().removeprefix(PREFIX)) if pointer.is_file() else None
 
     def extra_state(self, step: int) -> dict:
-        """The caller's state saved with step-N (`write`'s extra_state), read without loading the checkpoint."""
-        return json.loads((self.path(step) / TRAINER_STATE).read_text())["extra_state"]
+        """The caller's state saved with step-N (`write`'s extra_state), read without loading the checkpoint (the
+        complete copy after a crash between `write`'s renames, as `read` takes)."""
+        return json.loads((complete(self.path(step)) / TRAINER_STATE).read_text())["extra_state"]
 
     def commit(self, step: int) -> None:
-        """Point `latest` at step-N (written by `write`), durably, then prune all but the newest `keep`."""
+        """Point `latest` at step-N (written by `write`), durably, then prune: the steps after it first (a lineage
+        this run left: killed between a `write` and its commit, or a run started over with `resume: false`), then
+        all but the newest `keep`."""
         write_atomic(self.dir / LATEST, self.path(step).name)
         fsync_dir(self.dir)  # `latest` survives a power loss before the caller releases what the step consumed
+        for later in (s for s in self.steps() if s > step):
+            shutil.rmtree(self.path(later), ignore_errors=True)
         steps = self.steps()
         for old in steps[: max(0, len(steps) - max(1, self.keep))]:
             if old != step:
                 shutil.rmtree(self.path(old), ignore_errors=True)
+
+    def forget_latest(self) -> None:
+        """A run started over (`resume: false`): no later start of it may resume the checkpoint of the one before
+        (a restart after a crash resumes, and must find this run's own checkpoint or none). The folders stay until
+        this run's first checkpoint prunes them."""
+        if (self.dir / LATEST).is_file():
+            log.warning("starting over: %s no longer names %s (deleted at this run's first checkpoint)",
+                        self.dir / LATEST, (self.dir / LATEST).read_text().strip())
+            (self.dir / LATEST).unlink()
+            fsync_dir(self.dir)
 
     def record_stop(self, step: int, max_refills: int, reason: str) -> None:
         write_atomic(self.dir / STOPPED, json.dumps({"step": step, "max_refills": max_refills, "reason": reason}))
@@ -135,7 +150,6 @@ def write(trainer: "Trainer", path: Path, extra_state: dict) -> None:
     Written into `path.tmp/` then renamed, so a crash never leaves a half checkpoint under `path`.
     """
     path = Path(path)
-    meta = json.dumps({"format": FORMAT, "extra_state": extra_state})
     tmp, old = path.with_name(path.name + ".tmp"), path.with_name(path.name + ".old")
     accelerator = trainer.accelerator
     if accelerator.is_main_process:
@@ -155,6 +169,7 @@ def write(trainer: "Trainer", path: Path, extra_state: dict) -> None:
         for name in TOKENIZER_FILES:
             if (trainer.model_path / name).is_file():
                 shutil.copy2(trainer.model_path / name, model_dir / name)
+        meta = json.dumps({"format": FORMAT, "extra_state": extra_state, "files": _state_files(tmp / STATE_DIR)})
         (tmp / TRAINER_STATE).write_text(meta)
         # On disk before the renames make it the checkpoint (and before `latest` names it): after a power loss,
         # a renamed folder of empty files would be a checkpoint that cannot be loaded.
@@ -174,6 +189,11 @@ def read(trainer: "Trainer", path: Path) -> dict:
     meta = json.loads((path / TRAINER_STATE).read_text())
     if meta.get("format") != FORMAT:
         raise ValueError(f"{path}: checkpoint format {meta.get('format')!r}, expected {FORMAT}")
+    if "files" in meta:  # (none in a checkpoint from before 2026-11-29)
+        damaged = _state_files_damaged(path / STATE_DIR, meta["files"])
+        if damaged:
+            raise CheckpointDamaged(f"{path}: {damaged}; resume from another checkpoint (name it in "
+                                    f"{path.parent / LATEST}) or start over (learner.checkpoints.resume=false)")
     load_training_state(path / STATE_DIR, trainer.model, trainer.optimizer.optimizer, trainer.scheduler,
                         trainer.accelerator.process_index)
     return meta["extra_state"]
@@ -190,6 +210,28 @@ def complete(path: Path) -> Path:
     if (old / TRAINER_STATE).is_file():
         return old
     raise FileNotFoundError(f"no checkpoint at {path}")
+
+
+class CheckpointDamaged(ValueError):
+    """A checkpoint whose training state is not all as written: loading it would mix its weights and moments
+    with the fresh model's where a shard file is missing (DCP fills only the pieces it finds)."""
+
+
+def _state_files(folder: Path) -> dict[str, int]:
+    """Every file of the training state (all ranks' shards, RNG states, the JSON) by its path under `folder`, with
+    its size: what `read` checks before it loads."""
+    return {str(p.relative_to(folder)): p.stat().st_size for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def _state_files_damaged(folder: Path, written: dict[str, int]) -> str | None:
+    """Why the training state under `folder` is not the files `write` listed (None: it is)."""
+    for name, size in written.items():
+        file = folder / name
+        if not file.is_file():
+            return f"the training state file {name} is missing (a partial copy of the checkpoint?)"
+        if file.stat().st_size != size:
+            return f"the training state file {name} has {file.stat().st_size:,} bytes, written with {size:,}"
+    return None
 
 
 def _set_config_dtype(model_dir: Path, dtype: torch.dtype) -> None:
@@ -217,10 +259,15 @@ def load_training_state(folder: Path, model, optimizer, scheduler, rank: int) ->
     tensors, _ = _training_tensors(model, optimizer)  # this rank's tensors, the shapes and shards to fill
     dcp.load(tensors, storage_reader=HuggingFaceStorageReader(str(folder / SHARDS_DIR)))
     meta = json.loads((folder / OPTIMIZER_META).read_text())
-    # Which kernel AdamW runs (fused on a GPU, foreach) is this process's choice, not the checkpoint's: a GPU run
-    # resumed on a CPU, or a checkpoint written before the fused kernel, keeps the live optimizer's.
+    # The hyperparameters are this start's configuration, not the checkpoint's: a resume that lowers the learning
+    # rate or changes the decay, the betas or the warm-up trains with the new values (and says so), as does the
+    # kernel AdamW runs (fused on a GPU, foreach: a GPU run resumed on a CPU keeps the live optimizer's). The
+    # rate of this step follows from the configured base rate and warm-up at the restored scheduler step.
+    changed = set()
     for saved, live in zip(meta["param_groups"], optimizer.param_groups):
-        saved.update({key: live[key] for key in ("fused", "foreach", "capturable") if key in live})
+        changed |= {key for key in ("initial_lr", "weight_decay", "betas", "eps") if key in saved
+                    and key in live and _as_list(saved[key]) != _as_list(live[key])}
+        saved.update({key: value for key, value in live.items() if key not in ("params", "lr")})
     model_state = {key.removeprefix("model/"): value for key, value in tensors.items() if key.startswith("model/")}
     optimizer_state = _unflatten_optimizer_state(
         {key.removeprefix("optimizer/"): value for key, value in tensors.items() if key.startswith("optimizer/")},
@@ -228,7 +275,17 @@ def load_training_state(folder: Path, model, optimizer, scheduler, rank: int) ->
     # Not strict: a tied alias (lm_head.weight of tied-embedding models) was saved once, under its first name.
     set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state,
                    options=StateDictOptions(strict=False))
-    scheduler.load_state_dict(json.loads((folder / SCHEDULER_STATE).read_text()))
+    schedule, live = json.loads((folder / SCHEDULER_STATE).read_text()), scheduler.state_dict()
+    if schedule.get("lr_lambdas") != live.get("lr_lambdas"):
+        changed.add("warmup_steps")
+    scheduler.load_state_dict({**schedule, "base_lrs": live["base_lrs"], "lr_lambdas": live["lr_lambdas"]})
+    rates = [base * factor(scheduler.last_epoch) for base, factor in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
+    for group, rate in zip(optimizer.param_groups, rates):
+        group["lr"] = rate
+    scheduler._last_lr = rates  # what get_last_lr reports until the next scheduler step
+    if changed:
+        log.warning("%s: resumed with this start's optimizer settings, which differ from the checkpoint's in %s",
+                    folder.parent, ", ".join(sorted(changed)))
     rng = folder / RNG_STATE.format(rank=rank)
     written_by = len(list(folder.glob(RNG_STATE.format(rank="*"))))
     if rng.is_file() or rank < written_by:  # a rank that wrote the checkpoint must find its file (else: damaged)
@@ -236,6 +293,10 @@ def load_training_state(folder: Path, model, optimizer, scheduler, rank: int) ->
     else:  # resumed on more ranks than wrote the checkpoint: weights and optimizer are whole, this RNG is new
         log.warning("%s: no RNG state for rank %d (written by %d ranks); it keeps its seeded one", folder, rank,
                     written_by)
+
+
+def _as_list(value):
+    return list(value) if isinstance(value, (list, tuple)) else value
 
 
 def _training_tensors(model, optimizer) -> tuple[dict[str, Tensor], dict]:

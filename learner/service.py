@@ -67,17 +67,20 @@ def data_spec(value: str, split: str) -> str:
 
 def recipe(settings: Settings) -> dict:
     """The settings that say what a checkpoint's policy was trained on and for: the model, the sampling, the loss,
-    the reward and its shaping, dynamic sampling, the training data. A resume that changes one of them would go on
-    as another experiment under the same name (an ablation row resuming another's checkpoint)."""
+    the reward and its shaping, dynamic sampling, the training data, and the run it belongs to (`redis.run`: its
+    streams, `issued` tasks and lease). A resume that changes one of them would go on as another experiment under
+    the same name (an ablation row resuming another's checkpoint, a run renamed in a shared run folder)."""
     reward = settings.reward
     return {
         "model.name_or_path": settings.model.name_or_path,
         **{f"sampling.{key}": value for key, value in settings.sampling.model_dump(mode="json").items()},
         **{f"learner.loss.{key}": value for key, value in settings.learner.loss.model_dump(mode="json").items()},
         "learner.batch.dynamic_sampling": settings.learner.batch.dynamic_sampling,
+        "learner.batch.filter_metric": settings.learner.batch.filter_metric,
         **{f"reward.{key}": getattr(reward, key)
            for key in ("answer_rule", "soft_overlong", "overlong_buffer", "overlong_penalty")},
         "data.train": settings.data.train, "data.prompt_template": settings.data.prompt_template,
+        "redis.run": settings.redis.run,
     }
 
 
@@ -490,6 +493,7 @@ class LearnerService:
             self.seek_data(self.train_problems.cursor())
         else:
             self.work.forget_data_cursor()
+            self.checkpoints.forget_latest()
         self.work.restore(skip=set(), counted=set())
         self.records.cut_after(-1)
         return False

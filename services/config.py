@@ -266,17 +266,18 @@ def sampling_refusal(temperature: float, n: int) -> str | None:
 
 
 class SamplingConfig(Section):
-    n: int = Field(16, description="Responses per prompt, the group size G (paper: 16).")
-    temperature: float = Field(1.0, description="Sampling temperature (paper: 1.0).")
-    top_p: float = Field(1.0, description="Nucleus sampling (paper: 1.0 for training).")
-    max_tokens: int = Field(20480, description="L_max: longest response, overlong buffer included (paper: 20480).")
+    n: int = Field(16, ge=1, le=1024, description="Responses per prompt, the group size G (paper: 16).")
+    temperature: float = Field(1.0, ge=0, description="Sampling temperature (paper: 1.0).")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling (paper: 1.0 for training).")
+    max_tokens: int = Field(
+        20480, ge=1, description="L_max: longest response, overlong buffer included (paper: 20480).")
 
 
 class EvalSamplingConfig(Section):
-    n: int = Field(32, description="Samples per held-out problem, accuracy averaged (paper: avg@32).")
-    temperature: float = Field(1.0, description="Evaluation temperature (paper: 1.0).")
-    top_p: float = Field(0.7, description="Evaluation nucleus (paper: 0.7).")
-    max_tokens: int = Field(20480, description="Longest evaluation response.")
+    n: int = Field(32, ge=1, le=1024, description="Samples per held-out problem, accuracy averaged (paper: avg@32).")
+    temperature: float = Field(1.0, ge=0, description="Evaluation temperature (paper: 1.0).")
+    top_p: float = Field(0.7, gt=0, le=1, description="Evaluation nucleus (paper: 0.7).")
+    max_tokens: int = Field(20480, ge=1, description="Longest evaluation response.")
 
 
 class GeneratorConfig(Section):
@@ -389,11 +390,11 @@ class WeightsConfig(Section):
 class RewardConfig(Section):
     host: str = Field("0.0.0.0", description="HTTP bind address.")
     port: int = Field(8002, description="HTTP port (/v1/score, metrics).")
-    workers: int = Field(2, description="Verifier processes in the pool.")
-    timeout_s: float = Field(5.0, description="Per-response verification time limit.")
+    workers: int = Field(2, ge=1, description="Verifier processes in the pool.")
+    timeout_s: float = Field(5.0, gt=0, description="Per-response verification time limit.")
     memory_mb: int = Field(1024, description="Address-space limit of each verifier process.")
-    overlong_buffer: int = Field(4096, description="L_cache of the soft overlong punishment (paper: 4096).")
-    overlong_penalty: float = Field(1.0, description="Penalty reached at L_max (paper: 1.0).")
+    overlong_buffer: int = Field(4096, ge=0, description="L_cache of the soft overlong punishment (paper: 4096).")
+    overlong_penalty: float = Field(1.0, ge=0, description="Penalty reached at L_max (paper: 1.0).")
     soft_overlong: bool = Field(True, description="DAPO soft overlong punishment (Eq. 13) on or off.")
     answer_rule: Literal["robust", "dapo"] = Field(
         "robust",
@@ -411,31 +412,32 @@ class LearnerBatchConfig(Section):
     """Which groups a step trains on and how often it uses them: the batch B, dynamic sampling (Eq. 11) and its
     refills, the policy lag allowed (paper: 512 prompts x 16 responses, 16 gradient updates per rollout step)."""
 
-    prompts_per_step: int = Field(512, description="B: informative prompt groups per training step.")
+    prompts_per_step: int = Field(512, ge=1, description="B: informative prompt groups per training step.")
     warmup_steps: int = Field(
         0, ge=0, description="Grow B linearly over this many first rollout steps, ceil(B t / W) at step t, as the "
         "LR warm-up grows the rate (paper: 0, the full B from step 1): sooner first updates."
     )
-    mini_batches: int = Field(16, description="Gradient updates per rollout step (mini-batches of the batch).")
-    epochs: int = Field(1, description="Passes over the batch per step.")
+    mini_batches: int = Field(16, ge=1, description="Gradient updates per rollout step (mini-batches of the batch).")
+    epochs: int = Field(1, ge=1, description="Passes over the batch per step.")
     dynamic_sampling: bool = Field(True, description="Keep only groups with some but not all correct (Eq. 11).")
     filter_metric: Literal["acc", "reward"] = Field(
         "acc", description="What dynamic sampling needs spread in: acc = correctness (paper, Eq. 11) or reward."
     )
     max_refills: int = Field(
-        10, description="Refill rounds per step before the refill limit applies: rounds after the first push, each "
-        "sized from the informative ratio (verl's max_num_gen_batches counts every fixed-size batch, the first too)."
+        10, ge=0, description="Refill rounds per step before the refill limit applies: rounds after the first push, "
+        "each sized from the informative ratio (verl's max_num_gen_batches counts every fixed-size batch, the first "
+        "too)."
     )
     on_refill_limit: Literal["train", "stop"] = Field(
         "train", description="At the limit: train on what is in hand, or stop."
     )
-    oversample_min: float = Field(1.0, description="Lower bound of the prompt over-sampling factor.")
-    oversample_max: float = Field(4.0, description="Upper bound of the prompt over-sampling factor.")
+    oversample_min: float = Field(1.0, ge=1.0, description="Lower bound of the prompt over-sampling factor.")
+    oversample_max: float = Field(4.0, ge=1.0, description="Upper bound of the prompt over-sampling factor.")
     oversample_margin: float = Field(
         1.0, ge=1.0, description="Prompts pushed per expected informative group need, beyond 1 / r (1: the "
         "expected need; 1.2: 20 % more, fewer refill rounds, surplus groups may age out unused)."
     )
-    max_staleness: int = Field(0, description="Oldest usable policy lag in versions; 0 = synchronous on-policy.")
+    max_staleness: int = Field(0, ge=0, description="Oldest usable policy lag in versions; 0 = synchronous on-policy.")
     uncorrected_staleness: bool = Field(
         False, description="Accept max_staleness > 0 with tis_cap null: stale groups train with no behaviour "
         "correction (refused unless set: the ratio to pi_old alone ignores the policy that sampled them)."
@@ -459,10 +461,10 @@ class LearnerBatchConfig(Section):
 class OptimizerConfig(Section):
     """AdamW and its schedule (paper §4.1)."""
 
-    lr: float = Field(1e-6, description="AdamW learning rate (paper: 1e-6).")
-    warmup_steps: int = Field(20, description="Linear warm-up over this many rollout steps (paper §4.1: 20).")
-    weight_decay: float = Field(0.1, description="AdamW weight decay (paper: 0.1).")
-    grad_clip: float = Field(1.0, description="Gradient norm clip (paper: 1.0).")
+    lr: float = Field(1e-6, gt=0, description="AdamW learning rate (paper: 1e-6).")
+    warmup_steps: int = Field(20, ge=0, description="Linear warm-up over this many rollout steps (paper §4.1: 20).")
+    weight_decay: float = Field(0.1, ge=0, description="AdamW weight decay (paper: 0.1).")
+    grad_clip: float = Field(1.0, ge=0, description="Gradient norm clip (paper: 1.0).")
     adam_betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
 
 
@@ -470,17 +472,17 @@ class LossConfig(Section):
     """The DAPO objective, each technique switchable (GRPO baseline: clip_high 0.2, loss_agg sample, with
     learner.batch.dynamic_sampling false)."""
 
-    clip_low: float = Field(0.2, description="epsilon_low of clip-higher (paper: 0.2).")
-    clip_high: float = Field(0.28, description="epsilon_high of clip-higher (paper: 0.28; GRPO: 0.2).")
+    clip_low: float = Field(0.2, ge=0, lt=1, description="epsilon_low of clip-higher (paper: 0.2).")
+    clip_high: float = Field(0.28, ge=0, description="epsilon_high of clip-higher (paper: 0.28; GRPO: 0.2).")
     dual_clip: float | None = Field(
-        None, description="Dual-clip bound c for negative advantages (paper: not used; verl applies it always: 3.0 by "
-        "default, 10.0 in its DAPO scripts)."
+        None, gt=1, description="Dual-clip bound c for negative advantages (paper: not used; verl applies it always: "
+        "3.0 by default, 10.0 in its DAPO scripts)."
     )
     loss_agg: Literal["token", "sample"] = Field("token", description="token = DAPO token-level loss (Eq. 12).")
     overlong_filter: bool = Field(False, description="Mask truncated responses out of the loss.")
-    kl_coef: float = Field(0.0, description="KL penalty to the reference (paper: 0, removed).")
-    entropy_coef: float = Field(0.0, description="Entropy bonus (paper: 0).")
-    adv_eps: float = Field(1e-6, description="epsilon added to the group std in the advantage.")
+    kl_coef: float = Field(0.0, ge=0, description="KL penalty to the reference (paper: 0, removed).")
+    entropy_coef: float = Field(0.0, ge=0, description="Entropy bonus (paper: 0).")
+    adv_eps: float = Field(1e-6, ge=0, description="epsilon added to the group std in the advantage.")
     tis_cap: float | None = Field(
         2.0, gt=0, description="Truncated importance weight cap for behaviour/learner mismatch (null: no weight, "
         "the paper's verl recipe, which trusts the recomputed pi_old alone)."
@@ -490,7 +492,7 @@ class LossConfig(Section):
 class ComputeConfig(Section):
     """How the update runs on the hardware: the same numbers whatever is chosen here, at other speeds and memory."""
 
-    micro_batch_tokens: int = Field(32768, description="Tokens per forward pass (gradient accumulation unit).")
+    micro_batch_tokens: int = Field(32768, ge=1, description="Tokens per forward pass (gradient accumulation unit).")
     gradient_checkpointing: Literal["off", "full", "selective"] = Field(
         "off", description="What the decoder layers recompute in backward (learner/activation_checkpointing.py): off, "
         "full = each whole layer (least memory, 8N FLOPs a token instead of 6N; the paper's verl recipe; true means "
@@ -562,7 +564,10 @@ class LearnerCheckpointsConfig(Section):
 
     every: int = Field(10, description="Checkpoint every K steps (0 = only at the end).")
     keep: int = Field(2, description="Checkpoints kept on disk (the newest; older ones are pruned).")
-    resume: bool = Field(True, description="Resume from run_dir/checkpoints/latest when it exists.")
+    resume: bool = Field(
+        True, description="Resume from run_dir/checkpoints/latest when it exists; false starts the run over (the "
+        "checkpoint before is no longer `latest`, and `dapo run` restarts a crashed learner with resume true)."
+    )
 
 
 class LearnerConfig(Section):
@@ -572,12 +577,12 @@ class LearnerConfig(Section):
         None,
         description="URL generators pull weights from, the only one they send the token to (default http://host:port).",
     )
-    total_steps: int = Field(1000, description="Training steps before the learner stops.")
+    total_steps: int = Field(1000, ge=0, description="Training steps before the learner stops.")
     time_limit_minutes: float = Field(
         0.0, ge=0.0, description="Also stop after this many minutes of training, evaluations excluded, in this process "
         "(0 = no limit)."
     )
-    eval_every: int = Field(5, description="Evaluate every K steps (0 = never).")
+    eval_every: int = Field(5, ge=0, description="Evaluate every K steps (0 = never).")
     seed: int = Field(0, description="Torch seed.")
     lease_ttl_s: float = Field(
         30.0, gt=0, description="TTL of the run's single-writer lease (learner/lease.py): a second learner waits this "
@@ -688,7 +693,8 @@ class Settings(BaseSettings):
     """The whole tree. Load with `load_settings(preset_or_path)`."""
 
     model_config = SettingsConfigDict(
-        env_prefix="DAPO_", env_nested_delimiter="__", extra="forbid", validate_assignment=True
+        env_prefix="DAPO_", env_nested_delimiter="__", env_parse_none_str="null", extra="forbid",
+        validate_assignment=True,
     )
 
     run_dir: str = Field("runs/default", description="Run folder: metrics.jsonl, checkpoints, weights, plots.")

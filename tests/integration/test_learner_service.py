@@ -130,11 +130,17 @@ def test_a_resume_with_another_recipe_is_refused_before_anything_is_loaded(setti
     folder.mkdir(parents=True)
     (folder / "trainer_state.json").write_text(json.dumps({"format": 1, "extra_state": {"recipe": recipe(settings)}}))
     (service.checkpoints.dir / "latest").write_text("step-3")
+    run = settings.redis.run
     settings.sampling.temperature = 0.7
     settings.learner.loss.clip_high = 0.2
-    with pytest.raises(ConfigError, match=r"learner.loss.clip_high 0.28 -> 0.2; sampling.temperature 1.0 -> 0.7"):
+    settings.learner.batch.filter_metric = "reward"
+    settings.redis.run = "renamed"  # another run's name on this run folder (compose's DAPO_RUN)
+    with pytest.raises(ConfigError, match=(
+            rf"learner.batch.filter_metric 'acc' -> 'reward'; learner.loss.clip_high 0.28 -> 0.2; "
+            rf"redis.run '{run}' -> 'renamed'; sampling.temperature 1.0 -> 0.7")):
         service.resume()
     settings.sampling.temperature, settings.learner.loss.clip_high = 1.0, 0.28
+    settings.learner.batch.filter_metric, settings.redis.run = "acc", run
     saved = json.loads((folder / "trainer_state.json").read_text())
     del saved["extra_state"]["recipe"]["sampling.top_p"]  # a setting a later release added: not a change
     (folder / "trainer_state.json").write_text(json.dumps(saved))

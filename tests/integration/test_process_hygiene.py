@@ -146,15 +146,30 @@ def test_the_learner_is_given_up_after_crashes_without_a_step_however_long_each_
     progressing.process.wait()
 
 
-def test_a_fenced_learner_is_not_restarted(tmp_path):
-    """Exit 75: another learner took the run's lease (learner/lease.py); a restart would only wait and fail."""
+@pytest.mark.parametrize("code", ["FENCED", "USAGE"])
+def test_a_fenced_or_misconfigured_learner_is_not_restarted(tmp_path, code):
+    """Exit 75: another learner took the run's lease (learner/lease.py), a restart would only wait and fail; exit 2:
+    its configuration (a recipe other than its checkpoint's), a restart would load the model to fail again."""
     from services.errors import ExitCode
 
-    learner = Child("learner", [sys.executable, "-c", f"raise SystemExit({ExitCode.FENCED})"], dict(os.environ),
+    exit_code = ExitCode[code]
+    learner = Child("learner", [sys.executable, "-c", f"raise SystemExit({exit_code})"], dict(os.environ),
                     tmp_path / "learner.log")
     learner.start()
-    assert supervise([learner], tmp_path / "metrics.jsonl", total_steps=10, display=False) == ExitCode.FENCED
+    assert supervise([learner], tmp_path / "metrics.jsonl", total_steps=10, display=False) == exit_code
     assert learner.restarts == 0
+
+
+def test_a_restarted_child_gets_its_restart_environment(tmp_path):
+    """`resume: false` starts a run over once: the learner restarted after a crash resumes its checkpoint."""
+    command = [sys.executable, "-c", "import os; print(os.environ.get('DAPO_LEARNER__CHECKPOINTS__RESUME'))"]
+    learner = Child("learner", command, dict(os.environ), tmp_path / "learner.log",
+                    restart_env={"DAPO_LEARNER__CHECKPOINTS__RESUME": "true"})
+    learner.start()
+    learner.process.wait()
+    assert learner.restart()
+    learner.process.wait()
+    assert (tmp_path / "learner.log").read_text().split() == ["None", "true"]
 
 
 # Two ranks under torchrun: rank 0 is fenced (learner/lease.py's own exit), rank 1 waits in a collective as a

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import math
 import pickle
 import random
@@ -589,6 +590,45 @@ def test_a_resume_keeps_the_resuming_process_adamw_kernel(model_path, tmp_path):
         read_checkpoint(second, tmp_path / "ckpt" / "step-1")
         assert second.optimizer.param_groups[0]["fused"] is fused
         assert second.optimizer.param_groups[0]["lr"] == first.optimizer.param_groups[0]["lr"]
+
+
+def test_a_resume_trains_with_this_starts_optimizer_settings(model_path, tmp_path, caplog):
+    """Lowering the learning rate (or changing the decay, the betas, the warm-up) and resuming: the new values, at
+    the restored step of the schedule, not the checkpoint's."""
+    groups = make_groups(n_groups=2, size=4, seed=5)
+    first = Trainer(make_settings(tmp_path, warmup_steps=0), model_path)
+    first.train_step(with_behaviour(groups, first.logprobs(groups)))
+    write_checkpoint(first, tmp_path / "ckpt" / "step-1", {"step": 1})
+    settings = make_settings(tmp_path, lr=1e-4, warmup_steps=4, weight_decay=0.05, adam_betas=(0.8, 0.95))
+    second = Trainer(settings, model_path)
+    with caplog.at_level(logging.WARNING):
+        read_checkpoint(second, tmp_path / "ckpt" / "step-1")
+    assert "initial_lr, warmup_steps, weight_decay" in caplog.text and "betas" in caplog.text
+    group = second.optimizer.param_groups[0]
+    assert second.steps_done == 1  # the schedule's step is the checkpoint's
+    assert group["lr"] == pytest.approx(1e-4 * 2 / 4) and second.scheduler.get_last_lr() == [group["lr"]]
+    assert group["weight_decay"] == 0.05 and tuple(group["betas"]) == (0.8, 0.95)
+    metrics = second.train_step(with_behaviour(groups, second.logprobs(groups)))
+    assert metrics["lr"] == pytest.approx(1e-4 * 2 / 4)
+    assert second.scheduler.get_last_lr()[0] == pytest.approx(1e-4 * 3 / 4)
+
+
+@pytest.mark.parametrize("damage", ["missing", "truncated"])
+def test_a_checkpoint_missing_part_of_its_training_state_is_refused_not_mixed_with_the_fresh_model(
+        model_path, tmp_path, damage):
+    """DCP fills only the pieces of a tensor it finds: without a shard file (a partial copy of the run folder) the
+    weights would be half the checkpoint's, half the base model's, with no error."""
+    from learner.checkpoint import CheckpointDamaged
+
+    trainer = Trainer(make_settings(tmp_path), model_path)
+    write_checkpoint(trainer, tmp_path / "ckpt" / "step-1", {"step": 1})
+    (shard,) = (tmp_path / "ckpt" / "step-1" / "state" / "shards").glob("*.safetensors")
+    if damage == "missing":
+        shard.unlink()
+    else:
+        shard.write_bytes(shard.read_bytes()[:-8])
+    with pytest.raises(CheckpointDamaged, match=r"shards/.*(is missing|has [\d,]+ bytes, written with)"):
+        read_checkpoint(Trainer(make_settings(tmp_path), model_path), tmp_path / "ckpt" / "step-1")
 
 
 def test_bad_groups_are_refused(model_path, tmp_path):

@@ -91,3 +91,32 @@ def test_a_crash_between_the_renames_leaves_a_complete_checkpoint(tmp_path):
     assert complete(path) == tmp  # written whole (trainer_state.json comes last): the new one
     path.mkdir()
     assert complete(path) == path
+
+
+def test_a_commit_deletes_the_steps_after_it_a_lineage_the_run_left(tmp_path):
+    """Killed between a write and its commit, or started over with `resume: false`: the later steps are no
+    checkpoint of this lineage and must not take the places `keep` leaves."""
+    checkpoints = checkpointed(tmp_path, 20, keep=2)
+    for step in (20, 22, 30):
+        checkpoints.path(step).mkdir()
+    checkpoints.commit(22)
+    assert checkpoints.steps() == [20, 22] and checkpoints.latest_step() == 22
+
+
+def test_starting_over_forgets_latest_so_a_restart_cannot_resume_the_run_before(tmp_path):
+    checkpoints = checkpointed(tmp_path, 500)
+    checkpoints.path(500).mkdir()
+    checkpoints.forget_latest()
+    checkpoints.forget_latest()  # nothing to forget: no error
+    assert checkpoints.latest_step() is None and checkpoints.steps() == [500]
+    checkpoints.path(5).mkdir()
+    checkpoints.commit(5)  # this run's first checkpoint
+    assert checkpoints.steps() == [5] and checkpoints.latest_step() == 5
+
+
+def test_the_saved_state_is_read_from_the_copy_a_crash_between_the_renames_left(tmp_path):
+    checkpoints = checkpointed(tmp_path, 4)
+    tmp = checkpoints.dir / "step-4.tmp"
+    tmp.mkdir()
+    (tmp / TRAINER_STATE).write_text('{"format": 4, "extra_state": {"step": 4}}')
+    assert checkpoints.extra_state(4) == {"step": 4}

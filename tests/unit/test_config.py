@@ -367,3 +367,31 @@ def test_a_raw_template_without_its_one_problem_field_is_refused_at_load(templat
     with pytest.raises(ConfigError, match=re.escape(error)):
         load_settings("tiny-cpu", data={"raw_template": template})
     assert load_settings("tiny-cpu", data={"raw_template": "{{ {problem} }}"}).data.raw_template
+
+
+@pytest.mark.parametrize("override, field", [
+    ({"sampling": {"top_p": 0}}, "sampling.top_p"),
+    ({"sampling": {"n": 0}}, "sampling.n"),
+    ({"eval_sampling": {"max_tokens": 0}}, "eval_sampling.max_tokens"),
+    ({"learner": {"loss": {"clip_low": 1.0}}}, "learner.loss.clip_low"),
+    ({"learner": {"loss": {"clip_high": -0.1}}}, "learner.loss.clip_high"),
+    ({"learner": {"loss": {"dual_clip": 0.5}}}, "learner.loss.dual_clip"),
+    ({"learner": {"batch": {"epochs": 0}}}, "learner.batch.epochs"),
+    ({"learner": {"batch": {"mini_batches": 0}}}, "learner.batch.mini_batches"),
+    ({"learner": {"batch": {"prompts_per_step": 0}}}, "learner.batch.prompts_per_step"),
+    ({"learner": {"batch": {"max_refills": -1}}}, "learner.batch.max_refills"),
+    ({"learner": {"optimizer": {"lr": 0}}}, "learner.optimizer.lr"),
+    ({"reward": {"overlong_penalty": -1}}, "reward.overlong_penalty"),
+])
+def test_a_value_no_step_could_use_is_refused_when_loaded_not_at_the_first_update(override, field):
+    """Refused by the config (exit 2, naming the field) instead of after a step's generation: a task message would
+    refuse the sampling, the loss would raise in train_step and quarantine the batch's good groups."""
+    with pytest.raises(ConfigError, match=re.escape(field)):
+        load_settings("tiny-cpu", **override)
+
+
+def test_null_from_the_environment_unsets_a_field_that_may_be_null(monkeypatch):
+    monkeypatch.setenv("DAPO_LEARNER__LOSS__TIS_CAP", "null")
+    monkeypatch.setenv("DAPO_LEARNER__LOSS__DUAL_CLIP", "null")
+    loss = load_settings("dapo-qwen2.5-32b").learner.loss
+    assert loss.tis_cap is None and loss.dual_clip is None
