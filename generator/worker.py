@@ -191,6 +191,8 @@ class RolloutWorker:
         self._listed_busy = False  # as the membership of broadcast rounds says: loading a version from the files
         self._next_round_poll = 0.0
         self._failed: dict[tuple[int, str], tuple[float, str]] = {}  # (version, sha) -> (retry after, reason)
+        # (version, sha) -> the prompt entries handed back, counted, since this generator last refused it
+        self._counted_refusals: dict[tuple[int, str], set[str]] = {}
         self._waiters: list[tuple[int, concurrent.futures.Future]] = []
         self._sync_now = threading.Event()  # look the latest announcement up now (a task wants a newer version)
         self._retry_refused = threading.Event()  # an explicit request: also retry a refused version at once
@@ -238,7 +240,7 @@ class RolloutWorker:
             "announced": newest.version if newest else None,
             "inflight_tasks": len(self.inflight),
             "waiting_tasks": len(self.deferred),
-            "suspect_tasks": sum(len(batch) for batch in self.suspects),
+            "suspect_tasks": sum(len(batch) for batch in list(self.suspects)),  # (the loop thread changes it)
             "groups_written": self.groups_written,
             "engine_restarts": self.restarts,
             "status": self.status,
@@ -523,6 +525,7 @@ class RolloutWorker:
         log.error("weights v%d refused (%s): %s; still serving v%d", target.version, reason, message, self.version)
         metrics.GEN_RELOAD_FAILURES.labels(reason).inc()
         self._failed[(target.version, target.sha256)] = (now + RETRY_FAILED_SYNC_S, reason)
+        self._counted_refusals = {(target.version, target.sha256): set()}  # a new refusal: each task counts once
         self.status = "serving"
         self._resolve_waiters(failure=(message, reason))
 
@@ -641,8 +644,15 @@ class RolloutWorker:
     def _hand_back_refused(self, delivery: Delivery[PromptTask], reason: str) -> None:
         """For another generator. It counts as a delivery when the version itself is bad (no generator will load
         it: its tasks end in `dead`, not in an endless round); a failure of ours or of the way (the learner
-        restarting, a full disk) may pass, and another generator may well load it: then it does not."""
-        self._hand_back([delivery], "refused", unused=reason not in BAD_VERSION, retake=False)
+        restarting, a full disk) may pass, and another generator may well load it: then it does not. Counted
+        once per task and refusal: this generator reads the task back within a second (it is idle past the
+        limit, and the others may be full), and its one verdict must not use up the task's deliveries before
+        another generator had a chance; each retry it refuses again counts again."""
+        newest = self.sync.watcher.newest
+        counted = self._counted_refusals.setdefault((newest.version, newest.sha256), set())
+        first = delivery.id not in counted
+        counted.add(delivery.id)
+        self._hand_back([delivery], "refused", unused=reason not in BAD_VERSION or not first, retake=False)
 
     def _expire_deferred(self, now: float) -> None:
         for entry_id, (delivery, since) in list(self.deferred.items()):

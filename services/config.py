@@ -929,6 +929,10 @@ def settings_conflicts(settings: Settings) -> list[str]:
         if max_model_len is not None and max_tokens >= max_model_len:
             conflicts.append(f"{section}.max_tokens {max_tokens} leaves no room for a prompt in "
                              f"generator.max_model_len {max_model_len}: the generator would refuse every task")
+    if settings.generator.logprobs_mode == "raw_logprobs" and settings.sampling.temperature not in (0.0, 1.0):
+        conflicts.append(f"generator.logprobs_mode raw_logprobs gives the logprobs before sampling.temperature "
+                         f"{settings.sampling.temperature}, and the learner compares them with the tempered "
+                         "distribution the responses were sampled from: set processed_logprobs")
     if settings.learner.batch.dynamic_sampling and settings.sampling.n < 2:
         conflicts.append(f"learner.batch.dynamic_sampling keeps groups whose responses score differently: sampling.n "
                          f"{settings.sampling.n} has none (set n >= 2, or dynamic_sampling false)")

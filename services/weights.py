@@ -32,6 +32,7 @@ expects for `tie_word_embeddings` models, whose `load_weights` ignores `lm_head.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import hashlib
 import json
@@ -158,8 +159,18 @@ def read_schema(path: str | os.PathLike) -> dict[str, tuple[str, tuple[int, ...]
 
 
 def model_schema(model_dir: str | os.PathLike) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """The checkpoint schema of a model folder (all its *.safetensors shards)."""
-    files = sorted(Path(model_dir).glob("*.safetensors"))
+    """The checkpoint schema of a model folder: the files its `model.safetensors.index.json` maps, as vLLM and
+    transformers read it (a hub snapshot may also hold a `consolidated.safetensors` of other names), else all its
+    *.safetensors files."""
+    index = Path(model_dir) / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+            raise WeightsError("format", f"{index} is not a valid index: {err}") from err
+        files = [Path(model_dir) / name for name in names]
+    else:
+        files = sorted(Path(model_dir).glob("*.safetensors"))
     if not files:
         raise WeightsError("format", f"no *.safetensors in {model_dir}")
     schema: dict[str, tuple[str, tuple[int, ...]]] = {}
@@ -189,7 +200,7 @@ def check_schema(
     would crash the engine mid-reload. Both raise WeightsError("shape") with the first few differences.
     """
     problems = []
-    missing = sorted(set(expected) - set(candidate))
+    missing = sorted(set(expected) - set(candidate) - set(optional))  # a tied alias the checkpoint stores too
     unknown = sorted(set(candidate) - set(expected) - set(optional))
     if missing:
         problems.append(f"missing {len(missing)} tensors (e.g. {', '.join(missing[:3])})")
@@ -448,7 +459,9 @@ def pull_weights(
     started = time.perf_counter()
     try:
         with httpx.Client(headers={"Authorization": f"Bearer {token}"}, timeout=timeout, verify=verify) as client:
-            _each(concurrency, lambda f: _download(client, announcement, f, tmp, cancel), announcement.files)
+            failed = threading.Event()  # the downloads still running stop at another file's failure
+            _each(concurrency, lambda f: _download(client, announcement, f, tmp, (cancel, failed)),
+                  announcement.files, failed)
         _check_layout(tmp, announcement)
         final = dest_dir / f"v{announcement.version}"
         if final.exists():
@@ -483,20 +496,27 @@ def check_shared(announcement: WeightsAnnouncement, shared_dir: str | os.PathLik
     return folder
 
 
-def _each(concurrency: int, function: Callable, items: list) -> list:
-    """function(item) for every item, `concurrency` at a time; at the first failure the rest is not started."""
+def _each(concurrency: int, function: Callable, items: list, failed: threading.Event | None = None) -> list:
+    """function(item) for every item, `concurrency` at a time; at the first failure, whichever item it is, the
+    rest is not started, `failed` is set (for those running to stop early) and that failure is raised."""
     with ThreadPoolExecutor(concurrency, thread_name_prefix="weights") as pool:
         futures = [pool.submit(function, item) for item in items]
         try:
+            done, _ = concurrent.futures.wait(futures, return_when=concurrent.futures.FIRST_EXCEPTION)
+            first = next((future for future in futures if future in done and future.exception() is not None), None)
+            if first is not None:
+                raise first.exception()
             return [future.result() for future in futures]
         except BaseException:
+            if failed is not None:
+                failed.set()
             pool.shutdown(wait=True, cancel_futures=True)
             raise
 
 
 def _download(
     client: httpx.Client, announcement: WeightsAnnouncement, entry: WeightsFile, folder: Path,
-    cancel: threading.Event | None
+    stops: tuple[threading.Event | None, ...]
 ) -> None:
     url = f"{announcement.url}/{entry.name}"
     digest, size = hashlib.sha256(), 0
@@ -511,7 +531,7 @@ def _download(
                 raise WeightsError("http", f"GET {url} answered {response.status_code}")
             with open(folder / entry.name, "wb") as out:
                 for chunk in response.iter_raw(CHUNK):
-                    if cancel is not None and cancel.is_set():
+                    if any(stop is not None and stop.is_set() for stop in stops):
                         raise WeightsError("cancelled", f"download of weights v{announcement.version} stopped")
                     size += len(chunk)
                     if size > entry.size:
@@ -572,7 +592,12 @@ class AnnouncementWatcher:
         if announcement is None:
             return
         with self._changed:
-            if self.newest is None or announcement.version > self.newest.version:
+            newest = self.newest
+            # A version published again with other bytes (a resume that writes its version in another dtype or
+            # layout) replaces the files: its new announcement must replace the old one, or a pull keeps failing.
+            if (newest is None or announcement.version > newest.version
+                    or (announcement.version == newest.version and announcement.sha256 != newest.sha256
+                        and announcement.published_at > newest.published_at)):
                 self.newest = announcement
                 self._changed.notify_all()
 

@@ -420,7 +420,7 @@ def service(settings, engine, models):
             )
 
 
-def test_worker_versions_sync_refusals_and_late_join(service, engine, models):
+def test_worker_versions_sync_refusals_and_late_join(service, engine, models, monkeypatch):
     settings, client, streams, publisher = (service[k] for k in ("settings", "client", "streams", "publisher"))
     _, _, other_state = models
     prompts, rollouts = streams.stream("prompts", PromptTask), streams.stream("rollouts", RolloutGroup)
@@ -469,7 +469,8 @@ def test_worker_versions_sync_refusals_and_late_join(service, engine, models):
 
         # a task for the refused version is handed back at once (another generator may load v2), and its wish does
         # not pull v2 again before the back-off (only POST /sync retries at once); with no generator able to
-        # serve it, those hand-backs count, and it ends in `dead`
+        # serve it, those hand-backs count, once per refusal (this generator reads the task back at once: its one
+        # verdict must not use up the deliveries another generator could serve it in), and it ends in `dead`
         def counted(name, **labels):
             return REGISTRY.get_sample_value(name, labels) or 0.0
 
@@ -480,9 +481,15 @@ def test_worker_versions_sync_refusals_and_late_join(service, engine, models):
         refusals = counted("dapo_generator_reload_failures_total", reason="shape")
         settings.generator.min_version_wait_s = 0.2
         issue(prompts, task(ids[1], GREEDY, min_version=2, prompt_id="wants-v2"))
-        wait_for(lambda: dead_reasons("wants-v2"), 30, "the task for the refused version in dead")
+        time.sleep(3.0)  # read back and handed back many times, counted once: not dead within the back-off
+        assert dead_reasons("wants-v2") == []
+        assert counted("dapo_generator_reload_failures_total", reason="shape") == refusals  # not pulled again
+        monkeypatch.setattr("generator.worker.RETRY_FAILED_SYNC_S", 1.0)  # each retry is refused, and counts
+        assert httpx.post(f"{url}/v1/weights/sync", headers=auth, timeout=120).status_code == 422  # retried now
+        wait_for(lambda: dead_reasons("wants-v2"), 60, "the task for the refused version in dead")
         assert dead_reasons("wants-v2") == ["delivered 4 times (max 3)"]
-        assert counted("dapo_generator_reload_failures_total", reason="shape") == refusals
+        assert counted("dapo_generator_reload_failures_total", reason="shape") >= refusals + 2
+        monkeypatch.setattr("generator.worker.RETRY_FAILED_SYNC_S", 30.0)
 
         # a task for a version not announced yet waits, is handed back unused and taken again, over and over: a
         # wait is not a delivery, so a slow pull never dead-letters the tasks of its version

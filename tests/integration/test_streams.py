@@ -303,6 +303,26 @@ def test_release_hands_message_back_at_once(streams):
     assert again.message.task_id == "t0"
 
 
+def test_a_hand_back_of_an_entry_another_consumer_reclaimed_leaves_it_to_that_consumer(streams):
+    """A generator whose claim lapsed (no heartbeat through a Redis outage) hands back a task it still lists: the
+    consumer that reclaimed it keeps it, its forward and its delivery count, and a letter it parked stays parked."""
+    prompts, rollouts = streams.stream("prompts", PromptTask), streams.stream("rollouts", RolloutGroup)
+    for i in range(2):
+        prompts.produce(task(i))
+    lapsed = prompts.consume("lapsed", count=2)
+    time.sleep(prompts.cfg.visibility_timeout_s + 0.1)
+    running, parked = prompts.consume("live", count=2)
+    prompts.reject(parked, "invalid task: for this test")
+    owners = {row["message_id"].decode(): (row["consumer"], row["times_delivered"])
+              for row in streams.redis.xpending_range(prompts.key, prompts.group, "-", "+", 10)}
+    for stale in lapsed:
+        prompts.release(stale, unused=True)
+    assert prompts.release_all("lapsed") == 0
+    assert {row["message_id"].decode(): (row["consumer"], row["times_delivered"])
+            for row in streams.redis.xpending_range(prompts.key, prompts.group, "-", "+", 10)} == owners
+    assert prompts.forward(running, rollouts, group_for(running.message))
+
+
 def test_an_unused_hand_back_is_not_a_delivery(streams):
     # A task that waited for a newer policy version and was handed back unused, again and again, never reaches
     # max_deliveries (3); work handed back after it started keeps its count, and reaches `dead` as before.

@@ -321,6 +321,17 @@ def test_schema_check_names_and_shapes(short_tmp):
     missing = {k: v for k, v in expected.items() if k != "model.norm.weight"}
     with pytest.raises(WeightsError, match="missing 1 tensors"):
         check_schema(missing, expected, optional)
+    # a tied checkpoint that stores the alias too (merged or converted ones do): the learner publishes it once
+    stored_alias = dict(expected, **{"lm_head.weight": ("F32", (32, 8))})
+    check_schema(expected, stored_alias, optional)
+    # a snapshot with an index and a consolidated file of other names (Mistral's): the index's files only
+    save_file({"layers.0.attention.wq.weight": torch.zeros(2)}, str(model / "consolidated.safetensors"))
+    (model / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": {name: "model.safetensors" for name in expected}}))
+    assert model_schema(model) == expected
+    (model / "model.safetensors.index.json").write_text("[]")
+    with pytest.raises(WeightsError, match="not a valid index"):
+        model_schema(model)
     with pytest.raises(WeightsError, match="unknown tensors"):
         check_schema(dict(expected, extra=("F32", (1,))), expected, optional)
     garbage = model / "bad.safetensors"
@@ -438,3 +449,37 @@ def test_a_failed_file_stops_the_files_not_started_yet():
         _each(1, fetch, ["first", "second", "third"])
     assert "third" not in started
     assert _each(2, str.upper, ["a", "b", "c"]) == ["A", "B", "C"]
+
+
+def test_a_failure_of_any_file_is_raised_at_once_and_stops_the_downloads_running():
+    """Not in file order: a bad second shard must not wait for the first to download whole, nor let it go on."""
+    from services.weights import _each
+
+    failed, stopped = threading.Event(), []
+
+    def fetch(name):
+        if name == "bad":
+            time.sleep(0.1)
+            raise WeightsError("checksum", "bad: sha256")
+        stopped.append(failed.wait(timeout=10))  # a download checks this between chunks
+        return name
+
+    began = time.monotonic()
+    with pytest.raises(WeightsError, match="bad"):
+        _each(2, fetch, ["slow", "bad", "next"], failed)
+    assert time.monotonic() - began < 5 and stopped and all(stopped)  # ("next" may start as "bad" fails)
+
+
+def test_a_version_published_again_with_other_bytes_replaces_its_announcement(learner, settings):
+    """A resume that writes its version again in another dtype replaces the files: the stale announcement's pull
+    would fail on every file's sha256, every 30 s, until a newer version."""
+    publisher, _, client = learner
+    watcher = AnnouncementWatcher(client, Streams(client, settings, signs_as=ROLES), publisher.keyring, poll_s=30)
+    first = publisher.publish(tiny_state_dict(), version=3)
+    watcher.offer(first)
+    again = publisher.publish(tiny_state_dict(seed=2), version=3)
+    assert again.sha256 != first.sha256
+    watcher.offer(again)
+    assert watcher.newest == again
+    watcher.offer(first)  # a late copy of the old one
+    assert watcher.newest == again

@@ -203,6 +203,8 @@ def test_a_token_that_cannot_travel_in_an_http_header_is_refused(token, monkeypa
     ({"reward": {"overlong_buffer": 64}}, "reward.overlong_buffer 64 is not below sampling.max_tokens 64"),
     ({"learner": {"compute": {"sequence_parallel": 2, "packing": "off"}}}, "packing off leaves none"),
     ({"token": "t" * 32, "weights_token": "t" * 32}, "weights_token equals token"),
+    ({"generator": {"logprobs_mode": "raw_logprobs"}, "sampling": {"temperature": 0.7}},
+     "raw_logprobs gives the logprobs before sampling.temperature 0.7"),
 ])
 def test_settings_that_cannot_work_together_are_refused_when_loaded(overrides, conflict):
     with pytest.raises(ConfigError, match="cannot work together") as err:
