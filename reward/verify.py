@@ -3,12 +3,14 @@
 DAPO's reward (arXiv 2503.14476, Eq. 1 of section 2.4) is a rule: +1 when the final answer equals the
 ground truth, -1 otherwise. Deciding "the final answer" and "equals" is the whole difficulty:
 
-1. Find the final answer. Candidates are `Answer:` lines (also `**Answer:**`, `Final answer:`, `The answer
-   is 7`) and `\\boxed{...}`; the one that starts last wins, so a corrected answer beats an earlier one and two
-   boxes are never read as a set. With no candidate the response has no final answer (a truncated response):
-   we never fall back to "the last number in the text", which is how unanchored extraction rewards an
-   unfinished derivation.
-2. Clean it: Unicode minus and spaces, Markdown decoration, math delimiters, `\\text{}`, a trailing period.
+1. Find the final answer. Candidates are `Answer:` lines (also `**Answer:**`, `Final answer:`, `Therefore,
+   Answer:`) and `\\boxed{...}`; the one that starts last wins, so a corrected answer beats an earlier one and two
+   boxes are never read as a set. `The answer is 7` counts only with neither, on the last line: said earlier it
+   is a step ("so the answer is 7. But wait, ..."), and a restatement after an `Answer:` line does not replace
+   it. With no candidate the response has no final answer (a truncated response): we never fall back to "the
+   last number in the text", which is how unanchored extraction rewards an unfinished derivation.
+2. Clean it: Unicode minus and spaces, Markdown decoration, math delimiters, `\\text{}` and bold wrappers
+   (whatever braces they hold), a trailing period or comma, an end mark.
 3. Compare. A numeric ground truth (what DAPO-Math-17k and AIME use) is compared exactly as a rational
    number: leading zeros, thousands separators (`1,000`, `1\\,000`, `1 000`, but never `1,5`), currency and
    units and scale words (`5 million`) are handled; hedged answers (`12 or 13`, `12. Or 13.`), numbers side by
@@ -114,10 +116,12 @@ class Candidate:
 _ANSWER_RE = re.compile(r"(?i)\banswer\b(?P<colon>[ \t*_]*:|[ \t]+is\b[ \t]*:?)[ \t*_]*(?:\}[ \t*_]*)?")
 # After "answer is" (no colon) only an answer-looking start counts: "the answer is 7", not "the answer is right".
 _IS_FORM_START = re.compile(r"[-+$\\(\[{\d.*_`\"']")
-# `Answer:` counts at the start of a line (after Markdown or LaTeX bold, a list number, "The final") or after "final".
+# `Answer:` counts at the start of a line (after Markdown or LaTeX bold, a list number, "The final", a lead-in such as
+# "Therefore," or "Step 5:") or after "final".
 _COLON_FORM_PREFIX = re.compile(
-    r"(?im)(?:^[\s#>*_\-\d.)]*(?:\\(?:textbf|textit|text|mathbf|emph)\s*\{[\s*_]*)?(?:(?:the|my|our)\s+)?"
-    r"(?:final\s+)?[\s*_]*|final[\s*_]*)$"
+    r"(?im)(?:^[\s#>*_\-\d.)]*(?:\\(?:textbf|textit|text|mathbf|emph)\s*\{[\s*_]*)?"
+    r"(?:(?:therefore|thus|hence|so|finally|in\s+conclusion)\s*[,:]?\s*|step\s*\d+\s*[:.)]\s*"
+    r"|\$?\\therefore\$?\s*)?(?:(?:the|my|our)\s+)?(?:final\s+)?[\s*_]*|final[\s*_]*)$"
 )
 _DISPLAY_CLOSE = {"$$": "$$", "\\[": "\\]"}
 _NEXT_LINE = re.compile(r"[ \t]*\n[ \t]*\n?[ \t]*([^\n]+)")
@@ -183,16 +187,27 @@ def _last_box(text: str, multi_valued: bool) -> Candidate | None:
     return Candidate(content, RULE_BOXED, start)
 
 
-def _last_answer_line(text: str) -> Candidate | None:
+def _last_answer_line(text: str, said: bool = False) -> Candidate | None:
+    """The last `Answer:` line (also `the answer is: 42`); with `said`, the last `the answer is 42` instead, and only
+    on the response's last line: said in passing ("so the answer is 34. But wait, ...", "the answer is 34 since
+    ...") it is a step of the derivation, not its final answer."""
     markers = list(_ANSWER_RE.finditer(text))
     for m in reversed(markers):
-        if "is" not in m.group("colon").lower():
+        marker = m.group("colon").lower()
+        if said != ("is" in marker and ":" not in marker):
+            continue
+        if "is" not in marker:
             line_start = text.rfind("\n", 0, m.start()) + 1
             if not _COLON_FORM_PREFIX.search(text, line_start, m.start()):
                 continue  # "We may check our answer: 17*44 = 748" is not a final answer
         elif not _IS_FORM_START.match(text, m.end()):
             continue  # "the answer is right" (with a colon or not: "the answer is: 42" counts)
         line_end = text.find("\n", m.end())
+        if said:
+            if line_end >= 0 and text[line_end:].strip():
+                return None  # the last one said is not on the last line: no later one is
+            rest = text[m.end() :]
+            return None if rest.count("{") > rest.count("}") else Candidate(rest, RULE_ANSWER_LINE, m.start())
         rest = text[m.end() : line_end if line_end >= 0 else len(text)]
         if not rest.strip(" \t*_"):
             # "Answer:" alone on its line: the answer is on the next non-empty line.
@@ -205,6 +220,9 @@ def _last_answer_line(text: str) -> Candidate | None:
                 if close < 0:
                     continue  # cut off inside the display
                 rest = text[following.end() : close]
+        said = next((inner for inner in _ANSWER_RE.finditer(rest) if _IS_FORM_START.match(rest, inner.end())), None)
+        if said is not None:  # "Final Answer: The final answer is 5": what follows the last marker of its line
+            rest = rest[said.end():]
         if rest.count("{") > rest.count("}"):
             continue  # cut off inside a group ("the answer is \boxed{12"): not a complete answer
         return Candidate(rest, RULE_ANSWER_LINE, m.start())
@@ -212,10 +230,13 @@ def _last_answer_line(text: str) -> Candidate | None:
 
 
 def find_final_answer(response: str, multi_valued: bool = False) -> Candidate | None:
-    """The last stated final answer: an `Answer:` line or a box, whichever starts later."""
+    """The last stated final answer: an `Answer:` line or a box, whichever starts later; with neither, a last line
+    that says `the answer is 42`."""
     text = normalize_text(response[-MAX_SCAN_CHARS:])
     line = _last_answer_line(text)
     box = _last_box(text, multi_valued)
+    if line is None and box is None:
+        return _last_answer_line(text, said=True)
     if line is None or box is None:
         return line or box
     # A box inside the answer line ("Answer: $\boxed{7}$") starts later, so the box's clean content wins.
@@ -226,10 +247,13 @@ def find_final_answer(response: str, multi_valued: bool = False) -> Candidate | 
 # Cleaning an extracted answer
 # --------------------------------------------------------------------------------------------------------
 
-_WRAPPERS = re.compile(
-    r"\\(?:text|textbf|textit|textrm|texttt|mathrm|mathbf|mathit|mbox|operatorname|boxed|fbox|displaystyle)"
-    r"\s*\{([^{}]*)\}"
-)
+# Decoration around an answer, unwrapped whatever it holds: `\\textbf{2\\sqrt{113}}` is 2\\sqrt{113}.
+_FORMATTING = ("textbf", "textit", "mathbf", "mathit", "boldsymbol", "bm", "underline", "emph", "textsf", "mathsf",
+               "textup", "textnormal", "boxed", "fbox", "displaystyle")
+# Words and units: unwrapped for the text and number rules; math-verify gets them kept (it reads units from them).
+_TEXT = ("text", "textrm", "texttt", "mathrm", "mbox", "operatorname")
+_WRAPPER = re.compile(r"\\(" + "|".join(sorted(_FORMATTING + _TEXT, key=len, reverse=True)) + r")(?![A-Za-z])\s*\{")
+_END_MARKS = re.compile(r"(?:\s*(?:\\(?:blacksquare|square|qed|Box)(?![A-Za-z])|∎|□))+\s*$")
 # A matrix row break `\\` is matched whole and kept: its second backslash and a blank are not the `\ ` space
 # (reading `\begin{pmatrix} 1 \\ 2 \end{pmatrix}` as one entry `1 2`, math-verify added it up to 3).
 _SPACING = re.compile(r"\\\\|\\[,;: ]|~|\\quad|\\qquad|\\enspace|\\thinspace")
@@ -253,14 +277,31 @@ def clean_answer(text: str, unwrap: bool = True) -> str:
     text = text.replace("\\left", "").replace("\\right", "")
     text = text.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
     text = _SPACING.sub(_blank_unless_row_break, text)
-    for _ in range(8 if unwrap else 0):  # nested wrappers unwrap inside out; 8 levels is plenty for answers
-        unwrapped = _WRAPPERS.sub(r"\1", text)
-        if unwrapped == text:
-            break
-        text = unwrapped
+    text = _unwrap(text, _FORMATTING + _TEXT if unwrap else _FORMATTING)
+    text = _END_MARKS.sub("", text)  # a proof's end mark after the answer
     text = re.sub(r"\s+", " ", text).strip(" \t*_`#>\"'")
-    text = text.rstrip(" .;")  # "509." is 509 (but "5!" stays a factorial)
+    text = re.sub(r"(?:\s*\\\\)+$", "", text)  # a line break after the answer
+    text = text.rstrip(" .;,")  # "509." is 509 (but "5!" stays a factorial)
+    if text.endswith(")") and text.count(")") > text.count("("):
+        text = text[:-1]  # "(The answer is 34)": the sentence's parenthesis, not the answer's
     return text.strip(" \t*_`")
+
+
+def _unwrap(text: str, commands: tuple[str, ...]) -> str:
+    """`text` with each `\\command{...}` of `commands` replaced by what its braces hold (balanced: the content may
+    hold braces of its own); an unclosed one is left as it is."""
+    for _ in range(MAX_NESTING):  # one pass per level of wrappers inside wrappers
+        pairs, out, pos, changed = _matching_braces(text), [], 0, False
+        for m in _WRAPPER.finditer(text):
+            end = pairs.get(m.end() - 1)
+            if m.group(1) not in commands or end is None or m.start() < pos:
+                continue
+            out += [text[pos : m.start()], text[m.end() : end - 1]]
+            pos, changed = end, True
+        if not changed:
+            return text
+        text = "".join(out) + text[pos:]
+    return text
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -302,8 +343,11 @@ _NAME_OR_ARITHMETIC = re.compile(
 # not the value of their right side. Each token can match one way only (a letter run ends where the letters do, a
 # subscript is `{...}` or one character), so a long response that does not match fails in linear time.
 _NAMED_QUANTITY = re.compile(
-    r"(?:\\?[A-Za-z]+(?![A-Za-z])(?:_(?:\{\w+\}|\w))?(?:\s*\([^()=,]*\))?|[+\-*/·\s])+"
+    r"(?:\\?[A-Za-z]+(?![A-Za-z])(?:_(?:\{\w+\}|\w))?(?:\s*\([^()=,]*\))?|\|[^|=]{1,40}\||\\\#"
+    r"|\\(?:overline|bar|widehat|hat)\s*\{[^{}=]{1,40}\}|[+\-*/·\s])+"
 )
+# What states the conclusion of a derivation in an answer: `m = 15, n = 19, so m + n = 34` states 34.
+_CONCLUSION = re.compile(r"(?i)\b(?:so|thus|hence|therefore)\b|\\therefore|\\implies|\\Rightarrow")
 # Short letter runs that are units (or ordinals), not variables: "5x" and "3i" must not read as 5 and 3.
 _SHORT_UNITS = {
     "m", "g", "s", "h", "l", "L", "K", "J", "N", "W", "V", "A", "cm", "mm", "km", "kg", "mg", "ml", "mL", "hr",
@@ -340,7 +384,9 @@ def _units_only(rest: str) -> bool:
 def _value_side(text: str) -> str | None:
     """The value an answer with `=` states: its last side, when each side before it is a variable (`x = 12`), a
     named quantity (`m + n = 34`) or arithmetic (`x = 2+3 = 5`); None for an equation (`5x - 7y + 4 = 0`) or
-    several values (`x = 12, x = 13`)."""
+    several values (`x = 12, x = 13`). What comes after a conclusion (`m = 15, n = 19, so m + n = 34`) is what it
+    states."""
+    text = _CONCLUSION.split(text)[-1]
     *sides, value = text.split("=")
     named = (_NAME_OR_ARITHMETIC.fullmatch(side) or _NAMED_QUANTITY.fullmatch(side) for side in sides)
     return value if all(named) else None
@@ -511,7 +557,7 @@ _HEDGE_START = re.compile(
 )
 _BARE_NUMBER = re.compile(r"\s*\$?\s*([-+]?\d[\d,]*(?:\.\d+)?)\s*\$?\s*[.?!]?\s*")
 # Numbers side by side: `3 5`, `3 -5` (math-verify would add them up); `2 \frac12` and `3 - 5` do not match.
-_NUMBERS_APART = re.compile(r"\d\s*[,;]\s*\d|\d\s+[-+]?\d")
+_NUMBERS_APART = re.compile(r"\d\s*[,;]\s*\d|\d\s+[-+]?\d|\d\s*\.\s+[-+]?\d")  # and `12. 13`
 
 
 def _hedge_after(tail: str, value: Fraction | None) -> str | None:
@@ -534,7 +580,7 @@ def _verify_number(truth_value: Fraction, truth_latex: str, answer: str, answer_
         return Verdict(False, answer, rule, "an equation or several values where one number is expected")
     value = parse_number(answer)
     if "=" in answer and value is not None:
-        stated = [parse_number(side) for side in answer.split("=")[:-1]]
+        stated = [parse_number(side) for side in _CONCLUSION.split(answer)[-1].split("=")[:-1]]
         if any(side is not None and side != value for side in stated):  # `4 = 5` states two values
             return Verdict(False, answer, rule, "sides of `=` that are different numbers")
     if tail:
