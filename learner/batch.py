@@ -209,7 +209,7 @@ class BatchAssembler:
         dynamic_sampling: bool = True,
         max_refills: int = 10,
         oversample_min: float = 1.0,
-        oversample_max: float = 4.0,
+        oversample_max: float = 16.0,
         oversample_margin: float = 1.0,
         filter_metric: FilterMetric = "acc",
         ratio: InformativeRatio | None = None,

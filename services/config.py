@@ -431,8 +431,12 @@ class LearnerBatchConfig(Section):
     on_refill_limit: Literal["train", "stop"] = Field(
         "train", description="At the limit: train on what is in hand, or stop."
     )
-    oversample_min: float = Field(1.0, ge=1.0, description="Lower bound of the prompt over-sampling factor.")
-    oversample_max: float = Field(4.0, ge=1.0, description="Upper bound of the prompt over-sampling factor.")
+    oversample_min: float = Field(1.0, gt=0, description="Lower bound of the prompt over-sampling factor.")
+    oversample_max: float = Field(
+        16.0, gt=0, description="Upper bound of the prompt over-sampling factor, first push and refills: below an "
+        "informative ratio of 1 / this a step needs ever more refill rounds (verl's DAPO scripts push up to 30 B a "
+        "step: gen_batch_size 3 B, max_num_gen_batches 10)."
+    )
     oversample_margin: float = Field(
         1.0, ge=1.0, description="Prompts pushed per expected informative group need, beyond 1 / r (1: the "
         "expected need; 1.2: 20 % more, fewer refill rounds, surplus groups may age out unused)."

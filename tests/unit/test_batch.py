@@ -442,3 +442,17 @@ def test_synchronous_mode_waits_for_every_prompt_in_flight_before_training():
         arrive(a, ids[2:], lambda i: MIXED)
         assert a.status(0) == "train"
         assert len(a.take_batch(0).groups) == 2 and len(a.ready) == 1  # the surplus is carried (k=0: to age out)
+
+
+@pytest.mark.parametrize("informative_every", [4, 10])
+def test_a_low_informative_ratio_fills_the_batch_in_a_few_refill_rounds_at_the_default_bound(informative_every):
+    """The paper's B of 512 at an informative ratio of 1/4 or 1/10 (late in a run, most groups all right): a
+    bound of 4 covered 4 r of what was missing a round, so the shortfall only shrank geometrically, and at 1/10
+    all 10 refill rounds ran and the step trained short."""
+    bound = load_settings("dapo-qwen2.5-32b").learner.batch.oversample_max
+    a = BatchAssembler(512, max_staleness=0, oversample_max=bound, ratio=with_ratio(1 / informative_every))
+    arrivals = itertools.count()
+    while a.status(0) == "wait":
+        ids = push(a, a.plan(0).count)
+        arrive(a, ids, lambda i: MIXED if next(arrivals) % informative_every == 0 else ALL_RIGHT)
+    assert a.status(0) == "train" and a.refills <= 2
