@@ -22,7 +22,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from services.config import CpusConfig
+from services.config import ConfigError, CpusConfig
 
 REWARD_NICE = 10  # when the reward pool shares the generators' CPUs, they come first
 
@@ -71,6 +71,8 @@ def parse_cpu_list(text: str) -> tuple[int, ...]:
         if not part:
             continue
         low, _, high = part.partition("-")
+        if int(high or low) < int(low):
+            raise ValueError(f"the range {part!r} in the CPU list {text!r} runs backwards")
         cpus.extend(range(int(low), int(high or low) + 1))
     if not cpus:
         raise ValueError(f"empty CPU list {text!r}")
@@ -105,15 +107,28 @@ def plan(config: CpusConfig, generators: int, reward_workers: int, cpus: tuple[i
     cpus = cpus or available_cpus()
     learner, generator_cpus, reward_cpus, shared = auto_split(cpus, reward_workers)
     if config.learner != "auto":
-        learner = parse_cpu_list(config.learner)
+        learner = _listed(config, "learner", cpus)
     if config.generators != "auto":
-        generator_cpus = parse_cpu_list(config.generators)
+        generator_cpus = _listed(config, "generators", cpus)
     if config.reward != "auto":
-        reward_cpus, shared = parse_cpu_list(config.reward), False
+        reward_cpus, shared = _listed(config, "reward", cpus), False
     gen = tuple(Placement(s, len(s)) for s in slices(generator_cpus, max(generators, 1)))[:generators]
     reward = tuple(Placement(s, len(s), REWARD_NICE if shared else 0)
                    for s in slices(reward_cpus, max(reward_workers, 1)))[:reward_workers]
     return CpuPlan(Placement(learner, len(learner)), gen, reward)
+
+
+def _listed(config: CpusConfig, field: str, cpus: tuple[int, ...]) -> tuple[int, ...]:
+    """The CPUs `cpus.{field}` lists, all of them among `cpus` (this process may run on); ConfigError otherwise,
+    before any process starts (a child pinned to a CPU it may not use fails in its preexec, naming none)."""
+    try:
+        listed = parse_cpu_list(getattr(config, field))
+    except ValueError as err:
+        raise ConfigError(f"cpus.{field}: {err}") from None
+    if outside := sorted(set(listed) - set(cpus)):
+        raise ConfigError(f"cpus.{field} lists CPUs {outside} this machine does not give the run (it may use "
+                          f"{','.join(map(str, cpus))})")
+    return listed
 
 
 def learner_env(placement: Placement) -> dict[str, str]:

@@ -458,6 +458,7 @@ def main(settings: Settings, generators: int = 1, reward_workers: int = 1, learn
     if learner_procs % degree:  # before anything starts: a learner would fail at every restart
         raise ConfigError(f"learner.compute.sequence_parallel {degree} must divide the learner's processes "
                           f"(--learner-procs {learner_procs})")
+    cpus = cores.plan(settings.cpus, generators, reward_workers)  # before anything starts: a ConfigError
     run_dir = Path(settings.run_dir).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     run_lock = lock_run_folder(run_dir)  # noqa: F841  (held while this function runs)
@@ -484,7 +485,6 @@ def main(settings: Settings, generators: int = 1, reward_workers: int = 1, learn
     create_keys(keys_dir(settings))  # the role keys of the run (services/keys.py), made once, kept for a resume
     redis_urls = {role: redis_server.role_url(role) if redis_server else redis_url for role in ROLES}
 
-    cpus = cores.plan(settings.cpus, generators, reward_workers)
     console.print("CPUs: " + ", ".join(f"{name} {cpu_list}" for name, cpu_list in cpus.describe().items()))
     if cpus.oversubscribed():
         console.print(f"[yellow]CPUs {cpus.oversubscribed()} each run more than one compute thread: fewer "

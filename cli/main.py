@@ -35,6 +35,17 @@ COMMANDS = {
 SERVICES = ("run", "learner", "generator", "reward", "ranks")
 
 
+def positive(text: str) -> int:
+    """A count of processes: 1 or more (with none of a kind a run can never train, and nothing would say so)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not at least 1")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dapo", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"%(prog)s {version('dapo-services')}")
@@ -81,9 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
             cmd.add_argument("--report-to", nargs="+", choices=TRACKERS, metavar="TRACKER",
                              help=f"also log to experiment trackers: {', '.join(TRACKERS)} (learner.report_to)")
         if name == "run":
-            cmd.add_argument("--generators", type=int, default=1, help="generator processes")
-            cmd.add_argument("--reward-workers", type=int, default=1, help="reward worker processes")
-            cmd.add_argument("--learner-procs", type=int, default=1,
+            cmd.add_argument("--generators", type=positive, default=1, help="generator processes")
+            cmd.add_argument("--reward-workers", type=positive, default=1, help="reward worker processes")
+            cmd.add_argument("--learner-procs", type=positive, default=1,
                              help="learner ranks under accelerate launch (gloo on CPU, one per GPU on GPUs)")
             cmd.add_argument("--no-display", action="store_true", help="plain log lines instead of the live view")
     ranks = sub.add_parser("ranks", help="run a multi-rank learner command (accelerate launch) and exit with the code "

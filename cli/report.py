@@ -51,7 +51,8 @@ def write_plots(rows: list[dict], out_dir: Path) -> list[Path]:
 
 def summary(rows: list[dict]) -> dict:
     evals = [r for r in rows if r.get("eval_accuracy") is not None]
-    trained = [r for r in rows if r.get("step", 0) > 0]
+    # the steps' rows (an evaluation redone after a stop during the final one has a line of its own after them)
+    trained = [r for r in rows if r.get("step", 0) > 0 and "groups_trained" in r]
     mean = lambda key: (sum(r[key] for r in trained if r.get(key) is not None) /  # noqa: E731
                         max(1, sum(1 for r in trained if r.get(key) is not None)))
     return {

@@ -397,3 +397,13 @@ def test_null_from_the_environment_unsets_a_field_that_may_be_null(monkeypatch):
     monkeypatch.setenv("DAPO_LEARNER__LOSS__DUAL_CLIP", "null")
     loss = load_settings("dapo-qwen2.5-32b").learner.loss
     assert loss.tis_cap is None and loss.dual_clip is None
+
+
+@pytest.mark.parametrize("argument", ["--generators", "--reward-workers", "--learner-procs"])
+def test_a_run_without_a_process_of_a_kind_is_refused_as_usage(argument, capsys):
+    """With no generator (or reward worker) a run could never train, and nothing would say why."""
+    from cli.main import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["run", argument, "0"])
+    assert exit_.value.code == 2 and f"argument {argument}: 0 is not at least 1" in capsys.readouterr().err

@@ -51,6 +51,19 @@ def test_explicit_cpu_lists_win():
         cores.parse_cpu_list(",")
 
 
+@pytest.mark.parametrize("field, cpu_list, error", [
+    ("generators", "4-7", r"cpus.generators lists CPUs \[4, 5, 6, 7\] this machine does not give the run \(it may "
+                          r"use 0,1\)"),
+    ("learner", "3-1", r"cpus.learner: the range '3-1' in the CPU list '3-1' runs backwards"),
+])
+def test_a_cpu_list_the_machine_cannot_honour_is_a_config_error_before_anything_starts(field, cpu_list, error):
+    """Not a child's bare `Exception occurred in preexec_fn` once Redis and the learner are up."""
+    from services.config import ConfigError
+
+    with pytest.raises(ConfigError, match=error):
+        cores.plan(CpusConfig(**{field: cpu_list}), 1, 1, cpus=(0, 1))
+
+
 def test_the_launcher_hands_each_service_its_cpus_and_threads(tmp_path):
     settings = load_settings("tiny-cpu", run_dir=str(tmp_path))
     plan = cores.plan(settings.cpus, 2, 1, cpus=(0, 1, 2, 3, 4, 5, 6, 7))

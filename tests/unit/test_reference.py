@@ -32,3 +32,15 @@ def test_the_tolerance_covers_evaluation_noise():
 def test_no_shared_step_is_no_verdict():
     result = against_reference(rows((0, 0.2), (15, 0.5)), REFERENCE)
     assert "no evaluation" in result["verdict"] and "step" not in result
+
+
+def test_the_summary_reads_the_last_step_from_the_step_rows_not_a_redone_evaluations_line():
+    """A run stopped during its final evaluation and resumed writes that evaluation on a line of its own."""
+    from cli.report import summary
+
+    rows = [{"step": 0, "eval_accuracy": 0.1, "time": 0.0},
+            {"step": 1, "groups_trained": 4, "reward_all": 0.25, "world_size": 2, "time": 5.0},
+            {"step": 1, "version": 1, "eval_accuracy": 0.3, "time": 9.0}]
+    result = summary(rows)
+    assert result["reward_all_last"] == 0.25 and result["learner_world_size"] == 2
+    assert result["eval_accuracy_last"] == 0.3 and result["steps"] == 1
