@@ -30,6 +30,7 @@ embedded server has a Redis user per role with a password made for this run: eac
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -219,6 +220,13 @@ class Child:
             except subprocess.TimeoutExpired:
                 pass
         self.kill_group()
+
+    def kill_now(self) -> None:
+        """SIGKILL the child's process group and return (from a signal handler: no wait, which takes a lock the
+        interrupted `stop` may hold)."""
+        if self.process is not None and self.process.returncode is None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.process.pid, signal.SIGKILL)
 
     def kill_group(self) -> None:
         """SIGKILL the child's process group (its pid: it leads its own session): the child and anything it
@@ -492,10 +500,17 @@ def main(settings: Settings, generators: int = 1, reward_workers: int = 1, learn
     children = service_children(settings, config_path, redis_urls, generators, reward_workers, free_port(),
                                 learner_procs, cpus)
     write_service_map(children, redis_url, run_dir / "services.json")
-    interrupted, gave_up = False, None
+    interrupted, gave_up, received = False, None, []
 
     def on_signal(signum, frame):
+        received.append(signum)
         raise KeyboardInterrupt
+
+    def hurry(signum, frame):  # another signal while stopping in order: what is left is killed, the rest goes on
+        received.append(signum)
+        console.print("[yellow]stopping now: killing what is left[/]")
+        for child in children:
+            child.kill_now()
 
     # SIGINT explicitly too: a shell that starts us in the background leaves SIGINT ignored. SIGHUP (the terminal
     # closed): stopped in order too, not killed with the services orphaned.
@@ -512,6 +527,8 @@ def main(settings: Settings, generators: int = 1, reward_workers: int = 1, learn
     except GaveUp as err:
         gave_up = str(err)
     finally:
+        for sig in previous:  # a second Ctrl-C must not leave the services and Redis running, the report unwritten
+            signal.signal(sig, hurry)
         for child in children:  # the learner first: it checkpoints on SIGTERM
             child.stop()
         if redis_server:
@@ -529,7 +546,7 @@ def main(settings: Settings, generators: int = 1, reward_workers: int = 1, learn
                               f"{extra['reference']['verdict']}[/]")
         console.print(write_report(rows, run_dir, extra))
     if interrupted:
-        return 130
+        return 128 + received[0]  # 130 for Ctrl-C, 143 for SIGTERM
     if gave_up:
         console.print(f"[red]stopped: {gave_up}[/]")
         return 1

@@ -397,3 +397,40 @@ def test_a_dead_servers_lock_held_by_its_forked_child_is_waited_for(tmp_path):
     with EmbeddedRedis(data) as server:
         assert server.alive() and time.monotonic() - started >= 0.5
     child.wait()
+
+
+def test_a_second_ctrl_c_while_stopping_kills_what_is_left_and_still_returns_the_signals_code(tmp_path, monkeypatch):
+    """The launcher waits up to LEARNER_STOP_SECONDS for the learner's checkpoint; a user presses Ctrl-C again: the
+    services must not be left running (nor a traceback instead of an exit code)."""
+    import threading
+
+    import cli.bootstrap
+    import cli.launcher
+    from cli.main import run_main
+
+    made = []
+
+    def children(*args, **kwargs):  # a learner deep in a step (it ignores SIGTERM) and a generator
+        env = {**os.environ, "DAPO_GENERATOR__PORT": "1"}  # (for services.json)
+        made.extend([Child("learner", ["bash", "-c", "trap '' TERM; sleep 60"], env, tmp_path / "learner.log",
+                           stop_seconds=60),
+                     Child("generator-0", ["sleep", "60"], env, tmp_path / "generator.log")])
+        return made
+
+    monkeypatch.setattr(cli.launcher, "service_children", children)
+    monkeypatch.setattr(cli.bootstrap, "ensure_model", lambda settings: None)
+
+    def ctrl_c_twice():
+        deadline = time.monotonic() + 60
+        while not (made and all(child.alive() for child in made)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(1.0)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    threading.Thread(target=ctrl_c_twice, daemon=True).start()
+    began = time.monotonic()
+    code = run_main(["run", "--no-display", "--set", f"run_dir={tmp_path / 'run'}",
+                     "--set", "redis.url=redis://127.0.0.1:1/0"])
+    assert code == 130 and time.monotonic() - began < 30
+    assert not any(child.alive() for child in made)
