@@ -19,6 +19,7 @@ sharing: the plan says which CPUs are oversubscribed and the launcher warns.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -145,11 +146,13 @@ def reward_env(placement: Placement) -> dict[str, str]:
     return {"DAPO_REWARD__WORKERS": str(placement.threads), "OMP_NUM_THREADS": "1"}
 
 
-def cpu_seconds_by_group() -> dict[int, float]:
-    """CPU seconds (user + system, and of reaped children) used so far by the live processes of every process
-    group, from one pass over /proc."""
+def cpu_seconds_by_root(roots: Iterable[int]) -> dict[int, float]:
+    """CPU seconds (user + system, and of reaped children) used so far by the live processes under each root pid,
+    from one pass over /proc: its process group (a vLLM engine core left by a killed generator), and its
+    descendants wherever they lead (torchrun starts each learner rank in a session of its own)."""
+    roots = set(roots)
     tick = os.sysconf("SC_CLK_TCK")
-    totals: dict[int, int] = {}
+    parent, group, ticks = {}, {}, {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
@@ -157,7 +160,16 @@ def cpu_seconds_by_group() -> dict[int, float]:
             fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        group = int(fields[2])  # pgrp
-        # utime, stime, cutime, cstime
-        totals[group] = totals.get(group, 0) + sum(int(value) for value in fields[11:15])
-    return {group: ticks / tick for group, ticks in totals.items()}
+        pid = int(entry.name)
+        parent[pid], group[pid] = int(fields[1]), int(fields[2])  # ppid, pgrp
+        ticks[pid] = sum(int(value) for value in fields[11:15])  # utime, stime, cutime, cstime
+    totals = dict.fromkeys(roots, 0)
+    for pid, used in ticks.items():
+        root, seen = pid, set()
+        while root not in roots and root in parent and root not in seen:  # up the tree to a root, if any
+            seen.add(root)
+            root = parent[root]
+        root = root if root in roots else group[pid] if group[pid] in roots else None
+        if root is not None:
+            totals[root] += used
+    return {root: used / tick for root, used in totals.items()}

@@ -49,7 +49,7 @@ from rich.live import Live
 from rich.table import Table
 
 from cli import cores
-from cli.cores import CpuPlan, Placement, cpu_seconds_by_group
+from cli.cores import CpuPlan, Placement, cpu_seconds_by_root
 from learner.checkpoint import Checkpoints
 from learner.lease import INSTANCE_ENV
 from learner.records import METRICS_FILE, read_rows
@@ -154,10 +154,10 @@ class Child:
         if self.progress is not None:
             self.progress_mark = max(self.progress_mark, self.progress())
 
-    def sample_cpu(self, by_group: dict[int, float]) -> None:
-        """Record its process group's CPU seconds (`cores.cpu_seconds_by_group`: it leads its own group)."""
+    def sample_cpu(self, by_root: dict[int, float]) -> None:
+        """Record the CPU seconds of its processes (`cores.cpu_seconds_by_root`, by its pid)."""
         if self.alive():
-            self.cpu_now = max(self.cpu_now, by_group.get(self.process.pid, 0.0))
+            self.cpu_now = max(self.cpu_now, by_root.get(self.process.pid, 0.0))
 
     @property
     def cpu_total(self) -> float:
@@ -432,9 +432,9 @@ def supervise(children: list[Child], metrics_path: Path, total_steps: int, displ
                     if all(other.gave_up for other in children[1:] if other.kind == child.kind):
                         raise GaveUp(f"every {child.kind} process crashed {RESTART_LIMIT} times in a row within "
                                      f"{STABLE_SECONDS:.0f} s of starting: the run cannot go on; see {child.log_path}")
-            by_group = cpu_seconds_by_group()
+            by_root = cpu_seconds_by_root(child.process.pid for child in children if child.alive())
             for child in children:
-                child.sample_cpu(by_group)
+                child.sample_cpu(by_root)
             rows = read_rows(metrics_path)
             if live:
                 live.update(status_table(rows, children, total_steps))

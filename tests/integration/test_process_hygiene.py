@@ -308,14 +308,16 @@ def test_engine_processes_die_with_their_generator(tmp_path):
         child.kill_group()
 
 
-def test_a_child_runs_on_its_cpus_and_its_cpu_time_is_counted(tmp_path):
-    """The launcher's placement (affinity, priority) reaches the child, and its process group's CPU seconds,
-    a grandchild's included, are read from one pass over /proc."""
-    from cli.cores import Placement, cpu_seconds_by_group
+@pytest.mark.parametrize("own_session", [False, True])
+def test_a_child_runs_on_its_cpus_and_its_cpu_time_is_counted(tmp_path, own_session):
+    """The launcher's placement (affinity, priority) reaches the child, and its CPU seconds, a grandchild's
+    included, are read from one pass over /proc: in the child's process group, or in a session of its own (as
+    torchrun starts each learner rank)."""
+    from cli.cores import Placement, cpu_seconds_by_root
 
     burn = "import os, subprocess, sys, time\n" \
            "subprocess.Popen([sys.executable, '-c', 'import time\\nt = time.process_time()\\n" \
-           "while time.process_time() - t < 0.6: pass\\ntime.sleep(60)'])\n" \
+           f"while time.process_time() - t < 0.6: pass\\ntime.sleep(60)'], start_new_session={own_session})\n" \
            "print(sorted(os.sched_getaffinity(0)), os.nice(0), flush=True)\ntime.sleep(60)\n"
     cpu = min(os.sched_getaffinity(0))
     child = Child("burner", [sys.executable, "-c", burn], dict(os.environ), tmp_path / "burner.log",
@@ -324,13 +326,19 @@ def test_a_child_runs_on_its_cpus_and_its_cpu_time_is_counted(tmp_path):
     try:
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
-            child.sample_cpu(cpu_seconds_by_group())
+            child.sample_cpu(cpu_seconds_by_root([child.process.pid]))
             if child.cpu_total >= 0.5:
                 break
             time.sleep(0.2)
-        assert child.cpu_total >= 0.5  # the grandchild's busy loop, counted in the group
+        assert child.cpu_total >= 0.5  # the grandchild's busy loop, counted
         assert child.log_path.read_text().split() == [f"[{cpu}]", "5"]
     finally:
+        for pid in {int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit()} - {os.getpid()}:
+            try:  # a grandchild in a session of its own is not in the group kill_group ends
+                if int((Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split())[1]) == child.process.pid:
+                    os.kill(pid, signal.SIGKILL)
+            except (OSError, ValueError, IndexError):
+                pass
         child.kill_group()
 
 
