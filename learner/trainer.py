@@ -278,7 +278,7 @@ class Trainer:
         return out
 
     def state_dict_for_publish(self) -> dict[str, Tensor]:
-        """HF parameter names -> CPU, contiguous tensors in the served dtype, copies (safe to serialize later).
+        """HF checkpoint names -> CPU, contiguous tensors in the served dtype, copies (safe to serialize later).
 
         Each tensor once (`services.weights.unique_tensors`: a tied alias dropped). Under FSDP
         every rank must call this; each rank casts its shard to the served dtype, then they gather one parameter at a
@@ -286,6 +286,7 @@ class Trainer:
         model), the other ranks drop each gathered parameter at once. The full dictionary is on the main process.
         """
         from torch.distributed.tensor import DTensor
+        from transformers.core_model_loading import revert_weight_conversion
 
         model = self.accelerator.unwrap_model(self.model)
         main = self.accelerator.is_main_process
@@ -295,6 +296,8 @@ class Trainer:
                 value = value.to(self.served_dtype).full_tensor()  # a collective: every rank, in the same order
             if main:
                 out[name] = value.to("cpu", self.served_dtype, copy=True).contiguous()
+        if main:  # the checkpoint's names, which vLLM loads (transformers 5 holds MoE experts fused in memory)
+            out = {name: value.contiguous() for name, value in revert_weight_conversion(model, out).items()}
         return out
 
     # -- batch preparation -------------------------------------------------------------------------------------

@@ -631,6 +631,29 @@ def test_a_checkpoint_missing_part_of_its_training_state_is_refused_not_mixed_wi
         read_checkpoint(Trainer(make_settings(tmp_path), model_path), tmp_path / "ckpt" / "step-1")
 
 
+def test_published_weights_carry_the_checkpoints_names_for_a_model_transformers_converts(tmp_path):
+    """transformers 5 holds an MoE layer's experts fused (`experts.gate_up_proj`); the checkpoint, and so vLLM and
+    every generator's schema check, name each expert's weights: a version in the in-memory names was refused."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from learner.checkpoint import MODEL_DIR
+    from services.weights import model_schema
+
+    config = Qwen3MoeConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2,
+        max_position_embeddings=128, tie_word_embeddings=False, pad_token_id=0, eos_token_id=1, bos_token_id=None)
+    Qwen3MoeForCausalLM(config).save_pretrained(tmp_path / "moe")
+    trainer = Trainer(make_settings(tmp_path), tmp_path / "moe")
+    schema = model_schema(tmp_path / "moe")
+    published = trainer.state_dict_for_publish()
+    assert "model.layers.0.mlp.experts.3.gate_proj.weight" in schema
+    assert published.keys() == schema.keys()
+    assert all(tuple(published[name].shape) == shape for name, (_, shape) in schema.items())
+    write_checkpoint(trainer, tmp_path / "ckpt" / "step-1", {"step": 1})
+    assert model_schema(tmp_path / "ckpt" / "step-1" / MODEL_DIR).keys() == schema.keys()
+
+
 def test_bad_groups_are_refused(model_path, tmp_path):
     trainer = Trainer(make_settings(tmp_path), model_path)
     group = make_groups(n_groups=1)[0]
