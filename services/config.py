@@ -465,7 +465,7 @@ class LearnerBatchConfig(Section):
 class OptimizerConfig(Section):
     """AdamW and its schedule (paper §4.1)."""
 
-    lr: float = Field(1e-6, gt=0, description="AdamW learning rate (paper: 1e-6).")
+    lr: float = Field(1e-6, ge=0, description="AdamW learning rate (paper: 1e-6).")
     warmup_steps: int = Field(20, ge=0, description="Linear warm-up over this many rollout steps (paper §4.1: 20).")
     weight_decay: float = Field(0.1, ge=0, description="AdamW weight decay (paper: 0.1).")
     grad_clip: float = Field(1.0, ge=0, description="Gradient norm clip (paper: 1.0).")

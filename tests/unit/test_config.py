@@ -382,7 +382,7 @@ def test_a_raw_template_without_its_one_problem_field_is_refused_at_load(templat
     ({"learner": {"batch": {"mini_batches": 0}}}, "learner.batch.mini_batches"),
     ({"learner": {"batch": {"prompts_per_step": 0}}}, "learner.batch.prompts_per_step"),
     ({"learner": {"batch": {"max_refills": -1}}}, "learner.batch.max_refills"),
-    ({"learner": {"optimizer": {"lr": 0}}}, "learner.optimizer.lr"),
+    ({"learner": {"optimizer": {"lr": -1e-6}}}, "learner.optimizer.lr"),
     ({"reward": {"overlong_penalty": -1}}, "reward.overlong_penalty"),
 ])
 def test_a_value_no_step_could_use_is_refused_when_loaded_not_at_the_first_update(override, field):
