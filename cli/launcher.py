@@ -470,6 +470,8 @@ def main(settings: Settings, generators: int = 1, reward_workers: int = 1, learn
     run_dir = Path(settings.run_dir).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     run_lock = lock_run_folder(run_dir)  # noqa: F841  (held while this function runs)
+    if not settings.learner.checkpoints.resume:  # starting over: a learner restarted (resuming) after a crash
+        Checkpoints(run_dir).forget_latest()  # before its own start must not find the run before's checkpoint
     settings.run_dir = str(run_dir)
     console.print(f"[bold]dapo run[/] -> {run_dir}")
     ensure_model(settings)

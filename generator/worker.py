@@ -126,17 +126,19 @@ class ActivityClock:
 
 @dataclass
 class _Rates:
-    """Rolling tokens/s and tasks/s over the last `window` seconds."""
+    """Tokens/s and tasks/s over the last `window` seconds: what was written in it, over the window (groups that
+    finish less often than once a window read as the rate they make, and an idle generator decays to 0)."""
 
     window: float = 10.0
     events: deque = field(default_factory=deque)
 
-    def add(self, tokens: int, now: float) -> tuple[float, float]:
+    def add(self, tokens: int, now: float) -> None:
         self.events.append((now, tokens))
+
+    def rates(self, now: float) -> tuple[float, float]:
         while self.events and self.events[0][0] < now - self.window:
             self.events.popleft()
-        span = max(now - self.events[0][0], 1.0) if self.events else self.window
-        return sum(t for _, t in self.events) / span, len(self.events) / span
+        return sum(t for _, t in self.events) / self.window, len(self.events) / self.window
 
 
 def halves(items: list) -> list[list]:
@@ -282,6 +284,9 @@ class RolloutWorker:
                 elif self._stop.is_set() or self._ready_weights is not None or self._pull is not None:
                     time.sleep(0.01)  # nothing to read: waiting for a drain, a pull or the shutdown
                 self._owned = self._owned_ids()
+                tokens_per_s, tasks_per_s = self._rates.rates(now)
+                metrics.GEN_TOKENS_PER_SECOND.set(tokens_per_s)
+                metrics.GEN_TASKS_PER_SECOND.set(tasks_per_s)
         finally:
             self._turn_started = None
             self.ready = False
@@ -431,9 +436,7 @@ class RolloutWorker:
                 tokens = sum(len(s.token_ids) for s in done.samples)
                 metrics.GEN_TOKENS.inc(tokens)
                 metrics.GEN_TASKS.labels(task.split).inc()
-                tokens_per_s, tasks_per_s = self._rates.add(tokens, now)
-                metrics.GEN_TOKENS_PER_SECOND.set(tokens_per_s)
-                metrics.GEN_TASKS_PER_SECOND.set(tasks_per_s)
+                self._rates.add(tokens, now)
         if finished:
             metrics.GEN_BATCH_FILL.set(len(self.inflight) / self.cfg.tasks_per_batch)
 

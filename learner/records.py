@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -192,6 +193,16 @@ class Records:
             handle.write(json.dumps(record) + "\n")
             handle.flush()
 
+    def resumed(self, step: int) -> None:
+        """The gauges a scrape reads before this process's first step: the step it goes on from and how long the
+        last one took (DapoLearnerStalled measures a stall against it), progress now."""
+        metrics.LEARNER_STEP.set(step)
+        metrics.LEARNER_PROGRESS_TIME.set(time.time())
+        last = next((row for row in reversed(read_rows(self.run_dir / METRICS_FILE))
+                     if row.get("step") == step and "groups_trained" in row), None)
+        if last is not None and last.get("step_seconds") is not None:
+            metrics.LEARNER_STEP_SECONDS.set(last["step_seconds"])
+
     def has_evaluation(self, step: int) -> bool:
         """Whether metrics.jsonl holds an evaluation of `step` (read back on a resume)."""
         return any(row.get("step") == step and row.get("eval_accuracy") is not None
@@ -202,7 +213,8 @@ class Records:
         self.append(METRICS_FILE, record)
         if self.tracking is not None:
             self.tracking.log_step(record)
-        metrics.LEARNER_ACCURACY.labels("eval").set(record.get("eval_accuracy") or 0.0)
+        # every eval task lost: no accuracy, not 0 %
+        metrics.LEARNER_ACCURACY.labels("eval").set(_or_nan(record.get("eval_accuracy")))
 
     def step(self, record: dict, batch: Batch, drops: dict[str, list[str]]) -> None:
         self.append(METRICS_FILE, record)
@@ -224,6 +236,7 @@ class Records:
                 gauge.set(value)
 
         metrics.LEARNER_STEP.set(record["step"])
+        metrics.LEARNER_PROGRESS_TIME.set(time.time())
         set_if(metrics.LEARNER_REWARD.labels("all"), record["reward_all"])
         set_if(metrics.LEARNER_REWARD.labels("trained"), record["reward_trained"])
         set_if(metrics.LEARNER_ACCURACY.labels("train"), record["accuracy_train"])
@@ -239,8 +252,8 @@ class Records:
         set_if(metrics.LEARNER_LR, record["lr"])
         set_if(metrics.LEARNER_GRAD_NORM, record["grad_norm"])
         set_if(metrics.LEARNER_STEP_SECONDS, record["step_seconds"])
-        for phase in PHASES:
-            set_if(metrics.LEARNER_STEP_PHASE_SECONDS.labels(phase), record.get(f"{phase}_seconds"))
+        for phase in PHASES:  # a phase the step did not have (an evaluation) took no time in it
+            metrics.LEARNER_STEP_PHASE_SECONDS.labels(phase).set(record.get(f"{phase}_seconds") or 0.0)
         set_if(metrics.LEARNER_TOKENS_PER_SECOND, record["tokens_per_second"])
         set_if(metrics.LEARNER_MODEL_TFLOPS, record.get("model_tflops"))
         set_if(metrics.LEARNER_MFU, record.get("mfu"))
@@ -248,3 +261,7 @@ class Records:
             metrics.LEARNER_REFILL_LIMIT.inc()
         if batch.stale_at_take:
             metrics.LEARNER_STALE.inc(len(batch.stale_at_take))
+
+
+def _or_nan(value: float | None) -> float:
+    return float("nan") if value is None else value

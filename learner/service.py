@@ -339,6 +339,7 @@ class LearnerService:
             return 0
         self.checkpoints.clear_stop()  # the run goes on past any stop recorded
         resumed = self.resume() if self.cfg.checkpoints.resume else self.start_fresh()
+        self.records.resumed(self.step)
         self.publish_initial()
         self.ready, self.ready_reason = True, f"weights v{self.policy.current} published"
         try:
@@ -373,7 +374,8 @@ class LearnerService:
         if batch is None:
             return False
         waited = time.perf_counter() - t0
-        self.push_train(self.work.plan_ahead(version))  # overlap (a no-op when max_staleness = 0)
+        if self.step + 1 < self.cfg.total_steps and not self.stopping.is_set():  # no step after it: no prompts for one
+            self.push_train(self.work.plan_ahead(version))  # overlap (a no-op when max_staleness = 0)
         self.work.flush_outbox()
         result: dict[str, float] = {}
         publish_seconds, broadcast = 0.0, {}
@@ -487,12 +489,13 @@ class LearnerService:
     def start_fresh(self) -> bool:
         """No checkpoint to start from. Resuming, a process of this run may have died before its first checkpoint:
         its groups are re-admitted (held) or still come (issued), so the data goes on after the problems it issued.
-        Not resuming (`checkpoints.resume: false`), the run starts over from its first problem."""
+        Not resuming (`checkpoints.resume: false`), the run starts over from its first problem, with nothing of the
+        run before (`WorkingSet.forget_run`)."""
         self.ensure_monotonic_version()
         if self.cfg.checkpoints.resume:
             self.seek_data(self.train_problems.cursor())
         else:
-            self.work.forget_data_cursor()
+            self.work.forget_run()
             self.checkpoints.forget_latest()
         self.work.restore(skip=set(), counted=set())
         self.records.cut_after(-1)

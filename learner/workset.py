@@ -268,8 +268,16 @@ class WorkingSet:
         raw = self.redis.get(self.cursor_key)
         return json.loads(raw) if raw else None
 
-    def forget_data_cursor(self) -> None:
-        self.redis.delete(self.cursor_key)
+    def forget_run(self) -> None:
+        """Starting over (`checkpoints.resume: false`): nothing of the run before trains in this one. Its held groups,
+        its issued tasks (a group of one still in the pipeline is then refused as unknown), its suspects and data
+        cursor go, and so do the entries still waiting in its streams (generators would sample them for nothing);
+        its dead letters stay."""
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.delete(self.cursor_key, self.issued_key, entry_ids_key(self.issued_key), self.suspects_key, self.held.key)
+        for stream in (self.prompts, self.scored, self.streams.stream("rollouts", RolloutGroup)):
+            pipe.xtrim(stream.key, maxlen=0)
+        pipe.execute()
 
     def flush_outbox(self) -> None:
         """Produce queued tasks while the prompts stream has room (never block on back-pressure: keep reading)."""
@@ -315,6 +323,7 @@ class WorkingSet:
             self.handle(delivery)
         if time.monotonic() - self._dead_scanned_at >= DEAD_SCAN_SECONDS:
             self.redis_memory()
+            self.streams.export_depths(RUN_STREAMS)
             self.scan_dead_letters()
             self.expire_overdue()
         if time.monotonic() - self._repaired_at >= REPAIR_SCAN_SECONDS:
@@ -327,10 +336,13 @@ class WorkingSet:
         task_id = task_id_of(group)
         if task_id not in self.assembler.seen:  # a duplicate of a settled group is dropped below, not checked
             reason = provenance_error(group, self.issued_task(task_id), self.vocab_size, self.streams.rollout_refusal)
-            if reason is not None:
-                self.scored.reject(delivery, reason)
-                return
+        else:  # but one its reward worker rewrote is that worker's forgery, in the dead letters for all to see
+            reason = self.streams.rollout_refusal(group)
+        if reason is not None:
+            self.scored.reject(delivery, reason)
+            return
         self.deadlines.returned(task_id, time.monotonic())  # after the checks: a forged group must not stop the clock
+        metrics.LEARNER_PROGRESS_TIME.set(time.time())
         self.generator_clocks.observe(group)
         if group.rollout.task.split == "eval":
             if self.eval_round is None or not self.eval_round.add(group):

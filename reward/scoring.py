@@ -82,7 +82,6 @@ def record_metrics(verdicts: list[Verdict], seconds: float | None) -> None:
             metrics.REWARD_TIMEOUTS.inc()
         elif v.rule == RULE_ERROR:
             metrics.REWARD_ERRORS.inc()
-    if verdicts:
+    if seconds is not None and verdicts:  # a group, timed (/v1/score collects its items one at a time: none is one)
         metrics.REWARD_ACCURACY.set(sum(v.correct for v in verdicts) / len(verdicts))
-    if seconds is not None:
         metrics.REWARD_SECONDS.observe(seconds)

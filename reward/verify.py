@@ -282,8 +282,8 @@ def clean_answer(text: str, unwrap: bool = True) -> str:
     text = re.sub(r"\s+", " ", text).strip(" \t*_`#>\"'")
     text = re.sub(r"(?:\s*\\\\)+$", "", text)  # a line break after the answer
     text = text.rstrip(" .;,")  # "509." is 509 (but "5!" stays a factorial)
-    if text.endswith(")") and text.count(")") > text.count("("):
-        text = text[:-1]  # "(The answer is 34)": the sentence's parenthesis, not the answer's
+    if text.endswith(")") and text.count(")") + text.count("]") > text.count("(") + text.count("["):
+        text = text[:-1]  # "(The answer is 34)": the sentence's parenthesis, not the answer's (nor `[3, 5)`'s)
     return text.strip(" \t*_`")
 
 
@@ -557,7 +557,8 @@ _HEDGE_START = re.compile(
 )
 _BARE_NUMBER = re.compile(r"\s*\$?\s*([-+]?\d[\d,]*(?:\.\d+)?)\s*\$?\s*[.?!]?\s*")
 # Numbers side by side: `3 5`, `3 -5` (math-verify would add them up); `2 \frac12` and `3 - 5` do not match.
-_NUMBERS_APART = re.compile(r"\d\s*[,;]\s*\d|\d\s+[-+]?\d|\d\s*\.\s+[-+]?\d")  # and `12. 13`
+# and `12. 13` (a number alone after the stop: `12. 12 is the largest n.` is a remark)
+_NUMBERS_APART = re.compile(r"\d\s*[,;]\s*\d|\d\s+[-+]?\d|\d\s*\.\s+[-+]?\d[\d,]*(?:\.\d+)?\s*[.?!]?\s*$")
 
 
 def _hedge_after(tail: str, value: Fraction | None) -> str | None:

@@ -12,7 +12,11 @@ STREAM_PENDING = Gauge("dapo_stream_pending", "Delivered but not yet acknowledge
 STREAM_PRODUCED = Counter("dapo_stream_produced_total", "Messages written to the stream.", ["stream"])
 STREAM_ACKED = Counter("dapo_stream_acked_total", "Messages acknowledged.", ["stream"])
 STREAM_REDELIVERIES = Counter(
-    "dapo_stream_redeliveries_total", "Messages reclaimed from a silent consumer.", ["stream"]
+    "dapo_stream_redeliveries_total", "Messages reclaimed: from a silent consumer, or handed back.", ["stream"]
+)
+STREAM_RELEASED = Counter(
+    "dapo_stream_released_total", "Messages a consumer handed back (a stop, a wait, a refused version): reclaimed "
+    "as redeliveries, but no consumer died.", ["stream"]
 )
 STREAM_DEAD = Counter("dapo_stream_dead_letters_total", "Messages moved to the dead stream.", ["stream", "reason"])
 STREAM_BACKPRESSURE = Counter(
@@ -30,8 +34,14 @@ REDIS_TRIMMED = Counter("dapo_redis_trimmed_entries_total", "Entries the learner
 GEN_TOKENS = Counter("dapo_generator_tokens_total", "Response tokens generated.")
 GEN_TASKS = Counter("dapo_generator_tasks_total", "Prompt tasks turned into rollout groups.", ["split"])
 GEN_BATCH_FILL = Gauge("dapo_generator_batch_fill", "Tasks in the engine over tasks_per_batch.")
-GEN_VERSION = Gauge("dapo_generator_policy_version", "Policy version the generator serves.")
-GEN_RELOAD_SECONDS = Histogram("dapo_generator_reload_seconds", "Weight sync: pull, verify and reload.")
+GEN_VERSION = Gauge("dapo_generator_policy_version", "Policy version the generator serves (NaN until its first: a "
+                    "starting generator must not read as far behind).")
+GEN_VERSION.set(float("nan"))
+# Seconds buckets from a tiny model's reload to a 32B version's pull and load (65 GB), and up to a generation phase
+# of hours at the paper's scale for a task's wait in the queue.
+LONG_SECONDS = (0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600, 1200, 1800, 3600)
+GEN_RELOAD_SECONDS = Histogram("dapo_generator_reload_seconds", "Weight sync: pull, verify and reload.",
+                               buckets=LONG_SECONDS)
 GEN_LOAD_PAUSE_SECONDS = Histogram(
     "dapo_generator_load_pause_seconds", "The engine's pause for a version: the load into the model alone.",
     buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60),
@@ -39,7 +49,7 @@ GEN_LOAD_PAUSE_SECONDS = Histogram(
 GEN_RELOAD_FAILURES = Counter("dapo_generator_reload_failures_total", "Refused or failed weight syncs.", ["reason"])
 GEN_QUEUE_WAIT = Histogram(
     "dapo_generator_queue_wait_seconds", "Time a task waited in the prompts stream.",
-    buckets=(0.01, 0.05, 0.1, 0.5, 1, 2, 5, 10, 30, 60, 300),
+    buckets=(0.01, 0.05, *LONG_SECONDS, 7200, 14400),
 )
 GEN_TOKENS_PER_SECOND = Gauge("dapo_generator_tokens_per_second", "Response tokens per second over the last 10 s.")
 GEN_TASKS_PER_SECOND = Gauge("dapo_generator_tasks_per_second", "Rollout groups written per second over the last 10 s.")
@@ -91,6 +101,9 @@ LEARNER_LOG_RATIO_MAX = Gauge(
     "dapo_learner_log_ratio_max", "Largest |log pi - log mu| of a token in the last step (what a KL spike is made of).")
 LEARNER_LR = Gauge("dapo_learner_lr", "Learning rate.")
 LEARNER_STEP_SECONDS = Gauge("dapo_learner_step_seconds", "Wall time of the last step.")
+LEARNER_PROGRESS_TIME = Gauge(
+    "dapo_learner_progress_timestamp_seconds", "Unix time of the learner's last progress: its start or resume, a "
+    "scored group admitted, a step finished (DapoLearnerStalled).")
 LEARNER_STEP_PHASE_SECONDS = Gauge(
     "dapo_learner_step_phase_seconds", "Where the last step's time went (learner/records.py PHASES).", ["phase"]
 )

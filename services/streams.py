@@ -513,8 +513,10 @@ class Stream(Generic[M]):
         """To RELEASED, idle past the visibility timeout, those of `entry_ids` that `consumer` still owns, with the
         delivery count `retry_count` (-1: kept). Returns how many."""
         idle = int(self.cfg.visibility_timeout_s * 1000) + 1
-        return int(self._grouped(self._release, keys=[self.key],
-                                 args=[self.group, consumer, RELEASED, idle, retry_count, *entry_ids]))
+        released = int(self._grouped(self._release, keys=[self.key],
+                                     args=[self.group, consumer, RELEASED, idle, retry_count, *entry_ids]))
+        metrics.STREAM_RELEASED.labels(self.name).inc(released)
+        return released
 
     def reject(self, delivery: Delivery[M], reason: str) -> None:
         """Dead-letter a delivery that parsed but must not be used (e.g. a group the learner never asked for)."""
@@ -683,6 +685,23 @@ class Streams:
 
     def key(self, *parts: str) -> str:
         return self.prefix + ":".join(parts)
+
+    def export_depths(self, names: Collection[str]) -> None:
+        """Every run stream's depth, and the pending entries of those read by a consumer group, as gauges: the
+        learner's are the run's (each worker's own are refreshed only while it reads, and `dead` and `held` by
+        none)."""
+        pipe = self.redis.pipeline(transaction=False)
+        for name in names:
+            pipe.xlen(self.key(name))
+            if name in CONSUMER_GROUPS:
+                pipe.xpending(self.key(name), CONSUMER_GROUPS[name])
+        replies = iter(pipe.execute(raise_on_error=False))
+        for name in names:
+            depth = next(replies)
+            if isinstance(depth, int):
+                metrics.STREAM_DEPTH.labels(name).set(depth)
+            if name in CONSUMER_GROUPS and isinstance(pending := next(replies), dict):  # (no group yet: an error)
+                metrics.STREAM_PENDING.labels(name).set(pending["pending"])
 
     def rollout_refusal(self, group: ScoredGroup) -> str | None:
         """Why a scored group's rollout is not an entry a generator wrote to `rollouts` (None: it is). The reward

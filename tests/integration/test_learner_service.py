@@ -267,7 +267,7 @@ def test_a_resume_does_not_draw_again_the_problems_issued_after_the_checkpoint(s
     assert resumed.train_problems.next().id == following
     other_data = TrainProblems(problems[:10], seed=3)  # another data set: the issued cursor does not apply
     assert not other_data.seek_past(first.work.issued_data_cursor())
-    first.work.forget_data_cursor()  # a fresh start
+    first.work.forget_run()  # a fresh start
     fresh = learner()
     fresh.seek_data(checkpointed)
     assert fresh.train_problems.next().id == issued[0]
@@ -1544,3 +1544,28 @@ def test_http_while_running_and_sigterm_checkpoints_then_exits(pipeline, tmp_pat
     assert announced["version"] == read_jsonl(run_dir / METRICS_FILE)[-1]["version"]
     assert (run_dir / "checkpoints" / "latest").read_text() == f"step-{last_step}"  # checkpoint_every 0: SIGTERM's
     assert "stopped by signal" in pipeline.tail("learner-term")
+
+
+def test_starting_over_trains_nothing_of_the_run_before(settings):
+    """`resume: false` (what a refused recipe change advises): the run before's held groups, its issued tasks (a
+    group of one still in the pipeline) and the prompts waiting in its streams must not train in the new run."""
+    service, issued = learner_that_issued(settings)
+    produce_scored(service, settings, scored_group(issued, [True, False]))
+    service.work.pump()
+    assert service.redis.xlen(service.work.held.key) == 1
+    old = PromptTask(task_id="train-2", prompt_id="p2", prompt="1+1=", prompt_token_ids=[5, 6], ground_truth="2",
+                     sampling=SamplingParams(n=2, max_tokens=8))
+    service.work.outbox.append(old)
+    service.work.flush_outbox()
+    service.work.forget_run()
+    assert service.redis.xlen(service.work.held.key) == 0 and service.redis.xlen(service.work.prompts.key) == 0
+    assert service.work.issued_task("train-2") is None
+    fresh = LearnerService(settings)
+    fresh.connect()
+    fresh.work.limit_vocabulary(100)
+    fresh.work.restore(skip=set(), counted=set())
+    produce_scored(fresh, settings, scored_group(old, [True, False]))  # the old run's group, late
+    fresh.work.pump()
+    assert not fresh.work.assembler.ready
+    assert [d["reason"] for d in fresh.streams.dead_letters()] == [
+        "provenance: unknown task id 'train-2' (not issued by this run's learner)"]

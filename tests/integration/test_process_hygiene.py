@@ -442,3 +442,30 @@ def test_a_second_ctrl_c_while_stopping_kills_what_is_left_and_still_returns_the
                      "--set", "redis.url=redis://127.0.0.1:1/0"])
     assert code == 130 and time.monotonic() - began < 30
     assert not any(child.alive() for child in made)
+
+
+def test_a_run_started_over_forgets_the_checkpoint_before_any_learner_starts(tmp_path, monkeypatch):
+    """`resume: false`, then the learner crashes before its own start forgot `latest`: its restart (which resumes)
+    must not go on from the run before's checkpoint."""
+    import cli.bootstrap
+    import cli.launcher
+    from cli.main import run_main
+    from learner.checkpoint import Checkpoints
+
+    run_dir = tmp_path / "run"
+    checkpoints = Checkpoints(run_dir)
+    checkpoints.path(500).mkdir(parents=True)
+    checkpoints.commit(500)
+    seen = []
+
+    def children(*args, **kwargs):
+        seen.append(checkpoints.latest_step())  # what a learner starting now would resume
+        env = {**os.environ, "DAPO_GENERATOR__PORT": "1"}
+        return [Child("learner", ["true"], env, tmp_path / "learner.log"),
+                Child("generator-0", ["sleep", "60"], env, tmp_path / "generator.log")]
+
+    monkeypatch.setattr(cli.launcher, "service_children", children)
+    monkeypatch.setattr(cli.bootstrap, "ensure_model", lambda settings: None)
+    assert run_main(["run", "--no-display", "--set", f"run_dir={run_dir}", "--set", "redis.url=redis://127.0.0.1:1/0",
+                     "--set", "learner.checkpoints.resume=false"]) == 0
+    assert seen == [None] and checkpoints.steps() == [500]  # not the pointer's folder: this run's first prunes it

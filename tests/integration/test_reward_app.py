@@ -137,6 +137,15 @@ def test_score_a_batch(client):
     assert client.post("/v1/score", json=[]).json() == []
     metrics = client.get("/metrics").text
     assert 'dapo_reward_verifications_total{correct="true",rule="answer_line"}' in metrics
+    # the gauge of the last scored group is the stream path's: a request's items (scored one at a time, the last
+    # one wrong) do not set it to 0 or 1
+    from prometheus_client import REGISTRY
+
+    from services import metrics as gauges
+
+    gauges.REWARD_ACCURACY.set(0.5)
+    client.post("/v1/score", json=body)
+    assert REGISTRY.get_sample_value("dapo_reward_accuracy") == 0.5
 
 
 def test_limits_and_errors_are_clear_4xx(client):

@@ -69,6 +69,9 @@ def test_signed_attacks_on_the_roles_are_dead_lettered_and_the_genuine_group_tra
     reward.stream("scored", ScoredGroup).produce(genuine)  # the genuine group, by the reward role
     service.work.pump()
     assert [g.rollout.task for _, _, g in service.work.assembler.ready] == [issued]
+    # the same rewrite after the genuine group was admitted: not dropped as a mere duplicate, dead-lettered
+    reward.stream("scored", ScoredGroup).produce(genuine.model_copy(update={"rollout": rewritten}))
+    service.work.pump()
 
     reasons = sorted(d["reason"] for d in service.streams.dead_letters())
     kids = {role: s.signers[role].kid for role, s in (("generator", generator), ("reward", reward))}
@@ -77,8 +80,8 @@ def test_signed_attacks_on_the_roles_are_dead_lettered_and_the_genuine_group_tra
         f"forged: signed by the reward role's key {kids['reward']}, and only the learner role signs prompts",
         f"forged: key id {retired['reward'].kid!r} is not in the keyring (retired by a rotation, or never issued)",
         f"forged: key id {retired['learner'].kid!r} is not in the keyring (retired by a rotation, or never issued)",
-        f"forged: bad signature under {kids['generator']} (tampered, or not signed with that key) (the rollout's own "
-        "signature, which its reward worker carries on)",
+        *[f"forged: bad signature under {kids['generator']} (tampered, or not signed with that key) (the rollout's "
+          "own signature, which its reward worker carries on)"] * 2,
     ])
     service.work.scan_dead_letters()
     assert service.work.assembler.stats.lost == 0  # forged letters never make a task lost

@@ -675,3 +675,21 @@ def test_a_forged_entry_whose_task_id_is_no_id_is_dead_lettered_without_it(strea
     assert [d.message.task.task_id for d in rollouts.consume("c1", count=10)] == ["t0", "t2"]
     letters = streams.dead_letters()
     assert len(letters) == 2 and all(d["reason"].startswith("forged") and d["task_id"] == "" for d in letters)
+
+
+def test_the_learner_exports_every_run_streams_depth_dead_and_held_included(streams):
+    """A worker refreshes the gauges of the stream it reads, only while it reads; `dead` and `held` nobody reads."""
+    from prometheus_client import REGISTRY
+
+    prompts = streams.stream("prompts", PromptTask)
+    for i in range(3):
+        prompts.produce(task(i))
+    prompts.consume("gen", count=1)
+    prompts.reject(prompts.consume("gen", count=1)[0], "invalid task: for this test")
+    streams.export_depths(("prompts", "rollouts", "dead", "held"))
+
+    def sample(name, stream):
+        return REGISTRY.get_sample_value(name, {"stream": stream})
+
+    assert (sample("dapo_stream_depth", "prompts"), sample("dapo_stream_pending", "prompts")) == (3.0, 2.0)
+    assert sample("dapo_stream_depth", "dead") == 1.0 and sample("dapo_stream_depth", "held") == 0.0

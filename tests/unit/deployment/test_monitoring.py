@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
+import subprocess
 
 import jsonschema
 import pytest
@@ -51,6 +53,17 @@ def test_rules_have_the_prometheus_rule_structure_and_parse():
     jsonschema.Draft202012Validator({"$defs": schema["$defs"], **schema["properties"]["spec"]}).validate(rules)
     for expr in check_dashboard.rules_exprs(DEPLOY / "prometheus" / "rules.yml"):
         assert check_dashboard.promql_metric_names(expr), expr
+
+
+@pytest.mark.skipif(shutil.which("promtool") is None,
+                    reason="needs promtool (Debian's prometheus; .ci/run installs it)")
+def test_the_alerts_fire_when_an_operator_wants_them_to_and_not_otherwise():
+    """deploy/prometheus/rules_test.yml: a healthy 32B step of hours is no stall, a resumed learner that gets no
+    group again is; a starting generator is not a generator far behind; one producer waiting is back-pressure,
+    eight waiting a little are not."""
+    result = subprocess.run(["promtool", "test", "rules", "rules_test.yml"], cwd=DEPLOY / "prometheus",
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
 
 
 def test_prometheus_rule_for_the_operator_has_the_same_groups():
