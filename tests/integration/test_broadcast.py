@@ -162,9 +162,10 @@ def rounds(settings):
         sending = threading.Thread(target=lambda: result.update(
             round=broadcaster.broadcast(tensors or state(), version)))
         sending.start()
-        message = None
-        while message is None:
+        message, deadline = None, time.monotonic() + 120
+        while message is None and sending.is_alive() and time.monotonic() < deadline:
             message = pubsub.get_message(timeout=5)
+        assert message is not None, "no round announced (the broadcast thread ended or hung before it)"
         announcement = WeightsBroadcast.model_validate_json(message["data"])
         for inbox in inboxes.values():
             inbox.put(message["data"].decode())

@@ -416,8 +416,10 @@ def test_redis_restart_mid_consumption_loses_nothing(redis_server, settings):
 
     thread = threading.Thread(target=worker, daemon=True)
     thread.start()
-    while len(forwarded) < 10:
+    deadline = time.monotonic() + 60
+    while len(forwarded) < 10 and not errors and time.monotonic() < deadline:
         time.sleep(0.01)
+    assert len(forwarded) >= 10, errors or "the worker forwarded fewer than 10 tasks in 60 s"
     redis_server.stop(kill=True)
     time.sleep(0.5)  # the worker now retries with backoff
     restarted = EmbeddedRedis(redis_server.data_dir, aof=True).start()

@@ -9,6 +9,7 @@ import logging
 import math
 import pickle
 import random
+import statistics
 
 import numpy as np
 import pytest
@@ -179,25 +180,44 @@ def test_pi_old_is_the_step_start_policy_in_every_update(model_path, tmp_path, m
     assert moved > 1e-2  # the policy did move during the step: a pi_old taken after an update would differ
 
 
-@pytest.mark.parametrize("loss_agg, mini_batches", [("token", 1), ("sample", 1), ("token", 2)])
-def test_loss_with_identical_old_and_new_params_is_the_hand_formula(model_path, tmp_path, loss_agg, mini_batches):
+@pytest.mark.parametrize("clip_low, clip_high, clipped", [(0.0, 0.0, True), (0.99, 100.0, False)])
+def test_the_update_clips_at_the_range_the_config_sets(model_path, tmp_path, clip_low, clip_high, clipped):
+    """The GRPO row's 0.2 / 0.2 and the recipe's 0.2 / 0.28 are one setting apart: the trainer must pass it to the
+    loss. A second epoch sees ratios off 1 (the first moved the weights): a zero range clips tokens on both sides,
+    a huge one none."""
+    trainer = Trainer(make_settings(tmp_path, lr=1e-2, epochs=2, clip_low=clip_low, clip_high=clip_high), model_path)
+    groups = make_groups(n_groups=2, size=4, seed=5)
+    metrics = trainer.train_step(with_behaviour(groups, trainer.logprobs(groups)))
+    fractions = (metrics["clip_frac_low"], metrics["clip_frac_high"])
+    assert (min(fractions) > 0) if clipped else fractions == (0.0, 0.0), fractions
+
+
+@pytest.mark.parametrize("loss_agg, mini_batches, overlong_filter",
+                         [("token", 1, True), ("sample", 1, True), ("token", 2, True), ("token", 1, False),
+                          ("sample", 1, False)])
+def test_loss_with_identical_old_and_new_params_is_the_hand_formula(model_path, tmp_path, loss_agg, mini_batches,
+                                                                   overlong_filter):
     # One mini-batch: pi_old is the training forward itself. Two (one group each), lr 0: the second takes it from the
     # separate no-grad pass and the parameters never move, so the ratio is 1 in both updates.
-    settings = make_settings(tmp_path, loss_agg=loss_agg, overlong_filter=True, tis_cap=1.5, micro_batch_tokens=24,
-                             mini_batches=mini_batches, lr=0.0 if mini_batches > 1 else 1e-2)
+    settings = make_settings(tmp_path, loss_agg=loss_agg, overlong_filter=overlong_filter, tis_cap=1.5,
+                             micro_batch_tokens=24, mini_batches=mini_batches, lr=0.0 if mini_batches > 1 else 1e-2)
     trainer = Trainer(settings, model_path)
-    groups = make_groups(n_groups=2, size=4, rewards=[1.0, -1.0, -1.0, -1.0], overlong=[False, False, False, True])
+    # the 4th response is truncated: wrong, with the soft overlong punishment's -0.25 in its reward (Eq. 13)
+    rewards = [1.0, -1.0, -1.0, -1.25]
+    groups = make_groups(n_groups=2, size=4, rewards=rewards, overlong=[False, False, False, True])
     current = trainer.logprobs(groups)
     offsets = random_offsets(groups)
     groups = with_behaviour(groups, current, offsets)
     metrics = trainer.train_step(groups)
 
     # Ratio 1 (pi_old = current params): loss = -sum_t w_t A_i / N, w_t = min(pi_old / mu, 1.5) = min(e^offset, 1.5).
-    # Rewards (1, -1, -1, -1): A = (1.5, -0.5, -0.5, -0.5) (sample std 1); the 4th response is overlong: filtered.
-    advantages = [1.5, -0.5, -0.5, -0.5]
+    # A = (r - mean) / (sample std + eps) over the group's shaped rewards (Eq. 9), the truncated response's included;
+    # with overlong filtering its tokens are out of the loss (and out of N), else in it.
+    advantages = [(r - statistics.mean(rewards)) / (statistics.stdev(rewards) + 1e-6) for r in rewards]
+    trained = range(3) if overlong_filter else range(4)
     token_terms, sample_means, weights = [[], []], [[], []], []
     for g in range(2):
-        for i in range(3):
+        for i in trained:
             w = [min(math.exp(o), 1.5) for o in offsets[g][i]]
             weights += w
             terms = [-advantages[i] * wt for wt in w]
@@ -215,9 +235,9 @@ def test_loss_with_identical_old_and_new_params_is_the_hand_formula(model_path, 
     assert metrics["clip_frac_low"] == metrics["clip_frac_high"] == 0.0
     assert metrics["tokens"] == len(weights)
     assert metrics["approx_kl"] == pytest.approx(  # k3 of KL(behaviour || current), behaviour = current - offset
-        sum(math.exp(o) - 1 - o for g in range(2) for i in range(3) for o in offsets[g][i]) / len(weights), rel=1e-4)
+        sum(math.exp(o) - 1 - o for g in range(2) for i in trained for o in offsets[g][i]) / len(weights), rel=1e-4)
     assert metrics["log_ratio_max"] == pytest.approx(
-        max(abs(o) for g in range(2) for i in range(3) for o in offsets[g][i]), rel=1e-4, abs=1e-5)
+        max(abs(o) for g in range(2) for i in trained for o in offsets[g][i]), rel=1e-4, abs=1e-5)
 
 
 @pytest.mark.parametrize("loss_agg", ["token", "sample"])

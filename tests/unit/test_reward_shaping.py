@@ -75,3 +75,20 @@ def test_shape_without_soft_overlong_or_lengths():
     assert shape(WRONG, length=None, max_tokens=None).reward == -1.0
     flagged = shape(RIGHT, length=20_480, max_tokens=20_480, finish_reason="length", soft_overlong=False)
     assert flagged.overlong and flagged.reward == 1.0  # the flag is independent of the penalty switch
+
+
+@pytest.mark.parametrize("reward_settings, expected", [
+    ({}, 1.0 - 12 / 16),  # tiny-cpu: L_cache 16, factor 1
+    ({"overlong_penalty": 0.5}, 1.0 - 0.5 * 12 / 16),
+    ({"overlong_buffer": 32}, 1.0 - 28 / 32),
+    ({"soft_overlong": False}, 1.0),  # the ablation rows without the soft punishment
+])
+def test_the_reward_settings_reach_the_score_a_worker_writes(reward_settings, expected):
+    """reward/scoring.py `shaped`, what the stream worker and /v1/score score with: each of the shaping settings."""
+    from reward.scoring import ScoreItem, shaped
+    from services.config import load_settings
+
+    config = load_settings("tiny-cpu", reward=reward_settings).reward
+    item = ScoreItem("Answer: 7", "7", length=60, max_tokens=64, finish_reason="stop")
+    score = shaped(RIGHT, item, config)
+    assert score.reward == pytest.approx(expected) and score.correct and not score.overlong
