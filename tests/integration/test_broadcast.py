@@ -163,8 +163,10 @@ def rounds(settings):
             round=broadcaster.broadcast(tensors or state(), version)))
         sending.start()
         message, deadline = None, time.monotonic() + 120
-        while message is None and sending.is_alive() and time.monotonic() < deadline:
+        while message is None and time.monotonic() < deadline:
             message = pubsub.get_message(timeout=5)
+            if message is None and not sending.is_alive():
+                break  # it ended without announcing a round
         assert message is not None, "no round announced (the broadcast thread ended or hung before it)"
         announcement = WeightsBroadcast.model_validate_json(message["data"])
         for inbox in inboxes.values():
