@@ -375,7 +375,15 @@ class LearnerService:
             return False
         waited = time.perf_counter() - t0
         if self.step + 1 < self.cfg.total_steps and not self.stopping.is_set():  # no step after it: no prompts for one
-            self.push_train(self.work.plan_ahead(version))  # overlap (a no-op when max_staleness = 0)
+            ahead = self.work.plan_ahead(version)  # overlap (a no-op when max_staleness = 0)
+            delivering = self.delivering
+            if (ahead.count and delivering is not None
+                    and version - self.announced >= self.settings.learner.batch.max_staleness):
+                # Its tasks would ask for a version before `version` (push_train's rule), whose groups are too
+                # stale for the next step that trains them: this version's delivery ends first (its figures and
+                # any error are taken as ever, by the next publish or pump).
+                delivering.exception()
+            self.push_train(ahead)
         self.work.flush_outbox()
         result: dict[str, float] = {}
         publish_seconds, broadcast = 0.0, {}
