@@ -188,6 +188,14 @@ class Records:
         for name in (METRICS_FILE, LEDGER_FILE):
             truncate_jsonl(self.run_dir / name, step)
 
+    def sync(self) -> None:
+        """metrics.jsonl and ledger.jsonl on disk (fsync), before a checkpoint that covers their lines is committed."""
+        for name in (METRICS_FILE, LEDGER_FILE):
+            path = self.run_dir / name
+            if path.is_file():
+                with open(path, "rb+") as handle:
+                    os.fsync(handle.fileno())
+
     def append(self, name: str, record: dict) -> None:
         with open(self.run_dir / name, "a") as handle:
             handle.write(json.dumps(record) + "\n")

@@ -683,9 +683,12 @@ class LearnerService:
             "saved_at": time.time(),
         }  # RNG: the trainer saves torch/python/numpy RNG state per rank; the data order is a function of (seed, epoch)
         started = time.perf_counter()
+        if self.lease is not None:
+            self.lease.check()  # a learner that lost the run writes no step-N over the new holder's
         self.ranks.save(self.trainer, path, extra)
         if self.lease is not None:
-            self.lease.check()  # a learner that lost the run commits nothing
+            self.lease.check()  # (nor commits one it wrote while losing it)
+        self.records.sync()  # the ledger of the steps it holds outlives a power loss as the checkpoint does
         self.checkpoints.commit(self.step)  # durable before held is released
         released = self.work.release()
         self.last_checkpoint_step = self.step
