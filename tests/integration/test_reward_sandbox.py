@@ -34,7 +34,7 @@ def test_verdicts_come_back_in_order(pool):
 def test_the_configured_answer_rule_runs_in_the_children(pool):
     """`reward.answer_rule: dapo` reaches the children: the same pairs, read by the paper's rule, differ."""
     pairs = [("So the total is $\\boxed{34}$.", "34"), ("Answer: 025", "25"),
-             ("We are done.\nThus the answer: 34", "34"),
+             ("We are done.\nWe may check our answer: 34", "34"),
              ("Answer: $\\frac{1}{2}$", "\\frac12"), ("Answer: 34\n" + "Let me check once more. " * 15, "34")]
     cfg = RewardConfig(answer_rule="dapo", workers=1, timeout_s=TIMEOUT_S, memory_mb=1024)
     with VerifierPool.from_config(cfg) as dapo:
