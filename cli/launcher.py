@@ -549,6 +549,9 @@ def main(settings: Settings, generators: int = 1, reward_workers: int = 1, learn
         console.print(write_report(rows, run_dir, extra))
     if interrupted:
         return 128 + received[0]  # 130 for Ctrl-C, 143 for SIGTERM
+    if children[0].gave_up:  # (its own code is the crash's: -9 for an OOM kill)
+        gave_up = (f"the learner crashed {RESTART_LIMIT} times in a row without a new step (last exit {code}): the "
+                   f"run cannot go on; see {children[0].log_path}")
     if gave_up:
         console.print(f"[red]stopped: {gave_up}[/]")
         return 1

@@ -469,3 +469,24 @@ def test_a_run_started_over_forgets_the_checkpoint_before_any_learner_starts(tmp
     assert run_main(["run", "--no-display", "--set", f"run_dir={run_dir}", "--set", "redis.url=redis://127.0.0.1:1/0",
                      "--set", "learner.checkpoints.resume=false"]) == 0
     assert seen == [None] and checkpoints.steps() == [500]  # not the pointer's folder: this run's first prunes it
+
+
+def test_a_run_whose_learner_is_given_up_exits_1_with_the_reason(tmp_path, monkeypatch, capsys):
+    """A learner OOM-killed at every start, before a new step: `dapo run` exits 1 saying why, not 247 (the
+    SIGKILL's -9) with "learner exited with code -9"."""
+    import cli.bootstrap
+    import cli.launcher
+    from cli.main import run_main
+
+    def children(*args, **kwargs):
+        env = {**os.environ, "DAPO_GENERATOR__PORT": "1"}
+        return [Child("learner", ["bash", "-c", "kill -9 $$"], env, tmp_path / "learner.log",
+                      progress=lambda: 0),
+                Child("generator-0", ["sleep", "60"], env, tmp_path / "generator.log")]
+
+    monkeypatch.setattr(cli.launcher, "service_children", children)
+    monkeypatch.setattr(cli.bootstrap, "ensure_model", lambda settings: None)
+    assert run_main(["run", "--no-display", "--set", f"run_dir={tmp_path / 'run'}",
+                     "--set", "redis.url=redis://127.0.0.1:1/0"]) == 1
+    assert "the learner crashed 5 times in a row without a new step (last exit -9)" in " ".join(
+        capsys.readouterr().out.split())
