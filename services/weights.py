@@ -81,6 +81,7 @@ log = logging.getLogger(__name__)
 # HTTP's hold: a version stays on disk while one of its files is being downloaded, and this long after a generator
 # last asked for it or a download of it ended (a pull opens its next file as one ends, so it is never cut short)
 SERVING_HOLD_S = 60.0
+PULL_CONNECT_TIMEOUT_S = 10.0  # a pull's connection: a learner that does not answer it is unreachable after this
 
 
 class WeightsError(RuntimeError):
@@ -458,7 +459,9 @@ def pull_weights(
     tmp = Path(tempfile.mkdtemp(prefix=f"{PULLING_PREFIX}{announcement.version}-", dir=dest_dir))
     started = time.perf_counter()
     try:
-        with httpx.Client(headers={"Authorization": f"Bearer {token}"}, timeout=timeout, verify=verify) as client:
+        # `timeout` between bytes; a learner that does not answer the connection at all is unreachable sooner
+        limits = httpx.Timeout(timeout, connect=min(timeout, PULL_CONNECT_TIMEOUT_S))
+        with httpx.Client(headers={"Authorization": f"Bearer {token}"}, timeout=limits, verify=verify) as client:
             failed = threading.Event()  # the downloads still running stop at another file's failure
             _each(concurrency, lambda f: _download(client, announcement, f, tmp, (cancel, failed)),
                   announcement.files, failed)
