@@ -52,7 +52,7 @@ from cli import cores
 from cli.cores import CpuPlan, Placement, cpu_seconds_by_root
 from learner.checkpoint import Checkpoints
 from learner.lease import INSTANCE_ENV
-from learner.records import METRICS_FILE, read_rows
+from learner.records import METRICS_FILE, Records, read_rows
 from services.config import (
     DEFAULT_TOKEN,
     ConfigError,
@@ -75,6 +75,7 @@ log = logging.getLogger(__name__)
 console = Console()
 
 RESTART_LIMIT = 5  # crashes in a row of one process without progress before giving up
+CPU_SAMPLE_SECONDS = 10.0  # how often the children's CPU seconds are read
 STABLE_SECONDS = 300.0  # a worker that ran this long before dying starts a new count (the learner counts steps)
 RANKS_STOP_SECONDS = 120.0  # SIGTERM to SIGKILL for the learner's ranks: rank 0 finishes the step and checkpoints
 # The launcher's own SIGKILL reaches torchrun's process group only (each rank leads a session of its own), so it
@@ -120,7 +121,8 @@ class Child:
     # How far it got (the learner: its furthest step recorded); None: progress is a run of STABLE_SECONDS
     progress: Callable[[], int] | None = None
     progress_mark: int = -1  # the furthest progress seen when it last started
-    restart_env: dict[str, str] = field(default_factory=dict)  # added to its environment when it starts again
+    # added to its environment when it starts again after progress of its own (the learner: a step of this run)
+    restart_env: dict[str, str] = field(default_factory=dict)
     restarts: int = 0
     gave_up: bool = False  # crashed RESTART_LIMIT times in a row: not started again
     started_at: float = field(default_factory=time.monotonic)
@@ -205,7 +207,8 @@ class Child:
         self.restarts += 1
         log.warning("%s exited with %s; restart %d", self.name, self.exit_code, self.restarts)
         self.cpu_before, self.cpu_now = self.cpu_total, 0.0
-        self.env = {**self.env, **self.restart_env}
+        if self.progress is None or self.progress() > 0:
+            self.env = {**self.env, **self.restart_env}
         self.start()
         return True
 
@@ -315,7 +318,8 @@ def service_children(settings: Settings, config_path: Path, redis_urls: Mapping[
                       run_dir / "logs" / "learner.log", stop_seconds=LEARNER_STOP_SECONDS,
                       placement=cpus.learner if cpus else None, exit_file=run_dir / "logs" / "learner.exit",
                       progress=lambda: steps_recorded(run_dir / METRICS_FILE),
-                      # `resume: false` starts the run over once: a restart after a crash resumes its checkpoint
+                      # `resume: false` starts the run over once: a restart after a crash that follows a step of
+                      # this run resumes it (before one, there is nothing of it to resume: it starts over again)
                       restart_env={"DAPO_LEARNER__CHECKPOINTS__RESUME": "true"})]
     for i in range(reward_workers):
         placed = cpus.reward[i] if cpus else None
@@ -417,7 +421,7 @@ def supervise(children: list[Child], metrics_path: Path, total_steps: int, displ
     """Run until the learner exits by itself; restart a dead Redis, learner or worker. Returns the learner's exit
     code; GaveUp when every worker of a kind crashed too often."""
     learner = children[0]
-    last_printed = -1
+    last_printed, sampled_at = -1, float("-inf")
     live = Live(status_table([], children, total_steps), console=console, refresh_per_second=2) if display else None
     if live:
         live.start()
@@ -432,9 +436,11 @@ def supervise(children: list[Child], metrics_path: Path, total_steps: int, displ
                     if all(other.gave_up for other in children[1:] if other.kind == child.kind):
                         raise GaveUp(f"every {child.kind} process crashed {RESTART_LIMIT} times in a row within "
                                      f"{STABLE_SECONDS:.0f} s of starting: the run cannot go on; see {child.log_path}")
-            by_root = cpu_seconds_by_root(child.process.pid for child in children if child.alive())
-            for child in children:
-                child.sample_cpu(by_root)
+            if time.monotonic() - sampled_at >= CPU_SAMPLE_SECONDS:  # a pass over /proc: not every second
+                sampled_at = time.monotonic()
+                by_root = cpu_seconds_by_root(child.process.pid for child in children if child.alive())
+                for child in children:
+                    child.sample_cpu(by_root)
             rows = read_rows(metrics_path)
             if live:
                 live.update(status_table(rows, children, total_steps))
@@ -471,7 +477,8 @@ def main(settings: Settings, generators: int = 1, reward_workers: int = 1, learn
     run_dir.mkdir(parents=True, exist_ok=True)
     run_lock = lock_run_folder(run_dir)  # noqa: F841  (held while this function runs)
     if not settings.learner.checkpoints.resume:  # starting over: a learner restarted (resuming) after a crash
-        Checkpoints(run_dir).forget_latest()  # before its own start must not find the run before's checkpoint
+        Checkpoints(run_dir).forget_latest()  # before its own start must not find the run before's checkpoint,
+        Records(settings).cut_after(-1)  # and its progress is this run's steps (until one, it starts over again)
     settings.run_dir = str(run_dir)
     console.print(f"[bold]dapo run[/] -> {run_dir}")
     ensure_model(settings)

@@ -207,9 +207,11 @@ class Records:
         metrics.LEARNER_STEP.set(step)
         metrics.LEARNER_PROGRESS_TIME.set(time.time())
         last = next((row for row in reversed(read_rows(self.run_dir / METRICS_FILE))
-                     if row.get("step") == step and "groups_trained" in row), None)
-        if last is not None and last.get("step_seconds") is not None:
+                     if row.get("step") == step and "groups_trained" in row), {})
+        if last.get("step_seconds") is not None:
             metrics.LEARNER_STEP_SECONDS.set(last["step_seconds"])
+        for phase in PHASES:  # a fresh run has no training phase to go by yet: 0 (the alert's 30-minute floor)
+            metrics.LEARNER_STEP_PHASE_SECONDS.labels(phase).set(last.get(f"{phase}_seconds") or 0.0)
 
     def has_evaluation(self, step: int) -> bool:
         """Whether metrics.jsonl holds an evaluation of `step` (read back on a resume)."""

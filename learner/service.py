@@ -40,7 +40,7 @@ from learner.policy import PolicyVersion
 from learner.ranks import RankChannel, follow
 from learner.records import Records, step_record, wait_split, with_delivery
 from learner.redis_budget import MB, held_budget, largest_group_bytes, memory_pressed
-from learner.workset import WorkingSet
+from learner.workset import RUN_STREAMS, WorkingSet
 from services import metrics
 from services.broadcast import Broadcaster, newest_streamed
 from services.config import ConfigError, Settings, default_max_model_len
@@ -56,6 +56,7 @@ from services.streams import Streams
 from services.weights import WeightPublisher, channel, latest_announcement, shareable_state_dict, weights_router
 
 log = logging.getLogger(__name__)
+STREAM_GAUGES_S = 5.0  # how often the run streams' depths are read for the gauges (export_stream_gauges)
 
 PROGRESS_LOG_SECONDS = 30.0
 
@@ -182,6 +183,7 @@ class LearnerService:
         self.cfg = settings.learner
         self.run_dir = Path(settings.run_dir)
         self.checkpoints = Checkpoints(self.run_dir, keep=self.cfg.checkpoints.keep)
+        self._gauges_stop = threading.Event()
         self.broadcaster: Broadcaster | None = None  # transport collective: rank 0 of every weights round
         self.publishing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="publish")
         self.delivering: Future | None = None  # the delivery in the background, while it runs
@@ -278,8 +280,21 @@ class LearnerService:
         log.info("learner HTTP on %s:%d (weights at %s)", self.cfg.host, self.cfg.port, self.cfg.public_base_url())
 
     def stop_http(self) -> None:
+        self._gauges_stop.set()
         if self.http is not None:
             self.http.stop()
+
+    def export_stream_gauges(self) -> None:
+        """Every STREAM_GAUGES_S, from a thread of its own, the run streams' depths (`Streams.export_depths`): an
+        update of a large model takes an hour in which nothing pumps, and the streams fill meanwhile."""
+        def loop() -> None:
+            while not self._gauges_stop.wait(STREAM_GAUGES_S):
+                try:
+                    self.streams.export_depths(RUN_STREAMS)
+                except Exception as err:  # Redis away: the next turn tries again
+                    log.debug("stream gauges not read: %s", err)
+
+        threading.Thread(target=loop, name="stream-gauges", daemon=True).start()
 
     def load(self) -> None:
         """The tokenizer and data (a bad data file fails here, in seconds), then the model and trainer (slow)."""
@@ -810,6 +825,7 @@ def main(settings: Settings) -> int:
     try:
         service.connect()
         service.start_http()
+        service.export_stream_gauges()
         service.load()
         signal.signal(signal.SIGTERM, request_stop)
         signal.signal(signal.SIGINT, request_stop)

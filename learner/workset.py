@@ -323,7 +323,6 @@ class WorkingSet:
             self.handle(delivery)
         if time.monotonic() - self._dead_scanned_at >= DEAD_SCAN_SECONDS:
             self.redis_memory()
-            self.streams.export_depths(RUN_STREAMS)
             self.scan_dead_letters()
             self.expire_overdue()
         if time.monotonic() - self._repaired_at >= REPAIR_SCAN_SECONDS:

@@ -12,11 +12,11 @@ STREAM_PENDING = Gauge("dapo_stream_pending", "Delivered but not yet acknowledge
 STREAM_PRODUCED = Counter("dapo_stream_produced_total", "Messages written to the stream.", ["stream"])
 STREAM_ACKED = Counter("dapo_stream_acked_total", "Messages acknowledged.", ["stream"])
 STREAM_REDELIVERIES = Counter(
-    "dapo_stream_redeliveries_total", "Messages reclaimed: from a silent consumer, or handed back.", ["stream"]
+    "dapo_stream_redeliveries_total", "Messages reclaimed from a silent consumer.", ["stream"]
 )
 STREAM_RELEASED = Counter(
-    "dapo_stream_released_total", "Messages a consumer handed back (a stop, a wait, a refused version): reclaimed "
-    "as redeliveries, but no consumer died.", ["stream"]
+    "dapo_stream_released_total", "Messages taken up after their consumer handed them back (a stop, a wait, a "
+    "refused version): no consumer died.", ["stream"]
 )
 STREAM_DEAD = Counter("dapo_stream_dead_letters_total", "Messages moved to the dead stream.", ["stream", "reason"])
 STREAM_BACKPRESSURE = Counter(

@@ -382,13 +382,19 @@ class Stream(Generic[M]):
         min_idle = int(self.cfg.visibility_timeout_s * 1000)
         # One XAUTOCLAIM looks at 10 x count pending entries: go on from where the last one stopped (it returns
         # 0-0 at the end), or a dead consumer's entries behind many live ones would wait for those to be acked.
+        # Which of them were handed back on purpose (RELEASED's), read first: those are no consumer's death.
+        released = {row["message_id"] for row in self._grouped(
+            self.redis.xpending_range, self.key, self.group, min="-", max="+", count=10 * count, idle=min_idle,
+            consumername=RELEASED)}
         reply = self._grouped(self.redis.xautoclaim, self.key, self.group, consumer, min_idle, self._reclaim_from,
                               count=count)
         self._reclaim_from = reply[0]
         claimed = [(eid, fields) for eid, fields in reply[1] if fields]  # deleted entries come back empty
-        if claimed:
-            metrics.STREAM_REDELIVERIES.labels(self.name).inc(len(claimed))
-            log.info("%s reclaimed %d entries from %s", consumer, len(claimed), self.key)
+        handed_back = sum(1 for eid, _ in claimed if eid in released)
+        metrics.STREAM_RELEASED.labels(self.name).inc(handed_back)
+        metrics.STREAM_REDELIVERIES.labels(self.name).inc(len(claimed) - handed_back)
+        if len(claimed) > handed_back:
+            log.info("%s reclaimed %d entries from %s", consumer, len(claimed) - handed_back, self.key)
         return claimed
 
     def _read_new(self, consumer: str, count: int, block: int | None) -> list[tuple[bytes, dict]]:
@@ -513,10 +519,8 @@ class Stream(Generic[M]):
         """To RELEASED, idle past the visibility timeout, those of `entry_ids` that `consumer` still owns, with the
         delivery count `retry_count` (-1: kept). Returns how many."""
         idle = int(self.cfg.visibility_timeout_s * 1000) + 1
-        released = int(self._grouped(self._release, keys=[self.key],
-                                     args=[self.group, consumer, RELEASED, idle, retry_count, *entry_ids]))
-        metrics.STREAM_RELEASED.labels(self.name).inc(released)
-        return released
+        return int(self._grouped(self._release, keys=[self.key],
+                                 args=[self.group, consumer, RELEASED, idle, retry_count, *entry_ids]))
 
     def reject(self, delivery: Delivery[M], reason: str) -> None:
         """Dead-letter a delivery that parsed but must not be used (e.g. a group the learner never asked for)."""

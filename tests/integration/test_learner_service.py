@@ -1569,3 +1569,26 @@ def test_starting_over_trains_nothing_of_the_run_before(settings):
     assert not fresh.work.assembler.ready
     assert [d["reason"] for d in fresh.streams.dead_letters()] == [
         "provenance: unknown task id 'train-2' (not issued by this run's learner)"]
+
+
+def test_the_stream_gauges_are_read_while_nothing_pumps(settings, monkeypatch):
+    """An update of a large model takes an hour with no pump: the depths come from a thread of their own."""
+    from prometheus_client import REGISTRY
+
+    import learner.service
+
+    monkeypatch.setattr(learner.service, "STREAM_GAUGES_S", 0.05)
+    service, _ = learner_that_issued(settings)
+    service.export_stream_gauges()
+    try:
+        deadline = time.monotonic() + 10
+        while REGISTRY.get_sample_value("dapo_stream_depth", {"stream": "prompts"}) != 1.0:
+            assert time.monotonic() < deadline, "no depth read"
+            time.sleep(0.05)
+        service.streams.stream("prompts", PromptTask).produce(
+            PromptTask(task_id="extra", prompt_id="x", prompt="x", ground_truth=""))
+        while REGISTRY.get_sample_value("dapo_stream_depth", {"stream": "prompts"}) != 2.0:
+            assert time.monotonic() < deadline, "the depth was not read again"
+            time.sleep(0.05)
+    finally:
+        service.stop_http()

@@ -163,13 +163,17 @@ def test_a_fenced_or_misconfigured_learner_is_not_restarted(tmp_path, code):
 def test_a_restarted_child_gets_its_restart_environment(tmp_path):
     """`resume: false` starts a run over once: the learner restarted after a crash resumes its checkpoint."""
     command = [sys.executable, "-c", "import os; print(os.environ.get('DAPO_LEARNER__CHECKPOINTS__RESUME'))"]
-    learner = Child("learner", command, dict(os.environ), tmp_path / "learner.log",
+    steps = [0]
+    learner = Child("learner", command, dict(os.environ), tmp_path / "learner.log", progress=lambda: steps[0],
                     restart_env={"DAPO_LEARNER__CHECKPOINTS__RESUME": "true"})
     learner.start()
     learner.process.wait()
-    assert learner.restart()
+    assert learner.restart()  # crashed before a step of this run: nothing of it to resume, it starts over again
     learner.process.wait()
-    assert (tmp_path / "learner.log").read_text().split() == ["None", "true"]
+    steps[0] = 1
+    assert learner.restart()  # after one: it resumes
+    learner.process.wait()
+    assert (tmp_path / "learner.log").read_text().split() == ["None", "None", "true"]
 
 
 # Two ranks under torchrun: rank 0 is fenced (learner/lease.py's own exit), rank 1 waits in a collective as a
@@ -456,10 +460,12 @@ def test_a_run_started_over_forgets_the_checkpoint_before_any_learner_starts(tmp
     checkpoints = Checkpoints(run_dir)
     checkpoints.path(500).mkdir(parents=True)
     checkpoints.commit(500)
+    (run_dir / "metrics.jsonl").write_text('{"step": 500, "groups_trained": 4}\n')
     seen = []
 
     def children(*args, **kwargs):
-        seen.append(checkpoints.latest_step())  # what a learner starting now would resume
+        # what a learner starting now would resume, and the progress its restarts are measured against
+        seen.append((checkpoints.latest_step(), steps_recorded(run_dir / "metrics.jsonl")))
         env = {**os.environ, "DAPO_GENERATOR__PORT": "1"}
         return [Child("learner", ["true"], env, tmp_path / "learner.log"),
                 Child("generator-0", ["sleep", "60"], env, tmp_path / "generator.log")]
@@ -468,7 +474,7 @@ def test_a_run_started_over_forgets_the_checkpoint_before_any_learner_starts(tmp
     monkeypatch.setattr(cli.bootstrap, "ensure_model", lambda settings: None)
     assert run_main(["run", "--no-display", "--set", f"run_dir={run_dir}", "--set", "redis.url=redis://127.0.0.1:1/0",
                      "--set", "learner.checkpoints.resume=false"]) == 0
-    assert seen == [None] and checkpoints.steps() == [500]  # not the pointer's folder: this run's first prunes it
+    assert seen == [(None, 0)] and checkpoints.steps() == [500]  # (the folder stays: this run's first prunes it)
 
 
 def test_a_run_whose_learner_is_given_up_exits_1_with_the_reason(tmp_path, monkeypatch, capsys):

@@ -295,12 +295,27 @@ def test_a_forward_retried_after_its_reply_was_lost_is_not_taken_for_a_reclaim(s
 
 
 def test_release_hands_message_back_at_once(streams):
+    from prometheus_client import REGISTRY
+
+    def counted(name):
+        return REGISTRY.get_sample_value(name, {"stream": "prompts"}) or 0.0
+
+    before = counted("dapo_stream_redeliveries_total"), counted("dapo_stream_released_total")
     prompts = streams.stream("prompts", PromptTask)
     prompts.produce(task(0))
     (d,) = prompts.consume("leaving", count=1)
     prompts.release(d)
     (again,) = prompts.consume("other", count=1, block_ms=10)
     assert again.message.task_id == "t0"
+    # taken up as a hand-back, not as the work of a consumer that died (DapoRedeliveries)
+    assert (counted("dapo_stream_redeliveries_total"), counted("dapo_stream_released_total")) == (
+        before[0], before[1] + 1)
+    prompts.ack(again)
+    prompts.produce(task(1))
+    prompts.consume("silent", count=1)  # and never heard of again
+    time.sleep(prompts.cfg.visibility_timeout_s + 0.1)
+    (reclaimed,) = prompts.consume("other", count=1, block_ms=10)
+    assert reclaimed.message.task_id == "t1" and counted("dapo_stream_redeliveries_total") == before[0] + 1
 
 
 def test_a_hand_back_of_an_entry_another_consumer_reclaimed_leaves_it_to_that_consumer(streams):
