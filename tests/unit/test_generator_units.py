@@ -126,12 +126,15 @@ def test_stop_ids_from_tokenizer_and_generation_config(short_tmp):
 
 
 def test_rates_and_entry_time():
+    """What was written in the last 10 s, over the 10 s: a group every 15 s of 80,000 tokens is not 80,000 tokens/s
+    (the time since the window's first event, floored at 1 s, made it so), and an idle generator decays to 0."""
     rates = _Rates(window=10.0)
     rates.add(100, now=0.0)
-    tokens_per_s, tasks_per_s = rates.add(300, now=4.0)
-    assert tokens_per_s == pytest.approx(100.0) and tasks_per_s == pytest.approx(0.5)
-    tokens_per_s, _ = rates.add(50, now=20.0)  # the old events left the window
-    assert tokens_per_s == pytest.approx(50.0)
+    rates.add(300, now=4.0)
+    assert rates.rates(now=4.0) == pytest.approx((40.0, 0.2))
+    rates.add(80_000, now=15.0)  # the old events left the window
+    assert rates.rates(now=15.0) == pytest.approx((8_000.0, 0.1))
+    assert rates.rates(now=30.0) == (0.0, 0.0)
     assert entry_time("1700000000123-4") == pytest.approx(1700000000.123)
 
 
