@@ -43,6 +43,7 @@ from typing import Callable
 from generator.vllm_logs import quiet_expected_vllm_records
 from services.config import Settings, default_max_model_len, sampling_refusal
 from services.messages import PromptTask, Sample, SamplingParams, WeightsBroadcast
+from services.models import safe_decode
 
 log = logging.getLogger(__name__)
 
@@ -64,22 +65,6 @@ class InvalidTask(ValueError):
 def map_finish_reason(reason: str | None) -> str:
     """vLLM's finish reason as one of the contract's values (anything unexpected counts as abort)."""
     return FINISH_REASONS.get(reason or "", "abort")
-
-
-def safe_decode(tokenizer, token_ids: list[int]) -> str:
-    """Text of sampled ids; ids outside the tokenizer's vocabulary are dropped, never an exception."""
-    size = len(tokenizer)
-    known = [int(t) for t in token_ids if 0 <= int(t) < size]
-    try:
-        return tokenizer.decode(known, skip_special_tokens=True)
-    except Exception:  # a tokenizer that cannot decode some sequence: fall back to piece by piece
-        pieces = []
-        for token in known:
-            try:
-                pieces.append(tokenizer.decode([token], skip_special_tokens=True))
-            except Exception:
-                pieces.append("\ufffd")
-        return "".join(pieces)
 
 
 def stop_token_ids(model_dir: str | os.PathLike, tokenizer) -> list[int]:

@@ -22,6 +22,7 @@ checkpoints/latest and the refill limit's stop record (learner/checkpoint.py), w
 
 from __future__ import annotations
 
+import functools
 import logging
 import random
 import shutil
@@ -49,7 +50,7 @@ from services.errors import ExitCode, Unavailable
 from services.http import BackgroundServer, callers, create_app, server_options
 from services.keys import load_signer
 from services.messages import PromptTask, SamplingParams
-from services.models import TINY_NAME, model_dir
+from services.models import TINY_NAME, model_dir, safe_decode
 from services.redis_local import connect, retrying, wait_for_redis
 from services.startup import raise_stopped
 from services.streams import Streams
@@ -306,6 +307,7 @@ class LearnerService:
         model_path = model_dir(self.settings)
         tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.work.limit_vocabulary(AutoConfig.from_pretrained(model_path).vocab_size)  # the embedding table's rows
+        self.work.decode = functools.partial(safe_decode, tokenizer)  # a sample's text must be its tokens
         self.prompt_builder = PromptBuilder(tokenizer, self.settings)
         data = self.settings.data
         train = load_problems(data_spec(data.train, "train"), self.settings)

@@ -124,6 +124,19 @@ def shape_error(group: ScoredGroup, vocab_size: int) -> str | None:
     return None
 
 
+def text_error(group: ScoredGroup, decode: Callable[[list[int]], str] | None) -> str | None:
+    """Why a sample's text is not its tokens decoded (`malformed: ...`; None if every one is, or no tokenizer is
+    loaded): the reward is the text's, the update the tokens'. A generator that wrote a correct text beside other
+    tokens would choose which tokens are rewarded, the reward role's call."""
+    if decode is None:
+        return None
+    for i, sample in enumerate(group.rollout.samples):
+        if sample.text != decode(sample.token_ids):
+            return (f"malformed: task {group.rollout.task.task_id} sample {i} has a text that is not its token ids "
+                    "decoded (what the reward read is not what would be trained)")
+    return None
+
+
 def quarantine_reason(suspect: dict | None) -> str | None:
     """The dead letter's reason for a group that updates failed with QUARANTINE_AFTER times (None below that)."""
     if suspect is None or suspect["failures"] < QUARANTINE_AFTER:
@@ -152,6 +165,9 @@ class WorkingSet:
         self.suspects: set[str] = set()  # held groups an update failed with (fewer than QUARANTINE_AFTER times)
         # The model's embedding rows, from the model's config (0 refuses every token: `limit_vocabulary` first).
         self.vocab_size = 0
+        # The tokenizer's decoding of sampled ids (`services.models.safe_decode`): what a sample's text must be
+        # (`text_error`); None where no tokenizer is loaded (the learner's `load` sets it).
+        self.decode: Callable[[list[int]], str] | None = None
         self.cursor_key = streams.key(DATA_CURSOR)
         # task id -> the data cursors before and after its problem was drawn (train tasks not pushed yet)
         self._cursors: dict[str, tuple[dict, dict]] = {}
@@ -334,7 +350,8 @@ class WorkingSet:
         group = delivery.message
         task_id = task_id_of(group)
         if task_id not in self.assembler.seen:  # a duplicate of a settled group is dropped below, not checked
-            reason = provenance_error(group, self.issued_task(task_id), self.vocab_size, self.streams.rollout_refusal)
+            reason = (provenance_error(group, self.issued_task(task_id), self.vocab_size, self.streams.rollout_refusal)
+                      or text_error(group, self.decode))
         else:  # but one its reward worker rewrote is that worker's forgery, in the dead letters for all to see
             reason = self.streams.rollout_refusal(group)
         if reason is not None:

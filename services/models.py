@@ -161,3 +161,21 @@ def verified_shipped_tiny() -> Path:
                 "tiny.shipped=false to build one on this machine with `dapo bootstrap`"
             )
     return SHIPPED_TINY_DIR
+
+
+def safe_decode(tokenizer, token_ids: list[int]) -> str:
+    """Text of sampled ids; ids outside the tokenizer's vocabulary are dropped, never an exception. A sample's
+    text is this, and nothing else: the generator writes it so, and the learner checks it (the reward is the
+    text's, the update the tokens')."""
+    size = len(tokenizer)
+    known = [int(t) for t in token_ids if 0 <= int(t) < size]
+    try:
+        return tokenizer.decode(known, skip_special_tokens=True)
+    except Exception:  # a tokenizer that cannot decode some sequence: fall back to piece by piece
+        pieces = []
+        for token in known:
+            try:
+                pieces.append(tokenizer.decode([token], skip_special_tokens=True))
+            except Exception:
+                pieces.append("\ufffd")
+        return "".join(pieces)

@@ -93,3 +93,44 @@ def test_a_generator_user_gets_no_command_outside_its_acl(settings, short_tmp):
         streams = Streams(client_for(server.url), settings, signs_as=())
         attempts = outside_acl(client_for(server.role_url("generator")), "generator", streams)
         assert len(attempts) == 7 and [a.command for a in attempts if not a.refused] == []
+
+
+def test_a_sample_whose_text_is_not_its_tokens_is_refused(settings):
+    """A generator (signing what it wrote, so every signature holds) pairs a correct text with other tokens: the
+    reward worker grades the text, the learner would train the tokens, and the generator would choose which
+    tokens are rewarded. The learner decodes the tokens as the generator must have."""
+    import functools
+
+    from tiny_qwen import build_tokenizer
+
+    from services.models import safe_decode
+
+    tokenizer = build_tokenizer()
+    service = LearnerService(settings)
+    service.connect()
+    service.work.limit_vocabulary(100)
+    service.work.decode = functools.partial(safe_decode, tokenizer)
+    issued = PromptTask(task_id="train-1", prompt_id="p1", prompt="1+1=", prompt_token_ids=[5, 6], ground_truth="2",
+                        sampling=SamplingParams(n=2, max_tokens=16))
+    service.work.outbox.append(issued)
+    service.work.assembler.issued(["train-1"], 0)
+    service.work.flush_outbox()
+    streams = Streams(service.redis, settings, signs_as=("reward", "generator"))
+
+    def sample(text: str, tokens_of: str) -> Sample:
+        ids = tokenizer.encode(tokens_of, add_special_tokens=False)
+        return Sample(token_ids=ids, logprobs=[-0.1] * len(ids), text=text, finish_reason="stop")
+
+    def scored(samples: list[Sample]) -> ScoredGroup:
+        scores = [Score(reward=r, correct=r > 0, overlong=False, rule="answer_line") for r in (1.0, -1.0)]
+        rollout = RolloutGroup(task=issued.for_generators(), policy_version=0, generator_id="g", samples=samples)
+        return vouched(streams, ScoredGroup(rollout=rollout.model_copy(update={"task": issued}), scores=scores))
+
+    # the text the reward worker read says 2 (+1); the tokens the update would reinforce say 3
+    streams.stream("scored", ScoredGroup).produce(scored([sample("Answer: 2", "Answer: 3"), sample("Answer: 7",
+                                                                                                    "Answer: 7")]))
+    service.work.pump()
+    assert not service.work.assembler.ready
+    (letter,) = service.streams.dead_letters()
+    assert letter["reason"] == ("malformed: task train-1 sample 0 has a text that is not its token ids decoded "
+                                "(what the reward read is not what would be trained)")

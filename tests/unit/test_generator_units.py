@@ -12,14 +12,7 @@ from safetensors.torch import load_file
 from servers import ServerThread
 from tiny_qwen import VOCAB_ROWS, build_model_folder, build_tokenizer, random_qwen2
 
-from generator.engine import (
-    InvalidTask,
-    check_task,
-    default_max_num_seqs,
-    map_finish_reason,
-    safe_decode,
-    stop_token_ids,
-)
+from generator.engine import InvalidTask, check_task, default_max_num_seqs, map_finish_reason, stop_token_ids
 from generator.service import sync_status_code
 from generator.sync import WeightSync, pulls_from
 from generator.worker import _Rates, entry_time, halves, heartbeat_interval
@@ -28,6 +21,7 @@ from services.config import default_max_model_len, load_settings
 from services.http import create_app
 from services.keys import load_signer
 from services.messages import PromptTask, SamplingParams, sign_announcement
+from services.models import safe_decode
 from services.redis_local import connect
 from services.weights import (
     WeightPublisher,
