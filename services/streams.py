@@ -735,9 +735,8 @@ class Streams:
 
         Needs XINFO, XRANGE, XDEL, XSETID, XPENDING and XGROUP SETID: the learner's user. Returns the names
         repaired."""
-        seconds, micros = self.redis.time()
-        now_ms = int(seconds) * 1000 + int(micros) // 1000
-        horizon = now_ms + FUTURE_ID_TOLERANCE_MS
+        horizon = self.future_horizon_ms()
+        now_ms = horizon - FUTURE_ID_TOLERANCE_MS
         repaired = []
         for name in names:
             key = self.key(name)
@@ -880,11 +879,20 @@ class Streams:
             return None, f"its entry does not answer task {group.task.task_id[:80]!r} as issued"
         return group.task.task_id, "parked"
 
+    def future_horizon_ms(self) -> int:
+        """The newest entry id time (ms) a producer of this system can have made: the server's clock plus
+        FUTURE_ID_TOLERANCE_MS. An id past it was chosen by a client (`repair_future_ids` deletes such entries)."""
+        seconds, micros = self.redis.time()
+        return int(seconds) * 1000 + int(micros) // 1000 + FUTURE_ID_TOLERANCE_MS
+
     def dead_letters_after(self, cursor: str, count: int = 1000) -> tuple[str, list[tuple[str, dict]]]:
         """Dead letters added after entry id `cursor` ("0-0": all), oldest first, as (entry id, raw fields), and
-        the cursor to read on from; letters not signed by the role that consumes their stream are skipped (logged)."""
+        the cursor to read on from; letters not signed by the role that consumes their stream are skipped (logged).
+        Only letters up to `future_horizon_ms`: one a client dated past it (as far as the largest id) would move
+        the cursor past every letter to come, and a read after the largest id fails."""
         letters = []
-        for eid, fields in self.redis.xrange(self.key("dead"), min=f"({cursor}", max="+", count=count):
+        horizon = self.future_horizon_ms()
+        for eid, fields in self.redis.xrange(self.key("dead"), min=f"({cursor}", max=str(horizon), count=count):
             cursor = eid.decode()
             refusal = self.dead_letter_refusal(fields)
             if refusal is None:
@@ -894,7 +902,8 @@ class Streams:
         return cursor, letters
 
     def last_dead_letter_id(self) -> str:
-        rows = self.redis.xrevrange(self.key("dead"), count=1)
+        """The newest letter's id, up to `future_horizon_ms` (where a scan of the letters to come starts)."""
+        rows = self.redis.xrevrange(self.key("dead"), max=str(self.future_horizon_ms()), count=1)
         return rows[0][0].decode() if rows else "0-0"
 
     def server_run_id(self) -> str:

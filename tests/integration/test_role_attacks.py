@@ -134,3 +134,31 @@ def test_a_sample_whose_text_is_not_its_tokens_is_refused(settings):
     (letter,) = service.streams.dead_letters()
     assert letter["reason"] == ("malformed: task train-1 sample 0 has a text that is not its token ids decoded "
                                 "(what the reward read is not what would be trained)")
+
+
+def test_a_dead_letter_dated_past_every_id_neither_crashes_the_learner_nor_hides_the_letters_after_it(settings):
+    """One XADD by any worker (`dead` is writable to both roles): at the largest id the learner's next scan failed
+    (a read after the largest id), and its restart read from there again, for good; a day ahead, every honest
+    letter after it was skipped (its task never given up, its entry parked for ever)."""
+    service = LearnerService(settings)
+    service.connect()
+    service.work.limit_vocabulary(100)
+    issued = PromptTask(task_id="train-1", prompt_id="p1", prompt="1+1=", prompt_token_ids=[5, 6], ground_truth="2",
+                        sampling=SamplingParams(n=2, max_tokens=8))
+    service.work.outbox.append(issued)
+    service.work.assembler.issued(["train-1"], 0)
+    service.work.flush_outbox()
+    dead_key = service.streams.key("dead")
+    service.redis.xadd(dead_key, {b"x": b"y"}, id="18446744073709551615-18446744073709551615")
+    service.work.scan_dead_letters()  # no error
+    restarted = LearnerService(settings)
+    restarted.connect()
+    restarted.work.limit_vocabulary(100)
+    restarted.work.assembler.issued(["train-1"], 0)
+    restarted.work.scan_dead_letters()  # nor after a restart
+    restarted.work.pump()  # whose periodic repair deletes it: the dead stream takes letters again
+    prompts = Streams(service.redis, settings, signs_as=("generator",)).stream("prompts", PromptTask)
+    (task,) = prompts.consume("gen", count=1, block_ms=0)
+    prompts.reject(task, "invalid task: token id 10^9")  # an honest letter, after the planted one
+    restarted.work.scan_dead_letters()
+    assert restarted.work.assembler.stats.lost == 1  # read, and its task given up
