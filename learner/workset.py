@@ -344,6 +344,7 @@ class WorkingSet:
         if time.monotonic() - self._repaired_at >= REPAIR_SCAN_SECONDS:
             self._repaired_at = time.monotonic()
             self.streams.repair_future_ids(RUN_STREAMS)
+            self.streams.delete_orphans(("prompts", "rollouts", "scored"))
             self.weigh_keys()
 
     def handle(self, delivery: Delivery[ScoredGroup]) -> None:

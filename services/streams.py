@@ -879,6 +879,36 @@ class Streams:
             return None, f"its entry does not answer task {group.task.task_id[:80]!r} as issued"
         return group.task.task_id, "parked"
 
+    def delete_orphans(self, names: Collection[str]) -> dict[str, int]:
+        """Delete the entries of a full stream that its consumer group has read past but holds no more: neither
+        unread nor pending, yet counted against the stream's high-water mark, so no producer could add to it again.
+        No consumer of this system leaves one (every ack deletes its entry in the same script); a worker's bare
+        XACK, or XCLAIM LASTID moving its group past the unread entries, does. Their tasks are given up at their
+        deadlines and issued again. Returns the count deleted by stream name."""
+        deleted = {}
+        for name in names:
+            key, group = self.key(name), CONSUMER_GROUPS[name]
+            if self.redis.xlen(key) < self.cfg.high_water:
+                continue  # a stream with room: nothing blocked
+            try:
+                info = next(g for g in self.redis.xinfo_groups(key) if g["name"].decode() == group)
+            except (redis.ResponseError, StopIteration):
+                continue
+            last = info["last-delivered-id"].decode()
+            read = [entry_id for entry_id, _ in self.redis.xrange(key, min="-", max=last)]
+            if not read:
+                continue
+            pending = {row["message_id"] for row in self.redis.xpending_range(key, group, min="-", max=last,
+                                                                                count=len(read))}
+            orphans = [entry_id for entry_id in read if entry_id not in pending]
+            if orphans:
+                self.redis.xdel(key, *orphans)
+                deleted[name] = len(orphans)
+                log.warning("%s: deleted %d entries its consumer group had read past without holding them (a "
+                            "worker's ack without a delete, or its group moved past them): their tasks are issued "
+                            "again at their deadlines", key, len(orphans))
+        return deleted
+
     def future_horizon_ms(self) -> int:
         """The newest entry id time (ms) a producer of this system can have made: the server's clock plus
         FUTURE_ID_TOLERANCE_MS. An id past it was chosen by a client (`repair_future_ids` deletes such entries)."""

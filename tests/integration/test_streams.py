@@ -710,3 +710,26 @@ def test_the_learner_exports_every_run_streams_depth_dead_and_held_included(stre
 
     assert (sample("dapo_stream_depth", "prompts"), sample("dapo_stream_pending", "prompts")) == (3.0, 2.0)
     assert sample("dapo_stream_depth", "dead") == 1.0 and sample("dapo_stream_depth", "held") == 0.0
+
+
+@pytest.mark.parametrize("attack", ["xack without xdel", "xclaim lastid past the backlog"])
+def test_entries_a_group_read_past_without_holding_them_are_deleted_when_they_fill_the_stream(streams, attack):
+    """A worker's bare XACK, or XCLAIM ... LASTID <the stream's last id> (the group skips its unread backlog):
+    the entries are neither pending nor unread but count against the high-water mark, and no producer could add
+    to the stream again, for good."""
+    prompts = streams.stream("prompts", PromptTask)
+    for i in range(prompts.cfg.high_water):
+        prompts.produce(task(i))
+    if attack == "xack without xdel":
+        ids = [d.id for d in prompts.consume("insider", count=prompts.cfg.high_water)]
+        streams.redis.xack(prompts.key, prompts.group, *ids)
+    else:
+        prompts.consume("insider", count=1)  # the group exists, one entry pending
+        last = streams.redis.xinfo_stream(prompts.key)["last-generated-id"].decode()
+        streams.redis.execute_command("XCLAIM", prompts.key, prompts.group, "x", 0, "0-1", "JUSTID", "LASTID", last)
+    assert prompts.room() == 0 and prompts.consume("honest", count=10, block_ms=0) == []
+    deleted = streams.delete_orphans(["prompts"])
+    expected = prompts.cfg.high_water - (0 if attack == "xack without xdel" else 1)  # (the pending one stays)
+    assert deleted == {"prompts": expected} and prompts.room() == expected
+    prompts.produce(task(100))
+    assert [d.message.task_id for d in prompts.consume("honest", count=10, block_ms=0)] == ["t100"]
