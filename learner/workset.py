@@ -74,6 +74,7 @@ CONSUME_BATCH = 64
 DEAD_SCAN_SECONDS = 1.0
 LETTERS_PER_SCAN = 256  # dead letters settled per scan (a few round trips each): a flood of them cannot stall a step
 REPAIR_SCAN_SECONDS = 10.0  # how often the run's streams are checked for a last id set in the future (and weighed)
+MAX_ABS_REWARD = 1e6  # a rule reward of +-1 plus the overlong penalty; far beyond it only a forged score
 MEMORY_WARN_SHARE = 0.8  # Redis past this share of its maxmemory: the log names its largest keys (DapoRedisMemoryHigh)
 MEMORY_WARN_EVERY_S = 60.0
 RUN_STREAMS = ("prompts", "rollouts", "scored", "dead", HELD)
@@ -121,6 +122,8 @@ def shape_error(group: ScoredGroup, vocab_size: int) -> str | None:
             return f"{where} has a logprob that is not a finite number"
         if not math.isfinite(score.reward):
             return f"{where} has the reward {score.reward}, not a finite number"
+        if abs(score.reward) > MAX_ABS_REWARD:  # 1.7e308 and -1 give NaN advantages: a whole mini-batch skipped
+            return f"{where} has the reward {score.reward:g}, beyond any rule's (at most {MAX_ABS_REWARD:g} in size)"
     return None
 
 
@@ -345,6 +348,7 @@ class WorkingSet:
             self._repaired_at = time.monotonic()
             self.streams.repair_future_ids(RUN_STREAMS)
             self.streams.delete_orphans(("prompts", "rollouts", "scored"))
+            self.streams.sweep_groups(("prompts", "rollouts", "scored"))
             self.weigh_keys()
 
     def handle(self, delivery: Delivery[ScoredGroup]) -> None:

@@ -169,6 +169,8 @@ end
 return n
 """
 
+CONSUMER_IDLE_MS = 3_600_000  # a consumer holding nothing that has not read for this long is a process that ended
+MAX_CONSUMER_NAME_CHARS = 256  # this system's consumer names are `role-host-pid` (consumer_name), far shorter
 # An entry id this far past the server's clock was not made by `XADD *`: a client chose it (services/streams.py
 # `repair_future_ids`).
 FUTURE_ID_TOLERANCE_MS = 60_000
@@ -878,6 +880,35 @@ class Streams:
         if group.task != from_wire(PromptTask, raw).for_generators():
             return None, f"its entry does not answer task {group.task.task_id[:80]!r} as issued"
         return group.task.task_id, "parked"
+
+    def sweep_groups(self, names: Collection[str]) -> int:
+        """Delete what a stream's consumer groups hold for nobody: the consumers that hold no entry and either have
+        been idle CONSUMER_IDLE_MS (a process that ended: every restart reads under a new name) or have a name
+        longer than any of this system's, and every group that is not the stream's stage's. A worker makes either at
+        will (XCLAIM under a new name, XGROUP CREATE), each costs memory that Redis does not refuse at maxmemory, and
+        nothing else ever deletes them. A live consumer so deleted is made again by its next read. Returns how many
+        it deleted."""
+        removed = 0
+        for name in names:
+            key = self.key(name)
+            try:
+                groups = self.redis.xinfo_groups(key)
+            except redis.ResponseError:  # no such stream yet
+                continue
+            for group in groups:
+                if group["name"].decode(errors="replace") != CONSUMER_GROUPS.get(name):
+                    self.redis.xgroup_destroy(key, group["name"])
+                    removed += 1
+                    continue
+                for consumer in self.redis.xinfo_consumers(key, group["name"]):
+                    if consumer["pending"] == 0 and (consumer["idle"] > CONSUMER_IDLE_MS
+                                                     or len(consumer["name"]) > MAX_CONSUMER_NAME_CHARS):
+                        self.redis.xgroup_delconsumer(key, group["name"], consumer["name"])
+                        removed += 1
+        if removed:
+            log.warning("deleted %d idle or oversized consumers and foreign consumer groups of the run's streams",
+                        removed)
+        return removed
 
     def delete_orphans(self, names: Collection[str]) -> dict[str, int]:
         """Delete the entries of a full stream that its consumer group has read past but holds no more: neither

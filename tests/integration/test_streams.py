@@ -733,3 +733,26 @@ def test_entries_a_group_read_past_without_holding_them_are_deleted_when_they_fi
     assert deleted == {"prompts": expected} and prompts.room() == expected
     prompts.produce(task(100))
     assert [d.message.task_id for d in prompts.consume("honest", count=10, block_ms=0)] == ["t100"]
+
+
+def test_consumers_holding_nothing_and_foreign_groups_are_swept(streams, monkeypatch):
+    """XCLAIM under ever new (and long) names, or XGROUP CREATE under any name: each costs memory that Redis does
+    not refuse at maxmemory (an insider grew it past maxmemory that way), and processes that ended leave theirs."""
+    import services.streams
+
+    prompts = streams.stream("prompts", PromptTask)
+    for i in range(2):
+        prompts.produce(task(i))
+    (held,) = prompts.consume("live", count=1)
+    (claimed,) = prompts.consume("before", count=1)
+    for i in range(5):  # the same entry claimed by one new name after another: each older one holds nothing
+        streams.redis.xclaim(prompts.key, prompts.group, f"{'x' * 300}{i}", 0, [claimed.id], justid=True)
+    streams.redis.xgroup_create(prompts.key, "y" * 300, id="0")
+    assert streams.sweep_groups(["prompts"]) == 1 + 4  # the foreign group and 4 long names holding nothing
+    names = {c["name"].decode() for c in streams.redis.xinfo_consumers(prompts.key, prompts.group)}
+    assert names == {"live", "x" * 300 + "4", "before"}  # what holds entries stays, and the briefly idle
+    monkeypatch.setattr(services.streams, "CONSUMER_IDLE_MS", 0)
+    time.sleep(0.01)
+    assert streams.sweep_groups(["prompts"]) == 1  # `before`, idle past the limit, holding nothing
+    assert [g["name"].decode() for g in streams.redis.xinfo_groups(prompts.key)] == [prompts.group]
+    assert prompts.ack(held)  # the live consumer's entry is still its own

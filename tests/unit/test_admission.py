@@ -43,6 +43,7 @@ def test_a_group_the_trainer_can_use_passes():
         (group(logprobs=(-math.inf, -0.1)), "sample 0 has a logprob that is not a finite number"),
         (group(reward=math.nan), "sample 0 has the reward nan, not a finite number"),
         (group(reward=math.inf), "sample 0 has the reward inf, not a finite number"),
+        (group(reward=1.7e308), "sample 0 has the reward 1.7e+308, beyond any rule's (at most 1e+06 in size)"),
         (group(logprobs=(-0.1,)), "sample 0 has 2 token ids and 1 logprobs"),
         (group(samples=3), "asked for n=2 samples; the group has 3 samples and 3 scores"),
     ],
