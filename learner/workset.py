@@ -490,7 +490,8 @@ class WorkingSet:
         """What fills Redis: the bytes of each of the run's streams and hashes, on /metrics; past MEMORY_WARN_SHARE
         of maxmemory (writes are refused at it) the log names the largest, with their sizes, once a minute, so
         that the process that fills it can be found (a stream's producer, `held` waiting for a checkpoint...)."""
-        sizes = self.streams.key_memory([*RUN_STREAMS, ISSUED, entry_ids_key(ISSUED)])
+        # (`weights:members`: the generators' broadcast memberships, which any generator may write)
+        sizes = self.streams.key_memory([*RUN_STREAMS, ISSUED, entry_ids_key(ISSUED), "weights:members"])
         for name, size in sizes.items():
             metrics.REDIS_KEY_MEMORY.labels(name).set(size)
         used, maxmemory = self.redis_memory()
