@@ -706,7 +706,7 @@ class Faults:
             # (which the group carries on) no longer holds. The digest is of the group without its ground truth.
             scored = group(task)
             vouched = scored.model_copy(update={"rollout_signature": signed(
-                "rollouts", to_wire(scored.rollout.as_generated()))[b"sig"].decode()})
+                "rollouts", to_wire(scored.rollout.as_generated()))[b"sig"]})
             planted = [Sample(token_ids=[22, 23], logprobs=[-0.3, -0.3], text="planted", finish_reason="stop")]
             rewritten = vouched.model_copy(update={"rollout": vouched.rollout.model_copy(
                 update={"samples": planted * task.sampling.n})})
