@@ -25,6 +25,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from benchmarks.faults import outside_acl  # noqa: E402
 
 
+def learner_that_issued(settings, max_tokens: int = 8) -> tuple[LearnerService, PromptTask]:
+    """A connected learner service that pushed one task, train-1 (n 2)."""
+    service = LearnerService(settings)
+    service.connect()
+    service.work.limit_vocabulary(100)
+    issued = PromptTask(task_id="train-1", prompt_id="p1", prompt="1+1=", prompt_token_ids=[5, 6], ground_truth="2",
+                        sampling=SamplingParams(n=2, max_tokens=max_tokens))
+    service.work.outbox.append(issued)
+    service.work.assembler.issued(["train-1"], 0)
+    service.work.flush_outbox()
+    return service, issued
+
+
 def group(task: PromptTask) -> ScoredGroup:
     samples = [Sample(token_ids=[5], logprobs=[-0.1], text="Answer: 2", finish_reason="stop")] * task.sampling.n
     scores = [Score(reward=r, correct=r > 0, overlong=False, rule="answer_line") for r in (1.0, -1.0)]
@@ -33,14 +46,7 @@ def group(task: PromptTask) -> ScoredGroup:
 
 
 def test_signed_attacks_on_the_roles_are_dead_lettered_and_the_genuine_group_trains(settings):
-    service = LearnerService(settings)
-    service.connect()
-    service.work.limit_vocabulary(100)
-    issued = PromptTask(task_id="train-1", prompt_id="p1", prompt="1+1=", prompt_token_ids=[5, 6], ground_truth="2",
-                        sampling=SamplingParams(n=2, max_tokens=8))
-    service.work.outbox.append(issued)
-    service.work.assembler.issued(["train-1"], 0)
-    service.work.flush_outbox()
+    service, issued = learner_that_issued(settings)
     generator = Streams(service.redis, settings, signs_as=("generator",))
     reward = Streams(service.redis, settings, signs_as=("reward",))
     scored_key, prompts_key = service.streams.key("scored"), service.streams.key("prompts")
@@ -106,15 +112,8 @@ def test_a_sample_whose_text_is_not_its_tokens_is_refused(settings):
     from services.models import safe_decode
 
     tokenizer = build_tokenizer()
-    service = LearnerService(settings)
-    service.connect()
-    service.work.limit_vocabulary(100)
+    service, issued = learner_that_issued(settings, max_tokens=16)
     service.work.decode = functools.partial(safe_decode, tokenizer)
-    issued = PromptTask(task_id="train-1", prompt_id="p1", prompt="1+1=", prompt_token_ids=[5, 6], ground_truth="2",
-                        sampling=SamplingParams(n=2, max_tokens=16))
-    service.work.outbox.append(issued)
-    service.work.assembler.issued(["train-1"], 0)
-    service.work.flush_outbox()
     streams = Streams(service.redis, settings, signs_as=("reward", "generator"))
 
     def sample(text: str, tokens_of: str) -> Sample:
@@ -140,14 +139,7 @@ def test_a_dead_letter_dated_past_every_id_neither_crashes_the_learner_nor_hides
     """One XADD by any worker (`dead` is writable to both roles): at the largest id the learner's next scan failed
     (a read after the largest id), and its restart read from there again, for good; a day ahead, every honest
     letter after it was skipped (its task never given up, its entry parked for ever)."""
-    service = LearnerService(settings)
-    service.connect()
-    service.work.limit_vocabulary(100)
-    issued = PromptTask(task_id="train-1", prompt_id="p1", prompt="1+1=", prompt_token_ids=[5, 6], ground_truth="2",
-                        sampling=SamplingParams(n=2, max_tokens=8))
-    service.work.outbox.append(issued)
-    service.work.assembler.issued(["train-1"], 0)
-    service.work.flush_outbox()
+    service, issued = learner_that_issued(settings)
     dead_key = service.streams.key("dead")
     service.redis.xadd(dead_key, {b"x": b"y"}, id="18446744073709551615-18446744073709551615")
     service.work.scan_dead_letters()  # no error
