@@ -294,8 +294,8 @@ class WorkingSet:
         its dead letters stay."""
         pipe = self.redis.pipeline(transaction=True)
         pipe.delete(self.cursor_key, self.issued_key, entry_ids_key(self.issued_key), self.suspects_key, self.held.key)
-        for stream in (self.prompts, self.scored, self.streams.stream("rollouts", RolloutGroup)):
-            pipe.xtrim(stream.key, maxlen=0)
+        for key in (self.prompts.key, self.streams.key("rollouts"), self.scored.key):
+            pipe.xtrim(key, maxlen=0)
         pipe.execute()
 
     def flush_outbox(self) -> None:
