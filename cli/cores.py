@@ -5,7 +5,7 @@ an asynchronous step 1.33x slower than a synchronous one (train 14.0 s instead o
 a CPU set (its affinity) and as many compute threads as CPUs: the learner's torch threads (shared by its ranks),
 vLLM's OpenMP threads bound with VLLM_CPU_OMP_THREADS_BIND, the reward pool's processes.
 
-The automatic plan, from the n CPUs the launcher may use:
+The automatic plan, from the n CPUs the launcher may use (its affinity, cut to a container's CPU quota):
   n = 1   everything on that CPU (nothing to split);
   n = 2   learner on the first, generators on the second; the reward pool (one process: a verification takes
           milliseconds, most of its time it sleeps) shares the generators' CPU at a lower priority;
@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from services.config import ConfigError, CpusConfig
+from services.cpus import usable_cpus
 
 REWARD_NICE = 10  # when the reward pool shares the generators' CPUs, they come first
 
@@ -80,11 +81,6 @@ def parse_cpu_list(text: str) -> tuple[int, ...]:
     return tuple(sorted(set(cpus)))
 
 
-def available_cpus() -> tuple[int, ...]:
-    return (tuple(sorted(os.sched_getaffinity(0))) if hasattr(os, "sched_getaffinity")
-            else tuple(range(os.cpu_count() or 1)))
-
-
 def slices(cpus: tuple[int, ...], count: int) -> list[tuple[int, ...]]:
     """`count` near-equal contiguous slices of `cpus` (shared round robin when there are fewer CPUs)."""
     if count <= len(cpus):
@@ -105,7 +101,7 @@ def auto_split(cpus: tuple[int, ...], reward_workers: int = 1) -> tuple:
 
 
 def plan(config: CpusConfig, generators: int, reward_workers: int, cpus: tuple[int, ...] | None = None) -> CpuPlan:
-    cpus = cpus or available_cpus()
+    cpus = cpus or usable_cpus()
     learner, generator_cpus, reward_cpus, shared = auto_split(cpus, reward_workers)
     if config.learner != "auto":
         learner = _listed(config, "learner", cpus)

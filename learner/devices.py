@@ -6,6 +6,8 @@ import os
 
 import torch
 
+from services.cpus import usable_cpus
+
 
 def check_accelerator(accelerator) -> None:
     """Refuse the accelerate configurations the trainer cannot run under."""
@@ -28,10 +30,10 @@ def check_accelerator(accelerator) -> None:
 
 def share_cpu_threads(accelerator) -> None:
     """On CPU, the learner's CPUs (OMP_NUM_THREADS when set: the launcher's or the container's CPU limit, else the
-    CPUs this process may run on) shared among this node's ranks: one intra-op thread per CPU."""
+    CPUs this process may run on, cut to its CPU quota) shared among this node's ranks: one intra-op thread per CPU."""
     if accelerator.device.type != "cpu":
         return
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    cores = len(usable_cpus())
     budget = os.environ.get("OMP_NUM_THREADS")
     cores = int(budget) if budget and budget.isascii() and budget.isdigit() else cores
     local = int(os.environ.get("LOCAL_WORLD_SIZE", accelerator.num_processes))

@@ -76,3 +76,47 @@ def test_the_launcher_hands_each_service_its_cpus_and_threads(tmp_path):
     assert by_name["reward-0"].env["DAPO_REWARD__WORKERS"] == "1" and by_name["reward-0"].placement.cpus == (7,)
     # torchrun kills its ranks (each in a session of its own) before the launcher kills torchrun's group
     assert int(by_name["learner"].env["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"]) < by_name["learner"].stop_seconds
+
+
+def _tree(root, files: dict[str, str]):
+    for path, text in files.items():
+        (root / path).parent.mkdir(parents=True, exist_ok=True)
+        (root / path).write_text(text)
+    return root
+
+
+@pytest.mark.parametrize(("files", "proc", "quota"), [
+    # cgroup v2, the container's own namespace: its limit at the mount's root
+    ({"cgroup.controllers": "cpu", "cpu.max": "400000 100000\n"}, "0::/\n", 4.0),
+    ({"cgroup.controllers": "cpu", "cpu.max": "max 100000\n"}, "0::/\n", None),
+    # a parent's limit binds its child's (a pod's limit over its container's unlimited one)
+    ({"cgroup.controllers": "cpu", "kubepods/cpu.max": "150000 100000\n", "kubepods/c1/cpu.max": "max 100000\n"},
+     "0::/kubepods/c1\n", 1.5),
+    # cgroup v1 (the cpu controller's own mount); -1 is no limit
+    ({"cpu/cpu.cfs_quota_us": "200000\n", "cpu/cpu.cfs_period_us": "100000\n"}, "4:cpu:/\n0::/\n", 2.0),
+    ({"cpu,cpuacct/docker/x/cpu.cfs_quota_us": "50000\n", "cpu,cpuacct/docker/x/cpu.cfs_period_us": "100000\n",
+      "cpu,cpuacct/cpu.cfs_quota_us": "-1\n", "cpu,cpuacct/cpu.cfs_period_us": "100000\n"},
+     "3:cpu,cpuacct:/docker/x\n", 0.5),
+    # the path seen from inside a container without its own cgroup namespace does not exist at the mount: the
+    # mount's own limit (the container's) is read
+    ({"cgroup.controllers": "cpu", "cpu.max": "300000 100000\n"}, "0::/docker/abc\n", 3.0),
+    ({}, "0::/\n", None),
+])
+def test_cpu_quota_from_cgroups(tmp_path, files, proc, quota):
+    from services.cpus import cpu_quota
+
+    assert cpu_quota(_tree(tmp_path, files), proc) == quota
+
+
+def test_a_cpu_quota_cuts_the_plan(tmp_path, monkeypatch):
+    """`docker run --cpus 2` on a 16-core host: the plan is the 2 CPUs' plan, not 16 threads throttled on 2."""
+    import os
+
+    from services.cpus import usable_cpus
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)))
+    root = _tree(tmp_path, {"cgroup.controllers": "cpu", "cpu.max": "150000 100000\n"})
+    assert usable_cpus(root, "0::/\n") == (0, 1)
+    assert usable_cpus(tmp_path / "none", "0::/\n") == tuple(range(16))
+    monkeypatch.setattr(cores, "usable_cpus", lambda: usable_cpus(root, "0::/\n"))
+    assert cores.plan(CpusConfig(), 1, 1).describe() == {"learner": "0", "generator-0": "1", "reward-0": "1"}
