@@ -2,11 +2,13 @@
 
 Conventions
   * Per-token tensors are padded `[B, T]` (B responses, T response positions); `mask` is 1.0 on response tokens
-    that count in the loss and 0.0 on padding and on filtered responses.
+    that count in the loss and 0.0 on padding.
   * Every loss here is a quantity to *minimise*: the negative of the paper's objective J.
   * Equation numbers refer to the paper: (9) ratio and group-relative advantage, (10) clip-higher, (11) dynamic
     sampling constraint, (12) token-level policy-gradient loss. Overlong reward shaping, Eq. (13), is a reward
-    rule and lives with the reward worker; only its companion, overlong *filtering*, is a loss mask here.
+    rule and lives with the reward worker; its companion, overlong *filtering* (Sec. 3.4), keeps truncated
+    responses out of the loss: the trainer never runs them (`Response.filtered`), and `loss_denominator` does not
+    count them.
 
 Nothing here knows about models, batches or settings; `learner/trainer.py` composes these functions.
 """
@@ -196,16 +198,6 @@ def aggregate_loss(
         per_response = masked.sum(dim=-1) / lengths.clamp(min=1.0)
         return per_response.sum() / denominator
     raise ValueError(f"unknown loss aggregation {mode!r} (token | sample)")
-
-
-def overlong_filter_mask(mask: Tensor, overlong: Tensor) -> Tensor:
-    """Overlong filtering (paper Sec. 3.4): truncated responses contribute no token to the loss.
-
-    `mask` is `[B, T]`, `overlong` is `[B]` bool (finish_reason == length). The response still counts in its
-    group's advantage baseline (the advantage is computed before filtering, as in the paper and verl).
-    """
-    keep = (~overlong.bool()).to(mask.dtype)
-    return mask * keep.unsqueeze(-1)
 
 
 # -- optional regularisers (both 0 in the paper) -----------------------------------------------------------------

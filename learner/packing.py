@@ -38,7 +38,7 @@ class Response:
     response_ids: list[int]
     behaviour_logprobs: Tensor  # [R] float32, mu
     advantage: float
-    filtered: bool  # overlong-filtered: no token of it enters the loss (dapo.overlong_filter_mask)
+    filtered: bool  # overlong-filtered (paper Sec. 3.4): no token of it enters the loss, and the model never runs it
 
     @property
     def length(self) -> int:
@@ -87,7 +87,6 @@ class MicroBatch:
     longest_row: int = 0  # packed: the longest row of the pack
     advantages: Tensor | None = None  # [B, 1] each response's advantage (Eq. 9)
     response_tokens: Tensor | None = None  # [B] each response's length where response_mask holds a share of it
-    filtered: Tensor | None = None  # [B] bool: overlong-filtered, out of the loss
 
 
 def length_bucket(layout: Layout, cuda: bool, varlen_kernel: bool, micro_batch_tokens: int) -> int:
@@ -129,7 +128,6 @@ def collate(responses: list[Response], indices: list[int], layout: Layout, pad_t
     batch.indices = list(indices)
     # Built here, on the host, and copied with the rest: the training loop never makes a tensor from a list.
     batch.advantages = torch.tensor([r.advantage for r in rows], dtype=torch.float32).unsqueeze(-1)
-    batch.filtered = torch.tensor([r.filtered for r in rows])
     return _on(batch, device)
 
 
@@ -225,7 +223,7 @@ def _on(batch: MicroBatch, device) -> MicroBatch:
     the work already there, and the host goes on collating the next micro-batch."""
     pin = torch.device(device).type == "cuda"
     for name in ("input_ids", "attention_mask", "position_ids", "hidden_row", "hidden_pos", "token_response",
-                 "token_slot", "targets", "response_mask", "cu_seqlens", "advantages", "filtered", "response_tokens"):
+                 "token_slot", "targets", "response_mask", "cu_seqlens", "advantages", "response_tokens"):
         value = getattr(batch, name)
         if value is not None:
             setattr(batch, name, (value.pin_memory() if pin else value).to(device, non_blocking=True))

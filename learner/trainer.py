@@ -2,7 +2,8 @@
 
 One `train_step(groups)` is one rollout step of the paper (Algorithm 1, the inner loop):
   1. sequences = prompt tokens + response tokens; advantages per group from the rewards, Eq. (9); with
-     `overlong_filter`, truncated responses leave the loss (their rewards still set the group baseline);
+     `overlong_filter`, truncated responses leave the loss and are never run (their rewards still set the group
+     baseline);
   2. pi_old = the learner's logprobs of the response tokens under the step's starting parameters: recomputed
      (no grad) for every mini-batch but the first, which trains before any update, so that its own forward
      pass gives pi_old (same value, one forward of 1/M of the batch less);
@@ -82,6 +83,11 @@ class _Responses:
     response_length_mean: float
     old_logprobs: dict[int, Tensor] = field(default_factory=dict)  # response index -> [R] pi_old
     ref_logprobs: dict[int, Tensor] = field(default_factory=dict)  # response index -> [R] pi_ref (kl_coef > 0)
+
+    def in_loss(self, indices: list[int]) -> list[int]:
+        """The responses with a token in the loss: the overlong-filtered ones are never run (the model's work would
+        be multiplied by a zero mask), though they set their group's baseline and their mini-batch's membership."""
+        return [i for i in indices if self.responses[i].loss_tokens]
 
 
 class Trainer:
@@ -354,7 +360,7 @@ class Trainer:
             return
         per_rank: list[list[int]] = [[] for _ in range(self.accelerator.num_processes)]
         for mb in recomputed:  # sharded exactly as training will shard them
-            for rank, shard in enumerate(self.packer.shard(mb, batch.responses)):
+            for rank, shard in enumerate(self.packer.shard(batch.in_loss(mb), batch.responses)):
                 per_rank[rank].extend(shard)
         for micro, real in self.packer.lockstep(per_rank, batch.responses):
             inputs = self.packer.collate(batch.responses, micro)
@@ -387,7 +393,7 @@ class Trainer:
         # Eq. (12): the normaliser is the whole mini-batch's (token | response) count, whatever the micro-batching.
         denominator = dapo.loss_denominator([responses[i].loss_tokens for i in indices], cfg.loss.loss_agg)
         world = self.accelerator.num_processes
-        plan = self.packer.lockstep(self.packer.shard(indices, responses), responses)
+        plan = self.packer.lockstep(self.packer.shard(batch.in_loss(indices), responses), responses)
         for k, (micro, real) in enumerate(plan):
             sync = k == len(plan) - 1
             if self.sharded:  # FSDP2: reduce-scatter now (a rank keeps its gradient shard only), or on the last
@@ -397,7 +403,7 @@ class Trainer:
                 inputs = self.packer.collate(responses, micro)
                 logp, entropy = self._forward(self.model, inputs, entropy=True,
                                               entropy_grad=bool(cfg.loss.entropy_coef))
-                mask = dapo.overlong_filter_mask(inputs.response_mask, inputs.filtered)
+                mask = inputs.response_mask
                 behaviour = self._padded([responses[i].behaviour_logprobs for i in micro], logp)
                 whole = self.sequence.complete(logp.detach())  # (each share's values, under sequence parallelism)
                 for row, i in enumerate(micro):

@@ -208,7 +208,12 @@ def test_loss_with_identical_old_and_new_params_is_the_hand_formula(model_path, 
     current = trainer.logprobs(groups)
     offsets = random_offsets(groups)
     groups = with_behaviour(groups, current, offsets)
+    collated = []
+    collate = trainer.packer.collate
+    trainer.packer.collate = lambda responses, indices: collated.append(indices) or collate(responses, indices)
     metrics = trainer.train_step(groups)
+    run = sorted({i for micro in collated for i in micro})  # the truncated one (4th of each group) never runs
+    assert run == ([0, 1, 2, 4, 5, 6] if overlong_filter else list(range(8)))
 
     # Ratio 1 (pi_old = current params): loss = -sum_t w_t A_i / N, w_t = min(pi_old / mu, 1.5) = min(e^offset, 1.5).
     # A = (r - mean) / (sample std + eps) over the group's shaped rewards (Eq. 9), the truncated response's included;

@@ -181,14 +181,13 @@ def test_micro_batches_sum_to_the_mini_batch_loss(mode, whole):
         assert naive == pytest.approx(6.0)
 
 
-def test_overlong_filter_masks_truncated_responses():
-    filtered = dapo.overlong_filter_mask(MASK, torch.tensor([False, True]))
-    assert torch.equal(filtered, torch.tensor([[1.0, 0.0, 0.0], [0.0, 0.0, 0.0]]))
-    # The filtered response leaves both normalisers: 1 token, 1 response.
-    assert dapo.loss_denominator(filtered.sum(dim=-1), "token") == 1
+def test_a_response_with_no_loss_token_counts_in_neither_normaliser():
+    """An overlong-filtered response (paper Sec. 3.4) is not run; its group's mini-batch counts it as nothing."""
+    kept = MASK[:1]
+    assert dapo.loss_denominator([1, 0], "token") == 1
     assert dapo.loss_denominator([1, 0], "sample") == 1
-    assert dapo.aggregate_loss(TOKEN_LOSS, filtered, "token").item() == pytest.approx(4.0)
-    assert dapo.aggregate_loss(TOKEN_LOSS, filtered, "sample").item() == pytest.approx(4.0)
+    assert dapo.aggregate_loss(TOKEN_LOSS[:1], kept, "token", 1.0).item() == pytest.approx(4.0)
+    assert dapo.aggregate_loss(TOKEN_LOSS[:1], kept, "sample", 1.0).item() == pytest.approx(4.0)
 
 
 def test_empty_loss_is_zero():
