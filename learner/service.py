@@ -240,7 +240,7 @@ class LearnerService:
         # below included): the learner is the one process that frees Redis, and must not wait on itself.
         self.redis.on_full = self.streams.trim_overfull
         self.streams.scripts.load()  # the learner owns the stream functions: this release's, before any worker's call
-        self.work = WorkingSet(self.streams, self.cfg, self.policy)
+        self.work = WorkingSet(self.streams, self.cfg, self.policy, self.settings.reward)
         self.publisher = WeightPublisher(self.settings, self.redis, self.cfg.public_base_url())
         if self.settings.weights.transport == "collective" and self.broadcaster is None:
             self.broadcaster = Broadcaster(self.settings, retrying(self.redis), self.publisher.signer,

@@ -20,7 +20,8 @@ written in one script, so after a Redis restart the tasks in flight missing from
 
 Admission. A group of the task as issued is also checked for what the trainer needs (`shape_error`: n samples and
 n scores, token ids in the model's vocabulary, at most max_tokens per sample, finite logprobs and rewards) before
-it is held; one that fails goes to `dead` (`malformed: ...`) and its task is given up. Quarantine: an update that
+it is held; one that fails goes to `dead` (`malformed: ...`) and its task is given up; so does one scored under other
+reward settings than the learner's (`misscored: ...`, `reward_error`). Quarantine: an update that
 raises counts a failure against every group of its batch (the hash `dapo:{run}:suspects`, in Redis: the process
 dies next); the restarted learner retries them once, and dead-letters a group with QUARANTINE_AFTER failures
 (`quarantined: ...`, with the error) instead of re-admitting it at every restart.
@@ -49,8 +50,9 @@ from learner.evaluation import EvalRound
 from learner.policy import PolicyVersion
 from learner.records import GeneratorClocks
 from services import metrics
-from services.config import LearnerConfig
+from services.config import LearnerConfig, RewardConfig
 from services.messages import PromptTask, RolloutGroup, ScoredGroup, from_wire
+from services.rewards import score_error
 from services.streams import (
     FIELD,
     FUTURE_ID_TOLERANCE_MS,
@@ -140,6 +142,18 @@ def text_error(group: ScoredGroup, decode: Callable[[list[int]], str] | None) ->
     return None
 
 
+def reward_error(group: ScoredGroup, cfg: RewardConfig) -> str | None:
+    """Why a score is not what the run's reward settings give its sample (`misscored: ...`; None if none is): its
+    reward worker runs with another overlong buffer or penalty, the soft punishment switched otherwise, or the other
+    answer rule (`services.rewards.score_error`). Trained, the policy would learn another reward than the run's."""
+    max_tokens = group.rollout.task.sampling.max_tokens
+    for i, (sample, score) in enumerate(zip(group.rollout.samples, group.scores)):
+        if error := score_error(score, sample, max_tokens, cfg):
+            return (f"misscored: task {group.rollout.task.task_id} sample {i} {error}: a reward worker runs with "
+                    f"other reward settings than the learner's (worker {group.reward_worker_id or 'unnamed'})")
+    return None
+
+
 def quarantine_reason(suspect: dict | None) -> str | None:
     """The dead letter's reason for a group that updates failed with QUARANTINE_AFTER times (None below that)."""
     if suspect is None or suspect["failures"] < QUARANTINE_AFTER:
@@ -154,8 +168,9 @@ class WorkingSet:
     dead-lettered. The service speaks to it in verbs (`issue`, `next_batch`, `finish`, `evaluating`, `resume`,
     `checkpoint_state`, `release`) and reads `status()`."""
 
-    def __init__(self, streams: Streams, learner_cfg: LearnerConfig, policy: PolicyVersion):
+    def __init__(self, streams: Streams, learner_cfg: LearnerConfig, policy: PolicyVersion, reward_cfg: RewardConfig):
         self.streams = streams
+        self.reward_cfg = reward_cfg  # what every score must say (`reward_error`)
         self.assembler = BatchAssembler.from_settings(learner_cfg, policy=policy)
         self.on_refill_limit = learner_cfg.batch.on_refill_limit
         self.version = lambda: policy.current  # learner/policy.py owns the number
@@ -356,7 +371,7 @@ class WorkingSet:
         task_id = task_id_of(group)
         if task_id not in self.assembler.seen:  # a duplicate of a settled group is dropped below, not checked
             reason = (provenance_error(group, self.issued_task(task_id), self.vocab_size, self.streams.rollout_refusal)
-                      or text_error(group, self.decode))
+                      or text_error(group, self.decode) or reward_error(group, self.reward_cfg))
         else:  # but one its reward worker rewrote is that worker's forgery, in the dead letters for all to see
             reason = self.streams.rollout_refusal(group)
         if reason is not None:

@@ -55,15 +55,7 @@ class Scorer:
 
 def shaped(verdict: Verdict, item: ScoreItem, cfg: RewardConfig) -> Score:
     """The Score of one verified item under the reward settings: rule reward plus the soft overlong punishment."""
-    return shape(
-        verdict,
-        length=item.length,
-        max_tokens=item.max_tokens,
-        finish_reason=item.finish_reason,
-        overlong_buffer=cfg.overlong_buffer,
-        overlong_factor=cfg.overlong_penalty,
-        soft_overlong=cfg.soft_overlong,
-    )
+    return shape(verdict, length=item.length, max_tokens=item.max_tokens, finish_reason=item.finish_reason, cfg=cfg)
 
 
 def group_items(group: RolloutGroup) -> list[ScoreItem]:

@@ -35,15 +35,16 @@ import unicodedata
 from dataclasses import asdict, dataclass
 from fractions import Fraction
 
-# Rule names (the `rule` field of services.messages.Score).
-RULE_ANSWER_LINE = "answer_line"
-RULE_BOXED = "boxed"
-RULE_MATH_VERIFY = "math_verify"
-RULE_DAPO = "dapo_minerva"  # only under `reward.answer_rule: dapo` (reward.reference): the paper's string match
-RULE_NONE = "none"
-RULE_TIMEOUT = "timeout"
-RULE_ERROR = "error"
-RULES = (RULE_ANSWER_LINE, RULE_BOXED, RULE_MATH_VERIFY, RULE_DAPO, RULE_NONE, RULE_TIMEOUT, RULE_ERROR)
+from services.rewards import (  # noqa: F401 (the rule names, defined with the rules each answer rule uses)
+    RULE_ANSWER_LINE,
+    RULE_BOXED,
+    RULE_DAPO,
+    RULE_ERROR,
+    RULE_MATH_VERIFY,
+    RULE_NONE,
+    RULE_TIMEOUT,
+    RULES,
+)
 
 # Only the tail of a response can hold its final answer; bounding the scan bounds the cost of huge inputs.
 MAX_SCAN_CHARS = 32_000

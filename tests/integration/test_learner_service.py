@@ -373,7 +373,7 @@ def learner_that_issued(settings) -> tuple[LearnerService, PromptTask]:
     service.connect()
     service.work.limit_vocabulary(100)  # load() reads it from the model's config
     issued = PromptTask(task_id="train-1", prompt_id="p1", prompt="1+1=", prompt_token_ids=[5, 6], ground_truth="2",
-                        sampling=SamplingParams(n=2, max_tokens=8))
+                        sampling=SamplingParams(n=2, max_tokens=64))
     service.work.outbox.append(issued)
     service.work.assembler.issued(["train-1"], 0)
     service.work.flush_outbox()
@@ -1027,7 +1027,7 @@ def test_a_signed_group_outside_the_bounds_is_dead_lettered_before_it_is_held(se
     service.work.scan_dead_letters()
     assert [d["reason"] for d in reversed(service.streams.dead_letters())] == [
         "malformed: task train-1 sample 1 token id 1000000000 at position 0 is outside the vocabulary [0, 100)",
-        "malformed: task train-1 sample 0 has 1002 tokens, more than the task's max_tokens 8",
+        "malformed: task train-1 sample 0 has 1002 tokens, more than the task's max_tokens 64",
         "malformed: task train-1 sample 0 has a logprob that is not a finite number",
     ]
     assert not service.work.assembler.ready and "train-1" not in service.work.assembler.in_flight
@@ -1592,3 +1592,19 @@ def test_the_stream_gauges_are_read_while_nothing_pumps(settings, monkeypatch):
             time.sleep(0.05)
     finally:
         service.stop_http()
+
+
+def test_a_group_scored_under_other_reward_settings_is_refused_and_its_task_given_up(settings):
+    """A reward worker started with another overlong buffer (or the punishment off, or the other answer rule) would
+    train the policy on another reward than the run's: refused on arrival with both rewards named."""
+    service, issued = learner_that_issued(settings)
+    other = scored_group(issued, [True, False])
+    other.scores[0] = other.scores[0].model_copy(update={"reward": 0.5})  # the penalty of another buffer
+    produce_scored(service, settings, other)
+    service.work.pump()
+    service.work.scan_dead_letters()
+    (dead,) = service.streams.dead_letters()
+    assert dead["reason"].startswith("misscored: task train-1 sample 0 has the reward 0.5 for a correct 2-token "
+                                     "response (max_tokens 64); these reward settings give 1 (soft_overlong")
+    assert not service.work.assembler.ready and "train-1" not in service.work.assembler.in_flight
+    assert service.redis.xlen(service.work.held.key) == 0

@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from benchmarks.faults import outside_acl  # noqa: E402
 
 
-def learner_that_issued(settings, max_tokens: int = 8) -> tuple[LearnerService, PromptTask]:
+def learner_that_issued(settings, max_tokens: int = 64) -> tuple[LearnerService, PromptTask]:
     """A connected learner service that pushed one task, train-1 (n 2)."""
     service = LearnerService(settings)
     service.connect()
@@ -112,7 +112,7 @@ def test_a_sample_whose_text_is_not_its_tokens_is_refused(settings):
     from services.models import safe_decode
 
     tokenizer = build_tokenizer()
-    service, issued = learner_that_issued(settings, max_tokens=16)
+    service, issued = learner_that_issued(settings, max_tokens=64)
     service.work.decode = functools.partial(safe_decode, tokenizer)
     streams = Streams(service.redis, settings, signs_as=("reward", "generator"))
 

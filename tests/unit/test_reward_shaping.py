@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from reward.shaping import is_overlong, overlong_penalty, rule_reward, shape
+from reward.shaping import shape
 from reward.verify import Verdict
+from services.config import RewardConfig
+from services.messages import Sample, Score
+from services.rewards import is_overlong, overlong_penalty, rule_reward, score_error
 
 RIGHT = Verdict(True, "7", "answer_line", "equals 7")
 WRONG = Verdict(False, "8", "answer_line", "8 != 7")
@@ -62,18 +65,20 @@ def test_overlong_flag():
 
 
 def test_shape_adds_the_penalty_to_the_rule_reward():
-    score = shape(RIGHT, length=18_432, max_tokens=20_480, overlong_buffer=4_096)
+    score = shape(RIGHT, length=18_432, max_tokens=20_480, cfg=RewardConfig(overlong_buffer=4_096))
     assert score.reward == pytest.approx(0.5) and score.correct and not score.overlong
     assert "overlong penalty" in score.detail
-    score = shape(WRONG, length=20_480, max_tokens=20_480, finish_reason="length", overlong_buffer=4_096)
+    score = shape(WRONG, length=20_480, max_tokens=20_480, finish_reason="length",
+                  cfg=RewardConfig(overlong_buffer=4_096))
     assert score.reward == pytest.approx(-2.0) and score.overlong and not score.correct
     assert score.extracted == "8" and score.rule == "answer_line"
 
 
 def test_shape_without_soft_overlong_or_lengths():
-    assert shape(RIGHT, length=20_480, max_tokens=20_480, soft_overlong=False).reward == 1.0
+    assert shape(RIGHT, length=20_480, max_tokens=20_480, cfg=RewardConfig(soft_overlong=False)).reward == 1.0
     assert shape(WRONG, length=None, max_tokens=None).reward == -1.0
-    flagged = shape(RIGHT, length=20_480, max_tokens=20_480, finish_reason="length", soft_overlong=False)
+    flagged = shape(RIGHT, length=20_480, max_tokens=20_480, finish_reason="length",
+                    cfg=RewardConfig(soft_overlong=False))
     assert flagged.overlong and flagged.reward == 1.0  # the flag is independent of the penalty switch
 
 
@@ -92,3 +97,34 @@ def test_the_reward_settings_reach_the_score_a_worker_writes(reward_settings, ex
     item = ScoreItem("Answer: 7", "7", length=60, max_tokens=64, finish_reason="stop")
     score = shaped(RIGHT, item, config)
     assert score.reward == pytest.approx(expected) and score.correct and not score.overlong
+
+
+def _scored(length: int, finish: str, verdict: Verdict, cfg: RewardConfig) -> tuple[Score, Sample]:
+    sample = Sample(token_ids=[5] * length, logprobs=[-1.0] * length, text="x", finish_reason=finish)
+    return shape(verdict, length=length, max_tokens=64, finish_reason=finish, cfg=cfg), sample
+
+
+@pytest.mark.parametrize("worker, learner, refused", [
+    ({}, {}, None),
+    ({"overlong_buffer": 32}, {}, "has the reward 0.125 for a correct 60-token response (max_tokens 64); these "
+                                  "reward settings give 0.25"),
+    ({"soft_overlong": False}, {}, "these reward settings give 0.25 (soft_overlong True"),
+    ({}, {"overlong_penalty": 0.5}, "these reward settings give 0.625"),
+    ({}, {"answer_rule": "dapo"}, "decided by the rule 'answer_line', not one of answer_rule 'dapo''s"),
+])
+def test_the_learner_refuses_a_score_made_under_other_reward_settings(worker, learner, refused):
+    """A reward worker started with another overlong buffer, the punishment off or the other answer rule would train
+    the policy on another reward: the learner checks each score against its own settings (services/rewards.py)."""
+    worker_cfg, learner_cfg = (RewardConfig(**{"overlong_buffer": 16, **settings}) for settings in (worker, learner))
+    score, sample = _scored(60, "stop", RIGHT, worker_cfg)
+    error = score_error(score, sample, 64, learner_cfg)
+    assert error is None if refused is None else refused in error
+
+
+def test_a_score_must_flag_exactly_the_truncated_responses():
+    cfg = RewardConfig(overlong_buffer=16)
+    score, sample = _scored(64, "length", WRONG, cfg)
+    assert score.overlong and score_error(score, sample, 64, cfg) is None
+    unflagged = score.model_copy(update={"overlong": False})  # out of overlong filtering's reach
+    assert "flagged overlong=False for a response that finished with 'length'" in score_error(unflagged, sample, 64,
+                                                                                             cfg)
