@@ -833,7 +833,9 @@ def main(settings: Settings) -> int:
         signal.signal(signal.SIGINT, request_stop)
         return service.run()
     finally:
-        service.stop_http()
-        if service.records.tracking is not None:
-            service.records.tracking.finish()
-        service.release_run()  # the last act: nothing of the run is written after it
+        try:
+            service.stop_http()
+            if service.records.tracking is not None:
+                service.records.tracking.finish()
+        finally:
+            service.release_run()  # the last act: nothing of the run is written after it

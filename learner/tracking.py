@@ -12,6 +12,8 @@ no-ops. Offline use: `WANDB_MODE=offline` (files under {run_dir}/tracking/wandb)
 from __future__ import annotations
 
 import importlib.util
+import logging
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
@@ -23,6 +25,8 @@ if TYPE_CHECKING:
     from services.config import Settings
     from services.messages import ScoredGroup
 
+log = logging.getLogger(__name__)
+
 # tracker name (accelerate's) -> the module it imports
 TRACKER_MODULES = {"wandb": "wandb", "tensorboard": "tensorboard", "mlflow": "mlflow"}
 EXTRA = "track"
@@ -32,6 +36,7 @@ SAMPLE_COLUMNS = ["prompt", "response", "reward", "correct"]
 SAMPLES_PER_GROUP = 2  # responses shown per prompt: a few rows per evaluation, not the whole eval set
 # metrics.jsonl fields that are not per-step numbers to plot
 NOT_LOGGED = {"step", "time", "started"}
+TRACKER_WARN_EVERY_S = 300.0  # a tracker down for hours: one warning per 5 minutes, with the count
 
 
 class TrackerNotInstalled(ConfigError):
@@ -114,6 +119,7 @@ class Tracking:
         with MLflow tags: the earlier run keeps the steps that were trained again, and says so by its successor."""
         self.accelerator = accelerator
         self.names = list(settings.learner.report_to)
+        self.failures, self.warned_at = 0, 0.0
         if self.names:
             directory = tracking_dir(settings)
             directory.mkdir(parents=True, exist_ok=True)
@@ -129,13 +135,31 @@ class Tracking:
 
                 mlflow.set_tags(tags)  # on the run (accelerate's `tags` would also tag an experiment it creates)
 
+    def _failed(self, what: str, err: Exception) -> None:
+        """A tracker's error is logged, never raised: metrics.jsonl is the run's record, and a tracking server down
+        (MLflow's client gives up after minutes of retries) must not end the training it only mirrors."""
+        self.failures += 1
+        if self.failures == 1 or time.monotonic() - self.warned_at >= TRACKER_WARN_EVERY_S:
+            self.warned_at = time.monotonic()
+            log.warning("tracker %s failed (%d failures so far; metrics.jsonl has every step): %s: %s",
+                        what, self.failures, type(err).__name__, err)
+
     def log_step(self, record: dict) -> None:
         """One metrics.jsonl record, at its step."""
         if self.names:
-            self.accelerator.log(step_values(record), step=record["step"])
+            try:
+                self.accelerator.log(step_values(record), step=record["step"])
+            except Exception as err:  # noqa: BLE001 (any tracker's own error type)
+                self._failed(f"step {record['step']}", err)
 
     def log_samples(self, groups: Sequence["ScoredGroup"], step: int) -> None:
         """A few prompts, responses and rewards of an evaluation: a table (W&B, MLflow), text (TensorBoard)."""
+        try:
+            self._log_samples(groups, step)
+        except Exception as err:  # noqa: BLE001
+            self._failed(f"samples of step {step}", err)
+
+    def _log_samples(self, groups: Sequence["ScoredGroup"], step: int) -> None:
         rows = sample_rows(groups)
         if not self.names or not rows or not self.accelerator.is_main_process:
             return
@@ -151,4 +175,7 @@ class Tracking:
 
     def finish(self) -> None:
         if self.names:
-            self.accelerator.end_training()
+            try:
+                self.accelerator.end_training()
+            except Exception as err:  # noqa: BLE001
+                self._failed("finish", err)

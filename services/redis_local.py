@@ -75,9 +75,18 @@ def _full(err: BaseException) -> bool:
         isinstance(err, redis.ResponseError) and "OOM command not allowed" in str(err))
 
 
+def _cannot_persist(err: BaseException) -> bool:
+    """Redis refused a write because it cannot persist it (`MISCONF Errors writing to the AOF file: No space left
+    on device`, or a failing RDB save with stop-writes-on-bgsave-error): refused whole, like a full Redis, and
+    writable again once its disk is; a pause, not a fault of the writer."""
+    return isinstance(err, redis.ResponseError) and re.search(r"(^|caused error: |-)MISCONF ", str(err)) is not None
+
+
 def _log_retry(state) -> None:
     err = state.outcome.exception()
-    if _full(err):
+    if _cannot_persist(err):
+        log.warning("Redis cannot persist writes (%s): retrying until its disk takes them again", err)
+    elif _full(err):
         log.warning("Redis is full (it refuses writes past its maxmemory: %s): retrying while the learner frees it "
                     "(its log names what fills it)", err)
     else:
@@ -86,10 +95,10 @@ def _log_retry(state) -> None:
 
 # A full Redis (maxmemory, noeviction) refuses a write whole: nothing of a refused transaction was applied, nor of
 # a script (refused at its first write), so it is retried like a lost connection; the learner frees Redis meanwhile
-# (`RetryingRedis.on_full`).
+# (`RetryingRedis.on_full`). So is a write Redis cannot persist (its AOF's disk full): MISCONF.
 retry_redis = retry(
     retry=retry_if_exception_type((redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError))
-    | retry_if_exception(_busy) | retry_if_exception(_full),
+    | retry_if_exception(_busy) | retry_if_exception(_full) | retry_if_exception(_cannot_persist),
     wait=wait_exponential(multiplier=0.1, max=5),
     stop=stop_after_delay(300),
     reraise=True,

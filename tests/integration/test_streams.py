@@ -13,6 +13,7 @@ from pathlib import Path
 
 import msgpack
 import pytest
+import redis
 
 from services.config import KeysConfig, load_settings
 from services.keys import ROLES, create_keys, keys_dir
@@ -756,3 +757,40 @@ def test_consumers_holding_nothing_and_foreign_groups_are_swept(streams, monkeyp
     assert streams.sweep_groups(["prompts"]) == 1  # `before`, idle past the limit, holding nothing
     assert [g["name"].decode() for g in streams.redis.xinfo_groups(prompts.key)] == [prompts.group]
     assert prompts.ack(held)  # the live consumer's entry is still its own
+
+
+def test_writes_wait_while_redis_cannot_persist_them_and_land_once_it_can(redis_server, short_tmp):
+    """A disk full under Redis' files answers every write `MISCONF ...`: refused whole, like a full Redis, and a pause
+    to wait out, not a fault that ends the worker (a generator would restart its engine and its tasks gain a
+    delivery each time). Made here by an RDB save that cannot write, then a folder to write in again."""
+    from services.redis_local import client_for
+
+    raw = redis.Redis.from_url(redis_server.url)
+    gone = os.path.join(short_tmp, "gone")
+    os.mkdir(gone)
+    raw.config_set("save", "3600 1")
+    raw.config_set("dir", gone)
+    os.rmdir(gone)
+    raw.bgsave()
+    deadline = time.monotonic() + 10
+    while raw.info("persistence")["rdb_last_bgsave_status"] == "ok" and time.monotonic() < deadline:
+        time.sleep(0.05)
+    with pytest.raises(redis.ResponseError, match="MISCONF"):
+        raw.xadd("s", {"a": 0})
+    client, written = client_for(redis_server.url), []
+
+    def write() -> None:
+        client.xadd("s", {"a": 1})
+        pipe = client.pipeline(transaction=True)
+        pipe.xadd("s", {"a": 2}).hset("h", "k", "v")
+        written.append(pipe.execute())
+
+    worker = threading.Thread(target=write, daemon=True)
+    worker.start()
+    time.sleep(1.0)
+    assert not written and raw.xlen("s") == 0
+    os.mkdir(gone)
+    raw.config_set("dir", gone)  # (Redis works in the folder removed under it until it is told again)
+    raw.bgsave()
+    worker.join(30)
+    assert written and raw.xlen("s") == 2 and raw.hget("h", "k") == b"v"

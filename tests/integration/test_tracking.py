@@ -208,3 +208,23 @@ def test_a_resume_starts_a_wandb_run_named_for_its_step_in_the_run_s_group(tmp_p
     while not all(key in log_file.read_bytes() for key in expected) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert all(key in log_file.read_bytes() for key in expected)
+
+
+def test_a_tracking_server_that_fails_mid_run_is_logged_and_training_goes_on(tmp_path, monkeypatch, caplog):
+    """MLflow's client raises after minutes of retries while its server is down: the step was trained and is in
+    metrics.jsonl, so the learner warns (once, with the count, not once a step) and goes on."""
+    import mlflow
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", (tmp_path / "mlruns").as_uri())
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+
+    def down(*args, **kwargs):
+        raise mlflow.exceptions.MlflowException("API request to endpoint /api/2.0/mlflow/runs/log-batch failed")
+
+    for call in ("log_metrics", "log_dict", "end_run"):
+        monkeypatch.setattr(mlflow, call, down)
+    with caplog.at_level("WARNING", logger="learner.tracking"):
+        _track(tmp_path, ["mlflow"], records=RECORDS * 3)
+    warnings = [r.getMessage() for r in caplog.records if "tracker" in r.getMessage()]
+    assert len(warnings) == 1 and "tracker step 1 failed (1 failures so far" in warnings[0]
+    assert "MlflowException" in warnings[0]
