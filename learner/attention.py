@@ -125,6 +125,9 @@ def implementation(choice: str, cuda: bool, packed: bool, dtype: torch.dtype) ->
         if cuda and dtype in (torch.bfloat16, torch.float16) and importlib.util.find_spec("flash_attn") is not None:
             return "flash_attention_2"
         choice = VARLEN if packed and varlen else "sdpa"
+    elif choice == "flex_attention" and not cuda:  # torch 2.13: no backward on a CPU, and its CPU codegen fails
+        raise ValueError("learner.compute.attention=flex_attention needs a GPU (on a CPU torch has no backward for "
+                         "it): use auto, sdpa or eager")
     if choice == VARLEN:
         register()
     return choice

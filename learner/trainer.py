@@ -366,7 +366,8 @@ class Trainer:
             inputs = self.packer.collate(batch.responses, micro)
             # Every share's values (sequence parallelism): training packs these tokens otherwise.
             logp = self.sequence.complete(self._forward(self.model, inputs, entropy=False)[0])
-            stats.count(inputs, trained=False)
+            if real:  # a filler (weight 0, another rank's rows) is not this step's work: training counts none either
+                stats.count(inputs, trained=False)
             if self.reference is not None:
                 with self.accelerator.autocast():
                     ref = self.sequence.complete(self._forward(self.reference, inputs, entropy=False)[0])

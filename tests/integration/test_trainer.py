@@ -853,3 +853,40 @@ def test_a_compiled_function_past_its_recompile_limit_fails_instead_of_running_e
         assert activation_checkpointing.compiled_graphs() == before + 1 == counters["stats"]["unique_graphs"]
         with pytest.raises(Exception, match="recompile_limit|cache_size_limit|[Rr]ecompil"):
             double(torch.ones(3, dtype=torch.float64))  # another dtype: a recompile, past the limit of 1
+
+
+def test_flex_attention_is_refused_on_a_cpu(model_path, tmp_path):
+    """torch has no flex-attention backward on a CPU: refused at start, not at the first update (whose error would
+    count against every group of its batch and quarantine them)."""
+    with pytest.raises(ValueError, match="flex_attention needs a GPU"):
+        Trainer(make_settings(tmp_path, attention="flex_attention"), model_path)
+
+
+def test_the_pi_old_pass_counts_no_filler_in_the_model_flops(model_path, tmp_path):
+    """A rank with fewer micro-batches than the busiest runs weight-0 fillers to keep the collectives in step: work
+    for nothing, not the step's FLOPs. Two data-parallel ranks simulated in one process count what one process does."""
+    from learner.update_stats import UpdateStats
+
+    class Rank:  # the trainer's accelerator as rank `index` of 2 sees it
+        def __init__(self, accelerator, index):
+            self.accelerator, self.num_processes, self.process_index = accelerator, 2, index
+
+        def __getattr__(self, name):
+            return getattr(self.accelerator, name)
+
+    groups = make_groups(n_groups=3, size=2, seed=3)
+    first = groups[0].rollout
+    samples = [first.samples[0], first.samples[1].model_copy(update={"token_ids": [], "logprobs": []})]
+    groups[0] = groups[0].model_copy(update={"rollout": first.model_copy(update={"samples": samples})})
+    trainer = Trainer(make_settings(tmp_path, packing="on", micro_batch_tokens=9, mini_batches=3), model_path)
+    groups = with_behaviour(groups, trainer.logprobs(groups))
+    mini_batches = trainer._mini_batches(trainer.prepare(groups))
+    alone = UpdateStats("cpu")
+    trainer._old_logprobs_pass(trainer.prepare(groups), mini_batches, alone)
+    accelerator, counted = trainer.accelerator, {}
+    for index in range(2):
+        trainer.accelerator, trainer.packer.world, trainer.packer.rank = Rank(accelerator, index), 2, index
+        stats = UpdateStats("cpu")
+        trainer._old_logprobs_pass(trainer.prepare(groups), mini_batches, stats)
+        counted = {kind: counted.get(kind, 0) + tokens for kind, tokens in stats.model_tokens.items()}
+    assert counted == alone.model_tokens
