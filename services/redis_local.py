@@ -82,8 +82,32 @@ def _cannot_persist(err: BaseException) -> bool:
     return isinstance(err, redis.ResponseError) and re.search(r"(^|caused error: |-)MISCONF ", str(err)) is not None
 
 
+_back_at = float("-inf")  # time.monotonic() when a command of this process last got through after an outage
+_outage = threading.local()  # .seen: the command this thread is retrying found Redis unreachable
+
+
+def seconds_since_outage() -> float:
+    """Seconds since a command of this process got through after finding Redis unreachable (inf: never). Redis
+    keeps each pending entry's delivery time through a restart, so for a while after an outage every entry looks as
+    idle as the outage was long, those of live consumers too, until their next heartbeat (`Stream._reclaim` waits
+    that out)."""
+    return time.monotonic() - _back_at
+
+
+def _retrying_call(attempt: Callable[[], object]):
+    """`attempt` under `retry_redis`, noting when it got through after an outage (`seconds_since_outage`)."""
+    global _back_at
+    _outage.seen = False
+    result = retry_redis(attempt)()
+    if _outage.seen:
+        _back_at = time.monotonic()
+    return result
+
+
 def _log_retry(state) -> None:
     err = state.outcome.exception()
+    if isinstance(err, (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError)):
+        _outage.seen = True
     if _cannot_persist(err):
         log.warning("Redis cannot persist writes (%s): retrying until its disk takes them again", err)
     elif _full(err):
@@ -162,7 +186,7 @@ class RetryingPipeline(Pipeline):
                 before_retry(err, redis.Redis(connection_pool=self.connection_pool), self.on_full)
                 raise
 
-        return retry_redis(attempt)()
+        return _retrying_call(attempt)
 
 
 class RetryingRedis(redis.Redis):
@@ -174,13 +198,15 @@ class RetryingRedis(redis.Redis):
 
     on_full: Callable[[], object] | None = None
 
-    @retry_redis
     def execute_command(self, *args, **options):
-        try:
-            return super().execute_command(*args, **options)
-        except redis.ResponseError as err:
-            before_retry(err, self, self.on_full)
-            raise
+        def attempt():
+            try:
+                return super(RetryingRedis, self).execute_command(*args, **options)
+            except redis.ResponseError as err:
+                before_retry(err, self, self.on_full)
+                raise
+
+        return _retrying_call(attempt)
 
     def pipeline(self, transaction: bool = True, shard_hint=None) -> RetryingPipeline:
         pipe = RetryingPipeline(self.connection_pool, self.response_callbacks, transaction, shard_hint)

@@ -63,7 +63,7 @@ from services.messages import (
     from_wire,
     to_wire,
 )
-from services.redis_local import retrying
+from services.redis_local import retrying, seconds_since_outage
 
 log = logging.getLogger(__name__)
 
@@ -381,6 +381,11 @@ class Stream(Generic[M]):
         return self._admit(consumer, _entries(reply), known_counts=False)
 
     def _reclaim(self, consumer: str, count: int) -> list[tuple[bytes, dict]]:
+        if seconds_since_outage() < self.cfg.visibility_timeout_s:
+            # Back from an outage: the entries live consumers hold look as idle as it was long until their next
+            # heartbeat (Redis dates a delivery, and keeps the date through a restart). Taken now, their work would
+            # be done twice and count a delivery more; a dead consumer's entries are taken a timeout later.
+            return []
         min_idle = int(self.cfg.visibility_timeout_s * 1000)
         # One XAUTOCLAIM looks at 10 x count pending entries: go on from where the last one stopped (it returns
         # 0-0 at the end), or a dead consumer's entries behind many live ones would wait for those to be acked.

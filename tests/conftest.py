@@ -112,3 +112,12 @@ def _test_process_stays_dumpable(monkeypatch):
     import cli.main
 
     monkeypatch.setattr(cli.main, "hide_from_same_user", lambda: False)
+
+
+@pytest.fixture(autouse=True)
+def _no_outage_of_an_earlier_test(monkeypatch):
+    """The end of the last Redis outage is this process's (services.redis_local.seconds_since_outage): one test's
+    restarted server must not hold off the reclaims of the next."""
+    from services import redis_local
+
+    monkeypatch.setattr(redis_local, "_back_at", float("-inf"))

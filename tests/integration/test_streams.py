@@ -794,3 +794,31 @@ def test_writes_wait_while_redis_cannot_persist_them_and_land_once_it_can(redis_
     raw.bgsave()
     worker.join(30)
     assert written and raw.xlen("s") == 2 and raw.hget("h", "k") == b"v"
+
+
+def test_entries_live_consumers_hold_are_not_reclaimed_right_after_an_outage(redis_server, settings):
+    """Redis dates a delivery and keeps the date through a restart: after an outage longer than the visibility
+    timeout every pending entry looks abandoned, a live generator's too. Consumers back from it wait one timeout
+    for the owners' heartbeats before they reclaim; a dead owner's entry is still taken after that."""
+    streams = Streams(connect(settings), settings, signs_as=ROLES)
+    prompts = streams.stream("prompts", PromptTask)
+    prompts.produce(task(0))
+    prompts.produce(task(1))
+    (live,) = prompts.consume("live", count=1)
+    (dead,) = prompts.consume("dead", count=1)
+    timeout = prompts.cfg.visibility_timeout_s
+    thief = streams.stream("prompts", PromptTask)
+    redis_server.stop()
+    restarted = threading.Timer(timeout + 0.5, redis_server.start)
+    restarted.start()
+    thief.redis.ping()  # a consumer that was waiting on Redis through the outage, 1.5 timeouts long
+    restarted.join()
+    thief._reclaimed_at = float("-inf")
+    assert thief.consume("thief", count=2, block_ms=10) == []  # both look idle 1.5 timeouts; neither is taken
+    assert prompts.touch("live", [live.id]) == 1  # the live owner's heartbeat, back on a restarted Redis
+    time.sleep(timeout * 0.6)
+    prompts.touch("live", [live.id])
+    time.sleep(timeout * 0.6)
+    thief._reclaimed_at = float("-inf")
+    assert [d.id for d in thief.consume("thief", count=2, block_ms=10)] == [dead.id]
+    assert prompts.ack(live)
