@@ -80,6 +80,10 @@ MAX_ABS_REWARD = 1e6  # a rule reward of +-1 plus the overlong penalty; far beyo
 MEMORY_WARN_SHARE = 0.8  # Redis past this share of its maxmemory: the log names its largest keys (DapoRedisMemoryHigh)
 MEMORY_WARN_EVERY_S = 60.0
 RUN_STREAMS = ("prompts", "rollouts", "scored", "dead", HELD)
+# The streams a worker may add to (on Redis 6.2, which has no ACL selectors, its whole role's keys): those alone can
+# hold an id a client chose. `held` is the learner's alone, written with XADD *: a clock stepped back makes its
+# entries look dated in the future, and deleting them would lose groups in hand (`Streams.repair_future_ids`).
+WORKER_WRITTEN_STREAMS = ("prompts", "rollouts", "scored", "dead")
 DROP_KINDS = ("uninformative", "stale", "duplicate")
 
 
@@ -361,7 +365,7 @@ class WorkingSet:
             self.expire_overdue()
         if time.monotonic() - self._repaired_at >= REPAIR_SCAN_SECONDS:
             self._repaired_at = time.monotonic()
-            self.streams.repair_future_ids(RUN_STREAMS)
+            self.streams.repair_future_ids(WORKER_WRITTEN_STREAMS)
             self.streams.delete_orphans(("prompts", "rollouts", "scored"))
             self.streams.sweep_groups(("prompts", "rollouts", "scored"))
             self.weigh_keys()

@@ -1608,3 +1608,20 @@ def test_a_group_scored_under_other_reward_settings_is_refused_and_its_task_give
                                      "response (max_tokens 64); these reward settings give 1 (soft_overlong")
     assert not service.work.assembler.ready and "train-1" not in service.work.assembler.in_flight
     assert service.redis.xlen(service.work.held.key) == 0
+
+
+def test_groups_in_hand_survive_a_redis_clock_stepped_back(settings):
+    """Only workers' streams can hold an id a client chose. `held` is the learner's alone: after the Redis host's
+    clock stepped back (NTP, a VM restored) its entries look dated in the future, and the periodic repair must not
+    delete them with the groups they hold."""
+    service, issued = learner_that_issued(settings)
+    produce_scored(service, settings, scored_group(issued, [True, False]))
+    service.work.pump()
+    (entry_id, fields), = service.redis.xrange(service.work.held.key)
+    seconds, _ = service.redis.time()
+    ahead = f"{(int(seconds) + 3600) * 1000}-0"  # made an hour before the clock went back an hour
+    service.redis.xadd(service.work.held.key, fields, id=ahead)
+    service.redis.xdel(service.work.held.key, entry_id)
+    service.work._repaired_at = 0.0  # the periodic check, due now
+    service.work.pump()
+    assert [eid.decode() for eid, _ in service.redis.xrange(service.work.held.key)] == [ahead]
