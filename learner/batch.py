@@ -97,6 +97,11 @@ class InformativeRatio:
         self.usable = self.usable * self.decay + (1.0 if usable else 0.0)
         self.seen = self.seen * self.decay + 1.0
 
+    def withdraw(self, usable: bool) -> None:
+        """Take back one recent observation (its group will be observed again when it is delivered again)."""
+        self.usable = max(self.usable - (1.0 if usable else 0.0), 0.0)
+        self.seen = max(self.seen - 1.0, 0.0)
+
     @property
     def value(self) -> float:
         return (self.usable + self.prior * self.prior_weight) / (self.seen + self.prior_weight)
@@ -403,6 +408,7 @@ class BatchAssembler:
         self.in_flight[task_id] = group.rollout.policy_version  # (about when it was pushed: only counted)
         self.stats.count_scored(group, -1)
         self.stats.informative -= 1
+        self.ratio.withdraw(usable=True)  # nor observed twice
 
     # -- when to train --------------------------------------------------------------------------------------
     def status(self, version: int) -> Status:

@@ -481,11 +481,13 @@ class WorkingSet:
         """Tasks past their deadline (learner/deadlines.py) are not waited for any more: their entry may have been
         deleted or trimmed, or a worker holds them and never answers. Counted lost (the step refills, an evaluation
         or a drain goes on) and forgotten in `issued`: a group that still comes is refused as unknown."""
-        gone, eval_gone = self.lose(self.deadlines.overdue(time.monotonic()))
-        metrics.LEARNER_TASKS_EXPIRED.inc(gone + eval_gone)
-        if gone or eval_gone:
-            log.warning("%d train and %d eval tasks passed their deadline (%.3g s after the push): counted lost",
-                        gone, eval_gone, self.deadlines.limit_s())
+        overdue = self.deadlines.overdue(time.monotonic())
+        gone, eval_gone = self.lose(overdue)
+        metrics.LEARNER_TASKS_EXPIRED.inc(len(overdue))  # a previous process's tasks too (no step awaits them)
+        if overdue:
+            log.warning("%d tasks passed their deadline (%.3g s after the push, or after this process started for "
+                        "a previous one's): forgotten, %d of this step's and %d of the evaluation's counted lost",
+                        len(overdue), self.deadlines.limit_s(), gone, eval_gone)
 
     def lose(self, task_ids: list[str]) -> tuple[int, int]:
         """Stop waiting for tasks whose groups will never come: forgotten in `issued` and by the deadlines, counted
@@ -547,7 +549,8 @@ class WorkingSet:
         now = time.monotonic()
         for task_id, _ in self.redis.hscan_iter(self.issued_key, count=1000):
             self.deadlines.pushed(task_id.decode(), now)
-        outcome = self.readmit_held(skip, counted)
+        outcome, in_hand = self.readmit_held(skip, counted)
+        self.deadlines.forget(sorted(in_hand))  # their groups are here: nothing more to wait for
         self.settle_parked_letters()
         claimed = self.claim_pending()
         if any(outcome.values()) or claimed:
@@ -558,13 +561,14 @@ class WorkingSet:
                 claimed,
             )
 
-    def readmit_held(self, skip: set[str], counted: set[str]) -> dict[str, int]:
+    def readmit_held(self, skip: set[str], counted: set[str]) -> tuple[dict[str, int], set[str]]:
         """Re-admit the working set after a restart: skip (and delete) what the checkpoint consumed; groups in
         `counted` were already counted in the checkpointed statistics (carried), the others are counted again.
         A group the trainer cannot use (`shape_error`), or that was in the batch of QUARANTINE_AFTER updates that
         raised, is dead-lettered with the reason: a group that crashes every update is not re-admitted at every
-        restart."""
+        restart. Returns the outcome's counts and the tasks whose group `held` holds."""
         outcome = {"kept": 0, "skipped": 0, "dropped": 0, "garbled": 0, "refused": 0}
+        in_hand: set[str] = set()
         doomed = []
         version = self.version()
         suspects = {task_id.decode(): json.loads(raw) for task_id, raw in self.redis.hgetall(self.suspects_key).items()}
@@ -581,6 +585,7 @@ class WorkingSet:
                 self.held.dead(entry_id, payload, "unparseable held group")
                 outcome["garbled"] += 1
                 continue
+            in_hand.add(task_id)
             if task_id in skip:
                 doomed.append(entry_id)
                 outcome["skipped"] += 1
@@ -611,7 +616,7 @@ class WorkingSet:
         self.suspects = kept & suspects.keys()
         if settled := suspects.keys() - self.suspects:  # quarantined, or no longer held
             self.redis.hdel(self.suspects_key, *settled)
-        return outcome
+        return outcome, in_hand
 
     # -- quarantine --------------------------------------------------------------------------------------------
     def suspect(self, task_ids: list[str], reason: str) -> None:

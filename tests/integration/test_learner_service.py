@@ -1625,3 +1625,25 @@ def test_groups_in_hand_survive_a_redis_clock_stepped_back(settings):
     service.work._repaired_at = 0.0  # the periodic check, due now
     service.work.pump()
     assert [eid.decode() for eid, _ in service.redis.xrange(service.work.held.key)] == [ahead]
+
+
+def test_a_previous_learners_tasks_count_as_expired_and_those_in_hand_are_not_waited_for(settings):
+    """After a restart the tasks a previous process issued get a deadline from the start: past it, each is counted
+    in dapo_learner_tasks_expired_total (no step of this process awaited it, but it is lost all the same); a task
+    whose group the previous process left in `held` came back, and has no deadline to pass."""
+    settings.learner.batch.task_deadline_min_s = 0.5
+    first, issued = learner_that_issued(settings)
+    produce_scored(first, settings, scored_group(issued, [True, False]))
+    first.work.pump()  # train-1: its group in `held`
+    issue_tasks(first, 1)  # train-0: no group will come
+    second = LearnerService(settings)  # the process after a crash
+    second.connect()
+    second.work.limit_vocabulary(100)
+    second.work.restore(skip=set(), counted=set())
+    from services import metrics
+
+    before = metrics.LEARNER_TASKS_EXPIRED._value.get()
+    time.sleep(0.6)
+    second.work.expire_overdue()
+    assert metrics.LEARNER_TASKS_EXPIRED._value.get() - before == 1
+    assert second.work.issued_task("train-0") is None and second.work.issued_task("train-1") == issued

@@ -243,8 +243,10 @@ def test_a_retracted_group_is_in_flight_again_and_counted_once_when_it_comes_bac
     first, second = push(a, 2)
     arrive(a, [first], lambda i: MIXED)
     (admitted,) = [g for _, _, g in a.ready]
+    observed = a.ratio.state()
     a.retract(admitted)
     assert first in a.in_flight and not a.ready and a.stats.scored == a.stats.informative == a.stats.samples == 0
+    assert a.ratio.state() == {"usable": observed["usable"] - 1, "seen": observed["seen"] - 1}  # observed once only
     arrive(a, [second], lambda i: MIXED)
     assert a.status(0) == "wait"
     assert a.admit(admitted, 0) == "informative" and a.status(0) == "train"
