@@ -203,6 +203,7 @@ class LearnerService:
         self.lease: LearnerLease | None = None
         self.train_started = time.monotonic()
         self.eval_seconds = 0.0  # spent evaluating since train_started: not training time
+        self.last_step_seconds = 0.0  # the step before's, to foresee the time limit (`last_step_likely`)
 
     @property
     def overlap_publish(self) -> bool:
@@ -391,7 +392,7 @@ class LearnerService:
         if batch is None:
             return False
         waited = time.perf_counter() - t0
-        if self.step + 1 < self.cfg.total_steps and not self.stopping.is_set():  # no step after it: no prompts for one
+        if not self.last_step_likely():  # no step after it: no prompts for one
             ahead = self.work.plan_ahead(version)  # overlap (a no-op when max_staleness = 0)
             delivering = self.delivering
             if (ahead.count and delivering is not None
@@ -413,6 +414,7 @@ class LearnerService:
         else:
             log.warning("step %d: refill limit with no informative group in hand: no update", self.step + 1)
         step_seconds = time.perf_counter() - t0
+        self.last_step_seconds = step_seconds
         self.step += 1
         lags = self.work.finish(batch, version)
         timing = {"step_seconds": step_seconds, "wait_seconds": waited, **wait_split(waited, batch.groups),
@@ -675,6 +677,16 @@ class LearnerService:
         log.warning("Redis uses %.0f of its %.0f MB maxmemory (redis.held_memory_share %g): checkpoint step %d "
                     "early to release `held`", used / MB, maxmemory / MB, share, self.step)
         return True
+
+    def last_step_likely(self) -> bool:
+        """Whether the step under way is the run's last: total_steps, a stop asked for, or learner.time_limit_minutes
+        that the training clock will pass if this step takes as long as the one before (a wrong guess costs only
+        the next step's overlap; pushed, a whole step of prompts would be generated for no step of this process)."""
+        if self.step + 1 >= self.cfg.total_steps or self.stopping.is_set():
+            return True
+        limit = self.cfg.time_limit_minutes
+        trained = time.monotonic() - self.train_started - self.eval_seconds
+        return limit > 0 and trained + self.last_step_seconds >= 60.0 * limit
 
     def finished(self) -> bool:
         """total_steps reached, or learner.time_limit_minutes of training (evaluations excluded) in this process."""

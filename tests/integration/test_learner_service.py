@@ -168,6 +168,22 @@ def test_time_limit_ends_the_run_with_an_evaluation_and_a_checkpoint(tmp_path):
     assert not unlimited.finished()
 
 
+def test_the_step_the_time_limit_will_end_pushes_no_prompts_for_a_next_one(tmp_path):
+    """With learner.time_limit_minutes, the step that the training clock will pass it in (if it takes as long as
+    the one before) is the last: the prompts it would push ahead would be generated for no step of this process."""
+    from learner.service import LearnerService
+
+    service = LearnerService(load_settings("tiny-cpu", run_dir=str(tmp_path), learner={"time_limit_minutes": 0.5}))
+    service.step, service.last_step_seconds = 3, 10.0
+    service.train_started = time.monotonic() - 15
+    assert not service.last_step_likely()  # 15 s + 10 s < 30 s
+    service.train_started -= 6
+    assert service.last_step_likely() and not service.finished()  # 21 s + 10 s: this step ends past the limit
+    service.step = service.cfg.total_steps - 1
+    service.cfg.time_limit_minutes = 0
+    assert service.last_step_likely()  # the last of total_steps
+
+
 def test_a_resume_redoes_the_evaluation_a_stop_cut_short(tmp_path):
     """SIGTERM during an evaluation checkpoints the step without it: the resumed learner evaluates first (the
     baseline at step 0 included), but not a step whose evaluation was done, or that had none due."""
