@@ -198,6 +198,7 @@ class WorkingSet:
         self.outbox: deque[PromptTask] = deque()
         self.eval_round: EvalRound | None = None  # while `evaluating`
         self.consumed_since_checkpoint: set[str] = set()
+        self.last_released: set[str] = set()  # what the last checkpoint's release deleted (`check_redis_restart`)
         self.drops: dict[str, list[str]] = {kind: [] for kind in DROP_KINDS}
         self.generator_clocks = GeneratorClocks()  # where the generators' time went (from the groups read)
         batch = learner_cfg.batch
@@ -420,6 +421,9 @@ class WorkingSet:
         previous, self._redis_run_id = self._redis_run_id, run_id
         if previous is None or previous == run_id:
             return
+        # The last release may have been lost with the AOF's last second (a host crash): its groups would stay in
+        # `held`, listed by no later checkpoint, and a later resume would train them again.
+        self._delete_consumed(self.last_released)
         waiting = list(self.assembler.in_flight)
         if self.eval_round is not None:
             waiting += [t for t in self.eval_round.expected if t not in self.eval_round.received]
@@ -534,6 +538,10 @@ class WorkingSet:
     def release(self) -> int:
         """A checkpoint now lists the consumed groups: delete them from `held` and `issued`."""
         consumed, self.consumed_since_checkpoint = self.consumed_since_checkpoint, set()
+        self.last_released = consumed
+        return self._delete_consumed(consumed)
+
+    def _delete_consumed(self, consumed: set[str]) -> int:
         if not consumed:
             return 0
         doomed = [eid for eid, fields in self.held.entries() if task_id_in_payload(HELD, fields.get(FIELD)) in consumed]

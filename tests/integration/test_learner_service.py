@@ -1663,3 +1663,20 @@ def test_a_previous_learners_tasks_count_as_expired_and_those_in_hand_are_not_wa
     second.work.expire_overdue()
     assert metrics.LEARNER_TASKS_EXPIRED._value.get() - before == 1
     assert second.work.issued_task("train-0") is None and second.work.issued_task("train-1") == issued
+
+
+def test_a_release_redis_lost_with_its_last_second_is_done_again_when_the_restart_is_seen(settings):
+    """A checkpoint's release deletes the groups it lists from `held`; a Redis host crash can lose that with the
+    AOF's last second. No later checkpoint lists them, so a later resume would train them again: the learner deletes
+    them again when it sees the restart."""
+    service, issued = learner_that_issued(settings)
+    produce_scored(service, settings, scored_group(issued, [True, False]))
+    service.work.pump()
+    (_, fields), = service.redis.xrange(service.work.held.key)
+    service.work.check_redis_restart()  # the server as it is now
+    service.work.consumed(["train-1"])
+    assert service.work.release() == 1
+    service.redis.xadd(service.work.held.key, fields)  # the deletion lost: the AOF kept the group
+    service.work._redis_run_id = "a server before the crash"
+    service.work.check_redis_restart()
+    assert service.redis.xlen(service.work.held.key) == 0
