@@ -5,7 +5,8 @@ an asynchronous step 1.33x slower than a synchronous one (train 14.0 s instead o
 a CPU set (its affinity) and as many compute threads as CPUs: the learner's torch threads (shared by its ranks),
 vLLM's OpenMP threads bound with VLLM_CPU_OMP_THREADS_BIND, the reward pool's processes.
 
-The automatic plan, from the n CPUs the launcher may use (its affinity, cut to a container's CPU quota):
+The automatic plan, from the n CPUs the launcher may use (its affinity; under a lower CPU quota, `docker run --cpus
+4`, the plan of ceil(quota) CPUs in threads, on any of them):
   n = 1   everything on that CPU (nothing to split);
   n = 2   learner on the first, generators on the second; the reward pool (one process: a verification takes
           milliseconds, most of its time it sleeps) shares the generators' CPU at a lower priority;
@@ -18,13 +19,15 @@ sharing: the plan says which CPUs are oversubscribed and the launcher warns.
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 from services.config import ConfigError, CpusConfig
-from services.cpus import usable_cpus
+from services.cpus import affinity_cpus, cpu_quota
 
 REWARD_NICE = 10  # when the reward pool shares the generators' CPUs, they come first
 
@@ -36,10 +39,11 @@ class Placement:
     cpus: tuple[int, ...]
     threads: int
     nice: int = 0
+    pinned: bool = True  # False under a CPU quota: any of `cpus`, `threads` of them at a time
 
     @property
     def cpu_list(self) -> str:
-        return ",".join(str(c) for c in self.cpus)
+        return ",".join(str(c) for c in self.cpus) if self.pinned else f"any {self.threads}"
 
 
 @dataclass(frozen=True)
@@ -55,10 +59,17 @@ class CpuPlan:
     def oversubscribed(self) -> list[int]:
         """CPUs given to more than one compute thread (more generators than CPUs, or explicit lists that overlap)."""
         counts: dict[int, int] = {}
-        for placement in (self.learner, *self.generators):
+        for placement in (p for p in (self.learner, *self.generators) if p.pinned):
             for cpu in placement.cpus:
                 counts[cpu] = counts.get(cpu, 0) + 1
         return sorted(cpu for cpu, count in counts.items() if count > 1)
+
+    def unpinned(self, cpus: tuple[int, ...]) -> "CpuPlan":
+        """This plan's threads on any of `cpus` (no CPU of its own): a quota's plan."""
+        def free(p: Placement) -> Placement:
+            return dataclasses.replace(p, cpus=cpus, pinned=False)
+
+        return CpuPlan(free(self.learner), tuple(map(free, self.generators)), tuple(map(free, self.reward)))
 
     def describe(self) -> dict:
         return {"learner": self.learner.cpu_list,
@@ -100,8 +111,21 @@ def auto_split(cpus: tuple[int, ...], reward_workers: int = 1) -> tuple:
     return cpus[:learner], cpus[learner:n - reward], cpus[n - reward:], False
 
 
-def plan(config: CpusConfig, generators: int, reward_workers: int, cpus: tuple[int, ...] | None = None) -> CpuPlan:
-    cpus = cpus or usable_cpus()
+def plan(config: CpusConfig, generators: int, reward_workers: int, cpus: tuple[int, ...] | None = None,
+         quota: float | None = None) -> CpuPlan:
+    """The services' CPUs and threads on `cpus` (this process's affinity by default). Under a CPU quota lower than
+    them (`docker run --cpus 4` on 16 cores; by default this process's, from its cgroups: services/cpus.py) the plan
+    is the quota's, ceil(quota) CPUs, in threads only: pinned to the first CPUs, every container of a host would
+    share the same few; a quota limits time, any CPU may serve it."""
+    if cpus is None:  # this process's, and its quota (given CPUs come with the quota given, if any)
+        cpus, quota = affinity_cpus(), cpu_quota() if quota is None else quota
+    automatic = config.learner == config.generators == config.reward == "auto"  # (listed CPUs are the user's)
+    if automatic and quota is not None and math.ceil(quota) < len(cpus):
+        return _split(config, generators, reward_workers, tuple(range(max(1, math.ceil(quota))))).unpinned(cpus)
+    return _split(config, generators, reward_workers, cpus)
+
+
+def _split(config: CpusConfig, generators: int, reward_workers: int, cpus: tuple[int, ...]) -> CpuPlan:
     learner, generator_cpus, reward_cpus, shared = auto_split(cpus, reward_workers)
     if config.learner != "auto":
         learner = _listed(config, "learner", cpus)
@@ -135,7 +159,8 @@ def learner_env(placement: Placement) -> dict[str, str]:
 
 def generator_env(placement: Placement) -> dict[str, str]:
     """vLLM's CPU worker binds one OpenMP thread per listed CPU."""
-    return {"VLLM_CPU_OMP_THREADS_BIND": placement.cpu_list, "OMP_NUM_THREADS": str(placement.threads)}
+    return {"VLLM_CPU_OMP_THREADS_BIND": placement.cpu_list if placement.pinned else "nobind",
+            "OMP_NUM_THREADS": str(placement.threads)}
 
 
 def reward_env(placement: Placement) -> dict[str, str]:

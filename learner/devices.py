@@ -6,7 +6,7 @@ import os
 
 import torch
 
-from services.cpus import usable_cpus
+from services.cpus import usable_cpu_count
 
 
 def check_accelerator(accelerator) -> None:
@@ -33,7 +33,7 @@ def share_cpu_threads(accelerator) -> None:
     CPUs this process may run on, cut to its CPU quota) shared among this node's ranks: one intra-op thread per CPU."""
     if accelerator.device.type != "cpu":
         return
-    cores = len(usable_cpus())
+    cores = usable_cpu_count()
     budget = os.environ.get("OMP_NUM_THREADS")
     cores = int(budget) if budget and budget.isascii() and budget.isdigit() else cores
     local = int(os.environ.get("LOCAL_WORLD_SIZE", accelerator.num_processes))

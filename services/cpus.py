@@ -1,4 +1,4 @@
-"""The CPUs a process may use: its affinity, cut to its CPU quota.
+"""The compute a process may use: its affinity, cut to its CPU quota.
 
 A container's CPU limit (`docker run --cpus 4`, a Kubernetes `limits.cpu`, a systemd `CPUQuota=`) is a CFS quota,
 not an affinity: the process still sees every core of the host, and a plan that gave each service as many
@@ -32,6 +32,7 @@ def _cgroup_paths(proc_cgroup: str) -> tuple[str | None, str | None]:
 def _limits(folder: Path, path: str, read) -> list[float]:
     """The quota of `folder/path` and of every folder above it up to `folder` (the cgroup's mount)."""
     found = []
+    folder = folder.resolve()  # v1's `cpu` is often a link to `cpu,cpuacct`
     current = (folder / path.lstrip("/")).resolve()
     while True:
         limit = read(current)
@@ -80,9 +81,14 @@ def cpu_quota(root: Path = CGROUP_ROOT, proc_cgroup: str | None = None) -> float
     return min(limits) if limits else None
 
 
-def usable_cpus(root: Path = CGROUP_ROOT, proc_cgroup: str | None = None) -> tuple[int, ...]:
-    """The CPUs this process may run on, the first ceil(quota) of them where a CPU quota is lower."""
-    cpus = (tuple(sorted(os.sched_getaffinity(0))) if hasattr(os, "sched_getaffinity")
+def affinity_cpus() -> tuple[int, ...]:
+    """The CPUs this process may run on."""
+    return (tuple(sorted(os.sched_getaffinity(0))) if hasattr(os, "sched_getaffinity")
             else tuple(range(os.cpu_count() or 1)))
+
+
+def usable_cpu_count(root: Path = CGROUP_ROOT, proc_cgroup: str | None = None) -> int:
+    """CPUs' worth of compute this process has: its affinity's, or ceil(quota) where a CPU quota is lower."""
+    cpus = len(affinity_cpus())
     quota = cpu_quota(root, proc_cgroup)
-    return cpus if quota is None else cpus[:max(1, math.ceil(quota))]
+    return cpus if quota is None else max(1, min(cpus, math.ceil(quota)))

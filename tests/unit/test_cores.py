@@ -108,15 +108,35 @@ def test_cpu_quota_from_cgroups(tmp_path, files, proc, quota):
     assert cpu_quota(_tree(tmp_path, files), proc) == quota
 
 
-def test_a_cpu_quota_cuts_the_plan(tmp_path, monkeypatch):
-    """`docker run --cpus 2` on a 16-core host: the plan is the 2 CPUs' plan, not 16 threads throttled on 2."""
+def test_a_cgroup_v1_cpu_controller_mounted_through_a_link_is_read(tmp_path):
+    """Docker and systemd hosts mount v1's `cpu` as a link to `cpu,cpuacct`: the walk up to the mount still runs."""
+    from services.cpus import cpu_quota
+
+    root = _tree(tmp_path, {"cpu,cpuacct/slice/cpu.cfs_quota_us": "200000\n",
+                            "cpu,cpuacct/slice/cpu.cfs_period_us": "100000\n",
+                            "cpu,cpuacct/slice/c1/cpu.cfs_quota_us": "-1\n",
+                            "cpu,cpuacct/slice/c1/cpu.cfs_period_us": "100000\n"})
+    (root / "cpu").symlink_to(root / "cpu,cpuacct")
+    assert cpu_quota(root, "4:cpu,cpuacct:/slice/c1\n") == 2.0
+
+
+def test_a_cpu_quota_sizes_the_threads_and_pins_nothing(tmp_path, monkeypatch):
+    """`docker run --cpus 2` on a 16-core host: the plan is the 2 CPUs' plan in threads, on any of the 16 (pinned to
+    the first two, every such container of the host would share CPUs 0 and 1)."""
     import os
 
-    from services.cpus import usable_cpus
+    from services.cpus import usable_cpu_count
 
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)))
     root = _tree(tmp_path, {"cgroup.controllers": "cpu", "cpu.max": "150000 100000\n"})
-    assert usable_cpus(root, "0::/\n") == (0, 1)
-    assert usable_cpus(tmp_path / "none", "0::/\n") == tuple(range(16))
-    monkeypatch.setattr(cores, "usable_cpus", lambda: usable_cpus(root, "0::/\n"))
-    assert cores.plan(CpusConfig(), 1, 1).describe() == {"learner": "0", "generator-0": "1", "reward-0": "1"}
+    assert usable_cpu_count(root, "0::/\n") == 2
+    assert usable_cpu_count(tmp_path / "none", "0::/\n") == 16
+    monkeypatch.setattr(cores, "cpu_quota", lambda: 1.5)
+    quota_plan = cores.plan(CpusConfig(), 1, 1)
+    assert quota_plan.describe() == {"learner": "any 1", "generator-0": "any 1", "reward-0": "any 1"}
+    assert quota_plan.learner.cpus == tuple(range(16)) and quota_plan.oversubscribed() == []
+    assert cores.generator_env(quota_plan.generators[0]) == {"VLLM_CPU_OMP_THREADS_BIND": "nobind",
+                                                             "OMP_NUM_THREADS": "1"}
+    assert quota_plan.reward[0].nice == cores.REWARD_NICE  # sharing the generators' share, behind them
+    listed = cores.plan(CpusConfig(learner="0-3", generators="4-7", reward="8"), 1, 1)  # the user's CPUs: pinned
+    assert listed.learner.cpus == (0, 1, 2, 3) and listed.learner.pinned
