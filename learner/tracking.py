@@ -36,7 +36,7 @@ SAMPLE_COLUMNS = ["prompt", "response", "reward", "correct"]
 SAMPLES_PER_GROUP = 2  # responses shown per prompt: a few rows per evaluation, not the whole eval set
 # metrics.jsonl fields that are not per-step numbers to plot
 NOT_LOGGED = {"step", "time", "started"}
-TRACKER_WARN_EVERY_S = 300.0  # a tracker down for hours: one warning per 5 minutes, with the count
+TRACKER_PAUSE_S = 300.0  # after a tracker's failure, none of its calls for this long (one warning each time)
 
 
 class TrackerNotInstalled(ConfigError):
@@ -119,7 +119,7 @@ class Tracking:
         with MLflow tags: the earlier run keeps the steps that were trained again, and says so by its successor."""
         self.accelerator = accelerator
         self.names = list(settings.learner.report_to)
-        self.failures, self.warned_at = 0, 0.0
+        self.failures, self.paused_until = 0, 0.0
         if self.names:
             directory = tracking_dir(settings)
             directory.mkdir(parents=True, exist_ok=True)
@@ -137,16 +137,19 @@ class Tracking:
 
     def _failed(self, what: str, err: Exception) -> None:
         """A tracker's error is logged, never raised: metrics.jsonl is the run's record, and a tracking server down
-        (MLflow's client gives up after minutes of retries) must not end the training it only mirrors."""
+        (MLflow's client gives up after minutes of retries) must not end the training it only mirrors, nor hold up
+        every step for those minutes: the trackers are left alone for TRACKER_PAUSE_S after a failure."""
         self.failures += 1
-        if self.failures == 1 or time.monotonic() - self.warned_at >= TRACKER_WARN_EVERY_S:
-            self.warned_at = time.monotonic()
-            log.warning("tracker %s failed (%d failures so far; metrics.jsonl has every step): %s: %s",
-                        what, self.failures, type(err).__name__, err)
+        self.paused_until = time.monotonic() + TRACKER_PAUSE_S
+        log.warning("tracker %s failed (%d failures so far; metrics.jsonl has every step; the trackers get nothing "
+                    "for %.0f s): %s: %s", what, self.failures, TRACKER_PAUSE_S, type(err).__name__, err)
+
+    def _paused(self) -> bool:
+        return time.monotonic() < self.paused_until
 
     def log_step(self, record: dict) -> None:
         """One metrics.jsonl record, at its step."""
-        if self.names:
+        if self.names and not self._paused():
             try:
                 self.accelerator.log(step_values(record), step=record["step"])
             except Exception as err:  # noqa: BLE001 (any tracker's own error type)
@@ -154,6 +157,8 @@ class Tracking:
 
     def log_samples(self, groups: Sequence["ScoredGroup"], step: int) -> None:
         """A few prompts, responses and rewards of an evaluation: a table (W&B, MLflow), text (TensorBoard)."""
+        if self._paused():
+            return
         try:
             self._log_samples(groups, step)
         except Exception as err:  # noqa: BLE001
@@ -174,7 +179,7 @@ class Tracking:
             mlflow.log_dict({"columns": SAMPLE_COLUMNS, "data": rows}, f"{SAMPLES_KEY}/step-{step}.json")
 
     def finish(self) -> None:
-        if self.names:
+        if self.names and not self._paused():  # (a tracker down: its run stays open rather than the exit wait)
             try:
                 self.accelerator.end_training()
             except Exception as err:  # noqa: BLE001

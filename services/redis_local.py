@@ -95,18 +95,24 @@ def seconds_since_outage() -> float:
 
 
 def _retrying_call(attempt: Callable[[], object]):
-    """`attempt` under `retry_redis`, noting when it got through after an outage (`seconds_since_outage`)."""
+    """`attempt` under `retry_redis`, noting when it got through after an outage (`seconds_since_outage`). (A call
+    made while another is retried, the learner freeing a full Redis, leaves the outer call's note as it was.)"""
     global _back_at
-    _outage.seen = False
-    result = retry_redis(attempt)()
-    if _outage.seen:
-        _back_at = time.monotonic()
-    return result
+    outer, _outage.seen = getattr(_outage, "seen", False), False
+    try:
+        result = retry_redis(attempt)()
+        if _outage.seen:
+            _back_at = time.monotonic()
+        return result
+    finally:
+        _outage.seen = outer or _outage.seen
 
 
 def _log_retry(state) -> None:
     err = state.outcome.exception()
-    if isinstance(err, (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError)):
+    # An outage for the consumers' heartbeats too: Redis away, or refusing their writes (full, or its disk full).
+    if isinstance(err, (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError)) or _full(err) \
+            or _cannot_persist(err):
         _outage.seen = True
     if _cannot_persist(err):
         log.warning("Redis cannot persist writes (%s): retrying until its disk takes them again", err)
@@ -119,7 +125,8 @@ def _log_retry(state) -> None:
 
 # A full Redis (maxmemory, noeviction) refuses a write whole: nothing of a refused transaction was applied, nor of
 # a script (refused at its first write), so it is retried like a lost connection; the learner frees Redis meanwhile
-# (`RetryingRedis.on_full`). So is a write Redis cannot persist (its AOF's disk full): MISCONF.
+# (`RetryingRedis.on_full`). So is a write Redis cannot persist (its AOF's disk full): MISCONF. (Nor can the learner's
+# lease be renewed then: past half its TTL the learner exits 74, and resumes once Redis takes writes again.)
 retry_redis = retry(
     retry=retry_if_exception_type((redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError))
     | retry_if_exception(_busy) | retry_if_exception(_full) | retry_if_exception(_cannot_persist),

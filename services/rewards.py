@@ -16,8 +16,8 @@ Soft overlong punishment (Eq. 13), with L_max the longest allowed response (the 
                 = -1                                 if L_max < |y|
 
 It is added to the rule reward, scaled by `reward.overlong_penalty` (the paper uses 1).
-The overlong flag marks a truncated response, so the learner can mask it out of the loss instead
-(overlong filtering, section 3.4).
+The overlong flag marks a truncated response, so the learner can leave it out of the loss instead (overlong
+filtering, section 3.4: learner/trainer.py never runs it).
 """
 
 from __future__ import annotations

@@ -99,3 +99,31 @@ def test_only_a_busy_script_is_retried_as_busy_not_an_existing_group():
                                      "busy running a script. You can only call SCRIPT KILL or SHUTDOWN NOSAVE."))
     assert not _busy(redis.ResponseError("BUSYGROUP Consumer Group name already exists"))  # answered, not retried
     assert not _busy(redis.ConnectionError("BUSY"))
+
+
+@pytest.mark.parametrize("refusal", [
+    redis.ConnectionError("Connection refused"),
+    redis.exceptions.OutOfMemoryError("OOM command not allowed when used memory > 'maxmemory'."),
+    redis.ResponseError("MISCONF Errors writing to the AOF file: No space left on device"),
+])
+def test_the_end_of_an_outage_is_noted_even_when_a_call_is_made_inside_its_retry(monkeypatch, refusal):
+    """Redis away, full or unable to persist refuses the consumers' heartbeats too: the call that gets through
+    after it notes the time (Stream._reclaim waits one visibility timeout from there), also when the learner freed
+    a full Redis with calls of its own inside the retry."""
+    from services import redis_local
+
+    monkeypatch.setattr(redis_local, "_back_at", float("-inf"))
+    monkeypatch.setattr(redis_local.time, "sleep", lambda seconds: None)  # tenacity's wait
+    outcomes = iter([refusal, "nested", "ok"])
+
+    def attempt():
+        outcome = next(outcomes)
+        if outcome == "nested":  # what the learner's on_full hook does on a full Redis: calls of its own
+            redis_local._retrying_call(lambda: "trimmed")
+            raise redis.exceptions.OutOfMemoryError("OOM command not allowed when used memory > 'maxmemory'.")
+        if isinstance(outcome, Exception):
+            raise outcome
+        return outcome
+
+    assert redis_local._retrying_call(attempt) == "ok"
+    assert redis_local.seconds_since_outage() < 60
