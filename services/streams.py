@@ -686,6 +686,7 @@ class Streams:
         self.signers = {role: load_signer(settings, role, self.keyring) for role in signs_as}
         self.dead_dir = Path(settings.run_dir) / "dead-letters"
         self.entry_limits = entry_limits(settings)
+        self._latest_server_ms = 0  # the latest the Redis clock has read here (`future_horizon_ms`)
 
     def signer(self, role: Role, what: str) -> Signer:
         """This process's key of `role`, to sign `what`; KeysError if it does not hold it."""
@@ -946,10 +947,12 @@ class Streams:
         return deleted
 
     def future_horizon_ms(self) -> int:
-        """The newest entry id time (ms) a producer of this system can have made: the server's clock plus
+        """The newest entry id time (ms) a producer of this system can have made: the latest time the server's clock
+        has read in this process (a clock stepped back leaves the ids made before it ahead of it, honest ones) plus
         FUTURE_ID_TOLERANCE_MS. An id past it was chosen by a client (`repair_future_ids` deletes such entries)."""
         seconds, micros = self.redis.time()
-        return int(seconds) * 1000 + int(micros) // 1000 + FUTURE_ID_TOLERANCE_MS
+        self._latest_server_ms = max(self._latest_server_ms, int(seconds) * 1000 + int(micros) // 1000)
+        return self._latest_server_ms + FUTURE_ID_TOLERANCE_MS
 
     def dead_letters_after(self, cursor: str, count: int = 1000) -> tuple[str, list[tuple[str, dict]]]:
         """Dead letters added after entry id `cursor` ("0-0": all), oldest first, as (entry id, raw fields), and

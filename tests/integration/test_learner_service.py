@@ -1680,3 +1680,21 @@ def test_a_release_redis_lost_with_its_last_second_is_done_again_when_the_restar
     service.work._redis_run_id = "a server before the crash"
     service.work.check_redis_restart()
     assert service.redis.xlen(service.work.held.key) == 0
+
+
+def test_tasks_in_flight_survive_a_redis_clock_stepped_back(settings, monkeypatch):
+    """A Redis clock stepped back an hour leaves every entry made before it an hour ahead of the clock: honest,
+    since the learner had read the clock that far; only ids past the latest time it read (and the tolerance) are a
+    client's choice, repaired."""
+    service = LearnerService(settings)
+    service.connect()
+    issue_tasks(service, 1)
+    service.streams.future_horizon_ms()  # the learner's scans read the clock all along
+    seconds, micros = service.redis.time()
+    monkeypatch.setattr(service.streams.redis, "time", lambda: (seconds - 3600, micros))
+    assert service.streams.repair_future_ids(["prompts"]) == []
+    assert service.redis.xlen(service.work.prompts.key) == 1
+    forged = f"{(seconds + 600) * 1000}-0"  # ten minutes past any time the clock read
+    service.redis.xadd(service.work.prompts.key, {b"data": b"junk"}, id=forged)
+    assert service.streams.repair_future_ids(["prompts"]) == ["prompts"]
+    assert service.redis.xlen(service.work.prompts.key) == 1
