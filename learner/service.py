@@ -682,18 +682,17 @@ class LearnerService:
         """Whether the step under way is the run's last: total_steps, a stop asked for, or learner.time_limit_minutes
         that the training clock will pass if this step takes as long as the one before (a wrong guess costs only
         the next step's overlap; pushed, a whole step of prompts would be generated for no step of this process)."""
-        if self.step + 1 >= self.cfg.total_steps or self.stopping.is_set():
-            return True
+        return self.step + 1 >= self.cfg.total_steps or self.stopping.is_set() or self.over_time(self.last_step_seconds)
+
+    def over_time(self, ahead: float = 0.0) -> bool:
+        """learner.time_limit_minutes of training (evaluations excluded) in this process, `ahead` seconds from now."""
         limit = self.cfg.time_limit_minutes
         trained = time.monotonic() - self.train_started - self.eval_seconds
-        return limit > 0 and trained + self.last_step_seconds >= 60.0 * limit
+        return limit > 0 and trained + ahead >= 60.0 * limit
 
     def finished(self) -> bool:
-        """total_steps reached, or learner.time_limit_minutes of training (evaluations excluded) in this process."""
-        limit = self.cfg.time_limit_minutes
-        trained = time.monotonic() - self.train_started - self.eval_seconds
-        over_time = limit > 0 and trained >= 60.0 * limit
-        return self.step >= self.cfg.total_steps or over_time
+        """total_steps reached, or learner.time_limit_minutes of training in this process (`over_time`)."""
+        return self.step >= self.cfg.total_steps or self.over_time()
 
     def checkpoint_if_new(self) -> None:
         if self.trainer is not None and self.last_checkpoint_step != self.step:

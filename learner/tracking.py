@@ -15,7 +15,7 @@ import importlib.util
 import logging
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 from services.config import ConfigError
 
@@ -144,29 +144,27 @@ class Tracking:
         log.warning("tracker %s failed (%d failures so far; metrics.jsonl has every step; the trackers get nothing "
                     "for %.0f s): %s: %s", what, self.failures, TRACKER_PAUSE_S, type(err).__name__, err)
 
-    def _paused(self) -> bool:
-        return time.monotonic() < self.paused_until
+    def _call(self, what: str, call: Callable[[], object]) -> None:
+        """`call` to the trackers unless they are paused after a failure (`_failed`)."""
+        if not self.names or time.monotonic() < self.paused_until:
+            return
+        try:
+            call()
+        except Exception as err:  # noqa: BLE001 (any tracker's own error type)
+            self._failed(what, err)
 
     def log_step(self, record: dict) -> None:
         """One metrics.jsonl record, at its step."""
-        if self.names and not self._paused():
-            try:
-                self.accelerator.log(step_values(record), step=record["step"])
-            except Exception as err:  # noqa: BLE001 (any tracker's own error type)
-                self._failed(f"step {record['step']}", err)
+        self._call(f"step {record['step']}",
+                   lambda: self.accelerator.log(step_values(record), step=record["step"]))
 
     def log_samples(self, groups: Sequence["ScoredGroup"], step: int) -> None:
         """A few prompts, responses and rewards of an evaluation: a table (W&B, MLflow), text (TensorBoard)."""
-        if self._paused():
-            return
-        try:
-            self._log_samples(groups, step)
-        except Exception as err:  # noqa: BLE001
-            self._failed(f"samples of step {step}", err)
+        self._call(f"samples of step {step}", lambda: self._log_samples(groups, step))
 
     def _log_samples(self, groups: Sequence["ScoredGroup"], step: int) -> None:
         rows = sample_rows(groups)
-        if not self.names or not rows or not self.accelerator.is_main_process:
+        if not rows or not self.accelerator.is_main_process:
             return
         if "wandb" in self.names:
             self.accelerator.get_tracker("wandb").log_table(SAMPLES_KEY, columns=SAMPLE_COLUMNS, data=rows, step=step)
@@ -179,8 +177,4 @@ class Tracking:
             mlflow.log_dict({"columns": SAMPLE_COLUMNS, "data": rows}, f"{SAMPLES_KEY}/step-{step}.json")
 
     def finish(self) -> None:
-        if self.names and not self._paused():  # (a tracker down: its run stays open rather than the exit wait)
-            try:
-                self.accelerator.end_training()
-            except Exception as err:  # noqa: BLE001
-                self._failed("finish", err)
+        self._call("finish", self.accelerator.end_training)  # (paused, a tracker down: its run stays open)
