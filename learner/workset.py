@@ -54,6 +54,7 @@ from services.config import LearnerConfig, RewardConfig
 from services.messages import PromptTask, RolloutGroup, ScoredGroup, from_wire
 from services.rewards import score_error
 from services.streams import (
+    CONSUMER_GROUPS,
     FIELD,
     FUTURE_ID_TOLERANCE_MS,
     ISSUED,
@@ -83,7 +84,8 @@ RUN_STREAMS = ("prompts", "rollouts", "scored", "dead", HELD)
 # The streams a worker may add to (on Redis 6.2, which has no ACL selectors, its whole role's keys): those alone can
 # hold an id a client chose. `held` is the learner's alone, written with XADD *: a clock stepped back makes its
 # entries look dated in the future, and deleting them would lose groups in hand (`Streams.repair_future_ids`).
-WORKER_WRITTEN_STREAMS = ("prompts", "rollouts", "scored", "dead")
+STAGE_STREAMS = tuple(CONSUMER_GROUPS)  # prompts, rollouts, scored: each read by a stage through its consumer group
+WORKER_WRITTEN_STREAMS = (*STAGE_STREAMS, "dead")
 DROP_KINDS = ("uninformative", "stale", "duplicate")
 
 
@@ -314,8 +316,8 @@ class WorkingSet:
         its dead letters stay."""
         pipe = self.redis.pipeline(transaction=True)
         pipe.delete(self.cursor_key, self.issued_key, entry_ids_key(self.issued_key), self.suspects_key, self.held.key)
-        for key in (self.prompts.key, self.streams.key("rollouts"), self.scored.key):
-            pipe.xtrim(key, maxlen=0)
+        for name in STAGE_STREAMS:
+            pipe.xtrim(self.streams.key(name), maxlen=0)
         pipe.execute()
 
     def flush_outbox(self) -> None:
@@ -367,8 +369,8 @@ class WorkingSet:
         if time.monotonic() - self._repaired_at >= REPAIR_SCAN_SECONDS:
             self._repaired_at = time.monotonic()
             self.streams.repair_future_ids(WORKER_WRITTEN_STREAMS)
-            self.streams.delete_orphans(("prompts", "rollouts", "scored"))
-            self.streams.sweep_groups(("prompts", "rollouts", "scored"))
+            self.streams.delete_orphans(STAGE_STREAMS)
+            self.streams.sweep_groups(STAGE_STREAMS)
             self.weigh_keys()
 
     def handle(self, delivery: Delivery[ScoredGroup]) -> None:
