@@ -83,6 +83,7 @@ def _cannot_persist(err: BaseException) -> bool:
 
 
 _back_at = float("-inf")  # time.monotonic() when a command of this process last got through after an outage
+_met_at = float("inf")  # time.monotonic() when the first command of this process got through (inf: none yet)
 _outage = threading.local()  # .seen: the command this thread is retrying found Redis unreachable
 
 
@@ -94,15 +95,23 @@ def seconds_since_outage() -> float:
     return time.monotonic() - _back_at
 
 
+def seconds_since_first_contact() -> float:
+    """Seconds since the first command of this process got through (-inf: none yet). A process that has just met
+    Redis cannot tell an outage it did not live through (a restart just before it started): until the live
+    consumers' next heartbeats, their entries may look as idle as that outage was long."""
+    return time.monotonic() - _met_at
+
+
 def _retrying_call(attempt: Callable[[], object]):
     """`attempt` under `retry_redis`, noting when it got through after an outage (`seconds_since_outage`). (A call
     made while another is retried, the learner freeing a full Redis, leaves the outer call's note as it was.)"""
-    global _back_at
+    global _back_at, _met_at
     outer, _outage.seen = getattr(_outage, "seen", False), False
     try:
         result = retry_redis(attempt)()
         if _outage.seen:
             _back_at = time.monotonic()
+        _met_at = min(_met_at, time.monotonic())
         return result
     finally:
         _outage.seen = outer or _outage.seen

@@ -63,7 +63,7 @@ from services.messages import (
     from_wire,
     to_wire,
 )
-from services.redis_local import retrying, seconds_since_outage
+from services.redis_local import retrying, seconds_since_first_contact, seconds_since_outage
 
 log = logging.getLogger(__name__)
 
@@ -381,18 +381,25 @@ class Stream(Generic[M]):
         return self._admit(consumer, _entries(reply), known_counts=False)
 
     def _reclaim(self, consumer: str, count: int) -> list[tuple[bytes, dict]]:
-        if seconds_since_outage() < self.cfg.visibility_timeout_s:
-            # Back from an outage: the entries live consumers hold look as idle as it was long until their next
-            # heartbeat (Redis dates a delivery, and keeps the date through a restart). Taken now, their work would
-            # be done twice and count a delivery more; a dead consumer's entries are taken a timeout later.
-            return []
         min_idle = int(self.cfg.visibility_timeout_s * 1000)
-        # One XAUTOCLAIM looks at 10 x count pending entries: go on from where the last one stopped (it returns
-        # 0-0 at the end), or a dead consumer's entries behind many live ones would wait for those to be acked.
-        # Which of them were handed back on purpose (RELEASED's), read first: those are no consumer's death.
+        # Which pending entries were handed back on purpose (RELEASED's), read first: those are no consumer's death.
         released = {row["message_id"] for row in self._grouped(
             self.redis.xpending_range, self.key, self.group, min="-", max="+", count=10 * count, idle=min_idle,
             consumername=RELEASED)}
+        if seconds_since_outage() < self.cfg.visibility_timeout_s \
+                or seconds_since_first_contact() < self.cfg.visibility_timeout_s / 2:
+            # Back from an outage, or just started after one this process cannot know of: the entries live
+            # consumers hold look as idle as it was long until their next heartbeat (Redis dates a delivery, and
+            # keeps the date through a restart; heartbeats come at least every third of the timeout: `touch`).
+            # Taken now, their work would be done twice and count a delivery more; so only hand-backs are taken,
+            # and a dead consumer's entries a timeout later (half of one after a start).
+            claimed = [(eid, fields) for eid, fields in self._grouped(
+                self.redis.xclaim, self.key, self.group, consumer, min_idle, sorted(released)[:count]) if fields] \
+                if released else []
+            metrics.STREAM_RELEASED.labels(self.name).inc(len(claimed))
+            return claimed
+        # One XAUTOCLAIM looks at 10 x count pending entries: go on from where the last one stopped (it returns
+        # 0-0 at the end), or a dead consumer's entries behind many live ones would wait for those to be acked.
         reply = self._grouped(self.redis.xautoclaim, self.key, self.group, consumer, min_idle, self._reclaim_from,
                               count=count)
         self._reclaim_from = reply[0]
@@ -493,7 +500,8 @@ class Stream(Generic[M]):
     def touch(self, consumer: str, entry_ids: list[str]) -> int:
         """Heartbeat: reset the idle time of entries `consumer` still owns. Returns how many it owns.
 
-        Call it more often than the visibility timeout while work on those entries is under way. A missed
+        Call it at least every third of the visibility timeout while work on those entries is under way (a consumer
+        back from an outage, or just started, waits for these heartbeats before it reclaims: `_reclaim`). A missed
         heartbeat only risks a reclaim, and forward() then drops the late duplicate.
         """
         if not entry_ids:

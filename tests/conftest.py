@@ -116,8 +116,10 @@ def _test_process_stays_dumpable(monkeypatch):
 
 @pytest.fixture(autouse=True)
 def _no_outage_of_an_earlier_test(monkeypatch):
-    """The end of the last Redis outage is this process's (services.redis_local.seconds_since_outage): one test's
-    restarted server must not hold off the reclaims of the next."""
+    """The end of the last Redis outage, and the first contact with Redis, are this process's
+    (services.redis_local.seconds_since_outage, seconds_since_first_contact): one test's restarted server must not
+    hold off the reclaims of the next, nor the first test's server those of the tests that just started it."""
     from services import redis_local
 
     monkeypatch.setattr(redis_local, "_back_at", float("-inf"))
+    monkeypatch.setattr(redis_local, "_met_at", float("-inf"))

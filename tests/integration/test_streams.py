@@ -822,3 +822,39 @@ def test_entries_live_consumers_hold_are_not_reclaimed_right_after_an_outage(red
     thief._reclaimed_at = float("-inf")
     assert [d.id for d in thief.consume("thief", count=2, block_ms=10)] == [dead.id]
     assert prompts.ack(live)
+
+
+def test_a_process_that_just_met_redis_takes_hand_backs_at_once_and_others_entries_after_their_heartbeats(
+        streams, monkeypatch):
+    """A process started just after a Redis restart cannot know of it: the entries live consumers hold may look
+    as idle as the outage was long. For half a visibility timeout after its first contact (the owners' heartbeats
+    come every third of one) it takes only what was handed back; after an outage, the same."""
+    from services import redis_local
+
+    prompts = streams.stream("prompts", PromptTask)
+    for i in range(3):
+        prompts.produce(task(i))
+    (held,) = prompts.consume("owner", count=1)
+    (returned,) = prompts.consume("owner", count=1)
+    prompts.release(returned, retake=False)
+    timeout = prompts.cfg.visibility_timeout_s
+    time.sleep(timeout * 1.1)  # the owner's entry now looks abandoned (it might be Redis' restart that says so)
+    newcomer = streams.stream("prompts", PromptTask)
+    monkeypatch.setattr(redis_local, "_met_at", time.monotonic())
+    taken = newcomer.consume("newcomer", count=3, block_ms=10)
+    assert returned.id in [d.id for d in taken] and held.id not in [d.id for d in taken]
+    monkeypatch.setattr(redis_local, "_met_at", time.monotonic() - timeout / 2)
+    newcomer._reclaimed_at = float("-inf")
+    assert [d.id for d in newcomer.consume("newcomer", count=1, block_ms=10)] == [held.id]
+
+
+def test_a_hand_back_is_taken_at_once_after_an_outage(streams, monkeypatch):
+    from services import redis_local
+
+    prompts = streams.stream("prompts", PromptTask)
+    prompts.produce(task(0))
+    (held,) = prompts.consume("owner", count=1)
+    prompts.release(held, retake=False)
+    monkeypatch.setattr(redis_local, "_back_at", time.monotonic())
+    other = streams.stream("prompts", PromptTask)
+    assert [d.id for d in other.consume("other", count=1, block_ms=10)] == [held.id]
