@@ -29,11 +29,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
+from services.config import TINY_NAME
 from services.data import SyntheticTask, render_prompt
 from services.models import (
     BUILD_INFO,
     BUILD_VERSION,
-    TINY_NAME,
     resolve_pretrained,
     shipped_tiny_applies,
     tiny_cache_key,

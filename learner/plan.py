@@ -142,7 +142,8 @@ def model_config(settings):
     else the shipped copy, else the hub's config.json alone (from the cache when HF_HUB_OFFLINE is set)."""
     from transformers import AutoConfig
 
-    from services.models import TINY_NAME, ModelNotAvailable, hf_cache_dir, model_dir
+    from services.config import TINY_NAME
+    from services.models import ModelNotAvailable, hf_cache_dir, model_dir
 
     name = settings.model.name_or_path
     if name == TINY_NAME or Path(name).expanduser().is_dir():

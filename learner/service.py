@@ -44,13 +44,13 @@ from learner.redis_budget import MB, held_budget, largest_group_bytes, memory_pr
 from learner.workset import RUN_STREAMS, WorkingSet
 from services import metrics
 from services.broadcast import Broadcaster, newest_streamed
-from services.config import ConfigError, Settings, default_max_model_len
+from services.config import TINY_NAME, ConfigError, Settings, default_max_model_len
 from services.data import DataError, Problem, check_alphabet, load_problems, render_prompt, shared_problems
 from services.errors import ExitCode, Unavailable
 from services.http import BackgroundServer, callers, create_app, server_options
 from services.keys import load_signer
 from services.messages import PromptTask, SamplingParams
-from services.models import TINY_NAME, model_dir, safe_decode
+from services.models import model_dir, safe_decode
 from services.redis_local import connect, retrying, wait_for_redis
 from services.startup import raise_stopped
 from services.streams import Streams

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any, Literal, Mapping
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, Secret, SecretStr, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, Secret, SecretStr, ValidationError, field_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, SettingsError
 
 # The presets ship inside the package (a folder: the packages install unzipped, editable or from the wheel).
@@ -37,6 +37,7 @@ CONFIG_DIR = Path(str(resources.files("services") / "configs"))
 DEFAULT_PRESET = "tiny-cpu"
 log = logging.getLogger(__name__)
 
+TINY_NAME = "tiny"  # model.name_or_path of the embedded default, which the project builds itself (services/models.py)
 DEFAULT_TOKEN = "change-me"  # the presets' placeholder: accepted on loopback only (services.http.check_token)
 
 
@@ -70,17 +71,37 @@ def secret_fields(model: BaseModel) -> dict:
     return tree
 
 
-def secret_variables(model: type[BaseModel] | None = None, prefix: str = "DAPO_") -> set[str]:
-    """The environment variables that may carry a secret: one per field typed `SecretStr` or `Secret` (upper case)."""
-    names: set[str] = set()
+def secret_paths(model: type[BaseModel] | None = None) -> set[tuple[str, ...]]:
+    """The paths of the fields typed `SecretStr` or `Secret`, e.g. ("redis", "password")."""
+    paths: set[tuple[str, ...]] = set()
     for name, field in (model or Settings).model_fields.items():
         kinds = [field.annotation, *typing.get_args(field.annotation)]
         kinds += [typing.get_origin(kind) for kind in kinds]  # Secret[str] is a generic alias of Secret
         if any(isinstance(kind, type) and issubclass(kind, (Secret, SecretStr)) for kind in kinds):
-            names.add(f"{prefix}{name}".upper())
+            paths.add((name,))
         elif _is_section(field.annotation):
-            names |= secret_variables(field.annotation, f"{prefix}{name}__")
-    return names
+            paths |= {(name, *inner) for inner in secret_paths(field.annotation)}
+    return paths
+
+
+def secret_variables() -> set[str]:
+    """The environment variables that may carry a secret: one per field typed `SecretStr` or `Secret` (upper case)."""
+    return {"DAPO_" + "__".join(path).upper() for path in secret_paths()}
+
+
+REDACTED = str(SecretStr("x"))  # how a dump shows a secret (`dump_settings`): never the secret itself
+
+
+def without_redacted(layer: dict) -> dict:
+    """`layer` less the secrets it shows redacted (a run's config.yaml read back): those come from the environment
+    or are unset, never the mask itself taken as a token anyone can guess."""
+    for *sections, name in secret_paths():
+        tree = layer
+        for section in sections:
+            tree = tree.get(section) if isinstance(tree, dict) else None
+        if isinstance(tree, dict) and tree.get(name) == REDACTED:
+            del tree[name]
+    return layer
 
 
 def names_a_field(variable: str) -> bool:
@@ -90,8 +111,20 @@ def names_a_field(variable: str) -> bool:
     return name.startswith("DAPO_") and name[len("DAPO_"):].split("__", 1)[0].lower() in Settings.model_fields
 
 
+def from_switch(value: Any, on: str) -> Any:
+    """A switch word as the setting's own: YAML reads on / off (yes / no, true / false) as booleans, the environment
+    gives them as text; each means `on` or "off". Other values are left to the field's validation."""
+    word = str(value).lower() if isinstance(value, (bool, str)) else None
+    if word in ("true", "yes", "on"):
+        return on
+    if word in ("false", "no", "off"):
+        return "off"
+    return value
+
+
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # coerce_numbers_to_str: a name YAML reads as a number (`redis.run: 2024`, `cpus.learner: 3`) is still a name.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, coerce_numbers_to_str=True)
 
 
 class RedisConfig(Section):
@@ -164,7 +197,7 @@ class StreamsConfig(Section):
 
 
 class ModelConfig(Section):
-    name_or_path: str = Field("tiny", description="HF model id or folder; `tiny` = the embedded bootstrap model.")
+    name_or_path: str = Field(TINY_NAME, description="HF model id or folder; `tiny` = the embedded bootstrap model.")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="Parameter dtype: auto = bfloat16 on GPU, float32 on CPU (paper: bf16)."
     )
@@ -324,12 +357,6 @@ class GeneratorConfig(Section):
         "generator hands back its tasks and exits for its supervisor to restart it (its heartbeat would hold them)."
     )
 
-    @model_validator(mode="after")
-    def _in_process_engine_is_one_worker(self) -> "GeneratorConfig":
-        if self.in_process_engine and self.tensor_parallel_size > 1:
-            raise ValueError("generator.in_process_engine runs one model worker: it needs tensor_parallel_size 1")
-        return self
-
 
 class WeightsConfig(Section):
     transport: Literal["http", "shared-fs", "collective"] = Field(
@@ -380,11 +407,10 @@ class WeightsConfig(Section):
         "the TCP chain. Off: every generator takes the chain."
     )
 
-    @model_validator(mode="after")
-    def _shared_dir_for_shared_fs(self) -> "WeightsConfig":
-        if self.transport == "shared-fs" and not self.shared_dir:
-            raise ValueError("weights.transport shared-fs needs weights.shared_dir")
-        return self
+    @field_validator("verify", mode="before")
+    @classmethod
+    def _verify_from_switch(cls, value: Any) -> Any:
+        return from_switch(value, on="full")
 
 
 class RewardConfig(Section):
@@ -486,7 +512,10 @@ class LossConfig(Section):
     overlong_filter: bool = Field(False, description="Mask truncated responses out of the loss.")
     kl_coef: float = Field(0.0, ge=0, description="KL penalty to the reference (paper: 0, removed).")
     entropy_coef: float = Field(0.0, ge=0, description="Entropy bonus (paper: 0).")
-    adv_eps: float = Field(1e-6, ge=0, description="epsilon added to the group std in the advantage.")
+    adv_eps: float = Field(
+        1e-6, gt=0, description="epsilon added to the group std in the advantage (above 0: a group whose rewards are "
+        "all equal gets advantage 0, not 0/0)."
+    )
     tis_cap: float | None = Field(
         2.0, gt=0, description="Truncated importance weight cap for behaviour/learner mismatch (null: no weight, "
         "the paper's verl recipe, which trusts the recomputed pi_old alone)."
@@ -558,9 +587,13 @@ class ComputeConfig(Section):
 
     @field_validator("gradient_checkpointing", mode="before")
     @classmethod
-    def _checkpointing_from_bool(cls, value: Any) -> Any:
-        """true / false (the setting was a switch before selective checkpointing) mean full / off."""
-        return {True: "full", False: "off"}.get(value, value) if isinstance(value, bool) else value
+    def _checkpointing_from_switch(cls, value: Any) -> Any:
+        return from_switch(value, on="full")  # the setting was a switch before selective checkpointing
+
+    @field_validator("packing", mode="before")
+    @classmethod
+    def _packing_from_switch(cls, value: Any) -> Any:
+        return from_switch(value, on="on")
 
 
 class LearnerCheckpointsConfig(Section):
@@ -698,7 +731,7 @@ class Settings(BaseSettings):
 
     model_config = SettingsConfigDict(
         env_prefix="DAPO_", env_nested_delimiter="__", env_parse_none_str="null", extra="forbid",
-        validate_assignment=True,
+        validate_assignment=True, coerce_numbers_to_str=True,
     )
 
     run_dir: str = Field("runs/default", description="Run folder: metrics.jsonl, checkpoints, weights, plots.")
@@ -793,17 +826,40 @@ def resolve_preset(preset: str | os.PathLike | None) -> Path:
     return path
 
 
+class _PresetLoader(yaml.SafeLoader):
+    """yaml.safe_load's reading, but a key given twice in one mapping is an error, not the last one winning: a
+    section repeated further down would silently replace the whole section above it."""
+
+    def construct_mapping(self, node, deep=False):
+        seen: dict = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            if not isinstance(key, str):
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key {key!r} is not a name (YAML reads on/off, yes/no and numbers as values: quote "
+                    "it)", key_node.start_mark)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key {key!r} is given twice (first on line {seen[key] + 1}): the second would "
+                    "replace the first whole", key_node.start_mark)
+            seen[key] = key_node.start_mark.line
+        return super().construct_mapping(node, deep=deep)
+
+
 def read_preset(preset: str | os.PathLike | None, _seen: tuple[Path, ...] = ()) -> list[tuple[Path, dict]]:
     """The YAML layers of a preset, the `base:` it extends first (ablations extend a recipe)."""
     path = resolve_preset(preset)
     if path in _seen:
         raise ConfigError(f"{path}: `base:` chain loops back to itself")
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        data = yaml.load(path.read_text(), Loader=_PresetLoader)  # noqa: S506 (a SafeLoader)
     except yaml.YAMLError as err:
         raise ConfigError(f"{path}: not valid YAML: {err}") from None
     except (OSError, UnicodeDecodeError) as err:
         raise ConfigError(f"{path}: cannot be read as a UTF-8 YAML file ({err})") from None
+    if data is None:
+        raise ConfigError(f"{path}: is empty (a preset sets what differs from the defaults, or extends one with "
+                          "`base: tiny-cpu`)")
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: top level must be a mapping")
     base = data.pop("base", None)
@@ -824,7 +880,7 @@ def load_settings(preset: str | os.PathLike | None = None, *, origin: str = "ove
         log.warning("%s sets nothing (%s; a section's field takes two underscores)", name, meant)
     data: dict = {}
     for _, layer in layers:
-        _deep_update(data, moved_keys(layer))
+        _deep_update(data, without_redacted(moved_keys(layer)))
     try:
         settings = Settings(**data)  # the environment beats the YAML
         for key, value in moved_keys(overrides).items():
@@ -937,9 +993,25 @@ def settings_conflicts(settings: Settings) -> list[str]:
         conflicts.append(f"generator.logprobs_mode raw_logprobs gives the logprobs before sampling.temperature "
                          f"{settings.sampling.temperature}, and the learner compares them with the tempered "
                          "distribution the responses were sampled from: set processed_logprobs")
-    if settings.learner.batch.dynamic_sampling and settings.sampling.n < 2:
-        conflicts.append(f"learner.batch.dynamic_sampling keeps groups whose responses score differently: sampling.n "
-                         f"{settings.sampling.n} has none (set n >= 2, or dynamic_sampling false)")
+    batch, loss = settings.learner.batch, settings.learner.loss
+    if settings.sampling.n < 2 and (batch.dynamic_sampling or loss.kl_coef == loss.entropy_coef == 0):
+        conflicts.append(f"sampling.n {settings.sampling.n}: a group of one response has advantage 0 (Eq. 9 "
+                         "normalises within the group) and no response scoring otherwise (dynamic sampling): nothing "
+                         "would be learned (set n >= 2)")
+    if batch.oversample_min > batch.oversample_max:
+        conflicts.append(f"learner.batch.oversample_min {batch.oversample_min} is above oversample_max "
+                         f"{batch.oversample_max}")
+    if settings.weights.transport == "shared-fs" and not settings.weights.shared_dir:
+        conflicts.append("weights.transport shared-fs needs weights.shared_dir (the folder learner and generators "
+                         "share)")
+    if settings.generator.in_process_engine and settings.generator.tensor_parallel_size > 1:
+        conflicts.append(f"generator.in_process_engine runs one model worker: tensor_parallel_size "
+                         f"{settings.generator.tensor_parallel_size} needs in_process_engine false")
+    if settings.model.name_or_path == TINY_NAME and default_max_model_len(settings) > settings.tiny.max_position:
+        conflicts.append(f"the tiny model's context (tiny.max_position {settings.tiny.max_position}) cannot hold "
+                         f"generator.max_model_len {default_max_model_len(settings)} (max_prompt_tokens + the longest "
+                         "max_tokens, unless set): vLLM would refuse to start (lower sampling.max_tokens and "
+                         "generator.max_prompt_tokens, or start from the tiny-cpu preset)")
     if settings.reward.soft_overlong and settings.reward.overlong_buffer >= settings.sampling.max_tokens:
         conflicts.append(f"reward.overlong_buffer {settings.reward.overlong_buffer} is not below sampling.max_tokens "
                          f"{settings.sampling.max_tokens}: the soft overlong punishment (Eq. 13) would start at the "
@@ -950,7 +1022,6 @@ def settings_conflicts(settings: Settings) -> list[str]:
     if settings.weights_token is not None and settings.weights_token == settings.token:
         conflicts.append("weights_token equals token: generators would hold the operator's token, which opens every "
                          "endpoint (leave weights_token unset, or make it another one)")
-    batch, loss = settings.learner.batch, settings.learner.loss
     if batch.max_staleness > 0 and loss.tis_cap is None and not batch.uncorrected_staleness:
         conflicts.append(f"learner.batch.max_staleness {batch.max_staleness} trains groups sampled by an older "
                          "policy, and learner.loss.tis_cap null gives them no behaviour correction: set tis_cap (e.g. "

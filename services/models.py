@@ -18,13 +18,13 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from services.config import TINY_NAME
 from services.data import SyntheticTask
 from services.errors import Unavailable
 
 if TYPE_CHECKING:  # pragma: no cover
     from services.config import Settings
 
-TINY_NAME = "tiny"
 # Bump when the build procedure changes, so stale cached folders are not reused.
 BUILD_VERSION = 1
 BUILD_INFO = "dapo_tiny.json"  # written last: its presence marks a complete folder

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import hashlib
 import re
 
 import pytest
 
-from services.config import CONFIG_DIR, ConfigError, Settings, dump_settings, load_settings
+from services.config import CONFIG_DIR, DEFAULT_TOKEN, ConfigError, Settings, dump_settings, load_settings
 
 
 @pytest.mark.parametrize("preset", sorted(str(p.relative_to(CONFIG_DIR).with_suffix(""))
@@ -199,7 +200,13 @@ def test_a_token_that_cannot_travel_in_an_http_header_is_refused(token, monkeypa
 @pytest.mark.parametrize("overrides,conflict", [
     ({"sampling": {"max_tokens": 256}, "reward": {"overlong_buffer": 16}}, "sampling.max_tokens 256 leaves no room"),
     ({"eval_sampling": {"max_tokens": 300}}, "eval_sampling.max_tokens 300 leaves no room"),
-    ({"sampling": {"n": 1}}, "sampling.n 1 has none"),
+    ({"sampling": {"n": 1}}, "sampling.n 1: a group of one response has advantage 0"),
+    ({"sampling": {"n": 1}, "learner": {"batch": {"dynamic_sampling": False}}}, "sampling.n 1: a group of one"),
+    ({"learner": {"batch": {"oversample_min": 3.0, "oversample_max": 2.0}}}, "oversample_min 3.0 is above"),
+    ({"weights": {"transport": "shared-fs"}}, "shared-fs needs weights.shared_dir"),
+    ({"generator": {"in_process_engine": True, "tensor_parallel_size": 2}}, "tensor_parallel_size 2 needs"),
+    ({"sampling": {"max_tokens": 400}, "generator": {"max_model_len": 1024}},
+     "tiny.max_position 512) cannot hold generator.max_model_len 1024"),
     ({"reward": {"overlong_buffer": 64}}, "reward.overlong_buffer 64 is not below sampling.max_tokens 64"),
     ({"learner": {"compute": {"sequence_parallel": 2, "packing": "off"}}}, "packing off leaves none"),
     ({"token": "t" * 32, "weights_token": "t" * 32}, "weights_token equals token"),
@@ -216,9 +223,16 @@ def test_an_intermediate_override_may_conflict_if_the_final_settings_do_not():
     # max_tokens first (past the preset's 256-token context), then the context that makes room for it
     settings = load_settings("tiny-cpu", sampling={"max_tokens": 400}, generator={"max_model_len": 512})
     assert (settings.sampling.max_tokens, settings.generator.max_model_len) == (400, 512)
-    assert load_settings("tiny-cpu", sampling={"n": 1}, learner={"batch": {"dynamic_sampling": False}}).sampling.n == 1
     assert load_settings("tiny-cpu",
                          reward={"overlong_buffer": 64, "soft_overlong": False}).reward.overlong_buffer == 64
+
+
+def test_a_section_check_waits_for_every_source(monkeypatch):
+    """The environment sets one half of a pair, --set the other: checked once both are in."""
+    monkeypatch.setenv("DAPO_WEIGHTS__TRANSPORT", "shared-fs")
+    monkeypatch.setenv("DAPO_GENERATOR__TENSOR_PARALLEL_SIZE", "2")
+    settings = load_settings("tiny-cpu", weights={"shared_dir": "/w"}, generator={"in_process_engine": False})
+    assert (settings.weights.shared_dir, settings.generator.tensor_parallel_size) == ("/w", 2)
 
 
 def test_a_list_variable_that_is_not_json_and_a_set_value_that_is_not_yaml_are_one_line_errors(monkeypatch, capsys):
@@ -256,6 +270,65 @@ def test_gradient_checkpointing_takes_a_mode_and_the_old_switch():
         assert compute.gradient_checkpointing == mode
     with pytest.raises(ConfigError, match="gradient_checkpointing"):
         load_settings("tiny-cpu", learner={"compute": {"gradient_checkpointing": "some"}})
+
+
+def test_switch_words_mean_the_settings_own_words_from_yaml_and_the_environment(tmp_path, monkeypatch):
+    """YAML reads on / off as booleans (`packing: on`, as the project's own messages say to set it), the
+    environment gives true / false as text: each is the setting's on or off. A number YAML reads where a name is
+    meant is still the name."""
+    preset = tmp_path / "p.yaml"
+    preset.write_text("base: tiny-cpu\nlearner:\n  compute:\n    packing: on\nweights:\n  verify: off\n"
+                      "redis:\n  run: 2024\n")
+    settings = load_settings(preset)
+    assert (settings.learner.compute.packing, settings.weights.verify, settings.redis.run) == ("on", "off", "2024")
+    monkeypatch.setenv("DAPO_LEARNER__COMPUTE__GRADIENT_CHECKPOINTING", "true")
+    monkeypatch.setenv("DAPO_LEARNER__COMPUTE__PACKING", "false")
+    compute = load_settings("tiny-cpu", weights={"verify": True}).learner.compute
+    assert (compute.gradient_checkpointing, compute.packing) == ("full", "off")
+    assert load_settings("tiny-cpu", weights={"verify": True}).weights.verify == "full"
+
+
+@pytest.mark.parametrize("text,error", [
+    ("base: tiny-cpu\nlearner:\n  total_steps: 5\nlearner:\n  total_steps: 6\n",
+     "key 'learner' is given twice \\(first on line 2\\)"),
+    ("base: tiny-cpu\nlearner:\n  loss:\n    clip_low: 0.1\n    clip_low: 0.2\n", "key 'clip_low' is given twice"),
+    ("base: tiny-cpu\n2024: x\n", "key 2024 is not a name"),
+    ("on: true\n", "key True is not a name"),
+    ("", "is empty"),
+    ("# nothing but a comment\n", "is empty"),
+])
+def test_a_preset_that_would_lose_or_hide_what_it_says_is_refused(tmp_path, text, error):
+    """A section given twice would replace the first whole, silently (yaml's last one wins); a key YAML reads as a
+    value cannot name a field; an empty file would run the bare defaults, which do not work together."""
+    preset = tmp_path / "p.yaml"
+    preset.write_text(text)
+    with pytest.raises(ConfigError, match=error):
+        load_settings(preset)
+
+
+def test_a_runs_config_yaml_reads_back_with_its_secrets_from_the_environment(tmp_path, monkeypatch):
+    """run_dir/config.yaml shows the secrets redacted: read back, the mask is never taken for the secret itself."""
+    from learner.records import Records
+
+    settings = load_settings("tiny-cpu", run_dir=str(tmp_path), token="a-long-enough-secret",
+                             token_sha256=hashlib.sha256(b"a-long-enough-secret").hexdigest(),
+                             redis={"password": "pw"})
+    Records.write_config(settings)
+    assert "**********" in (tmp_path / "config.yaml").read_text()
+    back = load_settings(tmp_path / "config.yaml")
+    assert back.token.get_secret_value() == DEFAULT_TOKEN and back.token_sha256 is None and back.redis.password is None
+    monkeypatch.setenv("DAPO_TOKEN", "a-long-enough-secret")
+    assert load_settings(tmp_path / "config.yaml").token.get_secret_value() == "a-long-enough-secret"
+
+
+def test_dapo_run_refuses_shard_groups_that_do_not_divide_its_learner_processes(tmp_path):
+    from cli.launcher import main
+
+    settings = load_settings("tiny-cpu", run_dir=str(tmp_path),
+                             learner={"compute": {"fsdp": True, "fsdp_shard_ranks": 2}})
+    with pytest.raises(ConfigError, match="fsdp_shard_ranks 2 must divide the learner's processes"):
+        main(settings, learner_procs=3, display=False)
+    assert not any(tmp_path.iterdir())
 
 
 def test_a_moved_key_still_loads_with_one_line_naming_the_new_one(caplog, monkeypatch):
@@ -384,6 +457,7 @@ def test_a_raw_template_without_its_one_problem_field_is_refused_at_load(templat
     ({"learner": {"batch": {"max_refills": -1}}}, "learner.batch.max_refills"),
     ({"learner": {"optimizer": {"lr": -1e-6}}}, "learner.optimizer.lr"),
     ({"reward": {"overlong_penalty": -1}}, "reward.overlong_penalty"),
+    ({"learner": {"loss": {"adv_eps": 0}}}, "learner.loss.adv_eps"),  # an all-equal group: 0/0
 ])
 def test_a_value_no_step_could_use_is_refused_when_loaded_not_at_the_first_update(override, field):
     """Refused by the config (exit 2, naming the field) instead of after a step's generation: a task message would
