@@ -52,7 +52,7 @@ from cli import cores
 from cli.cores import CpuPlan, Placement, cpu_seconds_by_root
 from learner.checkpoint import Checkpoints
 from learner.lease import INSTANCE_ENV
-from learner.records import METRICS_FILE, Records, read_rows
+from learner.records import METRICS_FILE, Progress, Records, read_rows
 from services.config import (
     DEFAULT_TOKEN,
     ConfigError,
@@ -358,9 +358,8 @@ def _fmt(value, spec: str = ".3f") -> str:
     return "-" if value is None else format(value, spec)
 
 
-def status_table(rows: list[dict], children: list[Child], total_steps: int) -> Table:
-    last = rows[-1] if rows else {}
-    evals = [r for r in rows if r.get("eval_accuracy") is not None]
+def status_table(progress: Progress, children: list[Child], total_steps: int) -> Table:
+    last, first_eval, last_eval = progress.last, progress.first_eval, progress.last_eval
     table = Table(title="dapo run", show_header=True, expand=False)
     for column in ("step", "held-out acc", "reward (all/trained)", "refills", "staleness", "tokens/s",
                    "last step (s)", "CPU s (learner / generators / reward)", "services"):
@@ -368,7 +367,7 @@ def status_table(rows: list[dict], children: list[Child], total_steps: int) -> T
     alive = sum(c.alive() for c in children)
     table.add_row(
         f"{last.get('step', 0)}/{total_steps}",
-        f"{_fmt(evals[0]['eval_accuracy'])} -> {_fmt(evals[-1]['eval_accuracy'])}" if evals else "-",
+        f"{_fmt(first_eval['eval_accuracy'])} -> {_fmt(last_eval['eval_accuracy'])}" if last_eval else "-",
         f"{_fmt(last.get('reward_all'))} / {_fmt(last.get('reward_trained'))}",
         _fmt(last.get("refills"), "d") if isinstance(last.get("refills"), int) else _fmt(last.get("refills"), ".0f"),
         _fmt(last.get("staleness"), ".2f"),
@@ -422,7 +421,9 @@ def supervise(children: list[Child], metrics_path: Path, total_steps: int, displ
     code; GaveUp when every worker of a kind crashed too often."""
     learner = children[0]
     last_printed, sampled_at = -1, float("-inf")
-    live = Live(status_table([], children, total_steps), console=console, refresh_per_second=2) if display else None
+    progress = Progress(metrics_path)
+    live = Live(status_table(progress, children, total_steps), console=console, refresh_per_second=2) \
+        if display else None
     if live:
         live.start()
     try:
@@ -441,12 +442,12 @@ def supervise(children: list[Child], metrics_path: Path, total_steps: int, displ
                 by_root = cpu_seconds_by_root(child.process.pid for child in children if child.alive())
                 for child in children:
                     child.sample_cpu(by_root)
-            rows = read_rows(metrics_path)
+            progress.read()
             if live:
-                live.update(status_table(rows, children, total_steps))
-            elif rows and rows[-1].get("step", -1) != last_printed:
-                last_printed = rows[-1].get("step", -1)
-                console.print(status_table(rows, children, total_steps))
+                live.update(status_table(progress, children, total_steps))
+            elif progress.last and progress.last.get("step", -1) != last_printed:
+                last_printed = progress.last.get("step", -1)
+                console.print(status_table(progress, children, total_steps))
     finally:
         if live:
             live.stop()

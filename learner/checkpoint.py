@@ -98,17 +98,33 @@ class Checkpoints:
         return json.loads((complete(self.path(step)) / TRAINER_STATE).read_text())["extra_state"]
 
     def commit(self, step: int) -> None:
-        """Point `latest` at step-N (written by `write`), durably, then prune: the steps after it first (a lineage
-        this run left: killed between a `write` and its commit, or a run started over with `resume: false`), then
-        all but the newest `keep`."""
+        """Point `latest` at step-N (written by `write`), durably, then prune: what writes killed midway left (their
+        `.tmp` and `.old` copies), the steps after it (a lineage this run left: killed between a `write` and its
+        commit, or a run started over with `resume: false`), then all but the newest `keep`."""
         write_atomic(self.dir / LATEST, self.path(step).name)
         fsync_dir(self.dir)  # `latest` survives a power loss before the caller releases what the step consumed
+        self._settle_interrupted_writes()
         for later in (s for s in self.steps() if s > step):
             shutil.rmtree(self.path(later), ignore_errors=True)
         steps = self.steps()
         for old in steps[: max(0, len(steps) - max(1, self.keep))]:
             if old != step:
                 shutil.rmtree(self.path(old), ignore_errors=True)
+
+    def _settle_interrupted_writes(self) -> None:
+        """A write killed between its renames leaves its complete copy aside (`complete`): it takes its step's
+        name and its place in the pruning. Every other `.tmp` or `.old` is a write killed midway, or the copy a
+        finished one replaced: whole checkpoints nobody reads, which a resume at another step never writes again."""
+        for suffix in (".tmp", ".old"):  # `.tmp` first: the newer of two complete copies, as `complete` takes
+            for leftover in sorted(self.dir.glob(f"{PREFIX}*{suffix}")):
+                step = numbered(leftover.name.removesuffix(suffix), PREFIX)
+                if step is None or not leftover.is_dir():
+                    continue
+                if not self.path(step).exists() and (leftover / TRAINER_STATE).is_file():
+                    leftover.rename(self.path(step))
+                else:
+                    shutil.rmtree(leftover, ignore_errors=True)
+        fsync_dir(self.dir)
 
     def forget_latest(self) -> None:
         """A run started over (`resume: false`): no later start of it may resume the checkpoint of the one before

@@ -66,6 +66,45 @@ def read_rows(path: Path) -> list[dict]:
     return rows
 
 
+class Progress:
+    """What `dapo run`'s status table shows of metrics.jsonl, followed as it grows: the newest row, the first and
+    the newest held-out evaluation. Each `read` parses only the lines appended since the one before (a run of
+    10,000 steps writes some 20 MB there, and the table is redrawn every second); a file cut or replaced (a
+    resume, `Records.cut_after`) is read again from its start."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self._start()
+
+    def _start(self, inode: int | None = None) -> None:
+        self._inode, self._offset = inode, 0
+        self.last: dict = {}
+        self.first_eval: dict | None = None
+        self.last_eval: dict | None = None
+
+    def read(self) -> "Progress":
+        try:
+            with self.path.open("rb") as f:
+                stat = os.fstat(f.fileno())
+                if stat.st_ino != self._inode or stat.st_size < self._offset:
+                    self._start(stat.st_ino)
+                f.seek(self._offset)
+                appended = f.read()
+        except FileNotFoundError:
+            return self
+        whole = appended[:appended.rfind(b"\n") + 1]  # a line being written is read once it is whole
+        self._offset += len(whole)
+        for line in whole.splitlines():
+            try:
+                row = json.loads(line)
+            except ValueError:
+                continue  # a line a crash cut short
+            self.last = row
+            if row.get("eval_accuracy") is not None:
+                self.first_eval, self.last_eval = self.first_eval or row, row
+        return self
+
+
 def _mean(values: list[float]) -> float | None:
     return sum(values) / len(values) if values else None
 

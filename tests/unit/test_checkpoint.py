@@ -103,6 +103,22 @@ def test_a_commit_deletes_the_steps_after_it_a_lineage_the_run_left(tmp_path):
     assert checkpoints.steps() == [20, 22] and checkpoints.latest_step() == 22
 
 
+def test_a_commit_settles_what_killed_writes_left(tmp_path):
+    """A write killed midway at a step the resumed run never writes again (SIGTERM's, the time limit's) left a
+    whole checkpoint's worth of files; one killed between its renames left the complete copy aside, which takes
+    its step's name and its place among the `keep` newest."""
+    checkpoints = checkpointed(tmp_path, 20, keep=2)
+    for name, whole in (("step-20", True), ("step-20.old", True), ("step-237.tmp", False), ("step-24.tmp", True),
+                        ("step-24.old", True), ("step-22.old", True)):
+        (checkpoints.dir / name).mkdir()
+        if whole:
+            (checkpoints.dir / name / TRAINER_STATE).write_text(name)
+    checkpoints.path(26).mkdir()
+    checkpoints.commit(26)
+    assert sorted(p.name for p in checkpoints.dir.iterdir()) == [LATEST, "step-24", "step-26"]
+    assert (checkpoints.path(24) / TRAINER_STATE).read_text() == "step-24.tmp"  # the newer complete copy
+
+
 def test_starting_over_forgets_latest_so_a_restart_cannot_resume_the_run_before(tmp_path):
     checkpoints = checkpointed(tmp_path, 500)
     checkpoints.path(500).mkdir()

@@ -61,3 +61,31 @@ def test_the_live_view_shows_where_the_last_step_went():
     text = step_breakdown(row)
     assert "total 30.0" in text and "gen 1.0 / verify 2.0" in text and "publish 7.0" in text
     assert "eval 9.0 (after a drain of 8.0)" in text and "generators busy 11.0 / idle 13.0" in text
+
+
+def test_the_status_table_follows_metrics_jsonl_reading_only_what_was_appended(tmp_path, monkeypatch):
+    """The newest row and the first and newest evaluations, a line being written taken once whole, a file cut by a
+    resume read again from its start, each line parsed once (the table is redrawn every second)."""
+    import json
+
+    from learner.records import Progress, truncate_jsonl
+
+    path = tmp_path / "metrics.jsonl"
+    progress = Progress(path)
+    assert progress.read().last == {} and progress.first_eval is None  # no file yet
+    rows = [{"step": 1, "eval_accuracy": 0.1}, {"step": 2}, {"step": 3, "eval_accuracy": 0.3}]
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows) + '{"step": 4, "rew')
+    progress.read()
+    assert (progress.last, progress.first_eval, progress.last_eval) == (rows[2], rows[0], rows[2])
+    with path.open("a") as f:
+        f.write('ard_all": 0.5}\n')
+    parsed, original = [], json.loads
+    with monkeypatch.context() as patch:
+        patch.setattr(json, "loads", lambda line: parsed.append(line) or original(line))
+        progress.read()
+    assert progress.last == {"step": 4, "reward_all": 0.5} and len(parsed) == 1
+    truncate_jsonl(path, 2)  # a resume from step 2's checkpoint
+    with path.open("a") as f:
+        f.write(json.dumps({"step": 3}) + "\n")
+    progress.read()
+    assert (progress.last, progress.first_eval, progress.last_eval) == ({"step": 3}, rows[0], rows[0])
