@@ -858,3 +858,23 @@ def test_a_hand_back_is_taken_at_once_after_an_outage(streams, monkeypatch):
     monkeypatch.setattr(redis_local, "_back_at", time.monotonic())
     other = streams.stream("prompts", PromptTask)
     assert [d.id for d in other.consume("other", count=1, block_ms=10)] == [held.id]
+
+
+def test_entries_deleted_while_pending_are_acknowledged_not_handed_around(streams, redis_server):
+    """Trimmed (a run forgotten, an overfull stream) while a consumer held them: Redis 6.2, the embedded server,
+    keeps such entries pending and hands them out empty; they would go from consumer to consumer for good."""
+    prompts = streams.stream("prompts", PromptTask)
+    for i in range(4):
+        prompts.produce(task(i))
+    prompts.consume("dead", count=2)
+    prompts.consume("restarted", count=2)
+    raw = redis.Redis.from_url(redis_server.url)
+    raw.xtrim(prompts.key, maxlen=0)
+    assert prompts.recover("restarted") == []
+    time.sleep(prompts.cfg.visibility_timeout_s * 1.1)
+    prompts.produce(task(4))
+    (working,) = prompts.consume("live", count=1, block_ms=10)  # work of its own under way meanwhile
+    prompts._reclaimed_at = float("-inf")
+    assert prompts.consume("live", count=4, block_ms=10) == []
+    (left,) = raw.xpending_range(prompts.key, prompts.group, min="-", max="+", count=10)
+    assert (left["message_id"].decode(), left["times_delivered"]) == (working.id, 1)  # its count as it was
