@@ -639,7 +639,11 @@ class LearnerService:
         rank's `Written`), files the ranks wrote, only to complete. Its figures, naming the version delivered."""
         started = time.perf_counter()
         rounds = self.broadcaster if broadcast else None
-        round_ = rounds.broadcast(shareable_state_dict(weights), version) if rounds else None
+        try:
+            round_ = rounds.broadcast(shareable_state_dict(weights), version) if rounds else None
+        except Exception:  # whatever failed it, the files below are every generator's way in
+            log.exception("the broadcast round of v%d failed: every generator takes it through the files", version)
+            round_ = None
         if written is not None:
             self.publisher.finish(version, *written)
         else:

@@ -560,15 +560,15 @@ class Broadcaster:
         self.shuffler.shuffle(listed)  # which newcomers a round takes: ids chosen to sort first keep no one out
         seen = set()
         for raw_id, raw in listed:
-            member = raw_id.decode() if isinstance(raw_id, bytes) else raw_id
-            try:
+            try:  # any generator's word: an id that is no text is as stale as a record that is no record
+                member = raw_id.decode() if isinstance(raw_id, bytes) else raw_id
                 record = json.loads(raw)
                 workers, at, since = int(record["workers"]), float(record["at"]), float(record["since"])
-            except (ValueError, KeyError, TypeError, OverflowError):
-                stale.append(member)
+            except (ValueError, KeyError, TypeError, OverflowError):  # (UnicodeDecodeError is a ValueError)
+                stale.append(raw_id)
                 continue
             if not (math.isfinite(at) and math.isfinite(since)) or now - at > MEMBER_TTL_S or not 1 <= workers <= 64:
-                stale.append(member)
+                stale.append(raw_id)
                 continue
             seen.add((member, since))
             if record.get("busy") is True or (member, since) in self.paused:

@@ -294,6 +294,7 @@ def test_stale_and_garbled_memberships_are_dropped(rounds):
     client.hset(key, "old", '{"workers": 1, "at": %f}' % (time.time() - MEMBER_TTL_S - 1))
     client.hset(key, "garbled", "not json")
     client.hset(key, "greedy", '{"workers": 100000, "at": %f}' % time.time())
+    client.hset(key, b"\xff\xfe", '{"workers": 1, "at": %f, "since": 1}' % time.time())  # an id that is no text
     register_member(client, rounds["prefix"], "fresh", workers=2)
     assert rounds["broadcaster"].members() == {"fresh": 2}
     assert set(client.hkeys(key)) == {b"fresh"}

@@ -350,6 +350,11 @@ def test_the_policy_at_the_start_goes_by_the_files_alone_and_every_update_by_a_r
     service.policy.current = 1
     service.publish()
     assert rounds == [1] and service.announced == 1
+    # a round that fails in a way it does not expect: the files are still every generator's way in
+    service.broadcaster = SimpleNamespace(broadcast=lambda tensors, version: 1 / 0)
+    service.policy.current = 2
+    service.publish()
+    assert service.announced == 2 and 2 in service.publisher.versions()
 
 
 def test_a_task_asks_for_no_version_the_generators_were_not_told_of(settings):
