@@ -14,9 +14,9 @@ One round per version, the same code on CPU (gloo) and GPU (NCCL), built from Py
             (generator/vllm_worker.py), so a tensor-parallel engine's workers each take the whole stream and load
             their own slice through vLLM's `reload_weights`.
   stream    A chain: rank 0 sends bucket k to rank 1, which forwards it to rank 2 while it takes bucket k + 1
-            (`relay`). The learner sends each version once, whatever the number of engines; a bucket reaches the
-            last engine one bucket-time after the first. NCCL's own broadcast pipelines the same way; gloo's is a
-            tree whose root sends log2(N) copies, hence the chain. A rank whose successor fails keeps receiving.
+            (`relay`). The learner sends each version once, whatever the number of engines; each engine has a
+            bucket one bucket-time after the one before it. NCCL's own broadcast pipelines the same way; gloo's is a
+            tree whose root sends log2(N) copies, hence the chain. A rank whose successor fails or hangs keeps receiving.
   nearby    A generator whose engine runs on the learner's host (same kernel, network, pid and user namespaces:
             `dapo run`) is not in the chain: the learner packs each bucket once into a memfd, seals it against any
             write, and hands the fd to each of its workers over the round's abstract unix socket (`Handoff`,
@@ -172,8 +172,10 @@ _COMMIT_MAX = 64 << 20  # bytes: a commit holds a digest per bucket (about 70 by
 def relay(pg, rank: int, world_size: int, sizes: list[int], timeout_s: float, device="cpu",
           on_bucket=None) -> tuple[list[torch.Tensor], bytes]:
     """A receiving rank's part of the chain: take each bucket from rank - 1, hand it on to rank + 1 while taking
-    the next, then the commit. Returns the buckets and the commit's bytes. A failing successor only stops the
-    forwarding (this rank and those before it still get the version)."""
+    the next, then the commit. Returns the buckets and the commit's bytes. A successor that fails or hangs only
+    stops the forwarding: each hand-on is posted at once (every bucket stays in memory until the round ends
+    anyway) and waited for at the end, so this rank never stops receiving, and it and those before it still get
+    the version. Each wait is bounded by `timeout_s`, the first by one per hop: bucket 0 comes down `rank` of them."""
     timeout = timedelta(seconds=timeout_s)
     forward = rank + 1 < world_size
     buckets: list[torch.Tensor] = []
@@ -184,8 +186,6 @@ def relay(pg, rank: int, world_size: int, sizes: list[int], timeout_s: float, de
         if not forward:
             return
         try:
-            while len(sends) >= 2:  # two buckets on the way at most
-                sends.pop(0).wait(timeout)
             sends.append(pg.send([tensor], rank + 1, tag))
         except Exception as err:
             log.warning("broadcast: rank %d cannot hand on to rank %d (%s); receiving on", rank, rank + 1, err)
@@ -193,7 +193,7 @@ def relay(pg, rank: int, world_size: int, sizes: list[int], timeout_s: float, de
 
     for tag, size in enumerate(sizes):
         bucket = torch.empty(size, dtype=torch.uint8, device=device)
-        pg.recv([bucket], rank - 1, tag).wait(timeout)
+        pg.recv([bucket], rank - 1, tag).wait(timeout * rank if tag == 0 else timeout)
         hand_on(bucket, tag)
         buckets.append(bucket)
         if on_bucket is not None:
@@ -206,11 +206,13 @@ def relay(pg, rank: int, world_size: int, sizes: list[int], timeout_s: float, de
     commit = torch.empty(int(length.item()), dtype=torch.uint8, device=device)
     pg.recv([commit], rank - 1, len(sizes) + 1).wait(timeout)
     hand_on(commit, len(sizes) + 1)
+    deadline = time.monotonic() + timeout_s  # one for them all: a successor that hangs costs one timeout
     for send in sends if forward else []:
         try:
-            send.wait(timeout)
+            send.wait(timedelta(seconds=max(0.001, deadline - time.monotonic())))
         except Exception as err:
-            log.warning("broadcast: rank %d could not hand the end on: %s", rank, err)
+            log.warning("broadcast: rank %d could not hand everything on to rank %d: %s", rank, rank + 1, err)
+            break
     return buckets, commit.cpu().numpy().tobytes()
 
 

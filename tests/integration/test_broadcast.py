@@ -82,7 +82,8 @@ def fingerprint(tensor: torch.Tensor) -> tuple[str, list[int], str]:
 def receiver(member: str, inbox, port: int, die_after: int | None, out) -> None:
     """One rank of the chain, or a nearby receiver, as an engine's worker runs it, started (its imports done)
     before the round: its announcement comes through `inbox`. `die_after`: exit at once after that bucket. Puts
-    (its rank, or its name when nearby; {tensor name: fingerprint} or None; the commit or the error)."""
+    (its rank, or its name when nearby; {tensor name: fingerprint} or None; the commit or the error). A member
+    named *-hung: joins, then takes nothing (alive: a stopped process, a frozen host)."""
     out.put(("ready", member, None))
     announcement = WeightsBroadcast.model_validate_json(inbox.get())
     if member in announcement.nearby:
@@ -92,6 +93,9 @@ def receiver(member: str, inbox, port: int, die_after: int | None, out) -> None:
     try:
         pg = join(store_client("127.0.0.1", port, TIMEOUT_S), announcement.group, rank, announcement.world_size,
                   "gloo", TIMEOUT_S, TIMEOUT_S)
+        if member.endswith("hung"):
+            time.sleep(TIMEOUT_S * 3)
+            raise TimeoutError("hung")
 
         def maybe_die(index, bucket):
             if index == die_after:
@@ -281,6 +285,34 @@ def test_a_member_killed_mid_stream_costs_only_those_after_it(rounds):
     assert seconds < TIMEOUT_S * 3
     assert received[1][0] is not None  # before the break: whole
     assert received[3][0] is None  # after it: refused by its own timeout, takes the files
+
+
+def test_a_member_that_hangs_costs_only_those_after_it(rounds):
+    """Alive but taking nothing: its predecessor keeps receiving (its hand-ons wait to the end, under one
+    timeout), so the learner's round and the members before it are whole; those after it take the files."""
+    rounds["broadcaster"].bucket_bytes = 4 << 20  # 8 buckets: more than the sockets' buffers hold
+    tensors = {f"t{i}": torch.randn(1024, 1024) for i in range(8)}
+    sent, announcement, received, _ = rounds["run"]({"gen-a": None, "gen-b-hung": None, "gen-c": None}, tensors=tensors)
+    assert sent.error is None and sent.failed == []
+    assert received[announcement.ranks["gen-a"]][0] == {name: fingerprint(t) for name, t in tensors.items()}
+    assert received[announcement.ranks["gen-c"]][0] is None
+
+
+def test_a_ranks_first_wait_allows_one_timeout_per_hop_before_it():
+    """Bucket 0 is handed on hop by hop down the chain: rank k waits for k of them, later buckets for one."""
+    waits = []
+
+    class Group:
+        def recv(self, tensors, source, tag):
+            if tag == 3:  # the commit's length
+                tensors[0].fill_(2)
+            return SimpleNamespace(wait=waits.append)
+
+        def send(self, tensors, destination, tag):
+            return SimpleNamespace(wait=lambda timeout: None)
+
+    relay(Group(), rank=4, world_size=6, sizes=[8, 8, 8], timeout_s=2.0)
+    assert [w.total_seconds() for w in waits[:3]] == [8.0, 2.0, 2.0]
 
 
 def test_the_first_link_killed_fails_the_round_within_the_timeout(rounds):
