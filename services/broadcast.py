@@ -16,7 +16,8 @@ One round per version, the same code on CPU (gloo) and GPU (NCCL), built from Py
   stream    A chain: rank 0 sends bucket k to rank 1, which forwards it to rank 2 while it takes bucket k + 1
             (`relay`). The learner sends each version once, whatever the number of engines; each engine has a
             bucket one bucket-time after the one before it. NCCL's own broadcast pipelines the same way; gloo's is a
-            tree whose root sends log2(N) copies, hence the chain. A rank whose successor fails or hangs keeps receiving.
+            tree whose root sends log2(N) copies, hence the chain. A rank whose successor fails or hangs keeps
+            receiving.
   nearby    A generator whose engine runs on the learner's host (same kernel, network, pid and user namespaces:
             `dapo run`) is not in the chain: the learner packs each bucket once into a memfd, seals it against any
             write, and hands the fd to each of its workers over the round's abstract unix socket (`Handoff`,
