@@ -473,7 +473,10 @@ class RolloutWorker:
 
     def _advance_sync(self, now: float) -> None:
         if self.sync.collective:
-            self._advance_round(now)
+            try:
+                self._advance_round(now)
+            except EngineFailure as err:  # died while its workers took a round: as in a step
+                self._recover_engine(err)
         if self._sync_now.is_set():
             self._sync_now.clear()
             explicit = self._retry_refused.is_set()
@@ -588,6 +591,8 @@ class RolloutWorker:
         while it generates), then check what they staged; a refused or failed round leaves the version to the
         files."""
         if self._receiving is None:
+            if self._stop.is_set():  # stopping: a round joined now would fail for every member
+                return
             offered = self.sync.watcher.round
             files = self.sync.watcher.newest  # written after the round: the round is over
             if (offered is None or offered.version <= self.version or not offered.takes_part(self.id)

@@ -764,6 +764,17 @@ def test_an_engine_restart_after_a_broadcast_drops_the_staged_round_and_keeps_ne
     worker._ready_weights = _Ready(None, None, 0.0, staged=WeightsBroadcast.model_construct(version=7))
     worker._restart_engine("test")
     assert worker.version == 0 and worker._ready_weights is None
+    # the engine dying while its workers take a round: restarted, as after a failed step (the process went on)
+    worker.sync.collective, worker._receiving = True, WeightsBroadcast.model_construct(version=8)
+    worker._next_round_poll = 0.0
+    received = engine.received
+    engine.received = lambda: (_ for _ in ()).throw(EngineFailure("receive_status failed: EngineDeadError"))
+    try:
+        worker._advance_sync(time.monotonic())
+    finally:
+        engine.received = received
+        worker.sync.collective = False
+    assert worker.restarts == 2 and worker._receiving is None and worker.version == 0
     issue(prompts, task(prompts_of(engine)[0], GREEDY, min_version=6))
     (delivery,) = prompts.consume("restarter", count=1)
     assert worker._submit(delivery, time.monotonic())
