@@ -624,9 +624,9 @@ class Broadcaster:
         # Recorded before any member can take it: a learner killed before the files and the announcement restarts
         # its versions after this one (generators ignore a round no newer than what they serve).
         self.redis.set(self.streamed_key, version)
+        pg, chain_error = None, None
         try:
             self.redis.publish(self.channel, announcement.model_dump_json())
-            pg, chain_error = None, None
             if ranks:
                 try:
                     pg = join(self.store, group, 0, world_size, self.backend, self.timeout_s, self.join_timeout_s)
@@ -638,12 +638,20 @@ class Broadcaster:
                 raise chain_error
         except Exception as err:
             result.error = f"{type(err).__name__}: {err}"
-            result.failed = sorted({*result.failed, *self._absent(group, ranks, members)})
+            absent = self._absent(group, ranks, members)
+            if chain_error is not None and not absent:
+                # Every worker came, yet the chain broke before rank 1 took the version: one that joined and then
+                # did not build the group or take the stream (a worker that crashed, an address its peers cannot
+                # reach, a member that only says it joined). Which cannot be told: the round's newcomers, else
+                # every chained member, take the files for a while, rather than fail every round for all.
+                absent = sorted(set(ranks) & self.newcomers) or sorted(ranks)
+            result.failed = sorted({*result.failed, *absent})
             log.warning("broadcast of v%d failed (%s); %s get it through the files", version, result.error,
                         ", ".join(result.failed) or "those after the break")
         finally:
             if handoff is not None:
                 handoff.close()
+            self._forget_round(group)
         for member in result.failed:
             self.paused[(member, self.since[member])] = time.monotonic() + MEMBER_PAUSE_S
         self.joined |= {(member, self.since[member]) for member in members if member not in result.failed}
@@ -705,6 +713,17 @@ class Broadcaster:
         except Exception as err:
             chain_error = err
         return sent + len(commit), commit, chain_error
+
+    def _forget_round(self, group: str) -> None:
+        """The round's keys in the store (who joined, the group's rendezvous): read by no one once the round is
+        over, they would stay as long as the learner, a few hundred bytes a rank each round."""
+        prefix = f"dapo-broadcast/{group}/"
+        try:
+            for key in self.store.list_keys():
+                if key.startswith(prefix):
+                    self.store.delete_key(key)
+        except Exception as err:  # a store that cannot list: the keys stay, nothing else is wrong
+            log.warning("broadcast: the keys of round %s stay in the store (%s)", group, err)
 
     def _absent(self, group: str, ranks: dict[str, int], members: dict[str, int]) -> list[str]:
         """Members with a worker that never joined the round's group."""

@@ -20,6 +20,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from torch.distributed import PrefixStore
 
 from services import broadcast as broadcast_module
 from services.broadcast import (
@@ -83,13 +84,19 @@ def receiver(member: str, inbox, port: int, die_after: int | None, out) -> None:
     """One rank of the chain, or a nearby receiver, as an engine's worker runs it, started (its imports done)
     before the round: its announcement comes through `inbox`. `die_after`: exit at once after that bucket. Puts
     (its rank, or its name when nearby; {tensor name: fingerprint} or None; the commit or the error). A member
-    named *-hung: joins, then takes nothing (alive: a stopped process, a frozen host)."""
+    named *-hung: joins, then takes nothing (alive: a stopped process, a frozen host); *-posing: says it joined
+    and builds no group."""
     out.put(("ready", member, None))
     announcement = WeightsBroadcast.model_validate_json(inbox.get())
     if member in announcement.nearby:
         take_nearby(announcement, member, die_after, out)
         return
     rank = announcement.ranks[member]
+    if member.endswith("posing"):
+        PrefixStore(f"dapo-broadcast/{announcement.group}", store_client("127.0.0.1", port, TIMEOUT_S)).set(
+            f"joined/{rank}", "1")
+        time.sleep(TIMEOUT_S * 2)
+        os._exit(0)
     try:
         pg = join(store_client("127.0.0.1", port, TIMEOUT_S), announcement.group, rank, announcement.world_size,
                   "gloo", TIMEOUT_S, TIMEOUT_S)
@@ -203,6 +210,7 @@ def test_every_rank_of_the_chain_gets_the_version_whole_and_the_learner_sends_it
     assert sent.members == sorted(announcement.ranks)
     total = sum(announcement.bucket_bytes)
     assert total <= sent.bytes_sent < total + 4096  # one copy and the commit, not one per member
+    assert not [key for key in rounds["broadcaster"].store.list_keys() if key.startswith("dapo-broadcast/")]
     assert sorted(received) == [1, 2, 3]
     for named, commit in received.values():
         assert named is not None, commit
@@ -257,6 +265,17 @@ def test_a_member_that_never_joins_costs_one_timeout_and_sits_out_the_next_round
     assert "absent-b" not in rounds["broadcaster"].members()
     rounds["broadcaster"].newcomers_from = time.monotonic()
     assert "absent-b" in rounds["broadcaster"].members()
+
+
+def test_a_member_that_joins_and_builds_no_group_sits_out_the_next_rounds(rounds):
+    """It came (its key is in the store), so it is not absent, yet the round broke: the round's newcomers are
+    the suspects, and the member that took rounds before keeps its place."""
+    first, _, _, _ = rounds["run"]({"gen-a": None})
+    assert first.error is None
+    sent, _, _, _ = rounds["run"]({"gen-a": None, "gen-b-posing": None}, version=2)
+    assert sent.error is not None and sent.failed == ["gen-b-posing"]
+    again, announcement, received, _ = rounds["run"]({"gen-a": None, "gen-b-posing": None}, version=3)
+    assert again.error is None and announcement.ranks == {"gen-a": 1} and received[1][0] is not None
 
 
 def test_a_generator_that_registers_new_ids_that_never_join_costs_one_timeout_per_pause(rounds):
