@@ -159,8 +159,25 @@ def join(store: dist.Store, group: str, rank: int, world_size: int, backend: str
     if backend == "nccl":
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout
-        return dist.ProcessGroupNCCL(round_store, rank, world_size, options)
+        # A round's failure is the round's, not the process's: NCCL's default on a timeout or a dead peer tears the
+        # whole process down (the learner, or every engine's workers), where the files would bring the version.
+        # CleanUpOnly aborts the round's communicators and raises in the wait. Read when the group is made.
+        with _NCCL_ENV_LOCK:
+            before = os.environ.get(NCCL_ERROR_HANDLING)
+            os.environ[NCCL_ERROR_HANDLING] = NCCL_CLEAN_UP_ONLY
+            try:
+                return dist.ProcessGroupNCCL(round_store, rank, world_size, options)
+            finally:
+                if before is None:
+                    os.environ.pop(NCCL_ERROR_HANDLING, None)
+                else:
+                    os.environ[NCCL_ERROR_HANDLING] = before
     return dist.ProcessGroupGloo(round_store, rank, world_size, timeout)
+
+
+NCCL_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+NCCL_CLEAN_UP_ONLY = "2"  # (3, SkipCleanUp, torch's default, and 1, TearDown, end the process)
+_NCCL_ENV_LOCK = threading.Lock()
 
 
 def store_client(host: str, port: int, timeout_s: float) -> dist.TCPStore:

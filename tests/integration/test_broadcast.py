@@ -334,6 +334,24 @@ def test_a_ranks_first_wait_allows_one_timeout_per_hop_before_it():
     assert [w.total_seconds() for w in waits[:3]] == [8.0, 2.0, 2.0]
 
 
+def test_a_round_over_nccl_fails_the_round_not_the_process(monkeypatch):
+    """NCCL's default on a timeout or a dead peer ends the process (the learner, or an engine's workers): a
+    round's group is made with CleanUpOnly, and the process's own setting is left as it was."""
+    made = []
+
+    class Group:
+        Options = type("Options", (), {})
+
+        def __init__(self, store, rank, world_size, options):
+            made.append((os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING"), options._timeout.total_seconds()))
+
+    monkeypatch.setattr(broadcast_module.dist, "ProcessGroupNCCL", Group, raising=False)  # (a CPU build has none)
+    monkeypatch.setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")
+    store = broadcast_module.dist.HashStore()
+    join(store, "v1-x", 0, 1, "nccl", 5.0, 1.0)
+    assert made == [("2", 5.0)] and os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "3"
+
+
 def test_the_first_link_killed_fails_the_round_within_the_timeout(rounds):
     sent, _, received, seconds = rounds["run"]({"gen-a": 0, "gen-b": None})
     assert sent.error is not None and seconds < TIMEOUT_S * 3
