@@ -409,6 +409,12 @@ def test_prompts_are_cached_by_problem_text_not_by_the_files_ids():
     train, held_out = Problem("0", "1+1?", "2"), Problem("0", "2+2?", "4")
     assert "1+1?" in build(train)[0] and "2+2?" in build(held_out)[0]
     assert build(held_out)[1] == [ord(c) for c in build(held_out)[0]]
+    # the most recent prompts only (the held-out set is issued again at every evaluation), not the whole data set
+    build.CACHED_PROMPTS = 3
+    for i in range(10):
+        build(Problem(str(i), f"{i}+0?", str(i)))
+        build(held_out)  # used again and again: kept
+    assert len(build._cache) == 3 and "2+2?" in build._cache and "9+0?" in build._cache
 
 
 def test_characters_outside_a_tokenizer_alphabet_name_the_problem():
