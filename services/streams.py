@@ -174,6 +174,9 @@ MAX_CONSUMER_NAME_CHARS = 256  # this system's consumer names are `role-host-pid
 # An entry id this far past the server's clock was not made by `XADD *`: a client chose it (services/streams.py
 # `repair_future_ids`).
 FUTURE_ID_TOLERANCE_MS = 60_000
+# The learner's record of the latest time the Redis clock has read in this run (ms): a learner started after the
+# clock stepped back still knows the ids made before the step for honest ones. Only the learner's user may write it.
+SERVER_CLOCK = "server-clock"
 # Past this share of maxmemory (writes are refused at it) streams overfilled by their producers are trimmed
 # (`Streams.trim_overfull`; the alert DapoRedisMemoryFull fires at 95 %).
 MEMORY_TRIM_SHARE = 0.95
@@ -713,7 +716,8 @@ class Streams:
         self.signers = {role: load_signer(settings, role, self.keyring) for role in signs_as}
         self.dead_dir = Path(settings.run_dir) / "dead-letters"
         self.entry_limits = entry_limits(settings)
-        self._latest_server_ms = 0  # the latest the Redis clock has read here (`future_horizon_ms`)
+        self._latest_server_ms = 0  # the latest the Redis clock has read in this run (`future_horizon_ms`)
+        self._saved_server_ms = 0  # ... as SERVER_CLOCK has it
 
     def signer(self, role: Role, what: str) -> Signer:
         """This process's key of `role`, to sign `what`; KeysError if it does not hold it."""
@@ -975,10 +979,17 @@ class Streams:
 
     def future_horizon_ms(self) -> int:
         """The newest entry id time (ms) a producer of this system can have made: the latest time the server's clock
-        has read in this process (a clock stepped back leaves the ids made before it ahead of it, honest ones) plus
-        FUTURE_ID_TOLERANCE_MS. An id past it was chosen by a client (`repair_future_ids` deletes such entries)."""
+        has read in this run (a clock stepped back leaves the ids made before it ahead of it, honest ones; a learner
+        started after the step reads it from SERVER_CLOCK) plus FUTURE_ID_TOLERANCE_MS. An id past it was chosen by
+        a client (`repair_future_ids` deletes such entries)."""
         seconds, micros = self.redis.time()
-        self._latest_server_ms = max(self._latest_server_ms, int(seconds) * 1000 + int(micros) // 1000)
+        read_ms = int(seconds) * 1000 + int(micros) // 1000
+        if not self._latest_server_ms:
+            self._latest_server_ms = self._saved_server_ms = int(self.redis.get(self.key(SERVER_CLOCK)) or 0)
+        self._latest_server_ms = max(self._latest_server_ms, read_ms)
+        if self._latest_server_ms >= self._saved_server_ms + 1000:  # one write a second at most
+            self.redis.set(self.key(SERVER_CLOCK), self._latest_server_ms)
+            self._saved_server_ms = self._latest_server_ms
         return self._latest_server_ms + FUTURE_ID_TOLERANCE_MS
 
     def dead_letters_after(self, cursor: str, count: int = 1000) -> tuple[str, list[tuple[str, dict]]]:

@@ -1703,3 +1703,9 @@ def test_tasks_in_flight_survive_a_redis_clock_stepped_back(settings, monkeypatc
     service.redis.xadd(service.work.prompts.key, {b"data": b"junk"}, id=forged)
     assert service.streams.repair_future_ids(["prompts"]) == ["prompts"]
     assert service.redis.xlen(service.work.prompts.key) == 1
+    # a learner started after the step (a restart, a lease lost) knows how far the clock had read all the same
+    monkeypatch.setattr(type(service.streams.redis), "time", lambda client: (seconds - 3600, micros))
+    restarted = LearnerService(settings)
+    restarted.connect()
+    assert restarted.streams.repair_future_ids(["prompts"]) == []
+    assert restarted.redis.xlen(restarted.work.prompts.key) == 1
