@@ -14,8 +14,10 @@ take its predecessor's lease back at once instead of one TTL later.
 - **lost**: a watchdog thread, which does no I/O, ends the process (`os._exit(ExitCode.LEASE_LOST)`) once no renewal
   has got through for TTL/2, whatever a renewal under way is blocked on (Redis unreachable, this learner cut off
   from it while the disk is still there, the process frozen): before the TTL can run out and another learner
-  take the run. A renewal that finds the key gone (it lapsed: the process was frozen past it, or Redis lost it)
-  is lost too, never taken again. Its supervisor restarts it, and it resumes once Redis is back.
+  take the run. A renewal that finds the key gone after the watchdog's bound (the process was frozen past it) is
+  lost too, never taken again; its supervisor restarts it, and it resumes once Redis is back. Gone within the
+  bound is Redis's doing (its clock stepped ahead, which a TTL, kept as a date, follows; or it lost the key):
+  the key is put back, and the learner goes on.
 - **fence**: the key holds another instance's id (this learner lost the lease, and another one took the run):
   log critical and end the process at once (`os._exit(ExitCode.FENCED)`), writing nothing more.
 - **release** on a clean exit (delete only if ours), so a restart does not wait one TTL.
@@ -211,8 +213,16 @@ class LearnerLease:
         if result == 1:
             self._renewed_at = sent  # Redis extended it after `sent`: the lease runs at least TTL from there
             return "renewed"
+        if result == 2 and sent - self._renewed_at <= self.ttl_s / 2:
+            # Gone though renewed within the watchdog's bound: not this process's lapse but Redis's (its clock
+            # stepped ahead past the TTL, which it keeps as a date, or it lost the key); nobody held it when the
+            # script put ours back, and no learner can have taken the run and let it go in so short a time.
+            log.warning("the learner lease was gone %.1f s after its last renewal (Redis's clock jumped ahead, or it "
+                        "lost the key): put back", sent - self._renewed_at)
+            self._renewed_at = sent
+            return "renewed"
         if result == 2:  # the script put ours back: no other learner takes the run before this process is gone
-            self._lost("the lease had lapsed (the process was frozen past its TTL, or Redis lost the key)")
+            self._lost("the lease had lapsed (the process was frozen past its TTL)")
             return "lapsed"
         holder = result.decode(errors="replace") if isinstance(result, bytes) else str(result)
         log.critical("FENCED: learner %s lost the run %s to learner %s; exiting at once with code %d, writing "
