@@ -518,7 +518,8 @@ class RolloutWorker:
         """Say in the membership of broadcast rounds whether this generator is loading a version from the files:
         it skips rounds meanwhile (`_advance_round`), and a member that does not join is paused for MEMBER_PAUSE_S
         (and a newcomer closes the rounds to newcomers as long): a late joiner's next round would fail so."""
-        busy = self._pull is not None or self._ready_weights is not None
+        # Stopping, it joins no more rounds (`_advance_round`): listed busy, the learner leaves it out of them.
+        busy = self._pull is not None or self._ready_weights is not None or self._stop.is_set()
         if busy == self._listed_busy or not (self._workers and self.ready):
             return
         try:

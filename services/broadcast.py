@@ -185,6 +185,7 @@ def store_client(host: str, port: int, timeout_s: float) -> dist.TCPStore:
 
 
 _COMMIT_MAX = 64 << 20  # bytes: a commit holds a digest per bucket (about 70 bytes each)
+HOP_FLOOR_BPS = 100e6  # bytes/s: the slowest link a bucket is allowed to cross the chain at (most are 10x faster)
 
 
 def relay(pg, rank: int, world_size: int, sizes: list[int], timeout_s: float, device="cpu",
@@ -193,7 +194,8 @@ def relay(pg, rank: int, world_size: int, sizes: list[int], timeout_s: float, de
     the next, then the commit. Returns the buckets and the commit's bytes. A successor that fails or hangs only
     stops the forwarding: each hand-on is posted at once (every bucket stays in memory until the round ends
     anyway) and waited for at the end, so this rank never stops receiving, and it and those before it still get
-    the version. Each wait is bounded by `timeout_s`, the first by one per hop: bucket 0 comes down `rank` of them."""
+    the version. Each wait is bounded by `timeout_s`; the first also allows bucket 0's transfer at HOP_FLOOR_BPS
+    over each of the `rank - 1` hops before the previous rank (a hung rank up the chain holds this one no longer)."""
     timeout = timedelta(seconds=timeout_s)
     forward = rank + 1 < world_size
     buckets: list[torch.Tensor] = []
@@ -211,7 +213,8 @@ def relay(pg, rank: int, world_size: int, sizes: list[int], timeout_s: float, de
 
     for tag, size in enumerate(sizes):
         bucket = torch.empty(size, dtype=torch.uint8, device=device)
-        pg.recv([bucket], rank - 1, tag).wait(timeout * rank if tag == 0 else timeout)
+        hops = timedelta(seconds=(rank - 1) * size / HOP_FLOOR_BPS) if tag == 0 else timedelta(0)
+        pg.recv([bucket], rank - 1, tag).wait(timeout + hops)
         hand_on(bucket, tag)
         buckets.append(bucket)
         if on_bucket is not None:
@@ -568,6 +571,7 @@ class Broadcaster:
         self.newcomers: set[str] = set()  # this round's
         self.newcomers_from = float("-inf")  # monotonic time from which newcomers are taken again
         self.shuffler = random.Random()  # its own: rounds run beside training, whose seeded `random` they must not move
+        self.last_group: str | None = None  # the round before, whose keys the store still holds
 
     def members(self) -> dict[str, int]:
         """Fresh members not sitting out, newcomers within their bounds (module docstring): generator id -> its
@@ -668,7 +672,8 @@ class Broadcaster:
         finally:
             if handoff is not None:
                 handoff.close()
-            self._forget_round(group)
+            self._forget_round(self.last_group)
+            self.last_group = group
         for member in result.failed:
             self.paused[(member, self.since[member])] = time.monotonic() + MEMBER_PAUSE_S
         self.joined |= {(member, self.since[member]) for member in members if member not in result.failed}
@@ -731,9 +736,12 @@ class Broadcaster:
             chain_error = err
         return sent + len(commit), commit, chain_error
 
-    def _forget_round(self, group: str) -> None:
-        """The round's keys in the store (who joined, the group's rendezvous): read by no one once the round is
-        over, they would stay as long as the learner, a few hundred bytes a rank each round."""
+    def _forget_round(self, group: str | None) -> None:
+        """A round's keys in the store (who joined, the group's rendezvous), once the next round is over: by then no
+        rank far down the chain is still reading them; kept, they would stay as long as the learner, a few hundred
+        bytes a rank each round."""
+        if group is None:
+            return
         prefix = f"dapo-broadcast/{group}/"
         try:
             for key in self.store.list_keys():

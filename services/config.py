@@ -123,8 +123,7 @@ def from_switch(value: Any, on: str) -> Any:
 
 
 class Section(BaseModel):
-    # coerce_numbers_to_str: a name YAML reads as a number (`redis.run: 2024`, `cpus.learner: 3`) is still a name.
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, coerce_numbers_to_str=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
 class RedisConfig(Section):
@@ -731,7 +730,7 @@ class Settings(BaseSettings):
 
     model_config = SettingsConfigDict(
         env_prefix="DAPO_", env_nested_delimiter="__", env_parse_none_str="null", extra="forbid",
-        validate_assignment=True, coerce_numbers_to_str=True,
+        validate_assignment=True,
     )
 
     run_dir: str = Field("runs/default", description="Run folder: metrics.jsonl, checkpoints, weights, plots.")
@@ -833,6 +832,8 @@ class _PresetLoader(yaml.SafeLoader):
     def construct_mapping(self, node, deep=False):
         seen: dict = {}
         for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *anchor`: merged by the base class, overridable
+                continue
             key = self.construct_object(key_node, deep=True)
             if not isinstance(key, str):
                 raise yaml.constructor.ConstructorError(

@@ -420,15 +420,18 @@ class Stream(Generic[M]):
         every visibility timeout for good, and the stream's pending count never reach 0: acknowledged here."""
         gone = [eid for eid, fields in entries if not fields and eid is not None]
         if any(eid is None for eid, _ in entries):  # 6.2's XAUTOCLAIM does not name them: they are ours now
-            # Which of ours are gone: claimed again one by one, to ourselves, with the delivery count they have
-            # (a deleted one comes back empty). (XRANGE would say it at once, but a worker may not read its stream.)
+            # Which of ours are gone: claimed again one by one, to ourselves, as they are (delivery count, idle
+            # time; one another consumer took meanwhile is idle less, so not claimed, and not ours to acknowledge):
+            # a deleted one comes back empty. (XRANGE would say it at once, but a worker may not read its stream.)
             held = self._grouped(self.redis.xpending_range, self.key, self.group, min="-", max="+", count=10_000,
                                  consumername=consumer)
             pipe = self.redis.pipeline(transaction=False)
             for row in held:
-                pipe.xclaim(self.key, self.group, consumer, 0, [row["message_id"]],
+                idle = row["time_since_delivered"]
+                pipe.xclaim(self.key, self.group, consumer, idle, [row["message_id"]], idle=idle,
                             retrycount=row["times_delivered"])
-            gone += [row["message_id"] for row, reply in zip(held, pipe.execute()) if not any(f for _, f in reply)]
+            gone += [row["message_id"] for row, reply in zip(held, pipe.execute())
+                     if reply and not any(fields for _, fields in reply)]
         if gone:
             self._grouped(self.redis.xack, self.key, self.group, *gone)
         return [(eid, fields) for eid, fields in entries if fields]

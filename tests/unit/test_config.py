@@ -274,13 +274,14 @@ def test_gradient_checkpointing_takes_a_mode_and_the_old_switch():
 
 def test_switch_words_mean_the_settings_own_words_from_yaml_and_the_environment(tmp_path, monkeypatch):
     """YAML reads on / off as booleans (`packing: on`, as the project's own messages say to set it), the
-    environment gives true / false as text: each is the setting's on or off. A number YAML reads where a name is
-    meant is still the name."""
+    environment gives true / false as text: each is the setting's on or off. A number where a name is meant is
+    refused, not turned into other text (YAML 1.1 reads 010 as 8)."""
     preset = tmp_path / "p.yaml"
-    preset.write_text("base: tiny-cpu\nlearner:\n  compute:\n    packing: on\nweights:\n  verify: off\n"
-                      "redis:\n  run: 2024\n")
+    preset.write_text("base: tiny-cpu\nlearner:\n  compute:\n    packing: on\nweights:\n  verify: off\n")
     settings = load_settings(preset)
-    assert (settings.learner.compute.packing, settings.weights.verify, settings.redis.run) == ("on", "off", "2024")
+    assert (settings.learner.compute.packing, settings.weights.verify) == ("on", "off")
+    with pytest.raises(ConfigError, match="redis.run: Input should be a valid string"):
+        load_settings("tiny-cpu", redis={"run": 8})
     monkeypatch.setenv("DAPO_LEARNER__COMPUTE__GRADIENT_CHECKPOINTING", "true")
     monkeypatch.setenv("DAPO_LEARNER__COMPUTE__PACKING", "false")
     compute = load_settings("tiny-cpu", weights={"verify": True}).learner.compute
@@ -295,6 +296,9 @@ def test_switch_words_mean_the_settings_own_words_from_yaml_and_the_environment(
     ("base: tiny-cpu\n2024: x\n", "key 2024 is not a name"),
     ("on: true\n", "key True is not a name"),
     ("", "is empty"),
+    ("base: tiny-cpu\nx: &s {temperature: 1.0}\n", "x: unknown key"),  # anchors and merges are YAML's own
+    ("base: tiny-cpu\nsampling: &s {temperature: 1.0}\neval_sampling: {<<: *s, top_p: 0.7, top_p: 0.8}\n",
+     "key 'top_p' is given twice"),
     ("# nothing but a comment\n", "is empty"),
 ])
 def test_a_preset_that_would_lose_or_hide_what_it_says_is_refused(tmp_path, text, error):
@@ -304,6 +308,14 @@ def test_a_preset_that_would_lose_or_hide_what_it_says_is_refused(tmp_path, text
     preset.write_text(text)
     with pytest.raises(ConfigError, match=error):
         load_settings(preset)
+
+
+def test_a_preset_may_merge_a_mapping_and_override_its_keys(tmp_path):
+    preset = tmp_path / "p.yaml"
+    preset.write_text("base: tiny-cpu\nsampling: &s {temperature: 0.9, top_p: 1.0}\n"
+                      "eval_sampling: {<<: *s, top_p: 0.7}\n")
+    settings = load_settings(preset)
+    assert (settings.eval_sampling.temperature, settings.eval_sampling.top_p) == (0.9, 0.7)
 
 
 def test_a_runs_config_yaml_reads_back_with_its_secrets_from_the_environment(tmp_path, monkeypatch):
