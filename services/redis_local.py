@@ -95,6 +95,23 @@ def seconds_since_outage() -> float:
     return time.monotonic() - _back_at
 
 
+_server_clock: tuple[float, float] | None = None  # (the server's TIME, time.monotonic()) at this process's last read
+
+
+def note_server_clock(client: redis.Redis, jump_s: float) -> None:
+    """Read the server's clock; if it gained more than `jump_s` on this process's since the last read (stepped
+    ahead: Redis dates a pending entry's delivery, so every entry then looks that much idler, those of live
+    consumers too), note it as the end of an outage (`seconds_since_outage`): their heartbeats come first."""
+    global _server_clock, _back_at
+    seconds, micros = client.time()
+    read = (int(seconds) + int(micros) / 1e6, time.monotonic())
+    if _server_clock is not None and (read[0] - _server_clock[0]) - (read[1] - _server_clock[1]) > jump_s:
+        log.warning("the Redis server's clock jumped ahead %.0f s: reclaims wait for the consumers' heartbeats",
+                    (read[0] - _server_clock[0]) - (read[1] - _server_clock[1]))
+        _back_at = read[1]
+    _server_clock = read
+
+
 def seconds_since_first_contact() -> float:
     """Seconds since the first command of this process got through (-inf: none yet). A process that has just met
     Redis cannot tell an outage it did not live through (a restart just before it started): until the live

@@ -39,7 +39,7 @@ from typing import Literal, get_args
 RedisUser = Literal["learner", "generator", "reward", "autoscaler"]
 REDIS_USERS: tuple[RedisUser, ...] = get_args(RedisUser)
 
-_CONNECTION = "+ping +auth +hello"
+_CONNECTION = "+ping +auth +hello +time"  # TIME: a consumer tells a jump of the server's clock (Stream._reclaim)
 _TRANSACTION = "+multi +exec +discard"  # a dead letter and the entry's parking go in one MULTI
 # Reading a stream through its consumer group, reclaiming, acknowledging and deleting what was handled, parking a
 # dead-lettered entry (XCLAIM). XADD is the write to the role's output stream and `dead` (`rules`).

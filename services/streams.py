@@ -63,7 +63,7 @@ from services.messages import (
     from_wire,
     to_wire,
 )
-from services.redis_local import retrying, seconds_since_first_contact, seconds_since_outage
+from services.redis_local import note_server_clock, retrying, seconds_since_first_contact, seconds_since_outage
 
 log = logging.getLogger(__name__)
 
@@ -389,11 +389,13 @@ class Stream(Generic[M]):
         released = {row["message_id"] for row in self._grouped(
             self.redis.xpending_range, self.key, self.group, min="-", max="+", count=10 * count, idle=min_idle,
             consumername=RELEASED)}
+        note_server_clock(self.redis, self.cfg.visibility_timeout_s / 3)
         if seconds_since_outage() < self.cfg.visibility_timeout_s \
                 or seconds_since_first_contact() < self.cfg.visibility_timeout_s / 2:
-            # Back from an outage, or just started after one this process cannot know of: the entries live
-            # consumers hold look as idle as it was long until their next heartbeat (Redis dates a delivery, and
-            # keeps the date through a restart; heartbeats come at least every third of the timeout: `touch`).
+            # Back from an outage (or the server's clock stepped ahead), or just started after one this process
+            # cannot know of: the entries live consumers hold look as idle as it was long until their next
+            # heartbeat (Redis dates a delivery, and keeps the date through a restart; heartbeats come at least
+            # every third of the timeout: `touch`).
             # Taken now, their work would be done twice and count a delivery more; so only hand-backs are taken,
             # and a dead consumer's entries a timeout later (half of one after a start).
             claimed = self._present(consumer, self._grouped(

@@ -848,6 +848,27 @@ def test_a_process_that_just_met_redis_takes_hand_backs_at_once_and_others_entri
     assert [d.id for d in newcomer.consume("newcomer", count=1, block_ms=10)] == [held.id]
 
 
+def test_entries_live_consumers_hold_are_not_reclaimed_when_the_servers_clock_steps_ahead(streams, redis_server,
+                                                                                            monkeypatch):
+    """Redis dates a delivery by its wall clock: stepped ahead past the visibility timeout (no outage), every
+    pending entry looks abandoned. A consumer that sees the server's clock gain on its own waits for the owners'
+    heartbeats, as after an outage."""
+    prompts = streams.stream("prompts", PromptTask)
+    prompts.produce(task(0))
+    (held,) = prompts.consume("live", count=1)
+    thief = streams.stream("prompts", PromptTask)
+    thief._reclaimed_at = float("-inf")
+    assert thief.consume("thief", count=1, block_ms=10) == []  # reads the server's clock
+    step_ms = int(prompts.cfg.visibility_timeout_s * 3000)
+    raw = redis.Redis.from_url(redis_server.url)
+    raw.xclaim(prompts.key, prompts.group, "live", 0, [held.id], idle=step_ms, justid=True)  # as the step makes it
+    seconds, micros = raw.time()
+    monkeypatch.setattr(type(thief.redis), "time", lambda client: (seconds + step_ms // 1000, micros))
+    thief._reclaimed_at = float("-inf")
+    assert thief.consume("thief", count=1, block_ms=10) == []
+    assert prompts.touch("live", [held.id]) == 1  # its heartbeat re-dates it
+
+
 def test_a_hand_back_is_taken_at_once_after_an_outage(streams, monkeypatch):
     from services import redis_local
 
