@@ -103,7 +103,7 @@ class Checkpoints:
         commit, or a run started over with `resume: false`), then all but the newest `keep`."""
         write_atomic(self.dir / LATEST, self.path(step).name)
         fsync_dir(self.dir)  # `latest` survives a power loss before the caller releases what the step consumed
-        self._settle_interrupted_writes()
+        self.settle_interrupted_writes()
         for later in (s for s in self.steps() if s > step):
             shutil.rmtree(self.path(later), ignore_errors=True)
         steps = self.steps()
@@ -111,10 +111,13 @@ class Checkpoints:
             if old != step:
                 shutil.rmtree(self.path(old), ignore_errors=True)
 
-    def _settle_interrupted_writes(self) -> None:
+    def settle_interrupted_writes(self) -> None:
         """A write killed between its renames leaves its complete copy aside (`complete`): it takes its step's
         name and its place in the pruning. Every other `.tmp` or `.old` is a write killed midway, or the copy a
-        finished one replaced: whole checkpoints nobody reads, which a resume at another step never writes again."""
+        finished one replaced: whole checkpoints nobody reads, which a resume at another step never writes again.
+        (Also at the learner's start: a write that filled the disk must not keep the restart from writing.)"""
+        if not self.dir.is_dir():
+            return
         for suffix in (".tmp", ".old"):  # `.tmp` first: the newer of two complete copies, as `complete` takes
             for leftover in sorted(self.dir.glob(f"{PREFIX}*{suffix}")):
                 step = numbered(leftover.name.removesuffix(suffix), PREFIX)
@@ -163,10 +166,21 @@ def write(trainer: "Trainer", path: Path, extra_state: dict) -> None:
     and JSON, never a pickle, so that resuming cannot run code planted in a checkpoint),
     `model/` (save_pretrained in the served dtype + the tokenizer) and `trainer_state.json`.
 
-    Written into `path.tmp/` then renamed, so a crash never leaves a half checkpoint under `path`.
+    Written into `path.tmp/` then renamed, so a crash never leaves a half checkpoint under `path`; a write that
+    fails (a disk full) takes its half away.
     """
     path = Path(path)
-    tmp, old = path.with_name(path.name + ".tmp"), path.with_name(path.name + ".old")
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        _write(trainer, path, tmp, extra_state)
+    except BaseException:
+        if trainer.accelerator.is_main_process and not (tmp / TRAINER_STATE).is_file():
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _write(trainer: "Trainer", path: Path, tmp: Path, extra_state: dict) -> None:
+    old = path.with_name(path.name + ".old")
     accelerator = trainer.accelerator
     if accelerator.is_main_process:
         shutil.rmtree(tmp, ignore_errors=True)

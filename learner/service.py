@@ -363,6 +363,7 @@ class LearnerService:
             self.ranks.stop()
             return 0
         self.checkpoints.clear_stop()  # the run goes on past any stop recorded
+        self.checkpoints.settle_interrupted_writes()
         resumed = self.resume() if self.cfg.checkpoints.resume else self.start_fresh()
         self.records.resumed(self.step)
         self.publish_initial()
@@ -459,10 +460,18 @@ class LearnerService:
 
     def train(self, batch: Batch) -> dict[str, float]:
         """The update on every rank. One that raises counts against each group of the batch before the process
-        ends (learner/workset.py: after one retry such groups are quarantined, not re-admitted at every restart)."""
+        ends (learner/workset.py: after one retry such groups are quarantined, not re-admitted at every restart).
+        Out of memory is the settings' fault, not the groups': quarantined, every batch's would be lost in turn."""
         try:
             result = self.ranks.train_step(self.trainer, batch.groups)
         except Exception as err:
+            import torch  # (loaded with the trainer)
+
+            if isinstance(err, (torch.OutOfMemoryError, MemoryError)):
+                log.critical("the update ran out of memory (%s): lower learner.compute.micro_batch_tokens, or turn on "
+                             "gradient checkpointing or offload (`dapo plan` says what fits); the batch's groups are "
+                             "trained after the restart", (str(err).splitlines() or [type(err).__name__])[0][:300])
+                raise
             self.work.suspect(batch.task_ids, f"{type(err).__name__}: {err}"[:1000])
             raise
         self.work.trained(batch.task_ids)

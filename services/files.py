@@ -25,11 +25,15 @@ def write_atomic(path: Path, data: str | bytes, mode: int = 0o666) -> None:
     never readable by others, not even for a moment."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.unlink(missing_ok=True)  # a leftover of a crash keeps its old mode: start afresh
-    with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode), "wb") as handle:
-        handle.write(data.encode() if isinstance(data, str) else data)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
+    try:
+        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode), "wb") as handle:
+            handle.write(data.encode() if isinstance(data, str) else data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:  # (a disk full: the part written would stay, under a name no later write reuses)
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def fsync_dir(path: Path) -> None:

@@ -368,7 +368,9 @@ class WeightPublisher:
         rest."""
         versions = sorted(v for p in self.dir.iterdir() if p.is_dir() and (v := _version_of(p)) is not None)
         newest = set(versions[-self.keep:]) | {keep_also}
-        asked = sorted((held_versions(self.dir, self.hold_s) | self._serving()) & set(versions) - newest)
+        if (held := held_versions(self.dir, self.hold_s)) is None:
+            return  # a hold that could not be read may name any of them: the next publish prunes
+        asked = sorted((held | self._serving()) & set(versions) - newest)
         keep = newest | set(asked[-self.keep:])
         if len(asked) > self.keep:
             log.warning("weights: %d older versions held or being pulled, more than weights.keep_versions (%d): "

@@ -235,20 +235,25 @@ def write_hold(root: Path, holder: str, versions: set[int]) -> None:
     write_atomic(holds / f"{holder}.json", json.dumps(sorted(versions)).encode())
 
 
-def held_versions(root: Path, hold_s: float) -> set[int]:
+def held_versions(root: Path, hold_s: float) -> set[int] | None:
     """Versions some generator held within the last `hold_s` seconds: at most HOLD_MAX_VERSIONS (its newest) of
     each hold. The folder is writable by every generator, so the learner reads a hold only as a regular file of at
     most HOLD_MAX_BYTES, never through a symlink, and opens it without blocking (a FIFO put there would otherwise
-    stop publishing); anything else is skipped, with one line naming it."""
+    stop publishing); anything else is skipped, with one line naming it. None: a hold could not be read (out of
+    file descriptors, an I/O error): what it holds is unknown, so nothing may be pruned this time."""
     held: set[int] = set()
     now = time.time()
     for path in (root / HOLDS_DIR).glob("*.json") if (root / HOLDS_DIR).is_dir() else ():
         try:
             versions = _read_hold(path, now, hold_s)
+        except FileNotFoundError:
+            continue  # its generator left meanwhile
         except OSError as err:
             if err.errno == errno.ELOOP:
                 log.warning("weights: %s is a symlink, not a hold: ignored", path)
-            continue  # being replaced: the next publish looks again
+                continue
+            log.warning("weights: the hold %s cannot be read (%s): no version is pruned this time", path, err)
+            return None
         except (ValueError, TypeError):
             continue  # garbled
         held.update(sorted(versions)[-HOLD_MAX_VERSIONS:])

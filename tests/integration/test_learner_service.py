@@ -1102,6 +1102,21 @@ def test_a_group_that_crashes_the_update_is_quarantined_after_one_retry(settings
     assert not quarantined.redis.exists(quarantined.work.suspects_key)
 
 
+def test_an_update_out_of_memory_counts_against_no_group(settings):
+    """Out of memory is the settings' fault (micro_batch_tokens too large for the card): counted against the
+    groups, every batch would be quarantined in turn and its generation lost; the process ends, the groups wait."""
+    import torch
+
+    service, issued = learner_that_issued(settings)
+    produce_scored(service, settings, scored_group(issued, [True, False]))
+    service.work.pump()
+    service.ranks = SimpleNamespace(world=1, train_step=lambda trainer, groups: (_ for _ in ()).throw(
+        torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")))
+    with pytest.raises(torch.OutOfMemoryError):
+        service.train(service.work.assembler.take_batch(0, partial=True))
+    assert not service.work.suspects and not service.redis.exists(service.work.suspects_key)
+
+
 def test_an_update_that_goes_through_on_retry_clears_the_failure(settings):
     first, issued = learner_that_issued(settings)
     produce_scored(first, settings, scored_group(issued, [True, False]))

@@ -136,3 +136,25 @@ def test_the_saved_state_is_read_from_the_copy_a_crash_between_the_renames_left(
     tmp.mkdir()
     (tmp / TRAINER_STATE).write_text('{"format": 4, "extra_state": {"step": 4}}')
     assert checkpoints.extra_state(4) == {"step": 4}
+
+
+def test_a_checkpoint_write_that_fails_takes_its_half_away(tmp_path, monkeypatch):
+    """A disk full midway: the shards written so far would keep the restart from writing anything (its config,
+    its first weights version), under a name no later write of another step removes."""
+    import errno
+    from types import SimpleNamespace
+
+    from learner import checkpoint
+
+    accelerator = SimpleNamespace(is_main_process=True, process_index=0, wait_for_everyone=lambda: None)
+    trainer = SimpleNamespace(accelerator=accelerator, model=None, optimizer=SimpleNamespace(optimizer=None),
+                              scheduler=None)
+
+    def disk_full(folder, *args):
+        (folder / "shard-0").write_bytes(b"x" * 1024)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(checkpoint, "save_training_state", disk_full)
+    with pytest.raises(OSError, match="No space"):
+        checkpoint.write(trainer, tmp_path / "step-8", {})
+    assert list(tmp_path.iterdir()) == []

@@ -53,6 +53,31 @@ def test_a_hold_pins_at_most_its_newest_few_versions(tmp_path):
     assert held_versions(tmp_path, 60) == set(range(100 - HOLD_MAX_VERSIONS, 100))
 
 
+def test_a_hold_that_cannot_be_read_prunes_nothing_and_a_failed_write_leaves_no_part(tmp_path, monkeypatch):
+    """Out of file descriptors or an I/O error: what that hold pins is unknown, so no version may go (one a
+    generator serves would). A hold whose write failed (a disk full) leaves no part of itself behind."""
+    import errno
+
+    from services import files, weights_layout
+
+    write_hold(tmp_path, "gen-a", {3})
+    write_hold(tmp_path, "gen-b", {4})
+    real = weights_layout.open_regular
+
+    def flaky(path, *args):
+        if path.name == "gen-b.json":
+            raise OSError(errno.EMFILE, "Too many open files")
+        return real(path, *args)
+
+    monkeypatch.setattr(weights_layout, "open_regular", flaky)
+    assert held_versions(tmp_path, 60) is None
+    monkeypatch.setattr(weights_layout, "open_regular", real)
+    monkeypatch.setattr(files.os, "fsync", lambda fd: (_ for _ in ()).throw(OSError(errno.ENOSPC, "No space")))
+    with pytest.raises(OSError):
+        write_hold(tmp_path, "gen-c", {5})
+    assert sorted(p.name for p in (tmp_path / HOLDS_DIR).iterdir()) == ["gen-a.json", "gen-b.json"]
+
+
 def within(seconds: float, call):
     """call() in a thread: its result, or a failure if it blocks (a FIFO opened without O_NONBLOCK waits forever)."""
     result: list = []
