@@ -46,6 +46,7 @@ from torch import Tensor
 from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
+from services.data import DataError
 from services.files import fsync_dir, fsync_tree, numbered, write_atomic
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -218,7 +219,9 @@ def read(trainer: "Trainer", path: Path) -> dict:
     path = complete(Path(path))
     meta = json.loads((path / TRAINER_STATE).read_text())
     if meta.get("format") != FORMAT:
-        raise ValueError(f"{path}: checkpoint format {meta.get('format')!r}, expected {FORMAT}")
+        raise CheckpointDamaged(f"{path}: checkpoint format {meta.get('format')!r}, and this release reads {FORMAT}: "
+                                "finish the run with the release that wrote it, or start over (once: "
+                                "learner.checkpoints.resume=false) or in a new run_dir")
     if "files" in meta:  # (none in a checkpoint from before 2026-11-29)
         damaged = _state_files_damaged(path / STATE_DIR, meta["files"])
         if damaged:
@@ -242,9 +245,10 @@ def complete(path: Path) -> Path:
     raise FileNotFoundError(f"no checkpoint at {path}")
 
 
-class CheckpointDamaged(ValueError):
-    """A checkpoint whose training state is not all as written: loading it would mix its weights and moments
-    with the fresh model's where a shard file is missing (DCP fills only the pieces it finds)."""
+class CheckpointDamaged(DataError):
+    """A checkpoint this learner cannot load: its training state not all as written (loading it would mix its
+    weights and moments with the fresh model's where a shard file is missing: DCP fills only the pieces it finds),
+    or written by a release of another format. A restart would fail the same way: the process exits 65, once."""
 
 
 def _state_files(folder: Path) -> dict[str, int]:

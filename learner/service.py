@@ -83,6 +83,10 @@ def recipe(settings: Settings) -> dict:
         **{f"reward.{key}": getattr(reward, key)
            for key in ("answer_rule", "soft_overlong", "overlong_buffer", "overlong_penalty")},
         "data.train": settings.data.train, "data.prompt_template": settings.data.prompt_template,
+        "data.raw_template": settings.data.raw_template,  # the prompt, where the template is (or resolves to) raw
+        # the built-in task's problems: another difficulty is another data set under the same name
+        **({f"data.{key}": value for key, value in settings.data.model_dump(mode="json").items()
+            if key.startswith("synthetic_")} if settings.data.train.startswith("synthetic") else {}),
         "redis.run": settings.redis.run,
     }
 
@@ -548,16 +552,23 @@ class LearnerService:
         """The step this process will resume from (None: a fresh start)."""
         return self.checkpoints.latest_step() if self.cfg.checkpoints.resume else None
 
+    def check_recipe(self) -> None:
+        """Refuse the checkpoint this learner would resume if it was trained with other settings (`recipe`): done
+        first (`main`), before the run's config.yaml is rewritten, a tracker's run made or the model loaded."""
+        step = self.checkpointed_step()
+        saved = self.checkpoints.extra_state(step).get("recipe") if step is not None else None  # (none before 11-29)
+        if saved is not None and (changes := recipe_changes(saved, self.settings)):
+            raise ConfigError(f"the checkpoint {self.checkpoints.path(step)} was trained with other settings "
+                              f"({'; '.join(changes)}): going on would be another experiment under this run's name. "
+                              "Give it its own run_dir (and redis.run), or start over here (once: "
+                              "learner.checkpoints.resume=false, docs/deploy.md)")
+
     def resume(self) -> bool:
         step = self.checkpoints.latest_step()
         if step is None:
             return self.start_fresh()
         path = self.checkpoints.path(step)
-        saved = self.checkpoints.extra_state(step).get("recipe")  # (none in a checkpoint from before 2026-11-29)
-        if saved is not None and (changes := recipe_changes(saved, self.settings)):
-            raise ConfigError(f"the checkpoint {path} was trained with other settings ({'; '.join(changes)}): going "
-                              "on would be another experiment under this run's name. Give it its own run_dir (and "
-                              "redis.run), or set learner.checkpoints.resume=false to start over here")
+        self.check_recipe()
         extra = self.ranks.load(self.trainer, path)
         self.step = int(extra["step"])
         self.policy.restore(extra["policy"])
@@ -856,6 +867,7 @@ def main(settings: Settings) -> int:
         service.stopping.set()
 
     try:
+        service.check_recipe()  # a checkpoint of another experiment: refused before the run's files are touched
         service.connect()
         service.start_http()
         service.export_stream_gauges()

@@ -127,8 +127,9 @@ class Tracking:
             name = run if resume_step is None else f"{run}-resumed-at-{resume_step}"
             tags = {"dapo.run": run} | ({} if resume_step is None else {"dapo.resumed_at_step": str(resume_step)})
             init_kwargs = {"wandb": {"dir": str(directory), "group": run, "name": name}, "mlflow": {"run_name": name}}
-            if resume_step is not None:
-                init_kwargs["tensorboard"] = {"purge_step": resume_step + 1}
+            # Steps past where this process starts go: a resume's (trained again), or a crashed start's before its
+            # first checkpoint (a fresh start from step 1 again).
+            init_kwargs["tensorboard"] = {"purge_step": 0 if resume_step is None else resume_step + 1}
             accelerator.init_trackers(run, config=flat_config(settings), init_kwargs=init_kwargs)
             if "mlflow" in self.names and accelerator.is_main_process:
                 import mlflow

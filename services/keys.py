@@ -268,11 +268,14 @@ def rotate(folder: Path, role: Role) -> str:
 
 
 def retire(folder: Path, kid: str) -> None:
-    """Step 3 of a rotation: stop trusting `kid` (refused: the role's current key)."""
+    """Step 3 of a rotation: stop trusting `kid` (refused: the role's current key, or its last one, which is the
+    current key wherever the private keys were moved out of `folder` into Secrets, as docs/deploy.md advises)."""
     role = kid.rpartition("-")[0]
     if role not in ROLES or not (folder / "public" / f"{kid}.pub").exists():
         raise KeysError(f"no public key {kid} in {folder / 'public'}")
     current = private_key_file(folder, role)
     if current.exists() and Signer.from_text(role, current.read_text(), str(current)).kid == kid:
         raise KeysError(f"{kid} is the {role} role's current key: rotate it first")
+    if [path.stem for path in (folder / "public").glob(f"{role}-*.pub")] == [kid]:
+        raise KeysError(f"{kid} is the {role} role's last public key: every {role} would be refused (rotate first)")
     (folder / "public" / f"{kid}.pub").unlink()

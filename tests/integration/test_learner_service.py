@@ -135,9 +135,12 @@ def test_a_resume_with_another_recipe_is_refused_before_anything_is_loaded(setti
     settings.learner.loss.clip_high = 0.2
     settings.learner.batch.filter_metric = "reward"
     settings.redis.run = "renamed"  # another run's name on this run folder (compose's DAPO_RUN)
-    with pytest.raises(ConfigError, match=(
-            rf"learner.batch.filter_metric 'acc' -> 'reward'; learner.loss.clip_high 0.28 -> 0.2; "
-            rf"redis.run '{run}' -> 'renamed'; sampling.temperature 1.0 -> 0.7")):
+    refusal = (rf"learner.batch.filter_metric 'acc' -> 'reward'; learner.loss.clip_high 0.28 -> 0.2; "
+               rf"redis.run '{run}' -> 'renamed'; sampling.temperature 1.0 -> 0.7")
+    with pytest.raises(ConfigError, match=refusal):
+        service.check_recipe()  # what `main` does first: no Redis, no config.yaml written, no model loaded
+    assert not (Path(settings.run_dir) / "config.yaml").exists()
+    with pytest.raises(ConfigError, match=refusal):
         service.resume()
     settings.sampling.temperature, settings.learner.loss.clip_high = 1.0, 0.28
     settings.learner.batch.filter_metric, settings.redis.run = "acc", run

@@ -91,6 +91,10 @@ def test_a_resume_drops_from_tensorboard_the_steps_a_crash_discarded(tmp_path):
     events = EventAccumulator(str(run), size_guidance={"scalars": 0})
     events.Reload()
     assert [(e.step, e.value) for e in events.Scalars("reward_all")] == [(1, 1.0), (2, 2.0), (3, -3.0), (4, -4.0)]
+    # a crash before the first checkpoint: the start over from step 1 keeps none of the crashed start's values
+    _track(tmp_path, ["tensorboard"], [{"step": k, "reward_all": 10.0 * k} for k in (1, 2)])
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("reward_all")] == [(1, 10.0), (2, 20.0)]
 
 
 def test_wandb_offline_run_holds_the_steps_and_the_samples_table(tmp_path, monkeypatch):

@@ -158,3 +158,18 @@ def test_a_checkpoint_write_that_fails_takes_its_half_away(tmp_path, monkeypatch
     with pytest.raises(OSError, match="No space"):
         checkpoint.write(trainer, tmp_path / "step-8", {})
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_checkpoint_of_another_format_is_a_data_error_that_says_what_to_do(tmp_path):
+    """An image upgraded mid-run: not a traceback restarted for ever, but exit 65 once (a restart fails the
+    same way), naming the ways on."""
+    import json
+
+    from learner import checkpoint
+    from services.data import DataError
+
+    folder = tmp_path / "step-3"
+    folder.mkdir()
+    (folder / TRAINER_STATE).write_text(json.dumps({"format": 1, "extra_state": {}}))
+    with pytest.raises(DataError, match="checkpoint format 1, and this release reads .*: finish the run with"):
+        checkpoint.read(None, folder)

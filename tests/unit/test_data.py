@@ -432,3 +432,14 @@ def test_held_out_problems_that_are_also_training_problems_are_counted():
     train = [Problem("a", "What is 1+2?", "3"), Problem("b", "What is 2+2?", "4")]
     held_out = [Problem("0", "What is  1+2?", "3"), Problem("1", "What is 5+5?", "10")]
     assert shared_problems(train, held_out) == 1 and shared_problems(train, held_out[1:]) == 0
+
+
+def test_a_resume_on_another_built_in_task_or_raw_template_is_another_recipe():
+    """The built-in task's difficulty, and the raw template (the prompt of the tiny model), say what the
+    checkpoint's policy was trained on: changed, a resume would mix two tasks in one run's curve."""
+    from learner.service import recipe, recipe_changes
+
+    saved = recipe(make_settings())
+    harder = make_settings(synthetic_operands=4, raw_template="Q: {problem}\nA:")
+    assert [change.split(" ")[0] for change in recipe_changes(saved, harder)] == ["data.raw_template",
+                                                                                   "data.synthetic_operands"]

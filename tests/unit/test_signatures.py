@@ -133,6 +133,9 @@ def test_rotation_keeps_the_previous_kid_until_it_is_retired(tmp_path):
     with pytest.raises(KeysError, match="current key"):
         retire(tmp_path, new)
     retire(tmp_path, old)
+    private_key_file(tmp_path, "generator").unlink()  # moved into a Secret (docs/deploy.md): the last key is current
+    with pytest.raises(KeysError, match="last public key"):
+        retire(tmp_path, new)
     keyring.refresh()
     assert keyring.refusal(signed_before, "generator", "rollouts", "ctx", b"x").startswith(f"forged: key id '{old}'")
     assert keyring.refusal(signed_after, "generator", "rollouts", "ctx", b"x") is None
