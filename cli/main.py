@@ -28,6 +28,8 @@ COMMANDS = {
     "generator": ("generator.service", "main", "run a generator service (vLLM)"),
     "reward": ("reward.service", "main", "run a reward worker service"),
     "keys": ("cli.keys", "main", "make or rotate the role keys and Redis users of a deployment (cli/keys.py)"),
+    "report": ("cli.report", "main", "write a run folder's plots and summary.json from its metrics.jsonl (what `dapo "
+                                     "run` writes at its end), for a run launched otherwise or still going"),
     "plan": ("learner.plan", "main", "whether a preset's learner step fits N GPUs, by running it on fake tensors "
                                      "(no GPU, no weights); its time and cost (learner/plan.py)"),
 }

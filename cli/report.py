@@ -120,3 +120,28 @@ def write_report(rows: list[dict], run_dir: Path, extra: dict | None = None) -> 
             value = ", ".join(f"{k} {v:.0f}" if isinstance(v, float) else f"{k} {v}" for k, v in value.items())
         table.add_row(key, "-" if value is None else (f"{value:.4g}" if isinstance(value, float) else str(value)))
     return table
+
+
+def main(settings) -> int:
+    """`dapo report`: a run folder's plots and summary.json from its metrics.jsonl, as `dapo run` writes them at its
+    end, for a run it did not launch (Compose, Kubernetes, `dapo learner`) or one still going. What the launcher
+    alone knows (CPU plan and use, the reference comparison) is kept from a summary.json it wrote."""
+    import json
+
+    from rich.console import Console
+
+    from learner.records import METRICS_FILE, read_rows
+    from services.data import DataError
+
+    run_dir = Path(settings.run_dir)
+    rows = read_rows(run_dir / METRICS_FILE)
+    if not rows:
+        raise DataError(f"{run_dir / METRICS_FILE}: no step recorded (is run_dir the run's folder? --set run_dir=...)")
+    try:
+        before = json.loads((run_dir / "summary.json").read_text())
+    except (OSError, ValueError):
+        before = {}
+    launcher_only = {key: value for key, value in before.items() if key in ("cpus", "cpu_seconds", "reference")} \
+        if isinstance(before, dict) else {}
+    Console().print(write_report(rows, run_dir, launcher_only))
+    return 0

@@ -34,6 +34,7 @@ import json
 import logging
 import random
 import shutil
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -57,6 +58,7 @@ log = logging.getLogger(__name__)
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"
 STOPPED = "stopped.json"
+STARTED_OVER = "started-over"  # written when `learner.checkpoints.resume: false` started the run over
 PREFIX = "step-"  # checkpoints/step-N
 FORMAT = 4  # 1 accelerate's save_state (pickles); 2 a policy version of its own; 3 full-state gather
 STATE_DIR = "state"  # the exact training state, sharded per rank, no pickle anywhere
@@ -129,6 +131,15 @@ class Checkpoints:
                 else:
                     shutil.rmtree(leftover, ignore_errors=True)
         fsync_dir(self.dir)
+
+    def mark_started_over(self) -> None:
+        write_atomic(self.dir / STARTED_OVER, f"{time.strftime('%Y-%m-%d %H:%M:%S %Z')}\n")
+
+    def started_over_already(self) -> bool:
+        """`learner.checkpoints.resume: false` started this run over (`mark_started_over`, after `forget_latest`)
+        and the run has checkpointed since: the setting was applied. A deployment applies its config at every
+        restart: taken again, it would start over the run that start made, finished or half-way, every time."""
+        return (self.dir / STARTED_OVER).is_file() and self.latest_step() is not None
 
     def forget_latest(self) -> None:
         """A run started over (`resume: false`): no later start of it may resume the checkpoint of the one before

@@ -35,7 +35,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 from learner.batch import Batch, Push, RefillLimitReached
-from learner.checkpoint import STOPPED, Checkpoints
+from learner.checkpoint import STARTED_OVER, STOPPED, Checkpoints
 from learner.evaluation import EvalRound
 from learner.lease import LearnerLease
 from learner.policy import PolicyVersion
@@ -195,6 +195,12 @@ class LearnerService:
         self.cfg = settings.learner
         self.run_dir = Path(settings.run_dir)
         self.checkpoints = Checkpoints(self.run_dir, keep=self.cfg.checkpoints.keep)
+        if not self.cfg.checkpoints.resume and self.checkpoints.started_over_already():
+            log.warning("learner.checkpoints.resume is false, and it started this run over already (%s): the run it "
+                        "started resumes. To start over again, delete %s (or `latest` beside it, as `dapo run` does)",
+                        (self.checkpoints.dir / STARTED_OVER).read_text().strip(),
+                        self.checkpoints.dir / STARTED_OVER)
+            self.cfg.checkpoints.resume = True
         self._gauges_stop = threading.Event()
         self.broadcaster: Broadcaster | None = None  # transport collective: rank 0 of every weights round
         self.publishing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="publish")
@@ -544,6 +550,8 @@ class LearnerService:
         else:
             self.work.forget_run()
             self.checkpoints.forget_latest()
+            self.checkpoints.dir.mkdir(parents=True, exist_ok=True)
+            self.checkpoints.mark_started_over()
         self.work.restore(skip=set(), counted=set())
         self.records.cut_after(-1)
         return False

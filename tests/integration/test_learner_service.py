@@ -322,6 +322,7 @@ def test_the_data_goes_on_after_a_kill_before_the_first_checkpoint_and_past_only
     third = learner()
     third.start_fresh()
     assert third.train_problems.next().id == TrainProblems(problems, seed=5).next().id
+    assert (third.checkpoints.dir / "started-over").is_file()  # applied once (learner/checkpoint.py)
 
 
 def test_publishing_overlaps_the_next_step_where_staleness_allows_but_not_a_round_over_nccl(settings):

@@ -173,3 +173,25 @@ def test_a_checkpoint_of_another_format_is_a_data_error_that_says_what_to_do(tmp
     (folder / TRAINER_STATE).write_text(json.dumps({"format": 1, "extra_state": {}}))
     with pytest.raises(DataError, match="checkpoint format 1, and this release reads .*: finish the run with"):
         checkpoint.read(None, folder)
+
+
+def test_starting_over_is_applied_once_not_at_every_restart_of_a_deployment(tmp_path):
+    """A deployment applies `learner.checkpoints.resume: false` at every restart: once the run it started has a
+    checkpoint, a restart resumes it (a finished run was trained again from scratch, its records cut)."""
+    from learner.service import LearnerService
+    from services.config import load_settings
+
+    def learner():
+        return LearnerService(load_settings("tiny-cpu", run_dir=str(tmp_path),
+                                            learner={"checkpoints": {"resume": False}}))
+
+    checkpoints = checkpointed(tmp_path, 40)  # the run before
+    checkpoints.path(40).mkdir()
+    first = learner()
+    assert not first.cfg.checkpoints.resume  # starts over
+    checkpoints.forget_latest()
+    checkpoints.mark_started_over()  # (what its start_fresh does)
+    assert not learner().cfg.checkpoints.resume  # restarted before the new run's first checkpoint: over again
+    checkpoints.path(10).mkdir()
+    checkpoints.commit(10)
+    assert learner().cfg.checkpoints.resume  # the run it started resumes

@@ -44,3 +44,23 @@ def test_the_summary_reads_the_last_step_from_the_step_rows_not_a_redone_evaluat
     result = summary(rows)
     assert result["reward_all_last"] == 0.25 and result["learner_world_size"] == 2
     assert result["eval_accuracy_last"] == 0.3 and result["steps"] == 1
+
+
+def test_dapo_report_writes_the_plots_and_summary_of_any_run_folder_keeping_what_only_the_launcher_knew(
+        tmp_path, capsys):
+    """A run a deployment runs (or one still going) gets the report `dapo run` writes at its end."""
+    import json
+
+    from cli.main import main
+
+    assert main(["report", "--set", f"run_dir={tmp_path}"]) == 65  # nothing recorded: said, not a traceback
+    assert "no step recorded" in capsys.readouterr().err
+    rows = [{"step": 0, "eval_accuracy": 0.1, "time": 0.0},
+            {"step": 1, "groups_trained": 4, "reward_all": 0.25, "time": 5.0},
+            {"step": 2, "groups_trained": 4, "reward_all": 0.5, "time": 9.0}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    (tmp_path / "summary.json").write_text(json.dumps({"cpu_seconds": {"learner-0": 12.0}, "steps": 1}))
+    assert main(["report", "--set", f"run_dir={tmp_path}"]) == 0
+    written = json.loads((tmp_path / "summary.json").read_text())
+    assert written["steps"] == 2 and written["cpu_seconds"] == {"learner-0": 12.0}
+    assert any((tmp_path / "plots").iterdir())
