@@ -46,8 +46,16 @@ def serve(settings: Settings, pool: VerifierPool) -> int:
         return 1
     scorer = Scorer(pool, cfg)
     worker = RewardWorker(settings, scorer, Streams(connect(settings), settings, signs_as=("reward",)))
-    thread = threading.Thread(target=worker.run, name="reward-worker", daemon=True)
-    thread.start()
+    ended: list[BaseException] = []  # what ended the stream worker (its key retired, say): the process's end too
+
+    def work() -> None:
+        try:
+            worker.run()
+        except BaseException as err:
+            ended.append(err)
+            server.should_exit = True
+
+    thread = threading.Thread(target=work, name="reward-worker", daemon=True)
 
     def ready() -> tuple[bool, str]:
         if pool.broken:
@@ -62,6 +70,7 @@ def serve(settings: Settings, pool: VerifierPool) -> int:
     app = create_reward_app(settings, scorer, ready=ready)
     server = uvicorn.Server(uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="warning",
                                            **server_options(settings)))
+    thread.start()
 
     # uvicorn handles SIGTERM/SIGINT while it serves, then re-raises the signal to the handler that was there
     # before; with the default handler that would kill us before the worker and the pool are stopped.
@@ -79,4 +88,6 @@ def serve(settings: Settings, pool: VerifierPool) -> int:
     finally:
         worker.stop()
         thread.join(timeout=settings.streams.block_ms / 1000 + cfg.timeout_s + 5)
+    if ended:
+        raise ended[0]
     return 0

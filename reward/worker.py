@@ -27,6 +27,7 @@ import time
 from reward.sandbox import VerifierUnavailable
 from reward.scoring import Scorer, group_items
 from services.config import Settings
+from services.errors import Unavailable
 from services.messages import PromptTask, RolloutGroup, ScoredGroup, from_wire, to_wire
 from services.streams import ISSUED, Delivery, Streams, consumer_name
 
@@ -69,6 +70,8 @@ class RewardWorker:
         while not self._stop.is_set():
             try:
                 self.run_once()
+            except Unavailable:  # a dependency this process cannot do without (its key retired): ends it, exit 69
+                raise
             except Exception:
                 log.exception("reward worker iteration failed; retrying")
                 self._stop.wait(1.0)

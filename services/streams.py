@@ -725,11 +725,19 @@ class Streams:
         self._saved_server_ms = 0  # ... as SERVER_CLOCK has it
 
     def signer(self, role: Role, what: str) -> Signer:
-        """This process's key of `role`, to sign `what`; KeysError if it does not hold it."""
+        """This process's key of `role`, to sign `what`; KeysError if it does not hold it, or if the key was
+        retired since the process started (`dapo keys retire`: everything it signed would be dead-lettered as
+        forged, and its tasks come back only at their deadlines; ended, its supervisor starts it on the current
+        key)."""
         if role not in self.signers:
             raise KeysError(f"only the {role} role signs {what}: this process holds the keys of "
                             f"{', '.join(self.signers) or 'no role'}")
-        return self.signers[role]
+        signer = self.signers[role]
+        if signer.kid not in self.keyring.kids(role):
+            raise KeysError(f"this process's {role} key {signer.kid} was retired (it is no longer in "
+                            f"{self.keyring.dir}): what it signs would be refused as forged; restart it with the "
+                            f"{role} role's current key")
+        return signer
 
     def key(self, *parts: str) -> str:
         return self.prefix + ":".join(parts)

@@ -15,7 +15,7 @@ import reward.worker as reward_worker_module
 from reward.sandbox import Verification, VerifierPool
 from reward.scoring import Scorer
 from reward.worker import RewardWorker
-from services.keys import ROLES
+from services.keys import ROLES, keys_dir
 from services.messages import PromptTask, RolloutGroup, Sample, SamplingParams, Score, ScoredGroup, to_wire
 from services.streams import ISSUED, Streams
 
@@ -173,6 +173,25 @@ def test_run_in_a_thread_and_stop(settings, streams, pool):
     worker.stop()
     thread.join(timeout=5)
     assert not thread.is_alive()
+
+
+def test_a_worker_whose_key_was_retired_ends_instead_of_reading_on(settings, streams, pool):
+    """Its loop retries what may pass (a bad turn); a dependency it cannot do without ends it (exit 69), or it
+    would take every rollout and forward none, each coming back only after the visibility timeout."""
+    from services.keys import KeysError, retire, rotate
+
+    worker = RewardWorker(settings, Scorer(pool, settings.reward), streams, consumer="reward-retired")
+    old = streams.signer("reward", "scored").kid
+    rotate(keys_dir(settings), "reward")
+    retire(keys_dir(settings), old)
+    streams.keyring.refresh()
+    streams.stream("rollouts", RolloutGroup).produce(issued(streams, rollout("rk", "2", ["Answer: 2"])))
+    ended = []
+    thread = threading.Thread(target=lambda: ended.append(pytest.raises(KeysError, worker.run)), daemon=True)
+    thread.start()
+    thread.join(timeout=30)
+    worker.stop()
+    assert not thread.is_alive() and ended and "was retired" in str(ended[0].value)
 
 
 def test_a_reward_worker_reads_nothing_while_scored_is_at_its_high_water_mark(settings, streams, pool):

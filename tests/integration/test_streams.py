@@ -899,3 +899,17 @@ def test_entries_deleted_while_pending_are_acknowledged_not_handed_around(stream
     assert prompts.consume("live", count=4, block_ms=10) == []
     (left,) = raw.xpending_range(prompts.key, prompts.group, min="-", max="+", count=10)
     assert (left["message_id"].decode(), left["times_delivered"]) == (working.id, 1)  # its count as it was
+
+
+def test_a_process_whose_signing_key_was_retired_stops_signing(streams, settings):
+    """`dapo keys retire` of the key a running worker signs with: everything it wrote would be dead-lettered as
+    forged and its tasks come back only at their deadlines. Its next signature says so instead (KeysError: exit
+    69, and its supervisor starts it on the current key)."""
+    from services.keys import KeysError, retire, rotate
+
+    old = streams.signer("generator", "rollouts").kid
+    rotate(keys_dir(settings), "generator")
+    retire(keys_dir(settings), old)
+    streams.keyring.refresh()
+    with pytest.raises(KeysError, match=f"generator key {old} was retired"):
+        streams.stream("rollouts", RolloutGroup).produce(group_for(task(0)))
