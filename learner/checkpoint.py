@@ -132,14 +132,22 @@ class Checkpoints:
                     shutil.rmtree(leftover, ignore_errors=True)
         fsync_dir(self.dir)
 
-    def mark_started_over(self) -> None:
-        write_atomic(self.dir / STARTED_OVER, f"{time.strftime('%Y-%m-%d %H:%M:%S %Z')}\n")
+    def mark_started_over(self, recipe: dict) -> None:
+        write_atomic(self.dir / STARTED_OVER, json.dumps({"at": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+                                                          "recipe": recipe}))
 
-    def started_over_already(self) -> bool:
-        """`learner.checkpoints.resume: false` started this run over (`mark_started_over`, after `forget_latest`)
-        and the run has checkpointed since: the setting was applied. A deployment applies its config at every
-        restart: taken again, it would start over the run that start made, finished or half-way, every time."""
-        return (self.dir / STARTED_OVER).is_file() and self.latest_step() is not None
+    def started_over_already(self, recipe: dict) -> str | None:
+        """When `learner.checkpoints.resume: false` started this run over with this recipe (`mark_started_over`,
+        after `forget_latest`), and the run has checkpointed since: the setting was applied (a deployment applies
+        its config at every restart: taken again, it would start over the run that start made, finished or
+        half-way, every time). None otherwise: a start over with another recipe is another experiment's."""
+        try:
+            marked = json.loads((self.dir / STARTED_OVER).read_text())
+        except (OSError, ValueError):
+            return None
+        if not isinstance(marked, dict) or marked.get("recipe") != recipe or self.latest_step() is None:
+            return None
+        return str(marked.get("at"))
 
     def forget_latest(self) -> None:
         """A run started over (`resume: false`): no later start of it may resume the checkpoint of the one before
@@ -183,15 +191,16 @@ def write(trainer: "Trainer", path: Path, extra_state: dict) -> None:
     """
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
+    renaming = []  # set once `tmp` is whole and on disk: from there a failure leaves it for `complete`
     try:
-        _write(trainer, path, tmp, extra_state)
+        _write(trainer, path, tmp, extra_state, renaming)
     except BaseException:
-        if trainer.accelerator.is_main_process and not (tmp / TRAINER_STATE).is_file():
+        if trainer.accelerator.is_main_process and not renaming:
             shutil.rmtree(tmp, ignore_errors=True)
         raise
 
 
-def _write(trainer: "Trainer", path: Path, tmp: Path, extra_state: dict) -> None:
+def _write(trainer: "Trainer", path: Path, tmp: Path, extra_state: dict, renaming: list) -> None:
     old = path.with_name(path.name + ".old")
     accelerator = trainer.accelerator
     if accelerator.is_main_process:
@@ -216,6 +225,7 @@ def _write(trainer: "Trainer", path: Path, tmp: Path, extra_state: dict) -> None
         # On disk before the renames make it the checkpoint (and before `latest` names it): after a power loss,
         # a renamed folder of empty files would be a checkpoint that cannot be loaded.
         fsync_tree(tmp)
+        renaming.append(True)
         shutil.rmtree(old, ignore_errors=True)
         if path.exists():
             path.rename(old)
@@ -232,7 +242,8 @@ def read(trainer: "Trainer", path: Path) -> dict:
     if meta.get("format") != FORMAT:
         raise CheckpointDamaged(f"{path}: checkpoint format {meta.get('format')!r}, and this release reads {FORMAT}: "
                                 "finish the run with the release that wrote it, or start over (once: "
-                                "learner.checkpoints.resume=false) or in a new run_dir")
+                                "learner.checkpoints.resume=false, and delete checkpoints/started-over if a start "
+                                "over left it) or in a new run_dir")
     if "files" in meta:  # (none in a checkpoint from before 2026-11-29)
         damaged = _state_files_damaged(path / STATE_DIR, meta["files"])
         if damaged:

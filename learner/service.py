@@ -86,9 +86,19 @@ def recipe(settings: Settings) -> dict:
         "data.raw_template": settings.data.raw_template,  # the prompt, where the template is (or resolves to) raw
         # the built-in task's problems: another difficulty is another data set under the same name
         **({f"data.{key}": value for key, value in settings.data.model_dump(mode="json").items()
-            if key.startswith("synthetic_")} if settings.data.train.startswith("synthetic") else {}),
+            if key.startswith("synthetic_") and key != "synthetic_eval_size"}  # (that one sizes the held-out set)
+           if settings.data.train.startswith("synthetic") else {}),
         "redis.run": settings.redis.run,
     }
+
+
+def out_of_memory(err: BaseException) -> bool:
+    """A GPU's (torch.OutOfMemoryError), the host's (MemoryError), or PyTorch's CPU allocator's, which raises a
+    plain RuntimeError."""
+    import torch  # (loaded with the trainer)
+
+    return isinstance(err, (torch.OutOfMemoryError, MemoryError)) or (
+        isinstance(err, RuntimeError) and "can't allocate memory" in str(err))
 
 
 def recipe_changes(saved: dict, settings: Settings) -> list[str]:
@@ -195,11 +205,10 @@ class LearnerService:
         self.cfg = settings.learner
         self.run_dir = Path(settings.run_dir)
         self.checkpoints = Checkpoints(self.run_dir, keep=self.cfg.checkpoints.keep)
-        if not self.cfg.checkpoints.resume and self.checkpoints.started_over_already():
-            log.warning("learner.checkpoints.resume is false, and it started this run over already (%s): the run it "
-                        "started resumes. To start over again, delete %s (or `latest` beside it, as `dapo run` does)",
-                        (self.checkpoints.dir / STARTED_OVER).read_text().strip(),
-                        self.checkpoints.dir / STARTED_OVER)
+        if not self.cfg.checkpoints.resume and (at := self.checkpoints.started_over_already(recipe(settings))):
+            log.warning("learner.checkpoints.resume is false, and it started this run over already (%s, with these "
+                        "settings): the run it started resumes. To start over again, delete %s (or `latest` beside "
+                        "it, as `dapo run` does)", at, self.checkpoints.dir / STARTED_OVER)
             self.cfg.checkpoints.resume = True
         self._gauges_stop = threading.Event()
         self.broadcaster: Broadcaster | None = None  # transport collective: rank 0 of every weights round
@@ -475,9 +484,7 @@ class LearnerService:
         try:
             result = self.ranks.train_step(self.trainer, batch.groups)
         except Exception as err:
-            import torch  # (loaded with the trainer)
-
-            if isinstance(err, (torch.OutOfMemoryError, MemoryError)):
+            if out_of_memory(err):
                 log.critical("the update ran out of memory (%s): lower learner.compute.micro_batch_tokens, or turn on "
                              "gradient checkpointing or offload (`dapo plan` says what fits); the batch's groups are "
                              "trained after the restart", (str(err).splitlines() or [type(err).__name__])[0][:300])
@@ -551,7 +558,7 @@ class LearnerService:
             self.work.forget_run()
             self.checkpoints.forget_latest()
             self.checkpoints.dir.mkdir(parents=True, exist_ok=True)
-            self.checkpoints.mark_started_over()
+            self.checkpoints.mark_started_over(recipe(self.settings))
         self.work.restore(skip=set(), counted=set())
         self.records.cut_after(-1)
         return False

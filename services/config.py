@@ -650,6 +650,11 @@ class CpusConfig(Section):
     generators: str = Field("auto", description="CPUs of the generators (dealt in equal slices, one per generator).")
     reward: str = Field("auto", description="CPUs of the reward workers (its pool has one process per CPU).")
 
+    @field_validator("learner", "generators", "reward", mode="before")
+    @classmethod
+    def _one_cpu(cls, value: Any) -> Any:
+        return str(value) if isinstance(value, int) and not isinstance(value, bool) else value  # `cpus.learner: 3`
+
     @field_validator("learner", "generators", "reward")
     @classmethod
     def _cpu_list(cls, value: str) -> str:
@@ -891,6 +896,8 @@ def load_settings(preset: str | os.PathLike | None = None, *, origin: str = "ove
         for e in err.errors():
             loc = tuple(str(p) for p in e["loc"])
             reason = "unknown key" if e["type"] == "extra_forbidden" else e["msg"]
+            if e["type"] == "string_type" and isinstance(e.get("input"), (int, float, bool)):
+                reason += f" (YAML read {e['input']!r}: quote it)"
             problems.append(f"  {'.'.join(loc)}: {reason} (from {_source(loc, layers, overrides, origin)})")
         raise ConfigError("invalid config:\n" + "\n".join(problems)) from None
     except SettingsError as err:  # a DAPO_ variable of a list or mapping field that is not JSON

@@ -95,7 +95,8 @@ def seconds_since_outage() -> float:
     return time.monotonic() - _back_at
 
 
-_server_clock: tuple[float, float] | None = None  # (the server's TIME, time.monotonic()) at this process's last read
+# (the server's TIME, time.monotonic()) at this process's last read; False: this Redis user may not read it
+_server_clock: tuple[float, float] | None | bool = None
 
 
 def note_server_clock(client: redis.Redis, jump_s: float) -> None:
@@ -103,7 +104,15 @@ def note_server_clock(client: redis.Redis, jump_s: float) -> None:
     ahead: Redis dates a pending entry's delivery, so every entry then looks that much idler, those of live
     consumers too), note it as the end of an outage (`seconds_since_outage`): their heartbeats come first."""
     global _server_clock, _back_at
-    seconds, micros = client.time()
+    if _server_clock is False:
+        return
+    try:
+        seconds, micros = client.time()
+    except redis.exceptions.NoPermissionError:  # a deployment's Redis users made by a release before TIME's use
+        log.warning("this Redis user may not read the server's clock (TIME): a jump of it is not told from a "
+                    "consumer's death (remake the Redis users: docs/deploy.md, \"Upgrading\")")
+        _server_clock = False
+        return
     read = (int(seconds) + int(micros) / 1e6, time.monotonic())
     if _server_clock is not None and (read[0] - _server_clock[0]) - (read[1] - _server_clock[1]) > jump_s:
         log.warning("the Redis server's clock jumped ahead %.0f s: reclaims wait for the consumers' heartbeats",

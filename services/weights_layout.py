@@ -239,8 +239,9 @@ def held_versions(root: Path, hold_s: float) -> set[int] | None:
     """Versions some generator held within the last `hold_s` seconds: at most HOLD_MAX_VERSIONS (its newest) of
     each hold. The folder is writable by every generator, so the learner reads a hold only as a regular file of at
     most HOLD_MAX_BYTES, never through a symlink, and opens it without blocking (a FIFO put there would otherwise
-    stop publishing); anything else is skipped, with one line naming it. None: a hold could not be read (out of
-    file descriptors, an I/O error): what it holds is unknown, so nothing may be pruned this time."""
+    stop publishing); anything else is skipped, with one line naming it (a file it may not read too: any generator
+    could make one). None: a hold could not be read for a while (out of file descriptors, an I/O error): what it
+    holds is unknown, so nothing may be pruned this time."""
     held: set[int] = set()
     now = time.time()
     for path in (root / HOLDS_DIR).glob("*.json") if (root / HOLDS_DIR).is_dir() else ():
@@ -251,6 +252,9 @@ def held_versions(root: Path, hold_s: float) -> set[int] | None:
         except OSError as err:
             if err.errno == errno.ELOOP:
                 log.warning("weights: %s is a symlink, not a hold: ignored", path)
+                continue
+            if err.errno in (errno.EACCES, errno.EPERM):  # a file a generator made unreadable: as good as none
+                log.warning("weights: the hold %s cannot be read (%s): ignored", path, err)
                 continue
             log.warning("weights: the hold %s cannot be read (%s): no version is pruned this time", path, err)
             return None

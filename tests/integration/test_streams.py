@@ -913,3 +913,25 @@ def test_a_process_whose_signing_key_was_retired_stops_signing(streams, settings
     streams.keyring.refresh()
     with pytest.raises(KeysError, match=f"generator key {old} was retired"):
         streams.stream("rollouts", RolloutGroup).produce(group_for(task(0)))
+
+
+def test_a_redis_user_made_before_time_was_granted_still_reclaims(streams, monkeypatch, caplog):
+    """A deployment's Redis users are made once (its secrets): a worker of a newer release whose user may not
+    read the clock goes on without the jump check, saying so once, instead of failing every read."""
+    prompts = streams.stream("prompts", PromptTask)
+    prompts.produce(task(0))
+    prompts.consume("dead", count=1)
+    refused = []
+
+    def no_time(client):
+        refused.append(1)
+        raise redis.exceptions.NoPermissionError("this user has no permissions to run the 'time' command")
+
+    monkeypatch.setattr(type(prompts.redis), "time", no_time)
+    time.sleep(prompts.cfg.visibility_timeout_s * 1.1)
+    thief = streams.stream("prompts", PromptTask)
+    taken = []
+    for _ in range(2):
+        thief._reclaimed_at = float("-inf")
+        taken += thief.consume("thief", count=1, block_ms=10)
+    assert len(taken) == 1 and len(refused) == 1 and "may not read the server's clock" in caplog.text

@@ -138,23 +138,31 @@ def test_the_saved_state_is_read_from_the_copy_a_crash_between_the_renames_left(
     assert checkpoints.extra_state(4) == {"step": 4}
 
 
-def test_a_checkpoint_write_that_fails_takes_its_half_away(tmp_path, monkeypatch):
-    """A disk full midway: the shards written so far would keep the restart from writing anything (its config,
-    its first weights version), under a name no later write of another step removes."""
+@pytest.mark.parametrize("where", ["state", "last file"])
+def test_a_checkpoint_write_that_fails_takes_its_half_away(tmp_path, monkeypatch, where):
+    """A disk full midway (the shards, or the last file and its fsync, where NFS says it): what was written would
+    keep the restart from writing anything (its config, its first weights version), under a name no later write
+    of another step removes."""
     import errno
     from types import SimpleNamespace
 
     from learner import checkpoint
 
-    accelerator = SimpleNamespace(is_main_process=True, process_index=0, wait_for_everyone=lambda: None)
-    trainer = SimpleNamespace(accelerator=accelerator, model=None, optimizer=SimpleNamespace(optimizer=None),
-                              scheduler=None)
-
     def disk_full(folder, *args):
         (folder / "shard-0").write_bytes(b"x" * 1024)
-        raise OSError(errno.ENOSPC, "No space left on device")
+        if where == "state":
+            raise OSError(errno.ENOSPC, "No space left on device")
 
+    served = SimpleNamespace(save_pretrained=lambda folder, state_dict: folder.mkdir(parents=True))
+    accelerator = SimpleNamespace(is_main_process=True, process_index=0, wait_for_everyone=lambda: None,
+                                  unwrap_model=lambda model: served)
+    trainer = SimpleNamespace(accelerator=accelerator, model=None, optimizer=SimpleNamespace(optimizer=None),
+                              scheduler=None, state_dict_for_publish=dict, served_dtype="float32",
+                              model_path=tmp_path / "model")
     monkeypatch.setattr(checkpoint, "save_training_state", disk_full)
+    monkeypatch.setattr(checkpoint, "_set_config_dtype", lambda folder, dtype: None)
+    monkeypatch.setattr(checkpoint, "fsync_tree", lambda folder: (_ for _ in ()).throw(
+        OSError(errno.ENOSPC, "No space left on device")))
     with pytest.raises(OSError, match="No space"):
         checkpoint.write(trainer, tmp_path / "step-8", {})
     assert list(tmp_path.iterdir()) == []
@@ -185,13 +193,18 @@ def test_starting_over_is_applied_once_not_at_every_restart_of_a_deployment(tmp_
         return LearnerService(load_settings("tiny-cpu", run_dir=str(tmp_path),
                                             learner={"checkpoints": {"resume": False}}))
 
+    from learner.service import recipe
+
     checkpoints = checkpointed(tmp_path, 40)  # the run before
     checkpoints.path(40).mkdir()
     first = learner()
     assert not first.cfg.checkpoints.resume  # starts over
     checkpoints.forget_latest()
-    checkpoints.mark_started_over()  # (what its start_fresh does)
+    checkpoints.mark_started_over(recipe(first.settings))  # (what its start_fresh does)
     assert not learner().cfg.checkpoints.resume  # restarted before the new run's first checkpoint: over again
     checkpoints.path(10).mkdir()
     checkpoints.commit(10)
     assert learner().cfg.checkpoints.resume  # the run it started resumes
+    other = LearnerService(load_settings("tiny-cpu", run_dir=str(tmp_path), sampling={"temperature": 0.9},
+                                         learner={"checkpoints": {"resume": False}}))
+    assert not other.cfg.checkpoints.resume  # another recipe: another experiment starts over

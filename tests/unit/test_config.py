@@ -280,8 +280,9 @@ def test_switch_words_mean_the_settings_own_words_from_yaml_and_the_environment(
     preset.write_text("base: tiny-cpu\nlearner:\n  compute:\n    packing: on\nweights:\n  verify: off\n")
     settings = load_settings(preset)
     assert (settings.learner.compute.packing, settings.weights.verify) == ("on", "off")
-    with pytest.raises(ConfigError, match="redis.run: Input should be a valid string"):
+    with pytest.raises(ConfigError, match=r"redis.run: Input should be a valid string \(YAML read 8: quote it\)"):
         load_settings("tiny-cpu", redis={"run": 8})
+    assert load_settings("tiny-cpu", cpus={"learner": 1}).cpus.learner == "1"  # one CPU is a CPU list
     monkeypatch.setenv("DAPO_LEARNER__COMPUTE__GRADIENT_CHECKPOINTING", "true")
     monkeypatch.setenv("DAPO_LEARNER__COMPUTE__PACKING", "false")
     compute = load_settings("tiny-cpu", weights={"verify": True}).learner.compute

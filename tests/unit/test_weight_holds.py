@@ -64,13 +64,17 @@ def test_a_hold_that_cannot_be_read_prunes_nothing_and_a_failed_write_leaves_no_
     write_hold(tmp_path, "gen-b", {4})
     real = weights_layout.open_regular
 
+    refusal = OSError(errno.EMFILE, "Too many open files")
+
     def flaky(path, *args):
         if path.name == "gen-b.json":
-            raise OSError(errno.EMFILE, "Too many open files")
+            raise refusal
         return real(path, *args)
 
     monkeypatch.setattr(weights_layout, "open_regular", flaky)
     assert held_versions(tmp_path, 60) is None
+    refusal = OSError(errno.EACCES, "Permission denied")  # a file any generator may make unreadable: for good
+    assert held_versions(tmp_path, 60) == {3}
     monkeypatch.setattr(weights_layout, "open_regular", real)
     monkeypatch.setattr(files.os, "fsync", lambda fd: (_ for _ in ()).throw(OSError(errno.ENOSPC, "No space")))
     with pytest.raises(OSError):
