@@ -572,15 +572,21 @@ class Broadcaster:
         self.newcomers_from = float("-inf")  # monotonic time from which newcomers are taken again
         self.shuffler = random.Random()  # its own: rounds run beside training, whose seeded `random` they must not move
         self.last_group: str | None = None  # the round before, whose keys the store still holds
+        # member id -> (its record's `at`, when this learner saw it renewed, when it first saw it): freshness by this
+        # learner's clock, not by a comparison of two hosts' (`members`)
+        self.renewals: dict[bytes | str, tuple[float, float, float]] = {}
 
     def members(self) -> dict[str, int]:
         """Fresh members not sitting out, newcomers within their bounds (module docstring): generator id -> its
-        engine's workers. Drops stale ones."""
+        engine's workers. Drops stale ones. Fresh: renewed within MEMBER_TTL_S as this learner saw its record
+        change (a generator's clock minutes off the learner's would be never a member, or one long after it died);
+        a record first seen counts as renewed when it says, if that is within MEMBER_TTL_S of now."""
         now, clock = time.time(), time.monotonic()
         fresh, stale = {}, []
         self.since, self.nearby, self.newcomers = {}, set(), set()
         self.paused = {process: until for process, until in self.paused.items() if until > clock}
         listed = list((self.redis.hgetall(self.members_key) or {}).items())
+        renewals: dict[bytes | str, tuple[float, float, float]] = {}
         self.shuffler.shuffle(listed)  # which newcomers a round takes: ids chosen to sort first keep no one out
         seen = set()
         for raw_id, raw in listed:
@@ -591,8 +597,18 @@ class Broadcaster:
             except (ValueError, KeyError, TypeError, OverflowError):  # (UnicodeDecodeError is a ValueError)
                 stale.append(raw_id)
                 continue
-            if not (math.isfinite(at) and math.isfinite(since)) or now - at > MEMBER_TTL_S or not 1 <= workers <= 64:
+            if not (math.isfinite(at) and math.isfinite(since)) or not 1 <= workers <= 64:
                 stale.append(raw_id)
+                continue
+            known = self.renewals.get(raw_id)
+            if known is None:
+                known = (at, clock - max(0.0, now - at) if abs(now - at) <= MEMBER_TTL_S else -math.inf, clock)
+            elif known[0] != at:
+                known = (at, clock, known[2])
+            renewals[raw_id] = known
+            if clock - known[1] > MEMBER_TTL_S:  # not renewed lately: left out, dropped once seen that long
+                if clock - max(known[1], known[2]) > MEMBER_TTL_S:
+                    stale.append(raw_id)
                 continue
             seen.add((member, since))
             if record.get("busy") is True or (member, since) in self.paused:
@@ -605,6 +621,7 @@ class Broadcaster:
             self.since[member] = since
             if self.take_nearby and self.backend == "gloo" and HOST and record.get("host") == HOST:
                 self.nearby.add(member)
+        self.renewals = {member: known for member, known in renewals.items() if member not in stale}
         if stale:
             self.redis.hdel(self.members_key, *stale)
         self.joined &= seen  # member processes no longer listed: gone

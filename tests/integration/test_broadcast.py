@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import mmap
 import multiprocessing as mp
 import os
@@ -363,13 +364,42 @@ def test_the_first_link_killed_fails_the_round_within_the_timeout(rounds):
 
 def test_stale_and_garbled_memberships_are_dropped(rounds):
     client, key = rounds["client"], f"{rounds['prefix'].rstrip(':')}:weights:members"
-    client.hset(key, "old", '{"workers": 1, "at": %f}' % (time.time() - MEMBER_TTL_S - 1))
+    client.hset(key, "old", '{"workers": 1, "at": %f, "since": 1}' % (time.time() - MEMBER_TTL_S - 1))
     client.hset(key, "garbled", "not json")
     client.hset(key, "greedy", '{"workers": 100000, "at": %f}' % time.time())
     client.hset(key, b"\xff\xfe", '{"workers": 1, "at": %f, "since": 1}' % time.time())  # an id that is no text
     register_member(client, rounds["prefix"], "fresh", workers=2)
-    assert rounds["broadcaster"].members() == {"fresh": 2}
-    assert set(client.hkeys(key)) == {b"fresh"}
+    broadcaster = rounds["broadcaster"]
+    assert broadcaster.members() == {"fresh": 2}
+    assert set(client.hkeys(key)) == {b"fresh", b"old"}  # old: not renewed as far as this learner saw, yet
+    broadcaster.renewals[b"old"] = (*broadcaster.renewals[b"old"][:2], time.monotonic() - MEMBER_TTL_S - 1)
+    register_member(client, rounds["prefix"], "fresh", workers=2)
+    assert broadcaster.members() == {"fresh": 2} and set(client.hkeys(key)) == {b"fresh"}
+
+
+def test_membership_freshness_goes_by_the_learners_clock_not_the_generators(rounds, monkeypatch):
+    """A generator whose clock is minutes behind the learner's was never a member; one minutes ahead stayed one
+    that long after it died. Renewed is what the learner sees change."""
+    client, broadcaster = rounds["client"], rounds["broadcaster"]
+    behind = time.time() - 600
+    monkeypatch.setattr(broadcast_module.time, "time", lambda: behind)
+    register_member(client, rounds["prefix"], "slow-clock", workers=1)
+    monkeypatch.undo()
+    assert "slow-clock" not in broadcaster.members()  # first seen, dated ten minutes ago
+    behind += 20  # its next heartbeat, twenty seconds later by its clock
+    monkeypatch.setattr(broadcast_module.time, "time", lambda: behind)
+    register_member(client, rounds["prefix"], "slow-clock", workers=1)
+    monkeypatch.undo()
+    assert "slow-clock" in broadcaster.members()  # renewed as the learner saw
+    ahead = time.time() + 600
+    monkeypatch.setattr(broadcast_module.time, "time", lambda: ahead)
+    register_member(client, rounds["prefix"], "fast-clock", workers=1)  # and then it died
+    monkeypatch.undo()
+    assert "fast-clock" not in broadcaster.members()  # dated in the future: not taken on its word
+    (at, _, first) = broadcaster.renewals[b"fast-clock"]
+    broadcaster.renewals[b"fast-clock"] = (at, -math.inf, first - MEMBER_TTL_S - 1)
+    broadcaster.members()
+    assert b"fast-clock" not in client.hkeys(f"{rounds['prefix'].rstrip(':')}:weights:members")
 
 
 def test_a_member_loading_a_version_from_the_files_sits_rounds_out_without_a_pause(rounds):
