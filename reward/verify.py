@@ -124,6 +124,7 @@ _COLON_FORM_PREFIX = re.compile(
     r"(?:(?:therefore|thus|hence|so|finally|in\s+conclusion)\s*[,:]?\s*|step\s*\d+\s*[:.)]\s*"
     r"|\$?\\therefore\$?\s*)?(?:(?:the|my|our)\s+)?(?:final\s+)?[\s*_]*|final[\s*_]*)$"
 )
+MAX_LEAD_IN_CHARS = 200
 _DISPLAY_CLOSE = {"$$": "$$", "\\[": "\\]"}
 _NEXT_LINE = re.compile(r"[ \t]*\n[ \t]*\n?[ \t]*([^\n]+)")
 _BOX_RE = re.compile(r"\\(?:boxed|fbox)(?![A-Za-z])(?P<space>\s*)")
@@ -199,7 +200,8 @@ def _last_answer_line(text: str, said: bool = False) -> Candidate | None:
             continue
         if "is" not in marker:
             line_start = text.rfind("\n", 0, m.start()) + 1
-            if not _COLON_FORM_PREFIX.search(text, line_start, m.start()):
+            # (no lead-in is that long: and a line of thousands of spaces would take the search seconds)
+            if m.start() - line_start > MAX_LEAD_IN_CHARS or not _COLON_FORM_PREFIX.search(text, line_start, m.start()):
                 continue  # "We may check our answer: 17*44 = 748" is not a final answer
         elif not _IS_FORM_START.match(text, m.end()):
             continue  # "the answer is right" (with a colon or not: "the answer is: 42" counts)
@@ -562,6 +564,10 @@ _BARE_NUMBER = re.compile(r"\s*\$?\s*([-+]?\d[\d,]*(?:\.\d+)?)\s*\$?\s*[.?!]?\s*
 _NUMBERS_APART = re.compile(r"\d\s*[,;]\s*\d|\d\s+[-+]?\d|\d\s*\.\s+[-+]?\d[\d,]*(?:\.\d+)?\s*[.?!]?\s*$")
 
 
+# Two numbers joined by an arithmetic operator (`3+4*5`, `12 \times 3`); `2 \times 10^3` is a number written so.
+_CALCULATION = re.compile(r"\d\s*(?:[-+*/×÷·]|\\(?:times|cdot|div)(?![A-Za-z]))\s*\(?\s*[-+]?\d(?!\d*\s*\^)")
+
+
 def _hedge_after(tail: str, value: Fraction | None) -> str | None:
     """What makes the sentence after a numeric answer a hedge (`_HEDGE_START`, `_BARE_NUMBER`), else None."""
     sentence = re.split(r"(?<=[.?!])\s", tail.strip(), maxsplit=1)[0]
@@ -592,6 +598,9 @@ def _verify_number(truth_value: Fraction, truth_latex: str, answer: str, answer_
     if value is None:
         if _NUMBERS_APART.search(answer):
             return Verdict(False, answer, rule, "several numbers (or a decimal comma) where one number is expected")
+        if _is_integer(truth_value) and _CALCULATION.search(answer):
+            # `3+4*5`: the problem's own expression copied, which math-verify would evaluate to the truth
+            return Verdict(False, answer, rule, "a calculation where its result is expected")
         # A number written as an expression (`2^{10}`, `\\sqrt{16}`): math-verify evaluates it.
         ok, detail = _math_verify(truth_latex, answer_latex)
         return Verdict(ok, answer, RULE_MATH_VERIFY, detail)

@@ -197,6 +197,13 @@ CASES = [
     ("sides-differ", "Answer: 4 = 5", "5", False, A, "`4 = 5` states two different values"),
     ("display-below-marker", "Answer:\n$$\n5\n$$", "5", True, A, "a display on the lines after `Answer:`"),
     ("latex-bold-marker", r"\textbf{Answer:} 5", "5", True, A, "the marker in LaTeX bold"),
+    # --- found in the reward-hacking review (2026-11-29): a policy could learn these ---
+    ("copied-expression", "Answer: 3+4*5", "23", False, A, "the problem's own expression is not its result"),
+    ("copied-expression-neg", "Answer: 2-1*9", "-7", False, A, "nor with a negative result"),
+    ("calculation-times", r"Answer: $12 \times 3$", "36", False, A, "a calculation where its result is asked"),
+    ("power-of-ten", r"Answer: 2 \times 10^3", "2000", True, M, "a number written in powers of ten is a number"),
+    ("long-line-before", " " * 30000 + "x answer:\nAnswer: 3", "3", True, A,
+     "a line of thousands of spaces before a stray marker took seconds to search (the verifier's timeout: -1)"),
 ]
 
 # Cases where math-verify alone (parse the truth, parse the response, verify) gets the verdict wrong.
