@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from pathlib import Path
 from typing import Any
 
@@ -244,7 +243,7 @@ class Records:
         """The gauges a scrape reads before this process's first step: the step it goes on from and how long the
         last one took (DapoLearnerStalled measures a stall against it), progress now."""
         metrics.LEARNER_STEP.set(step)
-        metrics.LEARNER_PROGRESS_TIME.set(time.time())
+        metrics.learner_progressed()
         last = next((row for row in reversed(read_rows(self.run_dir / METRICS_FILE))
                      if row.get("step") == step and "groups_trained" in row), {})
         if last.get("step_seconds") is not None:
@@ -285,7 +284,7 @@ class Records:
                 gauge.set(value)
 
         metrics.LEARNER_STEP.set(record["step"])
-        metrics.LEARNER_PROGRESS_TIME.set(time.time())
+        metrics.learner_progressed()
         set_if(metrics.LEARNER_REWARD.labels("all"), record["reward_all"])
         set_if(metrics.LEARNER_REWARD.labels("trained"), record["reward_trained"])
         set_if(metrics.LEARNER_ACCURACY.labels("train"), record["accuracy_train"])

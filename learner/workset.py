@@ -385,7 +385,7 @@ class WorkingSet:
             self.scored.reject(delivery, reason)
             return
         self.deadlines.returned(task_id, time.monotonic())  # after the checks: a forged group must not stop the clock
-        metrics.LEARNER_PROGRESS_TIME.set(time.time())
+        metrics.learner_progressed()
         self.generator_clocks.observe(group)
         if group.rollout.task.split == "eval":
             if self.eval_round is None or not self.eval_round.add(group):

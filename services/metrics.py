@@ -4,6 +4,8 @@ Each service is its own process, so the default registry holds exactly what that
 of the other services stay at zero there and are harmless.
 """
 
+import time
+
 from prometheus_client import Counter, Gauge, Histogram
 
 # Streams (services/streams.py); label `stream` is prompts | rollouts | scored | dead.
@@ -101,9 +103,19 @@ LEARNER_LOG_RATIO_MAX = Gauge(
     "dapo_learner_log_ratio_max", "Largest |log pi - log mu| of a token in the last step (what a KL spike is made of).")
 LEARNER_LR = Gauge("dapo_learner_lr", "Learning rate.")
 LEARNER_STEP_SECONDS = Gauge("dapo_learner_step_seconds", "Wall time of the last step.")
-LEARNER_PROGRESS_TIME = Gauge(
-    "dapo_learner_progress_timestamp_seconds", "Unix time of the learner's last progress: its start or resume, a "
-    "scored group admitted, a step finished (DapoLearnerStalled).")
+_progressed_at: float | None = None  # time.monotonic() of the learner's last progress (None: none yet)
+LEARNER_SECONDS_SINCE_PROGRESS = Gauge(
+    "dapo_learner_seconds_since_progress", "Seconds since the learner's last progress (its start or resume, a scored "
+    "group admitted, a step finished), on its own clock when scraped (DapoLearnerStalled: not a difference of the "
+    "learner's and Prometheus's clocks, which may be minutes apart); NaN before any.")
+LEARNER_SECONDS_SINCE_PROGRESS.set_function(
+    lambda: float("nan") if _progressed_at is None else time.monotonic() - _progressed_at)
+
+
+def learner_progressed() -> None:
+    """The learner made progress (its start or resume, a scored group admitted, a step finished)."""
+    global _progressed_at
+    _progressed_at = time.monotonic()
 LEARNER_STEP_PHASE_SECONDS = Gauge(
     "dapo_learner_step_phase_seconds", "Where the last step's time went (learner/records.py PHASES).", ["phase"]
 )

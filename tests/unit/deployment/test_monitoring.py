@@ -147,3 +147,22 @@ def test_dashboard_layout_and_datasource_provisioning():
     provider = _yaml(DEPLOY / "grafana" / "provisioning" / "dashboards" / "dapo.yaml")["providers"][0]
     grafana_mounts = {v.split(":")[1]: v.split(":")[0] for v in _compose()["services"]["grafana"]["volumes"]}
     assert grafana_mounts[provider["options"]["path"]] == "./deploy/grafana/dashboards"
+
+
+def test_the_stall_gauge_is_read_on_the_learners_own_clock(monkeypatch):
+    """DapoLearnerStalled subtracted the learner's wall clock from Prometheus's: a learner clock half an hour off
+    fired it for good, or hid a stall as long. Seconds since progress are now counted where they happen."""
+    import math
+
+    from services import metrics
+
+    def read() -> float:
+        (family,) = metrics.LEARNER_SECONDS_SINCE_PROGRESS.collect()
+        return family.samples[0].value
+
+    monkeypatch.setattr(metrics, "_progressed_at", None)
+    assert math.isnan(read())  # no progress yet: no stall to measure
+    metrics.learner_progressed()
+    now = metrics.time.monotonic()
+    monkeypatch.setattr(metrics.time, "monotonic", lambda: now + 100.0)
+    assert read() == pytest.approx(100.0, abs=1.0)
