@@ -114,9 +114,9 @@ def note_server_clock(client: redis.Redis, jump_s: float) -> None:
         _server_clock = False
         return
     read = (int(seconds) + int(micros) / 1e6, time.monotonic())
-    if _server_clock is not None and (read[0] - _server_clock[0]) - (read[1] - _server_clock[1]) > jump_s:
-        log.warning("the Redis server's clock jumped ahead %.0f s: reclaims wait for the consumers' heartbeats",
-                    (read[0] - _server_clock[0]) - (read[1] - _server_clock[1]))
+    gained = 0.0 if _server_clock is None else (read[0] - _server_clock[0]) - (read[1] - _server_clock[1])
+    if gained > jump_s:
+        log.warning("the Redis server's clock jumped ahead %.0f s: reclaims wait for the consumers' heartbeats", gained)
         _back_at = read[1]
     _server_clock = read
 
