@@ -5,8 +5,8 @@ learner.compute.compile).
   1.5B layer shape in fp32, benchmarks/recompute.py);
 - `full`: only each layer's input is kept and the whole layer runs again in backward (a third more of the layers'
   FLOPs: 8N a token instead of 6N);
-- `selective`: the outputs of the matrix products and of attention are kept, the elementwise work between them
-  (norms, rotary, SiLU, residual adds) is recomputed: about three quarters of `off`'s activation memory (half,
+- `selective`: the outputs of the matrix products, of attention and of sequence parallelism's exchanges are kept,
+  the elementwise work between them (norms, rotary, SiLU, residual adds) is recomputed: about three quarters of `off`'s activation memory (half,
   compiled) and none of `full`'s extra FLOPs (torchtitan's op-level selective checkpointing keeps fewer products
   for less memory).
 
@@ -35,6 +35,9 @@ _SAVED_OP_NAMES = (
     "aten._flash_attention_forward", "aten._efficient_attention_forward",
     "torch_attn._varlen_attn",  # torch.nn.attention.varlen (learner/attention.py)
     "flash_attn._flash_attn_forward", "flash_attn._flash_attn_varlen_forward",  # flash-attn >= 2.6
+    # Sequence parallelism's all-to-alls (learner/sequence_parallel.py): network time, kept as torchtitan keeps its
+    # collectives' outputs (recomputed, backward would send q, k, v and the output again: as many as `full`)
+    "_c10d_functional.all_to_all_single",
 )
 
 

@@ -350,12 +350,14 @@ class Packer:
 
 def lockstep(per_rank: list[list[int]], responses: list[Response], budget: int, packed: bool,
              rank: int) -> list[tuple[list[int], bool]]:
-    """This rank's micro-batches, padded with weight-0 repeats to the busiest rank's count (FSDP's collectives
-    need every rank to run the same number of forward passes)."""
+    """This rank's micro-batches, padded with weight-0 passes to the busiest rank's count (FSDP's collectives
+    need every rank to run the same number of forward passes). A padding pass runs the shortest response of all
+    ranks alone, the same on every rank: its content carries no weight, and a rank dealt one very long response
+    (few micro-batches) would otherwise run its longest pack again for each."""
     plans = [plan(ix, responses, budget, packed) for ix in per_rank]
     steps = max(len(p) for p in plans)
     if steps == 0:
         return []
     mine = plans[rank]
-    filler = mine[0] if mine else next(p[0] for p in plans if p)
+    filler = [min((i for ix in per_rank for i in ix), key=lambda i: (responses[i].length, i))]
     return [(mine[k], True) if k < len(mine) else (filler, False) for k in range(steps)]

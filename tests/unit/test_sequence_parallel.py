@@ -78,3 +78,43 @@ def test_dapo_run_refuses_a_degree_that_does_not_divide_its_learner_processes(tm
     with pytest.raises(ConfigError, match="sequence_parallel 2 must divide the learner's processes"):
         main(settings, learner_procs=1, display=False)
     assert not any(tmp_path.iterdir())  # nothing started, nothing written
+
+
+@pytest.mark.parametrize("checkpointing", ["off", "selective"])
+def test_selective_checkpointing_keeps_the_exchanges_for_backward(checkpointing):
+    """Ulysses' all-to-alls are network time on the critical path: `selective` keeps their outputs (as torchtitan
+    keeps its collectives'), so backward sends no more of them than with checkpointing off (it sent q, k, v and the
+    output again: as many as `full`). Counted on a fake process group of 2, where every collective returns at once."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils.checkpoint import checkpoint
+
+    from learner.activation_checkpointing import SELECTIVE_CONTEXT
+
+    class CountExchanges(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.count += "all_to_all" in str(func)
+            return func(*args, **(kwargs or {}))
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        group = sequence_parallel.SequenceGroup(2, 0, dist.group.WORLD, sequence_parallel.rows_sdpa)
+        weight = torch.randn(8, 8, requires_grad=True)
+
+        def layer(hidden):  # a rank's share of 6 tokens of a 12-token pack of two rows; 2 heads of 4
+            q = (hidden @ weight).view(1, 6, 2, 4).transpose(1, 2)
+            out, _ = sequence_parallel.attention_forward(None, q, q, q, None, sequence_group=group,
+                                                         cu_seq_lens_q=torch.tensor([0, 5, 12], dtype=torch.int32))
+            return out.reshape(1, 6, 8) @ weight
+
+        hidden = torch.randn(1, 6, 8, requires_grad=True)
+        out = layer(hidden) if checkpointing == "off" else checkpoint(layer, hidden, use_reentrant=False,
+                                                                       context_fn=SELECTIVE_CONTEXT)
+        with CountExchanges() as counted:
+            out.sum().backward()
+    finally:
+        dist.destroy_process_group()
+    assert counted.count == 4  # each exchange's backward sends its gradient back once: q, k, v, the output
