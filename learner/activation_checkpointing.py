@@ -5,10 +5,10 @@ learner.compute.compile).
   1.5B layer shape in fp32, benchmarks/recompute.py);
 - `full`: only each layer's input is kept and the whole layer runs again in backward (a third more of the layers'
   FLOPs: 8N a token instead of 6N);
-- `selective`: the outputs of the matrix products, of attention and of sequence parallelism's exchanges are kept,
-  the elementwise work between them (norms, rotary, SiLU, residual adds) is recomputed: about three quarters of `off`'s activation memory (half,
-  compiled) and none of `full`'s extra FLOPs (torchtitan's op-level selective checkpointing keeps fewer products
-  for less memory).
+- `selective`: the outputs of the matrix products, of attention and of sequence parallelism's exchanges are kept, the
+  elementwise work between them (norms, rotary, SiLU, residual adds) is recomputed: about three quarters of `off`'s
+  activation memory (half, compiled) and none of `full`'s extra FLOPs (torchtitan's op-level selective checkpointing
+  keeps fewer products for less memory).
 
 The checkpoint sits inside each layer's forward and `torch.compile`, when on, compiles that forward around it (the
 arrangement torchtitan compiles: the recompute is traced with the layer, so the selective policy sees aten ops,
