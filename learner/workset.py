@@ -78,6 +78,7 @@ DEAD_SCAN_SECONDS = 1.0
 LETTERS_PER_SCAN = 256  # dead letters settled per scan (a few round trips each): a flood of them cannot stall a step
 REPAIR_SCAN_SECONDS = 10.0  # how often the run's streams are checked for a last id set in the future (and weighed)
 MAX_ABS_REWARD = 1e6  # a rule reward of +-1 plus the overlong penalty; far beyond it only a forged score
+MAX_LOGPROB = 1e-3  # a log-probability is <= 0: above it by more than rounding, an engine's bug (logits, a sign)
 MEMORY_WARN_SHARE = 0.8  # Redis past this share of its maxmemory: the log names its largest keys (DapoRedisMemoryHigh)
 MEMORY_WARN_EVERY_S = 60.0
 RUN_STREAMS = ("prompts", "rollouts", "scored", "dead", HELD)
@@ -105,29 +106,29 @@ def provenance_error(group: ScoredGroup, issued: PromptTask | None, vocab_size: 
 
 
 def shape_error(group: ScoredGroup, vocab_size: int) -> str | None:
-    """Why the trainer could not use a group of the task as issued (`malformed: ...`), None if it can: n samples
-    and n scores, every token id in the embedding table [0, vocab_size), at most the task's max_tokens per
-    sample, one finite logprob per token, finite rewards. Signed, and for the task as issued: the generator that
-    took the prompt answered it so; none other will. Checked before the group is held, so no such group ever
-    reaches an update (an out-of-range id raises in the embedding lookup, a NaN poisons the weights)."""
+    """Why the trainer could not use a group of the task as issued (`malformed: ...`), None if it can: n samples and
+    n scores, every token id in the embedding table [0, vocab_size), at most the task's max_tokens per sample, one
+    finite logprob (at most 0) per token, finite rewards. Signed, and for the task as issued: the generator that took
+    the prompt answered it so; none other will. Checked before the group is held, so no such group ever reaches an
+    update (an out-of-range id raises in the embedding lookup, a NaN poisons the weights)."""
     rollout, task = group.rollout, group.rollout.task
-    n, max_tokens = task.sampling.n, task.sampling.max_tokens
+    n = task.sampling.n
     if len(rollout.samples) != n or len(group.scores) != n:
         return (f"malformed: task {task.task_id} asked for n={n} samples; the group has {len(rollout.samples)} "
                 f"samples and {len(group.scores)} scores")
+    if error := rollout.malformed():
+        return error
     for i, (sample, score) in enumerate(zip(rollout.samples, group.scores)):
         where = f"malformed: task {task.task_id} sample {i}"
         ids = sample.token_ids
-        if len(sample.logprobs) != len(ids):
-            return f"{where} has {len(ids)} token ids and {len(sample.logprobs)} logprobs"
-        if len(ids) > max_tokens:
-            return f"{where} has {len(ids)} tokens, more than the task's max_tokens {max_tokens}"
         if ids and not 0 <= min(ids) <= max(ids) < vocab_size:  # ids may be any int: no fixed-width array
             position = next(j for j, token in enumerate(ids) if not 0 <= token < vocab_size)
             return (f"{where} token id {ids[position]} at position {position} is outside the vocabulary "
                     f"[0, {vocab_size})")
         if not np.isfinite(sample.logprobs).all():
             return f"{where} has a logprob that is not a finite number"
+        if sample.logprobs and max(sample.logprobs) > MAX_LOGPROB:  # trained on, its importance weights are noise
+            return f"{where} has the logprob {max(sample.logprobs):g}, above 0 (not a log-probability)"
         if not math.isfinite(score.reward):
             return f"{where} has the reward {score.reward}, not a finite number"
         if abs(score.reward) > MAX_ABS_REWARD:  # 1.7e308 and -1 give NaN advantages: a whole mini-batch skipped

@@ -95,10 +95,10 @@ class RewardWorker:
         return self.process(deliveries)
 
     def with_ground_truth(self, deliveries: list[Delivery[RolloutGroup]]) -> list[RolloutGroup | str]:
-        """Each delivery's group with its task's ground truth as the learner issued it, or why it gets none: its
-        task id was not issued, or its task differs from the one issued. The whole task is checked before the
-        ground truth is attached, so a group a generator altered never carries it anywhere (the learner would
-        refuse it, and a refused group goes to the dead letters)."""
+        """Each delivery's group with its task's ground truth as the learner issued it, or why it gets none: its task
+        id was not issued, its task differs from the one issued, or its samples do not answer it (`malformed`). The
+        whole task is checked before the ground truth is attached, so a group a generator altered never carries it
+        anywhere (the learner would refuse it, and a refused group goes to the dead letters)."""
         task_ids = [delivery.message.task.task_id for delivery in deliveries]
         issued = self.redis.hmget(self.issued_key, task_ids) if task_ids else []
         out: list[RolloutGroup | str] = []
@@ -119,7 +119,9 @@ class RewardWorker:
                 out.append(f"provenance: task {task.task_id} does not match the task as issued (differs in "
                            f"{', '.join(changed) or 'ground_truth'})")
                 continue
-            out.append(delivery.message.model_copy(update={"task": truth}))
+            # Not scored: the learner gives the task up for it (a generator's thousands of samples of
+            # verifier-timeout text would hold the pool for the groups behind it).
+            out.append(delivery.message.malformed() or delivery.message.model_copy(update={"task": truth}))
         return out
 
     def process(self, deliveries: list[Delivery[RolloutGroup]]) -> int:

@@ -252,14 +252,20 @@ def strip_dapo_template(text: str) -> str:
 
 
 def checked_problem(where: str, ident: Any, fallback_id: str, text: Any, answer: Any) -> Problem:
-    """One row as a Problem, refused with its place in the file unless the problem is non-empty text and the
-    answer a non-empty value (a number is kept as its text); a missing, null or empty id becomes `fallback_id`. A
-    problem still in the DAPO template (a row copied from the verl layout) is stripped of it: the prompt puts it
-    back once (`render_prompt`)."""
+    """One row as a Problem, refused with its place in the file unless the problem is non-empty text and the answer a
+    non-empty value (a number is kept as its text), each valid Unicode; a missing, null or empty id becomes
+    `fallback_id`. A problem still in the DAPO template (a row copied from the verl layout) is stripped of it: the
+    prompt puts it back once (`render_prompt`)."""
     if not isinstance(text, str) or not text.strip():
         raise DataError(f"{where}: the problem must be non-empty text, not {type(text).__name__} {str(text)[:40]!r}")
     if answer is None or isinstance(answer, (dict, list)) or not str(answer).strip():
         raise DataError(f"{where}: the answer must be a non-empty value, not {str(answer)[:40]!r}")
+    for name, value in (("problem", text), ("answer", str(answer)), ("id", str(ident))):
+        try:
+            value.encode("utf-8")  # JSON's "\ud835" loads as half a character: no tokenizer or message takes it
+        except UnicodeEncodeError as err:
+            raise DataError(f"{where}: the {name} is not valid Unicode (an unpaired surrogate at character "
+                            f"{err.start}: a UTF-16 pair cut in half)") from None
     return Problem(id=fallback_id if ident in (None, "") else str(ident), problem=strip_dapo_template(text),
                    answer=str(answer))
 

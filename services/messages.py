@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 import msgpack
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, SerializationInfo, field_serializer, field_validator
+from pydantic import BaseModel, ConfigDict, Field, FiniteFloat, SerializationInfo, field_serializer, field_validator
 
 from services.keys import SIGNER_OF
 
@@ -54,6 +54,16 @@ def _unpack(value: Any, dtype: str) -> Any:
     return value
 
 
+def _unpack_token_ids(value: Any) -> Any:
+    """Token ids from the wire's int32 bytes, or a list whose ids fit them: one that parses must encode again (the
+    learner and the reward workers re-encode a group to check its signature; a wider id parsed, then raised there)."""
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return _unpack(value, "<i4")
+    if isinstance(value, list) and any(type(v) is int and not -(2**31) <= v < 2**31 for v in value):
+        raise ValueError("a token id beyond the wire's int32")
+    return value
+
+
 class Message(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -84,7 +94,7 @@ class PromptTask(Message):
     sampling: SamplingParams = SamplingParams()
     split: Literal["train", "eval"] = "train"
     min_version: int = Field(0, ge=0, description="Sample with a policy at least this new.")
-    created_at: float = Field(default_factory=time.time)
+    created_at: FiniteFloat = Field(default_factory=time.time)
 
     def for_generators(self) -> "PromptTask":
         """The task as generators get it: without the ground truth, which only the reward role reads (from the
@@ -98,7 +108,7 @@ class PromptTask(Message):
     @field_validator("prompt_token_ids", mode="before")
     @classmethod
     def _unpack_prompt(cls, v: Any) -> Any:
-        return _unpack(v, "<i4")
+        return _unpack_token_ids(v)
 
 
 class Sample(BaseModel):
@@ -122,7 +132,7 @@ class Sample(BaseModel):
     @field_validator("token_ids", mode="before")
     @classmethod
     def _unpack_ids(cls, v: Any) -> Any:
-        return _unpack(v, "<i4")
+        return _unpack_token_ids(v)
 
     @field_validator("logprobs", mode="before")
     @classmethod
@@ -137,12 +147,30 @@ class RolloutGroup(Message):
     policy_version: int = Field(ge=0)
     generator_id: str
     samples: list[Sample]
-    generated_at: float = Field(default_factory=time.time)
+    generated_at: FiniteFloat = Field(default_factory=time.time)
     # The generator's clock when it wrote the group: seconds since it started, by what it was doing (the learner
     # takes differences between steps: where each side's time went).
-    generator_busy_s: float = Field(0.0, ge=0, description="Seconds its engine spent generating.")
-    generator_reload_s: float = Field(0.0, ge=0, description="Seconds spent pulling and loading weight versions.")
-    generator_idle_s: float = Field(0.0, ge=0, description="Seconds with no task in the engine and no version loading.")
+    generator_busy_s: FiniteFloat = Field(0.0, ge=0, description="Seconds its engine spent generating.")
+    generator_reload_s: FiniteFloat = Field(0.0, ge=0, description="Seconds spent pulling and loading weight versions.")
+    generator_idle_s: FiniteFloat = Field(0.0, ge=0,
+                                          description="Seconds with no task in the engine and no version loading.")
+
+    def malformed(self) -> str | None:
+        """Why the samples do not answer their task (`malformed: ...`), None if they do: n samples, each at most
+        max_tokens tokens with one logprob a token. Checked by the reward workers before scoring (thousands of
+        samples of verifier-timeout text would hold their pool) and by the learner (`learner.workset.shape_error`)."""
+        task = self.task
+        if len(self.samples) != task.sampling.n:
+            return f"malformed: task {task.task_id} asked for n={task.sampling.n} samples; the group has " \
+                   f"{len(self.samples)}"
+        for i, sample in enumerate(self.samples):
+            where = f"malformed: task {task.task_id} sample {i}"
+            if len(sample.logprobs) != len(sample.token_ids):
+                return f"{where} has {len(sample.token_ids)} token ids and {len(sample.logprobs)} logprobs"
+            if len(sample.token_ids) > task.sampling.max_tokens:
+                return (f"{where} has {len(sample.token_ids)} tokens, more than the task's max_tokens "
+                        f"{task.sampling.max_tokens}")
+        return None
 
     def as_generated(self) -> "RolloutGroup":
         """The group as its generator wrote it: its task as generators get it (a reward worker adds the ground
@@ -173,7 +201,7 @@ class ScoredGroup(Message):
         "", max_length=256, description="The generator's `sig` of the rollout entry the scores are for, as the reward "
         "worker read it (`Streams.rollout_refusal`): a reward worker vouches for its scores, not for the samples.")
     reward_worker_id: str = ""
-    scored_at: float = Field(default_factory=time.time)
+    scored_at: FiniteFloat = Field(default_factory=time.time)
 
 
 class WeightsFile(BaseModel):

@@ -161,6 +161,27 @@ def test_a_malformed_rollout_goes_to_dead(settings, streams, pool):
     assert [d.message.rollout.task.task_id for d in scored] == ["good"]
 
 
+def test_a_rollout_that_does_not_answer_its_task_is_given_up_unscored(settings, streams):
+    """n=1 asked, a thousand samples of verifier-timeout text sent: scored, they held the pool for a thousand
+    timeouts before the learner refused the group. The worker refuses it as the learner would, before any scoring, and
+    the letter gives the task up (the generator that took the prompt answered it so)."""
+    class Refusing:
+        def submit(self, items):
+            raise AssertionError(f"{len(items)} items of a malformed group reached the verifier pool")
+
+    rollouts = streams.stream("rollouts", RolloutGroup)
+    genuine = issued(streams, rollout("flood", "1", ["Answer: 1"]))
+    flood = genuine.model_copy(update={"samples": genuine.samples * 1000})
+    rollouts.produce(flood)
+    worker = RewardWorker(settings, Refusing(), streams, consumer="reward-test")
+    while not worker._recovered:  # what this consumer name held before a restart first (none)
+        worker.run_once(block_ms=100)
+    worker.run_once(block_ms=100)
+    (letter,) = streams.dead_letters()
+    assert letter["reason"] == "malformed: task flood asked for n=1 samples; the group has 1000"
+    assert [streams.settle_dead_letter(fields) for _, fields in streams.dead_letters_after("0-0")[1]] == ["flood"]
+
+
 def test_run_in_a_thread_and_stop(settings, streams, pool):
     worker = RewardWorker(settings, Scorer(pool, settings.reward), streams, consumer="reward-test")
     thread = threading.Thread(target=worker.run, daemon=True)

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import math
 
+import msgpack
 import pytest
 
 from learner.workset import QUARANTINE_AFTER, provenance_error, quarantine_reason, shape_error
-from services.messages import PromptTask, RolloutGroup, Sample, SamplingParams, Score, ScoredGroup
+from services.messages import PromptTask, RolloutGroup, Sample, SamplingParams, Score, ScoredGroup, from_wire, to_wire
 
 VOCAB = 100
 SIGNED = lambda group: None  # noqa: E731 (Streams.rollout_refusal of a rollout as its generator signed it)
@@ -41,6 +42,7 @@ def test_a_group_the_trainer_can_use_passes():
         (group(token_ids=range(5), logprobs=[-0.1] * 5), "sample 0 has 5 tokens, more than the task's max_tokens 4"),
         (group(logprobs=(-0.1, math.nan)), "sample 0 has a logprob that is not a finite number"),
         (group(logprobs=(-math.inf, -0.1)), "sample 0 has a logprob that is not a finite number"),
+        (group(logprobs=(-0.1, 2.5)), "sample 0 has the logprob 2.5, above 0 (not a log-probability)"),
         (group(reward=math.nan), "sample 0 has the reward nan, not a finite number"),
         (group(reward=math.inf), "sample 0 has the reward inf, not a finite number"),
         (group(reward=1.7e308), "sample 0 has the reward 1.7e+308, beyond any rule's (at most 1e+06 in size)"),
@@ -73,3 +75,31 @@ def test_a_group_is_quarantined_after_one_retry_with_the_error():
     assert quarantine_reason({"failures": QUARANTINE_AFTER - 1, "reason": "IndexError: index out of range"}) is None
     assert quarantine_reason({"failures": QUARANTINE_AFTER, "reason": "IndexError: index out of range"}) == (
         "quarantined: 2 updates failed with this group in their batch (the last: IndexError: index out of range)")
+
+
+@pytest.mark.parametrize("where", ["sample", "prompt"])
+@pytest.mark.parametrize("token_id", [2**31, -(2**31) - 1])
+def test_token_ids_wider_than_the_wire_are_unparseable_not_a_crash_where_the_group_is_re_encoded(where, token_id):
+    """A signed entry whose ids come as a msgpack list, not int32 bytes: one beyond int32 parsed, then raised where
+    the learner (and a reward worker) re-encode the group to check its signature, a crash on every restart until the
+    entry and the honest groups read with it were dead-lettered. Now it is unparseable (a dead letter of its own)."""
+    wire = msgpack.unpackb(to_wire(group()), raw=False)
+    if where == "sample":
+        wire["rollout"]["samples"][0]["token_ids"] = [1, token_id]
+    else:
+        wire["rollout"]["task"]["prompt_token_ids"] = [5, token_id]
+    with pytest.raises(ValueError, match="int32"):
+        from_wire(ScoredGroup, msgpack.packb(wire, use_bin_type=True))
+    wire = msgpack.unpackb(to_wire(group()), raw=False)
+    wire["rollout"]["samples"][0]["token_ids"] = [1, 2**31 - 1]  # the widest that fits: parses and encodes again
+    assert to_wire(from_wire(ScoredGroup, msgpack.packb(wire, use_bin_type=True)))
+
+
+@pytest.mark.parametrize("field", ["generated_at", "generator_busy_s", "scored_at"])
+@pytest.mark.parametrize("value", [math.inf, math.nan])
+def test_a_worker_clock_that_is_not_a_finite_number_is_unparseable(field, value):
+    """One group with generated_at = inf wrote NaN wait times into metrics.jsonl (not JSON) and the gauges."""
+    wire = msgpack.unpackb(to_wire(group()), raw=False)
+    (wire if field == "scored_at" else wire["rollout"])[field] = value
+    with pytest.raises(ValueError, match="finite"):
+        from_wire(ScoredGroup, msgpack.packb(wire, use_bin_type=True))

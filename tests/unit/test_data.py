@@ -217,6 +217,11 @@ def test_jsonl_path_with_missing_ids_and_bad_rows(tmp_path):
     ('{"problem": "  ", "answer": "2"}', "the problem must be non-empty text"),
     ('{"problem": "1+1?", "answer": null}', "the answer must be a non-empty value, not 'None'"),
     ('{"problem": "1+1?", "answer": ""}', "the answer must be a non-empty value"),
+    # half a UTF-16 pair: loaded, then no message could carry the task (the learner crashed on every restart)
+    ('{"problem": "1+1?", "answer": "2\\ud835"}', "the answer is not valid Unicode (an unpaired surrogate at "
+     "character 1"),
+    ('{"problem": "x\\udc00 + 1?", "answer": "2"}', "the problem is not valid Unicode"),
+    ('{"id": "\\ud835", "problem": "1+1?", "answer": "2"}', "the id is not valid Unicode"),
 ])
 def test_a_bad_row_is_refused_with_its_file_and_line(tmp_path, line, reason):
     path = tmp_path / "mine.jsonl"
