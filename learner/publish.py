@@ -2,17 +2,18 @@
 whole model, and the ranks write in parallel.
 
 Rank 0 makes the version's temporary folder in the shared folder, which every learner rank must see, and tells the
-ranks to write (learner/ranks.py). The parameters are dealt to the writing ranks by size (`owners`, the same on
-every rank). Under FSDP each parameter is gathered, in the served dtype, to its owner alone: a gather within the
-shard group, so a rank receives about 1/N of the model instead of all of it. Under HSDP the first replica's shard
-group writes, since the other replicas hold the same shards. Without FSDP every rank already holds every parameter
-and keeps those it owns. Each rank writes its own shards (`model-rankNNN-...`), and sends rank 0 what it wrote:
-names, sizes and sha256s, as msgpack, no pickle. Rank 0 then writes the index and the signed announcement and
-renames the folder into place (`services.weights.WeightPublisher.finish`).
+ranks to write (learner/ranks.py). The parameters are dealt to the writing ranks by size, a layer at a time (`owners`,
+`writing_unit`, the same on every rank). Under FSDP each parameter is gathered, in the served dtype, to its owner
+alone: a gather within the shard group, so a rank receives about 1/N of the model instead of all of it. Under HSDP the
+first replica's shard group writes, since the other replicas hold the same shards. Without FSDP every rank already
+holds every parameter and keeps those it owns. Each rank writes its own shards (`model-rankNNN-...`), and sends rank 0
+what it wrote: names, sizes and sha256s, as msgpack, no pickle. Rank 0 then writes the index and the signed
+announcement and renames the folder into place (`services.weights.WeightPublisher.finish`).
 """
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -21,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from services.weights import shareable_state_dict, unique_tensors
+from services.weights import checkpoint_names, shareable_state_dict, unique_tensors
 from services.weights_layout import Written, write_shards
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -29,8 +30,8 @@ if TYPE_CHECKING:  # pragma: no cover
 
 
 def owners(sizes: dict[str, int], writers: list[int]) -> dict[str, int]:
-    """Tensor name -> the rank that writes it: largest first, each to the writer with the fewest bytes so far (ties
-    to the lowest rank), so no writer takes more than its share by more than the largest tensor."""
+    """Name (of a tensor, or a `writing_unit`) -> the rank that writes it: largest first, each to the writer with the
+    fewest bytes so far (ties to the lowest rank), so no writer takes more than its share by more than the largest."""
     load = dict.fromkeys(writers, 0)
     dealt = {}
     for name in sorted(sizes, key=lambda n: (-sizes[n], n)):
@@ -38,6 +39,14 @@ def owners(sizes: dict[str, int], writers: list[int]) -> dict[str, int]:
         dealt[name] = rank
         load[rank] += sizes[name]
     return dealt
+
+
+def writing_unit(name: str) -> str:
+    """What one rank writes whole: a tensor's layer (the name up to its first number, `model.layers.3`), or the
+    tensor itself outside the layers. A checkpoint tensor that transformers splits in memory (a fused qkv or gate_up
+    projection) is reverted from all its parts (`services.weights.checkpoint_names`), and they are of one layer."""
+    layer = re.match(r"(.*?\.\d+)\.", name)
+    return layer.group(1) if layer else name
 
 
 def _writers_and_group(model: torch.nn.Module):
@@ -72,8 +81,8 @@ def _gather_to(value, owner: int, group, rank: int, device: torch.device) -> Ten
 
 
 def owned_weights(trainer: "Trainer") -> dict[str, Tensor]:
-    """The parameters this rank writes, whole, on the host in the served dtype (named as `unique_tensors` names
-    them). A collective: every rank calls it, with the same model."""
+    """The parameters this rank writes, whole, on the host in the served dtype, under the checkpoint's names. A
+    collective: every rank calls it, with the same model."""
     from torch.distributed.tensor import DTensor
 
     model = trainer.accelerator.unwrap_model(trainer.model)
@@ -81,7 +90,11 @@ def owned_weights(trainer: "Trainer") -> dict[str, Tensor]:
     writers, group = _writers_and_group(model)
     unique = unique_tensors(model)
     served = torch.empty((), dtype=trainer.served_dtype).element_size()
-    dealt = owners({name: t.numel() * served for name, t in unique.items()}, writers)
+    units: dict[str, int] = {}
+    for name, tensor in unique.items():
+        units[writing_unit(name)] = units.get(writing_unit(name), 0) + tensor.numel() * served
+    dealt_units = owners(units, writers)
+    dealt = {name: dealt_units[writing_unit(name)] for name in unique}
     out: dict[str, Tensor] = {}
     if rank not in writers:
         return out
@@ -90,7 +103,7 @@ def owned_weights(trainer: "Trainer") -> dict[str, Tensor]:
             value = _gather_to(value.to(trainer.served_dtype), dealt[name], group, rank, trainer.accelerator.device)
         if dealt[name] == rank:
             out[name] = value.to("cpu", trainer.served_dtype, copy=True).contiguous()
-    return out
+    return checkpoint_names(model, out)
 
 
 def write_rank_shards(trainer: "Trainer", folder: Path, shard_bytes: int) -> tuple[list[Written], int]:

@@ -62,7 +62,7 @@ from learner import activation_checkpointing, attention, dapo, devices, packing,
 from learner.logprobs import install_head, response_logprobs
 from learner.packing import MicroBatch, Response
 from learner.update_stats import UpdateStats
-from services.weights import unique_tensors
+from services.weights import checkpoint_names, unique_tensors
 
 if TYPE_CHECKING:  # pragma: no cover
     from services.config import Settings
@@ -292,7 +292,6 @@ class Trainer:
         model), the other ranks drop each gathered parameter at once. The full dictionary is on the main process.
         """
         from torch.distributed.tensor import DTensor
-        from transformers.core_model_loading import revert_weight_conversion
 
         model = self.accelerator.unwrap_model(self.model)
         main = self.accelerator.is_main_process
@@ -302,9 +301,7 @@ class Trainer:
                 value = value.to(self.served_dtype).full_tensor()  # a collective: every rank, in the same order
             if main:
                 out[name] = value.to("cpu", self.served_dtype, copy=True).contiguous()
-        if main:  # the checkpoint's names, which vLLM loads (transformers 5 holds MoE experts fused in memory)
-            out = {name: value.contiguous() for name, value in revert_weight_conversion(model, out).items()}
-        return out
+        return checkpoint_names(model, out) if main else out
 
     # -- batch preparation -------------------------------------------------------------------------------------
     def prepare(self, groups: Sequence["ScoredGroup"]) -> _Responses:

@@ -105,6 +105,18 @@ def unique_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return unique
 
 
+def checkpoint_names(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`tensors` (some or all of `unique_tensors(model)`) under the checkpoint's names, which vLLM loads:
+    transformers 5 holds an MoE layer's experts fused in memory (`mlp.experts.gate_up_proj`) and reverts that on
+    save. Each in-memory tensor reverts on its own, so a rank may revert the part it writes
+    (`learner.publish.owned_weights`)."""
+    try:
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:  # transformers 4: the checkpoint's layout in memory
+        return tensors
+    return {name: value.contiguous() for name, value in revert_weight_conversion(model, tensors).items()}
+
+
 def shareable_state_dict(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Detached, contiguous CPU tensors that safetensors accepts.
 

@@ -677,6 +677,18 @@ def test_published_weights_carry_the_checkpoints_names_for_a_model_transformers_
     assert all(tuple(published[name].shape) == shape for name, (_, shape) in schema.items())
     write_checkpoint(trainer, tmp_path / "ckpt" / "step-1", {"step": 1})
     assert model_schema(tmp_path / "ckpt" / "step-1" / MODEL_DIR).keys() == schema.keys()
+    # Several learner ranks on shared-fs each write what they own (learner/publish.py): in those names too
+    import torch.distributed as dist
+
+    from learner.publish import write_rank_shards
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    (tmp_path / "ranks").mkdir()
+    try:
+        (written,), _ = write_rank_shards(trainer, tmp_path / "ranks", 1 << 20)
+    finally:
+        dist.destroy_process_group()
+    assert written.weight_map.keys() == schema.keys()
 
 
 def test_bad_groups_are_refused(model_path, tmp_path):

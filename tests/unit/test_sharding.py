@@ -28,3 +28,16 @@ def test_the_published_weights_are_dealt_to_the_writing_ranks_by_size():
     assert sum(load) == 241 and max(load) <= 241 / 2 + 100
     assert set(owners(sizes, [4, 5, 6]).values()) == {4, 5, 6}  # HSDP: the first replica's ranks, by number
     assert set(owners({"only": 8}, [0, 1, 2]).values()) == {0}  # a rank may own nothing
+
+
+def test_a_layer_is_written_whole_by_one_rank():
+    """transformers splits some checkpoint tensors in memory (a fused qkv or gate_up projection): reverting them
+    takes all the parts, which are of one layer."""
+    from learner.publish import writing_unit
+
+    layer = ("model.layers.3.self_attn.q_proj.weight", "model.layers.3.self_attn.k_proj.weight",
+             "model.layers.3.mlp.experts.gate_up_proj", "model.layers.3.mlp.experts.7.down_proj.weight")
+    assert {writing_unit(name) for name in layer} == {"model.layers.3"}
+    assert writing_unit("model.layers.13.mlp.up_proj.weight") == "model.layers.13"
+    assert writing_unit("model.embed_tokens.weight") == "model.embed_tokens.weight"
+    assert writing_unit("lm_head.weight") == "lm_head.weight"
