@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import random
 import shutil
 import signal
@@ -862,10 +863,17 @@ def main(settings: Settings) -> int:
     import torch
     from accelerate import PartialState
 
+    from learner import sharding
+
     load_signer(settings, "learner")  # its key first: a missing one fails before Redis, the lease or the model
     model_dir(settings)  # the dependencies first: fail in a second, not after loading
     # The process group first (gloo on CPU, NCCL on GPUs), with the timeout every collective gets.
     timeout = timedelta(seconds=settings.learner.compute.collective_timeout_seconds)
+    compute = settings.learner.compute
+    if torch.cuda.is_available() and compute.fsdp and compute.fsdp_offload and "LOCAL_RANK" in os.environ:
+        # accelerate's group would be NCCL's alone (it adds gloo only under its own FSDP, which the trainer replaces)
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        torch.distributed.init_process_group(sharding.backend("cuda", offload=True), timeout=timeout)
     state = PartialState(cpu=not torch.cuda.is_available(), timeout=timeout)
     if not state.is_main_process:
         trainer = build_trainer(settings)

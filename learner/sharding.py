@@ -40,8 +40,16 @@ def precision_policy(compute_dtype: torch.dtype):
     return MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32, output_dtype=None)
 
 
+def backend(device_type: str, offload: bool) -> str:
+    """The process group's backend: NCCL on GPUs, gloo on CPUs, and both on GPUs with CPU offload, whose host shards
+    take part in collectives (an offloaded gradient's norm, a host shard's gather) that NCCL cannot run."""
+    if device_type != "cuda":
+        return "gloo"
+    return "cuda:nccl,cpu:gloo" if offload else "nccl"
+
+
 @functools.cache
-def device_mesh(world: int, shard_ranks: int | None, device_type: str):
+def device_mesh(world: int, shard_ranks: int | None, device_type: str, offload: bool = False):
     """1-D mesh over every rank (FSDP), or replicate x shard (HSDP) with `shard_ranks` ranks per shard group; one
     per process and shape (`dapo plan` makes it before its fake tensors: a mesh holds real rank numbers)."""
     import torch.distributed as dist
@@ -50,8 +58,7 @@ def device_mesh(world: int, shard_ranks: int | None, device_type: str):
     if shard_ranks is not None and (shard_ranks < 1 or world % shard_ranks):
         raise ValueError(f"learner.compute.fsdp_shard_ranks {shard_ranks} must divide the learner's {world} ranks")
     if not dist.is_initialized():  # one process (FSDP for its CPU offload): a group of one, no rendezvous
-        dist.init_process_group("nccl" if device_type == "cuda" else "gloo", store=dist.HashStore(), rank=0,
-                                world_size=1)
+        dist.init_process_group(backend(device_type, offload), store=dist.HashStore(), rank=0, world_size=1)
     if shard_ranks is None or shard_ranks == world:
         return init_device_mesh(device_type, (world,), mesh_dim_names=("shard",))
     return init_device_mesh(device_type, (world // shard_ranks, shard_ranks), mesh_dim_names=("replicate", "shard"))

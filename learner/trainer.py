@@ -145,7 +145,8 @@ class Trainer:
         self.sharded = cfg.compute.fsdp
         if self.sharded:  # before the optimizer: it holds the shards
             world = dist.get_world_size() if dist.is_initialized() else 1  # accelerate's ranks (or `dapo plan`'s)
-            mesh = sharding.device_mesh(world, cfg.compute.fsdp_shard_ranks, self.accelerator.device.type)
+            mesh = sharding.device_mesh(world, cfg.compute.fsdp_shard_ranks, self.accelerator.device.type,
+                                        cfg.compute.fsdp_offload)
             sharding.shard(model, cfg.compute, self.compute_dtype, mesh, self.accelerator.device)
         # Weight decay on every parameter, as verl (the paper's code) does. On a GPU the fused kernel: one pass
         # over weights, gradients and moments instead of a foreach kernel for each AdamW operation.

@@ -43,6 +43,7 @@ class UpdateStats:
         from torch.distributed.tensor import DTensor
 
         norm = (norm.full_tensor() if isinstance(norm, DTensor) else norm).detach().double()
+        norm = norm.to(self.grad_norms.device)  # (FSDP's CPU offload: the gradients, and so their norm, on the host)
         finite = torch.isfinite(norm)
         self.grad_norms += torch.stack([torch.where(finite, norm, 0.0), (~finite).double()])
         self.updates += 1

@@ -1030,6 +1030,13 @@ def settings_conflicts(settings: Settings) -> list[str]:
     if settings.weights_token is not None and settings.weights_token == settings.token:
         conflicts.append("weights_token equals token: generators would hold the operator's token, which opens every "
                          "endpoint (leave weights_token unset, or make it another one)")
+    compute = settings.learner.compute
+    if not compute.fsdp and (compute.fsdp_offload or compute.fsdp_shard_ranks is not None):
+        conflicts.append("learner.compute.fsdp_offload and fsdp_shard_ranks shape FSDP's shards: with fsdp false "
+                         "each rank holds a whole replica on its GPU and they do nothing (set fsdp true)")
+    if compute.fsdp and settings.model.dtype == "float16":
+        conflicts.append("model.dtype float16 with learner.compute.fsdp: FSDP's gradients get no loss scaling, and "
+                         "the small ones flush to zero in float16 (use bfloat16, or float32, or fsdp false)")
     if batch.max_staleness > 0 and loss.tis_cap is None and not batch.uncorrected_staleness:
         conflicts.append(f"learner.batch.max_staleness {batch.max_staleness} trains groups sampled by an older "
                          "policy, and learner.loss.tis_cap null gives them no behaviour correction: set tis_cap (e.g. "

@@ -212,6 +212,9 @@ def test_a_token_that_cannot_travel_in_an_http_header_is_refused(token, monkeypa
     ({"token": "t" * 32, "weights_token": "t" * 32}, "weights_token equals token"),
     ({"generator": {"logprobs_mode": "raw_logprobs"}, "sampling": {"temperature": 0.7}},
      "raw_logprobs gives the logprobs before sampling.temperature 0.7"),
+    ({"learner": {"compute": {"fsdp_offload": True}}}, "with fsdp false each rank holds a whole replica"),
+    ({"learner": {"compute": {"fsdp_shard_ranks": 8}}}, "with fsdp false each rank holds a whole replica"),
+    ({"learner": {"compute": {"fsdp": True}}, "model": {"dtype": "float16"}}, "FSDP's gradients get no loss scaling"),
 ])
 def test_settings_that_cannot_work_together_are_refused_when_loaded(overrides, conflict):
     with pytest.raises(ConfigError, match="cannot work together") as err:

@@ -18,6 +18,14 @@ def test_an_hsdp_shard_group_must_divide_the_ranks():
         sharding.device_mesh(4, 3, "cpu")
 
 
+def test_cpu_offload_on_gpus_gets_a_cpu_backend_beside_nccl():
+    """The offloaded gradients' norm and the host shards' gathers are collectives on CPU tensors: an NCCL-only
+    group fails them ("No backend type associated with device type cpu")."""
+    assert sharding.backend("cuda", offload=True) == "cuda:nccl,cpu:gloo"
+    assert sharding.backend("cuda", offload=False) == "nccl"
+    assert sharding.backend("cpu", offload=True) == sharding.backend("cpu", offload=False) == "gloo"
+
+
 def test_the_published_weights_are_dealt_to_the_writing_ranks_by_size():
     from learner.publish import owners
 
