@@ -469,13 +469,8 @@ def main(settings: Settings, generators: int = 1, reward_workers: int = 1, learn
     from cli.bootstrap import ensure_model  # builds the tiny model when it is missing
     from cli.report import against_reference, write_report
 
-    compute = settings.learner.compute  # before anything starts: a learner would fail at every restart
-    groups = {"sequence_parallel": compute.sequence_parallel,
-              "fsdp_shard_ranks": compute.fsdp_shard_ranks if compute.fsdp else None}
-    for name, ranks in groups.items():
-        if ranks is not None and learner_procs % ranks:
-            raise ConfigError(f"learner.compute.{name} {ranks} must divide the learner's processes "
-                              f"(--learner-procs {learner_procs})")
+    if refusal := settings.learner.compute.ranks_refusal(learner_procs):  # before anything starts
+        raise ConfigError(f"{refusal}: --learner-procs")
     cpus = cores.plan(settings.cpus, generators, reward_workers)  # before anything starts: a ConfigError
     run_dir = Path(settings.run_dir).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)

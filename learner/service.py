@@ -875,6 +875,8 @@ def main(settings: Settings) -> int:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
         torch.distributed.init_process_group(sharding.backend("cuda", offload=True), timeout=timeout)
     state = PartialState(cpu=not torch.cuda.is_available(), timeout=timeout)
+    if refusal := compute.ranks_refusal(state.num_processes):  # before the model loads (minutes at 32B)
+        raise ConfigError(f"{refusal}: accelerate launch --num_processes")
     if not state.is_main_process:
         trainer = build_trainer(settings)
         return follow(trainer, RankChannel(trainer.accelerator))

@@ -584,6 +584,14 @@ class ComputeConfig(Section):
         "or once per mini-batch (less traffic; meanwhile every rank holds the whole gradient, 4 bytes a parameter)."
     )
 
+    def ranks_refusal(self, processes: int) -> str | None:
+        """Why `processes` learner processes cannot make this compute's groups (None if they can): checked before
+        anything loads, as a learner that cannot would fail after loading the model, at every restart."""
+        groups = {"sequence_parallel": self.sequence_parallel, "fsdp_shard_ranks": self.fsdp_shard_ranks if self.fsdp
+                  else None}
+        return next((f"learner.compute.{name} {size} must divide the learner's processes ({processes})"
+                     for name, size in groups.items() if size is not None and processes % size), None)
+
     @field_validator("gradient_checkpointing", mode="before")
     @classmethod
     def _checkpointing_from_switch(cls, value: Any) -> Any:
