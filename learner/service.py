@@ -420,6 +420,7 @@ class LearnerService:
         if batch is None:
             return False
         waited = time.perf_counter() - t0
+        staleness_wait = 0.0
         if not self.last_step_likely():  # no step after it: no prompts for one
             ahead = self.work.plan_ahead(version)  # overlap (a no-op when max_staleness = 0)
             delivering = self.delivering
@@ -427,18 +428,20 @@ class LearnerService:
                     and version - self.announced >= self.settings.learner.batch.max_staleness):
                 # Its tasks would ask for a version before `version` (push_train's rule), whose groups are too
                 # stale for the next step that trains them: this version's delivery ends first (its figures and
-                # any error are taken as ever, by the next publish or pump).
+                # any error are taken as ever, by the next publish or pump). Publishing's time on the step.
+                delivery_waited = time.perf_counter()
                 delivering.exception()
+                staleness_wait = time.perf_counter() - delivery_waited
             self.push_train(ahead)
         self.work.flush_outbox()
         result: dict[str, float] = {}
-        publish_seconds, broadcast = 0.0, {}
+        publish_seconds, broadcast = staleness_wait, {}
         if batch.groups:
             result = self.train(batch)
             self.policy.advance()
             published = time.perf_counter()
             broadcast = self.publish(overlap=self.overlap_publish)
-            publish_seconds = time.perf_counter() - published
+            publish_seconds += time.perf_counter() - published
         else:
             log.warning("step %d: refill limit with no informative group in hand: no update", self.step + 1)
         step_seconds = time.perf_counter() - t0
@@ -758,6 +761,8 @@ class LearnerService:
             "saved_at": time.time(),
         }  # RNG: the trainer saves torch/python/numpy RNG state per rank; the data order is a function of (seed, epoch)
         started = time.perf_counter()
+        if self.delivering is not None:  # the host holds one served copy at a time, and the checkpoint gathers one
+            self.delivering.exception()  # (its figures and any error are the next publish's, or pump's, as ever)
         if self.lease is not None:
             self.lease.check()  # a learner that lost the run writes no step-N over the new holder's
         self.ranks.save(self.trainer, path, extra)

@@ -292,13 +292,14 @@ class WeightPublisher:
         return f"{self.base_url}/v1/weights/{version}"
 
     def _announce(self, announcement: WeightsAnnouncement) -> WeightsAnnouncement:
-        """A version now on disk: prune the old ones, then announce it (SET latest + PUBLISH)."""
+        """A version now on disk: announce it (SET latest + PUBLISH), then prune the old ones (pruned first, `latest`
+        named a deleted version until the SET, for good if the learner died in between)."""
         version = announcement.version
-        with self._lock:
-            self._prune(keep_also=version)
         payload = announcement.model_dump_json()
         self.redis.set(latest_key(self.prefix), payload)
         self.redis.publish(channel(self.prefix), payload)
+        with self._lock:
+            self._prune(keep_also=version)
         log.info(
             "published weights v%d (%.1f MB in %d files, sha256 %s)",
             version, announcement.size / 1e6, len(announcement.files), announcement.sha256[:12],

@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -359,6 +360,31 @@ def test_the_policy_at_the_start_goes_by_the_files_alone_and_every_update_by_a_r
     service.policy.current = 2
     service.publish()
     assert service.announced == 2 and 2 in service.publisher.versions()
+
+
+def test_a_checkpoint_waits_for_the_delivery_in_the_background_before_it_gathers_the_weights(settings):
+    """The host holds one served copy of the weights at a time: a checkpoint at a step that neither evaluates nor
+    ends the run (every N steps, or Redis's memory pressed) gathered a second one while the delivery still held the
+    first (2 x 61 GiB at 32B)."""
+    service = LearnerService(settings)
+    service.cfg.batch.max_staleness = 1
+    service.connect()
+    service.train_problems = TrainProblems([Problem(id="1", problem="1+0=?", answer="1")], seed=0)
+    delivered = threading.Event()
+    deliver = service.publisher.publish
+    service.publisher.publish = lambda weights, version: (time.sleep(0.5), deliver(weights, version),
+                                                          delivered.set())[1]
+    saved_while_delivering = []
+    service.ranks = SimpleNamespace(
+        weights=lambda trainer: {"w": torch.zeros(4)}, world=1,
+        save=lambda trainer, path, extra: (saved_while_delivering.append(not delivered.is_set()),
+                                           Path(path).mkdir(parents=True)))
+    assert service.overlap_publish
+    service.policy.current = 1
+    service.publish(overlap=True)
+    service.step = 1
+    service.checkpoint()
+    assert saved_while_delivering == [False]
 
 
 def test_a_task_asks_for_no_version_the_generators_were_not_told_of(settings):

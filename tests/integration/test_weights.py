@@ -193,6 +193,21 @@ def test_publisher_keeps_last_versions_and_serves_only_those(learner, settings):
     assert not [p for p in publisher.dir.iterdir() if p.name.startswith(".")]  # no temporary folders left
 
 
+def test_a_version_is_announced_before_the_one_it_replaces_is_pruned(learner, settings, monkeypatch):
+    """Pruned first, `latest` named a deleted version until the SET (a late generator got a 404), and for good if
+    the learner died in between."""
+    publisher, _, _ = learner
+    keep = settings.weights.keep_versions
+    for version in range(keep):
+        publisher.publish(tiny_state_dict(seed=version), version=version)
+    announced = []
+    monkeypatch.setattr(publisher.redis, "set", lambda key, value: announced.append(
+        (json.loads(value)["version"], publisher.versions())))
+    publisher.publish(tiny_state_dict(seed=keep), version=keep)
+    assert announced == [(keep, list(range(keep + 1)))]  # every version still on disk when the newest is announced
+    assert publisher.versions() == list(range(1, keep + 1))
+
+
 def test_holds_and_requests_on_every_old_version_keep_at_most_keep_versions_more(shared_settings):
     """Holds are any generator's word (requests any weights token's): one holding every version must not keep them
     all on disk. The newest `keep_versions` of what is held stay; the older go."""
