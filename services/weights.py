@@ -55,7 +55,8 @@ from fastapi import Path as PathParameter
 from fastapi.responses import StreamingResponse
 
 from services.broadcast import parse_round
-from services.files import numbered, open_regular, read_regular
+from services.config import ConfigError
+from services.files import numbered, open_regular, read_regular, write_atomic
 from services.keys import Keyring, load_keyring, load_signer
 from services.messages import WeightsAnnouncement, WeightsBroadcast, WeightsFile, read_announcement
 from services.redis_local import retrying
@@ -249,6 +250,25 @@ def _version_of(folder: Path) -> int | None:
 
 
 # -- learner side -------------------------------------------------------------------------------------------
+SHARED_DIR_RUN_FILE = "run"  # in weights.shared_dir: the run whose versions it holds
+
+
+def claim_shared_dir(folder: Path, run: str) -> None:
+    """Mark `folder` (weights.shared_dir) as `run`'s, or refuse it if another run's versions are there: versions
+    are numbered per run, so a second run in it removed the first's half-written version, took its numbers and
+    pruned its versions (both runs stalled)."""
+    marker = folder / SHARED_DIR_RUN_FILE
+    try:
+        owner = read_regular(marker, 4096).decode(errors="replace").strip()
+    except FileNotFoundError:
+        write_atomic(marker, run + "\n")
+        return
+    if owner != run:
+        raise ConfigError(f"weights.shared_dir {folder} holds the weight versions of run {owner!r} (its file "
+                          f"{SHARED_DIR_RUN_FILE}), not of {run!r}: give each run its own folder, or delete the "
+                          "folder's contents once that run is over")
+
+
 class WeightPublisher:
     """Writes weight versions (services/weights_layout.py) and announces them on Redis."""
 
@@ -256,6 +276,8 @@ class WeightPublisher:
         cfg = settings.weights
         self.dir = Path(cfg.shared_dir) if cfg.transport == "shared-fs" else Path(settings.run_dir) / "weights"
         self.dir.mkdir(parents=True, exist_ok=True)
+        if cfg.transport == "shared-fs":
+            claim_shared_dir(self.dir, settings.redis.run)  # before anything in it is removed
         if removed := remove_unfinished(self.dir, WRITING_PREFIX):
             log.warning("removed %d versions a killed learner left half written in %s", removed, self.dir)
         self.keep = max(1, int(settings.weights.keep_versions))

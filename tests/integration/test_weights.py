@@ -16,7 +16,7 @@ from servers import ServerThread, free_port
 from transformers.utils import SAFE_WEIGHTS_INDEX_NAME
 
 import services.weights as weights_module
-from services.config import WeightsConfig, load_settings
+from services.config import ConfigError, WeightsConfig, load_settings
 from services.http import create_app
 from services.keys import ROLES
 from services.messages import WeightsAnnouncement
@@ -409,6 +409,21 @@ def shared_settings(settings, short_tmp):
     settings = settings.model_copy(deep=True)
     settings.weights = WeightsConfig(transport="shared-fs", shared_dir=f"{short_tmp}/shared", shard_mb=1)
     return settings
+
+
+def test_a_shared_folder_holds_one_runs_versions(shared_settings, short_tmp):
+    """Versions are numbered per run: a second run in the same shared_dir removed the first's half-written version,
+    took its numbers and pruned its versions. It is refused, before anything in the folder is touched."""
+    first = WeightPublisher(shared_settings, connect(shared_settings), "http://learner.invalid:8000")
+    first.publish(tiny_state_dict(seed=1), version=1)
+    (first.dir / f"{WRITING_PREFIX}2-x1y2").mkdir()  # the first run's next version, half written
+    other = shared_settings.model_copy(deep=True)
+    other.redis.run = "another-run"
+    with pytest.raises(ConfigError, match=f"holds the weight versions of run '{shared_settings.redis.run}'"):
+        WeightPublisher(other, connect(other), "http://learner.invalid:8000")
+    assert (first.dir / f"{WRITING_PREFIX}2-x1y2").is_dir() and first.versions() == [1]
+    again = WeightPublisher(shared_settings, connect(shared_settings), "http://learner.invalid:8000")  # a restart
+    assert again.versions() == [1]
 
 
 def test_shared_fs_generators_read_the_learners_folder_and_holds_stop_the_prune(shared_settings, short_tmp):
