@@ -34,6 +34,7 @@ import json
 import logging
 import random
 import shutil
+import socket
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -47,6 +48,7 @@ from torch import Tensor
 from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
+from services.config import ConfigError
 from services.data import DataError
 from services.files import fsync_dir, fsync_tree, numbered, write_atomic
 
@@ -233,6 +235,29 @@ def _write(trainer: "Trainer", path: Path, tmp: Path, extra_state: dict, renamin
         fsync_dir(path.parent)
         shutil.rmtree(old, ignore_errors=True)
     accelerator.wait_for_everyone()
+
+
+RANKS_SEEN = ".ranks-seen"  # under run_dir: each learner rank's mark, that rank 0 looks for at the start
+
+
+def check_shared(folder: Path, state) -> None:
+    """Every rank (of accelerate's PartialState `state`): refuse a run folder that some learner rank does not see
+    as rank 0 does (a volume per node instead of one shared): rank 0 would commit checkpoints without those ranks'
+    shards, which no resume could load. Before the model loads."""
+    marks = folder / RANKS_SEEN
+    if state.is_main_process:
+        shutil.rmtree(marks, ignore_errors=True)  # (another launch's marks, on rank 0's view of the folder)
+    state.wait_for_everyone()
+    marks.mkdir(parents=True, exist_ok=True)
+    (marks / f"rank-{state.process_index}").write_text(socket.gethostname())
+    state.wait_for_everyone()
+    if state.is_main_process:
+        unseen = [rank for rank in range(state.num_processes) if not (marks / f"rank-{rank}").is_file()]
+        shutil.rmtree(marks, ignore_errors=True)
+        if unseen:
+            raise ConfigError(f"learner ranks {unseen} do not share the run folder {folder} with rank 0 (their marks "
+                              f"in {RANKS_SEEN} are not there): every rank writes its checkpoint shards into it, so "
+                              "it must be one folder they all mount (a ReadWriteMany volume, NFS)")
 
 
 def read(trainer: "Trainer", path: Path) -> dict:

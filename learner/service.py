@@ -36,7 +36,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 from learner.batch import Batch, Push, RefillLimitReached
-from learner.checkpoint import STARTED_OVER, STOPPED, Checkpoints
+from learner.checkpoint import STARTED_OVER, STOPPED, Checkpoints, check_shared
 from learner.evaluation import EvalRound
 from learner.lease import LearnerLease
 from learner.policy import PolicyVersion
@@ -882,6 +882,8 @@ def main(settings: Settings) -> int:
     state = PartialState(cpu=not torch.cuda.is_available(), timeout=timeout)
     if refusal := compute.ranks_refusal(state.num_processes):  # before the model loads (minutes at 32B)
         raise ConfigError(f"{refusal}: accelerate launch --num_processes")
+    if state.num_processes > 1:
+        check_shared(Path(settings.run_dir), state)
     if not state.is_main_process:
         trainer = build_trainer(settings)
         return follow(trainer, RankChannel(trainer.accelerator))

@@ -8,7 +8,8 @@ import logging
 import pytest
 
 from cli.launcher import reported_exit
-from learner.checkpoint import LATEST, STOPPED, TRAINER_STATE, Checkpoints, complete
+from learner.checkpoint import LATEST, RANKS_SEEN, STOPPED, TRAINER_STATE, Checkpoints, check_shared, complete
+from services.config import ConfigError
 from services.errors import ExitCode
 
 
@@ -208,3 +209,34 @@ def test_starting_over_is_applied_once_not_at_every_restart_of_a_deployment(tmp_
     other = LearnerService(load_settings("tiny-cpu", run_dir=str(tmp_path), sampling={"temperature": 0.9},
                                          learner={"checkpoints": {"resume": False}}))
     assert not other.cfg.checkpoints.resume  # another recipe: another experiment starts over
+
+
+class Rank:
+    """accelerate's PartialState as check_shared uses it; `others` run at each barrier: ranks on other hosts."""
+
+    def __init__(self, index, processes, others=()):
+        self.process_index, self.num_processes, self.others = index, processes, others
+        self.is_main_process = index == 0
+
+    def wait_for_everyone(self):
+        for other in self.others:
+            other()
+
+
+def test_a_run_folder_that_some_learner_rank_does_not_share_is_refused_at_the_start(tmp_path):
+    """Rank 0 committed checkpoints without the shards of ranks whose run folder was their own node's volume: no
+    resume could load them. Each rank leaves a mark; rank 0 must see every one."""
+    elsewhere = tmp_path / "other-node"
+    check_shared(tmp_path / "run", Rank(0, 1))  # one process: nothing to share
+    (tmp_path / "run" / RANKS_SEEN).mkdir()
+    (tmp_path / "run" / RANKS_SEEN / "rank-1").write_text("stale")  # a launch before, when it was shared
+    with pytest.raises(ConfigError, match=r"learner ranks \[1\] do not share the run folder"):
+        check_shared(tmp_path / "run", Rank(0, 2, others=[lambda: check_shared_mark(elsewhere, 1)]))
+    shared = tmp_path / "shared"
+    check_shared(shared, Rank(0, 2, others=[lambda: check_shared_mark(shared, 1)]))
+    assert not (shared / RANKS_SEEN).exists()
+
+
+def check_shared_mark(folder, rank):
+    (folder / RANKS_SEEN).mkdir(parents=True, exist_ok=True)
+    (folder / RANKS_SEEN / f"rank-{rank}").write_text("host")
