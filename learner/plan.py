@@ -259,7 +259,7 @@ def traced_peak(settings, ranks: int) -> tuple[dict[str, int], int, int, int]:
     with attention.stand_in(_flash_memory_kernel):
         with _fake_world(ranks) if ranks > 1 or compute.fsdp else contextlib.nullcontext():
             if compute.fsdp:  # the mesh is a real tensor of rank numbers: made before the fake mode
-                sharding.device_mesh(ranks, compute.fsdp_shard_ranks, "cpu")
+                sharding.device_mesh(ranks, compute.fsdp_shard_ranks, "cpu", compute.fsdp_offload)  # the trainer's
             with FakeTensorMode(allow_non_fake_inputs=True):
                 model = AutoModelForCausalLM.from_config(config, dtype=torch.float32,
                                                          attn_implementation=attention.VARLEN)

@@ -217,6 +217,7 @@ class LearnerService:
         self.delivering: Future | None = None  # the delivery in the background, while it runs
         self.announced = 0  # the newest version announced to the generators (set by `deliver`, in its thread)
         self.stopping = threading.Event()
+        self.stopped_by = signal.SIGTERM  # the signal that set `stopping`
         self.ready, self.ready_reason = False, "starting"
         self.step = 0
         self.last_checkpoint_step: int | None = None
@@ -406,10 +407,12 @@ class LearnerService:
         self.finish_delivery()
         self.checkpoint_if_new()
         self.ranks.stop()
-        if self.stopping.is_set():
+        if self.stopping.is_set() and not self.finished():
+            # Not 0: the run is not over (a supervisor, `dapo run` among them, restarts a learner that something
+            # else stopped; the one that sent the signal knows it did).
             log.info("stopped by signal at step %d (checkpoint written)", self.step)
-        else:
-            log.info("done: %d steps, policy version %d", self.step, self.policy.current)
+            return 128 + self.stopped_by
+        log.info("done: %d steps, policy version %d", self.step, self.policy.current)
         return 0
 
     def run_step(self) -> bool:
@@ -896,6 +899,7 @@ def main(settings: Settings) -> int:
         if service.stopping.is_set():
             raise_stopped(signum, frame)
         log.info("signal %d: finishing the current step, then checkpoint and exit (again: now)", signum)
+        service.stopped_by = signum
         service.stopping.set()
 
     try:

@@ -208,6 +208,21 @@ def test_a_fenced_learner_under_torchrun_is_not_restarted(tmp_path):
     assert learner.exit_code == ExitCode.FENCED and learner_finished(learner) and learner.restarts == 0
 
 
+def test_a_learner_stopped_by_a_signal_the_launcher_did_not_send_is_restarted(tmp_path):
+    """`kill <learner>` (earlyoom's first signal, a supervisor's): the learner checkpoints and exits 143, the run not
+    over. It exited 0, which `dapo run` took for the end of the run: everything stopped, exit 0, at step 3 of 20."""
+    from cli.launcher import learner_finished
+
+    learner = Child("learner", [sys.executable, "-c", "raise SystemExit(143)"], dict(os.environ),
+                    tmp_path / "learner.log")
+    learner.start()
+    learner.process.wait(timeout=30)
+    try:
+        assert not learner_finished(learner) and learner.restarts == 1
+    finally:
+        learner.stop()
+
+
 def test_dapo_ranks_exits_with_the_code_rank_0_chose_under_torchrun(tmp_path):
     """The container entry of a multi-rank learner (cli/ranks.py): rank 0's 75, not torchrun's 1."""
     from services.errors import ExitCode

@@ -14,7 +14,7 @@ import redis
 
 from benchmarks.faults import children_of
 from services.keys import ROLES
-from services.messages import PromptTask, RolloutGroup, Sample, ScoredGroup, to_wire
+from services.messages import PromptTask, RolloutGroup, Sample, SamplingParams, ScoredGroup, to_wire
 from services.streams import ISSUED, Streams
 
 
@@ -61,7 +61,7 @@ def test_dapo_reward_process(settings, short_tmp):
         assert scores[0]["correct"] and scores[0]["rule"] == "answer_line"
 
         streams = Streams(redis.Redis.from_url(settings.redis.url.get_secret_value()), settings, signs_as=ROLES)
-        task = PromptTask(task_id="svc", prompt_id="p", prompt="q", ground_truth="42")
+        task = PromptTask(task_id="svc", prompt_id="p", prompt="q", ground_truth="42", sampling=SamplingParams(n=1))
         streams.redis.hset(streams.key(ISSUED), task.task_id, to_wire(task))  # as the learner issues it
         sample = Sample(token_ids=[1, 2], logprobs=[-0.1, -0.2], text="\\boxed{42}", finish_reason="stop")
         streams.stream("rollouts", RolloutGroup).produce(
