@@ -30,8 +30,11 @@ import time
 from concurrent.futures import CancelledError, Future, InvalidStateError, TimeoutError
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Callable
 
+import pebble.pool.base_pool
+import pebble.pool.process
 from pebble import ProcessExpired, ProcessPool
 
 from reward.reference import verify_dapo
@@ -41,8 +44,14 @@ from services.startup import signals_deferred
 
 log = logging.getLogger(__name__)
 
+# pebble times each item by differences of the wall clock: a step of it (NTP at boot, a VM resumed) timed out every
+# running item (honest answers scored -1) or switched the limit off for as long. The same differences, monotonic.
+for _module in (pebble.pool.process, pebble.pool.base_pool):
+    _module.time = SimpleNamespace(time=time.monotonic, sleep=time.sleep)
+
 # A child that has not finished importing math-verify by then is stuck (or the machine is).
 STARTUP_TIMEOUT_S = 120.0
+WATCH_S = 1.0  # how often the pool is checked for pebble having given up on it while items wait
 
 # `reward.answer_rule` -> the verifier a child runs (the names of services.config.RewardConfig.answer_rule).
 ANSWER_RULES: dict[str, Callable[[str, str], Verdict]] = {"robust": verify, "dapo": verify_dapo}
@@ -174,9 +183,10 @@ class VerifierPool:
         threading.Thread(target=self._read_ready, name="verifier-ready", daemon=True).start()
         self.network = ""  # the children's network isolation, as the last one to start reported it
         self.user = ""  # and the user they run as
-        self._pending: set[Future] = set()
+        self._pending: dict[Future, ProcessPool] = {}  # each unsettled verification, with the pool it waits in
         self._lock = threading.Lock()
         self._closed = False
+        threading.Thread(target=self._watch, name="verifier-watch", daemon=True).start()
 
     @classmethod
     def from_config(cls, cfg: RewardConfig, **kwargs) -> "VerifierPool":
@@ -245,6 +255,18 @@ class VerifierPool:
                         "verifier processes: %s, %s", network, user)
                     self.network, self.user = network, user
 
+    def _watch(self) -> None:
+        """Replace a pool pebble gave up on while items wait in it (`_replace_pool` fails them): a new item would
+        find it so, but the stream worker submits none while it waits for a read's verdicts."""
+        while not self._closed:
+            time.sleep(WATCH_S)
+            with self._lock:  # (a launch holds it until the new pool is started)
+                pool = self._pool
+                given_up = pool is not None and bool(self._pending) and not self._closed and not pool.active
+            if given_up:
+                log.warning("the verifier pool failed with items waiting: they are handed back, a new pool starts")
+                self._replace_pool(pool)
+
     def ready_workers(self) -> int:
         """Live children that have imported the verifier."""
         with self._lock:
@@ -265,7 +287,7 @@ class VerifierPool:
             if self._closed:
                 return
             self._closed = True  # a launch not begun yet will not begin; one under way has ended (it holds the lock)
-            pending, self._pending = self._pending, set()
+            pending, self._pending = self._pending, {}
             pool = self._pool
         self._ready.put(None)
         for future in pending:
@@ -353,16 +375,18 @@ class VerifierPool:
         """A future of the task's Verdict, which close() can fail (pebble's own are cancelled by stop())."""
         verdict = Verification([task])
         with self._lock:
-            self._pending.add(verdict)
+            self._pending[verdict] = pool
         verdict.add_done_callback(lambda v: v.cancelled() and task.cancel())
 
         def on_done(done: Future) -> None:
             with self._lock:
-                self._pending.discard(verdict)
+                self._pending.pop(verdict, None)
             try:
                 _settle(verdict, result=self._verdict(pool, done))
             except VerifierUnavailable as err:
                 _settle(verdict, error=err)
+            except Exception as err:  # noqa: BLE001 (pebble's own failure of any kind: no verdict, and no wait)
+                _settle(verdict, error=VerifierUnavailable(f"the verifier pool failed: {type(err).__name__}: {err}"))
 
         task.add_done_callback(on_done)
         return verdict
@@ -391,11 +415,19 @@ class VerifierPool:
         return verdict
 
     def _replace_pool(self, broken: ProcessPool) -> None:
-        """Pebble gives up on a pool in which a child died while no item ran; start a new one (once)."""
+        """Pebble gives up on a pool in which a child died while no item ran; start a new one (once). Every item
+        still waiting in the broken one is unavailable: pebble fails only those it had written to a child's pipe
+        (about one item of tens of KB), and the rest, queued in this process, would wait for ever (the stream
+        worker with them, renewing its claims)."""
         with self._lock:
             if self._pool is not broken or self._closed:
                 return
             self._launched = self._launch(replacing=broken)
+            stranded = [verdict for verdict, pool in self._pending.items() if pool is broken]
+            for verdict in stranded:
+                del self._pending[verdict]
+        for verdict in stranded:
+            _settle(verdict, error=VerifierUnavailable("verifier processes died; pool restarted"))
         broken.stop()
         # pebble stops a pool's children only in join(), which its own callback threads (this may be one) cannot
         # call: the surviving children would wait on the dead pool's pipe for the life of the service.

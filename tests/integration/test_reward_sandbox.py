@@ -11,6 +11,7 @@ import pytest
 
 from benchmarks.faults import children_of
 from reward.sandbox import VerifierPool, VerifierUnavailable
+from reward.verify import RULE_TIMEOUT
 from services.config import RewardConfig
 
 # Comparing this with 1 makes sympy expand a polynomial of about 500,000 terms: it does not come back for minutes.
@@ -96,6 +97,35 @@ def test_an_idle_child_killed_breaks_no_later_item():
         time.sleep(1.0)  # pebble has given up on the pool before the next item comes
         assert alone.verify("Answer: 10", "10").correct
         assert alone.wait_ready(30) and idle_pid not in alone.worker_pids()
+
+
+def test_items_queued_past_the_pipe_when_the_pool_fails_are_handed_back_not_left_waiting():
+    """Pebble fails, when it gives up on a pool, only the items it wrote to a child's pipe (64 KiB: one response of
+    a long chain of thought); the rest, queued in this process, waited for ever, and the stream worker with them,
+    renewing its claims (its /readyz green). Every one of them must end: a verdict, or unavailable."""
+    long = "Let me think step by step. " * 3000 + "Answer: 4"  # 80 KB
+    with VerifierPool(workers=1, timeout_s=30, memory_mb=1024) as alone:
+        (idle_pid,) = alone.worker_pids()
+        os.kill(idle_pid, signal.SIGKILL)
+        group = alone.submit_many([(long, "4")] * 4)
+        try:
+            assert all(verdict.correct for verdict in group.result(timeout=30))  # on the new pool after all
+        except VerifierUnavailable:
+            pass
+        assert alone.verify("Answer: 5", "5").correct
+
+
+def test_a_step_of_the_wall_clock_times_out_no_item(monkeypatch):
+    """NTP stepping the clock at boot, or a VM resumed: pebble timed items by the wall clock, and an honest answer
+    running across a step of more than timeout_s was scored `timeout` (-1)."""
+    slow = "Answer: $99997^{99999} \\cdot 99996^{99999}$"  # a second or so of honest work
+    with VerifierPool(workers=1, timeout_s=10, memory_mb=1024) as alone:
+        real, offset = time.time, [0.0]
+        monkeypatch.setattr(time, "time", lambda: real() + offset[0])
+        running = alone.submit(slow, "1")
+        time.sleep(0.3)
+        offset[0] = 15.0  # the wall clock steps 15 s forward while the item runs
+        assert running.result(timeout=60).rule != RULE_TIMEOUT
 
 
 def test_the_children_s_start_messages_are_read_whether_or_not_anyone_asks_how_many_are_ready(pool):
