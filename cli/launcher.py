@@ -8,9 +8,10 @@ into the run folder.
 Nothing but the user (or the learner finishing) ends a run: a dead redis-server is restarted on its AOF (same
 socket, folder and password; the services' clients retry meanwhile), a learner that did not exit by itself
 (killed, crashed) is restarted and resumes from its checkpoint, a crashed worker is restarted. A process that
-keeps crashing without progress is given up after RESTART_LIMIT tries (a bug, not bad luck): for the learner,
-progress is a training step beyond the furthest one recorded before (a slow-loading learner that crashes on the
-same step is not restarted for ever, however long each try lasts); for a worker, a run of STABLE_SECONDS.
+keeps crashing without progress is given up after RESTART_LIMIT tries (a bug, not bad luck): progress is a
+training step beyond the furthest one recorded before the process started (a slow-loading learner that crashes on
+the same step, or a generator whose engine fails minutes into every start, is not restarted for ever, however long
+each try lasts; a worker that crashes while the run goes on is).
 
 Each child is the leader of its own process group (its own session), and stopping or restarting a child kills
 that whole group: a SIGKILLed generator would otherwise leave its vLLM engine core running, orphaned.
@@ -76,7 +77,6 @@ console = Console()
 
 RESTART_LIMIT = 5  # crashes in a row of one process without progress before giving up
 CPU_SAMPLE_SECONDS = 10.0  # how often the children's CPU seconds are read
-STABLE_SECONDS = 300.0  # a worker that ran this long before dying starts a new count (the learner counts steps)
 RANKS_STOP_SECONDS = 120.0  # SIGTERM to SIGKILL for the learner's ranks: rank 0 finishes the step and checkpoints
 # The launcher's own SIGKILL reaches torchrun's process group only (each rank leads a session of its own), so it
 # comes after torchrun's (TORCH_ELASTIC_SHUTDOWN_TIMEOUT): no rank outlives the run.
@@ -118,14 +118,13 @@ class Child:
     placement: Placement | None = None  # its CPUs and priority (cli/cores.py)
     exit_file: Path | None = None  # where it records the exit code it chose ($DAPO_EXIT_FILE, services/startup.py)
     exit_path: Path | None = None  # exit_file of the current start: an orphaned rank of a start before writes elsewhere
-    # How far it got (the learner: its furthest step recorded); None: progress is a run of STABLE_SECONDS
+    # How far the run got (the furthest step recorded); None: no progress ever starts a new count of crashes
     progress: Callable[[], int] | None = None
     progress_mark: int = -1  # the furthest progress seen when it last started
     # added to its environment when it starts again after progress of its own (the learner: a step of this run)
     restart_env: dict[str, str] = field(default_factory=dict)
     restarts: int = 0
     gave_up: bool = False  # crashed RESTART_LIMIT times in a row: not started again
-    started_at: float = field(default_factory=time.monotonic)
     cpu_before: float = 0.0  # CPU seconds of its previous processes (restarts)
     cpu_now: float = 0.0  # of the current process group, last sampled
 
@@ -152,7 +151,6 @@ class Child:
             preexec_fn=prepare,
         )
         log_file.close()
-        self.started_at = time.monotonic()
         if self.progress is not None:
             self.progress_mark = max(self.progress_mark, self.progress())
 
@@ -184,11 +182,8 @@ class Child:
         return self.name.rsplit("-", 1)[0]
 
     def progressed(self) -> bool:
-        """It got further than before its last start: a step beyond the furthest one (with `progress`), else a run
-        of STABLE_SECONDS."""
-        if self.progress is None:
-            return time.monotonic() - self.started_at >= STABLE_SECONDS
-        return self.progress() > self.progress_mark
+        """The run got further than before its last start: a step beyond the furthest one."""
+        return self.progress is not None and self.progress() > self.progress_mark
 
     def restart(self) -> bool:
         """Start again after a crash, once the crashed child's whole process group is gone; False once it crashed
@@ -213,8 +208,9 @@ class Child:
         return True
 
     def stop(self) -> None:
-        """SIGTERM (the service finishes or hands back its work), then SIGKILL whatever is left of its group."""
-        if self.process is None:
+        """SIGTERM (the service finishes or hands back its work), then SIGKILL whatever is left of its group (not
+        one given up: its pid, reaped long ago, may lead another process's group by now)."""
+        if self.process is None or self.gave_up:
             return
         if self.alive():
             self.process.send_signal(signal.SIGTERM)
@@ -297,10 +293,13 @@ def service_children(settings: Settings, config_path: Path, redis_urls: Mapping[
     }
     python = [sys.executable, "-m", "cli"]
 
+    def steps() -> int:
+        return steps_recorded(run_dir / METRICS_FILE)
+
     def child(name: str, service: Role, **env: str) -> Child:  # a worker, named on its command line
         return Child(name, python + [service, "--config", str(config_path), "--worker-id", name],
                      {**base_env, **tokens[service], "DAPO_REDIS__URL": redis_urls[service], **env},
-                     run_dir / "logs" / f"{name}.log")
+                     run_dir / "logs" / f"{name}.log", progress=steps)
 
     learner_env = {**base_env, **tokens["learner"], "DAPO_REDIS__URL": redis_urls["learner"],
                    "DAPO_LEARNER__PORT": str(learner_port),
@@ -317,7 +316,7 @@ def service_children(settings: Settings, config_path: Path, redis_urls: Mapping[
     children = [Child("learner", learner_command(learner_procs) + ["--config", str(config_path)], learner_env,
                       run_dir / "logs" / "learner.log", stop_seconds=LEARNER_STOP_SECONDS,
                       placement=cpus.learner if cpus else None, exit_file=run_dir / "logs" / "learner.exit",
-                      progress=lambda: steps_recorded(run_dir / METRICS_FILE),
+                      progress=steps,
                       # `resume: false` starts the run over once: a restart after a crash that follows a step of
                       # this run resumes it (before one, there is nothing of it to resume: it starts over again)
                       restart_env={"DAPO_LEARNER__CHECKPOINTS__RESUME": "true"})]
@@ -435,8 +434,8 @@ def supervise(children: list[Child], metrics_path: Path, total_steps: int, displ
             for child in children[1:]:
                 if not child.alive() and child.process is not None and not child.restart():
                     if all(other.gave_up for other in children[1:] if other.kind == child.kind):
-                        raise GaveUp(f"every {child.kind} process crashed {RESTART_LIMIT} times in a row within "
-                                     f"{STABLE_SECONDS:.0f} s of starting: the run cannot go on; see {child.log_path}")
+                        raise GaveUp(f"every {child.kind} process crashed {RESTART_LIMIT} times in a row with no "
+                                     f"training step between: the run cannot go on; see {child.log_path}")
             if time.monotonic() - sampled_at >= CPU_SAMPLE_SECONDS:  # a pass over /proc: not every second
                 sampled_at = time.monotonic()
                 by_root = cpu_seconds_by_root(child.process.pid for child in children if child.alive())
