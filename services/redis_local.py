@@ -32,6 +32,7 @@ import subprocess
 import tempfile
 import threading
 import time
+import urllib.parse
 from pathlib import Path
 from typing import Callable
 
@@ -342,22 +343,27 @@ class EmbeddedRedis:
     def socket_path(self) -> Path:
         """`redis.sock` in the data folder; from a deep folder, a short path derived from it (the same in every
         process of the run), since a unix socket's path is limited to 107 bytes."""
-        beside = self.data_dir / "redis.sock"
-        if len(str(beside)) <= MAX_SOCKET_PATH:
-            return beside
         digest = hashlib.sha256(str(self.data_dir).encode()).hexdigest()[:20]
-        return Path(tempfile.gettempdir()) / f"dapo-{os.getuid()}" / f"redis-{digest}.sock"
+        short = Path(f"dapo-{os.getuid()}") / f"redis-{digest}.sock"
+        # in bytes: a folder of 30 CJK characters is 90 (redis-server cut the path short and said nothing)
+        return next(path for path in (self.data_dir / "redis.sock", Path(tempfile.gettempdir()) / short,
+                                      Path("/tmp") / short) if len(os.fsencode(path)) <= MAX_SOCKET_PATH)
+
+    @property
+    def _socket_in_url(self) -> str:
+        """The socket's path as a URL holds it: a `#`, `?` or `%` in a run folder's name cut it short."""
+        return urllib.parse.quote(str(self.socket_path))
 
     @property
     def url(self) -> str:
         """The URL with the password: hand it over in the environment, never write it to a shared file."""
-        return f"unix://:{self.password}@{self.socket_path}"
+        return f"unix://:{self.password}@{self._socket_in_url}"
 
     def role_url(self, role: str) -> str:
         """The URL of a role's user, with its password: for that role's processes only."""
         if not self.users or role not in self.users:
             raise ValueError(f"this embedded server has no Redis user {role!r}")
-        return f"unix://{role}:{self.users[role]}@{self.socket_path}"
+        return f"unix://{role}:{self.users[role]}@{self._socket_in_url}"
 
     def alive(self) -> bool:
         return self.process is not None and self.process.poll() is None

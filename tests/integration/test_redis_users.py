@@ -223,3 +223,18 @@ def test_a_worker_script_that_never_ends_is_ended_by_the_learner_and_redis_answe
     runner.join(timeout=10)
     assert failures and "killed" in failures[0].lower()
     assert "ended it (SCRIPT KILL)" in caplog.text
+
+
+@pytest.mark.parametrize("folder", ["exp#1?x%41", "实验运行目录" * 5])
+def test_every_role_reaches_an_embedded_server_in_a_folder_of_any_name(short_tmp, folder):
+    """`#`, `?` and `%41` in a run folder's name cut the socket path in every child's URL short (all of them
+    failed to connect, and the learner's restarts were blamed); 30 CJK characters are 90 bytes, and a socket path
+    counted in characters passed the 107-byte limit, which redis-server cut short without a word."""
+    users = {user: secrets.token_hex(16) for user in REDIS_USERS}
+    server = EmbeddedRedis(os.path.join(short_tmp, folder, "redis"), aof=False, users=users).start(timeout=15)
+    try:
+        assert len(os.fsencode(server.socket_path)) <= 107
+        assert client_for(server.url).ping()
+        assert all(client_for(server.role_url(role)).ping() for role in users)
+    finally:
+        server.stop()
