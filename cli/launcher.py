@@ -511,6 +511,8 @@ def main(settings: Settings, generators: int = 1, reward_workers: int = 1, learn
 
     def on_signal(signum, frame):
         received.append(signum)
+        if signum == signal.SIGHUP:  # the terminal is gone: a write to it (EIO) would replace the stop in order
+            console.file = open(os.devnull, "w")  # noqa: SIM115 (for the rest of the process)
         raise KeyboardInterrupt
 
     def hurry(signum, frame):  # another signal while stopping in order: what is left is killed, the rest goes on

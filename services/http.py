@@ -230,11 +230,22 @@ def create_app(
     return app
 
 
+_handed_out: set[int] = set()  # free_port's answers so far in this process
+
+
 def free_port() -> int:
-    """A TCP port on the loopback interface that was free a moment ago."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A TCP port on the loopback interface that was free a moment ago, and not handed out before by this process:
+    the kernel may offer one again once its socket is closed (two services of one `dapo run` on one port, about one
+    launch in 2,000)."""
+    while True:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        if port not in _handed_out:
+            if len(_handed_out) >= 10_000:  # a long-lived caller: the oldest answers are long in use or gone
+                _handed_out.clear()
+            _handed_out.add(port)
+            return port
 
 
 def server_options(settings: Settings) -> dict:

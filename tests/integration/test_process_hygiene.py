@@ -516,3 +516,44 @@ def test_a_run_whose_learner_is_given_up_exits_1_with_the_reason(tmp_path, monke
                      "--set", "redis.url=redis://127.0.0.1:1/0"]) == 1
     assert "the learner crashed 5 times in a row without a new step (last exit -9)" in " ".join(
         capsys.readouterr().out.split())
+
+
+HUNG_UP = """
+import os, sys
+from pathlib import Path
+sys.path.insert(0, os.getcwd())
+import cli.bootstrap, cli.launcher
+from cli.launcher import Child
+from cli.main import run_main
+tmp, run_dir = Path(sys.argv[1]), Path(sys.argv[1]) / "run"
+run_dir.mkdir(parents=True)
+(run_dir / "metrics.jsonl").write_text('{"step": 1, "groups_trained": 4}\\n')
+env = {**os.environ, "DAPO_GENERATOR__PORT": "1"}  # (the service map names each one's port)
+cli.launcher.service_children = lambda *args, **kwargs: [
+    Child("learner", ["sleep", "60"], env, tmp / "learner.log", stop_seconds=2),
+    Child("generator-0", ["sleep", "60"], env, tmp / "generator.log", stop_seconds=2)]
+cli.bootstrap.ensure_model = lambda settings: None
+code = run_main(["run", "--set", f"run_dir={run_dir}", "--set", "redis.url=redis://127.0.0.1:1/0"])
+(tmp / "code").write_text(str(code))
+"""
+
+
+def test_a_run_whose_terminal_hangs_up_stops_in_order_and_writes_its_report(tmp_path):
+    """ssh drops: SIGHUP stops the run as Ctrl-C does; the live display's write to the terminal that is gone raised
+    EIO over the stop, which ended in a traceback with no report (exit 1, not 129)."""
+    import pty
+
+    script = tmp_path / "hung_up.py"
+    script.write_text(HUNG_UP)
+    pid, terminal = pty.fork()
+    if pid == 0:  # the launcher, in a terminal of its own
+        os.chdir(REPO)
+        os.execv(sys.executable, [sys.executable, str(script), str(tmp_path)])
+    seen = b""
+    while b"logs in" not in seen:
+        seen += os.read(terminal, 4096)
+    time.sleep(1.0)
+    os.close(terminal)  # the terminal goes away: SIGHUP to its session
+    os.waitpid(pid, 0)
+    assert (tmp_path / "code").read_text() == str(128 + signal.SIGHUP)
+    assert (tmp_path / "run" / "summary.json").is_file()
