@@ -127,6 +127,7 @@ class Child:
     gave_up: bool = False  # crashed RESTART_LIMIT times in a row: not started again
     cpu_before: float = 0.0  # CPU seconds of its previous processes (restarts)
     cpu_now: float = 0.0  # of the current process group, last sampled
+    keep_fds: tuple[int, ...] = ()  # open files it inherits (the learner: the run folder's lock)
 
     def start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -148,7 +149,7 @@ class Child:
         # A new session: Ctrl-C reaches only the launcher, which then stops children in order.
         self.process = subprocess.Popen(
             self.command, env=self.env, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True,
-            preexec_fn=prepare,
+            preexec_fn=prepare, pass_fds=self.keep_fds,
         )
         log_file.close()
         if self.progress is not None:
@@ -473,7 +474,7 @@ def main(settings: Settings, generators: int = 1, reward_workers: int = 1, learn
     cpus = cores.plan(settings.cpus, generators, reward_workers)  # before anything starts: a ConfigError
     run_dir = Path(settings.run_dir).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
-    run_lock = lock_run_folder(run_dir)  # noqa: F841  (held while this function runs)
+    run_lock = lock_run_folder(run_dir)  # held while this function runs, and by the learner (below)
     if not settings.learner.checkpoints.resume:  # starting over: a learner restarted (resuming) after a crash
         Checkpoints(run_dir).forget_latest()  # before its own start must not find the run before's checkpoint,
         Records(settings).cut_after(-1)  # and its progress is this run's steps (until one, it starts over again)
@@ -506,6 +507,9 @@ def main(settings: Settings, generators: int = 1, reward_workers: int = 1, learn
                       f"generators, or more CPUs, would run faster[/]")
     children = service_children(settings, config_path, redis_urls, generators, reward_workers, free_port(),
                                 learner_procs, cpus)
+    # The learner holds the run folder's lock too: a launcher SIGKILLed leaves it checkpointing (SIGTERM), and a
+    # `dapo run` started meanwhile would start the run over, or append, under it.
+    children[0].keep_fds = (run_lock.fileno(),)
     write_service_map(children, redis_url, run_dir / "services.json")
     interrupted, gave_up, received = False, None, []
 

@@ -33,3 +33,24 @@ def test_dapo_run_stops_before_it_starts_anything(tmp_path, monkeypatch):
     finally:
         held.close()
     assert started == []
+
+
+def test_a_child_holding_the_lock_keeps_the_folder_locked_after_its_launcher_let_go(tmp_path):
+    """A launcher SIGKILLed leaves its learner checkpointing (SIGTERM from PDEATHSIG): a `dapo run` started then would
+    start the run over, or append, under it. The learner holds the lock too."""
+    import sys
+
+    from cli.launcher import Child
+
+    held = lock_run_folder(tmp_path)
+    learner = Child("learner", [sys.executable, "-c", "import time; time.sleep(30)"], dict(os.environ),
+                    tmp_path / "learner.log", keep_fds=(held.fileno(),))
+    learner.start()
+    try:
+        held.close()  # the launcher is gone
+        with pytest.raises(RunFolderBusy):
+            lock_run_folder(tmp_path)
+    finally:
+        learner.process.kill()
+        learner.process.wait()
+    lock_run_folder(tmp_path).close()  # the last holder ended
