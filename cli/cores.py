@@ -167,12 +167,8 @@ def reward_env(placement: Placement) -> dict[str, str]:
     return {"DAPO_REWARD__WORKERS": str(placement.threads), "OMP_NUM_THREADS": "1"}
 
 
-def cpu_seconds_by_root(roots: Iterable[int]) -> dict[int, float]:
-    """CPU seconds (user + system, and of reaped children) used so far by the live processes under each root pid,
-    from one pass over /proc: its process group (a vLLM engine core left by a killed generator), and its
-    descendants wherever they lead (torchrun starts each learner rank in a session of its own)."""
-    roots = set(roots)
-    tick = os.sysconf("SC_CLK_TCK")
+def _process_table() -> tuple[dict[int, int], dict[int, int], dict[int, int]]:
+    """pid -> parent pid, process group and CPU ticks (user + system, and of reaped children), from /proc."""
     parent, group, ticks = {}, {}, {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -184,6 +180,31 @@ def cpu_seconds_by_root(roots: Iterable[int]) -> dict[int, float]:
         pid = int(entry.name)
         parent[pid], group[pid] = int(fields[1]), int(fields[2])  # ppid, pgrp
         ticks[pid] = sum(int(value) for value in fields[11:15])  # utime, stime, cutime, cstime
+    return parent, group, ticks
+
+
+def descendant_groups(root: int) -> set[int]:
+    """The process groups of `root`'s live descendants, not its own: torchrun starts each learner rank in a session
+    of its own, which a kill of torchrun's group misses (and once torchrun is gone, they are nobody's children)."""
+    parent, group, _ = _process_table()
+    groups = set()
+    for pid in parent:
+        ancestor, seen = parent[pid], set()
+        while ancestor not in (root, 0, 1) and ancestor in parent and ancestor not in seen:
+            seen.add(ancestor)
+            ancestor = parent[ancestor]
+        if ancestor == root:
+            groups.add(group[pid])
+    return groups - {group.get(root)}
+
+
+def cpu_seconds_by_root(roots: Iterable[int]) -> dict[int, float]:
+    """CPU seconds (user + system, and of reaped children) used so far by the live processes under each root pid,
+    from one pass over /proc: its process group (a vLLM engine core left by a killed generator), and its
+    descendants wherever they lead (torchrun starts each learner rank in a session of its own)."""
+    roots = set(roots)
+    tick = os.sysconf("SC_CLK_TCK")
+    parent, group, ticks = _process_table()
     totals = dict.fromkeys(roots, 0)
     for pid, used in ticks.items():
         root, seen = pid, set()

@@ -222,20 +222,22 @@ class Child:
         self.kill_group()
 
     def kill_now(self) -> None:
-        """SIGKILL the child's process group and return (from a signal handler: no wait, which takes a lock the
+        """SIGKILL the child's process groups and return (from a signal handler: no wait, which takes a lock the
         interrupted `stop` may hold)."""
         if self.process is not None and self.process.returncode is None:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(self.process.pid, signal.SIGKILL)
+            self._kill_groups()
 
     def kill_group(self) -> None:
-        """SIGKILL the child's process group (its pid: it leads its own session): the child and anything it
-        started, such as a vLLM engine core left behind by a SIGKILLed generator."""
-        try:
-            os.killpg(self.process.pid, signal.SIGKILL)
-        except ProcessLookupError:  # the group is empty: nothing left behind
-            pass
+        """SIGKILL the child's process group (its pid: it leads its own session), and those of its descendants: the
+        child and anything it started, such as a vLLM engine core left behind by a SIGKILLed generator, or the
+        learner's ranks, each in a session of its own under torchrun."""
+        self._kill_groups()
         self.process.wait()
+
+    def _kill_groups(self) -> None:
+        for group in [*cores.descendant_groups(self.process.pid), self.process.pid]:  # before they are orphaned
+            with contextlib.suppress(ProcessLookupError, PermissionError):  # (gone: nothing left behind)
+                os.killpg(group, signal.SIGKILL)
 
 
 

@@ -557,3 +557,26 @@ def test_a_run_whose_terminal_hangs_up_stops_in_order_and_writes_its_report(tmp_
     os.waitpid(pid, 0)
     assert (tmp_path / "code").read_text() == str(128 + signal.SIGHUP)
     assert (tmp_path / "run" / "summary.json").is_file()
+
+
+def test_a_second_ctrl_c_leaves_no_rank_of_the_learner_running(tmp_path):
+    """`dapo run --learner-procs 2`: the first Ctrl-C SIGTERMs torchrun, which passes it on to ranks busy finishing
+    their step; the second kills what is left. torchrun starts each rank in a session of its own, so killing
+    torchrun's group left both ranks running, holding their GPUs, after `dapo run` had returned."""
+    rank = tmp_path / "rank.sh"
+    rank.write_text(f"trap '' TERM\necho $$ >> {tmp_path}/ranks\nsleep 120\n")  # busy: SIGTERM waits
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--no-python", "bash",
+               str(rank)]
+    learner = Child("learner", command, {**os.environ, "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "120"},
+                    tmp_path / "learner.log")
+    learner.start()
+    deadline = time.monotonic() + 60
+    while len((tmp_path / "ranks").read_text().split() if (tmp_path / "ranks").exists() else []) < 2:
+        assert time.monotonic() < deadline, (tmp_path / "learner.log").read_text()
+        time.sleep(0.2)
+    ranks = [int(pid) for pid in (tmp_path / "ranks").read_text().split()]
+    learner.process.send_signal(signal.SIGTERM)  # the first Ctrl-C
+    time.sleep(1.0)
+    learner.kill_now()  # the second
+    learner.process.wait(timeout=30)
+    assert all(wait_gone(pid, 10) for pid in ranks)
