@@ -423,6 +423,7 @@ def supervise(children: list[Child], metrics_path: Path, total_steps: int, displ
     code; GaveUp when every worker of a kind crashed too often."""
     learner = children[0]
     last_printed, sampled_at = -1, float("-inf")
+    redis_crashes, redis_mark = 0, steps_recorded(metrics_path)  # in a row, and the run's step at the last one
     progress = Progress(metrics_path)
     live = Live(status_table(progress, children, total_steps), console=console, refresh_per_second=2) \
         if display else None
@@ -432,8 +433,17 @@ def supervise(children: list[Child], metrics_path: Path, total_steps: int, displ
         while not learner_finished(learner):
             time.sleep(1.0)
             if redis_server is not None and not redis_server.alive():
+                steps = steps_recorded(metrics_path)
+                redis_crashes, redis_mark = (1 if steps > redis_mark else redis_crashes + 1), steps
+                if redis_crashes > RESTART_LIMIT:
+                    raise GaveUp(f"redis-server exited {RESTART_LIMIT} times in a row with no training step "
+                                 f"between (last exit {redis_server.process.returncode}): see "
+                                 f"{redis_server.data_dir / 'redis.log'}")
                 log.warning("redis-server exited with %s; restarting it on its AOF", redis_server.process.returncode)
-                redis_server.start()
+                try:
+                    redis_server.start()
+                except (RuntimeError, OSError) as err:  # its AOF past repair, its disk full, its lock held
+                    raise GaveUp(f"redis-server could not start again: {err}") from err
             for child in children[1:]:
                 if not child.alive() and child.process is not None and not child.restart():
                     if all(other.gave_up for other in children[1:] if other.kind == child.kind):

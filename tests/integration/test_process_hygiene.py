@@ -580,3 +580,32 @@ def test_a_second_ctrl_c_leaves_no_rank_of_the_learner_running(tmp_path):
     learner.kill_now()  # the second
     learner.process.wait(timeout=30)
     assert all(wait_gone(pid, 10) for pid in ranks)
+
+
+@pytest.mark.parametrize("fault", ["keeps_dying", "cannot_start"])
+def test_a_redis_server_that_cannot_come_back_ends_the_run_with_the_reason(tmp_path, fault):
+    """Every other process is given up after RESTART_LIMIT crashes without a step; the embedded Redis was restarted
+    every second for ever (OOM-killed at each AOF replay), and one whose restart raised (its AOF past repair, its
+    disk full) ended `dapo run` in a traceback with no report."""
+    learner = Child("learner", [sys.executable, "-c", "import time; time.sleep(600)"], dict(os.environ),
+                    tmp_path / "learner.log", stop_seconds=1)
+
+    class Dying:
+        data_dir = tmp_path / "redis"
+        process = subprocess.CompletedProcess([], -9)
+        starts = 0
+
+        def alive(self):
+            return False
+
+        def start(self):
+            self.starts += 1
+            if fault == "cannot_start":
+                raise RuntimeError("embedded redis-server did not start")
+
+    learner.start()
+    try:
+        with pytest.raises(GaveUp, match="redis-server"):
+            supervise([learner], tmp_path / "metrics.jsonl", total_steps=10, display=False, redis_server=Dying())
+    finally:
+        learner.stop()
