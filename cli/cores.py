@@ -126,13 +126,20 @@ def plan(config: CpusConfig, generators: int, reward_workers: int, cpus: tuple[i
 
 
 def _split(config: CpusConfig, generators: int, reward_workers: int, cpus: tuple[int, ...]) -> CpuPlan:
-    learner, generator_cpus, reward_cpus, shared = auto_split(cpus, reward_workers)
-    if config.learner != "auto":
-        learner = _listed(config, "learner", cpus)
-    if config.generators != "auto":
-        generator_cpus = _listed(config, "generators", cpus)
-    if config.reward != "auto":
-        reward_cpus, shared = _listed(config, "reward", cpus), False
+    """The listed services on their CPUs, the automatic ones split over the CPUs that none lists."""
+    listed = {field: _listed(config, field, cpus) for field in ("learner", "generators", "reward")
+              if getattr(config, field) != "auto"}
+    taken = {cpu for chosen in listed.values() for cpu in chosen}
+    rest = tuple(cpu for cpu in cpus if cpu not in taken)
+    if not rest and len(listed) < 3:
+        automatic = [f"cpus.{field}" for field in ("learner", "generators", "reward") if field not in listed]
+        raise ConfigError(f"the listed CPUs ({', '.join(f'cpus.{f}' for f in listed)}) are all of this machine's: "
+                          f"{' and '.join(automatic)} (auto) would have none of their own (list them too)")
+    learner, generator_cpus, reward_cpus, shared = auto_split(rest or cpus, reward_workers)
+    learner = listed.get("learner", learner)
+    generator_cpus = listed.get("generators", generator_cpus)
+    if "reward" in listed:
+        reward_cpus, shared = listed["reward"], False
     gen = tuple(Placement(s, len(s)) for s in slices(generator_cpus, max(generators, 1)))[:generators]
     reward = tuple(Placement(s, len(s), REWARD_NICE if shared else 0)
                    for s in slices(reward_cpus, max(reward_workers, 1)))[:reward_workers]

@@ -420,7 +420,7 @@ class GaveUp(RuntimeError):
 def supervise(children: list[Child], metrics_path: Path, total_steps: int, display: bool,
               redis_server: EmbeddedRedis | None = None) -> int:
     """Run until the learner exits by itself; restart a dead Redis, learner or worker. Returns the learner's exit
-    code; GaveUp when every worker of a kind crashed too often."""
+    code; GaveUp when every worker of a kind crashed too often, or Redis cannot come back."""
     learner = children[0]
     last_printed, sampled_at = -1, float("-inf")
     redis_crashes, redis_mark = 0, steps_recorded(metrics_path)  # in a row, and the run's step at the last one
