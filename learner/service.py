@@ -407,12 +407,14 @@ class LearnerService:
         self.finish_delivery()
         self.checkpoint_if_new()
         self.ranks.stop()
-        if self.stopping.is_set() and not self.finished():
-            # Not 0: the run is not over (a supervisor, `dapo run` among them, restarts a learner that something
-            # else stopped; the one that sent the signal knows it did).
+        if self.stopping.is_set():
             log.info("stopped by signal at step %d (checkpoint written)", self.step)
-            return 128 + self.stopped_by
-        log.info("done: %d steps, policy version %d", self.step, self.policy.current)
+            if not self.finished():
+                # Not 0: the run is not over (a supervisor, `dapo run` among them, restarts a learner that
+                # something else stopped; the one that sent the signal knows it did).
+                return 128 + self.stopped_by
+        else:
+            log.info("done: %d steps, policy version %d", self.step, self.policy.current)
         return 0
 
     def run_step(self) -> bool:
