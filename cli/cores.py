@@ -136,6 +136,16 @@ def _split(config: CpusConfig, generators: int, reward_workers: int, cpus: tuple
         raise ConfigError(f"the listed CPUs ({', '.join(f'cpus.{f}' for f in listed)}) are all of this machine's: "
                           f"{' and '.join(automatic)} (auto) would have none of their own (list them too)")
     learner, generator_cpus, reward_cpus, shared = auto_split(rest or cpus, reward_workers)
+    automatic = [field for field in ("learner", "generators", "reward") if field not in listed]
+    if len(automatic) == 1:  # all the rest is its
+        learner, generator_cpus, reward_cpus, shared = rest, rest, rest, False
+    elif len(automatic) == 2 and not shared:  # the listed one's share of the rest goes to its neighbour
+        if "learner" in listed:
+            generator_cpus = learner + generator_cpus
+        elif "generators" in listed:
+            learner = learner + generator_cpus
+        else:
+            generator_cpus = generator_cpus + reward_cpus
     learner = listed.get("learner", learner)
     generator_cpus = listed.get("generators", generator_cpus)
     if "reward" in listed:

@@ -81,7 +81,8 @@ RANKS_STOP_SECONDS = 120.0  # SIGTERM to SIGKILL for the learner's ranks: rank 0
 # The launcher's own SIGKILL reaches torchrun's process group only (each rank leads a session of its own), so it
 # comes after torchrun's (TORCH_ELASTIC_SHUTDOWN_TIMEOUT): no rank outlives the run.
 LEARNER_STOP_SECONDS = RANKS_STOP_SECONDS + 20.0
-# The learner's own exits, not restarted: finished (or SIGTERM), refill limit with on_refill_limit=stop, fenced
+# The learner's own exits, not restarted: finished (a signal before then exits 128 + it, and is restarted unless the
+# launcher sent it while stopping everything), refill limit with on_refill_limit=stop, fenced
 # (another learner took the run's lease, learner/lease.py: a restart would only wait for it and fail), a usage error
 # (its configuration: a recipe that differs from its checkpoint's, say), a data error.
 LEARNER_DONE = (0, ExitCode.REFILL_LIMIT, ExitCode.FENCED, ExitCode.USAGE, ExitCode.DATA_ERROR)

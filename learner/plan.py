@@ -450,7 +450,7 @@ def changes_to_try(settings, gpus: int, ranks: int) -> list[Change]:
     """Single changes that lower a rank's peak, cheapest first. More GPUs come last: they cost the most."""
     compute = settings.learner.compute
     changes = []
-    if not compute.fsdp and ranks > 1:
+    if not compute.fsdp and ranks > 1 and settings.model.dtype != "float16":  # (FSDP has no loss scaling)
         changes.append(Change("learner.compute.fsdp: true", {"fsdp": True}, gpus, ranks))
     if compute.fsdp and ranks * 2 < gpus:
         changes.append(Change(f"{ranks * 2} learner ranks", {}, gpus, ranks * 2))

@@ -412,7 +412,7 @@ class LearnerService:
             if not self.finished():
                 # Not 0: the run is not over (a supervisor, `dapo run` among them, restarts a learner that
                 # something else stopped; the one that sent the signal knows it did).
-                return 128 + self.stopped_by
+                return ExitCode.SIGNALLED + self.stopped_by
         else:
             log.info("done: %d steps, policy version %d", self.step, self.policy.current)
         return 0

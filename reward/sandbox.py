@@ -47,7 +47,7 @@ log = logging.getLogger(__name__)
 # pebble times each item by differences of the wall clock: a step of it (NTP at boot, a VM resumed) timed out every
 # running item (honest answers scored -1) or switched the limit off for as long. The same differences, monotonic.
 for _module in (pebble.pool.process, pebble.pool.base_pool):
-    _module.time = SimpleNamespace(time=time.monotonic, sleep=time.sleep)
+    _module.time = SimpleNamespace(**{**vars(time), "time": time.monotonic})
 
 # A child that has not finished importing math-verify by then is stuck (or the machine is).
 STARTUP_TIMEOUT_S = 120.0
@@ -375,7 +375,13 @@ class VerifierPool:
         """A future of the task's Verdict, which close() can fail (pebble's own are cancelled by stop())."""
         verdict = Verification([task])
         with self._lock:
-            self._pending[verdict] = pool
+            replaced = self._pool is not pool  # given up on between its schedule and now: `_replace_pool` missed it
+            if not replaced:
+                self._pending[verdict] = pool
+        if replaced:
+            task.cancel()
+            _settle(verdict, error=VerifierUnavailable("verifier processes died; pool restarted"))
+            return verdict
         verdict.add_done_callback(lambda v: v.cancelled() and task.cancel())
 
         def on_done(done: Future) -> None:

@@ -18,6 +18,8 @@ class ExitCode(enum.IntEnum):
     STALLED = 70  # EX_SOFTWARE: the generator's rollout loop hung (generator.stall_timeout_s); restart it
     LEASE_LOST = 74  # EX_IOERR: no lease renewal reached Redis for TTL/2; restarted, the learner resumes
     FENCED = 75  # EX_TEMPFAIL: another learner took the run; this one stopped without writing more
+    SIGNALLED = 128  # + the signal's number (143 SIGTERM, 130 SIGINT): stopped, with a checkpoint, before the run's
+    # end; restarted unless the supervisor sent the signal itself
 
 
 class Unavailable(RuntimeError):

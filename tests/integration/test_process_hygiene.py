@@ -4,6 +4,7 @@ generator's engine processes (an engine core and its worker, which imports gener
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -241,11 +242,12 @@ def test_dapo_ranks_exits_with_the_code_rank_0_chose_under_torchrun(tmp_path):
     assert subprocess.run(command, cwd=REPO, env=env, timeout=120).returncode == ExitCode.FENCED
 
 
-# Stops on SIGTERM as the learner does: it records the code it chose (0: checkpointed), exits as torchrun would (1).
+# Stops on SIGTERM as the learner does: it records the code it chose (143: checkpointed before the run's end), exits
+# as torchrun would (1).
 GRACEFUL = """
 import os, signal, sys, time
 def stop(signum, frame):
-    open(os.environ["DAPO_EXIT_FILE"], "w").write("0")
+    open(os.environ["DAPO_EXIT_FILE"], "w").write("143")
     sys.exit(1)
 signal.signal(signal.SIGTERM, stop)
 print("ready", flush=True)
@@ -258,7 +260,7 @@ def test_dapo_ranks_passes_sigterm_on_and_reports_the_graceful_stop(tmp_path):
                                cwd=REPO, stdout=subprocess.PIPE, text=True)
     assert process.stdout.readline().strip() == "ready"
     process.send_signal(signal.SIGTERM)
-    assert process.wait(timeout=30) == 0
+    assert process.wait(timeout=30) == 128 + signal.SIGTERM
 
 
 # Counts the stop signals it gets in its first second: a second one would make a learner's rank 0 skip its checkpoint.
@@ -308,7 +310,7 @@ def test_only_rank_0_records_its_exit_code(tmp_path, monkeypatch):
     record_exit(143)  # a follower stopped by torchrun
     assert not path.exists()
     monkeypatch.setenv("RANK", "0")
-    record_exit(0)  # rank 0 checkpointed after a SIGTERM: done, though torchrun says 1
+    record_exit(0)  # rank 0 finished the run, though torchrun says 1
     assert path.read_text() == "0\n"
     monkeypatch.delenv("RANK")
     record_exit(3)  # a single process
@@ -549,12 +551,22 @@ def test_a_run_whose_terminal_hangs_up_stops_in_order_and_writes_its_report(tmp_
     if pid == 0:  # the launcher, in a terminal of its own
         os.chdir(REPO)
         os.execv(sys.executable, [sys.executable, str(script), str(tmp_path)])
-    seen = b""
-    while b"logs in" not in seen:
-        seen += os.read(terminal, 4096)
-    time.sleep(1.0)
-    os.close(terminal)  # the terminal goes away: SIGHUP to its session
-    os.waitpid(pid, 0)
+    import select
+
+    seen, deadline = b"", time.monotonic() + 60
+    try:
+        while b"logs in" not in seen:
+            assert time.monotonic() < deadline and select.select([terminal], [], [], 5)[0], seen[-2000:]
+            seen += os.read(terminal, 4096)
+        time.sleep(1.0)
+        os.close(terminal)  # the terminal goes away: SIGHUP to its session
+        while os.waitpid(pid, os.WNOHANG) == (0, 0):
+            assert time.monotonic() < deadline + 60, "the launcher did not stop"
+            time.sleep(0.1)
+    finally:
+        with contextlib.suppress(ProcessLookupError, ChildProcessError):
+            os.killpg(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
     assert (tmp_path / "code").read_text() == str(128 + signal.SIGHUP)
     assert (tmp_path / "run" / "summary.json").is_file()
 
@@ -575,11 +587,17 @@ def test_a_second_ctrl_c_leaves_no_rank_of_the_learner_running(tmp_path):
         assert time.monotonic() < deadline, (tmp_path / "learner.log").read_text()
         time.sleep(0.2)
     ranks = [int(pid) for pid in (tmp_path / "ranks").read_text().split()]
-    learner.process.send_signal(signal.SIGTERM)  # the first Ctrl-C
-    time.sleep(1.0)
-    learner.kill_now()  # the second
-    learner.process.wait(timeout=30)
-    assert all(wait_gone(pid, 10) for pid in ranks)
+    try:
+        learner.process.send_signal(signal.SIGTERM)  # the first Ctrl-C
+        time.sleep(1.0)
+        learner.kill_now()  # the second
+        learner.process.wait(timeout=30)
+        assert all(wait_gone(pid, 10) for pid in ranks)
+    finally:  # (a failure leaves no rank ignoring SIGTERM behind)
+        for pid in ranks:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pid, signal.SIGKILL)
+        learner.kill_group()
 
 
 @pytest.mark.parametrize("fault", ["keeps_dying", "cannot_start"])

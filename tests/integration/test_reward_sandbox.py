@@ -123,8 +123,10 @@ def test_a_step_of_the_wall_clock_times_out_no_item(monkeypatch):
         real, offset = time.time, [0.0]
         monkeypatch.setattr(time, "time", lambda: real() + offset[0])
         running = alone.submit(slow, "1")
-        time.sleep(0.3)
+        while not running.started():
+            time.sleep(0.005)
         offset[0] = 15.0  # the wall clock steps 15 s forward while the item runs
+        assert not running.done()
         assert running.result(timeout=60).rule != RULE_TIMEOUT
 
 

@@ -497,3 +497,12 @@ def test_a_run_without_a_process_of_a_kind_is_refused_as_usage(argument, capsys)
     with pytest.raises(SystemExit) as exit_:
         main(["run", argument, "0"])
     assert exit_.value.code == 2 and f"argument {argument}: 0 is not at least 1" in capsys.readouterr().err
+
+
+def test_the_plan_suggests_no_change_the_settings_would_refuse():
+    """FSDP has no loss scaling, so float16 under FSDP is refused: the plan proposed it to a float16 model."""
+    from learner.plan import changes_to_try
+
+    suggested = [change.what for change in changes_to_try(load_settings("tiny-cpu", model={"dtype": "float16"}), 4, 2)]
+    assert suggested and "learner.compute.fsdp: true" not in suggested
+    assert "learner.compute.fsdp: true" in [change.what for change in changes_to_try(load_settings("tiny-cpu"), 4, 2)]

@@ -54,11 +54,14 @@ def test_explicit_cpu_lists_win():
 def test_the_automatic_services_take_the_cpus_none_lists():
     """cpus.learner=4-7 on 8 CPUs put the automatic generator on 3-6 and the reward worker on 7, over the learner's,
     while 0-2 sat idle: the plan promises that none oversubscribes."""
-    plan = cores.plan(CpusConfig(learner="4-7"), 1, 1, cpus=tuple(range(8)))
-    assert plan.learner.cpus == (4, 5, 6, 7) and not plan.oversubscribed()
-    assert {cpu for placed in (*plan.generators, *plan.reward) for cpu in placed.cpus} <= {0, 1, 2, 3}
-    two = cores.plan(CpusConfig(generators="0-3"), 2, 1, cpus=tuple(range(8)))
-    assert set(two.learner.cpus).isdisjoint(range(4)) and not two.oversubscribed()
+    def used(plan):
+        return [cpu for placed in (plan.learner, *plan.generators, *plan.reward) for cpu in placed.cpus]
+
+    for config, generators in [(CpusConfig(learner="4-7"), 1), (CpusConfig(generators="0-3"), 2),
+                               (CpusConfig(reward="7"), 1), (CpusConfig(learner="0-3", generators="4-5"), 1)]:
+        plan = cores.plan(config, generators, 1, cpus=tuple(range(8)))
+        assert sorted(used(plan)) == list(range(8)), (config, plan.describe())  # each CPU once: none idle
+    assert cores.plan(CpusConfig(learner="4-7"), 1, 1, cpus=tuple(range(8))).learner.cpus == (4, 5, 6, 7)
     from services.config import ConfigError
 
     with pytest.raises(ConfigError, match=r"cpus.generators and cpus.reward \(auto\) would have none"):
