@@ -290,7 +290,7 @@ def scenario(stack: Stack, args: argparse.Namespace, result: dict) -> None:
     stack.compose("down", timeout=600)
     event("compose down", at_step=before_down, seconds=round(time.monotonic() - started, 1))
     event("up again", seconds=round(stack.up(1), 1))
-    learner = stack.containers("learner")[0]
+    learner = stack.containers("learner", all_states=True)[0]  # (one whose run is over exits at once)
 
     def resumed():
         logs = run("docker", "logs", learner, check=False, timeout=60) + \
