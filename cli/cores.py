@@ -129,14 +129,14 @@ def _split(config: CpusConfig, generators: int, reward_workers: int, cpus: tuple
     """The listed services on their CPUs, the automatic ones split over the CPUs that none lists."""
     listed = {field: _listed(config, field, cpus) for field in ("learner", "generators", "reward")
               if getattr(config, field) != "auto"}
+    automatic = [field for field in ("learner", "generators", "reward") if field not in listed]
     taken = {cpu for chosen in listed.values() for cpu in chosen}
     rest = tuple(cpu for cpu in cpus if cpu not in taken)
-    if not rest and len(listed) < 3:
-        automatic = [f"cpus.{field}" for field in ("learner", "generators", "reward") if field not in listed]
+    if not rest and automatic:
         raise ConfigError(f"the listed CPUs ({', '.join(f'cpus.{f}' for f in listed)}) are all of this machine's: "
-                          f"{' and '.join(automatic)} (auto) would have none of their own (list them too)")
+                          f"{' and '.join(f'cpus.{f}' for f in automatic)} (auto) would have none of their own (list "
+                          "them too)")
     learner, generator_cpus, reward_cpus, shared = auto_split(rest or cpus, reward_workers)
-    automatic = [field for field in ("learner", "generators", "reward") if field not in listed]
     if len(automatic) == 1:  # all the rest is its
         learner, generator_cpus, reward_cpus, shared = rest, rest, rest, False
     elif len(automatic) == 2 and not shared:  # the listed one's share of the rest goes to its neighbour
@@ -204,15 +204,17 @@ def descendant_groups(root: int) -> set[int]:
     """The process groups of `root`'s live descendants, not its own: torchrun starts each learner rank in a session
     of its own, which a kill of torchrun's group misses (and once torchrun is gone, they are nobody's children)."""
     parent, group, _ = _process_table()
-    groups = set()
-    for pid in parent:
-        ancestor, seen = parent[pid], set()
-        while ancestor not in (root, 0, 1) and ancestor in parent and ancestor not in seen:
-            seen.add(ancestor)
-            ancestor = parent[ancestor]
-        if ancestor == root:
-            groups.add(group[pid])
-    return groups - {group.get(root)}
+    return {group[pid] for pid in parent if pid != root and _root_above(pid, parent, {root}) == root} - \
+        {group.get(root)}
+
+
+def _root_above(pid: int, parent: dict[int, int], roots: set[int]) -> int | None:
+    """The first of `roots` up the tree from `pid` (itself included), None if there is none."""
+    seen = set()
+    while pid not in roots and pid in parent and pid not in seen:
+        seen.add(pid)
+        pid = parent[pid]
+    return pid if pid in roots else None
 
 
 def cpu_seconds_by_root(roots: Iterable[int]) -> dict[int, float]:
@@ -224,11 +226,8 @@ def cpu_seconds_by_root(roots: Iterable[int]) -> dict[int, float]:
     parent, group, ticks = _process_table()
     totals = dict.fromkeys(roots, 0)
     for pid, used in ticks.items():
-        root, seen = pid, set()
-        while root not in roots and root in parent and root not in seen:  # up the tree to a root, if any
-            seen.add(root)
-            root = parent[root]
-        root = root if root in roots else group[pid] if group[pid] in roots else None
+        root = _root_above(pid, parent, roots)
+        root = root if root is not None else group[pid] if group[pid] in roots else None
         if root is not None:
             totals[root] += used
     return {root: used / tick for root, used in totals.items()}

@@ -90,11 +90,12 @@ def owned_weights(trainer: "Trainer") -> dict[str, Tensor]:
     writers, group = _writers_and_group(model)
     unique = unique_tensors(model)
     served = torch.empty((), dtype=trainer.served_dtype).element_size()
-    units: dict[str, int] = {}
+    unit_of = {name: writing_unit(name) for name in unique}
+    sizes: dict[str, int] = {}
     for name, tensor in unique.items():
-        units[writing_unit(name)] = units.get(writing_unit(name), 0) + tensor.numel() * served
-    dealt_units = owners(units, writers)
-    dealt = {name: dealt_units[writing_unit(name)] for name in unique}
+        sizes[unit_of[name]] = sizes.get(unit_of[name], 0) + tensor.numel() * served
+    dealt_units = owners(sizes, writers)
+    dealt = {name: dealt_units[unit] for name, unit in unit_of.items()}
     out: dict[str, Tensor] = {}
     if rank not in writers:
         return out

@@ -878,8 +878,8 @@ def main(settings: Settings) -> int:
     load_signer(settings, "learner")  # its key first: a missing one fails before Redis, the lease or the model
     model_dir(settings)  # the dependencies first: fail in a second, not after loading
     # The process group first (gloo on CPU, NCCL on GPUs), with the timeout every collective gets.
-    timeout = timedelta(seconds=settings.learner.compute.collective_timeout_seconds)
     compute = settings.learner.compute
+    timeout = timedelta(seconds=compute.collective_timeout_seconds)
     if torch.cuda.is_available() and compute.fsdp and compute.fsdp_offload and "LOCAL_RANK" in os.environ:
         # accelerate's group would be NCCL's alone (it adds gloo only under its own FSDP, which the trainer replaces)
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))

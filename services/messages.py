@@ -57,11 +57,9 @@ def _unpack(value: Any, dtype: str) -> Any:
 def _unpack_token_ids(value: Any) -> Any:
     """Token ids from the wire's int32 bytes, or a list whose ids fit them: one that parses must encode again (the
     learner and the reward workers re-encode a group to check its signature; a wider id parsed, then raised there)."""
-    if isinstance(value, (bytes, bytearray, memoryview)):
-        return _unpack(value, "<i4")
     if isinstance(value, list) and any(type(v) is int and not -(2**31) <= v < 2**31 for v in value):
         raise ValueError("a token id beyond the wire's int32")
-    return value
+    return _unpack(value, "<i4")
 
 
 class Message(BaseModel):
