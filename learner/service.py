@@ -54,7 +54,7 @@ from services.keys import load_signer
 from services.messages import PromptTask, SamplingParams
 from services.models import model_dir, safe_decode
 from services.redis_local import connect, retrying, wait_for_redis
-from services.startup import raise_stopped
+from services.startup import die_with_launcher, raise_stopped
 from services.streams import Streams
 from services.weights import WeightPublisher, channel, latest_announcement, shareable_state_dict, weights_router
 
@@ -875,6 +875,7 @@ def main(settings: Settings) -> int:
 
     from learner import sharding
 
+    die_with_launcher()  # a rank outlives no torchrun: SIGTERM, as torchrun's own stop, when it is killed
     load_signer(settings, "learner")  # its key first: a missing one fails before Redis, the lease or the model
     model_dir(settings)  # the dependencies first: fail in a second, not after loading
     # The process group first (gloo on CPU, NCCL on GPUs), with the timeout every collective gets.

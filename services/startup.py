@@ -107,13 +107,34 @@ def die_with_parent(signum: int = signal.SIGTERM) -> Callable[[], None]:
     (Linux's PR_SET_PDEATHSIG; elsewhere it does nothing). Start the child from a thread that lives as long as the
     process: the signal comes when the thread that started the child ends."""
     parent = os.getpid()
-    libc = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None  # loaded before the fork
+    libc = _libc()  # loaded before the fork
 
     def arm() -> None:
-        if libc is not None and libc.prctl(PR_SET_PDEATHSIG, int(signum), 0, 0, 0) == 0 and os.getppid() != parent:
-            os.kill(os.getpid(), signum)  # the parent died before the prctl: no one else will send it
+        _arm_parent_death(libc, signum, parent)
 
     return arm
+
+
+def die_with_launcher(signum: int = signal.SIGTERM) -> bool:
+    """In a process torchrun started (a learner rank: $TORCHELASTIC_RUN_ID set): get `signum` when torchrun dies,
+    even by SIGKILL. torchrun starts each rank in a session of its own, so a torchrun killed outright left its ranks
+    running (holding the run, its port and the GPUs) where no one looks for them. Armed after the interpreter has
+    started: a torchrun that died before then is not seen. Returns whether it is armed."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ or (libc := _libc()) is None:
+        return False
+    return _arm_parent_death(libc, signum, os.getppid())
+
+
+def _libc() -> ctypes.CDLL | None:
+    return ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
+
+
+def _arm_parent_death(libc: ctypes.CDLL | None, signum: int, parent: int) -> bool:
+    if libc is None or libc.prctl(PR_SET_PDEATHSIG, int(signum), 0, 0, 0) != 0:
+        return False
+    if os.getppid() != parent:
+        os.kill(os.getpid(), signum)  # the parent died before the prctl: no one else will send it
+    return True
 
 
 class LockHeld(RuntimeError):
@@ -173,4 +194,4 @@ def hide_from_same_user() -> bool:
     service dumpable. Returns whether it is set (False off Linux, or when kept)."""
     if not sys.platform.startswith("linux") or os.environ.get("DAPO_DUMPABLE") == "1":
         return False
-    return ctypes.CDLL(None, use_errno=True).prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) == 0
+    return _libc().prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) == 0

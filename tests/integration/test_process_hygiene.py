@@ -600,6 +600,46 @@ def test_a_second_ctrl_c_leaves_no_rank_of_the_learner_running(tmp_path):
         learner.kill_group()
 
 
+RANK_FOLLOWING_TORCHRUN = """
+import os, signal, sys, time
+from pathlib import Path
+from services.startup import die_with_launcher
+signal.signal(signal.SIGTERM, lambda *_: (Path(sys.argv[1], f"stopped-{os.getpid()}").touch(), sys.exit(0)))
+armed = die_with_launcher()  # what every learner rank does first
+with open(Path(sys.argv[1], "ranks"), "a") as ranks:
+    ranks.write(f"{os.getpid()} {armed}\\n")
+time.sleep(120)
+"""
+
+
+def test_a_torchrun_killed_outright_takes_its_ranks_with_it(tmp_path):
+    """torchrun SIGKILLed (kill -9, the OOM killer): its ranks, each in a session of its own, were left running,
+    holding the run, its port and the GPUs, where neither `dapo run` nor `dapo ranks` looks. Each learner rank now
+    gets SIGTERM (a stop in order: rank 0 finishes its step and checkpoints) when torchrun dies."""
+    rank = tmp_path / "rank.py"
+    rank.write_text(RANK_FOLLOWING_TORCHRUN)
+    torchrun = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--no-python",
+                                 sys.executable, str(rank), str(tmp_path)], cwd=Path(__file__).parents[2],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    ranks: list[int] = []
+    try:
+        deadline = time.monotonic() + 60
+        while len(lines := (tmp_path / "ranks").read_text().splitlines() if (tmp_path / "ranks").exists() else []) < 2:
+            assert time.monotonic() < deadline and torchrun.poll() is None
+            time.sleep(0.2)
+        ranks = [int(line.split()[0]) for line in lines]
+        assert all(line.endswith("True") for line in lines)
+        torchrun.kill()
+        torchrun.wait(timeout=30)
+        assert all(wait_gone(pid, 10) for pid in ranks)
+        assert all((tmp_path / f"stopped-{pid}").exists() for pid in ranks)  # by the stop in order, not a kill
+    finally:
+        torchrun.kill()
+        for pid in ranks:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
 @pytest.mark.parametrize("fault", ["keeps_dying", "cannot_start"])
 def test_a_redis_server_that_cannot_come_back_ends_the_run_with_the_reason(tmp_path, fault):
     """Every other process is given up after RESTART_LIMIT crashes without a step; the embedded Redis was restarted
