@@ -123,7 +123,7 @@ class Trainer:
         if settings.sampling.top_p < 1.0:
             log.warning(
                 "sampling.top_p=%g: the generators sample from the nucleus, which the learner's logprobs do not "
-                "model, so the importance weights are biased (the paper trains at top_p 1)", settings.sampling.top_p
+                "model (the paper trains at top_p 1)", settings.sampling.top_p
             )
         packed = cfg.compute.packing == "on" or (cfg.compute.packing == "auto" and cuda)
         degree = cfg.compute.sequence_parallel

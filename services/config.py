@@ -174,12 +174,13 @@ class KeysConfig(Section):
 
 
 class StreamsConfig(Section):
-    high_water: int = Field(2048, description="Back-pressure: a producer waits while a stream holds this many.")
-    produce_timeout_s: float = Field(600.0, description="How long a producer waits above high water, then fails.")
+    high_water: int = Field(2048, ge=1, description="Back-pressure: a producer waits while a stream holds this many.")
+    produce_timeout_s: float = Field(600.0, gt=0, description="How long a producer waits above high water, then fails.")
     visibility_timeout_s: float = Field(
-        120.0, description="A message pending this long is reclaimed from its consumer."
+        120.0, gt=0, description="A message pending this long is reclaimed from its consumer (its holder renews it "
+        "every third of it)."
     )
-    max_deliveries: int = Field(3, description="After this many deliveries a message goes to the dead stream.")
+    max_deliveries: int = Field(3, ge=1, description="After this many deliveries a message goes to the dead stream.")
     block_ms: int = Field(1000, ge=1, description="How long an idle read blocks waiting for new messages.")
     dead_maxlen: int = Field(
         10_000, ge=1, description="The dead stream keeps about this many letters (XADD MAXLEN ~): older ones are "
@@ -315,7 +316,7 @@ class EvalSamplingConfig(Section):
 class GeneratorConfig(Section):
     host: str = Field("0.0.0.0", description="HTTP bind address.")
     port: int = Field(8001, description="HTTP port (metrics, weight sync).")
-    tasks_per_batch: int = Field(8, description="Prompt tasks in the engine at once (continuous batching).")
+    tasks_per_batch: int = Field(8, ge=1, description="Prompt tasks in the engine at once (continuous batching).")
     max_num_seqs: int | None = Field(
         None, description="vLLM's running sequences at most; default on CPU tasks_per_batch x the larger n, on GPU "
         "vLLM's."
@@ -427,7 +428,9 @@ class RewardConfig(Section):
         "dapo = the paper's reference rule: last `Answer:` in the last 300 characters, Minerva-normalised string "
         "match (verl math_dapo.compute_score; reward/reference.py).",
     )
-    max_batch: int = Field(256, description="Largest /v1/score batch (a request, not the stream worker's groups).")
+    max_batch: int = Field(
+        256, ge=1, description="Largest /v1/score batch (a request, not the stream worker's groups)."
+    )
     http_pool_share: int = Field(
         1, ge=1, description="Verifier pool places /v1/score may hold at once (the rest stay with the stream worker)."
     )
@@ -516,7 +519,7 @@ class LossConfig(Section):
         "all equal gets advantage 0, not 0/0)."
     )
     tis_cap: float | None = Field(
-        2.0, gt=0, description="Truncated importance weight cap for behaviour/learner mismatch (null: no weight, "
+        2.0, ge=1, description="Truncated importance weight cap for behaviour/learner mismatch (null: no weight, "
         "the paper's verl recipe, which trusts the recomputed pi_old alone)."
     )
 
@@ -759,7 +762,7 @@ class Settings(BaseSettings):
         None, description="A token that opens only the learner's weights (GET /v1/weights/...): what generators send "
         "to pull; unset = `token`. `dapo run` makes one per run, so a generator holds no token to any other endpoint."
     )
-    max_body_mb: float = Field(64.0, description="Largest accepted HTTP request body.")
+    max_body_mb: float = Field(64.0, gt=0, description="Largest accepted HTTP request body.")
     http_max_connections: int = Field(
         256, ge=1, description="Open HTTP connections a service serves at once; uvicorn answers 503 beyond them."
     )
@@ -1010,6 +1013,11 @@ def settings_conflicts(settings: Settings) -> list[str]:
                          f"{settings.sampling.temperature}, and the learner compares them with the tempered "
                          "distribution the responses were sampled from: set processed_logprobs")
     batch, loss = settings.learner.batch, settings.learner.loss
+    if settings.sampling.top_p < 1 and loss.tis_cap is not None:
+        conflicts.append(f"sampling.top_p {settings.sampling.top_p} gives behaviour logprobs within the nucleus "
+                         "(processed_logprobs), which learner.loss.tis_cap's weights compare with the whole "
+                         "distribution: every weight would be the nucleus' mass, below 1 with identical policies "
+                         "(train at top_p 1, the paper's, or set tis_cap null)")
     if settings.sampling.n < 2 and (batch.dynamic_sampling or loss.kl_coef == loss.entropy_coef == 0):
         conflicts.append(f"sampling.n {settings.sampling.n}: a group of one response has advantage 0 (Eq. 9 "
                          "normalises within the group) and no response scoring otherwise (dynamic sampling): nothing "

@@ -215,6 +215,7 @@ def test_a_token_that_cannot_travel_in_an_http_header_is_refused(token, monkeypa
     ({"learner": {"compute": {"fsdp_offload": True}}}, "with fsdp false each rank holds a whole replica"),
     ({"learner": {"compute": {"fsdp_shard_ranks": 8}}}, "with fsdp false each rank holds a whole replica"),
     ({"learner": {"compute": {"fsdp": True}}, "model": {"dtype": "float16"}}, "FSDP's gradients get no loss scaling"),
+    ({"sampling": {"top_p": 0.7}}, "every weight would be the nucleus' mass"),
 ])
 def test_settings_that_cannot_work_together_are_refused_when_loaded(overrides, conflict):
     with pytest.raises(ConfigError, match="cannot work together") as err:
@@ -474,6 +475,17 @@ def test_a_raw_template_without_its_one_problem_field_is_refused_at_load(templat
     ({"learner": {"optimizer": {"lr": -1e-6}}}, "learner.optimizer.lr"),
     ({"reward": {"overlong_penalty": -1}}, "reward.overlong_penalty"),
     ({"learner": {"loss": {"adv_eps": 0}}}, "learner.loss.adv_eps"),  # an all-equal group: 0/0
+    # From "0 = unlimited" guesses: every task dead-lettered at its first read (the run then "finished" with no
+    # update), live tasks taken from their generator at every read, a learner that never pushes, a crash-looping
+    # generator, every /v1/score refused, every importance weight capped below 1
+    ({"streams": {"max_deliveries": 0}}, "streams.max_deliveries"),
+    ({"streams": {"visibility_timeout_s": 0}}, "streams.visibility_timeout_s"),
+    ({"streams": {"high_water": 0}}, "streams.high_water"),
+    ({"streams": {"produce_timeout_s": 0}}, "streams.produce_timeout_s"),
+    ({"generator": {"tasks_per_batch": 0}}, "generator.tasks_per_batch"),
+    ({"reward": {"max_batch": 0}}, "reward.max_batch"),
+    ({"max_body_mb": 0}, "max_body_mb"),
+    ({"learner": {"loss": {"tis_cap": 0.2}}}, "learner.loss.tis_cap"),
 ])
 def test_a_value_no_step_could_use_is_refused_when_loaded_not_at_the_first_update(override, field):
     """Refused by the config (exit 2, naming the field) instead of after a step's generation: a task message would
