@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from learner import attention
+from services.config import ConfigError
 
 ULYSSES = "dapo_ulysses"
 
@@ -105,11 +106,12 @@ def group(degree: int, world: int, rank: int, inner: Attention | None) -> Sequen
 
 
 def check_heads(config, degree: int) -> None:
-    """The model's heads split over `degree` ranks: every query head group whole on one rank."""
+    """The model's heads split over `degree` ranks: every query head group whole on one rank (ConfigError: a
+    usage error, not restarted)."""
     heads = config.num_attention_heads
     kv = getattr(config, "num_key_value_heads", None) or heads
     if heads % degree or (kv % degree and degree % kv):
-        raise ValueError(f"learner.compute.sequence_parallel {degree}: the model's {heads} query and {kv} key/value "
+        raise ConfigError(f"learner.compute.sequence_parallel {degree}: the model's {heads} query and {kv} key/value "
                          "heads do not split over that many ranks (the degree must divide the query heads, and "
                          "divide or be a multiple of the key/value heads)")
 

@@ -861,6 +861,20 @@ def build_trainer(settings: Settings):
     return Trainer(settings, model_dir(settings))
 
 
+def refuse_before_load(settings: Settings, processes: int) -> None:
+    """What the compute settings cannot run on `processes` ranks, refused (ConfigError: exit 2, not restarted)
+    before the model loads: after it, the error came minutes later at 32B, at every restart."""
+    compute = settings.learner.compute
+    if refusal := compute.ranks_refusal(processes):
+        raise ConfigError(f"{refusal}: accelerate launch --num_processes")
+    if compute.sequence_parallel > 1:
+        from transformers import AutoConfig
+
+        from learner.sequence_parallel import check_heads
+
+        check_heads(AutoConfig.from_pretrained(model_dir(settings)), compute.sequence_parallel)
+
+
 def main(settings: Settings) -> int:
     """`dapo learner`: serve weights over HTTP and train until learner.total_steps (SIGTERM: checkpoint, exit).
 
@@ -886,8 +900,7 @@ def main(settings: Settings) -> int:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
         torch.distributed.init_process_group(sharding.backend("cuda", offload=True), timeout=timeout)
     state = PartialState(cpu=not torch.cuda.is_available(), timeout=timeout)
-    if refusal := compute.ranks_refusal(state.num_processes):  # before the model loads (minutes at 32B)
-        raise ConfigError(f"{refusal}: accelerate launch --num_processes")
+    refuse_before_load(settings, state.num_processes)
     if state.num_processes > 1:
         check_shared(Path(settings.run_dir), state)
     if not state.is_main_process:

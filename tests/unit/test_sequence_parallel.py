@@ -5,6 +5,7 @@ tests/integration/test_ranks.py (2 and 4 gloo ranks against one process)."""
 from __future__ import annotations
 
 import json
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -32,6 +33,25 @@ def test_the_heads_split_over_the_degree_or_the_config_is_refused(model, degree,
     else:
         with pytest.raises(ValueError, match="do not split over that many ranks"):
             sequence_parallel.check_heads(config, degree)
+
+
+@pytest.mark.parametrize("degree, processes, refusal", [
+    (3, 3, "the model's 4 query and 2 key/value heads do not split"),  # the tiny model's heads
+    (2, 3, "sequence_parallel 2 must divide the learner's processes (3)"),
+    (2, 2, None),
+])
+def test_a_learner_refuses_its_compute_settings_before_it_loads_the_model(degree, processes, refusal):
+    """A degree the heads cannot split failed after the model had loaded (minutes at 32B), as a crash (exit 1):
+    restarted by `dapo run` until its limit, by Kubernetes for ever, loading the model each time."""
+    from learner.service import refuse_before_load
+    from services.config import ConfigError, load_settings
+
+    settings = load_settings("tiny-cpu", learner={"compute": {"sequence_parallel": degree, "packing": "on"}})
+    if refusal is None:
+        refuse_before_load(settings, processes)
+    else:
+        with pytest.raises(ConfigError, match=re.escape(refusal)):
+            refuse_before_load(settings, processes)
 
 
 def test_unpacked_rows_or_a_degree_that_does_not_divide_the_ranks_are_refused():
