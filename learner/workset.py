@@ -487,14 +487,28 @@ class WorkingSet:
     def expire_overdue(self) -> None:
         """Tasks past their deadline (learner/deadlines.py) are not waited for any more: their entry may have been
         deleted or trimmed, or a worker holds them and never answers. Counted lost (the step refills, an evaluation
-        or a drain goes on) and forgotten in `issued`: a group that still comes is refused as unknown."""
-        overdue = self.deadlines.overdue(time.monotonic())
+        or a drain goes on) and forgotten in `issued`: a group that still comes is refused as unknown. Not those no
+        generator has read yet: they wait on."""
+        overdue = self.deadlines.overdue(time.monotonic(), queued=self.unread)
         gone, eval_gone = self.lose(overdue)
         metrics.LEARNER_TASKS_EXPIRED.inc(len(overdue))  # a previous process's tasks too (no step awaits them)
         if overdue:
             log.warning("%d tasks passed their deadline (%.3g s after the push, or after this process started for "
                         "a previous one's): forgotten, %d of this step's and %d of the evaluation's counted lost",
                         len(overdue), self.deadlines.limit_s(), gone, eval_gone)
+
+    def unread(self, task_ids: list[str]) -> set[str]:
+        """Of `task_ids`, those whose `prompts` entry no generator has read yet: waiting, not lost."""
+        entries = {}
+        for i in range(0, len(task_ids), 500):
+            chunk = task_ids[i : i + 500]
+            found = self.redis.hmget(self.entry_ids_key, chunk)
+            entries |= {raw.decode(): task_id for task_id, raw in zip(chunk, found) if raw}
+        waiting = {entries[entry_id] for entry_id in self.streams.unread("prompts", entries)}
+        if waiting:
+            log.warning("%d tasks past their deadline are still unread in prompts (no generator has taken them: too "
+                        "few generators, or none up yet): they wait on", len(waiting))
+        return waiting
 
     def lose(self, task_ids: list[str]) -> tuple[int, int]:
         """Stop waiting for tasks whose groups will never come: forgotten in `issued` and by the deadlines, counted

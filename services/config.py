@@ -479,8 +479,8 @@ class LearnerBatchConfig(Section):
         "the run's recent round trips (push -> scored group read) counts as lost, and the step refills."
     )
     task_deadline_min_s: float = Field(
-        600.0, gt=0, description="The shortest deadline, and the deadline before any group came back (a cold "
-        "engine's first batch may take long)."
+        600.0, gt=0, description="The shortest deadline, and the first one before any group came back (a cold "
+        "engine's first batch may take long; each loss before one came back doubles it)."
     )
     task_deadline_max_s: float = Field(
         86400.0, gt=0, description="The longest deadline: a worker that holds tasks and answers each just before its "

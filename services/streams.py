@@ -960,6 +960,21 @@ class Streams:
                         removed)
         return removed
 
+    def unread(self, name: str, entry_ids: Collection[str]) -> set[str]:
+        """Of `entry_ids`, the entries still in stream `name` that its consumer group has not read yet (past its
+        last-delivered id): queued, held by no worker."""
+        key, group = self.key(name), CONSUMER_GROUPS[name]
+        try:
+            info = next(g for g in self.redis.xinfo_groups(key) if g["name"].decode() == group)
+            last = id_order(info["last-delivered-id"])
+        except (redis.ResponseError, StopIteration):  # no stream, or no group yet: no one has read anything
+            last = (-1, -1)
+        candidates = [entry_id for entry_id in entry_ids if id_order(entry_id) > last]
+        pipe = self.redis.pipeline(transaction=False)
+        for entry_id in candidates:
+            pipe.xrange(key, min=entry_id, max=entry_id, count=1)
+        return {entry_id for entry_id, found in zip(candidates, pipe.execute() if candidates else []) if found}
+
     def delete_orphans(self, names: Collection[str]) -> dict[str, int]:
         """Delete the entries of a full stream that its consumer group has read past but holds no more: neither
         unread nor pending, yet counted against the stream's high-water mark, so no producer could add to it again.

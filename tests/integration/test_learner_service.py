@@ -471,6 +471,38 @@ def issue_tasks(service, count: int) -> list[PromptTask]:
     return tasks
 
 
+def generator_takes(settings, redis_client, count: int = 100) -> list:
+    """A generator reads up to `count` tasks from `prompts` (and never answers): they are held, no longer queued."""
+    prompts = Streams(redis_client, settings, signs_as=("generator",)).stream("prompts", PromptTask)
+    return list(prompts.consume("gen", count=count, block_ms=0))
+
+
+def test_a_task_no_generator_has_read_waits_past_its_deadline_and_one_read_does_not(settings):
+    """Tasks still queued in `prompts` (generators that start late, or too few) were counted lost at the deadline
+    while their entries stayed first in line: the refills waited behind entries whose groups would be refused as
+    unknown, and a run of slow groups made no update at all. A queued task waits; its clock starts again when it was
+    last seen unread. An unread entry that was deleted (trimmed) is no longer queued."""
+    settings.learner.batch.task_deadline_min_s = 1.0
+    service = LearnerService(settings)
+    service.connect()
+    service.work.limit_vocabulary(100)
+    issue_tasks(service, 3)
+    trimmed = service.redis.hget(service.work.entry_ids_key, "train-2")
+    service.redis.xdel(service.work.prompts.key, trimmed)
+    time.sleep(1.1)
+    service.work.expire_overdue()
+    assert sorted(service.work.assembler.in_flight) == ["train-0", "train-1"]  # queued: waiting, not lost
+    assert service.work.assembler.stats.lost == 1  # train-2, trimmed unread
+    (taken,) = generator_takes(settings, service.redis, count=1)  # a generator takes one, and then dies
+    time.sleep(0.3)
+    service.work.expire_overdue()
+    assert service.work.assembler.stats.lost == 1  # a whole deadline from when it was last seen queued
+    time.sleep(2.0)  # (the loss before any round trip doubled the deadline: learner/deadlines.py)
+    service.work.expire_overdue()
+    assert service.work.assembler.stats.lost == 2 and taken.message.task_id not in service.work.assembler.in_flight
+    assert len(service.work.assembler.in_flight) == 1  # the other is still queued
+
+
 def test_a_held_group_dropped_at_a_restart_stays_held_until_a_checkpoint_lists_it(settings):
     """A restart finds a held group too stale for the restored version: it is dropped in the next ledger line, and
     deleted from `held` only by the next checkpoint's release, so a second kill before that drops it (and ledgers
@@ -715,6 +747,7 @@ def test_tasks_a_previous_learner_issued_are_forgotten_at_their_deadline_when_no
     second.connect()
     second.work.limit_vocabulary(100)
     second.work.restore(skip=set(), counted=set())
+    generator_takes(settings, second.redis)
     produce_scored(second, settings, scored_group(tasks[1], [True, False] * 8))
     second.work.pump()
     time.sleep(0.6)
@@ -1709,6 +1742,7 @@ def test_a_previous_learners_tasks_count_as_expired_and_those_in_hand_are_not_wa
     second.connect()
     second.work.limit_vocabulary(100)
     second.work.restore(skip=set(), counted=set())
+    generator_takes(settings, second.redis)
     from services import metrics
 
     before = metrics.LEARNER_TASKS_EXPIRED._value.get()
