@@ -126,6 +126,7 @@ class Child:
     restart_env: dict[str, str] = field(default_factory=dict)
     restarts: int = 0
     gave_up: bool = False  # crashed RESTART_LIMIT times in a row: not started again
+    waiting: bool = False  # exited while Redis did not answer: started again, uncounted, once it does
     cpu_before: float = 0.0  # CPU seconds of its previous processes (restarts)
     cpu_now: float = 0.0  # of the current process group, last sampled
     keep_fds: tuple[int, ...] = ()  # open files it inherits (the learner: the run folder's lock)
@@ -187,22 +188,34 @@ class Child:
         """The run got further than before its last start: a step beyond the furthest one."""
         return self.progress is not None and self.progress() > self.progress_mark
 
-    def restart(self) -> bool:
+    def restart(self, redis_answers: Callable[[], bool] | None = None) -> bool:
         """Start again after a crash, once the crashed child's whole process group is gone; False once it crashed
         RESTART_LIMIT times in a row without progress, and from then on (its group is not killed again: the pid
-        may belong to another process by then)."""
+        may belong to another process by then). An exit while Redis does not answer (`redis_answers`: a server
+        stopped or stalled, not dead) is no crash of the child's: it waits, and starts again uncounted once Redis
+        answers (restarted at once, each start failed to reach Redis in seconds: a stall of a minute and a half
+        ended the run)."""
         if self.gave_up:
             return False
-        self.kill_group()
+        if not self.waiting:
+            self.kill_group()
+        if redis_answers is not None and not redis_answers():
+            if not self.waiting:
+                log.warning("%s exited with %s while Redis does not answer: it starts again once Redis does",
+                            self.name, self.exit_code)
+            self.waiting = True
+            return True
+        uncounted, self.waiting = self.waiting, False
         if self.progressed():
             self.restarts = 0
-        if self.restarts >= RESTART_LIMIT:
+        if self.restarts >= RESTART_LIMIT and not uncounted:
             self.gave_up = True
             log.error("%s crashed %d times in a row without progress; not restarting it (see %s)",
                       self.name, RESTART_LIMIT, self.log_path)
             return False
-        self.restarts += 1
-        log.warning("%s exited with %s; restart %d", self.name, self.exit_code, self.restarts)
+        self.restarts += not uncounted
+        log.warning("%s exited with %s; restart %d%s", self.name, self.exit_code, self.restarts,
+                    " (Redis answers again: not counted)" if uncounted else "")
         self.cpu_before, self.cpu_now = self.cpu_total, 0.0
         if self.progress is None or self.progress() > 0:
             self.env = {**self.env, **self.restart_env}
@@ -407,11 +420,11 @@ def step_breakdown(row: dict) -> str:
     return "\n".join(parts)
 
 
-def learner_finished(learner: Child) -> bool:
+def learner_finished(learner: Child, redis_answers: Callable[[], bool] | None = None) -> bool:
     """The learner exited by itself (done, or stopped at the refill limit), or crashed too often to go on."""
     if learner.alive() or learner.process is None:
         return False
-    return learner.exit_code in LEARNER_DONE or not learner.restart()
+    return learner.exit_code in LEARNER_DONE or not learner.restart(redis_answers)
 
 
 class GaveUp(RuntimeError):
@@ -423,6 +436,7 @@ def supervise(children: list[Child], metrics_path: Path, total_steps: int, displ
     """Run until the learner exits by itself; restart a dead Redis, learner or worker. Returns the learner's exit
     code; GaveUp when every worker of a kind crashed too often, or Redis cannot come back."""
     learner = children[0]
+    redis_answers = redis_server.answers if redis_server is not None else None
     last_printed, sampled_at = -1, float("-inf")
     redis_crashes, redis_mark = 0, steps_recorded(metrics_path)  # in a row, and the run's step at the last one
     progress = Progress(metrics_path)
@@ -431,7 +445,7 @@ def supervise(children: list[Child], metrics_path: Path, total_steps: int, displ
     if live:
         live.start()
     try:
-        while not learner_finished(learner):
+        while not learner_finished(learner, redis_answers):
             time.sleep(1.0)
             if redis_server is not None and not redis_server.alive():
                 steps = steps_recorded(metrics_path)
@@ -446,7 +460,7 @@ def supervise(children: list[Child], metrics_path: Path, total_steps: int, displ
                 except (RuntimeError, OSError) as err:  # its AOF past repair, its disk full, its lock held
                     raise GaveUp(f"redis-server could not start again: {err}") from err
             for child in children[1:]:
-                if not child.alive() and child.process is not None and not child.restart():
+                if not child.alive() and child.process is not None and not child.restart(redis_answers):
                     if all(other.gave_up for other in children[1:] if other.kind == child.kind):
                         raise GaveUp(f"every {child.kind} process crashed {RESTART_LIMIT} times in a row with no "
                                      f"training step between: the run cannot go on; see {child.log_path}")

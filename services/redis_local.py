@@ -368,6 +368,19 @@ class EmbeddedRedis:
     def alive(self) -> bool:
         return self.process is not None and self.process.poll() is None
 
+    def answers(self, timeout_s: float = 2.0) -> bool:
+        """Whether it answers a PING within `timeout_s`: alive is not enough (a server stopped, or stalled on its
+        disk, is alive and answers no one)."""
+        if not self.alive():
+            return False
+        client = redis.Redis.from_url(self.url, socket_connect_timeout=timeout_s, socket_timeout=timeout_s)
+        try:
+            return bool(client.ping())
+        except (redis.RedisError, OSError):
+            return False
+        finally:
+            client.close()
+
     def start(self, timeout: float = 30.0) -> "EmbeddedRedis":
         self.data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         lock = self._lock_data_dir(timeout)  # before anything in the folder is touched

@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -640,6 +641,46 @@ def test_a_torchrun_killed_outright_takes_its_ranks_with_it(tmp_path):
                 os.kill(pid, signal.SIGKILL)
 
 
+def test_a_worker_that_exits_while_redis_is_stalled_waits_for_it_and_is_not_given_up(tmp_path):
+    """A redis-server stopped or stalled (SIGSTOP, a swap storm, a disk stall under its AOF) is alive, so it was not
+    restarted, and every child it made exit was restarted at once, failed to reach it in seconds, and counted: the
+    run was given up after about a minute and a half. A child that exits while Redis does not answer now waits for
+    it, and starts again uncounted once it answers."""
+    from services.redis_local import EmbeddedRedis
+
+    done = tmp_path / "done"
+    learner = Child("learner", [sys.executable, "-c", f"import os, time\nwhile not os.path.exists({str(done)!r}): "
+                                                      "time.sleep(0.1)"], dict(os.environ), tmp_path / "learner.log")
+    back = tmp_path / "redis-back"
+    worker = Child("generator-0", [sys.executable, "-c", f"import os, sys, time\nif not os.path.exists({str(back)!r}): "
+                                                          "sys.exit(69)\ntime.sleep(600)"], dict(os.environ),
+                   tmp_path / "generator.log")  # what a worker does that finds no Redis
+    outcome: list = []
+    with EmbeddedRedis(tmp_path / "redis") as server:
+        learner.start()
+        worker.start()
+        server.process.send_signal(signal.SIGSTOP)
+        try:
+            supervisor = threading.Thread(target=lambda: outcome.append(
+                supervise([learner, worker], tmp_path / "metrics.jsonl", total_steps=1, display=False,
+                          redis_server=server)), daemon=True)
+            supervisor.start()
+            time.sleep(RESTART_LIMIT + 4.0)  # (each of its starts lasts a moment: given up by then, before)
+            assert worker.waiting and not worker.gave_up and worker.restarts == 0 and not worker.alive()
+        finally:
+            back.touch()
+            server.process.send_signal(signal.SIGCONT)
+        deadline = time.monotonic() + 30
+        while worker.waiting:  # Redis answers: started again, uncounted
+            assert time.monotonic() < deadline and supervisor.is_alive()
+            time.sleep(0.1)
+        done.touch()
+        supervisor.join(timeout=30)
+        assert worker.alive() and worker.restarts == 0 and not worker.gave_up
+        worker.stop()
+    assert outcome == [0]
+
+
 @pytest.mark.parametrize("fault", ["keeps_dying", "cannot_start"])
 def test_a_redis_server_that_cannot_come_back_ends_the_run_with_the_reason(tmp_path, fault):
     """Every other process is given up after RESTART_LIMIT crashes without a step; the embedded Redis was restarted
@@ -654,6 +695,9 @@ def test_a_redis_server_that_cannot_come_back_ends_the_run_with_the_reason(tmp_p
         starts = 0
 
         def alive(self):
+            return False
+
+        def answers(self):
             return False
 
         def start(self):
