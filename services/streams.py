@@ -564,10 +564,20 @@ class Stream(Generic[M]):
         return int(self._grouped(self._release, keys=[self.key],
                                  args=[self.group, consumer, RELEASED, idle, retry_count, *entry_ids]))
 
-    def reject(self, delivery: Delivery[M], reason: str) -> None:
-        """Dead-letter a delivery that parsed but must not be used (e.g. a group the learner never asked for)."""
+    def reject(self, delivery: Delivery[M], reason: str) -> bool:
+        """Dead-letter a delivery that parsed but must not be used (e.g. a group the learner never asked for), if
+        its consumer still holds it: a consumer frozen past the visibility timeout (SIGSTOP, a VM paused) that woke
+        and rejected what another had reclaimed since took the entry from the live one, whose result was then
+        dropped, and its letter retired the task. Returns whether it was dead-lettered."""
+        rows = self._grouped(self.redis.xpending_range, self.key, self.group, min=delivery.id, max=delivery.id,
+                             count=1)
+        if not rows or rows[0]["consumer"] != delivery.consumer.encode():
+            log.warning("%s: %s not dead-lettered (%s): %s holds it no longer", self.key, delivery.id, reason[:200],
+                        delivery.consumer)
+            return False
         self.dead(delivery.id, delivery.payload or to_wire(delivery.message), reason, delivery.deliveries,
                   signature=delivery.signature)
+        return True
 
     def dead(self, entry_id: str, payload: bytes, reason: str, deliveries: int = 0, keep_payload: bool = True,
              signature: bytes = b"") -> None:

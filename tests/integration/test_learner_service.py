@@ -616,10 +616,14 @@ def test_a_generator_letter_retires_only_an_entry_it_held_and_parked(settings):
         letter = {b"stream": "prompts", b"entry_id": entry_id, b"reason": "delivered 4 times (max 3)",
                   b"deliveries": 4, b"task_id": task.task_id, b"data": to_wire(task.for_generators())}
         service.redis.xadd(service.streams.key("dead"), {**letter, b"sig": rogue.streams.dead_letter_signature(letter)})
-    # The holder answers train-1 (its rollout forwarded, the entry deleted), then dead-letters it too: nothing parked.
+    # The holder answers train-1 (its rollout forwarded, the entry deleted), then dead-letters it too (`dead`:
+    # `reject` writes no letter for an entry its consumer no longer holds): nothing parked.
     rollouts = generator.stream("rollouts", RolloutGroup)
-    assert prompts.forward(held["train-1"], rollouts, scored_group(tasks[1], [True, False]).rollout)
-    prompts.reject(held["train-1"], "engine failure on this task alone: replayed")
+    answered = held["train-1"]
+    assert prompts.forward(answered, rollouts, scored_group(tasks[1], [True, False]).rollout)
+    assert not prompts.reject(answered, "engine failure on this task alone: replayed")
+    prompts.dead(answered.id, answered.payload, "engine failure on this task alone: replayed", answered.deliveries,
+                 signature=answered.signature)
     service.work.scan_dead_letters()
     assert sorted(service.work.assembler.in_flight) == [t.task_id for t in tasks]
     assert service.work.assembler.stats.lost == 0

@@ -270,6 +270,24 @@ def test_reclaimed_message_cannot_be_forwarded_twice(streams):
     assert streams.redis.xlen(rollouts.key) == 1
 
 
+def test_a_reject_of_an_entry_another_consumer_reclaimed_leaves_it_to_that_consumer(streams):
+    """A generator frozen past the visibility timeout wakes and rejects its stale delivery (an invalid task, the
+    culprit of an engine failure): the entry was parked away from the consumer that had reclaimed it, whose rollout
+    was then dropped, and the letter retired the task."""
+    prompts, rollouts = streams.stream("prompts", PromptTask), streams.stream("rollouts", RolloutGroup)
+    prompts.produce(task(0))
+    (frozen,) = prompts.consume("frozen", count=1)
+    time.sleep(prompts.cfg.visibility_timeout_s + 0.1)
+    (live,) = prompts.consume("live", count=1)
+    assert not prompts.reject(frozen, "invalid task: a stale verdict")
+    assert streams.dead_letters() == []
+    assert prompts.forward(live, rollouts, group_for(live.message))
+    prompts.produce(task(1))
+    (held,) = prompts.consume("live", count=1)
+    assert prompts.reject(held, "invalid task: its holder's")
+    assert [letter["reason"] for letter in streams.dead_letters()] == ["invalid task: its holder's"]
+
+
 def test_a_forward_retried_after_its_reply_was_lost_is_not_taken_for_a_reclaim(streams):
     """The client retries a command whose reply a dropped connection lost: the script ran, the entry is gone. An
     idempotent forward (the learner's) then answers that its result is downstream, without writing it twice; a
