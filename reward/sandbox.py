@@ -44,10 +44,53 @@ from services.startup import signals_deferred
 
 log = logging.getLogger(__name__)
 
-# pebble times each item by differences of the wall clock: a step of it (NTP at boot, a VM resumed) timed out every
-# running item (honest answers scored -1) or switched the limit off for as long. The same differences, monotonic.
+
+
+class RunningClock:
+    """Monotonic seconds less the time this process was stopped: pebble times each item by it. pebble used the wall
+    clock, whose steps (NTP at boot, a VM resumed) timed out every running item (honest answers scored -1) or
+    switched the limit off for as long; and CLOCK_MONOTONIC counts the time a process group was stopped (SIGSTOP,
+    Ctrl-Z, `docker pause`, a cgroup frozen), after which every item that was running timed out at once, its child
+    frozen with it and its work not done. A stop shows as a gap between two readings: a thread reads the clock
+    every TICK_S (`tick`), so a gap beyond STOP_GAP_S is taken for one (a thread merely starved that long gives the
+    items that much more time, never less)."""
+
+    TICK_S = 0.1
+    STOP_GAP_S = 0.5
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._last = time.monotonic()
+        self._stopped = 0.0
+        self._ticking = False
+
+    def __call__(self) -> float:
+        with self._lock:
+            now = time.monotonic()
+            if now - self._last > self.STOP_GAP_S:
+                self._stopped += now - self._last - self.TICK_S
+            self._last = now
+            return now - self._stopped
+
+    def tick(self) -> None:
+        """Read the clock every TICK_S from a thread of its own, for the life of the process (started once)."""
+        with self._lock:
+            if self._ticking:
+                return
+            self._ticking = True
+            self._last = time.monotonic()
+
+        def ticking() -> None:
+            while True:
+                self()
+                time.sleep(self.TICK_S)
+
+        threading.Thread(target=ticking, name="verifier-clock", daemon=True).start()
+
+
+RUNNING_CLOCK = RunningClock()
 for _module in (pebble.pool.process, pebble.pool.base_pool):
-    _module.time = SimpleNamespace(**{**vars(time), "time": time.monotonic})
+    _module.time = SimpleNamespace(**{**vars(time), "time": RUNNING_CLOCK})
 
 # A child that has not finished importing math-verify by then is stuck (or the machine is).
 STARTUP_TIMEOUT_S = 120.0
@@ -187,6 +230,7 @@ class VerifierPool:
         self._lock = threading.Lock()
         self._closed = False
         threading.Thread(target=self._watch, name="verifier-watch", daemon=True).start()
+        RUNNING_CLOCK.tick()
 
     @classmethod
     def from_config(cls, cfg: RewardConfig, **kwargs) -> "VerifierPool":

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -128,6 +131,41 @@ def test_a_step_of_the_wall_clock_times_out_no_item(monkeypatch):
         offset[0] = 15.0  # the wall clock steps 15 s forward while the item runs
         assert not running.done()
         assert running.result(timeout=60).rule != RULE_TIMEOUT
+
+
+FROZEN_MIDWAY = """
+import sys, time
+from reward.sandbox import VerifierPool
+product = "99991^{99999} \\\\cdot 99989^{99999}", "99989^{99999} \\\\cdot 99991^{99999}"  # a second of honest work
+with VerifierPool(workers=1, timeout_s=5, memory_mb=1024) as pool:
+    running = pool.submit(f"Answer: ${product[0]}$", product[1])
+    while not running.started():
+        time.sleep(0.005)
+    print("started", flush=True)
+    sys.stdin.readline()
+    verdict = running.result(timeout=60)
+    print(verdict.rule, verdict.correct, flush=True)
+"""
+
+
+def test_a_reward_worker_stopped_while_an_item_runs_does_not_time_it_out():
+    """Ctrl-Z, `docker pause`, a cgroup frozen: the monotonic clock counts the time the process group was stopped,
+    and every item that was running timed out at once on its return, its child stopped with it (an honest answer
+    scored -1, with nothing to tell it from a wrong one)."""
+    worker = subprocess.Popen([sys.executable, "-c", FROZEN_MIDWAY], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              text=True, start_new_session=True, cwd=Path(__file__).parents[2])
+    try:
+        assert worker.stdout.readline().strip() == "started"
+        os.killpg(worker.pid, signal.SIGSTOP)
+        time.sleep(6.0)  # past the item's 5 s
+        os.killpg(worker.pid, signal.SIGCONT)
+        worker.stdin.write("\n")
+        worker.stdin.flush()
+        assert worker.stdout.readline().split() == ["math_verify", "True"]
+    finally:
+        os.killpg(worker.pid, signal.SIGCONT)
+        worker.kill()
+        worker.wait(timeout=30)
 
 
 def test_the_children_s_start_messages_are_read_whether_or_not_anyone_asks_how_many_are_ready(pool):
