@@ -11,13 +11,15 @@ take its predecessor's lease back at once instead of one TTL later.
   one TTL (a learner that just died holds it until then), then fail (`LeaseHeld`, exit 69) naming the holder.
 - **renew** from a daemon thread every TTL/6, compare-and-set: PEXPIRE only while the value is ours. Each
   renewal is one attempt on a client of its own (no retries: they would outlast the lease).
-- **lost**: a watchdog thread, which does no I/O, ends the process (`os._exit(ExitCode.LEASE_LOST)`) once no renewal
-  has got through for TTL/2, whatever a renewal under way is blocked on (Redis unreachable, this learner cut off
-  from it while the disk is still there, the process frozen): before the TTL can run out and another learner
-  take the run. A renewal that finds the key gone after the watchdog's bound (the process was frozen past it) is
-  lost too, never taken again; its supervisor restarts it, and it resumes once Redis is back. Gone within the
-  bound is Redis's doing (its clock stepped ahead, which a TTL, kept as a date, follows; or it lost the key):
-  the key is put back, and the learner goes on.
+- **lost**: a watchdog thread, which does no I/O (its last log line is waited for a second at most), ends the
+  process (`os._exit(ExitCode.LEASE_LOST)`) once no renewal has got through for TTL/2, whatever a renewal under way
+  is blocked on (Redis unreachable, this learner cut off from it while the disk is still there): before the TTL can
+  run out and another learner take the run. A process frozen past the TTL cannot end itself: it reads its clock
+  again before a checkpoint's commit, and asks Redis whose run it is the moment before (`confirm`). A renewal that
+  finds the key gone after the watchdog's bound (the process was frozen past it) is lost too, never taken again; its
+  supervisor restarts it, and it resumes once Redis is back. Gone within the bound is Redis's doing (its clock
+  stepped ahead, which a TTL, kept as a date, follows; or it lost the key): the key is put back, and the learner
+  goes on.
 - **fence**: the key holds another instance's id (this learner lost the lease, and another one took the run):
   log critical and end the process at once (`os._exit(ExitCode.FENCED)`), writing nothing more.
 - **release** on a clean exit (delete only if ours), so a restart does not wait one TTL.
@@ -109,6 +111,14 @@ def process_gone(place: str) -> bool:
     except PermissionError:  # alive, another user's
         pass
     return False
+
+
+def log_bounded(message: str, wait_s: float = 1.0) -> None:
+    """Log `message` (critical), waiting for it `wait_s` at most: the line before a lost or fenced learner ends
+    must not keep it running (a log folder on a volume that hangs with the partition that cut Redis off)."""
+    logged = threading.Thread(target=log.critical, args=(message,), name="learner-lease-log", daemon=True)
+    logged.start()
+    logged.join(wait_s)
 
 
 def exit_fenced(holder: str) -> None:
@@ -225,8 +235,8 @@ class LearnerLease:
             self._lost("the lease had lapsed (the process was frozen past its TTL)")
             return "lapsed"
         holder = result.decode(errors="replace") if isinstance(result, bytes) else str(result)
-        log.critical("FENCED: learner %s lost the run %s to learner %s; exiting at once with code %d, writing "
-                     "nothing more", self.instance, self.run, holder, ExitCode.FENCED)
+        log_bounded(f"FENCED: learner {self.instance} lost the run {self.run} to learner {holder}; exiting at once "
+                    f"with code {ExitCode.FENCED}, writing nothing more")
         self.on_fenced(holder)
         return "fenced"
 
@@ -250,14 +260,28 @@ class LearnerLease:
         if now() - self._renewed_at > self.ttl_s / 2:
             self._lost(f"no renewal reached Redis for {now() - self._renewed_at:.0f} s")
 
+    def confirm(self) -> None:
+        """Just before a write only the run's learner may make (a checkpoint becoming `latest`, which removes the
+        later steps and unfinished writes it finds): the watchdog's test, then one renewal from this thread, a round
+        trip to Redis that fences a learner whose key another holds now (or ends one whose key lapsed), whatever its
+        own clock says. Redis not reached in time: the watchdog's bound decides, as ever."""
+        self.check()
+        if self._stop.is_set():
+            return
+        try:
+            self.renew()
+        except redis.RedisError as err:
+            log.warning("learner lease not confirmed before a commit (%s): renewed %.1f s ago", err,
+                        now() - self._renewed_at)
+
     def _lost(self, why: str) -> None:
         if self._stop.is_set():  # released meanwhile, or the other thread got here first
             return
         self._stop.set()
         silent_s = now() - self._renewed_at
-        log.critical("LEASE LOST: %s (learner %s, TTL %.0f s): another learner may take the run; exiting at once "
-                     "with code %d, writing nothing more (restarted, it resumes once Redis is back)",
-                     why, self.instance, self.ttl_s, ExitCode.LEASE_LOST)
+        log_bounded(f"LEASE LOST: {why} (learner {self.instance}, TTL {self.ttl_s:.0f} s): another learner may take "
+                    f"the run; exiting at once with code {ExitCode.LEASE_LOST}, writing nothing more (restarted, it "
+                    "resumes once Redis is back)")
         self.on_lost(silent_s)
 
     def stop_renewing(self) -> None:

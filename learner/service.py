@@ -771,9 +771,9 @@ class LearnerService:
         if self.lease is not None:
             self.lease.check()  # a learner that lost the run writes no step-N over the new holder's
         self.ranks.save(self.trainer, path, extra)
-        if self.lease is not None:
-            self.lease.check()  # (nor commits one it wrote while losing it)
         self.records.sync()  # the ledger of the steps it holds outlives a power loss as the checkpoint does
+        if self.lease is not None:
+            self.lease.confirm()  # (nor commits one it wrote while losing it: asked of Redis, the moment before)
         self.checkpoints.commit(self.step)  # durable before held is released
         released = self.work.release()
         self.last_checkpoint_step = self.step

@@ -148,6 +148,25 @@ def test_a_process_frozen_past_half_its_ttl_commits_nothing_even_before_its_watc
         holder.release()
 
 
+def test_a_commit_asks_redis_whose_run_it_is_the_moment_before(settings):
+    """A learner frozen past its TTL (a VM paused) whose successor took the run wakes with its watchdog not run
+    yet: a write just before its clock was read again (a checkpoint's commit, which removes the later steps it
+    finds: the successor's) went through in most trials. The commit now asks Redis first."""
+    fences = Fences()
+    holder = lease(settings, fences)
+    holder.interval_s = 3600  # no renewal but the test's
+    holder.acquire()
+    try:
+        holder.check()  # its own clock: renewed a moment ago
+        holder.redis.set(holder.key, "successor@other-host:1", px=60_000)
+        holder.check()
+        assert not fences.fired.is_set()  # the clock alone cannot tell
+        holder.confirm()
+        assert fences.holders == ["successor@other-host:1"]
+    finally:
+        holder.stop_renewing()
+
+
 def test_a_learner_cut_off_from_redis_ends_before_its_lease_can_lapse(settings, redis_server):
     # Cut off from Redis (a partition; the disk still there), it cannot know whether another learner takes the
     # run once the TTL is over: with no renewal through for TTL/2 it ends (its supervisor restarts it), not later.
