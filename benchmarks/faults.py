@@ -35,6 +35,14 @@ write `scored`, read `issued`, overwrite the weights announcement, FLUSHALL, CON
 with 2 MB entries in its own stream (fewer than the stream's high-water mark), after which Redis refuses every
 write: the learner must free it (`Streams.trim_overfull`), every role wait meanwhile, and the run go on.
 
+Freezes (`--freeze SECONDS`): the same run, each process stopped instead of killed, with its process group (a
+reward worker's verifiers, a generator's engine), for that long, then resumed (SIGSTOP, SIGCONT: a VM paused,
+`docker pause`, Ctrl-Z): a resumed process still believes it holds what it held. Set the timeouts below the
+freeze (`--set streams.visibility_timeout_s=10 --set learner.lease_ttl_s=10`): a frozen generator's tasks are then
+reclaimed by the other, a frozen learner's lease lapses (it ends at its wake and is restarted), the verifier's
+items outlast their limit, and a frozen Redis outlasts the learner's lease. "Back up" is then the process answering
+again, its own pid or its restart's.
+
 Counting, after the run (the pure part is `analyze`, unit-tested on synthetic inputs): the final ledger.jsonl
 (steps 1..N each once, no task id trained twice); every ledger row seen while polling (steps cut back and
 written again = work redone, and groups trained in a discarded lineage); metrics.jsonl (duplicates dropped,
@@ -56,6 +64,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections import Counter
@@ -120,6 +129,7 @@ class Kill:
     rolled_back_to: int | None = None  # the lowest last step seen in the ledger after the kill
     new_pid: int | None = None
     held: int | None = None  # prompt tasks a killed generator held (the busiest one is killed)
+    fault: str = "SIGKILL"  # or "SIGSTOP 25s": stopped with its process group for that long, then resumed
 
 
 def digest(payload: bytes) -> str:
@@ -441,6 +451,7 @@ class Faults:
         self.groups: set[int] = set()  # pids of every child seen (each leads its own process group)
         self.proc: subprocess.Popen | None = None
         self._streams = None
+        self.frozen: list[int] = []  # process groups stopped (--freeze), until their SIGCONT
 
     # -- the run ---------------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -495,7 +506,7 @@ class Faults:
     def ready(self, name: str, old_pid: int) -> int | None:
         """The new pid of `name` once it is up (ready on /readyz, or answering PING for redis-server)."""
         pid = service_pids(self.proc.pid).get(name)
-        if not pid or pid == old_pid:
+        if not pid or (pid == old_pid and not self.args.freeze):  # frozen: its own pid answers again on waking
             return None
         if name == "redis-server":  # one PING, no retries (the services' clients retry; this only looks)
             from services.config import load_settings
@@ -551,12 +562,26 @@ class Faults:
         pid = self.wait(f"{name} running", lambda: service_pids(self.proc.pid).get(name), 600)
         step = self.poll()
         at = time.time()
-        os.kill(pid, signal.SIGKILL)
-        kill = Kill(round_ + 1, kind, name, pid, at, step, phase, held=held)
+        fault = f"SIGSTOP {self.args.freeze:g}s" if self.args.freeze else "SIGKILL"
+        if self.args.freeze:  # its whole group (each service leads one): a paused VM or container stops them all
+            group = os.getpgid(pid)
+            os.killpg(group, signal.SIGSTOP)
+            self.frozen.append(group)
+            threading.Timer(self.args.freeze, self.thaw, (group,)).start()
+        else:
+            os.kill(pid, signal.SIGKILL)
+        kill = Kill(round_ + 1, kind, name, pid, at, step, phase, held=held, fault=fault)
         self.kills.append(kill)
-        print(f"[faults] round {round_ + 1}: SIGKILL {name} (pid {pid}) at step {step}, {phase:.1f}s after it"
+        print(f"[faults] round {round_ + 1}: {fault} {name} (pid {pid}) at step {step}, {phase:.1f}s after it"
               + (f", holding {held} tasks" if held is not None else ""), flush=True)
         return kill
+
+    def thaw(self, group: int) -> None:
+        """SIGCONT a frozen process group (at its time, or when the benchmark ends)."""
+        if group in self.frozen:
+            self.frozen.remove(group)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(group, signal.SIGCONT)
 
     def busiest_generator(self) -> tuple[str, int] | None:
         """(name, tasks held) of the generator holding the most prompt tasks, if one holds any."""
@@ -785,11 +810,18 @@ def fmt(values: list, spec: str = ".1f") -> str:
     return ", ".join(shown)
 
 
+def fault_name(result: dict) -> str:
+    """SIGKILL, or what a freeze was (`--freeze`): the kills' own word, SIGKILL for results from before."""
+    kills = [k if isinstance(k, dict) else asdict(k) for k in result["kills"]]
+    return next((k.get("fault", "SIGKILL") for k in kills), "SIGKILL")
+
+
 def report(result: dict) -> str:
     a = result["analysis"]
     ledger, metrics_ = a["ledger"], a["metrics"]
     lines = [f"`{result['command_short']}` (written by it; `--from-json` writes it again from the raw results)", "",
-             f"One run of {result['steps']} steps, 2 generators, 1 reward worker; {len(result['kills'])} SIGKILLs; "
+             f"One run of {result['steps']} steps, 2 generators, 1 reward worker; {len(result['kills'])} "
+             f"{fault_name(result)}s; "
              f"{sum(v['injected'] for v in a['injections'].values())} bad messages in {ROUNDS} waves. "
              f"{result['conditions']}", "",
              "| goal | measured | met |", "| --- | --- | --- |"]
@@ -831,7 +863,7 @@ def report(result: dict) -> str:
             f"{a['flood']['dead_as_expected']} of {a['flood']['entries']} dead-lettered (`oversize`), the rest "
             "trimmed unread", all(f["filled"] for f in floods) and None not in back and result["returncode"] == 0)
     row("no process left behind by a killed one", f"{len(result['orphans'])} left", not result["orphans"])
-    lines += ["", "Work redone after each kill (seconds from the SIGKILL; the median step took "
+    lines += ["", f"Work redone after each kill (seconds from the {fault_name(result)}; the median step took "
               f"{metrics_['median_step_s']:.1f} s in this run):", "",
               "| process | kills | back up (s) | next step done (s) | steps redone |",
               "| --- | ---: | --- | --- | --- |"]
@@ -840,7 +872,8 @@ def report(result: dict) -> str:
                      f"{fmt(k['steps_redone'], 'd')} |")
     lines += ["", "Each kill: the last step in the ledger at the kill, and how long after that step was seen the kill "
               "came:", "",
-              "| round | SIGKILL | at step | s after the step | back up (s) | next step done (s) | steps cut back |",
+              f"| round | {fault_name(result)} | at step | s after the step | back up (s) | next step done (s) | "
+              "steps cut back |",
               "| ---: | --- | ---: | ---: | ---: | ---: | ---: |"]
     for k in result["kills"]:
         k = k if isinstance(k, dict) else asdict(k)
@@ -872,6 +905,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--run-dir", default="/tmp/dapo-bench-faults", help="short: the Redis socket lives in it")
     parser.add_argument("--set", action="append", default=[], help="extra key=value overrides")
     parser.add_argument("--no-readme", action="store_true")
+    parser.add_argument("--freeze", type=float, default=0.0,
+                        help="stop each process (its group) this many seconds, then resume it, instead of SIGKILL")
     parser.add_argument("--name", default="faults",
                         help="results/NAME.json and the README section between the NAME markers")
     parser.add_argument("--from-json", action="store_true",
@@ -906,6 +941,8 @@ def main(argv: list[str] | None = None) -> int:
         error = str(err)
         print(f"[faults] {error}", flush=True)
     finally:
+        for group in list(faults.frozen):
+            faults.thaw(group)
         if faults.alive():
             if error:
                 faults.proc.send_signal(signal.SIGINT)
