@@ -2,6 +2,10 @@
 
 import sys
 
-from cli.main import main
+from services.startup import die_with_launcher
+
+die_with_launcher()  # a learner rank under torchrun (`-m cli learner`): armed before the seconds of imports below
+
+from cli.main import main  # noqa: E402
 
 sys.exit(main())

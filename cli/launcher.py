@@ -32,6 +32,7 @@ embedded server has a Redis user per role with a password made for this run: eac
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -224,8 +225,9 @@ class Child:
 
     def stop(self) -> None:
         """SIGTERM (the service finishes or hands back its work), then SIGKILL whatever is left of its group (not
-        one given up: its pid, reaped long ago, may lead another process's group by now)."""
-        if self.process is None or self.gave_up:
+        one given up or waiting for Redis: its group was killed then, and its pid, reaped, may lead another
+        process's group by now)."""
+        if self.process is None or self.gave_up or self.waiting:
             return
         if self.alive():
             self.process.send_signal(signal.SIGTERM)
@@ -427,6 +429,11 @@ def learner_finished(learner: Child, redis_answers: Callable[[], bool] | None = 
     return learner.exit_code in LEARNER_DONE or not learner.restart(redis_answers)
 
 
+def answered_once(redis_server: EmbeddedRedis | None) -> Callable[[], bool] | None:
+    """Whether the embedded Redis answers, asked once whoever asks: one supervising pass's view."""
+    return functools.cache(redis_server.answers) if redis_server is not None else None
+
+
 class GaveUp(RuntimeError):
     """No process of one kind is left (each crashed too often): the learner would wait for ever."""
 
@@ -436,7 +443,6 @@ def supervise(children: list[Child], metrics_path: Path, total_steps: int, displ
     """Run until the learner exits by itself; restart a dead Redis, learner or worker. Returns the learner's exit
     code; GaveUp when every worker of a kind crashed too often, or Redis cannot come back."""
     learner = children[0]
-    redis_answers = redis_server.answers if redis_server is not None else None
     last_printed, sampled_at = -1, float("-inf")
     redis_crashes, redis_mark = 0, steps_recorded(metrics_path)  # in a row, and the run's step at the last one
     progress = Progress(metrics_path)
@@ -445,7 +451,8 @@ def supervise(children: list[Child], metrics_path: Path, total_steps: int, displ
     if live:
         live.start()
     try:
-        while not learner_finished(learner, redis_answers):
+        # One PING a pass at most, whoever asks (each takes up to 2 s while Redis does not answer)
+        while not learner_finished(learner, redis_answers := answered_once(redis_server)):
             time.sleep(1.0)
             if redis_server is not None and not redis_server.alive():
                 steps = steps_recorded(metrics_path)

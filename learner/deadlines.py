@@ -4,16 +4,16 @@ A task whose group never comes back (its stream entry deleted or trimmed, a cons
 holds it and stalls without dying) would otherwise keep the synchronous loop, an evaluation or a drain waiting
 forever. Each pushed task gets a deadline: `factor` times the 95th percentile of the round trips (pushed -> its
 scored group read) of the last `window` tasks, and never less than `floor_s` (before any group came back it is
-`floor_s` alone: a cold engine's first batch may take long), and never more than `ceiling_s` (the round trips are
+`floor_s` at first: a cold engine's first batch may take long), and never more than `ceiling_s` (the round trips are
 the workers' to make: one that answers every task it holds just before its deadline would raise it without end).
 Past it the task counts as lost; the step refills.
 
 Two waits are not losses. A task no generator has read yet is queued, not lost (generators that start late, or a
-backlog): its clock starts again each time it is seen unread. And tasks lost before any group came back say that
-the deadline is shorter than a group takes (20k-token responses on a cold engine): each such loss doubles the
-deadline until a round trip is measured (up to `ceiling_s`). Either, counted as lost, stalled a run for good: the
-lost tasks' groups, refused as unknown when they came, measured nothing, and the refills waited behind the
-expired tasks' entries.
+backlog): its clock starts again each time it is seen unread (the caller looks every second). And tasks lost before
+any group came back say that the deadline is shorter than a group takes (20k-token responses on a cold engine): each
+such loss doubles the deadline until a round trip is measured (up to `ceiling_s`). Either, counted as lost, stalled
+a run for good: the lost tasks' groups, refused as unknown when they came, measured nothing, and the refills waited
+behind the expired tasks' entries.
 """
 
 from __future__ import annotations
@@ -55,12 +55,15 @@ class Deadlines:
 
     def overdue(self, now: float, queued: Callable[[list[str]], set[str]] | None = None) -> list[str]:
         """The tasks past their deadline, forgotten here (the caller counts them lost). `queued(task_ids)`: those of
-        them no one has read yet, which wait on from `now`."""
+        them no one has read yet, which wait on; asked again at every call about each task once found queued, so
+        that its clock starts when it was last seen unread, at most one call before it was read."""
         limit = self.limit_s()
         late = [task_id for task_id, at in self.pushed_at.items() if now - self.seen_queued.get(task_id, at) > limit]
-        waiting = queued(late) if late and queued is not None else set()
-        self.seen_queued.update(dict.fromkeys(waiting, now))
-        late = [task_id for task_id in late if task_id not in waiting]
+        late_ids = set(late)
+        if queued is not None and (asked := [*late, *(t for t in self.seen_queued if t not in late_ids)]):
+            waiting = queued(asked)
+            self.seen_queued.update(dict.fromkeys(waiting, now))
+            late = [task_id for task_id in late if task_id not in waiting]
         if late and not self.round_trips:
             self.cold_s = min(2 * self.cold_s, self.ceiling_s)
         self.forget(late)

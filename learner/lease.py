@@ -86,6 +86,11 @@ class LeaseHeld(Unavailable):
     """Another live learner holds the run's lease."""
 
 
+class LeaseGone(RuntimeError):
+    """Raised on a thread that asks (`check`) once another found the lease lost or fenced and is ending the
+    process: that thread writes nothing more meanwhile."""
+
+
 INSTANCE_ENV = "DAPO_LEARNER_INSTANCE"
 
 
@@ -117,7 +122,10 @@ def log_bounded(message: str, wait_s: float = 1.0) -> None:
     """Log `message` (critical), waiting for it `wait_s` at most: the line before a lost or fenced learner ends
     must not keep it running (a log folder on a volume that hangs with the partition that cut Redis off)."""
     logged = threading.Thread(target=log.critical, args=(message,), name="learner-lease-log", daemon=True)
-    logged.start()
+    try:
+        logged.start()
+    except RuntimeError:  # no thread to be had (a process limit): the exit matters, not the line
+        return
     logged.join(wait_s)
 
 
@@ -153,6 +161,7 @@ class LearnerLease:
         self._take_over = self.redis.register_script(_TAKE_OVER)
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
+        self.ended: str | None = None  # why the lease is lost or fenced, set before the process is ended
 
     @property
     def ttl_ms(self) -> int:
@@ -235,6 +244,7 @@ class LearnerLease:
             self._lost("the lease had lapsed (the process was frozen past its TTL)")
             return "lapsed"
         holder = result.decode(errors="replace") if isinstance(result, bytes) else str(result)
+        self.ended = f"fenced by {holder}"
         log_bounded(f"FENCED: learner {self.instance} lost the run {self.run} to learner {holder}; exiting at once "
                     f"with code {ExitCode.FENCED}, writing nothing more")
         self.on_fenced(holder)
@@ -256,7 +266,10 @@ class LearnerLease:
     def check(self) -> None:
         """The watchdog's test, also on the caller's thread before a write only the run's learner may make (a
         checkpoint becoming `latest`): a process frozen past TTL/2 that wakes up mid-checkpoint must not commit it
-        before the watchdog's thread gets to run."""
+        before the watchdog's thread gets to run. LeaseGone once another thread found it lost or fenced (it is ending
+        the process, after its last log line)."""
+        if self.ended is not None:
+            raise LeaseGone(f"learner lease {self.ended}: the process is ending")
         if now() - self._renewed_at > self.ttl_s / 2:
             self._lost(f"no renewal reached Redis for {now() - self._renewed_at:.0f} s")
 
@@ -266,7 +279,7 @@ class LearnerLease:
         trip to Redis that fences a learner whose key another holds now (or ends one whose key lapsed), whatever its
         own clock says. Redis not reached in time: the watchdog's bound decides, as ever."""
         self.check()
-        if self._stop.is_set():
+        if self.ended is not None:
             return
         try:
             self.renew()
@@ -275,8 +288,9 @@ class LearnerLease:
                         now() - self._renewed_at)
 
     def _lost(self, why: str) -> None:
-        if self._stop.is_set():  # released meanwhile, or the other thread got here first
+        if self.ended is not None or self._stop.is_set():  # the other thread got here first, or released meanwhile
             return
+        self.ended = f"lost: {why}"
         self._stop.set()
         silent_s = now() - self._renewed_at
         log_bounded(f"LEASE LOST: {why} (learner {self.instance}, TTL {self.ttl_s:.0f} s): another learner may take "

@@ -1014,10 +1014,10 @@ def settings_conflicts(settings: Settings) -> list[str]:
                          "distribution the responses were sampled from: set processed_logprobs")
     batch, loss = settings.learner.batch, settings.learner.loss
     if settings.sampling.top_p < 1 and loss.tis_cap is not None:
-        conflicts.append(f"sampling.top_p {settings.sampling.top_p} gives behaviour logprobs within the nucleus "
-                         "(processed_logprobs), which learner.loss.tis_cap's weights compare with the whole "
-                         "distribution: every weight would be the nucleus' mass, below 1 with identical policies "
-                         "(train at top_p 1, the paper's, or set tis_cap null)")
+        conflicts.append(f"sampling.top_p {settings.sampling.top_p} samples from a nucleus that the learner's "
+                         "logprobs do not model, and learner.loss.tis_cap's weights divide them by the behaviour "
+                         "logprobs: biased with identical policies (under processed_logprobs every weight is the "
+                         "nucleus' mass, below 1); train at top_p 1, the paper's, or set tis_cap null")
     if settings.sampling.n < 2 and (batch.dynamic_sampling or loss.kl_coef == loss.entropy_coef == 0):
         conflicts.append(f"sampling.n {settings.sampling.n}: a group of one response has advantage 0 (Eq. 9 "
                          "normalises within the group) and no response scoring otherwise (dynamic sampling): nothing "

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from learner.lease import INSTANCE_ENV, LEASE_KEY, LearnerLease, LeaseHeld
+from learner.lease import INSTANCE_ENV, LEASE_KEY, LearnerLease, LeaseGone, LeaseHeld
 from services.errors import Unavailable
 from services.keys import ROLES
 from services.streams import Streams
@@ -165,6 +165,25 @@ def test_a_commit_asks_redis_whose_run_it_is_the_moment_before(settings):
         assert fences.holders == ["successor@other-host:1"]
     finally:
         holder.stop_renewing()
+
+
+def test_a_commit_waits_for_nothing_once_another_thread_found_the_lease_lost(settings):
+    """The watchdog marks the lease lost, then logs its last line (up to a second), then ends the process: a commit
+    asked for in between passed `check` and `confirm` (the mark read as a release) and went through."""
+    losses = Fences()
+    holder = lease(settings, losses=losses)
+    holder.interval_s = 3600
+    holder.acquire()
+    try:
+        holder._renewed_at -= TTL  # frozen past TTL/2
+        watchdog = threading.Thread(target=holder.check)  # the watchdog's turn, on its own thread
+        watchdog.start()
+        watchdog.join()
+        assert losses.fired.is_set()
+        with pytest.raises(LeaseGone, match="lost"):
+            holder.confirm()  # the commit's thread, before the process has ended
+    finally:
+        holder.release()
 
 
 def test_a_learner_cut_off_from_redis_ends_before_its_lease_can_lapse(settings, redis_server):

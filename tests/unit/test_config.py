@@ -215,7 +215,7 @@ def test_a_token_that_cannot_travel_in_an_http_header_is_refused(token, monkeypa
     ({"learner": {"compute": {"fsdp_offload": True}}}, "with fsdp false each rank holds a whole replica"),
     ({"learner": {"compute": {"fsdp_shard_ranks": 8}}}, "with fsdp false each rank holds a whole replica"),
     ({"learner": {"compute": {"fsdp": True}}, "model": {"dtype": "float16"}}, "FSDP's gradients get no loss scaling"),
-    ({"sampling": {"top_p": 0.7}}, "every weight would be the nucleus' mass"),
+    ({"sampling": {"top_p": 0.7}}, "every weight is the nucleus' mass"),
 ])
 def test_settings_that_cannot_work_together_are_refused_when_loaded(overrides, conflict):
     with pytest.raises(ConfigError, match="cannot work together") as err:

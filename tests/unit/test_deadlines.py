@@ -136,3 +136,19 @@ def test_a_run_whose_first_groups_outlast_the_floor_or_whose_generators_start_la
     """At the 32B recipe's shapes each of these made no update in 6 hours (every task given up, every refill behind
     the given-up entries, no round trip ever measured) while every GPU generated groups that were thrown away."""
     assert updates_in(hours=6, group_s=group_s, generators_up_s=generators_up_s) >= 3
+
+
+def test_a_queued_task_read_just_before_a_deadline_gets_a_whole_one_from_then():
+    """Its clock restarted only at the check that found it late and unread: a generator that took it just before
+    the next such check saw it given up moments later (in the 32B simulation, a whole first wave 30 s after it was
+    taken). A task found queued is asked about at every check, so its clock starts at most one check before it was
+    read."""
+    deadlines = Deadlines(factor=4.0, floor_s=60.0)
+    deadlines.pushed("t", now=0.0)
+    unread = {"t"}
+    for now in range(61, 119):  # the learner checks every second; queued all along
+        assert deadlines.overdue(now=float(now), queued=lambda asked: unread & set(asked)) == []
+    unread.clear()  # read at 118.5
+    for now in range(119, 179):
+        assert deadlines.overdue(now=float(now), queued=lambda asked: unread & set(asked)) == []
+    assert deadlines.overdue(now=179.0, queued=lambda asked: unread & set(asked)) == ["t"]  # 60 s after 118
