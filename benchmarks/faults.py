@@ -821,7 +821,7 @@ def report(result: dict) -> str:
     ledger, metrics_ = a["ledger"], a["metrics"]
     lines = [f"`{result['command_short']}` (written by it; `--from-json` writes it again from the raw results)", "",
              f"One run of {result['steps']} steps, 2 generators, 1 reward worker; {len(result['kills'])} "
-             f"{fault_name(result)}s; "
+             + ("SIGKILLs; " if fault_name(result) == "SIGKILL" else f"freezes ({fault_name(result)} each); ") +
              f"{sum(v['injected'] for v in a['injections'].values())} bad messages in {ROUNDS} waves. "
              f"{result['conditions']}", "",
              "| goal | measured | met |", "| --- | --- | --- |"]
