@@ -768,7 +768,8 @@ class Settings(BaseSettings):
     )
     http_head_timeout_s: float = Field(
         10.0, gt=0, description="A connection that has not sent a whole request head this long after it opened (or "
-        "after its last response) is closed: half-sent requests cannot hold the connection slots (slowloris)."
+        "after its last response), or whose request body stops this long, is closed: half-sent requests cannot hold "
+        "the connection slots (slowloris)."
     )
     http_max_connections_per_client: int = Field(
         64, ge=1, description="Open HTTP connections one client address may hold; a new one beyond is closed at "

@@ -9,8 +9,9 @@ read or parsed. Every path needs it except the probes and the scrape (`OPEN_PATH
 The probes are async and `/readyz` runs its check on threads of its own (a limiter apart from the shared one), so
 neither waits for the worker threads that synchronous handlers hold. uvicorn answers 503 above
 `http_max_connections` connections, and a connection that has not sent a whole request head within
-`http_head_timeout_s` is closed, as is one beyond `http_max_connections_per_client` from one address
-(`guarded_protocol`), so neither idle half-open connections nor one client can keep the probes out.
+`http_head_timeout_s`, or whose request body stops that long, is closed, as is one beyond
+`http_max_connections_per_client` from one address (`guarded_protocol`), so neither idle half-open connections nor
+one client can keep the probes out.
 With `http_tls_certfile` (and its key) every service serves HTTPS (`server_options`).
 """
 
@@ -262,8 +263,10 @@ def guarded_protocol(head_timeout_s: float, per_client: int | None = None) -> ty
     - a deadline on every request's head: a connection that has not sent a whole head within `head_timeout_s` of
       opening, or of its last response, is closed. uvicorn starts no timer before a head is whole (its keep-alive
       timer stops at the first byte), so half-sent requests would hold the `http_max_connections` slots for ever
-      and every request, the probes included, would be answered 503. A body sent slowly after a whole head is not
-      covered: the body limit and the handlers bound it;
+      and every request, the probes included, would be answered 503. The same deadline runs while a request's body
+      is coming, again from each of its bytes: a body that stops (a chunked POST to /healthz that never sends a
+      chunk, a client cut off mid-upload) held its connection for ever, the body limit bounding its size, not its
+      time;
     - `per_client`: the connections one client address may hold open at once; a new one beyond is closed at once,
       so no single address can take every slot within a deadline either."""
     from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -289,9 +292,12 @@ def guarded_protocol(head_timeout_s: float, per_client: int | None = None) -> ty
 
         def handle_events(self) -> None:
             super().handle_events()
-            if self.cycle is not None and not self.cycle.response_complete and self._head_deadline is not None:
-                self._head_deadline.cancel()  # a whole head: the request runs under the handlers' own bounds
-                self._head_deadline = None
+            if self.cycle is not None and not self.cycle.response_complete:
+                if self._head_deadline is not None:
+                    self._head_deadline.cancel()  # a whole head: the request runs under the handlers' own bounds,
+                    self._head_deadline = None
+                if self._sending_body():  # but for its body, which must keep coming
+                    self._arm()
 
         def on_response_complete(self) -> None:
             super().on_response_complete()
@@ -310,10 +316,19 @@ def guarded_protocol(head_timeout_s: float, per_client: int | None = None) -> ty
         def _arm(self) -> None:
             self._head_deadline = self.loop.call_later(head_timeout_s, self._too_slow)
 
+        def _sending_body(self) -> bool:
+            import h11
+
+            return self.conn.their_state is h11.SEND_BODY
+
         def _too_slow(self) -> None:
             self._head_deadline = None
             if self.cycle is None or self.cycle.response_complete:
                 log.info("closing a connection from %s: no whole request head within %.0fs", self.client,
+                         head_timeout_s)
+                self.transport.close()
+            elif self._sending_body():
+                log.info("closing a connection from %s: its request body stopped for %.0fs", self.client,
                          head_timeout_s)
                 self.transport.close()
 

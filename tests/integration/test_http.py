@@ -218,6 +218,32 @@ def test_half_sent_requests_are_closed_at_the_head_deadline_and_the_probes_answe
                     sock.close()
 
 
+def test_a_request_body_that_stops_coming_is_closed_at_the_deadline_and_a_slow_steady_one_is_not():
+    """A chunked POST to /healthz (no token needed) that never sends a chunk, or a client cut off mid-upload, held its
+    connection for ever once its head was whole: four addresses' worth filled every slot, and the probes answered
+    503 until the service was restarted. The head deadline now runs again from each byte of the body."""
+    app = make_app()
+    with ServerThread(app, limit_concurrency=10, http=guarded_protocol(1.0)) as server:
+        host, port = server.url.removeprefix("http://").split(":")
+        stalled = socket.create_connection((host, int(port)))
+        steady = socket.create_connection((host, int(port)))
+        try:
+            stalled.sendall(b"POST /healthz HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n")
+            steady.sendall(b"POST /v1/echo HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer tok\r\n"
+                           b"Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n")
+            for chunk in (b'{"value"', b': 7', b"}"):  # 2.1 s in all, never 1 s without a byte
+                time.sleep(0.7)
+                steady.sendall(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+            steady.sendall(b"0\r\n\r\n")
+            steady.settimeout(5)
+            assert steady.recv(1024).startswith(b"HTTP/1.1 200")
+            stalled.settimeout(5)
+            assert stalled.recv(1024) == b""  # closed by the server, no answer
+        finally:
+            stalled.close()
+            steady.close()
+
+
 def test_one_client_address_holds_at_most_its_share_of_the_connections():
     """http_max_connections_per_client: one address's connection beyond its share is closed at once, the ones it
     holds stay open, and a slot it gives back can be taken again."""
