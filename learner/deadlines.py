@@ -28,6 +28,7 @@ class Deadlines:
         self.cold_s = floor_s  # the deadline until a round trip is measured
         self.pushed_at: dict[str, float] = {}
         self.seen_queued: dict[str, float] = {}  # task id -> when it was last seen unread: its clock starts there
+        self.still_queued: set[str] = set()  # those found unread at the last call: asked about again at the next
         self.round_trips: deque[float] = deque(maxlen=window)
 
     def pushed(self, task_id: str, now: float) -> None:
@@ -37,6 +38,7 @@ class Deadlines:
         """Its group was read: one more round trip measured (a duplicate or an unknown task measures nothing)."""
         started = self.pushed_at.pop(task_id, None)
         self.seen_queued.pop(task_id, None)
+        self.still_queued.discard(task_id)
         if started is not None:
             self.round_trips.append(now - started)
 
@@ -44,6 +46,7 @@ class Deadlines:
         for task_id in task_ids:
             self.pushed_at.pop(task_id, None)
             self.seen_queued.pop(task_id, None)
+            self.still_queued.discard(task_id)
 
     def limit_s(self) -> float:
         """The current deadline, seconds after the push."""
@@ -55,15 +58,14 @@ class Deadlines:
 
     def overdue(self, now: float, queued: Callable[[list[str]], set[str]] | None = None) -> list[str]:
         """The tasks past their deadline, forgotten here (the caller counts them lost). `queued(task_ids)`: those of
-        them no one has read yet, which wait on; asked again at every call about each task once found queued, so
-        that its clock starts when it was last seen unread, at most one call before it was read."""
+        them no one has read yet, which wait on; asked again at the next call about each task found queued, so that
+        its clock starts when it was last seen unread, at most one call before it was read."""
         limit = self.limit_s()
         late = [task_id for task_id, at in self.pushed_at.items() if now - self.seen_queued.get(task_id, at) > limit]
-        late_ids = set(late)
-        if queued is not None and (asked := [*late, *(t for t in self.seen_queued if t not in late_ids)]):
-            waiting = queued(asked)
-            self.seen_queued.update(dict.fromkeys(waiting, now))
-            late = [task_id for task_id in late if task_id not in waiting]
+        if queued is not None and (asked := [*late, *self.still_queued.difference(late)]):
+            self.still_queued = queued(asked)
+            self.seen_queued.update(dict.fromkeys(self.still_queued, now))
+            late = [task_id for task_id in late if task_id not in self.still_queued]
         if late and not self.round_trips:
             self.cold_s = min(2 * self.cold_s, self.ceiling_s)
         self.forget(late)
