@@ -970,15 +970,20 @@ class Streams:
                         removed)
         return removed
 
+    def last_delivered(self, name: str) -> str | None:
+        """The last id stream `name`'s consumer group has read; None without the stream or the group."""
+        try:
+            groups = self.redis.xinfo_groups(self.key(name))
+            info = next(g for g in groups if g["name"].decode() == CONSUMER_GROUPS[name])
+        except (redis.ResponseError, StopIteration):
+            return None
+        return info["last-delivered-id"].decode()
+
     def unread(self, name: str, entry_ids: Collection[str]) -> set[str]:
         """Of `entry_ids`, the entries still in stream `name` that its consumer group has not read yet (past its
         last-delivered id): queued, held by no worker."""
-        key, group = self.key(name), CONSUMER_GROUPS[name]
-        try:
-            info = next(g for g in self.redis.xinfo_groups(key) if g["name"].decode() == group)
-            last = id_order(info["last-delivered-id"])
-        except (redis.ResponseError, StopIteration):  # no stream, or no group yet: no one has read anything
-            last = (-1, -1)
+        key, read_to = self.key(name), self.last_delivered(name)
+        last = id_order(read_to) if read_to is not None else (-1, -1)  # no group yet: no one has read anything
         candidates = [entry_id for entry_id in entry_ids if id_order(entry_id) > last]
         pipe = self.redis.pipeline(transaction=False)
         for entry_id in candidates:
@@ -996,11 +1001,8 @@ class Streams:
             key, group = self.key(name), CONSUMER_GROUPS[name]
             if self.redis.xlen(key) < self.cfg.high_water:
                 continue  # a stream with room: nothing blocked
-            try:
-                info = next(g for g in self.redis.xinfo_groups(key) if g["name"].decode() == group)
-            except (redis.ResponseError, StopIteration):
+            if (last := self.last_delivered(name)) is None:
                 continue
-            last = info["last-delivered-id"].decode()
             read = [entry_id for entry_id, _ in self.redis.xrange(key, min="-", max=last)]
             if not read:
                 continue
