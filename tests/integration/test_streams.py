@@ -288,6 +288,32 @@ def test_a_reject_of_an_entry_another_consumer_reclaimed_leaves_it_to_that_consu
     assert [letter["reason"] for letter in streams.dead_letters()] == ["invalid task: its holder's"]
 
 
+def test_a_reject_checks_its_holder_in_the_same_step_that_parks_the_entry(streams, settings, monkeypatch):
+    """A consumer frozen right after it checked that it held the entry, and before its letter parked it (checked
+    apart, two round trips): another reclaimed the entry meanwhile, and the park took it from that live one. Here
+    the other consumer reclaims right after the reject's first command to Redis: either the letter is written and
+    the entry parked, or the live consumer holds it and there is no letter; never both."""
+    prompts = streams.stream("prompts", PromptTask)
+    prompts.produce(task(0))
+    (frozen,) = prompts.consume("frozen", count=1)
+    time.sleep(prompts.cfg.visibility_timeout_s + 0.1)
+    live = Streams(connect(settings), settings, signs_as=ROLES).stream("prompts", PromptTask)
+    client, send, reclaimed = streams.redis, streams.redis.execute_command, []
+
+    def send_then_reclaim(*args, **options):
+        reply = send(*args, **options)
+        if not reclaimed:
+            reclaimed.append(live.consume("live", count=1))
+        return reply
+
+    monkeypatch.setattr(client, "execute_command", send_then_reclaim)
+    written = prompts.reject(frozen, "invalid task: a verdict from before the freeze")
+    letters = streams.dead_letters()
+    assert written == bool(letters) and written != bool(reclaimed[0])
+    if written:
+        assert prompts.parked() == [frozen.id]
+
+
 def test_a_forward_retried_after_its_reply_was_lost_is_not_taken_for_a_reclaim(streams):
     """The client retries a command whose reply a dropped connection lost: the script ran, the entry is gone. An
     idempotent forward (the learner's) then answers that its result is downstream, without writing it twice; a
