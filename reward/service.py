@@ -14,7 +14,7 @@ from reward.sandbox import VerifierPool
 from reward.scoring import Scorer
 from reward.worker import RewardWorker
 from services.config import Settings
-from services.http import server_options
+from services.http import Server, server_options
 from services.keys import load_signer
 from services.redis_local import connect, wait_for_redis
 from services.startup import scrub_secret_environment
@@ -68,7 +68,7 @@ def serve(settings: Settings, pool: VerifierPool) -> int:
         return True, f"{pool.ready_workers()}/{pool.size} verifier processes, {worker.groups_done} groups scored"
 
     app = create_reward_app(settings, scorer, ready=ready)
-    server = uvicorn.Server(uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="warning",
+    server = Server(uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="warning",
                                            **server_options(settings)))
     thread.start()
 

@@ -12,11 +12,14 @@ neither waits for the worker threads that synchronous handlers hold. uvicorn ans
 `http_head_timeout_s`, or whose request body stops that long, is closed, as is one beyond
 `http_max_connections_per_client` from one address (`guarded_protocol`), so neither idle half-open connections nor
 one client can keep the probes out.
-With `http_tls_certfile` (and its key) every service serves HTTPS (`server_options`).
+With `http_tls_certfile` (and its key) every service serves HTTPS (`server_options`), its TLS handshakes held to
+the same deadline (`Server`).
 """
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import hashlib
 import hmac
 import ipaddress
@@ -29,6 +32,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 import anyio
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
@@ -274,6 +278,7 @@ def guarded_protocol(head_timeout_s: float, per_client: int | None = None) -> ty
     open_by_address: dict[str, int] = {}  # one server's protocols share it (one event loop: no lock)
 
     class Guarded(H11Protocol):
+        head_timeout = head_timeout_s
         _head_deadline = None
         _address = None
 
@@ -335,6 +340,26 @@ def guarded_protocol(head_timeout_s: float, per_client: int | None = None) -> ty
     return Guarded
 
 
+class Server(uvicorn.Server):
+    """uvicorn's server, its TLS handshakes held to the head deadline of its `guarded_protocol`: the protocol sees a
+    connection only once its handshake is done, and asyncio waits 60 s for one, so a client that opened connections
+    and never finished a handshake held a socket each that long, uncounted by the per-client and connection
+    limits."""
+
+    def run(self, sockets=None) -> None:
+        make_loop = self.config.get_loop_factory() or asyncio.new_event_loop
+        handshake_timeout = getattr(self.config.http, "head_timeout", None)
+
+        def bounded_loop() -> asyncio.AbstractEventLoop:
+            loop = make_loop()
+            if self.config.is_ssl and handshake_timeout is not None:
+                loop.create_server = functools.partial(loop.create_server, ssl_handshake_timeout=handshake_timeout)
+            return loop
+
+        with asyncio.Runner(loop_factory=bounded_loop) as runner:
+            runner.run(self.serve(sockets=sockets))
+
+
 def client_verify(settings: Settings) -> ssl.SSLContext | bool:
     """What an HTTP client checks a service's certificate against: the CA file http_tls_ca, else the system's CAs."""
     return ssl.create_default_context(cafile=settings.http_tls_ca) if settings.http_tls_ca else True
@@ -347,11 +372,9 @@ class BackgroundServer:
     """
 
     def __init__(self, app: FastAPI, host: str, port: int, name: str = "http", *, limit_concurrency: int, **config):
-        import uvicorn
-
         self.host, self.port = host, port
         self.scheme = "https" if config.get("ssl_certfile") else "http"
-        self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning",
+        self.server = Server(uvicorn.Config(app, host=host, port=port, log_level="warning",
                                                     limit_concurrency=limit_concurrency, **config))
         self.thread = threading.Thread(target=self.server.run, name=name, daemon=True)
 

@@ -4,7 +4,9 @@ client trusts it through the CA file only; Redis clients speak TLS from a rediss
 from __future__ import annotations
 
 import shutil
+import socket
 import subprocess
+import time
 from pathlib import Path
 
 import httpx
@@ -46,6 +48,24 @@ def test_a_service_serves_https_that_clients_trust_through_the_ca_file(tmp_path)
             httpx.get(f"{server.url}/healthz")  # the system's CAs do not know it
         with pytest.raises(httpx.HTTPError):
             httpx.get(server.url.replace("https", "http", 1) + "/healthz")  # no plain HTTP beside it
+    finally:
+        server.stop()
+
+
+def test_a_connection_that_never_finishes_its_tls_handshake_is_closed_at_the_head_deadline(tmp_path):
+    """The guards of services.http see a connection once its handshake is done, and asyncio waits 60 s for that:
+    a client opening connections that never say a word held a socket each that long."""
+    ca, cert, key = make_certificates(tmp_path)
+    settings = Settings(token=TOKEN, http_tls_certfile=str(cert), http_tls_keyfile=str(key), http_tls_ca=str(ca),
+                        http_head_timeout_s=1)
+    server = BackgroundServer(create_app("test", token=TOKEN), "127.0.0.1", free_port(), **server_options(settings))
+    server.start(wait_s=30)
+    try:
+        with socket.create_connection((server.host, server.port), timeout=20) as silent:
+            opened = time.monotonic()
+            assert silent.recv(1) == b""  # closed by the server, not by this timeout
+            assert time.monotonic() - opened < 10
+        assert httpx.get(f"{server.url}/healthz", verify=client_verify(settings)).status_code == 200
     finally:
         server.stop()
 
