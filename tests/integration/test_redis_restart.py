@@ -279,15 +279,27 @@ def test_on_redis_7_worker_roles_call_the_stream_functions_and_run_no_code_of_th
         assert [lib[b"library_name"] if isinstance(lib, dict) else lib[1] for lib in
                 learner.execute_command("FUNCTION", "LIST")] == [streams_module.LIBRARY.encode()]
         assert early.produce(group)  # and the early worker's next call goes through
-        # A library an earlier release left in a Redis that outlived the upgrade: the learner's start replaces it.
-        stale = f"#!lua name={streams_module.LIBRARY}\nredis.register_function('dapo_produce', function() return 1 end)"
+        # Another release's library (a rollback, or a run of that release sharing this Redis), loaded after this
+        # one's, as its learner would at its start: it stands beside this one and replaces none of its functions.
+        other = "#!lua name=dapo_streams_0123456789ab\nredis.register_function('dapo_produce_0123456789ab', " \
+                "function() return 1 end)"
+        learner.execute_command("FUNCTION", "LOAD", "REPLACE", other)
+        task = group.task
+        pushed = Streams(learner, deployment_settings, signs_as=("learner",)).stream("prompts", PromptTask).produce(
+            task.for_generators(), register=(learner_key := f"dapo:{deployment_settings.redis.run}:{ISSUED}", "t0",
+                                             task))
+        assert learner.hget(entry_ids_key(learner_key), "t0").decode() == pushed
+        assert early.produce(group)
+        # A library of this name holding other code (as a client of the same name could have left it): the
+        # learner's start loads this code's.
+        stale = f"#!lua name={streams_module.LIBRARY}\nredis.register_function(" \
+                f"'dapo_produce_{streams_module.CODE_DIGEST}', function() return 1 end)"
         learner.execute_command("FUNCTION", "LOAD", "REPLACE", stale)
         upgraded = Streams(learner, deployment_settings, signs_as=("learner",))
         upgraded.scripts.load()
-        task = group.task
         pushed = upgraded.stream("prompts", PromptTask).produce(task.for_generators(),
-                                                                register=(upgraded.key(ISSUED), "t0", task))
-        assert learner.hget(entry_ids_key(upgraded.key(ISSUED)), "t0").decode() == pushed
+                                                                register=(upgraded.key(ISSUED), "t1", task))
+        assert learner.hget(entry_ids_key(upgraded.key(ISSUED)), "t1").decode() == pushed
     finally:
         server.kill()
 
