@@ -5,8 +5,10 @@ checkpoint pointers. Every trainer operation in which all ranks take part (a tra
 publish or writing each rank's share of them, saving or loading a checkpoint) is a command that rank 0 broadcasts
 just before it runs the operation itself; the other ranks run `follow`, which receives the commands in the same
 order and runs the same operations, so their collectives meet. `stop` ends the followers (rank 0 finished, or was
-stopped by a signal after its checkpoint). Evaluation needs no command: it runs on the generators, from published
-weights.
+stopped by a signal after its checkpoint). A signal to a follower's process alone (Kubernetes replacing the second
+learner pod of a multi-node run: a rolling update, a drain) reaches rank 0 with the next command: each command ends
+in an all-reduce of the signals the followers got, and rank 0 then stops as if signalled itself. Evaluation needs
+no command: it runs on the generators, from published weights.
 
 The wire: a command is msgpack (the groups as their signed-stream payloads), broadcast as a length and then the
 bytes in a uint8 tensor. No pickle crosses ranks.
@@ -48,6 +50,8 @@ class RankChannel:
         self.world = accelerator.num_processes
         self.device = accelerator.device
         self.last_sent = time.monotonic()
+        self.signalled = 0  # a follower: the signal its process got (0: none)
+        self.on_follower_signal = None  # rank 0: called with the signal a follower got, at the command after it
 
     @property
     def is_leader(self) -> bool:
@@ -65,6 +69,9 @@ class RankChannel:
         data = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(self.device)
         torch.distributed.broadcast(data, src=0)
         self.last_sent = time.monotonic()
+        follower_signal = self._signals()
+        if follower_signal and self.on_follower_signal is not None:
+            self.on_follower_signal(follower_signal)
 
     def receive(self) -> dict:
         """A follower: the next command (blocks, up to the process group's timeout)."""
@@ -72,10 +79,17 @@ class RankChannel:
         torch.distributed.broadcast(size, src=0)
         data = torch.empty(int(size.item()), dtype=torch.uint8, device=self.device)
         torch.distributed.broadcast(data, src=0)
+        self._signals()
         command = msgpack.unpackb(data.cpu().numpy().tobytes(), raw=False)
         if command.get("op") not in OPS:
             raise ValueError(f"unknown rank command {command.get('op')!r}")
         return command
+
+    def _signals(self) -> int:
+        """Every rank, after each command: the largest signal number a follower got (0: none)."""
+        signalled = torch.tensor([self.signalled], dtype=torch.int64, device=self.device)
+        torch.distributed.all_reduce(signalled, op=torch.distributed.ReduceOp.MAX)
+        return int(signalled.item())
 
     def keepalive(self) -> None:
         """Rank 0, while it waits on the pipeline: tell the followers it is alive (at most every heartbeat)."""
@@ -110,10 +124,14 @@ class RankChannel:
 
 
 def follow(trainer: "Trainer", channel: RankChannel) -> int:
-    """Ranks > 0: run rank 0's commands until `stop`. A signal does not stop a follower: rank 0 receives it too,
-    finishes its step, checkpoints (a collective) and then sends `stop`."""
+    """Ranks > 0: run rank 0's commands until `stop`. A signal does not stop a follower: rank 0 hears of it with
+    the next command (or gets it too), finishes its step, checkpoints (a collective) and then sends `stop`."""
+    def note(signum, frame) -> None:
+        log.info("signal %d: told to rank 0, which decides when to stop", signum)
+        channel.signalled = signum
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda signum, frame: log.info("signal %d: rank 0 decides when to stop", signum))
+        signal.signal(sig, note)
     rank = channel.accelerator.process_index
     log.info("rank %d of %d: following rank 0", rank, channel.world)
     while True:

@@ -918,12 +918,19 @@ def main(settings: Settings) -> int:
         service.stopped_by = signum
         service.stopping.set()
 
+    def follower_signalled(signum: int) -> None:
+        if not service.stopping.is_set():
+            log.info("a follower rank got signal %d: finishing the current step, then checkpoint and exit", signum)
+            service.stopped_by = signum
+            service.stopping.set()
+
     try:
         service.check_recipe()  # a checkpoint of another experiment: refused before the run's files are touched
         service.connect()
         service.start_http()
         service.export_stream_gauges()
         service.load()
+        service.ranks.on_follower_signal = follower_signalled
         signal.signal(signal.SIGTERM, request_stop)
         signal.signal(signal.SIGINT, request_stop)
         return service.run()

@@ -294,6 +294,45 @@ os._exit(0)  # as WORKER: the interpreter's teardown of gloo's threads aborts a 
 """
 
 
+SIGNAL_WORKER = """
+import os, signal, sys, threading, time
+sys.path[:0] = [{repo!r}]
+from datetime import timedelta
+from accelerate import PartialState
+from learner.ranks import RankChannel, follow
+
+state = PartialState(cpu=True, timeout=timedelta(seconds=60))
+channel = RankChannel(state)
+if channel.is_leader:
+    heard = []
+    channel.on_follower_signal = heard.append
+    channel.send("idle")
+    time.sleep(3)  # the follower's process gets SIGTERM meanwhile, and waits in the next command
+    assert heard == [], heard
+    channel.send("idle")
+    assert heard == [signal.SIGTERM], heard
+    channel.stop()
+    print("rank 0 heard signal", heard[0], flush=True)
+else:
+    threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGTERM)).start()
+    assert follow(None, channel) == 0
+sys.stdout.flush()
+os._exit(0)
+"""
+
+
+def test_a_signal_to_a_follower_alone_reaches_rank_zero_with_the_next_command(tmp_path):
+    """Kubernetes replaces the second learner pod alone (a rolling update, a drain): its ranks got SIGTERM, rank 0
+    none, so no checkpoint was written, and the run failed at the next collective once those ranks were killed."""
+    here = Path(__file__).resolve().parent
+    script = tmp_path / "signal_worker.py"
+    script.write_text(SIGNAL_WORKER.format(repo=str(here.parents[1])))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(here.parents[1]), ACCELERATE_USE_CPU="true")
+    done = subprocess.run(accelerate_launch(2) + [str(script)], env=env, timeout=120, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "rank 0 heard signal 15" in done.stdout
+
+
 def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
