@@ -22,6 +22,8 @@ from services.streams import Streams
 
 log = logging.getLogger(__name__)
 
+STOP_REQUESTS_S = 5  # the HTTP requests in flight at a stop get this long (Kubernetes' grace for the pod: 30 s)
+
 
 def main(settings: Settings) -> int:
     """`dapo reward`: Redis is checked before the verifier processes start; until the HTTP server runs a signal
@@ -68,8 +70,13 @@ def serve(settings: Settings, pool: VerifierPool) -> int:
         return True, f"{pool.ready_workers()}/{pool.size} verifier processes, {worker.groups_done} groups scored"
 
     app = create_reward_app(settings, scorer, ready=ready)
+    # The worker stops claiming groups at the signal, not once uvicorn has drained the requests in flight (a
+    # /v1/score of many items): the groups it claimed meanwhile were killed with the pod, and waited out the
+    # visibility timeout. Requests in flight are cancelled after STOP_REQUESTS_S (a batch already in the verifier
+    # pool still ends first).
     server = Server(uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="warning",
-                                           **server_options(settings)))
+                                   timeout_graceful_shutdown=STOP_REQUESTS_S, **server_options(settings)),
+                    on_exit=worker.stop)
     thread.start()
 
     # uvicorn handles SIGTERM/SIGINT while it serves, then re-raises the signal to the handler that was there

@@ -344,7 +344,17 @@ class Server(uvicorn.Server):
     """uvicorn's server, its TLS handshakes held to the head deadline of its `guarded_protocol`: the protocol sees a
     connection only once its handshake is done, and asyncio waits 60 s for one, so a client that opened connections
     and never finished a handshake held a socket each that long, uncounted by the per-client and connection
-    limits."""
+    limits. `on_exit`: called as soon as a signal asks it to stop (uvicorn's own handler holds the process's
+    signals while it serves, and gives them back only after the requests in flight have ended)."""
+
+    def __init__(self, config: uvicorn.Config, on_exit: Callable[[], None] | None = None):
+        super().__init__(config)
+        self.on_exit = on_exit
+
+    def handle_exit(self, sig, frame) -> None:
+        if self.on_exit is not None:
+            self.on_exit()
+        super().handle_exit(sig, frame)
 
     def run(self, sockets=None) -> None:
         make_loop = self.config.get_loop_factory() or asyncio.new_event_loop

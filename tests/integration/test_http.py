@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import signal
 import socket
 import threading
 import time
@@ -12,11 +13,12 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
+import uvicorn
 from fastapi.testclient import TestClient
 from pydantic import BaseModel
 
 from services.config import DEFAULT_TOKEN, load_settings
-from services.http import callers, create_app, guarded_protocol, token_refusal
+from services.http import Server, callers, create_app, free_port, guarded_protocol, token_refusal
 from tests.servers import ServerThread
 
 AUTH = {"Authorization": "Bearer tok"}
@@ -190,6 +192,33 @@ def test_connections_beyond_the_limit_get_503():
         finally:
             release.set()
         assert held.result().status_code == 200
+
+
+def test_a_signal_reaches_the_service_at_once_and_requests_in_flight_get_the_graceful_timeout():
+    """uvicorn holds the process's signals while it serves and gives them back only once the requests in flight
+    have ended: the reward worker went on claiming groups for as long as a /v1/score ran, past the pod's grace."""
+    told = threading.Event()
+    app = make_app()
+
+    @app.get("/v1/slow")
+    async def slow() -> dict:
+        await asyncio.sleep(30)
+        return {}
+
+    server = Server(uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_level="warning",
+                                   timeout_graceful_shutdown=1), on_exit=told.set)
+    serving = threading.Thread(target=server.run, daemon=True)
+    serving.start()
+    while not server.started:
+        time.sleep(0.05)
+    with ThreadPoolExecutor(1) as pool:
+        held = pool.submit(httpx.get, f"http://127.0.0.1:{server.config.port}/v1/slow", headers=AUTH, timeout=60)
+        time.sleep(0.5)
+        server.handle_exit(signal.SIGTERM, None)
+        assert told.is_set()
+        serving.join(timeout=10)
+        assert not serving.is_alive()  # the request in flight did not hold the stop past the graceful timeout
+        assert held.result().status_code == 500
 
 
 def test_half_sent_requests_are_closed_at_the_head_deadline_and_the_probes_answer_again():
