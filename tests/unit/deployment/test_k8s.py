@@ -16,6 +16,7 @@ import dataclasses
 import ipaddress
 import json
 import os
+import re
 import subprocess
 import tempfile
 from pathlib import Path
@@ -34,6 +35,7 @@ from deploy_helpers import (
     OVERLAYS,
     PINNED_IMAGE,
     RECIPE,
+    ROOT,
     SERVICES,
     _accelerate_args,
     _by_kind,
@@ -211,6 +213,28 @@ def test_learner_is_a_single_replica_that_never_overlaps_itself():
         learner = _by_kind(_render(overlay), "Deployment")["learner"]
         assert learner["spec"]["replicas"] == 1
         assert learner["spec"]["strategy"]["type"] == "Recreate"
+
+
+CHECKPOINT_WRITE_GB_S = 1.0  # the run volume's sustained write rate docs/deploy.md asks of the recipe's cluster
+
+
+def test_the_recipes_learner_has_the_grace_to_finish_its_update_then_publish_and_checkpoint():
+    """A stop lets the update in progress end, then publishes and checkpoints (learner/service.py), and torchrun
+    kills the ranks TORCH_ELASTIC_SHUTDOWN_TIMEOUT after the signal. At 600 s a stop during most of a 32B update
+    (about 73 minutes) was a kill, and the run went back to the checkpoint before it, up to 9 steps (30 hours).
+    The update's time is the plan's (docs/deploy.md, checked against `dapo plan` by the slow plan test); a
+    checkpoint writes the fp32 weights and AdamW's two moments (12 bytes a parameter) and the bf16 model folder
+    (2), a publish the bf16 weights."""
+    plan = (ROOT / "docs" / "deploy.md").read_text()
+    update_s = float(re.search(r"about ([\d,]+) s at \d+% MFU", plan)[1].replace(",", ""))
+    parameters = float(re.search(r"([\d.]+) B parameters", plan)[1]) * 1e9
+    written_s = parameters * (12 + 2 + 2) / (CHECKPOINT_WRITE_GB_S * 1e9)
+    learner = _by_kind(_render(RECIPE), "StatefulSet")["learner"]["spec"]["template"]["spec"]
+    grace = learner["terminationGracePeriodSeconds"]
+    env = {variable["name"]: variable.get("value") for variable in learner["containers"][0]["env"]}
+    torchrun_s = int(env["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"])
+    assert torchrun_s >= update_s + written_s, (torchrun_s, update_s, written_s)
+    assert grace >= torchrun_s + 30  # torchrun's own exit, after its ranks'
 
 
 def test_keda_scales_generators_on_the_prompts_stream(tmp_path):
