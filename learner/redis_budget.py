@@ -72,6 +72,19 @@ def held_budget(settings: Settings, maxmemory: int, group_bytes: int) -> tuple[s
     return "ok", f"{figure}, {against}"
 
 
+def eviction_refusal(policy: str) -> tuple[str, str]:
+    """("ok" | "warn" | "refuse", why) for Redis' maxmemory-policy: a full Redis must refuse writes (noeviction);
+    one that evicts keys accepts them and deletes the run's instead, with no error anywhere."""
+    if policy == "noeviction":
+        return "ok", ""
+    if policy.startswith("allkeys"):
+        return "refuse", (f"Redis evicts any key when full (maxmemory-policy {policy}): the run's streams, `held` "
+                          "and `issued` would vanish without an error; set maxmemory-policy noeviction "
+                          "(docs/deploy.md)")
+    return "warn", (f"Redis evicts keys with a time to live when full (maxmemory-policy {policy}): the learner's "
+                    "lease and the forward markers among them; set maxmemory-policy noeviction (docs/deploy.md)")
+
+
 def memory_pressed(used: int, maxmemory: int, share: float) -> bool:
     """Redis uses its share for `held` (or more) of a maxmemory it has: time to checkpoint and release `held`."""
     return maxmemory > 0 and used >= share * maxmemory

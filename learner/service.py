@@ -42,7 +42,7 @@ from learner.lease import LearnerLease
 from learner.policy import PolicyVersion
 from learner.ranks import RankChannel, follow
 from learner.records import Records, step_record, wait_split, with_delivery
-from learner.redis_budget import MB, held_budget, largest_group_bytes, memory_pressed
+from learner.redis_budget import MB, eviction_refusal, held_budget, largest_group_bytes, memory_pressed
 from learner.workset import RUN_STREAMS, WorkingSet
 from services import metrics
 from services.broadcast import Broadcaster, newest_streamed
@@ -274,12 +274,17 @@ class LearnerService:
         if self.settings.weights.transport == "collective" and self.broadcaster is None:
             self.broadcaster = Broadcaster(self.settings, retrying(self.redis), self.publisher.signer,
                                            self.streams.prefix, channel(self.streams.prefix))
-        self.check_held_budget()
+        self.check_redis_memory()
 
-    def check_held_budget(self) -> None:
-        """The largest `held` these settings allow against Redis' maxmemory (learner/redis_budget.py): a step
-        that cannot fit refuses the start (Unavailable, with the figures), a checkpoint interval that may not fit
-        is a warning."""
+    def check_redis_memory(self) -> None:
+        """Redis' eviction policy (one that evicts any key refuses the start), and the largest `held` these
+        settings allow against its maxmemory (learner/redis_budget.py): a step that cannot fit refuses the start
+        (Unavailable, with the figures), a checkpoint interval that may not fit is a warning."""
+        verdict, why = eviction_refusal(self.streams.eviction_policy())
+        if verdict == "refuse":
+            raise Unavailable(why)
+        if verdict == "warn":
+            log.warning("Redis memory: %s", why)
         _, maxmemory = self.work.redis_memory()
         verdict, figures = held_budget(self.settings, maxmemory, largest_group_bytes(self.settings))
         if verdict == "refuse":

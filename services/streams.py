@@ -1088,6 +1088,10 @@ class Streams:
         info = self.redis.info("memory")
         return int(info["used_memory"]), int(info["maxmemory"])
 
+    def eviction_policy(self) -> str:
+        """Redis' maxmemory-policy (what a full Redis does: noeviction refuses writes)."""
+        return str(self.redis.info("memory").get("maxmemory_policy", "noeviction"))
+
     def trim_overfull(self) -> dict[str, int]:
         """With Redis nearly full (writes are refused at maxmemory, and then no role can forward or dead-letter):
         trim each stream longer than its producers may make it back to that length, oldest entries first, and name

@@ -1070,6 +1070,23 @@ def test_a_learner_refuses_a_redis_too_small_for_a_step_and_checkpoints_early_un
     assert service.held_memory_pressed()
 
 
+def test_a_learner_refuses_a_redis_that_evicts_keys_when_full(settings, redis_server):
+    """A Redis of one's own with maxmemory-policy allkeys-lru accepts every write when full and deletes keys instead:
+    `held`, `issued` and the streams' consumer groups vanished with no error anywhere."""
+    import redis
+
+    from services.errors import Unavailable
+
+    raw = redis.Redis.from_url(redis_server.url)
+    raw.config_set("maxmemory-policy", "allkeys-lru")
+    try:
+        with pytest.raises(Unavailable, match="maxmemory-policy allkeys-lru"):
+            LearnerService(settings).connect()
+    finally:
+        raw.config_set("maxmemory-policy", "noeviction")
+    LearnerService(settings).connect()
+
+
 def test_a_group_whose_samples_the_trainer_cannot_use_is_refused_and_its_task_given_up(settings):
     """A sample with fewer logprobs than token ids would make every train step on it fail, at every restart (it
     stays held): refused on arrival, and its task is not waited for (no genuine group of it will come)."""

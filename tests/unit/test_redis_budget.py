@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from learner.redis_budget import MB, held_budget, held_groups, largest_group_bytes, memory_pressed
+from learner.redis_budget import MB, eviction_refusal, held_budget, held_groups, largest_group_bytes, memory_pressed
 from services.config import load_settings
 
 
@@ -50,3 +50,12 @@ def test_a_small_run_fits_and_a_redis_without_maxmemory_is_warned_about():
 def test_memory_is_pressed_at_the_share_of_a_maxmemory_redis_has():
     assert memory_pressed(500, 1000, 0.5) and not memory_pressed(499, 1000, 0.5)
     assert not memory_pressed(10**12, 0, 0.5)  # no maxmemory: nothing to measure against
+
+
+def test_only_a_redis_that_refuses_writes_when_full_keeps_the_run():
+    assert eviction_refusal("noeviction") == ("ok", "")
+    for policy in ("allkeys-lru", "allkeys-lfu", "allkeys-random"):
+        assert eviction_refusal(policy)[0] == "refuse"
+    for policy in ("volatile-lru", "volatile-ttl", "volatile-random", "volatile-lfu"):
+        verdict, why = eviction_refusal(policy)
+        assert verdict == "warn" and "lease" in why
