@@ -16,10 +16,11 @@ responses are mostly shorter than max_tokens.
 
 from __future__ import annotations
 
-from services.config import Settings
+from services.config import GROUP_STREAMS, Settings
 from services.messages import PromptTask, RolloutGroup, Sample, SamplingParams, Score, ScoredGroup, to_wire
 
 TEXT_BYTES_PER_TOKEN = 4  # the decoded text of a BPE token of English or math: about 4 characters
+REDIS_OVERHEAD = 1.1  # a stream entry's bytes in Redis over its wire bytes (measured: +8 % at 3.8 MB, jemalloc)
 MB = 1024 * 1024
 
 
@@ -66,6 +67,17 @@ def held_budget(settings: Settings, maxmemory: int, group_bytes: int) -> tuple[s
                           "before it checkpoints. Raise Redis' maxmemory (redis.embedded_maxmemory_mb for the "
                           "embedded server) or redis.held_memory_share, or lower learner.batch.prompts_per_step, "
                           "sampling.n or sampling.max_tokens")
+    # The rest of maxmemory is the group streams' room: at their marks they must fit it, or a stall of the reward
+    # workers or of the learner fills Redis before any generator waits (REDIS_OVERHEAD: Redis' allocator rounds up)
+    group_streams = sum(settings.streams.high_water_of(name) for name in GROUP_STREAMS)
+    room = (1 - share) * maxmemory
+    if group_streams * group_bytes * REDIS_OVERHEAD > room:
+        fitting = int(room / (len(GROUP_STREAMS) * group_bytes * REDIS_OVERHEAD))
+        return "warn", (f"`rollouts` and `scored` at their marks ({group_streams // len(GROUP_STREAMS)} groups "
+                        f"each) need up to {group_streams * group_bytes * REDIS_OVERHEAD / MB:,.0f} MB, more than the "
+                        f"{room / MB:,.0f} MB of Redis' maxmemory that `held` leaves them: a stall of the reward "
+                        "workers or of the learner fills Redis before the generators wait, and the learner then trims "
+                        f"finished groups; set streams.group_high_water to at most {max(fitting, 1)}")
     if most * group_bytes > budget:
         return "warn", (f"{figure}, {against}: the learner checkpoints early whenever Redis uses more "
                         "(redis.held_memory_share)")

@@ -173,8 +173,16 @@ class KeysConfig(Section):
     )
 
 
+GROUP_STREAMS = ("rollouts", "scored")  # the streams whose entries are whole groups (n responses each)
+
+
 class StreamsConfig(Section):
     high_water: int = Field(2048, ge=1, description="Back-pressure: a producer waits while a stream holds this many.")
+    group_high_water: int | None = Field(
+        None, ge=1, description="Back-pressure on `rollouts` and `scored`, whose entries are whole groups: a producer "
+        "waits while one holds this many (unset: high_water). Size it to Redis: both streams at this mark and a "
+        "step of `held` must fit its maxmemory (the learner warns otherwise, with the figures)."
+    )
     produce_timeout_s: float = Field(600.0, gt=0, description="How long a producer waits above high water, then fails.")
     visibility_timeout_s: float = Field(
         120.0, gt=0, description="A message pending this long is reclaimed from its consumer (its holder renews it "
@@ -194,6 +202,10 @@ class StreamsConfig(Section):
         1024.0, gt=0, description="run_dir/dead-letters keeps the newest payload files within this many MiB (and "
         "at most dead_maxlen of them): a writer of forged entries cannot fill the disk."
     )
+
+    def high_water_of(self, stream: str) -> int:
+        """The back-pressure mark of `stream` (entries)."""
+        return self.group_high_water or self.high_water if stream in GROUP_STREAMS else self.high_water
 
 
 class ModelConfig(Section):

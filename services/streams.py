@@ -295,6 +295,7 @@ class Stream(Generic[M]):
         self.key = streams.key(name)
         self.group = CONSUMER_GROUPS.get(name, name)
         self.model = model
+        self.high_water = self.cfg.high_water_of(name)
         self._forward = functools.partial(streams.scripts, "forward")
         self._ack = functools.partial(streams.scripts, "ack")
         self._produce = functools.partial(streams.scripts, "produce")
@@ -354,7 +355,7 @@ class Stream(Generic[M]):
         while (entry_id := self._xadd(payload, registered)) is None:
             if waited >= timeout:
                 raise BackPressureTimeout(
-                    f"stream {self.key} stayed at {self.cfg.high_water}+ entries for {timeout:.0f}s"
+                    f"stream {self.key} stayed at {self.high_water}+ entries for {timeout:.0f}s"
                 )
             time.sleep(delay)
             waited += delay
@@ -365,7 +366,7 @@ class Stream(Generic[M]):
 
     def room(self) -> int:
         """How many messages can be produced now without waiting."""
-        return max(0, self.cfg.high_water - self._depth())
+        return max(0, self.high_water - self._depth())
 
     def wait_for_room(self, stop: threading.Event) -> None:
         """A worker whose output is this stream, at its high-water mark: wait a moment before reading more input
@@ -375,7 +376,7 @@ class Stream(Generic[M]):
 
     def _xadd(self, payload: bytes, register: tuple[str, str, bytes] | None = None) -> str | None:
         """XADD below high water (and HSET into the register); None when the stream is full."""
-        keys, args = [self.key], [self.cfg.high_water, payload, self.signature(payload)]
+        keys, args = [self.key], [self.high_water, payload, self.signature(payload)]
         if register is not None:
             keys += [register[0], entry_ids_key(register[0])]
             args += register[1:]
@@ -1025,7 +1026,7 @@ class Streams:
         deleted = {}
         for name in names:
             key, group = self.key(name), CONSUMER_GROUPS[name]
-            if self.redis.xlen(key) < self.cfg.high_water:
+            if self.redis.xlen(key) < self.cfg.high_water_of(name):
                 continue  # a stream with room: nothing blocked
             if (last := self.last_delivered(name)) is None:
                 continue
@@ -1095,8 +1096,9 @@ class Streams:
     def trim_overfull(self) -> dict[str, int]:
         """With Redis nearly full (writes are refused at maxmemory, and then no role can forward or dead-letter):
         trim each stream longer than its producers may make it back to that length, oldest entries first, and name
-        it. `prompts`, `rollouts` and `scored` producers wait at `streams.high_water` (a worker reads no more input
-        than its output has room for: past the mark by its tasks in flight at most); `dead` is kept near
+        it. `prompts`, `rollouts` and `scored` producers wait at their marks (`StreamsConfig.high_water_of`: a
+        worker reads no more input than its output has room for, past the mark by its tasks in flight at most);
+        `dead` is kept near
         `streams.dead_maxlen`. Only a producer that ignores its limit (a worker's XADD outside the scripts) makes one
         much longer: the culprit. A flood of large entries fills Redis within those lengths: if Redis is still full, the
         largest stream the workers write, if it takes WORKER_STREAM_SHARE of maxmemory (in a run of the sizes
@@ -1104,7 +1106,7 @@ class Streams:
         task is given up at its deadline and issued again, as one a worker deleted (a trimmed letter's too). `held`
         is the learner's own (a checkpoint releases it). Every command here is accepted by a full Redis (none is
         in a transaction): it is the learner's `on_full` (services/redis_local.py). Returns stream -> trimmed."""
-        limits = {"prompts": self.cfg.high_water, "rollouts": self.cfg.high_water, "scored": self.cfg.high_water,
+        limits = {**{name: self.cfg.high_water_of(name) for name in ("prompts", "rollouts", "scored")},
                   "dead": self.cfg.dead_maxlen + DEAD_TRIM_SLACK}
         trimmed = {}
         for name, limit in limits.items():

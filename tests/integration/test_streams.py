@@ -258,6 +258,19 @@ def test_backpressure_waits_then_fails_clearly(streams):
     assert streams.redis.xlen(prompts.key) == prompts.cfg.high_water  # nothing was trimmed
 
 
+def test_the_group_streams_wait_at_their_own_mark(settings):
+    """`rollouts` and `scored` hold whole groups (MBs each at the 32B recipe): their producers wait at
+    streams.group_high_water, while `prompts` keeps high_water."""
+    grouped = Streams(connect(settings), settings.model_copy(update={"streams": settings.streams.model_copy(
+        update={"group_high_water": 2})}), signs_as=ROLES)
+    prompts, rollouts = grouped.stream("prompts", PromptTask), grouped.stream("rollouts", RolloutGroup)
+    for i in range(2):
+        assert rollouts.produce(group_for(task(i)))
+    with pytest.raises(BackPressureTimeout, match="stayed at 2"):
+        rollouts.produce(group_for(task(2)), timeout=0.3)
+    assert rollouts.room() == 0 and prompts.room() == settings.streams.high_water == 64
+
+
 def test_reclaimed_message_cannot_be_forwarded_twice(streams):
     prompts, rollouts = streams.stream("prompts", PromptTask), streams.stream("rollouts", RolloutGroup)
     prompts.produce(task(0))

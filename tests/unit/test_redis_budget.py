@@ -38,6 +38,20 @@ def test_the_32b_recipe_is_refused_a_small_redis_and_warned_on_the_recipe_overla
     assert "checkpoints early" in figures
 
 
+def test_the_group_streams_at_their_marks_must_fit_what_held_leaves_of_redis():
+    """At 2,048 entries each, `rollouts` and `scored` of the 32B recipe's groups (3.8 MB) take 17 GB: a stall of the
+    reward workers filled the overlay's 9 GB Redis long before any generator waited on back-pressure."""
+    unbounded = load_settings("dapo-qwen2.5-32b", streams={"group_high_water": None})
+    group = largest_group_bytes(unbounded)
+    verdict, figures = held_budget(unbounded, 9216 * MB, group)
+    assert verdict == "warn" and "(2048 groups each)" in figures
+    assert "set streams.group_high_water to at most 555" in figures
+    shipped = load_settings("dapo-qwen2.5-32b")
+    assert shipped.streams.high_water_of("rollouts") == shipped.streams.high_water_of("scored") == 512
+    assert shipped.streams.high_water_of("prompts") == 2048  # tasks are small: a step's pushes fit
+    assert "group_high_water" not in held_budget(shipped, 9216 * MB, group)[1]
+
+
 def test_a_small_run_fits_and_a_redis_without_maxmemory_is_warned_about():
     settings = load_settings("tiny-cpu")
     group = largest_group_bytes(settings)

@@ -309,7 +309,8 @@ def test_k8s_redis_memory_is_bounded_below_its_limit_and_fits_a_step_of_the_reci
     assert maxmemory <= 0.75 * _memory_bytes(container["resources"]["limits"]["memory"])
     if overlay == RECIPE:  # the learner would refuse a Redis that cannot hold one step of the longest groups
         settings = load_settings("dapo-qwen2.5-32b")
-        assert held_budget(settings, maxmemory, largest_group_bytes(settings))[0] != "refuse"
+        verdict, figures = held_budget(settings, maxmemory, largest_group_bytes(settings))
+        assert verdict != "refuse" and "group_high_water" not in figures  # the group streams fit beside `held`
         volume = _by_kind(resources, "PersistentVolumeClaim")["redis-data"]["spec"]["resources"]["requests"]
         assert _memory_bytes(volume["storage"]) >= 3 * maxmemory  # the AOF (up to twice the data) and its rewrite
 
