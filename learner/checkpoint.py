@@ -61,6 +61,7 @@ CHECKPOINTS = "checkpoints"
 LATEST = "latest"
 STOPPED = "stopped.json"
 STARTED_OVER = "started-over"  # written when `learner.checkpoints.resume: false` started the run over
+RUN_RECIPE = "run-recipe.json"  # the recipe of the run's start, for a restart before its first checkpoint
 PREFIX = "step-"  # checkpoints/step-N
 FORMAT = 4  # 1 accelerate's save_state (pickles); 2 a policy version of its own; 3 full-state gather
 STATE_DIR = "state"  # the exact training state, sharded per rank, no pickle anywhere
@@ -133,6 +134,20 @@ class Checkpoints:
                 else:
                     shutil.rmtree(leftover, ignore_errors=True)
         fsync_dir(self.dir)
+
+    def mark_run_recipe(self, recipe: dict) -> None:
+        """The recipe this run started with: a restart before its first checkpoint is checked against it (the
+        groups it left in Redis were sampled and scored by it)."""
+        self.dir.mkdir(parents=True, exist_ok=True)
+        write_atomic(self.dir / RUN_RECIPE, json.dumps(recipe))
+
+    def run_recipe(self) -> dict | None:
+        """What `mark_run_recipe` wrote (None: nothing, or not a recipe)."""
+        try:
+            saved = json.loads((self.dir / RUN_RECIPE).read_text())
+        except (OSError, ValueError):
+            return None
+        return saved if isinstance(saved, dict) else None
 
     def mark_started_over(self, recipe: dict) -> None:
         write_atomic(self.dir / STARTED_OVER, json.dumps({"at": time.strftime("%Y-%m-%d %H:%M:%S %Z"),

@@ -573,6 +573,7 @@ class LearnerService:
             self.checkpoints.forget_latest()
             self.checkpoints.dir.mkdir(parents=True, exist_ok=True)
             self.checkpoints.mark_started_over(recipe(self.settings))
+        self.checkpoints.mark_run_recipe(recipe(self.settings))
         self.work.restore(skip=set(), counted=set())
         self.records.cut_after(-1)
         return False
@@ -582,12 +583,21 @@ class LearnerService:
         return self.checkpoints.latest_step() if self.cfg.checkpoints.resume else None
 
     def check_recipe(self) -> None:
-        """Refuse the checkpoint this learner would resume if it was trained with other settings (`recipe`): done
-        first (`main`), before the run's config.yaml is rewritten, a tracker's run made or the model loaded."""
+        """Refuse the checkpoint this learner would resume if it was trained with other settings (`recipe`), or,
+        before the run's first checkpoint, a start with settings other than the run's start had: its groups, held
+        or still to come, were sampled and scored by those. Done first (`main`), before the run's config.yaml is
+        rewritten, a tracker's run made or the model loaded."""
+        if not self.cfg.checkpoints.resume:
+            return  # the run starts over, with nothing of the one before
         step = self.checkpointed_step()
-        saved = self.checkpoints.extra_state(step).get("recipe") if step is not None else None  # (none before 11-29)
+        if step is None:
+            what, saved = (f"the run of {self.checkpoints.dir} (no checkpoint yet) was started",
+                           self.checkpoints.run_recipe())
+        else:  # (none before 11-29)
+            what, saved = (f"the checkpoint {self.checkpoints.path(step)} was trained",
+                           self.checkpoints.extra_state(step).get("recipe"))
         if saved is not None and (changes := recipe_changes(saved, self.settings)):
-            raise ConfigError(f"the checkpoint {self.checkpoints.path(step)} was trained with other settings "
+            raise ConfigError(f"{what} with other settings "
                               f"({'; '.join(changes)}): going on would be another experiment under this run's name. "
                               "Give it its own run_dir (and redis.run), or start over here (once: "
                               "learner.checkpoints.resume=false, docs/deploy.md)")

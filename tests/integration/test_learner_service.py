@@ -155,6 +155,25 @@ def test_a_resume_with_another_recipe_is_refused_before_anything_is_loaded(setti
     assert loaded == [folder]
 
 
+def test_a_restart_before_the_first_checkpoint_with_another_recipe_is_refused(settings):
+    """Before its first checkpoint (10 steps, 36 hours at the 32B recipe) a restart with a lowered max_tokens
+    re-admitted the groups `held` kept and took the tasks still queued, all sampled and scored by the settings
+    before, with no word: the run's first steps mixed two experiments."""
+    from services.config import ConfigError
+
+    problems = [Problem(id=str(i), problem=f"{i}+0=?", answer=str(i)) for i in range(10)]
+    learner_drawing(settings, problems, seed=5).start_fresh()  # the run's start, killed before any checkpoint
+    LearnerService(settings).check_recipe()  # the same settings: a restart goes on
+    changed = settings.model_copy(deep=True)
+    changed.sampling.max_tokens = settings.sampling.max_tokens // 2
+    with pytest.raises(ConfigError, match=r"no checkpoint yet\) was started with other settings \(sampling.max_tok"):
+        LearnerService(changed).check_recipe()
+    changed.learner.checkpoints.resume = False  # starting over is the way on, and its recipe is the run's then
+    learner_drawing(changed, problems, seed=5).start_fresh()
+    changed.learner.checkpoints.resume = True
+    LearnerService(changed).check_recipe()
+
+
 def test_time_limit_ends_the_run_with_an_evaluation_and_a_checkpoint(tmp_path):
     from learner.service import LearnerService
 
