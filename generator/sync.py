@@ -68,7 +68,7 @@ class WeightSync:
         self.collective = settings.weights.transport == "collective"
         self.watcher = AnnouncementWatcher(redis_client, self.prefix, self.keyring,
                                            poll_s=settings.generator.sync_poll_s)
-        self.cancel = threading.Event()  # set when the generator stops: a download under way ends at its next chunk
+        self.cancel = threading.Event()  # set when the generator stops: a download or check ends at its next chunk
         self.leave()  # a killed predecessor's membership: no round may name this id before its engine is ready
 
     def latest(self) -> WeightsAnnouncement | None:
@@ -101,7 +101,7 @@ class WeightSync:
         started = time.perf_counter()
         if self.shared is not None:
             self._hold(self._held | {announcement.version})  # before the check: the learner may prune meanwhile
-            folder = check_shared(announcement, self.shared, self.weights.pull_concurrency)
+            folder = check_shared(announcement, self.shared, self.weights.pull_concurrency, cancel=self.cancel)
             check_schema(model_schema(folder), self.expected, self.optional)
             return folder, time.perf_counter() - started
         if not pulls_from(announcement.url, self.learner_url):

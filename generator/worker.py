@@ -325,6 +325,8 @@ class RolloutWorker:
             except Exception as err:  # unexpected (disk full...): as in the loop, the weights we have keep serving
                 self._refuse(announcement, "error", f"{type(err).__name__}: {err}", time.monotonic())
                 return
+            if self._stop.is_set():  # stopped during the check: no reload of minutes on the way out
+                return
             self._apply(_Ready(announcement, folder, prepare_seconds))
             if self.version_sha != announcement.sha256:  # the engine refused it (already counted)
                 log.error("announced weights v%d failed to load; serving v%d", announcement.version, self.version)

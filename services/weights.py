@@ -517,18 +517,23 @@ def pull_weights(
     return final
 
 
-def check_shared(announcement: WeightsAnnouncement, shared_dir: str | os.PathLike, concurrency: int = 4) -> Path:
+def check_shared(announcement: WeightsAnnouncement, shared_dir: str | os.PathLike, concurrency: int = 4,
+                 cancel: threading.Event | None = None) -> Path:
     """The version's folder in the shared directory, once every file matches the announcement (no copy).
 
     The files are hashed where they are: a shared file system may serve a stale or damaged file, and a bad
     file would kill the engine mid-reload; reading them also warms the page cache the engine then loads from.
-    WeightsError not_found (pruned, or the learner writes elsewhere), checksum or format.
+    WeightsError not_found (pruned, or the learner writes elsewhere), checksum, format, or cancelled (`cancel`
+    was set: the caller is stopping, and the reading ends at its next chunk).
     """
     folder = Path(shared_dir) / f"v{announcement.version}"
     if not folder.is_dir():
         raise WeightsError("not_found",
                            f"weights v{announcement.version} not in {shared_dir} (pruned, or another folder)")
-    problems = [p for p in _each(concurrency, lambda f: check_file(folder / f.name, f), announcement.files) if p]
+    problems = [p for p in _each(concurrency, lambda f: check_file(folder / f.name, f, cancel), announcement.files)
+                if p]
+    if cancel is not None and cancel.is_set():
+        raise WeightsError("cancelled", f"check of weights v{announcement.version} in {folder} stopped")
     if problems:
         reason = "not_found" if all(p.endswith("missing") for p in problems) else "checksum"
         raise WeightsError(reason, f"weights v{announcement.version} in {folder}: " + "; ".join(problems[:3]))

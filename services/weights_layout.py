@@ -21,6 +21,7 @@ import logging
 import os
 import shutil
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -176,9 +177,10 @@ def files_digest(files: list[WeightsFile]) -> str:
     return hashlib.sha256("".join(f"{f.name}\t{f.size}\t{f.sha256}\n" for f in files).encode()).hexdigest()
 
 
-def check_file(path: Path, expected: WeightsFile) -> str | None:
+def check_file(path: Path, expected: WeightsFile, stop: threading.Event | None = None) -> str | None:
     """None if `path` is a regular file with the expected size and sha256, else what differs (hashing streams the
-    file; a FIFO, a symlink or a larger file is refused unread: `open_regular`)."""
+    file; a FIFO, a symlink or a larger file is refused unread: `open_regular`). `stop` set: the hashing ends at
+    its next chunk (a version's files take minutes to read at 32B), and says so."""
     try:
         with open_regular(path, expected.size) as handle:
             size = os.fstat(handle.fileno()).st_size
@@ -187,6 +189,8 @@ def check_file(path: Path, expected: WeightsFile) -> str | None:
             digest = hashlib.sha256()
             left = expected.size + 1  # a file that grows meanwhile is not hashed without end
             while left > 0 and (chunk := handle.read(min(CHUNK, left))):
+                if stop is not None and stop.is_set():
+                    return f"{expected.name}: not read to its end (stopping)"
                 digest.update(chunk)
                 left -= len(chunk)
     except FileNotFoundError:

@@ -241,6 +241,19 @@ def test_a_version_being_pulled_over_http_outlives_keep_versions_until_its_hold_
     assert publisher.versions() == list(range(6, keep + 6))
 
 
+def test_a_stopping_generator_ends_its_check_of_a_shared_version_at_the_next_chunk(learner):
+    """Hashing a 32B version where it lies (61 GiB over NFS) takes minutes and took no stop: a generator told to stop
+    went on reading past its pod's grace (its pull thread is joined at exit) and was killed."""
+    publisher, _, _ = learner
+    announced = publisher.publish(tiny_state_dict(seed=3), version=1)
+    stop = threading.Event()
+    stop.set()
+    with pytest.raises(WeightsError, match="stopped") as err:
+        check_shared(announced, publisher.dir, cancel=stop)
+    assert err.value.reason == "cancelled"
+    assert check_shared(announced, publisher.dir, cancel=threading.Event()) == publisher.dir / "v1"
+
+
 def test_a_republished_version_is_never_missing_and_other_bytes_replace_it_whole(learner, short_tmp):
     """A resume republishes its checkpoint's version: the same bytes keep their files (a download or an engine
     reading them goes on) and get the new announcement; other bytes under that version replace it whole."""
