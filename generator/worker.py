@@ -54,6 +54,7 @@ from services.broadcast import MEMBER_TTL_S
 from services.config import Settings
 from services.errors import ExitCode
 from services.messages import PromptTask, RolloutGroup, WeightsAnnouncement, WeightsBroadcast
+from services.redis_local import give_up_retrying_at
 from services.streams import Delivery, Streams
 from services.weights import WeightsError
 
@@ -64,6 +65,7 @@ TRANSIENT = {"unreachable", "http", "not_found"}  # a late joiner retries these 
 BAD_VERSION = {"checksum", "shape", "format", "untrusted_url"}  # refusals of the version itself: every generator's
 ROUND_POLL_S = 0.02  # how often the loop asks the engine's workers whether a broadcast round is in
 RETRY_FAILED_SYNC_S = 30.0  # a refused version is not retried automatically before this (POST /sync forces it)
+HAND_BACK_S = 5.0  # past the stop's grace, Redis gets this long to take the hand-back, then is not waited for
 IDLE_BLOCK_MS = 100  # longest wait for new tasks while idle: bounds how late an announcement or a stop is seen
 
 
@@ -219,6 +221,7 @@ class RolloutWorker:
                 self._deadline = now + self.cfg.shutdown_grace_s
             self._stop.set()
             self.sync.cancel.set()  # a version that will not be loaded: the process must not wait for its download
+            give_up_retrying_at(self._deadline + HAND_BACK_S)  # a Redis away past the grace is not waited for
 
     def request_sync(self) -> concurrent.futures.Future:
         """Pull and load the latest announced version now; the future resolves to a SyncOutcome."""

@@ -22,6 +22,7 @@ import functools
 import hashlib
 import itertools
 import logging
+import math
 import os
 import re
 import secrets
@@ -40,7 +41,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.client import Pipeline
 from redis.retry import Retry
-from tenacity import retry, retry_if_exception, retry_if_exception_type, stop_after_delay, wait_exponential
+from tenacity import retry, retry_if_exception, retry_if_exception_type, stop_after_delay, stop_any, wait_exponential
 
 from services.config import RedisConfig, Settings
 from services.errors import Unavailable
@@ -159,6 +160,21 @@ def _log_retry(state) -> None:
         log.warning("Redis unreachable (%s), retrying", err)
 
 
+_give_up_at = math.inf  # time.monotonic() past which this process retries no command (`give_up_retrying_at`)
+
+
+def give_up_retrying_at(deadline: float) -> None:
+    """This process stops by `deadline` (time.monotonic()): past it, a command Redis does not answer fails at its
+    next retry instead of being retried for minutes (a worker's claimed entries come back by the visibility
+    timeout; a generator stopped during an outage was killed at the end of its pod's grace)."""
+    global _give_up_at
+    _give_up_at = min(_give_up_at, deadline)
+
+
+def _past_give_up(state) -> bool:
+    return time.monotonic() >= _give_up_at
+
+
 # A full Redis (maxmemory, noeviction) refuses a write whole: nothing of a refused transaction was applied, nor of
 # a script (refused at its first write), so it is retried like a lost connection; the learner frees Redis meanwhile
 # (`RetryingRedis.on_full`). So is a write Redis cannot persist (its AOF's disk full): MISCONF. (Nor can the learner's
@@ -167,7 +183,7 @@ retry_redis = retry(
     retry=retry_if_exception_type((redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError))
     | retry_if_exception(_busy) | retry_if_exception(_full) | retry_if_exception(_cannot_persist),
     wait=wait_exponential(multiplier=0.1, max=5),
-    stop=stop_after_delay(300),
+    stop=stop_any(stop_after_delay(300), _past_give_up),
     reraise=True,
     before_sleep=_log_retry,
 )

@@ -127,3 +127,27 @@ def test_the_end_of_an_outage_is_noted_even_when_a_call_is_made_inside_its_retry
 
     assert redis_local._retrying_call(attempt) == "ok"
     assert redis_local.seconds_since_outage() < 60
+
+
+def test_a_process_past_its_stop_deadline_retries_no_command(monkeypatch):
+    """A generator stopped during a Redis outage retried its read, then each hand-back, for 300 s apiece: always
+    killed at the end of its pod's grace. Past the deadline it sets, a refused command fails at its next retry."""
+    from services import redis_local
+
+    monkeypatch.setattr(redis_local, "_give_up_at", float("inf"))
+    monkeypatch.setattr(redis_local.time, "sleep", lambda seconds: None)  # tenacity's wait
+    tries = []
+
+    def away():
+        tries.append(time.monotonic())
+        if len(tries) == 3:
+            redis_local.give_up_retrying_at(time.monotonic())  # the stop's grace ends while the call retries
+        raise redis.ConnectionError("Connection refused")
+
+    with pytest.raises(redis.ConnectionError):
+        redis_local._retrying_call(away)
+    assert len(tries) == 3
+    redis_local.give_up_retrying_at(time.monotonic() + 3600)  # a later deadline does not move it back
+    with pytest.raises(redis.ConnectionError):
+        redis_local._retrying_call(away)
+    assert len(tries) == 4
