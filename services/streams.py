@@ -188,6 +188,9 @@ end
 return 1
 """
 
+READ_PAGE_BYTES = 128 * 1024 * 1024  # a read of whole entries asks for at most this many bytes' worth (`read_pages`)
+MAX_READ_PAGE = 256
+
 CONSUMER_IDLE_MS = 3_600_000  # a consumer holding nothing that has not read for this long is a process that ended
 MAX_CONSUMER_NAME_CHARS = 256  # this system's consumer names are `role-host-pid` (consumer_name), far shorter
 # An entry id this far past the server's clock was not made by `XADD *`: a client chose it (services/streams.py
@@ -672,16 +675,10 @@ class Stream(Generic[M]):
                                  count=count, justid=True))
 
     # -- a stream as a durable store (no consumer group) -------------------------------------------------
-    def entries(self, page: int = 256) -> Iterator[tuple[str, dict]]:
-        """Every entry, oldest first: (entry id, raw fields), read a page at a time."""
-        start = "-"
-        while True:
-            rows = self.redis.xrange(self.key, min=start, max="+", count=page)
-            for entry_id, fields in rows:
-                yield entry_id.decode(), fields
-            if len(rows) < page:
-                return
-            start = "(" + rows[-1][0].decode()
+    def entries(self) -> Iterator[tuple[str, dict]]:
+        """Every entry, oldest first: (entry id, raw fields), read a page at a time (`read_pages`)."""
+        for entry_id, fields in read_pages(self.redis, self.key, "+", self.max_entry_bytes):
+            yield entry_id.decode(), fields
 
     def delete(self, entry_ids: list[str]) -> None:
         for i in range(0, len(entry_ids), 500):
@@ -699,6 +696,20 @@ class Stream(Generic[M]):
         self._metrics_at = now
         metrics.STREAM_DEPTH.labels(self.name).set(self._depth())
         metrics.STREAM_PENDING.labels(self.name).set(self.pending())
+
+
+def read_pages(client, key: str, newest: str, entry_bytes: int) -> Iterator[tuple[bytes, dict]]:
+    """The entries of `key` up to `newest`, oldest first, a page at a time: as many as READ_PAGE_BYTES holds of
+    entries of up to `entry_bytes` (at most MAX_READ_PAGE). Redis builds a whole reply in its own memory, counted
+    against maxmemory, before it sends it: 256 of the 32B recipe's groups were 1.1 GB, and the writes of every
+    role were refused while the learner read them."""
+    page, start = max(1, min(MAX_READ_PAGE, READ_PAGE_BYTES // max(entry_bytes, 1))), "-"
+    while True:
+        rows = client.xrange(key, min=start, max=newest, count=page)
+        yield from rows
+        if len(rows) < page:
+            return
+        start = "(" + rows[-1][0].decode()
 
 
 def _entries(reply) -> list[tuple[bytes, dict]]:
@@ -1030,7 +1041,7 @@ class Streams:
                 continue  # a stream with room: nothing blocked
             if (last := self.last_delivered(name)) is None:
                 continue
-            read = [entry_id for entry_id, _ in self.redis.xrange(key, min="-", max=last)]
+            read = [entry_id for entry_id, _ in read_pages(self.redis, key, last, self.entry_limits.get(name, 1))]
             if not read:
                 continue
             pending = {row["message_id"] for row in self.redis.xpending_range(key, group, min="-", max=last,

@@ -17,9 +17,9 @@ import redis
 
 from services.config import KeysConfig, load_settings
 from services.keys import ROLES, create_keys, keys_dir
-from services.messages import PromptTask, RolloutGroup, Sample, to_wire
+from services.messages import PromptTask, RolloutGroup, Sample, entry_limits, to_wire
 from services.redis_local import EmbeddedRedis, connect
-from services.streams import ISSUED, BackPressureTimeout, Streams, entry_ids_key
+from services.streams import ISSUED, READ_PAGE_BYTES, BackPressureTimeout, Streams, entry_ids_key, read_pages
 
 
 def task(i: int) -> PromptTask:
@@ -269,6 +269,24 @@ def test_the_group_streams_wait_at_their_own_mark(settings):
     with pytest.raises(BackPressureTimeout, match="stayed at 2"):
         rollouts.produce(group_for(task(2)), timeout=0.3)
     assert rollouts.room() == 0 and prompts.room() == settings.streams.high_water == 64
+
+
+def test_whole_entries_are_read_in_pages_sized_by_the_largest_entry_a_stream_can_need(streams, monkeypatch):
+    """Redis builds a whole reply in its memory before sending it: 256 of the 32B recipe's groups in one XRANGE were
+    1.1 GB past maxmemory, and every role's writes were refused while the learner read `held` at a checkpoint."""
+    key = streams.key("held")
+    for i in range(5):
+        streams.redis.xadd(key, {"data": b"x%d" % i})
+    pages = []
+    xrange = streams.redis.xrange
+    monkeypatch.setattr(streams.redis, "xrange", lambda *a, **k: pages.append(k["count"]) or xrange(*a, **k))
+    entries = list(read_pages(streams.redis, key, "+", READ_PAGE_BYTES // 2))
+    assert [fields[b"data"] for _, fields in entries] == [b"x%d" % i for i in range(5)]
+    assert pages == [2, 2, 2]
+    pages.clear()
+    assert len(list(read_pages(streams.redis, key, "+", 10))) == 5 and pages == [256]
+    big = load_settings("dapo-qwen2.5-32b")
+    assert entry_limits(big)["held"] > READ_PAGE_BYTES // 4  # the recipe's held is read 1 to 3 groups at a time
 
 
 def test_reclaimed_message_cannot_be_forwarded_twice(streams):
