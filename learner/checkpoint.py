@@ -45,7 +45,7 @@ import torch.distributed.checkpoint as dcp
 from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor
-from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
+from torch.distributed.checkpoint import CheckpointException, HuggingFaceStorageReader, HuggingFaceStorageWriter
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from services.config import ConfigError
@@ -353,7 +353,11 @@ def save_training_state(folder: Path, model, optimizer, scheduler, is_main: bool
 def load_training_state(folder: Path, model, optimizer, scheduler, rank: int) -> None:
     """Every rank reads the pieces of its own shard (in place), the JSON, and its own RNG state."""
     tensors, _ = _training_tensors(model, optimizer)  # this rank's tensors, the shapes and shards to fill
-    dcp.load(tensors, storage_reader=HuggingFaceStorageReader(str(folder / SHARDS_DIR)))
+    try:
+        dcp.load(tensors, storage_reader=HuggingFaceStorageReader(str(folder / SHARDS_DIR)))
+    except CheckpointException as err:  # a restart would fail alike, loading the model each time
+        raise CheckpointDamaged(f"{folder.parent}: its training state does not fit this model (another model under "
+                                f"the same name or folder?): {str(err)[:500]}") from err
     meta = json.loads((folder / OPTIMIZER_META).read_text())
     # The hyperparameters are this start's configuration, not the checkpoint's: a resume that lowers the learning
     # rate or changes the decay, the betas or the warm-up trains with the new values (and says so), as does the

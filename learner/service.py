@@ -69,6 +69,9 @@ def data_spec(value: str, split: str) -> str:
     return f"synthetic-{split}" if value == "synthetic" else value
 
 
+TINY_IDENTITY = ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size", "max_position", "seed")
+
+
 def recipe(settings: Settings) -> dict:
     """The settings that say what a checkpoint's policy was trained on and for: the model, the sampling, the loss,
     the reward and its shaping, dynamic sampling, the training data, and the run it belongs to (`redis.run`: its
@@ -77,6 +80,9 @@ def recipe(settings: Settings) -> dict:
     reward = settings.reward
     return {
         "model.name_or_path": settings.model.name_or_path,
+        # the embedded model's shapes and tokenizer: another `tiny` is another model under the same name
+        **({f"tiny.{key}": getattr(settings.tiny, key) for key in TINY_IDENTITY}
+           if settings.model.name_or_path == TINY_NAME else {}),
         **{f"sampling.{key}": value for key, value in settings.sampling.model_dump(mode="json").items()},
         **{f"learner.loss.{key}": value for key, value in settings.learner.loss.model_dump(mode="json").items()},
         "learner.batch.dynamic_sampling": settings.learner.batch.dynamic_sampling,

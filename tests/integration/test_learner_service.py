@@ -155,6 +155,19 @@ def test_a_resume_with_another_recipe_is_refused_before_anything_is_loaded(setti
     assert loaded == [folder]
 
 
+def test_another_tiny_model_under_the_same_name_is_another_recipe(settings):
+    """The recipe named the model only: a `tiny` of other shapes passed the check and failed inside the checkpoint
+    loader (or, with the shapes kept and another tokenizer seed, trained on silently)."""
+    from learner.service import recipe, recipe_changes
+
+    saved = recipe(settings)
+    other = settings.model_copy(deep=True)
+    other.tiny.hidden_size, other.tiny.seed = 64, 1
+    assert recipe_changes(saved, other) == ["tiny.hidden_size 128 -> 64", "tiny.seed 0 -> 1"]
+    other.tiny.hidden_size, other.tiny.seed, other.tiny.warmup_steps = 128, 0, 5  # the warm-up: the start only
+    assert recipe_changes(saved, other) == []
+
+
 def test_a_restart_before_the_first_checkpoint_with_another_recipe_is_refused(settings):
     """Before its first checkpoint (10 steps, 36 hours at the 32B recipe) a restart with a lowered max_tokens
     re-admitted the groups `held` kept and took the tasks still queued, all sampled and scored by the settings

@@ -240,3 +240,24 @@ def test_a_run_folder_that_some_learner_rank_does_not_share_is_refused_at_the_st
 def check_shared_mark(folder, rank):
     (folder / RANKS_SEEN).mkdir(parents=True, exist_ok=True)
     (folder / RANKS_SEEN / f"rank-{rank}").write_text("host")
+
+
+def test_a_training_state_of_another_model_shape_is_a_damaged_checkpoint_not_a_crash_loop(tmp_path):
+    """A model of the same name with other shapes (a rebuilt `tiny`, a replaced folder) failed inside DCP with a
+    traceback: exit 1, restarted for ever, the model loaded each time."""
+    import torch
+
+    from learner.checkpoint import CheckpointDamaged, load_training_state, save_training_state
+
+    def trainer_state(width: int):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, width), torch.nn.Linear(width, 4))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        model(torch.ones(1, 4)).sum().backward()
+        optimizer.step()
+        return model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+
+    save_training_state(tmp_path / "state", *trainer_state(8), True, 0)
+    load_training_state(tmp_path / "state", *trainer_state(8), 0)
+    with pytest.raises(CheckpointDamaged, match="does not fit this model"):
+        load_training_state(tmp_path / "state", *trainer_state(16), 0)
