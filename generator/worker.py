@@ -54,7 +54,6 @@ from services.broadcast import MEMBER_TTL_S
 from services.config import Settings
 from services.errors import ExitCode
 from services.messages import PromptTask, RolloutGroup, WeightsAnnouncement, WeightsBroadcast
-from services.redis_local import give_up_retrying_at
 from services.streams import Delivery, Streams
 from services.weights import WeightsError
 
@@ -221,7 +220,7 @@ class RolloutWorker:
                 self._deadline = now + self.cfg.shutdown_grace_s
             self._stop.set()
             self.sync.cancel.set()  # a version that will not be loaded: the process must not wait for its download
-            give_up_retrying_at(self._deadline + HAND_BACK_S)  # a Redis away past the grace is not waited for
+            self.streams.redis.give_up_retrying_at(self._deadline + HAND_BACK_S)  # nor a Redis away past the grace
 
     def request_sync(self) -> concurrent.futures.Future:
         """Pull and load the latest announced version now; the future resolves to a SyncOutcome."""

@@ -69,19 +69,20 @@ def held_budget(settings: Settings, maxmemory: int, group_bytes: int) -> tuple[s
                           "sampling.n or sampling.max_tokens")
     # The rest of maxmemory is the group streams' room: at their marks they must fit it, or a stall of the reward
     # workers or of the learner fills Redis before any generator waits (REDIS_OVERHEAD: Redis' allocator rounds up)
+    warnings = []
+    if most * group_bytes > budget:
+        warnings.append(f"{figure}, {against}: the learner checkpoints early whenever Redis uses more "
+                        "(redis.held_memory_share)")
     group_streams = sum(settings.streams.high_water_of(name) for name in GROUP_STREAMS)
     room = (1 - share) * maxmemory
     if group_streams * group_bytes * REDIS_OVERHEAD > room:
         fitting = int(room / (len(GROUP_STREAMS) * group_bytes * REDIS_OVERHEAD))
-        return "warn", (f"`rollouts` and `scored` at their marks ({group_streams // len(GROUP_STREAMS)} groups "
+        warnings.append(f"`rollouts` and `scored` at their marks ({group_streams // len(GROUP_STREAMS)} groups "
                         f"each) need up to {group_streams * group_bytes * REDIS_OVERHEAD / MB:,.0f} MB, more than the "
                         f"{room / MB:,.0f} MB of Redis' maxmemory that `held` leaves them: a stall of the reward "
                         "workers or of the learner fills Redis before the generators wait, and the learner then trims "
                         f"finished groups; set streams.group_high_water to at most {max(fitting, 1)}")
-    if most * group_bytes > budget:
-        return "warn", (f"{figure}, {against}: the learner checkpoints early whenever Redis uses more "
-                        "(redis.held_memory_share)")
-    return "ok", f"{figure}, {against}"
+    return ("warn", "; and ".join(warnings)) if warnings else ("ok", f"{figure}, {against}")
 
 
 def eviction_refusal(policy: str) -> tuple[str, str]:

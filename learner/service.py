@@ -99,6 +99,22 @@ def recipe(settings: Settings) -> dict:
     }
 
 
+UPDATE_SETTINGS = ("learner.batch.prompts_per_step", "learner.batch.mini_batches", "learner.batch.epochs",
+                   "learner.batch.max_staleness", "learner.batch.uncorrected_staleness", "learner.optimizer.grad_clip")
+
+
+def update_settings(settings: Settings) -> dict:
+    """The settings of the update rule outside the recipe: a resume may change them (a smaller batch after an
+    out-of-memory), and says so (`LearnerService.resume`), as the optimizer's own (learner/checkpoint.py)."""
+    values = {}
+    for key in UPDATE_SETTINGS:
+        value = settings
+        for part in key.split("."):
+            value = getattr(value, part)
+        values[key] = value
+    return values
+
+
 def out_of_memory(err: BaseException) -> bool:
     """A GPU's (torch.OutOfMemoryError), the host's (MemoryError), or PyTorch's CPU allocator's, which raises a
     plain RuntimeError."""
@@ -111,7 +127,11 @@ def out_of_memory(err: BaseException) -> bool:
 def recipe_changes(saved: dict, settings: Settings) -> list[str]:
     """`key saved -> now` for each recipe setting of a checkpoint's (`saved`) that differs now (a setting a later
     release added is not in it: no change)."""
-    now = recipe(settings)
+    return setting_changes(saved, recipe(settings))
+
+
+def setting_changes(saved: dict, now: dict) -> list[str]:
+    """`key saved -> now` for each of the `saved` settings that differs `now` (one missing there: None)."""
     return [f"{key} {value!r} -> {now.get(key)!r}" for key, value in sorted(saved.items()) if now.get(key) != value]
 
 
@@ -224,6 +244,7 @@ class LearnerService:
         self.announced = 0  # the newest version announced to the generators (set by `deliver`, in its thread)
         self.stopping = threading.Event()
         self.stopped_by = signal.SIGTERM  # the signal that set `stopping`
+        self.signals_received = 0  # by this process (`signalled`)
         self.ready, self.ready_reason = False, "starting"
         self.step = 0
         self.last_checkpoint_step: int | None = None
@@ -281,6 +302,23 @@ class LearnerService:
             self.broadcaster = Broadcaster(self.settings, retrying(self.redis), self.publisher.signer,
                                            self.streams.prefix, channel(self.streams.prefix))
         self.check_redis_memory()
+
+    def signalled(self, signum, frame) -> None:
+        """SIGTERM or SIGINT to this process: finish the current step, checkpoint and exit; a second one: now."""
+        if self.signals_received:
+            raise_stopped(signum, frame)
+        self.signals_received += 1
+        log.info("signal %d: finishing the current step, then checkpoint and exit (again: now)", signum)
+        self.stopped_by = signum
+        self.stopping.set()
+
+    def follower_signalled(self, signum: int) -> None:
+        """A follower rank's process got `signum` (learner/ranks.py): stop as if signalled, but a signal to this
+        process after it is still its first (Kubernetes stops the learner's pods together, in no order)."""
+        if not self.stopping.is_set():
+            log.info("a follower rank got signal %d: finishing the current step, then checkpoint and exit", signum)
+            self.stopped_by = signum
+            self.stopping.set()
 
     def check_redis_memory(self) -> None:
         """Redis' eviction policy (one that evicts any key refuses the start), and the largest `held` these
@@ -622,6 +660,9 @@ class LearnerService:
         self.seek_data(extra["data_cursor"])
         self.records.cut_after(self.step)
         log.info("resuming from %s: step %d, policy version %d", path, self.step, self.policy.current)
+        if changed := setting_changes(extra.get("update", {}), update_settings(self.settings)):
+            log.warning("resumed with other update settings than its checkpoint's, from step %d on: %s", self.step + 1,
+                        "; ".join(changed))
         self.ensure_monotonic_version()
         self.work.resume(self.step, extra)
         return True
@@ -784,6 +825,7 @@ class LearnerService:
             **self.work.checkpoint_state(),  # the informative-ratio estimate, the groups consumed and carried
             "last_eval_step": self.last_eval_step,
             "recipe": recipe(self.settings),
+            "update": update_settings(self.settings),
             "saved_at": time.time(),
         }  # RNG: the trainer saves torch/python/numpy RNG state per rank; the data order is a function of (seed, epoch)
         started = time.perf_counter()
@@ -932,28 +974,15 @@ def main(settings: Settings) -> int:
     service = LearnerService(settings)
     service.claim_run()  # first: a second learner on this run stops here, before it writes anything
 
-    def request_stop(signum, frame) -> None:
-        if service.stopping.is_set():
-            raise_stopped(signum, frame)
-        log.info("signal %d: finishing the current step, then checkpoint and exit (again: now)", signum)
-        service.stopped_by = signum
-        service.stopping.set()
-
-    def follower_signalled(signum: int) -> None:
-        if not service.stopping.is_set():
-            log.info("a follower rank got signal %d: finishing the current step, then checkpoint and exit", signum)
-            service.stopped_by = signum
-            service.stopping.set()
-
     try:
         service.check_recipe()  # a checkpoint of another experiment: refused before the run's files are touched
         service.connect()
         service.start_http()
         service.export_stream_gauges()
         service.load()
-        service.ranks.on_follower_signal = follower_signalled
-        signal.signal(signal.SIGTERM, request_stop)
-        signal.signal(signal.SIGINT, request_stop)
+        service.ranks.on_follower_signal = service.follower_signalled
+        signal.signal(signal.SIGTERM, service.signalled)
+        signal.signal(signal.SIGINT, service.signalled)
         return service.run()
     finally:
         try:

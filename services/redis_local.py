@@ -130,11 +130,13 @@ def seconds_since_first_contact() -> float:
     return time.monotonic() - _met_at
 
 
-def _retrying_call(attempt: Callable[[], object]):
-    """`attempt` under `retry_redis`, noting when it got through after an outage (`seconds_since_outage`). (A call
-    made while another is retried, the learner freeing a full Redis, leaves the outer call's note as it was.)"""
+def _retrying_call(attempt: Callable[[], object], owner=None):
+    """`attempt` under `retry_redis` (not retried past `owner.give_up_at`, as it is at each retry), noting when it
+    got through after an outage (`seconds_since_outage`). (A call made while another is retried, the learner
+    freeing a full Redis, leaves the outer call's note as it was.)"""
     global _back_at, _met_at
     outer, _outage.seen = getattr(_outage, "seen", False), False
+    attempt.owner = owner
     try:
         result = retry_redis(attempt)()
         if _outage.seen:
@@ -160,19 +162,10 @@ def _log_retry(state) -> None:
         log.warning("Redis unreachable (%s), retrying", err)
 
 
-_give_up_at = math.inf  # time.monotonic() past which this process retries no command (`give_up_retrying_at`)
-
-
-def give_up_retrying_at(deadline: float) -> None:
-    """This process stops by `deadline` (time.monotonic()): past it, a command Redis does not answer fails at its
-    next retry instead of being retried for minutes (a worker's claimed entries come back by the visibility
-    timeout; a generator stopped during an outage was killed at the end of its pod's grace)."""
-    global _give_up_at
-    _give_up_at = min(_give_up_at, deadline)
-
-
 def _past_give_up(state) -> bool:
-    return time.monotonic() >= _give_up_at
+    """The client that retries this call stops by now (`RetryingRedis.give_up_retrying_at`)."""
+    owner = getattr(state.fn, "owner", None)
+    return owner is not None and time.monotonic() >= owner.give_up_at
 
 
 # A full Redis (maxmemory, noeviction) refuses a write whole: nothing of a refused transaction was applied, nor of
@@ -233,6 +226,7 @@ class RetryingPipeline(Pipeline):
     belong in one."""
 
     on_full: Callable[[], object] | None = None
+    give_up_at = math.inf  # its client's (`RetryingRedis.give_up_retrying_at`)
 
     def execute(self, raise_on_error: bool = True):
         stack = list(self.command_stack)
@@ -245,7 +239,7 @@ class RetryingPipeline(Pipeline):
                 before_retry(err, redis.Redis(connection_pool=self.connection_pool), self.on_full)
                 raise
 
-        return _retrying_call(attempt)
+        return _retrying_call(attempt, self)
 
 
 class RetryingRedis(redis.Redis):
@@ -256,6 +250,13 @@ class RetryingRedis(redis.Redis):
     retries (the learner trims what its producers overfilled; a worker only waits)."""
 
     on_full: Callable[[], object] | None = None
+    give_up_at = math.inf  # time.monotonic() past which no command of this client is retried
+
+    def give_up_retrying_at(self, deadline: float) -> None:
+        """Its owner stops by `deadline` (time.monotonic()): past it, a command Redis does not answer fails at its
+        next retry instead of being retried for minutes (a worker's claimed entries come back by the visibility
+        timeout; a generator stopped during an outage was killed at the end of its pod's grace)."""
+        self.give_up_at = min(self.give_up_at, deadline)
 
     def execute_command(self, *args, **options):
         def attempt():
@@ -265,11 +266,11 @@ class RetryingRedis(redis.Redis):
                 before_retry(err, self, self.on_full)
                 raise
 
-        return _retrying_call(attempt)
+        return _retrying_call(attempt, self)
 
     def pipeline(self, transaction: bool = True, shard_hint=None) -> RetryingPipeline:
         pipe = RetryingPipeline(self.connection_pool, self.response_callbacks, transaction, shard_hint)
-        pipe.on_full = self.on_full
+        pipe.on_full, pipe.give_up_at = self.on_full, self.give_up_at
         return pipe
 
 

@@ -40,6 +40,9 @@ RedisUser = Literal["learner", "generator", "reward", "autoscaler"]
 REDIS_USERS: tuple[RedisUser, ...] = get_args(RedisUser)
 
 _CONNECTION = "+ping +auth +hello +time"  # TIME: a consumer tells a jump of the server's clock (Stream._reclaim)
+# A worker of the release before 2026-11-30 wrote a dead letter and parked its entry in one MULTI (this one: in a
+# stream function): kept for the mixed window of an upgrade.
+_TRANSACTION = "+multi +exec +discard"
 # Reading a stream through its consumer group, reclaiming, acknowledging and deleting what was handled, parking a
 # dead-lettered entry (XCLAIM). XADD is the write to the role's output stream and `dead` (`rules`).
 _CONSUMER = "+xreadgroup +xack +xdel +xclaim +xautoclaim +xpending +xgroup|create +xlen"
@@ -59,8 +62,8 @@ _WORKER_KEYS: dict[str, dict[str, str]] = {
 }
 _RULES: dict[str, str] = {
     "learner": "~dapo:{run}:* &dapo:{run}:* +@all -@dangerous +info",
-    "generator": f"&dapo:{{run}}:weights {_CONNECTION} +subscribe +unsubscribe",
-    "reward": _CONNECTION,
+    "generator": f"&dapo:{{run}}:weights {_CONNECTION} {_TRANSACTION} +subscribe +unsubscribe",
+    "reward": f"{_CONNECTION} {_TRANSACTION}",
     "autoscaler": f"~dapo:{{run}}:prompts {_CONNECTION} +xpending +xinfo|groups +xlen +info",
 }
 # The worker roles may add to their output stream and to `dead` and nowhere else: not to the stream they read (a

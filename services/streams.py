@@ -12,7 +12,8 @@ learner). The life of a message:
    a file under run_dir/dead-letters, the letter records its sha256 and size) and the entry's own signature.
    The dead stream is trimmed to about streams.dead_maxlen letters. A letter is a worker's word, so the worker
    does not delete what it dead-letters: it parks the entry under the pseudo-consumer DEAD_LETTERED in the same
-   transaction, and the learner retires a task only from what Redis holds there (`settle_dead_letter`).
+   atomic step (a stream function, only while it still holds the entry), and the learner retires a task only from
+   what Redis holds there (`settle_dead_letter`).
 3. `forward` writes the result downstream and acknowledges the input in one Lua script (a Redis 7 function:
    `StreamScripts`), and only if this
    consumer still owns the input: a slow consumer whose message was reclaimed cannot write a second result.

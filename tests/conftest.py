@@ -116,12 +116,11 @@ def _test_process_stays_dumpable(monkeypatch):
 
 @pytest.fixture(autouse=True)
 def _no_outage_of_an_earlier_test(monkeypatch):
-    """The end of the last Redis outage, the first contact with Redis and the stop deadline are this process's
+    """The end of the last Redis outage, and the first contact with Redis, are this process's
     (services.redis_local.seconds_since_outage, seconds_since_first_contact): one test's restarted server must not
     hold off the reclaims of the next, nor the first test's server those of the tests that just started it."""
     from services import redis_local
 
     monkeypatch.setattr(redis_local, "_back_at", float("-inf"))
     monkeypatch.setattr(redis_local, "_met_at", float("-inf"))
-    monkeypatch.setattr(redis_local, "_give_up_at", float("inf"))  # a worker stopped in a test is not this process
     monkeypatch.setattr(redis_local, "_server_clock", None)  # (a test's stepped clock is not the next one's jump)

@@ -155,6 +155,23 @@ def test_a_resume_with_another_recipe_is_refused_before_anything_is_loaded(setti
     assert loaded == [folder]
 
 
+def test_a_followers_signal_stops_after_the_step_and_leaves_this_process_its_own_first_signal(settings):
+    """Kubernetes stops the learner's pods together (podManagementPolicy Parallel): the second pod's SIGTERM
+    reached rank 0 with a command before rank 0's own, which then counted as the second signal, "now", and the run
+    ended without its checkpoint."""
+    import signal
+
+    from services.startup import Stopped
+
+    service = LearnerService(settings)
+    service.follower_signalled(signal.SIGTERM)
+    assert service.stopping.is_set() and service.stopped_by == signal.SIGTERM
+    service.signalled(signal.SIGINT, None)  # its own first: the step ends, the checkpoint is written
+    assert service.stopped_by == signal.SIGINT
+    with pytest.raises(Stopped):
+        service.signalled(signal.SIGTERM, None)  # its own second: now
+
+
 def test_another_tiny_model_under_the_same_name_is_another_recipe(settings):
     """The recipe named the model only: a `tiny` of other shapes passed the check and failed inside the checkpoint
     loader (or, with the shapes kept and another tokenizer seed, trained on silently)."""
@@ -1565,7 +1582,11 @@ def test_batch_warm_up_grows_the_batch_and_a_resume_goes_on_where_it_left_it(pip
     run_dir = tmp_path / "warm-up"
     warm = {**LEARNER, "batch_warmup_steps": 3, "max_staleness": 1, "eval_every": 0, "checkpoint_every": 1}
     assert run_learner(pipeline, run_dir, {**warm, "total_steps": 1}) == 0, pipeline.tail(f"learner-{run_dir.name}")
-    assert run_learner(pipeline, run_dir, {**warm, "total_steps": 4}) == 0, pipeline.tail(f"learner-{run_dir.name}")
+    # resumed with 2 updates a step: an update setting outside the recipe may change, and the log says so
+    assert run_learner(pipeline, run_dir, {**warm, "total_steps": 4, "mini_batches": 2}) == 0, \
+        pipeline.tail(f"learner-{run_dir.name}")
+    assert "other update settings than its checkpoint's, from step 2 on: learner.batch.mini_batches 1 -> 2" in \
+        (pipeline.logs / f"learner-{run_dir.name}.log").read_text(errors="replace")
     steps = step_lines(read_jsonl(run_dir / METRICS_FILE))
     # B_t = ceil(4 t / 3): 2, 3, then 4; the restart after step 1 resumes at step 2's target, not step 1's
     assert [(r["step"], r["groups_trained"]) for r in steps] == [(1, 2), (2, 3), (3, 4), (4, 4)]

@@ -46,6 +46,7 @@ def test_the_group_streams_at_their_marks_must_fit_what_held_leaves_of_redis():
     verdict, figures = held_budget(unbounded, 9216 * MB, group)
     assert verdict == "warn" and "(2048 groups each)" in figures
     assert "set streams.group_high_water to at most 555" in figures
+    assert "checkpoints early" in figures  # both warnings, not the first alone
     shipped = load_settings("dapo-qwen2.5-32b")
     assert shipped.streams.high_water_of("rollouts") == shipped.streams.high_water_of("scored") == 512
     assert shipped.streams.high_water_of("prompts") == 2048  # tasks are small: a step's pushes fit

@@ -129,25 +129,36 @@ def test_the_end_of_an_outage_is_noted_even_when_a_call_is_made_inside_its_retry
     assert redis_local.seconds_since_outage() < 60
 
 
-def test_a_process_past_its_stop_deadline_retries_no_command(monkeypatch):
+def test_a_client_past_its_stop_deadline_retries_no_command(monkeypatch):
     """A generator stopped during a Redis outage retried its read, then each hand-back, for 300 s apiece: always
-    killed at the end of its pod's grace. Past the deadline it sets, a refused command fails at its next retry."""
+    killed at the end of its pod's grace. Past the deadline its client was given, a refused command fails at its
+    next retry; another client of the process retries as before."""
     from services import redis_local
 
-    monkeypatch.setattr(redis_local, "_give_up_at", float("inf"))
     monkeypatch.setattr(redis_local.time, "sleep", lambda seconds: None)  # tenacity's wait
+    stopping, other = client_for("redis://127.0.0.1:1/0"), client_for("redis://127.0.0.1:1/0")
     tries = []
 
-    def away():
+    def away(*args, **options):
         tries.append(time.monotonic())
         if len(tries) == 3:
-            redis_local.give_up_retrying_at(time.monotonic())  # the stop's grace ends while the call retries
+            stopping.give_up_retrying_at(time.monotonic())  # the stop's grace ends while the call retries
+        if len(tries) == 8:
+            return b"PONG"
         raise redis.ConnectionError("Connection refused")
 
+    monkeypatch.setattr(redis.Redis, "execute_command", away)
     with pytest.raises(redis.ConnectionError):
-        redis_local._retrying_call(away)
+        stopping.ping()
     assert len(tries) == 3
-    redis_local.give_up_retrying_at(time.monotonic() + 3600)  # a later deadline does not move it back
+    stopping.give_up_retrying_at(time.monotonic() + 3600)  # a later deadline does not move it back
     with pytest.raises(redis.ConnectionError):
-        redis_local._retrying_call(away)
+        stopping.ping()
     assert len(tries) == 4
+    assert other.ping() and len(tries) == 8  # retried until it got through
+    monkeypatch.undo()
+    monkeypatch.setattr(redis_local.time, "sleep", lambda seconds: pytest.fail("a pipeline of the client retried"))
+    pipe = stopping.pipeline(transaction=False)
+    pipe.ping()
+    with pytest.raises(redis.ConnectionError):
+        pipe.execute()  # its pipelines too
