@@ -37,8 +37,11 @@ def run_ranks(command: list[str]) -> int:
     child: list[subprocess.Popen] = []  # set once started
     early: list[int] = []  # signals that came before the command existed
 
+    forwarded: list[int] = []  # signals passed on: a stop rank 0 records is then this wrapper's
+
     def forward(signum: int, _frame) -> None:
         if child:
+            forwarded.append(signum)
             child[0].send_signal(signum)
         else:
             early.append(signum)
@@ -57,7 +60,14 @@ def run_ranks(command: list[str]) -> int:
             for signum in early[:1]:  # one stop request: a second one would skip rank 0's checkpoint
                 process.send_signal(signum)
             returncode = process.wait()
-            return recorded_exit(exit_path, 128 - returncode if returncode < 0 else returncode)
+            own = 128 - returncode if returncode < 0 else returncode
+            code = recorded_exit(exit_path, own)
+            if code in (128 + signal.SIGTERM, 128 + signal.SIGINT) and not early and not forwarded and own != 0:
+                # rank 0 was stopped by torchrun, not by us: another rank failed first (torchrun's own code)
+                print(f"dapo ranks: rank 0 was stopped by torchrun after another rank failed (exit {own})",
+                      file=sys.stderr)
+                return own
+            return code
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)

@@ -33,6 +33,7 @@ from __future__ import annotations
 import json
 import logging
 import random
+import re
 import shutil
 import socket
 import time
@@ -94,9 +95,17 @@ class Checkpoints:
         return sorted(step for p in self.dir.iterdir() if p.is_dir() and (step := numbered(p.name, PREFIX)) is not None)
 
     def latest_step(self) -> int | None:
-        """The step of the checkpoint `latest` names; None when there is none."""
+        """The step of the checkpoint `latest` names; None when there is none. CheckpointDamaged when it names
+        none (a file edited by hand, or damaged)."""
         pointer = self.dir / LATEST
-        return int(pointer.read_text().strip().removeprefix(PREFIX)) if pointer.is_file() else None
+        if not pointer.is_file():
+            return None
+        named = pointer.read_text().strip()
+        if not re.fullmatch(rf"{PREFIX}\d+", named):
+            raise CheckpointDamaged(f"{pointer} names {named[:80]!r}, not a checkpoint ({PREFIX}N): write the name "
+                                    f"of one of {self.dir}'s {PREFIX}N folders into it, or start over "
+                                    "(learner.checkpoints.resume=false)")
+        return int(named.removeprefix(PREFIX))
 
     def extra_state(self, step: int) -> dict:
         """The caller's state saved with step-N (`write`'s extra_state), read without loading the checkpoint (the
@@ -277,7 +286,21 @@ def check_shared(folder: Path, state) -> None:
 
 def read(trainer: "Trainer", path: Path) -> dict:
     """Every rank: restore weights, optimizer, scheduler and RNG from `write`; return the extra state."""
-    path = complete(Path(path))
+    path, meta = check_loadable(path)
+    load_training_state(path / STATE_DIR, trainer.model, trainer.optimizer.optimizer, trainer.scheduler,
+                        trainer.accelerator.process_index)
+    return meta["extra_state"]
+
+
+def check_loadable(path: Path) -> tuple[Path, dict]:
+    """The checkpoint at `path` (or the complete copy a crash left, `complete`) and its trainer state, if this
+    release can load it: CheckpointDamaged if it was written in another format or its state files are not all as
+    written. Files only: the learner asks before it loads the model."""
+    try:
+        path = complete(Path(path))
+    except FileNotFoundError as err:
+        raise CheckpointDamaged(f"{err}, which {Path(path).parent / LATEST} names: write the name of one of its "
+                                f"{PREFIX}N folders into it, or start over (learner.checkpoints.resume=false)") from err
     meta = json.loads((path / TRAINER_STATE).read_text())
     if meta.get("format") != FORMAT:
         raise CheckpointDamaged(f"{path}: checkpoint format {meta.get('format')!r}, and this release reads {FORMAT}: "
@@ -289,9 +312,7 @@ def read(trainer: "Trainer", path: Path) -> dict:
         if damaged:
             raise CheckpointDamaged(f"{path}: {damaged}; resume from another checkpoint (name it in "
                                     f"{path.parent / LATEST}) or start over (learner.checkpoints.resume=false)")
-    load_training_state(path / STATE_DIR, trainer.model, trainer.optimizer.optimizer, trainer.scheduler,
-                        trainer.accelerator.process_index)
-    return meta["extra_state"]
+    return path, meta
 
 
 def complete(path: Path) -> Path:
@@ -310,7 +331,9 @@ def complete(path: Path) -> Path:
 class CheckpointDamaged(DataError):
     """A checkpoint this learner cannot load: its training state not all as written (loading it would mix its
     weights and moments with the fresh model's where a shard file is missing: DCP fills only the pieces it finds),
-    or written by a release of another format. A restart would fail the same way: the process exits 65, once."""
+    or written by a release of another format. A restart would fail the same way: the process exits 65 (`dapo
+    run` does not restart it; Compose and Kubernetes do, and the learner refuses it again before it loads the
+    model: `over_before_loading`)."""
 
 
 def _state_files(folder: Path) -> dict[str, int]:
@@ -350,14 +373,25 @@ def save_training_state(folder: Path, model, optimizer, scheduler, is_main: bool
     save_file(tensors, folder / RNG_STATE.format(rank=rank), metadata={"json": json.dumps(meta)})
 
 
+def _unwrapped(err: CheckpointException, folder: Path) -> BaseException:
+    """What a failed DCP load was: a stop, an I/O error or memory running out as raised (a restart may succeed,
+    a stop is a stop); a state of other shapes or keys than the model's a damaged checkpoint (a restart would fail
+    alike, loading the model each time)."""
+    raised = [failure[0] if isinstance(failure, tuple) else failure for failure in err.failures.values()]
+    for transient in (KeyboardInterrupt, OSError, MemoryError, torch.OutOfMemoryError):
+        if found := next((exc for exc in raised if isinstance(exc, transient)), None):
+            return found
+    return CheckpointDamaged(f"{folder.parent}: its training state does not fit this model (another model under "
+                             f"the same name or folder?): {'; '.join(str(exc)[:300] for exc in raised[:2])}")
+
+
 def load_training_state(folder: Path, model, optimizer, scheduler, rank: int) -> None:
     """Every rank reads the pieces of its own shard (in place), the JSON, and its own RNG state."""
     tensors, _ = _training_tensors(model, optimizer)  # this rank's tensors, the shapes and shards to fill
     try:
         dcp.load(tensors, storage_reader=HuggingFaceStorageReader(str(folder / SHARDS_DIR)))
-    except CheckpointException as err:  # a restart would fail alike, loading the model each time
-        raise CheckpointDamaged(f"{folder.parent}: its training state does not fit this model (another model under "
-                                f"the same name or folder?): {str(err)[:500]}") from err
+    except CheckpointException as err:  # DCP wraps whatever any rank raised: a mismatch is the checkpoint's
+        raise _unwrapped(err, folder) from err
     meta = json.loads((folder / OPTIMIZER_META).read_text())
     # The hyperparameters are this start's configuration, not the checkpoint's: a resume that lowers the learning
     # rate or changes the decay, the betas or the warm-up trains with the new values (and says so), as does the

@@ -36,7 +36,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 from learner.batch import Batch, Push, RefillLimitReached
-from learner.checkpoint import STARTED_OVER, STOPPED, Checkpoints, check_shared
+from learner.checkpoint import STARTED_OVER, STOPPED, Checkpoints, check_loadable, check_shared
 from learner.evaluation import EvalRound
 from learner.lease import LearnerLease
 from learner.policy import PolicyVersion
@@ -113,6 +113,39 @@ def update_settings(settings: Settings) -> dict:
             value = getattr(value, part)
         values[key] = value
     return values
+
+
+def stays_stopped(checkpoints: Checkpoints, cfg) -> bool:
+    """The refill limit stopped this run at the checkpoint it would resume from, and these settings (`cfg`: the
+    learner's) would stop it there again (learner/checkpoint.py): the run is over."""
+    stop = checkpoints.recorded_stop()
+    if stop is None or cfg.batch.on_refill_limit != "stop" or cfg.batch.max_refills > stop["max_refills"]:
+        return False
+    log.warning("the refill limit stopped this run at step %d (%s): it stays stopped; "
+                "raise learner.batch.max_refills, set learner.batch.on_refill_limit=train or delete %s to go on "
+                "from there, learner.checkpoints.resume=false to "
+                "start over", stop["step"], stop["reason"], checkpoints.dir / STOPPED)
+    return True
+
+
+def over_before_loading(settings: Settings) -> bool:
+    """What the run's files alone decide, on every rank, before the model loads (Kubernetes restarts a learner
+    whatever its exit: at 32B each restart loaded the model, read the checkpoint and published a version only to
+    learn this): a checkpoint this release cannot load raises CheckpointDamaged (exit 65); a run that is over, by
+    the refill limit (`stays_stopped`) or at total_steps with its last evaluation done, returns True (exit 0)."""
+    cfg = settings.learner
+    checkpoints = Checkpoints(Path(settings.run_dir))
+    step = checkpoints.latest_step() if cfg.checkpoints.resume else None
+    if step is None:
+        return False
+    _, meta = check_loadable(checkpoints.path(step))
+    if stays_stopped(checkpoints, cfg):
+        return True
+    if step >= cfg.total_steps and (cfg.eval_every == 0 or meta["extra_state"].get("last_eval_step") == step):
+        log.info("the run is over: its checkpoint of step %d is at learner.total_steps, evaluated (raise "
+                 "learner.total_steps to go on)", step)
+        return True
+    return False
 
 
 def out_of_memory(err: BaseException) -> bool:
@@ -668,16 +701,7 @@ class LearnerService:
         return True
 
     def stays_stopped(self) -> bool:
-        """The refill limit stopped this run at the checkpoint it would resume from, and these settings would stop
-        it there again (learner/checkpoint.py): the run is over."""
-        stop = self.checkpoints.recorded_stop()
-        if stop is None or self.cfg.batch.on_refill_limit != "stop" or self.cfg.batch.max_refills > stop["max_refills"]:
-            return False
-        log.warning("the refill limit stopped this run at step %d (%s): it stays stopped; "
-                    "raise learner.batch.max_refills, set learner.batch.on_refill_limit=train or delete %s to go on "
-                    "from there, learner.checkpoints.resume=false to "
-                    "start over", stop["step"], stop["reason"], self.checkpoints.dir / STOPPED)
-        return True
+        return stays_stopped(self.checkpoints, self.cfg)
 
     def seek_data(self, checkpointed: dict) -> None:
         """The checkpoint's data cursor, or further on: the problems issued after the checkpoint come back (their
@@ -966,6 +990,8 @@ def main(settings: Settings) -> int:
     refuse_before_load(settings, state.num_processes)
     if state.num_processes > 1:
         check_shared(Path(settings.run_dir), state)
+    if over_before_loading(settings):  # every rank alike: they read the same files
+        return 0
     if not state.is_main_process:
         trainer = build_trainer(settings)
         return follow(trainer, RankChannel(trainer.accelerator))

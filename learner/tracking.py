@@ -130,11 +130,16 @@ class Tracking:
             # Steps past where this process starts go: a resume's (trained again), or a crashed start's before its
             # first checkpoint (a fresh start from step 1 again).
             init_kwargs["tensorboard"] = {"purge_step": 0 if resume_step is None else resume_step + 1}
-            accelerator.init_trackers(run, config=flat_config(settings), init_kwargs=init_kwargs)
-            if "mlflow" in self.names and accelerator.is_main_process:
-                import mlflow
+            try:  # a tracker that cannot start (W&B without its key, a server down) ends no training either
+                accelerator.init_trackers(run, config=flat_config(settings), init_kwargs=init_kwargs)
+                if "mlflow" in self.names and accelerator.is_main_process:
+                    import mlflow
 
-                mlflow.set_tags(tags)  # on the run (accelerate's `tags` would also tag an experiment it creates)
+                    mlflow.set_tags(tags)  # on the run (accelerate's `tags` would also tag an experiment it creates)
+            except Exception as err:  # noqa: BLE001 (any tracker's own error type)
+                log.error("the trackers %s could not start, and this process reports to none (metrics.jsonl has "
+                          "every step): %s: %s", ", ".join(self.names), type(err).__name__, err)
+                self.names = []
 
     def _failed(self, what: str, err: Exception) -> None:
         """A tracker's error is logged, never raised: metrics.jsonl is the run's record, and a tracking server down

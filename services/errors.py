@@ -1,7 +1,9 @@
 """The kernel's error types and every exit code of `dapo`, in one place that imports nothing of the project.
 
-A service exits with one of `ExitCode`; a supervisor (the launcher, Compose, Kubernetes) reads it to decide
-whether to restart. sysexits(3) codes where one fits.
+A service exits with one of `ExitCode`; `dapo run`'s launcher reads it to decide whether to restart (Compose's
+`on-failure` restarts any code but 0, Kubernetes any code: there it tells the operator). sysexits(3) codes where
+one fits. Beside these: 1 (a crash, torchrun's own failure, `dapo plan`'s misfit), 64 (the image's entry point: a
+secret file missing), 127 (`dapo ranks` cannot start its command).
 """
 
 from __future__ import annotations

@@ -243,6 +243,42 @@ def test_dapo_ranks_exits_with_the_code_rank_0_chose_under_torchrun(tmp_path):
     assert subprocess.run(command, cwd=REPO, env=env, timeout=120).returncode == ExitCode.FENCED
 
 
+# Rank 1 fails while rank 0 is still loading (its signals raise Stopped then, as `dapo learner`'s do): torchrun
+# SIGTERMs rank 0, which records 143.
+FOLLOWER_FAILS = """
+import os, sys, time
+sys.path.insert(0, {repo!r})
+from services.startup import Stopped, raise_on_signals, record_exit
+
+if int(os.environ["RANK"]) == 1:
+    time.sleep(2)
+    sys.exit(1)  # a CUDA error while loading its shard
+raise_on_signals()
+try:
+    time.sleep(60)
+    code = 0
+except Stopped as stop:
+    code = 128 + stop.signum
+record_exit(code)
+sys.exit(code)
+"""
+
+
+def test_dapo_ranks_reports_a_follower_failure_not_the_stop_torchrun_made_of_it(tmp_path):
+    """rank 0's 143, recorded when torchrun stopped it after another rank failed, read as "stopped, with a
+    checkpoint": the failure was lost, and `kubectl describe` showed a normal-looking stop."""
+    from services.http import free_port
+
+    script = tmp_path / "follower_fails.py"
+    script.write_text(FOLLOWER_FAILS.format(repo=REPO))
+    command = [sys.executable, "-m", "cli", "ranks", "--", sys.executable, "-m", "torch.distributed.run",
+               "--nproc_per_node", "2", "--master_port", str(free_port()), str(script)]
+    env = {**os.environ, "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "2", "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(command, cwd=REPO, env=env, timeout=120, capture_output=True, text=True)
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert "another rank failed" in done.stderr
+
+
 # Stops on SIGTERM as the learner does: it records the code it chose (143: checkpointed before the run's end), exits
 # as torchrun would (1).
 GRACEFUL = """

@@ -233,3 +233,17 @@ def test_a_tracking_server_that_fails_mid_run_is_logged_and_training_goes_on(tmp
     warnings = [r.getMessage() for r in caplog.records if "tracker" in r.getMessage()]
     assert len(warnings) == 1 and "tracker step 1 failed (1 failures so far" in warnings[0]  # then paused: no call
     assert "MlflowException" in warnings[0]  # (each of which would have retried for minutes)
+
+
+def test_a_tracker_that_cannot_start_ends_no_training(tmp_path, monkeypatch, caplog):
+    """W&B without its API key (no terminal to ask for one) raised from init_trackers, after the model had loaded:
+    a traceback, exit 1, and a restart that loaded the model again, for ever under Compose or Kubernetes."""
+    import wandb
+
+    def no_key(*args, **kwargs):
+        raise wandb.errors.UsageError("No API key configured. Use `wandb login` to log in.")
+
+    monkeypatch.setattr(wandb, "init", no_key)
+    with caplog.at_level("ERROR", logger="learner.tracking"):
+        _track(tmp_path, ["wandb"])  # its steps, samples and finish go nowhere, raising nothing
+    assert any("could not start" in r.getMessage() and "No API key" in r.getMessage() for r in caplog.records)

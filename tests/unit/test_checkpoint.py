@@ -261,3 +261,69 @@ def test_a_training_state_of_another_model_shape_is_a_damaged_checkpoint_not_a_c
     load_training_state(tmp_path / "state", *trainer_state(8), 0)
     with pytest.raises(CheckpointDamaged, match="does not fit this model"):
         load_training_state(tmp_path / "state", *trainer_state(16), 0)
+
+
+@pytest.mark.parametrize("raised", [OSError(5, "Input/output error"), MemoryError(), "stop"])
+def test_an_error_while_reading_a_training_state_is_itself_not_a_damaged_checkpoint(tmp_path, monkeypatch, raised):
+    """DCP wraps whatever a rank raised: an I/O error of the run volume, memory running out or a second Ctrl-C
+    were all reported as a checkpoint of another model (exit 65: `dapo run` ended the run, the operator was told
+    to start over)."""
+    import torch
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+
+    from learner.checkpoint import load_training_state, save_training_state
+    from services.startup import Stopped
+
+    raised = Stopped(2) if raised == "stop" else raised
+    model = torch.nn.Linear(4, 4)
+    optimizer = torch.optim.AdamW(model.parameters())
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    save_training_state(tmp_path / "state", model, optimizer, scheduler, True, 0)
+
+    def fail(*args, **kwargs):
+        raise raised
+
+    monkeypatch.setattr(HuggingFaceStorageReader, "read_data", fail)
+    with pytest.raises(type(raised)):
+        load_training_state(tmp_path / "state", model, optimizer, scheduler, 0)
+
+
+def test_what_the_run_files_decide_is_decided_before_the_model_loads(tmp_path):
+    """Kubernetes restarts a learner whatever its exit: a checkpoint of another format, a `latest` that names no
+    checkpoint, a finished run or one the refill limit stopped were each learnt only after the model had loaded
+    (at 32B: every restart loaded it, read the checkpoint and published a version)."""
+    import json
+
+    from learner.checkpoint import FORMAT, LATEST, STOPPED, CheckpointDamaged
+    from learner.service import over_before_loading
+    from services.config import load_settings
+
+    settings = load_settings("tiny-cpu", run_dir=str(tmp_path), learner={"total_steps": 5, "eval_every": 5})
+    checkpoints = Checkpoints(tmp_path)
+    assert not over_before_loading(settings)  # no checkpoint: a fresh start
+    checkpoints.dir.mkdir()
+    (checkpoints.dir / LATEST).write_text("step-5; rm -rf")
+    with pytest.raises(CheckpointDamaged, match="not a checkpoint"):
+        over_before_loading(settings)
+    (checkpoints.dir / LATEST).write_text("step-5")
+    with pytest.raises(CheckpointDamaged, match="no checkpoint at"):
+        over_before_loading(settings)
+    checkpoints.path(5).mkdir()
+    state = {"format": FORMAT - 1, "extra_state": {"last_eval_step": 4}}
+    (checkpoints.path(5) / TRAINER_STATE).write_text(json.dumps(state))
+    with pytest.raises(CheckpointDamaged, match="checkpoint format"):
+        over_before_loading(settings)
+    state["format"] = FORMAT
+    (checkpoints.path(5) / TRAINER_STATE).write_text(json.dumps(state))
+    assert not over_before_loading(settings)  # at total_steps, its last evaluation still to do: the learner does it
+    state["extra_state"]["last_eval_step"] = 5
+    (checkpoints.path(5) / TRAINER_STATE).write_text(json.dumps(state))
+    assert over_before_loading(settings)
+    settings.learner.total_steps = 10
+    assert not over_before_loading(settings)  # raised: the run goes on
+    settings.learner.batch.on_refill_limit = "stop"
+    (checkpoints.dir / STOPPED).write_text(json.dumps({"step": 5, "max_refills": settings.learner.batch.max_refills,
+                                                       "reason": "test"}))
+    assert over_before_loading(settings)
+    settings.learner.checkpoints.resume = False
+    assert not over_before_loading(settings)  # starting over
