@@ -27,10 +27,33 @@ from services.startup import EXIT_FILE_ENV, recorded_exit
 FORWARDED = (signal.SIGTERM, signal.SIGINT)
 
 
+SHUTDOWN_TIMEOUT_ENV = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"
+
+
+def shutdown_timeout_ignored() -> str | None:
+    """Why torchrun will not give the ranks the stop time $TORCH_ELASTIC_SHUTDOWN_TIMEOUT asks for (None: it
+    will, or none is asked for): torchrun reads it from torch 2.12 on (before: SIGKILL 30 s after SIGTERM, so the
+    learner's step, publish and checkpoint after a stop never end)."""
+    if not os.environ.get(SHUTDOWN_TIMEOUT_ENV):
+        return None
+    try:
+        from torch.distributed.launcher.api import LaunchConfig
+    except ImportError:
+        return None  # no torch here: the command brings its own
+    if "shutdown_timeout" in getattr(LaunchConfig, "__dataclass_fields__", {}):
+        return None
+    import torch
+
+    return (f"dapo ranks: this torch ({torch.__version__}) has a torchrun that ignores {SHUTDOWN_TIMEOUT_ENV} "
+            f"(torch >= 2.12 reads it): a stop SIGKILLs the ranks 30 s after SIGTERM, before their checkpoint")
+
+
 def run_ranks(command: list[str]) -> int:
     """Run `command` and return the exit code its rank 0 recorded, else its own."""
     if command[:1] == ["--"]:
         command = command[1:]
+    if ignored := shutdown_timeout_ignored():
+        print(ignored, file=sys.stderr)
     if not command:
         print("dapo ranks: no command given, e.g. dapo ranks -- accelerate launch -m cli learner", file=sys.stderr)
         return 2

@@ -572,6 +572,7 @@ class LearnerService:
         """The update on every rank. One that raises counts against each group of the batch before the process
         ends (learner/workset.py: after one retry such groups are quarantined, not re-admitted at every restart).
         Out of memory is the settings' fault, not the groups': quarantined, every batch's would be lost in turn."""
+        metrics.learner_updating(True)
         try:
             result = self.ranks.train_step(self.trainer, batch.groups)
         except Exception as err:
@@ -582,6 +583,8 @@ class LearnerService:
                 raise
             self.work.suspect(batch.task_ids, f"{type(err).__name__}: {err}"[:1000])
             raise
+        finally:
+            metrics.learner_updating(False)
         self.work.trained(batch.task_ids)
         return result
 

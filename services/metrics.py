@@ -104,12 +104,22 @@ LEARNER_LOG_RATIO_MAX = Gauge(
 LEARNER_LR = Gauge("dapo_learner_lr", "Learning rate.")
 LEARNER_STEP_SECONDS = Gauge("dapo_learner_step_seconds", "Wall time of the last step.")
 _progressed_at: float | None = None  # time.monotonic() of the learner's last progress (None: none yet)
+_updating = False  # an update runs (`learner_updating`)
 LEARNER_SECONDS_SINCE_PROGRESS = Gauge(
     "dapo_learner_seconds_since_progress", "Seconds since the learner's last progress (its start or resume, a scored "
-    "group admitted, a step finished), on its own clock when scraped (DapoLearnerStalled: not a difference of the "
-    "learner's and Prometheus's clocks, which may be minutes apart); NaN before any.")
+    "group admitted, a step finished; 0 while an update runs), on its own clock when scraped (DapoLearnerStalled: "
+    "not a difference of the learner's and Prometheus's clocks, which may be minutes apart); NaN before any.")
 LEARNER_SECONDS_SINCE_PROGRESS.set_function(
-    lambda: float("nan") if _progressed_at is None else time.monotonic() - _progressed_at)
+    lambda: 0.0 if _updating else float("nan") if _progressed_at is None else time.monotonic() - _progressed_at)
+
+
+def learner_updating(active: bool) -> None:
+    """An update starts or ends: it is progress while it runs (the 32B recipe's first update takes 73 minutes,
+    past DapoLearnerStalled's floor before any train phase is measured; a hung one ends at the process group's
+    collective timeout)."""
+    global _updating
+    _updating = active
+    learner_progressed()
 
 
 def learner_progressed() -> None:

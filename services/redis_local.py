@@ -162,6 +162,9 @@ def _log_retry(state) -> None:
         log.warning("Redis unreachable (%s), retrying", err)
 
 
+RETRY_S = 300  # how long every client retries a command Redis does not answer (a restart, a failover)
+
+
 def _past_give_up(state) -> bool:
     """The client that retries this call stops by now (`RetryingRedis.give_up_retrying_at`)."""
     owner = getattr(state.fn, "owner", None)
@@ -176,7 +179,7 @@ retry_redis = retry(
     retry=retry_if_exception_type((redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError))
     | retry_if_exception(_busy) | retry_if_exception(_full) | retry_if_exception(_cannot_persist),
     wait=wait_exponential(multiplier=0.1, max=5),
-    stop=stop_any(stop_after_delay(300), _past_give_up),
+    stop=stop_any(stop_after_delay(RETRY_S), _past_give_up),
     reraise=True,
     before_sleep=_log_retry,
 )

@@ -747,3 +747,26 @@ def test_a_redis_server_that_cannot_come_back_ends_the_run_with_the_reason(tmp_p
             supervise([learner], tmp_path / "metrics.jsonl", total_steps=10, display=False, redis_server=Dying())
     finally:
         learner.stop()
+
+
+def test_dapo_ranks_says_when_torchrun_would_not_give_the_ranks_their_stop_time(monkeypatch):
+    """The 32B overlay gives a stop 10,000 s through $TORCH_ELASTIC_SHUTDOWN_TIMEOUT, which torchrun reads from torch
+    2.12 on: an image with an older torch SIGKILLed the ranks 30 s after SIGTERM, with nothing said."""
+    import dataclasses
+
+    import torch.distributed.launcher.api as launcher_api
+
+    from cli.ranks import shutdown_timeout_ignored
+
+    monkeypatch.setenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "10000")
+    assert shutdown_timeout_ignored() is None  # this torch reads it
+    assert launcher_api.LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=1).shutdown_timeout == 10000
+
+    @dataclasses.dataclass
+    class Older:  # a LaunchConfig from before torch 2.12
+        min_nodes: int = 1
+
+    monkeypatch.setattr(launcher_api, "LaunchConfig", Older)
+    assert "ignores TORCH_ELASTIC_SHUTDOWN_TIMEOUT" in shutdown_timeout_ignored()
+    monkeypatch.delenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT")
+    assert shutdown_timeout_ignored() is None

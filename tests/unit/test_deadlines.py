@@ -85,7 +85,8 @@ def test_losses_before_any_group_came_back_double_the_deadline_until_one_does():
     assert deadlines.limit_s() == 4 * 700.0  # a loss among groups that come back is a loss, not a slow start
 
 
-def updates_in(hours: float, group_s: int, generators_up_s: int, slots: int = 256, tick_s: int = 10) -> int:
+def updates_in(hours: float, group_s: int, generators_up_s: int, slots: int = 256, tick_s: int = 10,
+               given_up: set | None = None) -> int:
     """The 32B recipe's batch (512 prompts a step, the refills, its deadlines) against a FIFO pool of `slots` task
     places whose groups take `group_s` each (all informative), up `generators_up_s` after the first push: the real
     Deadlines and BatchAssembler, as the learner's loop drives them; a task given up stays in `prompts` (the pool
@@ -100,7 +101,7 @@ def updates_in(hours: float, group_s: int, generators_up_s: int, slots: int = 25
     batch = settings.learner.batch
     assembler = BatchAssembler.from_settings(settings.learner)
     deadlines = Deadlines(batch.task_deadline_factor, batch.task_deadline_min_s, ceiling_s=batch.task_deadline_max_s)
-    queue, running, given_up = deque(), {}, set()
+    queue, running, given_up = deque(), {}, set() if given_up is None else given_up
     version = issued = 0
     for now in range(0, int(hours * 3600), tick_s):
         status = assembler.status(version)
@@ -136,6 +137,14 @@ def test_a_run_whose_first_groups_outlast_the_floor_or_whose_generators_start_la
     """At the 32B recipe's shapes each of these made no update in 6 hours (every task given up, every refill behind
     the given-up entries, no round trip ever measured) while every GPU generated groups that were thrown away."""
     assert updates_in(hours=6, group_s=group_s, generators_up_s=generators_up_s) >= 3
+
+
+def test_the_32b_recipe_gives_up_no_task_whose_group_takes_what_the_plan_says():
+    """A generator's batch of 64 groups of 16 x ~10k tokens takes about 2,150 s (`dapo plan`): under the 600 s floor
+    the first wave after every start was given up and generated again (512 groups, 1.2 hours of 32 GPUs)."""
+    given_up = set()
+    assert updates_in(hours=6, group_s=2150, generators_up_s=0, given_up=given_up) >= 2
+    assert not given_up
 
 
 def test_a_queued_task_read_just_before_a_deadline_gets_a_whole_one_from_then():

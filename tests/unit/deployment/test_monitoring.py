@@ -166,3 +166,23 @@ def test_the_stall_gauge_is_read_on_the_learners_own_clock(monkeypatch):
     now = metrics.time.monotonic()
     monkeypatch.setattr(metrics.time, "monotonic", lambda: now + 100.0)
     assert read() == pytest.approx(100.0, abs=1.0)
+
+
+def test_an_update_in_progress_is_progress_for_the_stall_alert(monkeypatch):
+    """The 32B recipe's first update takes 73 minutes, before any train phase is measured: DapoLearnerStalled's
+    1,800 s floor fired during it on every fresh run."""
+    from services import metrics
+
+    def read() -> float:
+        (family,) = metrics.LEARNER_SECONDS_SINCE_PROGRESS.collect()
+        return family.samples[0].value
+
+    monkeypatch.setattr(metrics, "_progressed_at", None)
+    metrics.learner_updating(True)
+    now = metrics.time.monotonic()
+    monkeypatch.setattr(metrics.time, "monotonic", lambda: now + 4392.0)
+    assert read() == 0.0
+    metrics.learner_updating(False)
+    monkeypatch.setattr(metrics.time, "monotonic", lambda: now + 4392.0 + 60.0)
+    assert read() == pytest.approx(60.0, abs=1.0)
+    monkeypatch.setattr(metrics, "_updating", False)
