@@ -104,6 +104,13 @@ def hand_back_previous(client, settings: Settings, name: str) -> int:
     return handed
 
 
+def engine_start_hung(seconds: float) -> None:
+    from generator.worker import exit_stalled  # (imported with the engine: loaded by now)
+
+    log.critical("the engine has not started in %.0fs (generator.stall_timeout_s): exiting, for a fresh start", seconds)
+    exit_stalled(seconds)
+
+
 def main(settings: Settings) -> int:
     """`dapo generator`. Until the engine is up a signal stops it at once (`services.startup`); then the first one
     lets in-flight tasks finish (generator.shutdown_grace_s), a second one stops at once."""
@@ -136,7 +143,16 @@ def main(settings: Settings) -> int:
     engine = None
     try:
         sync = WeightSync(settings, folder, client, name)
-        engine = VllmEngine(folder, settings)
+        # An engine whose start hangs (NCCL among its workers, a stuck read of the model) held its GPUs for ever:
+        # the stall bound covers its start too (it holds no task yet: nothing to hand back)
+        starting = threading.Timer(settings.generator.stall_timeout_s, engine_start_hung,
+                                   (settings.generator.stall_timeout_s,))
+        starting.daemon = True
+        starting.start()
+        try:
+            engine = VllmEngine(folder, settings)
+        finally:
+            starting.cancel()
         worker = RolloutWorker(settings, engine, Streams(client, settings, signs_as=("generator",)), sync, name)
         holder["worker"] = worker
         signal.signal(signal.SIGTERM, on_signal)

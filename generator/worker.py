@@ -21,7 +21,8 @@ the timeout. If the process dies, the heartbeat stops and another generator recl
 
 Hangs. The heartbeat runs beside the loop, so a hung engine would hold its tasks for ever; the heartbeat also
 watches the loop, and a turn longer than `generator.stall_timeout_s` hands every task back and ends the process
-(exit 70) for its supervisor (the launcher, Compose, Kubernetes) to start a fresh one.
+(exit 70) for its supervisor (the launcher, Compose, Kubernetes) to start a fresh one. Each try of the first
+weights check and load is such a turn, and the engine's start is held to the same bound (generator/service.py).
 
 Shutdown (`stop()`, on SIGTERM): stop admitting, hand back waiting tasks, finish in-flight ones for up to
 `generator.shutdown_grace_s`, then abort and hand back the rest.
@@ -306,8 +307,10 @@ class RolloutWorker:
             log.info("generator %s stopped after %d groups", self.id, self.groups_written)
 
     def _join_late(self) -> None:
-        """Serve the latest announced version before taking any work (the model folder's weights if none)."""
+        """Serve the latest announced version before taking any work (the model folder's weights if none). Each try
+        is a turn of the stall watchdog (`_stalled`): a check or reload that hangs ends the process, as in the loop."""
         while not self._stop.is_set():
+            self._turn_started = time.monotonic()
             announcement = self.sync.latest()
             if announcement is None:
                 return

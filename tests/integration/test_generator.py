@@ -661,6 +661,21 @@ def test_a_hung_engine_hands_back_its_tasks_and_ends_the_generator(service, engi
         unhang.set()
 
 
+def test_a_first_weights_check_that_hangs_ends_the_generator_as_a_hung_loop_does(service, engine, monkeypatch):
+    """The stall watchdog watched the rollout loop only: a generator whose first check or reload of the announced
+    weights hung (61 GiB on a stuck shared volume) held its GPUs for ever, taking no task."""
+    settings = service["settings"]
+    settings.generator.stall_timeout_s = 1.0
+    unhang, stalled = threading.Event(), threading.Event()
+    worker = RolloutWorker(settings, engine, service["streams"],
+                           WeightSync(settings, service["base"], service["client"], "late"), "late")
+    worker.on_stall = lambda seconds: stalled.set()
+    monkeypatch.setattr(worker.sync, "latest", lambda: (unhang.wait(60), None)[1])
+    with Running(worker):
+        assert stalled.wait(30), "the hang was not noticed"
+        unhang.set()
+
+
 def test_sigkilled_generator_task_is_finished_once_by_another(service, engine, short_tmp):
     """A generator process is SIGKILLed mid-task: the survivor reclaims it; exactly one group arrives."""
     settings, client, streams = service["settings"], service["client"], service["streams"]
