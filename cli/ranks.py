@@ -52,8 +52,6 @@ def run_ranks(command: list[str]) -> int:
     """Run `command` and return the exit code its rank 0 recorded, else its own."""
     if command[:1] == ["--"]:
         command = command[1:]
-    if ignored := shutdown_timeout_ignored():
-        print(ignored, file=sys.stderr)
     if not command:
         print("dapo ranks: no command given, e.g. dapo ranks -- accelerate launch -m cli learner", file=sys.stderr)
         return 2
@@ -70,6 +68,8 @@ def run_ranks(command: list[str]) -> int:
             early.append(signum)
 
     previous = {signum: signal.signal(signum, forward) for signum in FORWARDED}
+    if ignored := shutdown_timeout_ignored():  # (after the handlers: it imports torch, a second's window)
+        print(ignored, file=sys.stderr)
     try:
         with tempfile.TemporaryDirectory(prefix="dapo-ranks-") as folder:
             exit_path = Path(folder) / "learner.exit"
@@ -87,8 +87,8 @@ def run_ranks(command: list[str]) -> int:
             code = recorded_exit(exit_path, own)
             if code in (128 + signal.SIGTERM, 128 + signal.SIGINT) and not early and not forwarded and own != 0:
                 # rank 0 was stopped by torchrun, not by us: another rank failed first (torchrun's own code)
-                print(f"dapo ranks: rank 0 was stopped by torchrun after another rank failed (exit {own})",
-                      file=sys.stderr)
+                print(f"dapo ranks: rank 0 stopped on a signal this wrapper did not pass on (torchrun's, after "
+                      f"another rank failed or was stopped): torchrun's exit {own}", file=sys.stderr)
                 return own
             return code
     finally:

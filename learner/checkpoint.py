@@ -49,6 +49,7 @@ from torch import Tensor
 from torch.distributed.checkpoint import CheckpointException, HuggingFaceStorageReader, HuggingFaceStorageWriter
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
+from learner.devices import out_of_memory
 from services.config import ConfigError
 from services.data import DataError
 from services.files import fsync_dir, fsync_tree, numbered, write_atomic
@@ -378,8 +379,8 @@ def _unwrapped(err: CheckpointException, folder: Path) -> BaseException:
     a stop is a stop); a state of other shapes or keys than the model's a damaged checkpoint (a restart would fail
     alike, loading the model each time)."""
     raised = [failure[0] if isinstance(failure, tuple) else failure for failure in err.failures.values()]
-    for transient in (KeyboardInterrupt, OSError, MemoryError, torch.OutOfMemoryError):
-        if found := next((exc for exc in raised if isinstance(exc, transient)), None):
+    for transient in (lambda exc: isinstance(exc, (KeyboardInterrupt, OSError)), out_of_memory):
+        if found := next((exc for exc in raised if transient(exc)), None):
             return found
     return CheckpointDamaged(f"{folder.parent}: its training state does not fit this model (another model under "
                              f"the same name or folder?): {'; '.join(str(exc)[:300] for exc in raised[:2])}")

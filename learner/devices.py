@@ -9,6 +9,13 @@ import torch
 from services.cpus import usable_cpu_count
 
 
+def out_of_memory(err: BaseException) -> bool:
+    """A GPU's (torch.OutOfMemoryError), the host's (MemoryError), or PyTorch's CPU allocator's, which raises a
+    plain RuntimeError."""
+    return isinstance(err, (torch.OutOfMemoryError, MemoryError)) or (
+        isinstance(err, RuntimeError) and "can't allocate memory" in str(err))
+
+
 def check_accelerator(accelerator) -> None:
     """Refuse the accelerate configurations the trainer cannot run under."""
     from accelerate.utils import DistributedType

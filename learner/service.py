@@ -37,6 +37,7 @@ from pathlib import Path
 
 from learner.batch import Batch, Push, RefillLimitReached
 from learner.checkpoint import STARTED_OVER, STOPPED, Checkpoints, check_loadable, check_shared
+from learner.devices import out_of_memory
 from learner.evaluation import EvalRound
 from learner.lease import LearnerLease
 from learner.policy import PolicyVersion
@@ -132,29 +133,27 @@ def over_before_loading(settings: Settings) -> bool:
     """What the run's files alone decide, on every rank, before the model loads (Kubernetes restarts a learner
     whatever its exit: at 32B each restart loaded the model, read the checkpoint and published a version only to
     learn this): a checkpoint this release cannot load raises CheckpointDamaged (exit 65); a run that is over, by
-    the refill limit (`stays_stopped`) or at total_steps with its last evaluation done, returns True (exit 0)."""
+    the refill limit (`stays_stopped`) or at total_steps with its last evaluation done (in the checkpoint, or in
+    metrics.jsonl: redone after a resume), returns True (exit 0). A checkpoint of another recipe is not over: rank 0
+    refuses it (`LearnerService.check_recipe`, exit 2)."""
     cfg = settings.learner
     checkpoints = Checkpoints(Path(settings.run_dir))
-    step = checkpoints.latest_step() if cfg.checkpoints.resume else None
+    resuming = cfg.checkpoints.resume or checkpoints.started_over_already(recipe(settings)) is not None
+    step = checkpoints.latest_step() if resuming else None
     if step is None:
         return False
     _, meta = check_loadable(checkpoints.path(step))
+    if recipe_changes(meta["extra_state"].get("recipe") or {}, settings):
+        return False
     if stays_stopped(checkpoints, cfg):
         return True
-    if step >= cfg.total_steps and (cfg.eval_every == 0 or meta["extra_state"].get("last_eval_step") == step):
+    evaluated = cfg.eval_every == 0 or meta["extra_state"].get("last_eval_step") == step or \
+        Records(settings).has_evaluation(step)
+    if step >= cfg.total_steps and evaluated:
         log.info("the run is over: its checkpoint of step %d is at learner.total_steps, evaluated (raise "
                  "learner.total_steps to go on)", step)
         return True
     return False
-
-
-def out_of_memory(err: BaseException) -> bool:
-    """A GPU's (torch.OutOfMemoryError), the host's (MemoryError), or PyTorch's CPU allocator's, which raises a
-    plain RuntimeError."""
-    import torch  # (loaded with the trainer)
-
-    return isinstance(err, (torch.OutOfMemoryError, MemoryError)) or (
-        isinstance(err, RuntimeError) and "can't allocate memory" in str(err))
 
 
 def recipe_changes(saved: dict, settings: Settings) -> list[str]:

@@ -11,6 +11,7 @@ no-ops. Offline use: `WANDB_MODE=offline` (files under {run_dir}/tracking/wandb)
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import logging
 import time
@@ -140,6 +141,8 @@ class Tracking:
                 log.error("the trackers %s could not start, and this process reports to none (metrics.jsonl has "
                           "every step): %s: %s", ", ".join(self.names), type(err).__name__, err)
                 self.names = []
+                with contextlib.suppress(Exception):  # those that did start are ended (an MLflow run left RUNNING)
+                    accelerator.end_training()
 
     def _failed(self, what: str, err: Exception) -> None:
         """A tracker's error is logged, never raised: metrics.jsonl is the run's record, and a tracking server down

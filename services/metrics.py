@@ -104,21 +104,38 @@ LEARNER_LOG_RATIO_MAX = Gauge(
 LEARNER_LR = Gauge("dapo_learner_lr", "Learning rate.")
 LEARNER_STEP_SECONDS = Gauge("dapo_learner_step_seconds", "Wall time of the last step.")
 _progressed_at: float | None = None  # time.monotonic() of the learner's last progress (None: none yet)
-_updating = False  # an update runs (`learner_updating`)
+_update_started: float | None = None  # the update running (`learner_updating`), and how long the last one took
+_last_update_s: float | None = None
+UPDATE_ALLOWANCE = 3  # an update is progress up to this many times the last one's time (the first: all of it)
+
+
+def _seconds_since_progress() -> float:
+    now = time.monotonic()
+    if _update_started is not None:
+        running = now - _update_started
+        if _last_update_s is None or running <= UPDATE_ALLOWANCE * _last_update_s:
+            return 0.0
+        return running  # one this much longer than the last is hung (one rank has no collective timeout)
+    return float("nan") if _progressed_at is None else now - _progressed_at
+
+
 LEARNER_SECONDS_SINCE_PROGRESS = Gauge(
     "dapo_learner_seconds_since_progress", "Seconds since the learner's last progress (its start or resume, a scored "
-    "group admitted, a step finished; 0 while an update runs), on its own clock when scraped (DapoLearnerStalled: "
-    "not a difference of the learner's and Prometheus's clocks, which may be minutes apart); NaN before any.")
-LEARNER_SECONDS_SINCE_PROGRESS.set_function(
-    lambda: 0.0 if _updating else float("nan") if _progressed_at is None else time.monotonic() - _progressed_at)
+    "group admitted, a step finished; an update running, up to 3 times the last one's time), on its own clock when "
+    "scraped (DapoLearnerStalled: not a difference of the learner's and Prometheus's clocks, which may be minutes "
+    "apart); NaN before any.")
+LEARNER_SECONDS_SINCE_PROGRESS.set_function(_seconds_since_progress)
 
 
 def learner_updating(active: bool) -> None:
     """An update starts or ends: it is progress while it runs (the 32B recipe's first update takes 73 minutes,
-    past DapoLearnerStalled's floor before any train phase is measured; a hung one ends at the process group's
-    collective timeout)."""
-    global _updating
-    _updating = active
+    past DapoLearnerStalled's floor before any train phase is measured), unless it runs past UPDATE_ALLOWANCE times
+    the last one's time."""
+    global _update_started, _last_update_s
+    now = time.monotonic()
+    if not active and _update_started is not None:
+        _last_update_s = now - _update_started
+    _update_started = now if active else None
     learner_progressed()
 
 

@@ -276,7 +276,7 @@ def test_dapo_ranks_reports_a_follower_failure_not_the_stop_torchrun_made_of_it(
     env = {**os.environ, "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "2", "OMP_NUM_THREADS": "1"}
     done = subprocess.run(command, cwd=REPO, env=env, timeout=120, capture_output=True, text=True)
     assert done.returncode == 1, done.stderr[-2000:]
-    assert "another rank failed" in done.stderr
+    assert "another rank failed or was stopped" in done.stderr
 
 
 # Stops on SIGTERM as the learner does: it records the code it chose (143: checkpointed before the run's end), exits

@@ -316,9 +316,17 @@ def test_what_the_run_files_decide_is_decided_before_the_model_loads(tmp_path):
     state["format"] = FORMAT
     (checkpoints.path(5) / TRAINER_STATE).write_text(json.dumps(state))
     assert not over_before_loading(settings)  # at total_steps, its last evaluation still to do: the learner does it
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 5, "eval_accuracy": 0.5}) + "\n")
+    assert over_before_loading(settings)  # its last evaluation redone after a resume: metrics.jsonl has it
+    (tmp_path / "metrics.jsonl").unlink()
     state["extra_state"]["last_eval_step"] = 5
     (checkpoints.path(5) / TRAINER_STATE).write_text(json.dumps(state))
     assert over_before_loading(settings)
+    state["extra_state"]["recipe"] = {"sampling.temperature": 0.5}  # another experiment's: rank 0 refuses it
+    (checkpoints.path(5) / TRAINER_STATE).write_text(json.dumps(state))
+    assert not over_before_loading(settings)
+    del state["extra_state"]["recipe"]
+    (checkpoints.path(5) / TRAINER_STATE).write_text(json.dumps(state))
     settings.learner.total_steps = 10
     assert not over_before_loading(settings)  # raised: the run goes on
     settings.learner.batch.on_refill_limit = "stop"
@@ -327,3 +335,7 @@ def test_what_the_run_files_decide_is_decided_before_the_model_loads(tmp_path):
     assert over_before_loading(settings)
     settings.learner.checkpoints.resume = False
     assert not over_before_loading(settings)  # starting over
+    from learner.service import recipe
+
+    checkpoints.mark_started_over(recipe(settings))  # ... once: this run is the one that start made
+    assert over_before_loading(settings)

@@ -48,7 +48,7 @@ DEFAULT_PORTS = {name: getattr(Settings(), name).port for name in SERVICES}
 # level (cli/main.py).
 NON_FIELD_DAPO_VARIABLES = {"DAPO_CONFIG", "DAPO_TOKEN_FILE", "DAPO_TOKEN_SHA256_FILE", "DAPO_WEIGHTS_TOKEN_FILE",
                             "DAPO_REDIS_PASSWORD_FILE", "DAPO_KEYS_PRIVATE_KEY_FILE",
-                            "DAPO_WORKER_ID",
+                            "DAPO_WORKER_ID", "DAPO_LEARNER_INSTANCE",
                             "DAPO_LOG_LEVEL", "DAPO_LOG_DIR", "DAPO_DATA_DIR"}
 
 

@@ -168,9 +168,10 @@ def test_the_stall_gauge_is_read_on_the_learners_own_clock(monkeypatch):
     assert read() == pytest.approx(100.0, abs=1.0)
 
 
-def test_an_update_in_progress_is_progress_for_the_stall_alert(monkeypatch):
+def test_an_update_in_progress_is_progress_for_the_stall_alert_until_it_runs_far_past_the_last(monkeypatch):
     """The 32B recipe's first update takes 73 minutes, before any train phase is measured: DapoLearnerStalled's
-    1,800 s floor fired during it on every fresh run."""
+    1,800 s floor fired during it on every fresh run. But a hung update (one rank: no collective timeout ends it)
+    must still show: past 3 times the last update's time it is no longer progress."""
     from services import metrics
 
     def read() -> float:
@@ -178,11 +179,18 @@ def test_an_update_in_progress_is_progress_for_the_stall_alert(monkeypatch):
         return family.samples[0].value
 
     monkeypatch.setattr(metrics, "_progressed_at", None)
+    monkeypatch.setattr(metrics, "_update_started", None)
+    monkeypatch.setattr(metrics, "_last_update_s", None)
+    clock = [1000.0]
+    monkeypatch.setattr(metrics.time, "monotonic", lambda: clock[0])
     metrics.learner_updating(True)
-    now = metrics.time.monotonic()
-    monkeypatch.setattr(metrics.time, "monotonic", lambda: now + 4392.0)
-    assert read() == 0.0
+    clock[0] += 4392.0
+    assert read() == 0.0  # the first: all of it
     metrics.learner_updating(False)
-    monkeypatch.setattr(metrics.time, "monotonic", lambda: now + 4392.0 + 60.0)
-    assert read() == pytest.approx(60.0, abs=1.0)
-    monkeypatch.setattr(metrics, "_updating", False)
+    clock[0] += 60.0
+    assert read() == pytest.approx(60.0)
+    metrics.learner_updating(True)
+    clock[0] += 3 * 4392.0
+    assert read() == 0.0
+    clock[0] += 1.0
+    assert read() == pytest.approx(3 * 4392.0 + 1.0)  # hung
