@@ -94,6 +94,7 @@ for _module in (pebble.pool.process, pebble.pool.base_pool):
 
 # A child that has not finished importing math-verify by then is stuck (or the machine is).
 STARTUP_TIMEOUT_S = 120.0
+POOL_JOIN_S = 10.0  # how long close() waits for pebble's threads to end
 WATCH_S = 1.0  # how often the pool is checked for pebble having given up on it while items wait
 
 # `reward.answer_rule` -> the verifier a child runs (the names of services.config.RewardConfig.answer_rule).
@@ -347,7 +348,15 @@ class VerifierPool:
             for pid in self.worker_pids():
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
-            pool.join(timeout=10)
+            # pebble's join waits for its threads without a bound (its timeout is for the tasks): one reading a
+            # message a killed worker had half written waits for the rest for ever. Its threads are daemons.
+            joining = threading.Thread(target=pool.join, name="verifier-pool-join", daemon=True)
+            joining.start()
+            joining.join(timeout=POOL_JOIN_S)
+            if joining.is_alive():
+                log.warning("the verifier pool's threads did not end within %.0f s (a worker killed mid-message): "
+                            "left behind, they end with the process", POOL_JOIN_S)
+                multiprocessing.active_children()  # reaps the killed workers its join did not get to
 
     def __enter__(self) -> "VerifierPool":
         return self.start()

@@ -334,3 +334,18 @@ def test_a_signal_at_any_point_of_the_start_leaves_no_child_behind():
                 f"an alarm after {delay_ms / 2} ms left children behind (or unreaped)"
     finally:
         signal.signal(signal.SIGALRM, previous)
+
+
+def test_close_does_not_wait_for_ever_on_pebbles_threads(monkeypatch):
+    """pebble's join waits for its threads without a bound: one reading a message that a worker killed by close()
+    had half written waited for the rest for ever, and the service's stop (and a test run) hung there."""
+    from reward import sandbox
+
+    monkeypatch.setattr(sandbox, "POOL_JOIN_S", 0.5)
+    pool = VerifierPool(workers=1).start()
+    stuck = threading.Event()
+    monkeypatch.setattr(type(pool._pool), "join", lambda self, timeout=None: stuck.wait(60))
+    started = time.monotonic()
+    pool.close()
+    assert time.monotonic() - started < 15
+    stuck.set()
