@@ -69,7 +69,7 @@ from services.files import write_atomic
 from services.http import free_port
 from services.keys import ROLES, Role, create_keys, keys_dir
 from services.models import SHIPPED_TINY_REFERENCE, shipped_tiny_applies
-from services.redis_local import EmbeddedRedis, answers, embedded_server
+from services.redis_local import EmbeddedRedis, embedded_server
 from services.redis_users import REDIS_USERS
 from services.startup import EXIT_FILE_ENV, LockHeld, die_with_parent, recorded_exit, take_lock
 
@@ -429,12 +429,9 @@ def learner_finished(learner: Child, redis_answers: Callable[[], bool] | None = 
     return learner.exit_code in LEARNER_DONE or not learner.restart(redis_answers)
 
 
-def answered_once(redis_server: EmbeddedRedis | None, redis_url: str | None = None) -> Callable[[], bool] | None:
-    """Whether the run's Redis answers (the embedded server, else the one at `redis_url`), asked once whoever asks:
-    one supervising pass's view."""
-    if redis_server is not None:
-        return functools.cache(redis_server.answers)
-    return functools.cache(functools.partial(answers, redis_url)) if redis_url else None
+def answered_once(redis_server: EmbeddedRedis | None) -> Callable[[], bool] | None:
+    """Whether the embedded Redis answers, asked once whoever asks: one supervising pass's view."""
+    return functools.cache(redis_server.answers) if redis_server is not None else None
 
 
 class GaveUp(RuntimeError):
@@ -442,10 +439,9 @@ class GaveUp(RuntimeError):
 
 
 def supervise(children: list[Child], metrics_path: Path, total_steps: int, display: bool,
-              redis_server: EmbeddedRedis | None = None, redis_url: str | None = None) -> int:
+              redis_server: EmbeddedRedis | None = None) -> int:
     """Run until the learner exits by itself; restart a dead Redis, learner or worker. Returns the learner's exit
-    code; GaveUp when every worker of a kind crashed too often, or Redis cannot come back. `redis_url`: a Redis of
-    the user's (no embedded server): a child that exits while it does not answer waits for it, uncounted, too."""
+    code; GaveUp when every worker of a kind crashed too often, or Redis cannot come back."""
     learner = children[0]
     last_printed, sampled_at = -1, float("-inf")
     redis_crashes, redis_mark = 0, steps_recorded(metrics_path)  # in a row, and the run's step at the last one
@@ -456,7 +452,7 @@ def supervise(children: list[Child], metrics_path: Path, total_steps: int, displ
         live.start()
     try:
         # One PING a pass at most, whoever asks (each takes up to 2 s while Redis does not answer)
-        while not learner_finished(learner, redis_answers := answered_once(redis_server, redis_url)):
+        while not learner_finished(learner, redis_answers := answered_once(redis_server)):
             time.sleep(1.0)
             if redis_server is not None and not redis_server.alive():
                 steps = steps_recorded(metrics_path)
@@ -571,8 +567,7 @@ def main(settings: Settings, generators: int = 1, reward_workers: int = 1, learn
         for child in children:
             child.start()
         console.print(f"started {len(children)} services; logs in {run_dir / 'logs'}")
-        code = supervise(children, run_dir / "metrics.jsonl", settings.learner.total_steps, display, redis_server,
-                         redis_url=None if redis_server is not None else redis_url)
+        code = supervise(children, run_dir / "metrics.jsonl", settings.learner.total_steps, display, redis_server)
     except KeyboardInterrupt:
         interrupted = True
         console.print("[yellow]stopping...[/]")

