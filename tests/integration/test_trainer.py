@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from learner import dapo
+from learner.checkpoint import CheckpointDamaged
 from learner.checkpoint import read as read_checkpoint
 from learner.checkpoint import write as write_checkpoint
 from learner.trainer import Trainer
@@ -716,7 +717,7 @@ def test_interrupted_overwrite_is_recovered(model_path, tmp_path):
     # A crash after `latest` was moved to `latest.old` and before `latest.tmp` took its place.
     checkpoint.rename(tmp_path / "latest.old")
     assert read_checkpoint(trainer, checkpoint) == {"step": 0}
-    with pytest.raises(FileNotFoundError):
+    with pytest.raises(CheckpointDamaged, match="no checkpoint at"):  # exit 65 naming it, not a traceback
         read_checkpoint(trainer, tmp_path / "missing")
 
 
