@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import operator
 import os
 import random
 import shutil
@@ -107,13 +108,7 @@ UPDATE_SETTINGS = ("learner.batch.prompts_per_step", "learner.batch.mini_batches
 def update_settings(settings: Settings) -> dict:
     """The settings of the update rule outside the recipe: a resume may change them (a smaller batch after an
     out-of-memory), and says so (`LearnerService.resume`), as the optimizer's own (learner/checkpoint.py)."""
-    values = {}
-    for key in UPDATE_SETTINGS:
-        value = settings
-        for part in key.split("."):
-            value = getattr(value, part)
-        values[key] = value
-    return values
+    return {key: operator.attrgetter(key)(settings) for key in UPDATE_SETTINGS}
 
 
 def stays_stopped(checkpoints: Checkpoints, cfg) -> bool:

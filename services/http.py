@@ -385,7 +385,7 @@ class BackgroundServer:
         self.host, self.port = host, port
         self.scheme = "https" if config.get("ssl_certfile") else "http"
         self.server = Server(uvicorn.Config(app, host=host, port=port, log_level="warning",
-                                                    limit_concurrency=limit_concurrency, **config))
+                                            limit_concurrency=limit_concurrency, **config))
         self.thread = threading.Thread(target=self.server.run, name=name, daemon=True)
 
     @property
